@@ -1,0 +1,3 @@
+from vaeopt.cli import app
+
+app()
