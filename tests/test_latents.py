@@ -1,0 +1,161 @@
+"""Latent files: every format, scaled vs raw, validation errors."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vaeopt import latents as lat
+from vaeopt.errors import LatentError
+from vaeopt.families import get_family
+
+SDXL = get_family("sdxl")
+FLUX = get_family("flux")
+WAN = get_family("wan21")
+
+
+def test_pt_tensor_and_dict(tmp_path):
+    t = torch.randn(1, 4, 8, 8)
+    torch.save(t, tmp_path / "a.pt")
+    lf = lat.read_latents(tmp_path / "a.pt")
+    assert lf.format == "pt" and lf.default_space == "scaled"
+    assert torch.equal(lf.entries[0].tensor, t)
+    torch.save({"x": t, "y": {"z": t * 2}}, tmp_path / "b.pth")
+    lf = lat.read_latents(tmp_path / "b.pth")
+    assert [e.name for e in lf.entries] == ["x", "y.z"]
+    assert torch.equal(lat.read_latents(tmp_path / "b.pth", key="y.z").entries[0].tensor, t * 2)
+    with pytest.raises(LatentError, match="no tensor named 'nope'"):
+        lat.read_latents(tmp_path / "b.pth", key="nope")
+
+
+def test_cuda_saved_file_loads_on_cpu(samples_dir):
+    # saved from a CUDA device; must load with map_location="cpu"
+    lf = lat.read_latents(samples_dir / "wan21_real_latents.pth")
+    t = lf.entries[0].tensor
+    assert t.device.type == "cpu" and t.shape == (1, 16, 16, 40, 64) and t.dtype == torch.bfloat16
+    z = lat.validate(lf.entries[0], WAN, lf.path)
+    assert z.shape == (1, 16, 16, 40, 64)
+
+
+def test_safetensors_and_metadata_space(tmp_path):
+    t = torch.randn(2, 4, 8, 8)
+    lat.save_latents(tmp_path / "l.safetensors", {"latents": t}, latent_space="raw")
+    lf = lat.read_latents(tmp_path / "l.safetensors")
+    assert lf.format == "safetensors" and lf.default_space == "raw"
+    assert torch.equal(lf.entries[0].tensor, t)
+
+
+def test_comfyui_latent_is_raw(tmp_path):
+    t = torch.randn(1, 4, 8, 8)
+    save_file({"latent_tensor": t, "latent_format_version_0": torch.tensor([])}, str(tmp_path / "x.latent"))
+    lf = lat.read_latents(tmp_path / "x.latent")
+    assert lf.format == "comfyui-latent" and lf.default_space == "raw"
+    assert torch.equal(lf.entries[0].tensor, t)
+    # legacy ComfyUI files (no version marker) stored latents * 0.18215
+    save_file({"latent_tensor": t}, str(tmp_path / "old.latent"))
+    lf = lat.read_latents(tmp_path / "old.latent")
+    assert torch.allclose(lf.entries[0].tensor, t / 0.18215)
+    assert "legacy" in lf.notes[0]
+
+
+def test_npy(tmp_path):
+    a = np.random.randn(1, 16, 8, 8).astype("float32")
+    np.save(tmp_path / "x.npy", a)
+    lf = lat.read_latents(tmp_path / "x.npy")
+    assert torch.equal(lf.entries[0].tensor, torch.from_numpy(a))
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(LatentError, match="pickled"):
+        lat.read_latents(tmp_path / "obj.npy")
+
+
+def test_scaling_matches_diffusers_pipelines():
+    z = torch.randn(1, 4, 8, 8)
+    assert torch.allclose(lat.to_raw(z, SDXL, "scaled"), z / 0.13025)
+    z16 = torch.randn(1, 16, 8, 8)
+    assert torch.allclose(lat.to_raw(z16, FLUX, "scaled"), z16 / 0.3611 + 0.1159)
+    zw = torch.randn(1, 16, 3, 8, 8)
+    mean = torch.tensor(WAN.config["latents_mean"]).view(1, 16, 1, 1, 1)
+    std = torch.tensor(WAN.config["latents_std"]).view(1, 16, 1, 1, 1)
+    # WanPipeline: latents / (1 / std) + mean
+    assert torch.allclose(lat.to_raw(zw, WAN, "scaled"), zw / (1.0 / std) + mean, atol=1e-6)
+    assert torch.equal(lat.to_raw(zw, WAN, "raw"), zw)
+    for fam, t in ((SDXL, z), (FLUX, z16), (WAN, zw)):
+        assert torch.allclose(fam.scale(fam.unscale(t)), t, atol=1e-5)
+
+
+@pytest.mark.parametrize("tensor,fam,match", [
+    (torch.randn(1, 16, 8, 8), SDXL, "16 latent channels, but the Stable Diffusion XL VAE takes 4"),
+    (torch.randn(1, 8, 8, 4), SDXL, "channels look last"),
+    (torch.randn(2, 1, 4, 8, 8), SDXL, "expected \\(N,C,H,W\\) image"),
+    (torch.randn(16, 3, 8, 8), WAN, None),  # 4-D for video: (C,T,H,W)
+    (torch.randn(2, 16, 8, 8), WAN, None),  # 4-D for video: (N,C,H,W) single latent frames
+    (torch.zeros(1, 4, 8, 8, dtype=torch.int64), SDXL, "floating point"),
+    (torch.randn(1, 4, 0, 8), SDXL, "empty"),
+    (torch.randn(1, 4, 4096, 4096), SDXL, "beyond what vaeopt decodes"),
+])
+def test_validation_errors(tensor, fam, match, tmp_path):
+    e = lat.LatentEntry("x", tensor)
+    if match is None:
+        assert lat.validate(e, fam, tmp_path / "f.pt").ndim == 5
+        return
+    with pytest.raises(LatentError, match=match):
+        lat.validate(e, fam, tmp_path / "f.pt")
+
+
+def test_nan_and_inf_named(tmp_path):
+    t = torch.randn(1, 4, 8, 8)
+    t[0, 0, 0, :3] = float("nan")
+    t[0, 1, 0, 0] = float("inf")
+    with pytest.raises(LatentError, match=r"f.pt \[x\]: 4 non-finite values \(3 NaN, 1 Inf\)"):
+        lat.validate(lat.LatentEntry("x", t), SDXL, tmp_path / "f.pt")
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(LatentError, match="no such file"):
+        lat.read_latents(tmp_path / "missing.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(LatentError, match="empty"):
+        lat.read_latents(tmp_path / "empty.pt")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x89PNG not a safetensors file at all")
+    with pytest.raises(LatentError, match="corrupt or truncated"):
+        lat.read_latents(tmp_path / "junk.safetensors")
+    good = tmp_path / "good.safetensors"
+    save_file({"x": torch.randn(1, 4, 32, 32)}, str(good))
+    (tmp_path / "trunc.safetensors").write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(LatentError, match="corrupt or truncated"):
+        lat.read_latents(tmp_path / "trunc.safetensors")
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(LatentError, match="unknown latent format"):
+        lat.read_latents(tmp_path / "x.txt")
+
+
+class Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned > /tmp/vaeopt_pwned",))
+
+
+def test_pickle_that_runs_code_is_refused(tmp_path):
+    import os
+    import pickle
+
+    p = tmp_path / "evil.pt"
+    torch.save({"latents": torch.randn(1, 4, 8, 8), "x": Evil()}, p)
+    if os.path.exists("/tmp/vaeopt_pwned"):
+        os.remove("/tmp/vaeopt_pwned")
+    with pytest.raises(LatentError, match="refusing to unpickle"):
+        lat.read_latents(p)
+    assert not os.path.exists("/tmp/vaeopt_pwned")
+    # a raw pickle (not a torch zip file) too
+    p2 = tmp_path / "evil2.pt"
+    p2.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(LatentError):
+        lat.read_latents(p2)
+    assert not os.path.exists("/tmp/vaeopt_pwned")
+
+
+def test_manifest_hints(samples_dir):
+    lf = lat.read_latents(samples_dir / "tiny_wan_video_latents.pt")
+    assert lf.default_space == "raw"
+    assert lf.manifest["model"].endswith("tiny_wan_video.safetensors")

@@ -1,0 +1,111 @@
+"""Output files: contents are right, writes are atomic, failures leave nothing behind."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vaeopt import outputs
+from vaeopt.errors import OutputError
+
+
+def _leftovers(d):
+    return [p.name for p in d.iterdir() if ".partial" in p.name]
+
+
+def test_png_pixels(tmp_path):
+    x = torch.linspace(-1, 1, 3 * 16 * 24).view(1, 3, 16, 24)
+    img = outputs.to_uint8_images(x)[0]
+    outputs.write_png(tmp_path / "a.png", img)
+    back = np.asarray(Image.open(tmp_path / "a.png"))
+    assert back.shape == (16, 24, 3)
+    assert np.array_equal(back, img.numpy())
+    assert back.min() == 0 and back.max() == 255
+    assert _leftovers(tmp_path) == []
+
+
+def test_mp4_frames_and_size(tmp_path):
+    import av
+
+    t, h, w = 9, 32, 48
+    frames = torch.zeros(t, h, w, 3, dtype=torch.uint8)
+    for i in range(t):
+        frames[i, :, : (i + 1) * 4] = 255  # a growing white bar: frames differ
+    n = outputs.write_mp4(tmp_path / "v.mp4", [frames[:4], frames[4:]], fps=8)
+    assert n == t
+    with av.open(str(tmp_path / "v.mp4")) as c:
+        s = c.streams.video[0]
+        assert s.codec_context.name == "h264"
+        decoded = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(decoded) == t and decoded[0].shape == (h, w, 3)
+    # lossy codec, but the bar must be where we drew it
+    assert decoded[5][:, :20].mean() > 200 and decoded[5][:, 30:].mean() < 50
+    assert _leftovers(tmp_path) == []
+
+
+def test_frames_dir_atomic(tmp_path):
+    frames = torch.randint(0, 255, (3, 8, 8, 3), dtype=torch.uint8)
+    outputs.write_frames_dir(tmp_path / "frames", [frames])
+    names = sorted(os.listdir(tmp_path / "frames"))
+    assert names == ["frame_00000.png", "frame_00001.png", "frame_00002.png"]
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "frames" / names[1])), frames[1].numpy())
+
+
+def test_interrupt_leaves_no_partial_file(tmp_path):
+    def chunks():
+        yield torch.zeros(2, 16, 16, 3, dtype=torch.uint8)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        outputs.write_mp4(tmp_path / "v.mp4", chunks())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_is_clean(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", boom)
+    with pytest.raises(OutputError, match="disk full"):
+        outputs.write_png(tmp_path / "a.png", torch.zeros(8, 8, 3, dtype=torch.uint8))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_and_unwritable(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"keep me")
+    with pytest.raises(OutputError, match="already exists"):
+        outputs.check_writable([tmp_path / "a.png"], overwrite=False)
+    outputs.check_writable([tmp_path / "a.png"], overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="is a file, not a folder"):
+        outputs.check_writable([tmp_path / "file" / "sub" / "x.png"], overwrite=False)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # running as root: permissions are not enforced
+            pytest.skip("root ignores directory permissions")
+        with pytest.raises(OutputError, match="not writable"):
+            outputs.check_writable([ro / "x.png"], overwrite=False)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_tensor_output(tmp_path):
+    from safetensors.torch import load_file
+
+    x = torch.randn(1, 3, 8, 8)
+    outputs.write_tensor(tmp_path / "x.safetensors", x)
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["sample"], x)
+
+
+def test_names():
+    from pathlib import Path
+
+    assert outputs.default_output(Path("/a/lat.pt"), False) == Path("/a/lat.png")
+    assert outputs.default_output(Path("/a/lat.pt"), True, "bikes") == Path("/a/lat_bikes.mp4")
+    assert outputs.numbered(Path("/a/o.png"), 2, 4) == Path("/a/o_002.png")
+    assert outputs.numbered(Path("/a/o.png"), 0, 1) == Path("/a/o.png")

@@ -1,0 +1,213 @@
+"""Python API that the CLI is built on: load_vae, decode, optimize, decode_files."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vaeopt import latents as lat
+from vaeopt import outputs
+from vaeopt.errors import VaeoptError
+from vaeopt.loading import LoadedVAE, load_vae
+from vaeopt.pipeline import Options, Pipeline
+
+USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
+
+
+def resolve_model(model: str | Path | None, latent_file: lat.LatentFile | None = None) -> tuple[Path, str]:
+    """Which checkpoint to use, and why: --model, the manifest beside the latents, $VAEOPT_MODEL, the user config."""
+    if model:
+        return Path(model), "--model"
+    if latent_file is not None and latent_file.manifest.get("model"):
+        return Path(latent_file.manifest["model"]), f"{lat.MANIFEST} beside the latents"
+    if os.environ.get("VAEOPT_MODEL"):
+        return Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL"
+    if USER_CONFIG.is_file():
+        try:
+            cfg = json.loads(USER_CONFIG.read_text())
+        except ValueError as e:
+            raise VaeoptError(f"{USER_CONFIG}: not valid JSON ({e})") from e
+        if cfg.get("model"):
+            return Path(cfg["model"]).expanduser(), str(USER_CONFIG)
+    raise VaeoptError(
+        "no VAE checkpoint given: pass --model path/to/vae.safetensors, set VAEOPT_MODEL, "
+        f"or write {{\"model\": \"...\"}} to {USER_CONFIG}"
+    )
+
+
+def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: str = "scaled",
+           options: Options | None = None, log: Callable[[str], None] | None = None) -> torch.Tensor:
+    """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W)."""
+    loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
+    pipe = Pipeline(loaded, options, log=log)
+    entry = lat.LatentEntry("", latents)
+    z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
+    out, _ = pipe.decode(z)
+    return out
+
+
+def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
+             triton: str = "auto", attention: str = "auto", log: Callable[[str], None] | None = print) -> torch.nn.Module:
+    """Optimize a diffusers VAE in place (e.g. ``pipe.vae``) and return it; ``vae.decode(...)`` keeps its signature
+    and output structure. Tiling/graphs are decode-time choices, so they are not applied here."""
+    from vaeopt.families import FamilySpec, get_family
+    from vaeopt.loading import LoadedVAE
+
+    cfg = dict(vae.config)
+    cls = type(vae).__name__
+    fam_name = {"AutoencoderKLWan": "wan21", "AutoencoderKLHunyuanVideo": "hunyuanvideo",
+                "AutoencoderTiny": "taesd"}.get(cls, "sdxl")
+    base = get_family(fam_name)
+    spec = FamilySpec(base.name, base.title, {"_class_name": cls, **cfg})
+    if device is None:
+        try:
+            device = str(next(vae.parameters()).device)
+        except StopIteration:
+            device = None
+    loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
+    pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
+                                    attention=attention, graphs="off"), log=log)
+    vae._vaeopt_stages = pipe.stages
+    return vae
+
+
+@dataclass
+class DecodeJob:
+    """One latent tensor to decode and where its output goes."""
+
+    source: Path
+    entry: str
+    z_raw: torch.Tensor
+    outputs: list[Path]  # one per batch item
+    kind: str  # "png", "mp4", "frames", "safetensors"
+
+
+@dataclass
+class DecodeResult:
+    job: DecodeJob
+    seconds: float
+    peak_bytes: int | None
+    written: list[Path] = field(default_factory=list)
+    plan: dict = field(default_factory=dict)
+    retries: list[str] = field(default_factory=list)
+
+
+def output_kind(path: Path, is_video: bool) -> str:
+    s = path.suffix.lower()
+    if s in outputs.IMAGE_SUFFIXES:
+        if is_video:
+            return "frames"
+        return "png"
+    if s in outputs.VIDEO_SUFFIXES:
+        if not is_video:
+            raise VaeoptError(f"{path}: an image VAE decodes images; use a .png output")
+        return "mp4"
+    if s in outputs.TENSOR_SUFFIXES:
+        return "safetensors"
+    if s == "" or path.is_dir():
+        return "frames" if is_video else "png-dir"
+    raise VaeoptError(f"{path}: unknown output type '{s}' (use .png, .mp4, .safetensors, or a folder for frames)")
+
+
+def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path | None, latent_space: str | None,
+              overwrite: bool) -> list[DecodeJob]:
+    fam = loaded.family
+    jobs: list[DecodeJob] = []
+    multi = sum(len(f.entries) for f in latent_files) > 1
+    for lf in latent_files:
+        space = latent_space or lf.default_space
+        for e in lf.entries:
+            t = lat.validate(e, fam, lf.path)
+            z = lat.to_raw(t, fam, space)
+            n = z.shape[0]
+            if out is None:
+                base = outputs.default_output(lf.path, fam.is_video, e.name if len(lf.entries) > 1 else "")
+            elif multi:
+                stem = lf.path.stem + (f"_{e.name}" if e.name and len(lf.entries) > 1 else "")
+                base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if (out.suffix == "" or out.is_dir()) \
+                    else out.with_name(f"{out.stem}_{stem}{out.suffix}")
+            else:
+                base = out
+            kind = output_kind(base, fam.is_video)
+            if kind == "png-dir":
+                base = base / (lf.path.stem + ".png")
+                kind = "png"
+            paths = [outputs.numbered(base, i, n) for i in range(n)] if kind != "safetensors" else [base]
+            jobs.append(DecodeJob(lf.path, e.name, z, paths, kind))
+    all_paths = [p for j in jobs for p in j.outputs]
+    dupes = {p for p in all_paths if all_paths.count(p) > 1}
+    if dupes:
+        raise VaeoptError(f"two inputs would write the same output {sorted(dupes)[0]}: pass -o a folder")
+    outputs.check_writable(all_paths, overwrite)
+    return jobs
+
+
+def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[Path]:
+    written = []
+    if job.kind == "safetensors":
+        outputs.write_tensor(job.outputs[0], decoded, {"source": str(job.source), "range": "[-1,1]"})
+        return [job.outputs[0]]
+    imgs = outputs.to_uint8_images(decoded)
+    for i, path in enumerate(job.outputs):
+        if job.kind == "png":
+            outputs.write_png(path, imgs[i])
+        elif job.kind == "mp4":
+            outputs.write_mp4(path, [imgs[i]], fps=fps)
+        elif job.kind == "frames":
+            outputs.write_frames_dir(path, [imgs[i]])
+        written.append(path)
+    return written
+
+
+def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
+             progress: Callable[[str, int, int], None] | None = None) -> list[DecodeResult]:
+    shapes = [tuple(j.z_raw.shape) for j in jobs]
+    results = []
+    graphs_logged = False
+    for job in jobs:
+        shape = tuple(job.z_raw.shape)
+        plan = pipe.plan(shape)
+        pipe.log(f"plan {job.source.name}{'[' + job.entry + ']' if job.entry else ''} {shape}: {plan.reason}")
+        if not graphs_logged:
+            use, why = pipe.graphs_decision(shapes.count(shape), plan)
+            if use:
+                pipe.enable_graphs(why)
+            else:
+                from vaeopt.stages import StageResult
+
+                pipe._record(StageResult.skipped("graphs", why))
+            graphs_logged = True
+        cb = (lambda d, t: progress(job.source.name, d, t)) if progress else None
+        if job.kind == "mp4" and job.z_raw.shape[0] == 1:
+            t0 = time.perf_counter()
+            writer = outputs.Mp4Writer(job.outputs[0], fps=fps)
+            try:
+                done = 0
+                total = pipe.family.output_frames(job.z_raw.shape[2])
+                for frames in pipe.iter_video(job.z_raw, plan):
+                    writer.put(frames)
+                    done += frames.shape[0]
+                    if cb:
+                        cb(done, total)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+            peak = torch.cuda.max_memory_allocated(pipe.device) if pipe.device.type == "cuda" else None
+            results.append(DecodeResult(job, time.perf_counter() - t0, peak, [job.outputs[0]], plan.to_dict()))
+            continue
+        decoded, stats = pipe.decode(job.z_raw, plan, progress=cb)
+        written = write_job(job, decoded, fps)
+        results.append(DecodeResult(job, stats.seconds, stats.peak_bytes, written, plan.to_dict(), stats.retries))
+    if pipe.graphed is not None:
+        for s in pipe.stages:
+            if s.name == "graphs":
+                s.detail = pipe.graphed.report()
+                s.data = {"replays": pipe.graphed.replays, "captures": pipe.graphed.captures}
+    return results

@@ -1,0 +1,383 @@
+"""`vaeopt benchmark`: peers and the vaeopt ladder measured side by side, in one process, with fidelity.
+
+Rows: diffusers fp32 (the fidelity reference), diffusers bf16 eager, diffusers bf16 + enable_tiling(), optionally
+torch.compile of the diffusers decoder; then vaeopt's plain path and each pipeline stage added on top of the previous
+ones, in pipeline order. Every row: median/min/max time, peak memory, throughput, achieved TFLOP/s (FLOPs counted
+with FlopCounterMode) and its fraction of a bf16 matmul measured in the same run, PSNR / max abs error vs fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vaeopt import fidelity
+from vaeopt.errors import VaeoptError
+from vaeopt.families import FamilySpec, build_model, get_family
+from vaeopt.hw import machine_info
+
+# Standard workloads (shared/ANCHORS.md): name -> (family, raw latent shape)
+WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "sdxl-1024": ("sdxl", (1, 4, 128, 128)),
+    "sdxl-2048": ("sdxl", (1, 4, 256, 256)),
+    "sdxl-4096": ("sdxl", (1, 4, 512, 512)),
+    "flux-1024": ("flux", (1, 16, 128, 128)),
+    "sd15-512": ("sd15", (1, 4, 64, 64)),
+    "wan21-480p": ("wan21", (1, 16, 21, 60, 104)),
+    "wan21-720p": ("wan21", (1, 16, 21, 90, 160)),
+    "wan22-720p": ("wan22", (1, 48, 31, 44, 80)),
+    "taesd-1024": ("taesd", (1, 4, 128, 128)),
+}
+
+PEERS = ("fp32", "bf16", "tiling", "compile")
+
+
+@dataclass
+class Row:
+    name: str
+    kind: str  # "peer", "ladder", "reference"
+    status: str = "ok"  # ok, skipped, failed
+    reason: str = ""
+    times_ms: list[float] = field(default_factory=list)
+    median_ms: float | None = None
+    min_ms: float | None = None
+    max_ms: float | None = None
+    peak_alloc_gib: float | None = None
+    peak_reserved_gib: float | None = None
+    throughput: float | None = None
+    throughput_unit: str = ""
+    tflops: float | None = None
+    frac_of_matmul: float | None = None
+    psnr_db: float | None = None
+    max_abs: float | None = None
+    setup_s: float | None = None
+    stages: list[dict] = field(default_factory=list)
+    speedup_vs_diffusers_bf16: float | None = None
+    speedup_vs_best_peer: float | None = None
+
+
+def count_flops(spec: FamilySpec, shape: tuple, overrides: dict | None = None) -> float:
+    """FLOPs of one diffusers decode, counted on the meta device (no memory, no time)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        m = build_model(spec, **(overrides or {}))
+        z = torch.empty(shape)
+    fc = FlopCounterMode(display=False)
+    with fc, torch.inference_mode():
+        m.decode(z)
+    return float(fc.get_total_flops())
+
+
+def matmul_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        a @ b
+    e1.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * 10 / (e0.elapsed_time(e1) / 1e3) / 1e12
+
+
+def time_fn(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, repeats: int):
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(repeats):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = fn()
+            e1.record()
+            torch.cuda.synchronize(device)
+            times.append(e0.elapsed_time(e1))
+        peak = (torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        peak = (None, None)
+    return out, times, peak
+
+
+class Bench:
+    def __init__(self, spec: FamilySpec, state_dict: dict, shape: tuple, device: torch.device, dtype: torch.dtype,
+                 repeats: int, warmup: int, log: Callable[[str], None], model_overrides: dict | None = None):
+        self.spec, self.sd, self.shape, self.device, self.dtype = spec, state_dict, shape, device, dtype
+        self.repeats, self.warmup, self.log = repeats, warmup, log
+        self.overrides = model_overrides or {}
+        g = torch.Generator().manual_seed(0)
+        self.z = torch.randn(shape, generator=g)
+        self.ref: torch.Tensor | None = None
+        self.flops = count_flops(spec, shape, self.overrides)
+        self.matmul = matmul_tflops(device)
+        n, h, w = shape[0], shape[-2] * spec.spatial_factor, shape[-1] * spec.spatial_factor
+        if spec.is_video:
+            self.units, self.unit = n * spec.output_frames(shape[2]), "frames/s"
+        else:
+            self.units, self.unit = n * h * w / 1e6, "MP/s"
+
+    def fresh_model(self, dtype: torch.dtype) -> torch.nn.Module:
+        with torch.device("meta"):
+            m = build_model(self.spec, **self.overrides)
+        m.load_state_dict(self.sd, assign=True)
+        return m.to(self.device, dtype).eval().requires_grad_(False)
+
+    def finish(self, row: Row, out: torch.Tensor | None, times: list[float], peak) -> Row:
+        row.times_ms = [round(t, 3) for t in times]
+        row.median_ms = statistics.median(times)
+        row.min_ms, row.max_ms = min(times), max(times)
+        row.peak_alloc_gib, row.peak_reserved_gib = peak
+        row.throughput = self.units / (row.median_ms / 1e3)
+        row.throughput_unit = self.unit
+        row.tflops = self.flops / (row.median_ms / 1e3) / 1e12
+        if self.matmul:
+            row.frac_of_matmul = row.tflops / self.matmul
+        if out is not None and self.ref is not None:
+            f = fidelity.compare(out.float().clamp(-1, 1), self.ref)
+            row.psnr_db, row.max_abs = f["psnr_db"], f["max_abs"]
+        return row
+
+    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]]) -> Row:
+        row = Row(name, kind)
+        self.log(f"{name} ...")
+        try:
+            t0 = time.perf_counter()
+            fn = make()
+            row.setup_s = time.perf_counter() - t0
+            with torch.inference_mode():
+                out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats)
+            out = out.float().cpu()
+            if kind == "reference":
+                self.ref = out.clamp(-1, 1)
+            self.finish(row, out, times, peak)
+            if hasattr(fn, "stages"):
+                row.stages = fn.stages
+        except torch.cuda.OutOfMemoryError as e:
+            row.status, row.reason = "failed", f"out of memory: {str(e).splitlines()[0][:120]}"
+        except VaeoptError as e:
+            row.status, row.reason = "failed", str(e)
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.log(f"  {_fmt_row(row)}")
+        return row
+
+
+def _fmt_row(r: Row) -> str:
+    if r.status != "ok":
+        return f"{r.name}: {r.status} — {r.reason}"
+    p = "reference" if r.kind == "reference" else f"{r.psnr_db:.1f} dB vs fp32"
+    return f"{r.name}: {r.median_ms:.1f} ms, {p}"
+
+
+def _reference_fn(b: Bench) -> Callable[[], torch.Tensor]:
+    model = b.fresh_model(torch.float32)
+    z = b.z.to(b.device, torch.float32)
+    if b.spec.is_video:
+        from vaeopt import video
+
+        return lambda: video.decode_video(model, z, chunk=1)
+    return lambda: model.decode(z).sample
+
+
+def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Callable[[], Callable]:
+    def make():
+        model = b.fresh_model(dtype)
+        z = b.z.to(b.device, dtype)
+        if tiling:
+            model.enable_tiling()
+        if compile_:
+            model.to(memory_format=torch.channels_last) if not b.spec.is_video else None
+            model.decoder = torch.compile(model.decoder)
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                model.decode(z)
+                if b.device.type == "cuda":
+                    torch.cuda.synchronize()
+                b.log(f"  torch.compile warm-up {time.perf_counter() - t0:.1f} s")
+        return lambda: model.decode(z).sample
+
+    return make
+
+
+LADDER = (
+    # (row name, Options overrides) — each adds one stage on top of the previous row
+    ("vaeopt plain", dict(channels_last="off", triton="off", attention="off", graphs="off", fp8="off", tiling="off")),
+    ("+ fp8", dict(fp8="on")),
+    ("+ channels_last", dict(channels_last="on")),
+    ("+ fused norms (Triton)", dict(triton="on")),
+    ("+ attention backend", dict(attention="auto")),
+    ("+ planner (tile/chunk)", dict(tiling="auto")),
+    ("+ CUDA graphs", dict(graphs="on")),
+)
+
+
+def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
+    from vaeopt.loading import LoadedVAE
+    from vaeopt.pipeline import Options, Pipeline
+
+    def make():
+        model = b.fresh_model(torch.float32)
+        loaded = LoadedVAE(model=model, family=b.spec, layout="benchmark", path=None, notes=[], dtype_on_disk=None)
+        o = Options(device=str(b.device), dtype=str(b.dtype).replace("torch.", "").replace("bfloat16", "bf16")
+                    .replace("float32", "fp32").replace("float16", "fp16"), **opts)
+        lines = []
+        pipe = Pipeline(loaded, o, log=lines.append)
+        plan = pipe.plan(b.shape)
+        if o.graphs == "on":
+            use, why = pipe.graphs_decision(99, plan)
+            if use:
+                pipe.enable_graphs("benchmark repeats")
+            else:
+                from vaeopt.stages import StageResult
+
+                pipe._record(StageResult.skipped("graphs", why))
+        z = b.z.to(b.device, b.dtype)
+
+        def fn():
+            if b.spec.is_video:
+                from vaeopt import video
+
+                return video.decode_video(pipe.model, z, chunk=plan.chunk or 1)
+            if plan.mode == "tiled":
+                from vaeopt import tiling
+
+                return tiling.tiled_decode(pipe.model, z, tile=plan.tile)
+            return (pipe.graphed or pipe._decode_whole_raw)(z)
+
+        fn.stages = [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages] + \
+                    [{"name": "plan", "status": "applied", "detail": plan.reason}]
+        return fn
+
+    return make
+
+
+def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: torch.device, dtype: torch.dtype,
+                  peers: tuple[str, ...], repeats: int, warmup: int, fp8: bool, log: Callable[[str], None],
+                  workload: str | None, command: str, model_overrides: dict | None = None,
+                  ladder_hook: Callable | None = None) -> dict:
+    b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
+    log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
+    rows: list[Row] = []
+    ref_row = b.run("diffusers fp32 (reference)", "reference", lambda: _reference_fn(b))
+    if ref_row.status != "ok":
+        raise VaeoptError(f"the fp32 reference decode failed ({ref_row.reason}); use a smaller --shape")
+    rows.append(ref_row)
+    if "bf16" in peers and dtype != torch.float32:
+        rows.append(b.run(f"diffusers {_dt_name(dtype)} eager", "peer", _peer_fn(b, dtype)))
+    if "tiling" in peers and spec.cls_name != "AutoencoderTiny":
+        rows.append(b.run(f"diffusers {_dt_name(dtype)} + tiling", "peer", _peer_fn(b, dtype, tiling=True)))
+    if "compile" in peers:
+        rows.append(b.run(f"diffusers {_dt_name(dtype)} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
+    acc: dict = {}
+    for name, opts in LADDER:
+        acc.update(opts)
+        if name == "+ fp8" and not fp8:
+            rows.append(Row(name, "ladder", status="skipped", reason="not requested (--fp8)"))
+            acc["fp8"] = "off"
+            continue
+        make = _ladder_fn(b, dict(acc))
+        if ladder_hook is not None:
+            make = ladder_hook(name, make)
+        r = b.run(name, "ladder", make)
+        # a stage that reported "skipped" did nothing: show the row as skipped with its reason
+        for s in r.stages:
+            key = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
+                   "+ attention backend": "attention", "+ CUDA graphs": "graphs"}.get(name)
+            if key and s["name"] == key and s["status"] == "skipped":
+                r.status, r.reason = "skipped", s["detail"]
+        rows.append(r)
+    _speedups(rows, dtype)
+    mi = machine_info()
+    return {
+        "workload": workload, "family": spec.name, "latent_shape": list(shape), "dtype": _dt_name(dtype),
+        "device": str(device), "gpu": mi.gpus[0].name if mi.gpus and device.type == "cuda" else None,
+        "cpu_numbers": device.type != "cuda", "flops": b.flops, "matmul_tflops": b.matmul,
+        "versions": {"torch": mi.torch, "cuda": mi.cuda, "cudnn": mi.cudnn, "triton": mi.triton,
+                     "diffusers": mi.diffusers, "python": mi.python},
+        "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command, "repeats": repeats, "warmup": warmup,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def _driver() -> str | None:
+    try:
+        import subprocess
+
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _dt_name(d: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[d]
+
+
+def _speedups(rows: list[Row], dtype) -> None:
+    base = next((r for r in rows if r.name == f"diffusers {_dt_name(dtype)} eager" and r.status == "ok"), None)
+    base = base or next((r for r in rows if r.kind == "reference"), None)
+    peers = [r for r in rows if r.kind in ("peer", "reference") and r.status == "ok" and r.median_ms]
+    best = min(peers, key=lambda r: r.median_ms) if peers else None
+    for r in rows:
+        if r.status == "ok" and r.median_ms:
+            if base:
+                r.speedup_vs_diffusers_bf16 = base.median_ms / r.median_ms
+            if best:
+                r.speedup_vs_best_peer = best.median_ms / r.median_ms
+
+
+def plot(result: dict, path: Path) -> None:
+    """Bar chart of time and PSNR per row, drawn with Pillow (no plotting dependency)."""
+    from PIL import Image, ImageDraw
+
+    from vaeopt.outputs import atomic_path
+
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    W, rowh, left = 1000, 34, 260
+    H = 70 + rowh * len(rows) + 30
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    title = f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} on " \
+            f"{result.get('gpu') or 'CPU'}"
+    d.text((10, 10), title, fill="black")
+    d.text((left, 35), "median time (ms)", fill="black")
+    d.text((W - 150, 35), "PSNR vs fp32", fill="black")
+    tmax = max(r["median_ms"] for r in rows)
+    for i, r in enumerate(rows):
+        y = 60 + i * rowh
+        d.text((10, y + 8), r["name"][:38], fill="black")
+        wbar = int((W - left - 180) * r["median_ms"] / tmax)
+        color = {"reference": (150, 150, 150), "peer": (90, 130, 200), "ladder": (230, 120, 40)}[r["kind"]]
+        d.rectangle([left, y + 4, left + max(wbar, 1), y + rowh - 6], fill=color)
+        d.text((left + wbar + 5, y + 8), f"{r['median_ms']:.1f}", fill="black")
+        p = r.get("psnr_db")
+        d.text((W - 150, y + 8), "ref" if r["kind"] == "reference" else (f"{p:.1f} dB" if p is not None else "—"),
+               fill="black")
+    with atomic_path(path) as tmp:
+        img.save(tmp, format="PNG")

@@ -1,0 +1,322 @@
+"""`vaeopt` command line: info, decode, benchmark. Thin: parses options, logs, and calls vaeopt.api."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from vaeopt import __version__
+from vaeopt.errors import VaeoptError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
+
+app = typer.Typer(
+    help="Fast, memory-aware, fidelity-checked VAE decoding for latent diffusion "
+    "(SD 1.x/2.x, SDXL, SD3, FLUX.1, Wan 2.1/2.2, HunyuanVideo, TAESD).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True, highlight=False)
+out_console = Console(highlight=False)
+
+
+def _version_cb(value: bool):
+    if value:
+        out_console.print(f"vaeopt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_version_cb, is_eager=True,
+                                      help="Show the version and exit.")):
+    pass
+
+
+def clean_errors(fn):
+    """User errors -> one red line and exit code 2; Ctrl-C -> exit 130; no tracebacks for either."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except VaeoptError as e:
+            console.print(f"[bold red]error:[/] {e}")
+            raise typer.Exit(e.exit_code)
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted — no partial output was left behind[/]")
+            raise typer.Exit(130)
+        except MemoryError:
+            console.print("[bold red]error:[/] out of host memory (try --tile / --chunk, or smaller inputs)")
+            raise typer.Exit(3)
+
+    return wrapper
+
+
+def _log(msg: str) -> None:
+    console.print(f"  {msg}", markup=False)
+
+
+# ---------------------------------------------------------------------------------------------------- info
+@app.command()
+@clean_errors
+def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
+    """GPU, VRAM, versions, capabilities, and what each optimization stage will do here."""
+    from vaeopt.info import stage_outlook
+    from vaeopt.hw import machine_info
+
+    mi = machine_info()
+    outlook = stage_outlook(mi)
+    if as_json:
+        out_console.print_json(json.dumps({**mi.to_dict(), "stages": outlook}))
+        return
+    t = Table(title="vaeopt " + __version__, show_header=False, box=None)
+    t.add_row("python", mi.python)
+    t.add_row("torch", f"{mi.torch}  (CUDA {mi.cuda or '—'}, cuDNN {mi.cudnn or '—'}, "
+                       f"arch list {' '.join(mi.torch_arch_list) or '—'})")
+    t.add_row("triton", (mi.triton or "not installed") + ("  [TRITON_INTERPRET=1]" if mi.triton_interpret else ""))
+    t.add_row("diffusers", mi.diffusers or "not installed")
+    t.add_row("PyAV", mi.pyav or "not installed (no MP4 output)")
+    out_console.print(t)
+    if not mi.gpus:
+        out_console.print("[bold]No CUDA GPU visible.[/] vaeopt runs on the CPU: fp32 decode, whole or tiled, "
+                          "chunked video; no CUDA graphs, no FP8, Triton kernels only under TRITON_INTERPRET=1.")
+    for g in mi.gpus:
+        out_console.print(
+            f"[bold]GPU {g.index}[/]: {g.name}  {g.sm}  {g.multiprocessors} SMs  "
+            f"VRAM {g.free_gib:.1f} / {g.total_gib:.1f} GiB free  bf16 {'yes' if g.bf16 else 'no'}  "
+            f"FP8 tensor cores {'yes' if g.fp8 else 'no'}  in torch build {'yes' if g.arch_in_build else 'NO'}")
+    out_console.print("SDPA backends enabled: " + ", ".join(k for k, v in mi.sdpa_backends.items() if v))
+    st = Table(title="Stages on this machine", show_lines=False)
+    st.add_column("stage")
+    st.add_column("here")
+    st.add_column("why / what")
+    for s in outlook:
+        st.add_row(s["stage"], "[green]runs[/]" if s["runs"] else "[yellow]skipped[/]", s["why"])
+    out_console.print(st)
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+@app.command()
+@clean_errors
+def decode(
+    latents: List[Path] = typer.Argument(..., help="Latent files: .pt/.pth, .safetensors, ComfyUI .latent, .npy."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m",
+                                         help="VAE checkpoint (.safetensors/.ckpt/.pt or diffusers folder). "
+                                              "Default: vaeopt.json beside the latents, $VAEOPT_MODEL, or the user config."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="out.png | out.mp4 | folder/ (PNG frames) | out.safetensors (raw). "
+                                               "Default: beside the input."),
+    family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
+    key: Optional[str] = typer.Option(None, "--key", help="Decode only this tensor of a dict-of-tensors file."),
+    latent_space: Optional[str] = typer.Option(None, "--latent-space",
+                                               help="scaled (pipeline output; default for .pt/.safetensors/.npy) or "
+                                                    "raw (VAE latents; default for ComfyUI .latent)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that have it, fp32 on CPU)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
+    tile: Optional[int] = typer.Option(None, "--tile", help="Force tiled decode with this tile side in latent pixels."),
+    chunk: Optional[int] = typer.Option(None, "--chunk", help="Latent frames per decoder call (video)."),
+    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="Plan for this many GB instead of free VRAM."),
+    tiling: str = typer.Option("auto", "--tiling", help="auto | on | off"),
+    channels_last: str = typer.Option("auto", "--channels-last", help="auto | on | off"),
+    triton: str = typer.Option("auto", "--triton", help="Fused Triton norm kernels: auto | on | off"),
+    graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
+    fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
+    fps: float = typer.Option(16.0, "--fps", help="Frames per second of MP4 output."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+):
+    """Decode latents to PNG / MP4 / frames / safetensors with the optimized pipeline."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from vaeopt import api
+    from vaeopt import latents as lat
+    from vaeopt.loading import load_vae
+    from vaeopt.pipeline import Options, Pipeline
+
+    if latent_space not in (None, "scaled", "raw"):
+        raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
+    opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, fp8=fp8, graphs=graphs,
+                   tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
+    opts.validate()
+    t0 = time.perf_counter()
+    files = [lat.read_latents(p, key) for p in latents]
+    console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
+    for f in files:
+        for e in f.entries:
+            console.print(f"  {f.path.name}{'[' + e.name + ']' if e.name else ''}: {tuple(e.tensor.shape)} "
+                          f"{str(e.tensor.dtype).replace('torch.', '')} ({f.format}, {latent_space or f.default_space} latents)",
+                          markup=False)
+        for n in f.notes:
+            _log(n)
+    model_path, why = api.resolve_model(model, files[0])
+    t0 = time.perf_counter()
+    loaded = load_vae(model_path, family=family, config=config)
+    console.print(f"[bold]load[/] {model_path} ({why}) in {time.perf_counter() - t0:.2f} s: "
+                  f"{loaded.family.title} [{loaded.family.cls_name}], layout {loaded.layout}", highlight=False)
+    for n in loaded.notes:
+        _log(n)
+    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite)
+    console.print("[bold]optimize[/]")
+    pipe = Pipeline(loaded, opts, log=_log)
+    console.print("[bold]decode[/]")
+    with Progress(TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as prog:
+        tasks: dict[str, int] = {}
+
+        def progress(name: str, done: int, total: int):
+            if name not in tasks:
+                tasks[name] = prog.add_task(name, total=total)
+            prog.update(tasks[name], completed=done, total=total)
+
+        results = api.run_jobs(pipe, jobs, fps=fps, progress=progress)
+    for r in results:
+        peak = f", peak VRAM {r.peak_bytes / 2**30:.2f} GiB" if r.peak_bytes else ""
+        for p in r.written:
+            console.print(f"[bold green]wrote[/] {p}  ({r.seconds:.2f} s decode{peak})", highlight=False)
+        for msg in r.retries:
+            _log("↩ " + msg)
+    if as_json:
+        out_console.print_json(json.dumps({
+            "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,
+            "device": str(pipe.device), "dtype": str(pipe.dtype).replace("torch.", ""),
+            "stages": [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages],
+            "outputs": [{"source": str(r.job.source), "entry": r.job.entry, "shape": list(r.job.z_raw.shape),
+                         "written": [str(p) for p in r.written], "seconds": r.seconds, "peak_bytes": r.peak_bytes,
+                         "plan": r.plan, "retries": r.retries} for r in results],
+        }))
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+@app.command()
+@clean_errors
+def benchmark(
+    model: Optional[Path] = typer.Argument(None, help="VAE checkpoint to benchmark (or use --family for random weights)."),
+    family: Optional[str] = typer.Option(None, "--family", help="Build this family's full-size architecture with random "
+                                                                "weights (sdxl, flux, wan21, wan22, ...)."),
+    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="Standard workload: " + ", ".join(
+        ["sdxl-1024", "sdxl-2048", "sdxl-4096", "flux-1024", "sd15-512", "wan21-480p", "wan21-720p", "wan22-720p",
+         "taesd-1024"])),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Raw latent shape N,C,[T,]H,W (instead of --workload)."),
+    peers: str = typer.Option("bf16,tiling", "--peers", help="Comma list of peers: bf16, tiling, compile (fp32 always "
+                                                             "runs: it is the fidelity reference)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Precision of the peers and the ladder (auto: bf16 on GPU)."),
+    device: Optional[str] = typer.Option(None, "--device"),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repeats per row (median reported)."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
+    fp8: bool = typer.Option(False, "--fp8", help="Include the FP8 stage in the ladder."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write all numbers to this JSON file."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG bar chart (time and PSNR per row)."),
+):
+    """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last."""
+    from vaeopt import benchmark as bm
+    from vaeopt.hw import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    spec, sd, shp, wl, notes = _bench_inputs(model, family, workload, shape)
+    for n in notes:
+        _log(n)
+    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
+    bad = [p for p in peer_list if p not in bm.PEERS]
+    if bad:
+        raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(bm.PEERS)})")
+    where = torch_device_name(dev)
+    console.print(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
+                  + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
+    result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
+                              fp8=fp8, log=_log, workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
+    _print_bench(result)
+    if json_out:
+        from vaeopt.outputs import atomic_path
+
+        with atomic_path(json_out) as tmp:
+            tmp.write_text(json.dumps(result, indent=1))
+        console.print(f"[bold green]wrote[/] {json_out}")
+    if plot_out:
+        bm.plot(result, plot_out)
+        console.print(f"[bold green]wrote[/] {plot_out}")
+
+
+def torch_device_name(dev) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+
+
+def _bench_inputs(model, family, workload, shape):
+    import torch
+
+    from vaeopt import benchmark as bm
+    from vaeopt.families import build_model, get_family
+
+    notes = []
+    wl = None
+    if workload:
+        if workload not in bm.WORKLOADS:
+            raise VaeoptError(f"unknown workload '{workload}' (known: {', '.join(bm.WORKLOADS)})")
+        wl = workload
+        wl_family, shp = bm.WORKLOADS[workload]
+        family = family or (None if model else wl_family)
+    if shape:
+        try:
+            shp = tuple(int(s) for s in shape.replace("x", ",").split(","))
+        except ValueError:
+            raise VaeoptError(f"--shape '{shape}': expected integers like 1,4,128,128") from None
+    if not workload and not shape:
+        raise VaeoptError("name a --workload or a --shape")
+    if model is not None:
+        from vaeopt.loading import load_vae
+
+        loaded = load_vae(model, family=family)
+        spec, sd = loaded.family, {k: v.float() for k, v in loaded.model.state_dict().items()}
+        notes += loaded.notes
+    elif family:
+        spec = get_family(family)
+        torch.manual_seed(0)
+        sd = build_model(spec).state_dict()
+        notes.append(f"{spec.title}: full-size architecture with random weights (timing equals real weights)")
+    else:
+        raise VaeoptError("give a checkpoint or --family")
+    want = 5 if spec.is_video else 4
+    if len(shp) != want or shp[1] != spec.latent_channels:
+        raise VaeoptError(f"latent shape {shp} does not fit {spec.title}: expected {want} dims with "
+                          f"{spec.latent_channels} channels")
+    return spec, sd, shp, wl, notes
+
+
+def _print_bench(result: dict) -> None:
+    t = Table(title=f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} "
+                    f"on {result.get('gpu') or 'CPU (CPU numbers)'}")
+    for col in ("row", "median ms", "min–max", "peak GiB", "throughput", "TFLOP/s", "% matmul", "PSNR dB", "max abs",
+                "vs diffusers", "vs best peer"):
+        t.add_column(col, justify="left" if col == "row" else "right")
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            t.add_row(r["name"], f"[yellow]{r['status']}[/]", r["reason"][:60], *[""] * 8)
+            continue
+        f = lambda v, fmt: (fmt.format(v) if v is not None else "—")  # noqa: E731
+        t.add_row(r["name"], f(r["median_ms"], "{:.1f}"), f"{r['min_ms']:.1f}–{r['max_ms']:.1f}",
+                  f(r["peak_alloc_gib"], "{:.2f}"), f"{r['throughput']:.2f} {r['throughput_unit']}",
+                  f(r["tflops"], "{:.1f}"), f(r["frac_of_matmul"] and 100 * r["frac_of_matmul"], "{:.0f}%"),
+                  "ref" if r["kind"] == "reference" else f(r["psnr_db"], "{:.1f}"), f(r["max_abs"], "{:.3g}"),
+                  f(r["speedup_vs_diffusers_bf16"], "{:.2f}x"), f(r["speedup_vs_best_peer"], "{:.2f}x"))
+    out_console.print(t)
+
+
+def run():  # console-script entry
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(app())

@@ -1,0 +1,143 @@
+"""What this machine can do: versions, GPUs, capabilities. Used by `vaeopt info` and by the pipeline's stages."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass
+class GPUInfo:
+    index: int
+    name: str
+    sm: str  # "sm_90"
+    capability: tuple[int, int]
+    total_gib: float
+    free_gib: float
+    multiprocessors: int
+    bf16: bool
+    fp8: bool  # FP8 tensor cores (sm_89+)
+    arch_in_build: bool  # is this arch (or compatible PTX) in torch's build
+
+
+@dataclass
+class MachineInfo:
+    python: str
+    platform: str
+    torch: str
+    cuda: str | None
+    cudnn: str | None
+    triton: str | None
+    diffusers: str | None
+    pyav: str | None
+    torch_arch_list: list[str]
+    gpus: list[GPUInfo] = field(default_factory=list)
+    sdpa_backends: dict[str, bool] = field(default_factory=dict)
+    triton_interpret: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def gpu_info(index: int) -> GPUInfo:
+    p = torch.cuda.get_device_properties(index)
+    cap = (p.major, p.minor)
+    free, total = torch.cuda.mem_get_info(index)
+    arch_list = torch.cuda.get_arch_list()
+    sm = f"sm_{p.major}{p.minor}"
+    in_build = sm in arch_list or any(a.startswith("compute_") and int(a.split("_")[1]) <= p.major * 10 + p.minor
+                                      for a in arch_list)
+    return GPUInfo(
+        index=index,
+        name=p.name,
+        sm=sm,
+        capability=cap,
+        total_gib=total / 2**30,
+        free_gib=free / 2**30,
+        multiprocessors=p.multi_processor_count,
+        bf16=cap >= (8, 0),
+        fp8=cap >= (8, 9),
+        arch_in_build=in_build,
+    )
+
+
+def sdpa_backends() -> dict[str, bool]:
+    b = torch.backends.cuda
+    out = {}
+    for name, fn in (("flash", "flash_sdp_enabled"), ("mem_efficient", "mem_efficient_sdp_enabled"),
+                     ("math", "math_sdp_enabled"), ("cudnn", "cudnn_sdp_enabled")):
+        f = getattr(b, fn, None)
+        out[name] = bool(f()) if f is not None else False
+    if not torch.cuda.is_available():
+        out = {k: (k == "math") for k in out}  # on CPU SDPA runs its CPU kernels
+    return out
+
+
+def machine_info() -> MachineInfo:
+    cuda = torch.version.cuda if torch.cuda.is_available() else None
+    cudnn = None
+    if torch.cuda.is_available() and torch.backends.cudnn.is_available():
+        v = torch.backends.cudnn.version()
+        cudnn = f"{v // 10000}.{(v // 100) % 100}.{v % 100}" if v and v >= 10000 else str(v)
+    info = MachineInfo(
+        python=platform.python_version(),
+        platform=platform.platform(),
+        torch=torch.__version__,
+        cuda=cuda,
+        cudnn=cudnn,
+        triton=_version("triton"),
+        diffusers=_version("diffusers"),
+        pyav=_version("av"),
+        torch_arch_list=torch.cuda.get_arch_list() if torch.cuda.is_available() else [],
+        sdpa_backends=sdpa_backends(),
+        triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
+    )
+    if torch.cuda.is_available():
+        info.gpus = [gpu_info(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            from vaeopt.errors import VaeoptError
+
+            raise VaeoptError(f"--device {device}: no CUDA GPU is visible to torch {torch.__version__}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            from vaeopt.errors import VaeoptError
+
+            raise VaeoptError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    d = (dtype or "auto").lower()
+    if d == "auto":
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+            return torch.bfloat16
+        if device.type == "cuda":
+            return torch.float16
+        return torch.float32
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+    if d not in table:
+        from vaeopt.errors import VaeoptError
+
+        raise VaeoptError(f"unknown dtype '{dtype}' (auto, fp32, bf16, fp16)")
+    return table[d]

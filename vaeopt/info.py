@@ -1,0 +1,43 @@
+"""What each pipeline stage will do on this machine (for `vaeopt info`)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from vaeopt.hw import MachineInfo
+
+
+def stage_outlook(mi: MachineInfo) -> list[dict]:
+    dev = torch.device("cuda") if mi.gpus else torch.device("cpu")
+    g = mi.gpus[0] if mi.gpus else None
+    rows = []
+
+    def row(stage, runs, why):
+        rows.append({"stage": stage, "runs": bool(runs), "why": why})
+
+    if g:
+        row("precision", True, "bf16 (tensor cores)" if g.bf16 else "fp16 (no bf16 on " + g.sm + ")")
+    else:
+        row("precision", True, "fp32 on CPU")
+    if g and g.fp8:
+        row("fp8", True, f"{g.sm} has FP8 tensor cores; opt-in (--fp8 on), gated on PSNR vs fp32")
+    else:
+        row("fp8", False, f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU")
+    for name in ("fused_norms", "channels_last", "graphs"):
+        try:
+            mod = importlib.import_module(f"vaeopt.stages.{name}")
+            ok, why = mod.available(dev)
+        except ImportError as e:
+            ok, why = False, f"not importable ({e})"
+        what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
+                "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
+                "graphs": "capture + replay for repeated same-shape decodes"}[name]
+        row(name, ok, what if ok else why)
+    row("attention", True, "SDPA; backend chosen per head dim at load" if g else "SDPA (CPU kernels)")
+    if g:
+        row("planner", True, f"tiles/chunks planned from {g.free_gib:.1f} GiB free VRAM")
+    else:
+        row("planner", True, "CPU: whole decode unless --tile/--chunk; video in 1-frame chunks")
+    return rows

@@ -1,0 +1,204 @@
+"""Reading latent files and turning them into the raw latents a VAE decoder consumes.
+
+Formats: .pt/.pth (a tensor, a dict of tensors, or a list; saved on CUDA or CPU; loaded with weights_only=True),
+.safetensors, ComfyUI .latent, .npy.
+
+Latent space: pipelines hand out *scaled* latents (diffusers ``output_type="latent"``); ComfyUI ``.latent`` files hold
+*raw* VAE latents. Defaults per format are below; ``latent_space="scaled"|"raw"`` overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vaeopt.errors import LatentError
+from vaeopt.families import FamilySpec
+
+LATENT_SUFFIXES = (".pt", ".pth", ".safetensors", ".latent", ".npy")
+MANIFEST = "vaeopt.json"
+# Refuse decodes whose output alone would exceed this many pixels per frame (64k x 64k would need >16 GiB per frame).
+MAX_OUTPUT_PIXELS = 16384 * 16384
+# ComfyUI files without a version marker stored latents multiplied by SD1's 0.18215 (ComfyUI's LoadLatent divides).
+_COMFY_LEGACY_SCALE = 0.18215
+
+
+@dataclass
+class LatentEntry:
+    name: str  # key inside the file ("" for a bare tensor)
+    tensor: torch.Tensor
+
+
+@dataclass
+class LatentFile:
+    path: Path
+    format: str  # "pt", "safetensors", "comfyui-latent", "npy"
+    entries: list[LatentEntry]
+    default_space: str  # "scaled" or "raw"
+    notes: list[str] = field(default_factory=list)
+    manifest: dict = field(default_factory=dict)  # per-file hints from a vaeopt.json beside the file
+
+
+def read_manifest(path: Path) -> dict:
+    """Hints from a ``vaeopt.json`` beside the latents: {"files": {name: {"model": ..., "latent_space": ...}}}."""
+    mpath = path.parent / MANIFEST
+    if not mpath.is_file():
+        return {}
+    try:
+        data = json.loads(mpath.read_text())
+    except (OSError, ValueError) as e:
+        raise LatentError(f"{mpath}: unreadable manifest ({e})") from e
+    hint = dict(data.get("files", {}).get(path.name, {}))
+    if "model" in hint:
+        hint["model"] = str((mpath.parent / hint["model"]).resolve())
+    return hint
+
+
+def _collect(obj, prefix: str, out: list[LatentEntry]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(LatentEntry(prefix, obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _collect(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _collect(v, f"{prefix}.{i}" if prefix else str(i), out)
+
+
+def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
+    path = Path(path)
+    if not path.exists():
+        raise LatentError(f"{path}: no such file")
+    if path.is_dir():
+        raise LatentError(f"{path}: is a directory, expected a latent file ({', '.join(LATENT_SUFFIXES)})")
+    if path.stat().st_size == 0:
+        raise LatentError(f"{path}: file is empty")
+    suffix = path.suffix.lower()
+    notes: list[str] = []
+    entries: list[LatentEntry] = []
+    default_space = "scaled"
+    if suffix in (".pt", ".pth", ".ckpt", ".bin"):
+        fmt = "pt"
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise LatentError(
+                f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): "
+                f"{str(e).splitlines()[0][:160]}"
+            ) from e
+        except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+            raise LatentError(f"{path}: not a readable torch file ({str(e).splitlines()[0][:160]})") from e
+        _collect(obj, "", entries)
+    elif suffix in (".safetensors", ".latent"):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise LatentError(f"{path}: corrupt or truncated safetensors file ({str(e)[:160]})") from e
+        if "latent_tensor" in tensors:  # ComfyUI SaveLatent format
+            fmt = "comfyui-latent"
+            default_space = "raw"
+            t = tensors["latent_tensor"]
+            if "latent_format_version_0" not in tensors:
+                t = t.float() / _COMFY_LEGACY_SCALE
+                notes.append("legacy ComfyUI latent (no version marker): divided by 0.18215 as ComfyUI does")
+            entries.append(LatentEntry("latent_tensor", t))
+        else:
+            fmt = "safetensors"
+            if meta.get("latent_space") in ("raw", "scaled"):
+                default_space = meta["latent_space"]
+            entries = [LatentEntry(k, v) for k, v in tensors.items() if v.numel() > 0]
+    elif suffix == ".npy":
+        import numpy as np
+
+        fmt = "npy"
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except ValueError as e:
+            raise LatentError(f"{path}: refusing a pickled .npy (allow_pickle=False) or unreadable ({e})") from e
+        except OSError as e:
+            raise LatentError(f"{path}: not a readable .npy file ({e})") from e
+        if arr.dtype.kind not in "fc":
+            raise LatentError(f"{path}: latents must be floating point, got numpy dtype {arr.dtype}")
+        entries.append(LatentEntry("", torch.from_numpy(arr.astype("float32", copy=False))))
+    else:
+        raise LatentError(f"{path}: unknown latent format '{suffix}' (expected {', '.join(LATENT_SUFFIXES)})")
+
+    if not entries:
+        raise LatentError(f"{path}: contains no tensors")
+    if key is not None:
+        picked = [e for e in entries if e.name == key]
+        if not picked:
+            raise LatentError(f"{path}: no tensor named '{key}'; found: {', '.join(e.name or '<tensor>' for e in entries)}")
+        entries = picked
+    manifest = read_manifest(path)
+    if manifest.get("latent_space") in ("raw", "scaled"):
+        default_space = manifest["latent_space"]
+    return LatentFile(path, fmt, entries, default_space, notes, manifest)
+
+
+def validate(entry: LatentEntry, family: FamilySpec, source: Path) -> torch.Tensor:
+    """Shape/dtype/finite checks with one-line errors; returns the tensor as (N,C,H,W) or (N,C,T,H,W)."""
+    t = entry.tensor
+    where = f"{source}" + (f" [{entry.name}]" if entry.name else "")
+    if not torch.is_floating_point(t):
+        raise LatentError(f"{where}: latents must be floating point, got {t.dtype}")
+    want = 5 if family.is_video else 4
+    if family.is_video and t.ndim == 4:
+        # (C,T,H,W) one clip, or (N,C,H,W) single latent frames
+        t = t.unsqueeze(0) if t.shape[0] == family.latent_channels else t.unsqueeze(2)
+    elif t.ndim == want - 1:
+        t = t.unsqueeze(0)
+    if t.ndim != want:
+        kind = "(N,C,T,H,W) video" if family.is_video else "(N,C,H,W) image"
+        raise LatentError(f"{where}: shape {tuple(t.shape)} does not fit {family.title}: expected {kind} latents")
+    c = t.shape[1]
+    if c != family.latent_channels:
+        hint = ""
+        if t.shape[-1] == family.latent_channels:
+            hint = " (channels look last: save latents channels-first)"
+        raise LatentError(
+            f"{where}: {c} latent channels, but the {family.title} VAE takes {family.latent_channels}{hint}"
+        )
+    if t.numel() == 0 or min(t.shape) == 0:
+        raise LatentError(f"{where}: empty latent tensor {tuple(t.shape)}")
+    h, w = t.shape[-2:]
+    f = family.spatial_factor
+    if h * w * f * f > MAX_OUTPUT_PIXELS:
+        raise LatentError(
+            f"{where}: latent {h}x{w} would decode to {h * f}x{w * f} pixels per frame — beyond what vaeopt decodes "
+            f"({int(math.sqrt(MAX_OUTPUT_PIXELS))}² max)"
+        )
+    bad = (~torch.isfinite(t)).sum().item()
+    if bad:
+        nans = torch.isnan(t).sum().item()
+        raise LatentError(f"{where}: {bad} non-finite values ({nans} NaN, {bad - nans} Inf) in {tuple(t.shape)} latents")
+    return t
+
+
+def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tensor:
+    """Latents in the given space -> raw decoder latents (float32)."""
+    if space == "raw":
+        return latents.float()
+    if space == "scaled":
+        return family.unscale(latents)
+    raise LatentError(f"latent space must be 'scaled' or 'raw', got '{space}'")
+
+
+def save_latents(path: str | Path, tensors: dict[str, torch.Tensor], latent_space: str) -> None:
+    """Write latents as .safetensors with their latent space recorded in the metadata (atomically)."""
+    from safetensors.torch import save_file
+
+    from vaeopt.outputs import atomic_path
+
+    with atomic_path(Path(path)) as tmp:
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"latent_space": latent_space})

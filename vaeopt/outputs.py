@@ -1,0 +1,238 @@
+"""Writing decoded images and videos: PNG, MP4 (H.264 via PyAV), PNG frame folders, raw .safetensors.
+
+Every file is written to a temporary name in the same directory and renamed into place only when complete, so an
+error, a full disk or Ctrl-C never leaves a half-written output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import queue
+import shutil
+import threading
+from fractions import Fraction
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from vaeopt.errors import OutputError
+
+IMAGE_SUFFIXES = (".png",)
+VIDEO_SUFFIXES = (".mp4",)
+TENSOR_SUFFIXES = (".safetensors",)
+
+
+def _os_error(path: Path, e: OSError) -> OutputError:
+    if e.errno == errno.ENOSPC:
+        return OutputError(f"{path}: disk full while writing (nothing was left behind)")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return OutputError(f"{path}: not writable ({e.strerror})")
+    return OutputError(f"{path}: cannot write ({e.strerror or e})")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it to `path` on success, delete it on any failure."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _os_error(path, e) from e
+    tmp = parent / f".{path.name}.{os.getpid()}.partial{path.suffix}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        _remove(tmp)
+        raise _os_error(path, e) from e
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(p: Path) -> None:
+    try:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def check_writable(paths: list[Path], overwrite: bool) -> None:
+    """Fail before decoding (not after minutes of work) if an output exists or its folder can't be written."""
+    for p in paths:
+        if p.exists() and not overwrite:
+            raise OutputError(f"{p}: already exists (pass --overwrite to replace it)")
+        parent = p.parent
+        probe = parent
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            raise OutputError(f"{p}: {probe} is a file, not a folder")
+        if not os.access(probe, os.W_OK):
+            raise OutputError(f"{p}: folder {probe} is not writable")
+
+
+def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
+    """Decoder output in [-1, 1], (N,3,H,W) or (N,3,T,H,W) -> uint8 channels-last (N,H,W,3) / (N,T,H,W,3) on CPU."""
+    x = x.detach()
+    y = ((x.float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
+    y = y.movedim(1, -1)
+    return y.cpu().contiguous()
+
+
+def write_png(path: Path, image_hwc: torch.Tensor) -> None:
+    from PIL import Image
+
+    with atomic_path(path) as tmp:
+        Image.fromarray(image_hwc.numpy()).save(tmp, format="PNG")
+
+
+def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
+    """PNG frames frame_00000.png... into a folder, made atomically (temp folder + rename)."""
+    from PIL import Image
+
+    n = 0
+    with atomic_path(path) as tmp:
+        tmp.mkdir()
+        for chunk in frames_thwc:
+            for frame in chunk:
+                Image.fromarray(frame.numpy()).save(tmp / f"frame_{n:05d}.png", format="PNG")
+                n += 1
+    return n
+
+
+def write_tensor(path: Path, x: torch.Tensor, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file({"sample": x.detach().float().cpu().contiguous()}, str(tmp), metadata=metadata or {})
+
+
+class Mp4Writer:
+    """H.264 MP4 writer fed from a bounded queue by the decode loop and encoded on a background thread, so that
+    decoding, device-to-host copies and encoding overlap. Frames: uint8 (T,H,W,3) CPU tensors."""
+
+    def __init__(self, path: Path, fps: float = 16.0, crf: int = 18, max_queue: int = 4):
+        self.path = Path(path)
+        self.fps = fps
+        self.crf = crf
+        self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._error: BaseException | None = None
+        self._ctx = atomic_path(self.path)
+        self._tmp = self._ctx.__enter__()
+        self.frames = 0
+        self._thread = threading.Thread(target=self._run, name="vaeopt-mp4", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import av
+
+        try:
+            with av.open(str(self._tmp), mode="w", format="mp4") as container:
+                stream = None
+                while True:
+                    item = self._q.get()
+                    if item is None:
+                        break
+                    for frame in item:
+                        if stream is None:
+                            h, w = frame.shape[:2]
+                            stream = container.add_stream("libx264", rate=Fraction(self.fps).limit_denominator(1001))
+                            # yuv420p needs even sizes; pad by edge replication if odd (rare: VAE outputs are x8).
+                            stream.width, stream.height = w + (w % 2), h + (h % 2)
+                            stream.pix_fmt = "yuv420p"
+                            stream.options = {"crf": str(self.crf)}
+                        arr = frame.numpy()
+                        if arr.shape[0] % 2 or arr.shape[1] % 2:
+                            import numpy as np
+
+                            arr = np.pad(arr, ((0, arr.shape[0] % 2), (0, arr.shape[1] % 2), (0, 0)), mode="edge")
+                        for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                            container.mux(packet)
+                        self.frames += 1
+                if stream is not None:
+                    for packet in stream.encode():
+                        container.mux(packet)
+        except BaseException as e:  # surfaced to the caller in put()/close()
+            self._error = e
+            # drain so a producer blocked on put() wakes up
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._q.get_nowait()
+
+    def put(self, frames_thwc: torch.Tensor) -> None:
+        if self._error is not None:
+            self.abort()
+            raise self._wrap(self._error)
+        while True:
+            try:
+                self._q.put(frames_thwc, timeout=0.5)
+                return
+            except queue.Full:
+                if self._error is not None or not self._thread.is_alive():
+                    self.abort()
+                    raise self._wrap(self._error or RuntimeError("encoder thread died"))
+
+    def _wrap(self, e: BaseException) -> BaseException:
+        if isinstance(e, OSError):
+            return _os_error(self.path, e)
+        if isinstance(e, OutputError):
+            return e
+        return OutputError(f"{self.path}: video encoding failed ({e})")
+
+    def close(self) -> int:
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            self.abort()
+            raise self._wrap(self._error)
+        if self.frames == 0:
+            self.abort()
+            raise OutputError(f"{self.path}: no frames to write")
+        self._ctx.__exit__(None, None, None)
+        return self.frames
+
+    def abort(self) -> None:
+        """Drop the partial file (Ctrl-C, errors)."""
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._q.put_nowait(None)
+            self._thread.join(timeout=10)
+        _remove(self._tmp)
+
+
+def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0) -> int:
+    writer = Mp4Writer(path, fps=fps)
+    try:
+        for chunk in chunks:
+            writer.put(chunk)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def default_output(latent_path: Path, is_video: bool, entry_name: str = "", index: int | None = None) -> Path:
+    stem = latent_path.stem
+    if entry_name:
+        stem += "_" + "".join(c if c.isalnum() or c in "-_" else "_" for c in entry_name)
+    if index is not None:
+        stem += f"_{index:03d}"
+    return latent_path.with_name(stem + (".mp4" if is_video else ".png"))
+
+
+def numbered(path: Path, index: int, count: int) -> Path:
+    """out.png -> out_000.png for batches (a folder output stays a folder per item)."""
+    if count == 1:
+        return path
+    if path.suffix:
+        return path.with_name(f"{path.stem}_{index:03d}{path.suffix}")
+    return path.with_name(f"{path.name}_{index:03d}")

@@ -1,0 +1,247 @@
+"""The optimization pipeline: applies the stages in a fixed order to a loaded VAE, plans memory, decodes.
+
+Order (each stage logs one line: what it did with numbers, or why it was skipped):
+    precision -> fp8 -> channels_last -> fused_norms -> attention -> plan (tile/chunk) -> graphs
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from vaeopt import planner
+from vaeopt.errors import VaeoptError
+from vaeopt.hw import resolve_device, resolve_dtype
+from vaeopt.loading import LoadedVAE
+from vaeopt.stages import StageResult
+
+SWITCHES = ("auto", "on", "off")
+GRAPH_MIN_REPEATS = 4  # capture = 1 warm-up + 1 captured run; see docs/perf-notes.md
+
+
+@dataclass
+class Options:
+    device: str | None = None
+    dtype: str = "auto"
+    channels_last: str = "auto"
+    triton: str = "auto"
+    attention: str = "auto"
+    fp8: str = "off"
+    graphs: str = "auto"
+    tiling: str = "auto"
+    tile: int | None = None  # latent px per tile side
+    chunk: int | None = None  # latent frames per decoder call (video)
+    vram_budget_gb: float | None = None
+    gate_db: float = 40.0  # fidelity gate for lossy stages (PSNR vs fp32 reference)
+
+    def validate(self) -> None:
+        for name in ("channels_last", "triton", "attention", "fp8", "graphs", "tiling"):
+            v = getattr(self, name)
+            if v not in SWITCHES:
+                raise VaeoptError(f"--{name.replace('_', '-')} must be one of {', '.join(SWITCHES)}, got '{v}'")
+        if self.tile is not None and self.tile < 8:
+            raise VaeoptError(f"--tile {self.tile}: tiles must be at least 8 latent pixels")
+        if self.chunk is not None and self.chunk < 1:
+            raise VaeoptError(f"--chunk {self.chunk}: must be at least 1 latent frame")
+        if self.vram_budget_gb is not None and self.vram_budget_gb <= 0:
+            raise VaeoptError("--vram-budget must be positive")
+        if self.tile is not None and self.tiling == "off":
+            raise VaeoptError("--tile conflicts with --tiling off")
+
+
+@dataclass
+class DecodeStats:
+    seconds: float = 0.0
+    peak_bytes: int | None = None
+    retries: list[str] = field(default_factory=list)
+
+
+class Pipeline:
+    def __init__(self, loaded: LoadedVAE, options: Options | None = None, log: Callable[[str], None] | None = None):
+        self.loaded = loaded
+        self.family = loaded.family
+        self.opts = options or Options()
+        self.opts.validate()
+        self.log = log or (lambda s: None)
+        self.device = resolve_device(self.opts.device)
+        self.dtype = resolve_dtype(self.opts.dtype, self.device)
+        self.stages: list[StageResult] = []
+        self.graphed = None
+        self._prepare()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.loaded.model
+
+    def _record(self, r: StageResult) -> StageResult:
+        self.stages.append(r)
+        self.log(r.line())
+        return r
+
+    # ---- stages -------------------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        o = self.opts
+        fam = self.family
+        if self.dtype == torch.float16 and fam.name == "sdxl":
+            self.dtype = torch.float32
+            self.log("! fp16 overflows in the SDXL VAE (NaN outputs): using fp32 (or pick --dtype bf16)")
+        t0 = time.perf_counter()
+        self.model.to(self.device, self.dtype)
+        self._record(StageResult("precision", "applied",
+                                 f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
+                                 f"({time.perf_counter() - t0:.2f} s to move weights)"))
+
+        # fp8
+        if o.fp8 == "off":
+            self._record(StageResult.skipped("fp8", "off (enable with --fp8 on; gated at "
+                                                    f"{o.gate_db:g} dB vs the fp32 decode)"))
+        else:
+            self._apply_fp8()
+
+        # fused norms decide whether channels_last pays
+        fused_ok, fused_why = self._fused_available()
+        want_fused = o.triton == "on" or (o.triton == "auto" and fused_ok)
+        cl_ok, cl_why = self._stage("channels_last").available(self.device)
+        if o.channels_last == "off":
+            self._record(StageResult.skipped("channels_last", "off"))
+        elif o.channels_last == "on" or (cl_ok and want_fused and fam.cls_name != "AutoencoderTiny"):
+            self._record(self._stage("channels_last").apply(self.model))
+        elif not cl_ok:
+            self._record(StageResult.skipped("channels_last", cl_why))
+        elif fam.cls_name == "AutoencoderTiny":
+            self._record(StageResult.skipped("channels_last", "TAESD is too small to gain from NHWC"))
+        else:
+            self._record(StageResult.skipped("channels_last", f"fused NHWC norm kernels unavailable ({fused_why}); "
+                                             "aten GroupNorm relayouts NHWC inputs, which is slower"))
+        if o.triton == "off":
+            self._record(StageResult.skipped("fused_norms", "off"))
+        elif not fused_ok and o.triton == "auto":
+            self._record(StageResult.skipped("fused_norms", fused_why))
+        else:
+            self._record(self._stage("fused_norms").apply(self.model))
+
+        if o.attention == "off":
+            self._record(StageResult.skipped("attention", "off"))
+        else:
+            self._record(self._stage("attention").apply(self.model, device=self.device, dtype=self.dtype))
+
+    def _device_name(self) -> str:
+        if self.device.type == "cuda":
+            return f"{torch.cuda.get_device_name(self.device)} ({self.device})"
+        return "CPU"
+
+    @staticmethod
+    def _stage(name: str):
+        import importlib
+
+        return importlib.import_module(f"vaeopt.stages.{name}")
+
+    def _fused_available(self) -> tuple[bool, str]:
+        try:
+            mod = self._stage("fused_norms")
+        except ImportError as e:
+            return False, f"fused norm kernels not importable ({e})"
+        return mod.available(self.device)
+
+    def _apply_fp8(self) -> None:
+        try:
+            mod = self._stage("fp8")
+        except ImportError:
+            self._record(StageResult.skipped("fp8", "not built into this version of vaeopt"))
+            return
+        ok, why = mod.available(self.device)
+        if not ok:
+            self._record(StageResult.skipped("fp8", why))
+            return
+        self._record(mod.apply(self.model, family=self.family, gate_db=self.opts.gate_db, device=self.device,
+                               dtype=self.dtype))
+
+    # ---- planning -----------------------------------------------------------------------------------------
+    def plan(self, latent_shape: tuple) -> planner.Plan:
+        o = self.opts
+        p = planner.plan_decode(self.family, self.model, tuple(latent_shape), self.dtype, self.device,
+                                vram_budget_gb=o.vram_budget_gb, tile=o.tile, chunk=o.chunk, tiling=o.tiling)
+        return p
+
+    def graphs_decision(self, repeats: int, plan: planner.Plan) -> tuple[bool, str]:
+        o = self.opts
+        ok, why = self._stage("graphs").available(self.device)
+        if o.graphs == "off":
+            return False, "off"
+        if not ok:
+            return False, why
+        if plan.mode != "whole":
+            return False, f"{plan.mode} decode: graphs are captured for whole decodes only"
+        if self.family.is_video:
+            return False, "video decodes loop over chunks in Python; per-chunk graphs are not implemented yet"
+        if o.graphs == "on":
+            return True, "forced on"
+        if repeats < GRAPH_MIN_REPEATS:
+            return False, (f"{repeats} decode(s) of this shape: capture costs a warm-up decode and pays only from "
+                           f"{GRAPH_MIN_REPEATS} same-shape decodes (--graphs on to force)")
+        return True, f"{repeats} decodes of the same shape"
+
+    def enable_graphs(self, reason: str) -> None:
+        mod = self._stage("graphs")
+        self.graphed, r = mod.apply(self._decode_whole_raw, self.device)
+        r.detail += f" ({reason})"
+        self._record(r)
+
+    # ---- decoding -----------------------------------------------------------------------------------------
+    def _decode_whole_raw(self, z: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(z).sample
+
+    def decode(self, z_raw: torch.Tensor, plan: planner.Plan | None = None,
+               progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, DecodeStats]:
+        """Raw latents -> decoded tensor in [-1, 1] (float32 on CPU). Video: (N,3,T,H,W)."""
+        plan = plan or self.plan(tuple(z_raw.shape))
+        stats = DecodeStats()
+        z = z_raw.to(self.device, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if self.family.is_video:
+                out = self._decode_video(z, plan, progress)
+            else:
+                out = self._decode_image(z, plan, stats, progress)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        stats.seconds = time.perf_counter() - t0
+        return out.float().cpu(), stats
+
+    def _decode_image(self, z, plan, stats: DecodeStats, progress) -> torch.Tensor:
+        from vaeopt import tiling
+
+        if plan.mode == "tiled":
+            return tiling.tiled_decode(self.model, z, tile=plan.tile, progress=progress)
+        try:
+            fn = self.graphed or self._decode_whole_raw
+            return fn(z)
+        except torch.cuda.OutOfMemoryError:
+            # OOM: free what the failed attempt held, shrink to a tiled plan at half the estimate, and go on.
+            torch.cuda.empty_cache()
+            budget = int(plan.est_bytes * 0.5)
+            tile = planner._largest_tile(self.family, self.model, tuple(z.shape), self.dtype, budget)
+            stats.retries.append(f"out of memory in whole decode (est. {planner.gib(plan.est_bytes)}): "
+                                 f"retrying tiled with {tile * self.family.spatial_factor}px tiles")
+            self.log("↩ " + stats.retries[-1])
+            return tiling.tiled_decode(self.model, z, tile=tile, progress=progress)
+
+    def _decode_video(self, z, plan, progress) -> torch.Tensor:
+        from vaeopt import video
+
+        return video.decode_video(self.model, z, chunk=plan.chunk or 1)
+
+    def iter_video(self, z_raw: torch.Tensor, plan: planner.Plan) -> Iterator[torch.Tensor]:
+        """Stream uint8 (T,H,W,3) frame groups of the first clip in the batch, for MP4 writing."""
+        from vaeopt import video
+
+        z = z_raw.to(self.device, self.dtype)
+        with torch.inference_mode():
+            yield from video.iter_decode_video(self.model, z, chunk=plan.chunk or 1)

@@ -1,0 +1,67 @@
+"""channels_last / channels_last_3d: decoder conv weights and activations in NHWC / NDHWC.
+
+Only pays together with NHWC-native norm kernels (fused_norms): aten GroupNorm relayouts NHWC inputs, which made a
+channels_last SDXL decode slower in eager mode (84.5 -> 127.6 ms on an H200, shared/ANCHORS.md). The pipeline
+applies this stage only when the fused norms are applied too, unless forced.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vaeopt.stages import StageResult
+
+NAME = "channels_last"
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, "CPU decode: NHWC convs are not faster on CPU"
+    return True, ""
+
+
+def _decoder_parts(model: nn.Module) -> list[nn.Module]:
+    return [m for m in (getattr(model, "post_quant_conv", None), getattr(model, "decoder", None)) if m is not None]
+
+
+def _to_layout(x: torch.Tensor) -> torch.Tensor:
+    if x.ndim == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    if x.ndim == 5:
+        return x.contiguous(memory_format=torch.channels_last_3d)
+    return x
+
+
+def apply(model: nn.Module, **_) -> StageResult:
+    n2 = n3 = 0
+    for part in _decoder_parts(model):
+        for m in part.modules():
+            if isinstance(m, nn.Conv2d):
+                m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
+                n2 += 1
+            elif isinstance(m, nn.Conv3d):
+                m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
+                n3 += 1
+    # The decoder's input arrives NCHW from the caller: relayout once at the entry.
+    first = _decoder_parts(model)[0]
+    handle = first.register_forward_pre_hook(lambda mod, args: (_to_layout(args[0]),) + tuple(args[1:]))
+    model._vaeopt_cl_hook = handle
+    parts = []
+    if n2:
+        parts.append(f"{n2} Conv2d to channels_last")
+    if n3:
+        parts.append(f"{n3} Conv3d to channels_last_3d")
+    return StageResult(NAME, "applied", "converted " + ", ".join(parts) + "; input relayout once at the decoder entry",
+                       {"conv2d": n2, "conv3d": n3})
+
+
+def revert(model: nn.Module) -> None:
+    h = getattr(model, "_vaeopt_cl_hook", None)
+    if h is not None:
+        h.remove()
+        del model._vaeopt_cl_hook
+    for part in _decoder_parts(model):
+        for m in part.modules():
+            if isinstance(m, (nn.Conv2d, nn.Conv3d)):
+                m.weight.data = m.weight.data.contiguous()
