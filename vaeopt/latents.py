@@ -88,6 +88,8 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
+            if "weights_only" not in str(e) and "Unsupported global" not in str(e):
+                raise LatentError(f"{path}: not a readable torch file ({str(e).splitlines()[0][:160]})") from e
             raise LatentError(
                 f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): "
                 f"{str(e).splitlines()[0][:160]}"

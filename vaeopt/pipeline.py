@@ -89,7 +89,14 @@ class Pipeline:
             self.dtype = torch.float32
             self.log("! fp16 overflows in the SDXL VAE (NaN outputs): using fp32 (or pick --dtype bf16)")
         t0 = time.perf_counter()
-        self.model.to(self.device, self.dtype)
+        from diffusers.utils import logging as dlog
+
+        level = dlog.get_verbosity()
+        dlog.set_verbosity_error()  # diffusers warns about `.to(dtype)` on every model; we cast deliberately
+        try:
+            self.model.to(self.device, self.dtype)
+        finally:
+            dlog.set_verbosity(level)
         self._record(StageResult("precision", "applied",
                                  f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
                                  f"({time.perf_counter() - t0:.2f} s to move weights)"))
@@ -140,6 +147,8 @@ class Pipeline:
         return importlib.import_module(f"vaeopt.stages.{name}")
 
     def _fused_available(self) -> tuple[bool, str]:
+        if self.device.type != "cuda" and self.opts.triton == "auto":
+            return False, "CPU decode: Triton kernels would run only through the interpreter (--triton on forces it)"
         try:
             mod = self._stage("fused_norms")
         except ImportError as e:

@@ -90,12 +90,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def default_tile(device: torch.device) -> int:
+    """Elements per program tile: 4096 suits a GPU SM; the CPU interpreter wants few, big programs."""
+    return 4096 if device.type == "cuda" else 1 << 17
+
+
 def n_programs_target(device: torch.device) -> int:
     """How many programs a split reduction should launch: a few waves of the GPU's SMs; few on the (slow)
     CPU interpreter, where each program costs real time."""
     if device.type == "cuda":
         return 8 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 8
+    return 1
 
 
 # Re-exports. Imported here, after the helpers the kernel modules need, and bound last: a function named like its
@@ -108,4 +113,4 @@ if _triton is not None:  # our own import errors must surface, so only triton's 
     from vaeopt.kernels.group_norm_silu import group_norm_silu, group_norm_silu_reference
     from vaeopt.kernels.rms_norm_silu import rms_norm_silu, rms_norm_silu_reference
 
-__all__ = ["triton_available", "flat_layout", "new_like", "n_programs_target", *_EXPORTS]
+__all__ = ["triton_available", "flat_layout", "new_like", "default_tile", "n_programs_target", *_EXPORTS]

@@ -1,6 +1,6 @@
 """Fused GroupNorm (+ optional SiLU) for NCHW / NHWC / NCDHW / NDHWC activations, output in the input's layout.
 
-Why: aten's GroupNorm reduces with one CUDA block per (sample, group) — 32 blocks on a 132-SM GPU for a batch-1 VAE —
+Why: aten GroupNorm reduces with one CUDA block per (sample, group) — 32 blocks on a 132-SM GPU for a batch-1 VAE —
 and relayouts channels_last inputs to NCHW and back; SiLU is one more full read+write. Here:
 
   1. stats     many programs per (n, group): each reduces a chunk to (count, mean, M2). Sums are taken around a
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels import flat_layout, n_programs_target, new_like
+from vaeopt.kernels import default_tile, flat_layout, n_programs_target, new_like
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,45 +31,48 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _stats_cf_kernel(
     x_ptr,  # [N, G, L]: sample n at x_ptr + n*stride_n, group g is the contiguous run [g*L, (g+1)*L)
-    part_ptr,  # [3, N*G, n_chunks] fp32: count, mean, M2 of each chunk
+    part_ptr,  # [3, NG, n_chunks] fp32: count, mean, M2 of each chunk
+    NG,
     L,
     stride_n,
     G,
     n_chunks,
     iters,  # blocks per chunk
+    BLOCK_GR: tl.constexpr,  # (n, group) rows per program: 1 for big groups, more when groups are small
     BLOCK: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    ng = tl.program_id(1)
+    ng = tl.program_id(1) * BLOCK_GR + tl.arange(0, BLOCK_GR)
+    ngm = ng < NG
     n = ng // G
     g = ng % G
-    start = chunk.to(tl.int64) * iters * BLOCK  # element offset inside the group
-    base = x_ptr + n.to(tl.int64) * stride_n + g.to(tl.int64) * L + start
-    lim = L - start  # elements of this group from `start` on (>= 1)
+    start = chunk.to(tl.int64) * iters * BLOCK  # element offset inside each group
+    row = x_ptr + n.to(tl.int64) * stride_n + g.to(tl.int64) * L + start  # [BLOCK_GR] pointers
+    lim = L - start  # elements of each group from `start` on (>= 1)
     offs = tl.arange(0, BLOCK)
 
     # Shift by the first block's mean: sum/sumsq of (x - k) stay well-conditioned even when |mean| >> std.
-    m0 = offs < lim
-    x0 = tl.load(base + offs, mask=m0, other=0.0).to(tl.float32)
-    k = tl.sum(x0, axis=0) / tl.sum(m0.to(tl.float32), axis=0)
+    m0 = ngm[:, None] & (offs < lim)[None, :]
+    x0 = tl.load(row[:, None] + offs[None, :], mask=m0, other=0.0).to(tl.float32)
+    k = tl.sum(x0, axis=1) / tl.minimum(lim, BLOCK).to(tl.float32)  # [BLOCK_GR]
 
-    s1 = tl.zeros([BLOCK], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_GR, BLOCK], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_GR, BLOCK], dtype=tl.float32)
     for it in range(iters):
         o = it * BLOCK + offs
-        m = o < lim
-        x = tl.load(base + o, mask=m, other=0.0).to(tl.float32)
-        d = tl.where(m, x - k, 0.0)
+        m = ngm[:, None] & (o < lim)[None, :]
+        x = tl.load(row[:, None] + o[None, :], mask=m, other=0.0).to(tl.float32)
+        d = tl.where(m, x - k[:, None], 0.0)
         s1 += d
         s2 += d * d
     cnt = tl.minimum(lim, iters * BLOCK).to(tl.float32)
-    t1 = tl.sum(s1, axis=0)
-    t2 = tl.sum(s2, axis=0)
+    t1 = tl.sum(s1, axis=1)
+    t2 = tl.sum(s2, axis=1)
     out = part_ptr + ng * n_chunks + chunk
-    plane = n_chunks * tl.num_programs(1)  # N*G*n_chunks
-    tl.store(out, cnt)
-    tl.store(out + plane, k + t1 / cnt)
-    tl.store(out + 2 * plane, tl.maximum(t2 - t1 * t1 / cnt, 0.0))
+    plane = n_chunks * NG
+    tl.store(out, tl.zeros([BLOCK_GR], dtype=tl.float32) + cnt, mask=ngm)
+    tl.store(out + plane, k + t1 / cnt, mask=ngm)
+    tl.store(out + 2 * plane, tl.maximum(t2 - t1 * t1 / cnt, 0.0), mask=ngm)
 
 
 @triton.jit
@@ -86,6 +89,7 @@ def _stats_cl_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    CG_POW2: tl.constexpr,  # CG if it is a power of 2, else 0
 ):
     chunk = tl.program_id(0)
     n = tl.program_id(1)
@@ -99,7 +103,7 @@ def _stats_cl_kernel(
     # Per-channel shift = mean of the chunk's first row block (see _stats_cf_kernel).
     m0 = (rows < lim)[:, None] & cm[None, :]
     x0 = tl.load(base + rows[:, None] * C + cols[None, :], mask=m0, other=0.0).to(tl.float32)
-    k = tl.sum(x0, axis=0) / tl.maximum(tl.sum(m0.to(tl.float32), axis=0), 1.0)  # [BLOCK_C]
+    k = tl.sum(x0, axis=0) / tl.minimum(lim, BLOCK_S).to(tl.float32)  # [BLOCK_C]
 
     # Whole rows are contiguous in memory: loads stay coalesced/vectorized whatever the group size.
     s1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
@@ -117,13 +121,18 @@ def _stats_cl_kernel(
     mean_c = k + t1 / cnt  # [BLOCK_C]
     m2_c = tl.maximum(t2 - t1 * t1 / cnt, 0.0)
 
-    # Channels -> groups with a one-hot [BLOCK_G, BLOCK_C] (once per program): Chan merge of equal-count parts.
+    # Channels -> groups, once per program: Chan merge of equal-count parts.
     ga = tl.arange(0, BLOCK_G)
-    oh = ((cols[None, :] // CG) == ga[:, None]) & cm[None, :]
-    ohf = oh.to(tl.float32)
-    mean_g = tl.sum(ohf * mean_c[None, :], axis=1) / CG  # [BLOCK_G]
-    dev = mean_c[None, :] - mean_g[:, None]
-    m2_g = tl.sum(ohf * (m2_c[None, :] + cnt * dev * dev), axis=1)
+    if CG_POW2 > 0:  # CG_POW2 == CG: the groups tile BLOCK_C exactly -> reshape [BLOCK_G, CG] (real decoder widths)
+        mean_2d = tl.reshape(mean_c, [BLOCK_G, CG_POW2])
+        mean_g = tl.sum(mean_2d, axis=1) / CG_POW2  # [BLOCK_G]
+        dev = mean_2d - mean_g[:, None]
+        m2_g = tl.sum(tl.reshape(m2_c, [BLOCK_G, CG_POW2]) + cnt * dev * dev, axis=1)
+    else:  # odd group sizes: one-hot [BLOCK_G, BLOCK_C] mask
+        ohf = (((cols[None, :] // CG) == ga[:, None]) & cm[None, :]).to(tl.float32)
+        mean_g = tl.sum(ohf * mean_c[None, :], axis=1) / CG
+        dev = mean_c[None, :] - mean_g[:, None]
+        m2_g = tl.sum(ohf * (m2_c[None, :] + cnt * dev * dev), axis=1)
 
     gm = ga < G
     out = part_ptr + (n * G + ga) * n_chunks + chunk
@@ -135,51 +144,55 @@ def _stats_cl_kernel(
 
 @triton.jit
 def _finalize_kernel(
-    part_ptr,  # [3, N*G, n_chunks] fp32
+    part_ptr,  # [3, NG, n_chunks] fp32
     w_ptr,  # [C] affine weight
     mean_ptr,  # [N, C] fp32 out: mean of the channel's group
     a_ptr,  # [N, C] fp32 out: rstd * weight
+    NG,
     C,
     G,
     CG,
     n_chunks,
     eps,
+    BLOCK_NG: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_CG: tl.constexpr,
 ):
-    ng = tl.program_id(0)
-    g = ng % G
-    n = ng // G
-    plane = n_chunks * tl.num_programs(0)
-    base = part_ptr + ng * n_chunks
+    ng = tl.program_id(0) * BLOCK_NG + tl.arange(0, BLOCK_NG)  # (n, group) pairs of this program
+    ngm = ng < NG
+    plane = n_chunks * NG
     p = tl.arange(0, BLOCK_P)
     # Exact parallel merge: mean = sum(n_i mean_i) / n, M2 = sum(M2_i + n_i (mean_i - mean)^2).
-    acc_n = tl.zeros([BLOCK_P], dtype=tl.float32)
-    acc_s = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK_NG, BLOCK_P], dtype=tl.float32)
+    acc_s = tl.zeros([BLOCK_NG, BLOCK_P], dtype=tl.float32)
     for c0 in range(0, n_chunks, BLOCK_P):
-        m = c0 + p < n_chunks
-        cnt = tl.load(base + c0 + p, mask=m, other=0.0)
-        mu = tl.load(base + plane + c0 + p, mask=m, other=0.0)
+        m = ngm[:, None] & (c0 + p < n_chunks)[None, :]
+        off = ng[:, None] * n_chunks + c0 + p[None, :]
+        cnt = tl.load(part_ptr + off, mask=m, other=0.0)
+        mu = tl.load(part_ptr + plane + off, mask=m, other=0.0)
         acc_n += cnt
         acc_s += cnt * mu
-    total = tl.sum(acc_n, axis=0)
-    mean = tl.sum(acc_s, axis=0) / total
-    acc_m2 = tl.zeros([BLOCK_P], dtype=tl.float32)
+    total = tl.maximum(tl.sum(acc_n, axis=1), 1.0)  # [BLOCK_NG]
+    mean = tl.sum(acc_s, axis=1) / total
+    acc_m2 = tl.zeros([BLOCK_NG, BLOCK_P], dtype=tl.float32)
     for c0 in range(0, n_chunks, BLOCK_P):
-        m = c0 + p < n_chunks
-        cnt = tl.load(base + c0 + p, mask=m, other=0.0)
-        mu = tl.load(base + plane + c0 + p, mask=m, other=0.0)
-        m2 = tl.load(base + 2 * plane + c0 + p, mask=m, other=0.0)
-        acc_m2 += m2 + cnt * (mu - mean) * (mu - mean)
-    var = tl.sum(acc_m2, axis=0) / total  # biased, as nn.GroupNorm
+        m = ngm[:, None] & (c0 + p < n_chunks)[None, :]
+        off = ng[:, None] * n_chunks + c0 + p[None, :]
+        cnt = tl.load(part_ptr + off, mask=m, other=0.0)
+        dmu = tl.load(part_ptr + plane + off, mask=m, other=0.0) - mean[:, None]
+        acc_m2 += tl.load(part_ptr + 2 * plane + off, mask=m, other=0.0) + cnt * dmu * dmu
+    var = tl.sum(acc_m2, axis=1) / total  # biased, as nn.GroupNorm
     rstd = 1.0 / tl.sqrt(var + eps)
 
+    n = ng // G
+    g = ng % G
     j = tl.arange(0, BLOCK_CG)
-    jm = j < CG
-    c = g * CG + j
-    w = tl.load(w_ptr + c, mask=jm, other=0.0).to(tl.float32)
-    tl.store(mean_ptr + n * C + c, tl.zeros([BLOCK_CG], dtype=tl.float32) + mean, mask=jm)
-    tl.store(a_ptr + n * C + c, rstd * w, mask=jm)
+    cm = ngm[:, None] & (j < CG)[None, :]
+    c = g[:, None] * CG + j[None, :]  # [BLOCK_NG, BLOCK_CG] channel ids
+    w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    out = n[:, None] * C + c
+    tl.store(mean_ptr + out, tl.zeros([BLOCK_NG, BLOCK_CG], dtype=tl.float32) + mean[:, None], mask=cm)
+    tl.store(a_ptr + out, rstd[:, None] * w, mask=cm)
 
 
 @triton.jit
@@ -215,7 +228,7 @@ def _apply_cf_kernel(
     x = tl.load(x_ptr + xo[:, None] + s[None, :], mask=m, other=0.0).to(tl.float32)
     y = (x - mu[:, None]) * a[:, None] + b[:, None]
     if SILU:
-        y = y * tl.sigmoid(y)
+        y = y / (1.0 + tl.exp(-y))  # SiLU (exp -> inf gives the right limit, -0)
     yo = r.to(tl.int64) * S
     tl.store(y_ptr + yo[:, None] + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
@@ -250,7 +263,7 @@ def _apply_cl_kernel(
     x = tl.load(x_ptr + n.to(tl.int64) * stride_xn + off, mask=m, other=0.0).to(tl.float32)
     y = (x - mu[None, :]) * a[None, :] + b[None, :]
     if SILU:
-        y = y * tl.sigmoid(y)
+        y = y / (1.0 + tl.exp(-y))  # SiLU (exp -> inf gives the right limit, -0)
     tl.store(y_ptr + n.to(tl.int64) * S * C + off, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -266,14 +279,16 @@ def group_norm_silu(
     eps: float = 1e-6,
     silu: bool = True,
     *,
-    tile: int = 4096,
+    tile: int | None = None,
     target_programs: int | None = None,
     num_warps: int | None = None,
+    max_block_p: int = 1024,
 ) -> torch.Tensor:
     """silu(group_norm(x)) (or plain group_norm with silu=False) for x of shape (N, C, *spatial), fp32/bf16/fp16.
 
     Output has x's dtype and memory format. `tile` (elements per block), `target_programs` (stats grid size) and
-    `num_warps` are tuning knobs; tests shrink them to exercise multi-chunk merges on small tensors.
+    `num_warps` are tuning knobs; tests shrink them (and `max_block_p`, partials merged per finalize step) to
+    exercise multi-chunk merges on small tensors.
     """
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"group_norm_silu: dtype {x.dtype} not supported")
@@ -283,13 +298,17 @@ def group_norm_silu(
     G = int(num_groups)
     if C % G:
         raise ValueError(f"group_norm_silu: {C} channels not divisible by {G} groups")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.numel() != C:
+            raise ValueError(f"group_norm_silu: {name} has {t.numel()} values for {C} channels")
     if x.numel() == 0:
         return torch.empty_like(x)
     if x[0].numel() >= 2**31:
         raise ValueError("group_norm_silu: one sample must have < 2**31 elements (int32 in-sample offsets)")
     CG = C // G
     layout = flat_layout(x)
-    if layout is None:  # odd strides (e.g. a sliced channel dim): the one case that relayouts
+    if layout is None or (layout[0] == "cl" and C > 8192):
+        # odd strides (e.g. a sliced channel dim), or channels-last rows too wide for one tile: the only relayout
         x = x.contiguous()
         layout = flat_layout(x)
     kind, S, stride_n = layout
@@ -297,14 +316,16 @@ def group_norm_silu(
     dev = x.device
     w = weight if weight is not None else torch.ones(C, device=dev, dtype=torch.float32)
     b = bias if bias is not None else torch.zeros(C, device=dev, dtype=torch.float32)
+    tile = tile or default_tile(dev)
     target = target_programs or n_programs_target(dev)
     nw = num_warps or _warps(tile)
 
     if kind == "cf":
         L = CG * S
         BLOCK = min(tile, triton.next_power_of_2(L))
+        BLOCK_GR = min(triton.next_power_of_2(N * G), max(1, tile // BLOCK))
         blocks = triton.cdiv(L, BLOCK)
-        iters = max(1, triton.cdiv(N * G * blocks, target))
+        iters = max(1, triton.cdiv(triton.cdiv(N * G, BLOCK_GR) * blocks, target))
         n_chunks = triton.cdiv(blocks, iters)
     else:
         BLOCK_C = triton.next_power_of_2(C)
@@ -315,22 +336,27 @@ def group_norm_silu(
 
     part = torch.empty((3, N * G, n_chunks), device=dev, dtype=torch.float32)
     if kind == "cf":
-        _stats_cf_kernel[(n_chunks, N * G)](x, part, L, stride_n, G, n_chunks, iters, BLOCK=BLOCK, num_warps=nw)
+        _stats_cf_kernel[(n_chunks, triton.cdiv(N * G, BLOCK_GR))](
+            x, part, N * G, L, stride_n, G, n_chunks, iters, BLOCK_GR=BLOCK_GR, BLOCK=BLOCK, num_warps=nw
+        )
     else:
         _stats_cl_kernel[(n_chunks, N)](
             x, part, S, C, CG, G, stride_n, n_chunks, iters,
-            BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, BLOCK_G=triton.next_power_of_2(G), num_warps=nw,
+            BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, BLOCK_G=triton.next_power_of_2(G),
+            CG_POW2=CG if CG & (CG - 1) == 0 else 0, num_warps=nw,
         )  # fmt: skip
 
     mean = torch.empty((N, C), device=dev, dtype=torch.float32)
     a = torch.empty((N, C), device=dev, dtype=torch.float32)
-    _finalize_kernel[(N * G,)](
-        part, w, mean, a, C, G, CG, n_chunks, float(eps),
-        BLOCK_P=min(1024, triton.next_power_of_2(n_chunks)), BLOCK_CG=triton.next_power_of_2(CG), num_warps=1,
+    BLOCK_P = min(max_block_p, triton.next_power_of_2(n_chunks))
+    BLOCK_NG = min(triton.next_power_of_2(N * G), max(1, 2048 // BLOCK_P))  # tiny work: few programs
+    _finalize_kernel[(triton.cdiv(N * G, BLOCK_NG),)](
+        part, w, mean, a, N * G, C, G, CG, n_chunks, float(eps),
+        BLOCK_NG=BLOCK_NG, BLOCK_P=BLOCK_P, BLOCK_CG=triton.next_power_of_2(CG), num_warps=4,
     )  # fmt: skip
 
     if kind == "cf":
-        BS = min(triton.next_power_of_2(S), 1024, tile)
+        BS = min(triton.next_power_of_2(S), max(1024, tile // 4))
         BR = max(1, min(tile // BS, triton.next_power_of_2(N * C)))
         n_s_blocks = triton.cdiv(S, BS)
         n_tiles = n_s_blocks * triton.cdiv(N * C, BR)

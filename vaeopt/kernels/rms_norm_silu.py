@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels import flat_layout, new_like
+from vaeopt.kernels import default_tile, flat_layout, new_like
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,7 +53,7 @@ def _rms_cf_kernel(
         if HAS_BIAS:
             y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[:, None]
         if SILU:
-            y = y * tl.sigmoid(y)
+            y = y / (1.0 + tl.exp(-y))  # SiLU
         tl.store(yb + off, y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -74,7 +74,7 @@ def _rms_cf_kernel(
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[:, None]
             if SILU:
-                y = y * tl.sigmoid(y)
+                y = y / (1.0 + tl.exp(-y))  # SiLU
             tl.store(yb + off, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -113,7 +113,7 @@ def _rms_cl_kernel(
         if HAS_BIAS:
             y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
         if SILU:
-            y = y * tl.sigmoid(y)
+            y = y / (1.0 + tl.exp(-y))  # SiLU
         tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -133,7 +133,7 @@ def _rms_cl_kernel(
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
             if SILU:
-                y = y * tl.sigmoid(y)
+                y = y / (1.0 + tl.exp(-y))  # SiLU
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -145,7 +145,7 @@ def rms_norm_silu(
     silu: bool = True,
     *,
     scale: float | None = None,
-    tile: int = 4096,
+    tile: int | None = None,
     max_block_c: int = 1024,
     num_warps: int | None = None,
 ) -> torch.Tensor:
@@ -165,6 +165,8 @@ def rms_norm_silu(
         raise ValueError(f"rms_norm_silu: gamma has {g.numel()} values for {C} channels")
     if isinstance(bias, torch.Tensor):
         b, has_bias = bias.reshape(-1), True
+        if b.numel() != C:
+            raise ValueError(f"rms_norm_silu: bias has {b.numel()} values for {C} channels")
     elif bias:  # a nonzero number
         b, has_bias = torch.full((C,), float(bias), device=x.device, dtype=torch.float32), True
     else:
@@ -180,6 +182,7 @@ def rms_norm_silu(
         layout = flat_layout(x)
     kind, S, stride_n = layout
     y = new_like(x, kind)
+    tile = tile or default_tile(x.device)
     BLOCK_C = min(triton.next_power_of_2(C), max_block_c)
     one_pass = triton.next_power_of_2(C) <= max_block_c
     if kind == "cf":

@@ -1,0 +1,146 @@
+"""rms_norm_silu kernel vs diffusers' WanRMS_norm (+ SiLU) over reduced Wan shapes, odd shapes, layouts, dtypes.
+
+The reference is WanRMS_norm's own computation (F.normalize in fp32, downcast, * scale * gamma + bias) and, for the
+accuracy rules, the same in fp64. CPU runs use the Triton interpreter; "cuda" repeats every check on a GPU.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vaeopt.kernels import triton_available
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+SHAPES = [
+    (1, 96, 2, 12, 16),  # Wan 2.1 decoder's 96-ch level (NCDHW), 2 frames, scaled-down frame
+    (1, 384, 1, 4, 6),  # Wan's 384-ch level: C not a power of 2 (padded to 512 lanes), 1 frame (per-chunk decode)
+    (2, 48, 3, 5, 7),  # batch 2, prime T/H/W
+    (1, 20, 9, 11),  # 4-D (b*t, c, h, w) as WanAttentionBlock calls its norm; prime H/W
+    (1, 7, 2, 3, 5),  # 7 channels (prime, < 16 lanes)
+]
+
+
+def _need(device):
+    ok, why = triton_available(device)
+    if not ok:
+        pytest.skip(why)
+
+
+def _layout(x, layout):
+    if layout == "cl":  # channels_last(_3d) memory
+        return x.movedim(1, -1).contiguous().movedim(-1, 1)
+    return x.contiguous()
+
+
+def _same_format(y, x):
+    return [st for st, n in zip(y.stride(), y.shape) if n > 1] == [st for st, n in zip(x.stride(), x.shape) if n > 1]
+
+
+def _wan_rms_silu(x, gamma, bias, silu=True, eps=1e-12):
+    """diffusers WanRMS_norm.forward (channel_first) + SiLU, in x's dtype."""
+    shape = (x.shape[1],) + (1,) * (x.dim() - 2)
+    upcast = x.dtype in (torch.float16, torch.bfloat16)
+    y = F.normalize(x.float() if upcast else x, dim=1, eps=eps).to(x.dtype)
+    y = y * x.shape[1] ** 0.5 * gamma.reshape(shape) + (bias.reshape(shape) if isinstance(bias, torch.Tensor) else bias)
+    return F.silu(y) if silu else y
+
+
+def _ref64(x, gamma, bias, silu=True, eps=1e-12):
+    b = bias.double() if isinstance(bias, torch.Tensor) else bias
+    return _wan_rms_silu(x.double(), gamma.double(), b, silu, eps)
+
+
+def _inputs(shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+    x = (torch.randn(shape, generator=g) * 2 + 0.3).to(device=device, dtype=dtype)
+    gamma = (torch.rand(C, generator=g) + 0.5).to(device=device, dtype=dtype)
+    bias = (torch.randn(C, generator=g) * 0.3).to(device=device, dtype=dtype)
+    return x, gamma, bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp32_matches_wan_rms_norm(device, layout, shape):
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+
+    x, gamma, bias = _inputs(shape, torch.float32, device)
+    x = _layout(x, layout)
+    g4 = gamma.reshape(-1, *([1] * (x.dim() - 2)))  # WanRMS_norm's gamma shape (C, 1, 1[, 1])
+    y = rms_norm_silu(x, g4, 0.0)  # Wan's default: bias = 0.0 (a float)
+    assert y.dtype == x.dtype and _same_format(y, x)
+    torch.testing.assert_close(y.double(), _ref64(x, gamma, 0.0), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(y, _wan_rms_silu(x, gamma, 0.0), atol=2e-5, rtol=2e-5)
+    y = rms_norm_silu(x, gamma, bias)  # with a bias tensor
+    torch.testing.assert_close(y.double(), _ref64(x, gamma, bias), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_low_precision_within_2x_torch(device, dtype, layout, shape):
+    """bf16/fp16 (gamma in the same dtype, as in a bf16 model): kernel error vs fp64 <= 2x diffusers' own + floor."""
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+
+    x, gamma, bias = _inputs(shape, dtype, device, seed=1)
+    x = _layout(x, layout)
+    y = rms_norm_silu(x, gamma, bias)
+    assert y.dtype == dtype and _same_format(y, x)
+    ref = _ref64(x, gamma, bias)
+    err = (y.double() - ref).abs().max().item()
+    err_torch = (_wan_rms_silu(x, gamma, bias).double() - ref).abs().max().item()
+    assert err <= 2 * err_torch + FLOOR[dtype], (err, err_torch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_two_loop_path_for_wide_channels(device, layout):
+    """C wider than one tile (Wan 2.2's 1024-ch level, here forced with max_block_c=32; 100 = 3 full + 1 partial)."""
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+
+    x, gamma, bias = _inputs((2, 100, 1, 3, 5), torch.float32, device, seed=2)
+    x = _layout(x, layout)
+    y = rms_norm_silu(x, gamma, bias, max_block_c=32)
+    torch.testing.assert_close(y.double(), _ref64(x, gamma, bias), atol=2e-5, rtol=2e-5)
+    y = rms_norm_silu(x, gamma, 0.25, silu=False, max_block_c=32)  # a nonzero float bias, no SiLU
+    torch.testing.assert_close(y.double(), _ref64(x, gamma, 0.25, silu=False), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_only_eps_and_zero_vectors(device):
+    """silu=False (attention norm); an all-zero channel vector divides by eps like F.normalize (-> bias only);
+    a custom eps larger than some norms."""
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+
+    x, gamma, bias = _inputs((1, 16, 2, 4, 5), torch.float32, device, seed=3)
+    x[:, :, 0, 1, 2] = 0.0
+    x[:, :, 1, 0, 0] *= 1e-4
+    y = rms_norm_silu(x, gamma, bias, silu=False)
+    torch.testing.assert_close(y.double(), _ref64(x, gamma, bias, silu=False), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(y[0, :, 0, 1, 2], bias)
+    y = rms_norm_silu(x, gamma, bias, eps=1e-2)
+    torch.testing.assert_close(y.double(), _ref64(x, gamma, bias, eps=1e-2), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("shape", [(1, 384, 2, 60, 104), (1, 96, 4, 240, 416)])  # real Wan 480p activations
+def test_gpu_real_shapes_bf16(layout, shape):
+    _need("cuda")
+    from vaeopt.kernels import rms_norm_silu
+
+    x, gamma, bias = _inputs(shape, torch.bfloat16, "cuda", seed=4)
+    x = _layout(x, layout)
+    y = rms_norm_silu(x, gamma, 0.0)
+    ref = _ref64(x, gamma, 0.0)
+    err = (y.double() - ref).abs().max().item()
+    err_torch = (_wan_rms_silu(x, gamma, 0.0).double() - ref).abs().max().item()
+    assert _same_format(y, x) and err <= 2 * err_torch + FLOOR[torch.bfloat16], (err, err_torch)

@@ -1,0 +1,563 @@
+"""vaeopt.loading: every family at reduced width, saved in every layout that applies, loaded back; error cases; the
+trained sample checkpoints. CPU only, no network."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vaeopt.errors import CheckpointError
+from vaeopt.families import build_model, family_names, get_family
+from vaeopt.loading import detect, load_vae, read_state_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "samples"
+WAN_SAMPLE_CONFIG = ROOT.parent / "shared" / "data" / "tiny_wan_video.config.json"
+
+KL = ("sd15", "sd2", "sdxl", "sd3", "flux")
+SMALL = {
+    **{f: dict(block_out_channels=[32, 32, 64, 64], norm_num_groups=8, layers_per_block=1) for f in KL},
+    "wan21": dict(base_dim=8),
+    "wan22": dict(base_dim=8, decoder_base_dim=16),
+    "hunyuanvideo": dict(block_out_channels=[16, 16, 32, 32], norm_num_groups=8, layers_per_block=1),
+    "taesd": dict(encoder_block_out_channels=[16] * 4, decoder_block_out_channels=[16] * 4),
+    "taesdxl": dict(encoder_block_out_channels=[16] * 4, decoder_block_out_channels=[16] * 4),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# helpers: small models and the layouts they are saved in
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def small_model(fam: str):
+    torch.manual_seed(sum(map(ord, fam)))
+    spec = get_family(fam)
+    model = build_model(spec, **SMALL[fam])
+    with torch.no_grad():  # make every tensor distinct, so a swapped mapping cannot go unnoticed
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    cfg = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    return model, cfg
+
+
+def latent_for(fam: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    c = get_family(fam).latent_channels
+    if fam.startswith("wan") or fam == "hunyuanvideo":
+        return torch.randn(1, c, 2, 4, 4, generator=g)
+    return torch.randn(1, c, 8, 8, generator=g)
+
+
+def decode(model, z):
+    with torch.no_grad():
+        return model.decode(z).sample
+
+
+def to_ldm(sd: dict, video: bool = False) -> dict:
+    """diffusers AutoencoderKL / HunyuanVideo keys -> original LDM keys (inverse of diffusers' converter)."""
+    n_up = 1 + max(int(m[1]) for k in sd if (m := re.match(r"^decoder\.up_blocks\.(\d+)\.", k)))
+    attn = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+    out = {}
+    for k, v in sd.items():
+        nk = k
+        if m := re.match(r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.+)$", k):
+            nk = f"encoder.down.{m[1]}.block.{m[2]}.{m[3]}"
+        elif m := re.match(r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.(.+)$", k):
+            nk = f"encoder.down.{m[1]}.downsample.{m[2]}"
+        elif m := re.match(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)$", k):
+            nk = f"decoder.up.{n_up - 1 - int(m[1])}.block.{m[2]}.{m[3]}"
+        elif m := re.match(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)$", k):
+            nk = f"decoder.up.{n_up - 1 - int(m[1])}.upsample.{m[2]}"
+        elif m := re.match(r"^(encoder|decoder)\.mid_block\.resnets\.(\d+)\.(.+)$", k):
+            nk = f"{m[1]}.mid.block_{int(m[2]) + 1}.{m[3]}"
+        elif m := re.match(r"^(encoder|decoder)\.mid_block\.attentions\.0\.(group_norm|to_[qkv]|to_out\.0)\.(.+)$", k):
+            nk = f"{m[1]}.mid.attn_1.{attn[m[2]]}.{m[3]}"
+            if m[3] == "weight" and m[2] != "group_norm":  # LDM attention is 1x1 convs
+                v = v.reshape(*v.shape, *([1] * (3 if video else 2)))
+        elif m := re.match(r"^(encoder|decoder)\.conv_norm_out\.(.+)$", k):
+            nk = f"{m[1]}.norm_out.{m[2]}"
+        out[nk.replace("conv_shortcut", "nin_shortcut")] = v.clone()
+    return out
+
+
+_RES_INV = {
+    "norm1.gamma": "residual.0.gamma",
+    "conv1.weight": "residual.2.weight",
+    "conv1.bias": "residual.2.bias",
+    "norm2.gamma": "residual.3.gamma",
+    "conv2.weight": "residual.6.weight",
+    "conv2.bias": "residual.6.bias",
+    "conv_shortcut.weight": "shortcut.weight",
+    "conv_shortcut.bias": "shortcut.bias",
+}
+
+
+def to_wan_original(sd: dict, num_res_blocks: int = 2, nested: bool = False) -> dict:
+    """diffusers AutoencoderKLWan keys -> the original Wan 2.1 (flat) or Wan 2.2 (nested) .pth keys."""
+    out = {}
+    for k, v in sd.items():
+        nk = None
+        top = {"quant_conv": "conv1", "post_quant_conv": "conv2"}
+        if (m := re.match(r"^(quant_conv|post_quant_conv)\.(.+)$", k)):
+            nk = f"{top[m[1]]}.{m[2]}"
+        elif m := re.match(r"^(encoder|decoder)\.conv_in\.(.+)$", k):
+            nk = f"{m[1]}.conv1.{m[2]}"
+        elif m := re.match(r"^(encoder|decoder)\.norm_out\.gamma$", k):
+            nk = f"{m[1]}.head.0.gamma"
+        elif m := re.match(r"^(encoder|decoder)\.conv_out\.(.+)$", k):
+            nk = f"{m[1]}.head.2.{m[2]}"
+        elif m := re.match(r"^(encoder|decoder)\.mid_block\.resnets\.(\d)\.(.+)$", k):
+            nk = f"{m[1]}.middle.{2 * int(m[2])}.{_RES_INV[m[3]]}"
+        elif m := re.match(r"^(encoder|decoder)\.mid_block\.attentions\.0\.(.+)$", k):
+            nk = f"{m[1]}.middle.1.{m[2]}"
+        elif not nested and (m := re.match(r"^encoder\.down_blocks\.(\d+)\.(.+)$", k)):
+            nk = f"encoder.downsamples.{m[1]}.{_RES_INV.get(m[2], m[2])}"
+        elif not nested and (m := re.match(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)$", k)):
+            nk = f"decoder.upsamples.{int(m[1]) * (num_res_blocks + 2) + int(m[2])}.{_RES_INV[m[3]]}"
+        elif not nested and (m := re.match(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)$", k)):
+            nk = f"decoder.upsamples.{int(m[1]) * (num_res_blocks + 2) + num_res_blocks + 1}.{m[2]}"
+        elif nested and (m := re.match(r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.+)$", k)):
+            nk = f"encoder.downsamples.{m[1]}.downsamples.{m[2]}.{_RES_INV[m[3]]}"
+        elif nested and (m := re.match(r"^encoder\.down_blocks\.(\d+)\.downsampler\.(.+)$", k)):
+            nk = f"encoder.downsamples.{m[1]}.downsamples.{num_res_blocks}.{m[2]}"
+        elif nested and (m := re.match(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)$", k)):
+            nk = f"decoder.upsamples.{m[1]}.upsamples.{m[2]}.{_RES_INV[m[3]]}"
+        elif nested and (m := re.match(r"^decoder\.up_blocks\.(\d+)\.upsampler\.(.+)$", k)):
+            nk = f"decoder.upsamples.{m[1]}.upsamples.{num_res_blocks + 1}.{m[2]}"
+        assert nk is not None, k
+        out[nk] = v.clone()
+    return out
+
+
+def to_taesd_decoder(sd: dict) -> dict:
+    """diffusers AutoencoderTiny -> original taesd_decoder.pth keys (index + 1: the original starts with a Clamp)."""
+    out = {}
+    for k, v in sd.items():
+        if m := re.match(r"^decoder\.layers\.(\d+)\.(.+)$", k):
+            out[f"{int(m[1]) + 1}.{m[2]}"] = v.clone()
+    return out
+
+
+def decoder_tensors(sd: dict) -> dict:
+    return {k: v for k, v in sd.items() if k.startswith(("decoder.", "post_quant_conv."))}
+
+
+def assert_same_decoder(loaded, ref_model, z=None, fam=None):
+    got = loaded.model.state_dict()
+    ref = decoder_tensors(ref_model.state_dict())
+    assert set(decoder_tensors(got)) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v.to(got[k].dtype)), k
+    if z is not None:
+        torch.testing.assert_close(decode(loaded.model, z), decode(ref_model, z), rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny tensors: on a shared 2-core box, thread-pool wake-ups cost more than the work (~100x here).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {f: small_model(f) for f in family_names()}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# every family, every layout
+# ----------------------------------------------------------------------------------------------------------------------
+
+def _save_st(path: Path, sd: dict, metadata: dict | None = None) -> Path:
+    save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(path), metadata=metadata)
+    return path
+
+
+@pytest.mark.parametrize("fam", family_names())
+def test_diffusers_single_file_and_dir(fam, models, tmp_path):
+    model, cfg = models[fam]
+    sd = model.state_dict()
+    meta = {"config": json.dumps(cfg)}
+    if fam == "taesdxl":  # TAESD and TAESDXL configs are identical: only a name can tell
+        meta["modelspec.title"] = "TAESDXL"
+    f = _save_st(tmp_path / "diffusion_pytorch_model.safetensors", sd, meta)
+    r = load_vae(f)
+    assert (r.family.name, r.layout) == (fam, "diffusers"), r.notes
+    assert r.dtype_on_disk == torch.float32
+    assert not any(p.requires_grad for p in r.model.parameters()) and not r.model.training
+    assert_same_decoder(r, model, latent_for(fam))
+    for k, v in model.state_dict().items():  # encoder too
+        assert torch.equal(r.model.state_dict()[k], v), k
+
+    d = tmp_path / (f"{fam}-model" if fam == "taesdxl" else "some-model")
+    model.save_pretrained(d)
+    r = load_vae(d)
+    assert (r.family.name, r.layout) == (fam, "diffusers-dir"), r.notes
+    assert_same_decoder(r, model)
+    # a pipeline directory: <dir>/vae/
+    pipe = tmp_path / ("pipe-taesdxl" if fam == "taesdxl" else "pipe")
+    (pipe / "vae").mkdir(parents=True)
+    (pipe / "model_index.json").write_text("{}")
+    for p in d.iterdir():
+        (pipe / "vae" / p.name).write_bytes(p.read_bytes())
+    r = load_vae(pipe)
+    assert (r.family.name, r.layout) == (fam, "diffusers-dir")
+
+
+LDM_NAMES = {  # file name -> the family it should be guessed as
+    "sd15": "vae-ft-mse-840000-ema-pruned.safetensors",  # no hint: the documented default
+    "sd2": "v2-1_768_vae.safetensors",
+    "sdxl": "sdxl_vae.safetensors",
+    "sd3": "sd3.5_vae.safetensors",
+    "flux": "ae.safetensors",
+    "hunyuanvideo": "hunyuan_video_vae_bf16.safetensors",
+}
+
+
+@pytest.mark.parametrize("fam", list(LDM_NAMES))
+def test_ldm_layout_guessed_from_file_name(fam, models, tmp_path):
+    model, cfg = models[fam]
+    ldm = to_ldm(model.state_dict(), video=fam == "hunyuanvideo")
+    f = _save_st(tmp_path / LDM_NAMES[fam], ldm)
+    r = load_vae(f, config={"norm_num_groups": 8})  # a group count is not visible in the weights
+    assert (r.family.name, r.layout) == (fam, "ldm"), r.notes
+    assert r.family.config["block_out_channels"] == cfg["block_out_channels"]
+    assert r.family.config["layers_per_block"] == 1
+    assert_same_decoder(r, model, latent_for(fam))
+    if fam == "sd15":
+        assert any("family sd15 assumed" in n and "family='sdxl'" in n for n in r.notes)
+    elif fam != "hunyuanvideo":
+        assert any(f"guessed from file name '{LDM_NAMES[fam]}'" in n for n in r.notes)
+    if fam in ("sd15", "sdxl", "hunyuanvideo"):
+        assert any("reshaped to linear" in n for n in r.notes)
+
+
+FULL_CKPT_KEYS = {  # other weights of a full checkpoint -> family
+    "sd15": "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight",
+    "sd2": "cond_stage_model.model.token_embedding.weight",
+    "sdxl": "conditioner.embedders.1.model.token_embedding.weight",
+    "sd3": "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight",
+    "flux": "model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
+}
+
+
+@pytest.mark.parametrize("fam", list(FULL_CKPT_KEYS))
+def test_full_checkpoint_with_first_stage_model_prefix(fam, models, tmp_path):
+    model, cfg = models[fam]
+    sd = {f"first_stage_model.{k}": v for k, v in to_ldm(model.state_dict()).items()}
+    sd["model.diffusion_model.input_blocks.0.0.weight"] = torch.zeros(8, 4, 3, 3)
+    sd[FULL_CKPT_KEYS[fam]] = torch.zeros(4, 4)
+    sd["model_ema.decay"] = torch.tensor(0.999)
+    if fam == "sd15":  # an A1111-era .ckpt: a pickle with a "state_dict" nesting, read with weights_only=True
+        f = tmp_path / "model.ckpt"
+        torch.save({"state_dict": sd, "global_step": 470000}, f)
+    else:
+        f = _save_st(tmp_path / "model.safetensors", sd)
+    r = load_vae(f, config={"norm_num_groups": 8})
+    assert (r.family.name, r.layout) == (fam, "ldm+first_stage_model"), r.notes
+    assert any("other weights" in n for n in r.notes)
+    assert_same_decoder(r, model)
+
+
+@pytest.mark.parametrize("fam", ["wan21", "wan22"])
+def test_wan_original_layout(fam, models, tmp_path):
+    model, cfg = models[fam]
+    orig = to_wan_original(model.state_dict(), nested=fam == "wan22")
+    f = tmp_path / ("Wan2.2_VAE.pth" if fam == "wan22" else "Wan2.1_VAE.pth")
+    torch.save(orig, f)
+    r = load_vae(f)
+    assert (r.family.name, r.layout) == (fam, "wan-original"), r.notes
+    for k in ("base_dim", "z_dim", "dim_mult", "num_res_blocks", "temperal_downsample", "is_residual"):
+        assert r.family.config[k] == cfg[k], k
+    assert r.family.config["decoder_base_dim"] == (16 if fam == "wan22" else 8)
+    assert any("widths inferred from shapes" in n for n in r.notes)
+    assert_same_decoder(r, model, latent_for(fam))
+
+
+@pytest.mark.parametrize("fam,name", [("taesd", "taesd_decoder.pth"), ("taesdxl", "taesdxl_decoder.safetensors")])
+def test_taesd_original_decoder_only(fam, name, models, tmp_path):
+    model, cfg = models[fam]
+    f = tmp_path / name
+    dec = to_taesd_decoder(model.state_dict())
+    torch.save(dec, f) if name.endswith(".pth") else _save_st(f, dec)
+    r = load_vae(f)
+    assert (r.family.name, r.layout) == (fam, "taesd-original"), r.notes
+    assert "encoder weights absent: decode only" in r.notes
+    assert r.family.config["decoder_block_out_channels"] == [16] * 4
+    assert_same_decoder(r, model, latent_for(fam))
+    assert all(torch.isfinite(p).all() for p in r.model.encoder.parameters())
+
+
+def test_sharded_diffusers_dir(models, tmp_path):
+    model, _ = models["sd3"]
+    model.save_pretrained(tmp_path / "sd3-vae", max_shard_size="1MB")
+    assert (tmp_path / "sd3-vae" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    r = load_vae(tmp_path / "sd3-vae")
+    assert (r.family.name, r.layout) == ("sd3", "diffusers-dir")
+    assert_same_decoder(r, model)
+
+
+def test_comfyui_combined_taesd(models, tmp_path):
+    model, cfg = models["taesd"]
+    sd = {f"taesd_decoder.{k}": v for k, v in to_taesd_decoder(model.state_dict()).items()}
+    for k, v in model.state_dict().items():
+        if m := re.match(r"^encoder\.layers\.(.+)$", k):
+            sd[f"taesd_encoder.{m[1]}"] = v
+    sd["vae_scale"] = torch.tensor(1.0)
+    r = load_vae(_save_st(tmp_path / "taesd.safetensors", sd))
+    assert (r.family.name, r.layout) == ("taesd", "taesd-original+taesd_decoder")
+    assert not any("decode only" in n for n in r.notes)
+    for k, v in model.state_dict().items():
+        assert torch.equal(r.model.state_dict()[k], v), k
+
+
+def test_hunyuan_with_vae_prefix(models, tmp_path):
+    model, _ = models["hunyuanvideo"]
+    f = tmp_path / "pytorch_model.pt"
+    torch.save({"state_dict": {f"vae.{k}": v for k, v in model.state_dict().items()}}, f)
+    r = load_vae(f, config={"norm_num_groups": 8})
+    assert (r.family.name, r.layout) == ("hunyuanvideo", "diffusers+vae")
+    assert_same_decoder(r, model)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# special cases
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_pruned_decoder_only_kl(models, tmp_path):
+    model, cfg = models["sdxl"]
+    f = _save_st(tmp_path / "sdxl_vae_decoder_only.safetensors", decoder_tensors(to_ldm(model.state_dict())))
+    r = load_vae(f, config={"norm_num_groups": 8})
+    assert (r.family.name, r.layout) == ("sdxl", "ldm")
+    assert "encoder weights absent: decode only" in r.notes
+    assert r.family.config["use_quant_conv"] and r.family.config["use_post_quant_conv"]
+    assert_same_decoder(r, model, latent_for("sdxl"))
+    assert all(torch.isfinite(p).all() for p in r.model.encoder.parameters())
+
+
+def test_pruned_decoder_only_wan22(models, tmp_path):
+    model, cfg = models["wan22"]
+    f = _save_st(tmp_path / "wan2.2_vae_decoder.safetensors", decoder_tensors(model.state_dict()))
+    r = load_vae(f)
+    assert (r.family.name, r.layout) == ("wan22", "diffusers")
+    assert "encoder weights absent: decode only" in r.notes
+    assert r.family.config["base_dim"] == r.family.config["decoder_base_dim"] == 16  # small encoder, left at init
+    assert_same_decoder(r, model, latent_for("wan22"))
+
+
+def test_old_attention_names_and_conv_shapes(models, tmp_path):
+    model, cfg = models["sd15"]
+    old = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+    sd = {}
+    for k, v in model.state_dict().items():
+        if m := re.match(r"^(.*\.attentions\.0\.)(to_q|to_k|to_v|to_out\.0)\.(weight|bias)$", k):
+            k = f"{m[1]}{old[m[2]]}.{m[3]}"
+            v = v[:, :, None, None] if m[3] == "weight" else v
+        sd[k] = v
+    f = _save_st(tmp_path / "old.safetensors", sd, {"config": json.dumps(cfg)})
+    r = load_vae(f)
+    assert any("old attention names" in n for n in r.notes)
+    assert_same_decoder(r, model, latent_for("sd15"))
+
+
+@pytest.mark.parametrize("disk", [torch.float16, torch.bfloat16])
+def test_half_precision_on_disk(disk, models, tmp_path):
+    model, cfg = models["flux"]
+    sd = {k: v.to(disk) for k, v in model.state_dict().items()}
+    f = _save_st(tmp_path / "flux_vae.safetensors", sd, {"config": json.dumps(cfg)})
+    r = load_vae(f, dtype=torch.bfloat16)
+    assert r.dtype_on_disk == disk and r.family.name == "flux"
+    assert next(r.model.parameters()).dtype == torch.bfloat16
+    for k, v in sd.items():
+        assert torch.equal(r.model.state_dict()[k], v.to(torch.bfloat16)), k
+
+
+def test_family_argument_and_explicit_config(models, tmp_path):
+    model, cfg = models["sd15"]
+    f = _save_st(tmp_path / "vae.safetensors", to_ldm(model.state_dict()))
+    r = load_vae(f, family="sdxl", config={"norm_num_groups": 8})
+    assert r.family.name == "sdxl" and r.family.config["scaling_factor"] == 0.13025
+    assert "family sdxl as requested" in r.notes
+    # a config file overrides: scaling factor and group count come from it
+    cf = tmp_path / "cfg.json"
+    cf.write_text(json.dumps({"norm_num_groups": 8, "scaling_factor": 0.5}))
+    r = load_vae(f, config=cf)
+    assert r.family.config["scaling_factor"] == 0.5 and r.family.config["norm_num_groups"] == 8
+    assert_same_decoder(r, model, latent_for("sd15"))
+    # without a group count, the family default is assumed, and said so
+    r = load_vae(f)
+    assert r.family.config["norm_num_groups"] == 32
+    assert any("norm_num_groups 32 assumed" in n for n in r.notes)
+    with pytest.raises(CheckpointError, match=r"vae.safetensors: family 'flux'.*does not match.*AutoencoderKL with 4"):
+        load_vae(f, family="flux")
+    with pytest.raises(CheckpointError, match="vae.safetensors: the given config is for AutoencoderKLWan"):
+        load_vae(f, config={"_class_name": "AutoencoderKLWan"})
+
+
+def test_detect_and_read_state_dict(models, tmp_path):
+    model, cfg = models["sd3"]
+    sd = to_ldm(model.state_dict())
+    spec, layout, notes = detect(sd, filename="sd3_medium_vae.safetensors")
+    assert (spec.name, layout) == ("sd3", "ldm")
+    assert spec.config["block_out_channels"] == [32, 32, 64, 64] and spec.config["use_quant_conv"] is False
+    spec, _, notes = detect(sd)  # no hint at all: the documented default for 16-channel KL
+    assert spec.name == "flux" and any("family='sd3'" in n for n in notes)
+    f = tmp_path / "nested.pt"
+    torch.save({"model": {"module": {"decoder.x": torch.ones(2)}}, "epoch": 1}, f)
+    tensors, meta = read_state_dict(f)
+    assert list(tensors) == ["decoder.x"] and meta == {}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_errors_files(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint not found: .*nope.safetensors"):
+        load_vae(tmp_path / "nope.safetensors")
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(CheckpointError, match="emptydir: directory holds no model"):
+        load_vae(tmp_path / "emptydir")
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="pipe: pipeline directory without a usable vae/"):
+        load_vae(tmp_path / "pipe")
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty.safetensors: empty file"):
+        load_vae(empty)
+    png = tmp_path / "image.safetensors"
+    png.write_bytes((SAMPLES / "astronaut.png").read_bytes()[:4096])
+    with pytest.raises(CheckpointError, match=r"image.safetensors: not a checkpoint \(a PNG image\)"):
+        load_vae(png)
+    good = _save_st(tmp_path / "good.safetensors", {"decoder.conv_in.weight": torch.ones(64, 4, 3, 3)})
+    data = good.read_bytes()
+    for name, cut in (("trunc.safetensors", len(data) // 2), ("trunc2.safetensors", 20), ("trunc3.safetensors", 5)):
+        (tmp_path / name).write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=rf"{name}: corrupt or truncated safetensors"):
+            load_vae(tmp_path / name)
+    torch.save({"a": torch.ones(1000)}, tmp_path / "ok.pt")
+    (tmp_path / "trunc.pt").write_bytes((tmp_path / "ok.pt").read_bytes()[:600])
+    with pytest.raises(CheckpointError, match="trunc.pt: cannot read torch checkpoint"):
+        load_vae(tmp_path / "trunc.pt")
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("name", ["evil.pt", "evil.ckpt"])
+def test_error_pickle_with_code(name, tmp_path):
+    marker = tmp_path / "pwned"
+    f = tmp_path / name
+    if name.endswith(".pt"):
+        torch.save({"state_dict": {"decoder.x": torch.ones(1)}, "hook": _Evil(marker)}, f)
+    else:  # legacy (non-zip) pickle
+        import pickle
+
+        f.write_bytes(pickle.dumps({"hook": _Evil(marker)}, protocol=2))
+    with pytest.raises(CheckpointError, match=rf"{name}: refusing to unpickle arbitrary objects \(weights_only=True\)"):
+        load_vae(f)
+    assert not marker.exists()
+
+
+def test_error_unknown_checkpoints(tmp_path):
+    unet = _save_st(
+        tmp_path / "unet.safetensors",
+        {"model.diffusion_model.input_blocks.0.0.weight": torch.ones(4, 4, 3, 3),
+         "model.diffusion_model.out.2.weight": torch.ones(4, 4, 3, 3)},
+    )
+    with pytest.raises(CheckpointError, match=r"unet.safetensors: not a recognised VAE checkpoint: found 2 tensors, "
+                                              r"e\.g\. model\.diffusion_model.*; recognised families: sd15, sd2, sdxl"):
+        load_vae(unet)
+    te = tmp_path / "text_encoder.pt"
+    torch.save({"text_model.embeddings.token_embedding.weight": torch.ones(10, 4)}, te)
+    with pytest.raises(CheckpointError, match="text_encoder.pt: not a recognised VAE checkpoint: found 1 tensors"):
+        load_vae(te)
+    enc = {"0.weight": torch.ones(8, 3, 3, 3), "0.bias": torch.ones(8)}
+    enc = _save_st(tmp_path / "taesd_encoder.safetensors", enc)
+    with pytest.raises(CheckpointError, match="encoder weights only"):
+        load_vae(enc)
+    with pytest.raises(CheckpointError, match="no tensors"):
+        detect({})
+
+
+def test_error_decoder_mismatch(models, tmp_path):
+    model, cfg = models["sd15"]
+    base = dict(model.state_dict())
+    meta = {"config": json.dumps(cfg)}
+    sd = {k: v for k, v in base.items() if k != "decoder.up_blocks.1.resnets.0.conv1.weight"}
+    f = _save_st(tmp_path / "missing.safetensors", sd, meta)
+    with pytest.raises(CheckpointError, match=r"missing.safetensors: decoder weights do not fit.*missing 1 decoder "
+                                              r"tensors: decoder\.up_blocks\.1\.resnets\.0\.conv1\.weight"):
+        load_vae(f)
+    extra = {**base, "decoder.up_blocks.0.resnets.0.extra.weight": torch.ones(3)}
+    f = _save_st(tmp_path / "extra.safetensors", extra, meta)
+    with pytest.raises(CheckpointError, match=r"unexpected decoder tensors: decoder\.up_blocks\.0\.resnets\.0\.extra"):
+        load_vae(f)
+    f = _save_st(tmp_path / "ok.safetensors", base, meta)
+    with pytest.raises(CheckpointError, match=r"shape mismatch: decoder\.[a-z_.0-9]+ \[\d+(, \d+)*\] vs expected"):
+        load_vae(f, config={"block_out_channels": [32, 32, 64, 128]})
+    # an LDM key the converter cannot place is an error too, not silently dropped
+    ldm = to_ldm(base)
+    ldm["decoder.up.0.upsample.weird.weight"] = torch.ones(2)
+    f = _save_st(tmp_path / "ldm_extra.safetensors", ldm, meta)
+    with pytest.raises(CheckpointError, match=r"unexpected decoder tensors: decoder\.up\.0\.upsample\.weird"):
+        load_vae(f)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the trained sample checkpoints
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_real_tiny_kl_image():
+    from diffusers import AutoencoderKL
+
+    f = SAMPLES / "tiny_kl_image.safetensors"
+    r = load_vae(f)
+    assert (r.family.name, r.layout, r.dtype_on_disk) == ("sd15", "diffusers", torch.float16)
+    assert r.family.config["norm_num_groups"] == 16 and r.family.config["scaling_factor"] == 0.84481
+    assert "norm_num_groups 16 from the checkpoint's config metadata" in r.notes
+    tensors, meta = read_state_dict(f)
+    ref = AutoencoderKL(**json.loads(meta["config"])).eval()
+    ref.load_state_dict({k: v.float() for k, v in tensors.items()})
+    z = torch.load(SAMPLES / "tiny_kl_image_latents.pt", weights_only=True)["astronaut"][:, :, :16, :16].float()
+    z = r.family.unscale(z)
+    torch.testing.assert_close(decode(r.model, z), decode(ref, z), rtol=0, atol=1e-6)
+
+
+def test_real_tiny_wan_video(tmp_path):
+    from diffusers import AutoencoderKLWan
+
+    tensors, _ = read_state_dict(SAMPLES / "tiny_wan_video.safetensors")
+    f = _save_st(tmp_path / "tiny_wan_video.safetensors", tensors)  # no config in the metadata: infer from shapes
+    r = load_vae(f)
+    assert (r.family.name, r.layout) == ("wan21", "diffusers")
+    assert any(n.startswith("widths inferred from shapes: base_dim 16") for n in r.notes), r.notes
+    if WAN_SAMPLE_CONFIG.is_file():
+        cfg = json.loads(WAN_SAMPLE_CONFIG.read_text())
+    else:
+        cfg = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                   temperal_downsample=[False, True, True])
+    for k in ("base_dim", "z_dim", "dim_mult", "num_res_blocks", "temperal_downsample"):
+        assert r.family.config[k] == cfg[k], k
+    ref = AutoencoderKLWan(**{k: v for k, v in cfg.items() if not k.startswith("_")}).eval()
+    ref.load_state_dict({k: v.float() for k, v in tensors.items()})
+    z = torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["bunny"][:, :, :2, :8, :8].float()
+    z = r.family.unscale(z)
+    torch.testing.assert_close(decode(r.model, z), decode(ref, z), rtol=0, atol=1e-5)

@@ -1,0 +1,1095 @@
+"""Load a VAE checkpoint of any common layout into a diffusers model, working out its family and real widths.
+
+Layouts: diffusers (single file or a directory with config.json, also a pipeline directory with vae/), the original
+LDM / A1111 / ComfyUI files (with or without `first_stage_model.` / `vae.` prefix, full SD checkpoints included),
+FLUX's `ae.safetensors`, the original Wan 2.1 / 2.2 `.pth` files, and the original TAESD decoder files. The family is
+read from the weights (class, latent channels, quant convs) and, where weights cannot tell (SD 1.x vs SD 2.x vs SDXL,
+SD3 vs FLUX, TAESD vs TAESDXL), from the `family=` argument, the file's metadata, the other weights in a full
+checkpoint, then the file name; else a documented default (see docs/notes-loading.md). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import pickle
+import re
+import struct
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vaeopt.errors import CheckpointError
+from vaeopt.families import FamilySpec, family_names, get_family, model_class
+
+__all__ = ["LoadedVAE", "read_state_dict", "detect", "load_vae"]
+
+
+@dataclass
+class LoadedVAE:
+    model: torch.nn.Module
+    family: FamilySpec
+    layout: str
+    path: Path | None
+    notes: list[str] = field(default_factory=list)
+    dtype_on_disk: torch.dtype | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading files
+# ----------------------------------------------------------------------------------------------------------------------
+
+_WEIGHT_NAMES = (
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.fp16.safetensors",
+    "diffusion_pytorch_model.bf16.safetensors",
+    "diffusion_pytorch_model.bin",
+    "diffusion_pytorch_model.fp16.bin",
+)
+_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+_NESTING_KEYS = ("state_dict", "model", "module", "model_state_dict", "net", "vae")
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def _short(e: BaseException, n: int = 160) -> str:
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _magic_name(head: bytes) -> str:
+    for magic, name in (
+        (b"\x89PNG", "a PNG image"),
+        (b"\xff\xd8\xff", "a JPEG image"),
+        (b"GIF8", "a GIF image"),
+        (b"%PDF", "a PDF document"),
+        (b"RIFF", "a RIFF (WebP/WAV/AVI) file"),
+        (b"\x1f\x8b", "a gzip archive"),
+        (b"GGUF", "a GGUF file (not supported)"),
+        (b"\x93NUMPY", "a NumPy array"),
+        (b"<", "an HTML/XML document"),
+        (b"{", "a JSON/text file"),
+        (b"version https://git-lfs", "a Git LFS pointer (the weights were never downloaded)"),
+    ):
+        if head.startswith(magic):
+            return name
+    return "unrecognised file header"
+
+
+def _sniff(path: Path) -> str:
+    """'safetensors' | 'torch-zip' | 'pickle', or CheckpointError."""
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes), not a checkpoint")
+    with open(path, "rb") as f:
+        head = f.read(32)
+    if head.startswith(b"PK\x03\x04"):
+        return "torch-zip"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "pickle"
+    if len(head) >= 9 and head[8:9] == b"{":
+        n = struct.unpack("<Q", head[:8])[0]
+        if 0 < n <= _MAX_HEADER:
+            if n + 8 > size:
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors file (header says {n} bytes, file has {size})"
+                )
+            return "safetensors"
+    if len(head) < 9 and path.suffix.lower() in (".safetensors", ".sft"):
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({size} bytes)")
+    raise CheckpointError(
+        f"{path}: not a checkpoint ({_magic_name(head)}); expected a .safetensors file or a torch .pt/.ckpt/.pth/.bin"
+    )
+
+
+def _safetensors_keys(path: Path) -> tuple[list[str], dict]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys()), dict(f.metadata() or {})
+    except CheckpointError:
+        raise
+    except Exception as e:  # SafetensorError and friends
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({_short(e)})") from None
+
+
+def _read_safetensors(path: Path, want=None) -> tuple[dict[str, Tensor], dict]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            keys = [k for k in f.keys() if want is None or want(k)]
+            return {k: f.get_tensor(k) for k in keys}, meta
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({_short(e)})") from None
+
+
+def _unwrap(obj, path: Path) -> dict[str, Tensor]:
+    for _ in range(4):
+        if not isinstance(obj, dict):
+            break
+        if any(isinstance(v, Tensor) for v in obj.values()):
+            break
+        for k in _NESTING_KEYS:
+            if isinstance(obj.get(k), dict):
+                obj = obj[k]
+                break
+        else:
+            break
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a checkpoint: the file holds a {type(obj).__name__}, not a state dict")
+    tensors = {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, Tensor)}
+    if not tensors:
+        raise CheckpointError(
+            f"{path}: not a checkpoint: no tensors found "
+            f"(top-level keys: {', '.join(map(str, list(obj)[:5])) or 'none'})"
+        )
+    return tensors
+
+
+def _read_torch(path: Path, kind: str, select_vae: bool = False) -> tuple[dict[str, Tensor], list[str]]:
+    """Tensors of a torch checkpoint (weights_only=True, never arbitrary pickles) and all its key names. Zip files are
+    memory-mapped, so that a full SD checkpoint's UNet is never read when only its VAE is wanted."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=(kind == "torch-zip"))
+    except pickle.UnpicklingError as e:
+        first = _short(e).split(". ")[0]
+        raise CheckpointError(
+            f"{path}: refusing to unpickle arbitrary objects (weights_only=True): the file holds more than tensors "
+            f"({first}); convert it to .safetensors in an environment you trust"
+        ) from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read torch checkpoint, corrupt or truncated? ({_short(e)})") from None
+    tensors = _unwrap(obj, path)
+    keys = list(tensors)
+    prefix = _vae_prefix(keys) if select_vae else None
+    if prefix:
+        tensors = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+    if kind == "torch-zip":  # own the memory: do not keep the file mapped behind the model's back
+        tensors = {k: v.clone() for k, v in tensors.items()}
+    return tensors, keys
+
+
+def _resolve_dir(path: Path) -> tuple[Path, list[Path]]:
+    """A diffusers model (or pipeline) directory -> (model dir, weight files)."""
+    for d in (path, path / "vae"):
+        if not (d / "config.json").is_file():
+            continue
+        idx = d / _INDEX_NAME
+        if idx.is_file():
+            try:
+                shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+            except Exception as e:
+                raise CheckpointError(f"{idx}: unreadable shard index ({_short(e)})") from None
+            return d, [d / s for s in shards]
+        for name in _WEIGHT_NAMES:
+            if (d / name).is_file():
+                return d, [d / name]
+    if (path / "model_index.json").is_file():
+        raise CheckpointError(
+            f"{path}: pipeline directory without a usable vae/ folder (need vae/config.json and weights)"
+        )
+    raise CheckpointError(
+        f"{path}: directory holds no model (expected config.json with diffusion_pytorch_model.safetensors/.bin, "
+        f"or a pipeline with a vae/ subfolder)"
+    )
+
+
+@dataclass
+class _Source:
+    tensors: dict[str, Tensor]
+    metadata: dict
+    path: Path
+    is_dir: bool
+    all_keys: list[str]
+    hint_names: list[str]
+
+
+def _read(path: Path, select_vae: bool = False) -> _Source:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        d, files = _resolve_dir(path)
+        tensors, meta = {}, {}
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in the index is missing")
+            t, m, _ = _read_file(f)
+            tensors.update(t)
+            meta.update(m)
+        try:
+            cfg_text = (d / "config.json").read_text()
+            json.loads(cfg_text)
+        except Exception as e:
+            raise CheckpointError(f"{d / 'config.json'}: not valid JSON ({_short(e)})") from None
+        meta["config"] = cfg_text
+        names = [d.name] + ([d.parent.name] if d.name == "vae" or d != path else [])
+        return _Source(tensors, meta, path, True, list(tensors), names)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file")
+    tensors, meta, keys = _read_file(path, select_vae=select_vae)
+    return _Source(tensors, meta, path, False, keys, [path.name])
+
+
+def _read_file(path: Path, select_vae: bool = False) -> tuple[dict[str, Tensor], dict, list[str]]:
+    kind = _sniff(path)
+    if kind == "safetensors":
+        keys, meta = _safetensors_keys(path)
+        prefix = _vae_prefix(keys) if select_vae else None
+        if select_vae and prefix is None and keys:  # say so without reading e.g. a whole UNet
+            raise _no_vae_error(str(path), keys)
+        tensors, meta = _read_safetensors(path, (lambda k: k.startswith(prefix)) if prefix else None)
+    else:
+        (tensors, keys), meta = _read_torch(path, kind, select_vae), {}
+    if not tensors:
+        raise CheckpointError(f"{path}: not a checkpoint: it holds no tensors")
+    return tensors, meta, keys
+
+
+def read_state_dict(path: Path) -> tuple[dict[str, Tensor], dict]:
+    """All tensors of a checkpoint file or diffusers directory, and its metadata (safetensors metadata; for a
+    directory also "config": the text of config.json). Pickles are read with weights_only=True only."""
+    src = _read(Path(path))
+    return src.tensors, src.metadata
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Key layouts -> diffusers keys
+# ----------------------------------------------------------------------------------------------------------------------
+
+_PREFIXES = ("first_stage_model.", "vae.", "autoencoder.", "model.", "module.")
+_TAESD_INDEX = re.compile(r"^\d+\.")
+
+
+def _looks_vae(keys) -> bool:
+    keys = list(keys)
+    if any(k.startswith("decoder.") for k in keys):
+        return True
+    return bool(keys) and all(_TAESD_INDEX.match(k) for k in keys) and "1.weight" in keys
+
+
+def _vae_prefix(keys: list[str]) -> str | None:
+    """The prefix under which the VAE lives ('' for none); None if no VAE is visible."""
+    if _looks_vae(keys):
+        return ""
+    if any(k.startswith("taesd_decoder.") for k in keys):  # ComfyUI-style combined TAESD
+        return "taesd_"
+    for p in _PREFIXES:
+        sub = [k[len(p):] for k in keys if k.startswith(p)]
+        if sub and _looks_vae(sub):
+            return p
+    return None
+
+
+_WAN_RES = {
+    "residual.0.gamma": "norm1.gamma",
+    "residual.2.weight": "conv1.weight",
+    "residual.2.bias": "conv1.bias",
+    "residual.3.gamma": "norm2.gamma",
+    "residual.6.weight": "conv2.weight",
+    "residual.6.bias": "conv2.bias",
+    "shortcut.weight": "conv_shortcut.weight",
+    "shortcut.bias": "conv_shortcut.bias",
+}
+_WAN_TOP = {
+    "conv1.weight": "quant_conv.weight",
+    "conv1.bias": "quant_conv.bias",
+    "conv2.weight": "post_quant_conv.weight",
+    "conv2.bias": "post_quant_conv.bias",
+}
+
+
+def _convert_wan22_original(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Original Wan 2.2 (vae2_2.py) keys, nested `decoder.upsamples.{b}.upsamples.{j}`, -> AutoencoderKLWan
+    (is_residual=True). diffusers' convert_wan_vae_to_diffusers only knows the flat Wan 2.1 layout."""
+    out = {}
+    nested = re.compile(r"^(encoder|decoder)\.(downsamples|upsamples)\.(\d+)\.(downsamples|upsamples)\.(\d+)\.(.+)$")
+    for k, v in sd.items():
+        new = None
+        if k in _WAN_TOP:
+            new = _WAN_TOP[k]
+        elif m := re.match(r"^(encoder|decoder)\.conv1\.(weight|bias)$", k):
+            new = f"{m[1]}.conv_in.{m[2]}"
+        elif m := re.match(r"^(encoder|decoder)\.head\.(0\.gamma|2\.weight|2\.bias)$", k):
+            head = {"0.gamma": "norm_out.gamma", "2.weight": "conv_out.weight", "2.bias": "conv_out.bias"}
+            new = f"{m[1]}.{head[m[2]]}"
+        elif m := re.match(r"^(encoder|decoder)\.middle\.([02])\.(.+)$", k):
+            if m[3] in _WAN_RES:
+                new = f"{m[1]}.mid_block.resnets.{int(m[2]) // 2}.{_WAN_RES[m[3]]}"
+        elif m := re.match(r"^(encoder|decoder)\.middle\.1\.(.+)$", k):
+            new = f"{m[1]}.mid_block.attentions.0.{m[2]}"
+        elif m := nested.match(k):
+            part, b, rest = m[1], m[3], m[6]
+            blocks = "down_blocks" if part == "encoder" else "up_blocks"
+            sampler = "downsampler" if part == "encoder" else "upsampler"
+            if rest in _WAN_RES:
+                new = f"{part}.{blocks}.{b}.resnets.{m[5]}.{_WAN_RES[rest]}"
+            elif rest.startswith(("resample.", "time_conv.")):
+                new = f"{part}.{blocks}.{b}.{sampler}.{rest}"
+        out[new or k] = v  # unknown keys pass through unchanged and are reported by the strict load
+    return out
+
+
+_HY_CONV_WRAP = re.compile(r"^(.*\.(?:conv_in|conv_out|conv1|conv2|nin_shortcut|conv))\.conv\.(weight|bias)$")
+_HY_CONV_UNWRAP = re.compile(
+    r"^((?:encoder|decoder)\..*(?:conv_in|conv_out|conv1|conv2|conv_shortcut|samplers\.0\.conv))\.(weight|bias)$"
+)
+_ATTN_LINEAR = re.compile(r"\.attentions\.\d+\.(to_q|to_k|to_v|to_out\.0)\.weight$")
+_OLD_ATTN = {".query.": ".to_q.", ".key.": ".to_k.", ".value.": ".to_v.", ".proj_attn.": ".to_out.0."}
+
+
+def _convert_ldm(sd: dict[str, Tensor], notes: list[str]) -> tuple[dict[str, Tensor], list[str]]:
+    """LDM / A1111 / ComfyUI VAE keys -> diffusers keys, via diffusers' own converter. Returns the converted dict and
+    the source keys the converter did not use (diffusers drops them silently)."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    video = any(v.ndim == 5 for k, v in sd.items() if k.startswith("decoder."))
+    if video:  # 3-D (HunyuanVideo, ComfyUI style): causal convs wrap an inner `.conv`
+        unwrapped = {}
+        for k, v in sd.items():
+            m = _HY_CONV_WRAP.match(k)
+            unwrapped[f"{m[1]}.{m[2]}" if m else k] = v
+        sd = unwrapped
+
+    def n_blocks(part: str, word: str) -> int:
+        ids = {int(m[1]) for k in sd if (m := re.match(rf"^{part}\.{word}\.(\d+)\.", k))}
+        return max(ids) + 1 if ids else 0
+
+    cfg = {
+        "down_block_types": ["DownEncoderBlock2D"] * n_blocks("encoder", "down"),
+        "up_block_types": ["UpDecoderBlock2D"] * n_blocks("decoder", "up"),
+    }
+    out = convert_ldm_vae_checkpoint(sd, cfg)
+    used = {v.data_ptr() for v in out.values()}
+    unused = [k for k, v in sd.items() if v.data_ptr() not in used]
+    if any(v.ndim > 2 for k, v in sd.items() if re.search(r"\.attn_1\.(q|k|v|proj_out)\.weight$", k)):
+        notes.append("attention 1x1-conv weights reshaped to linear")
+    if video:
+        out = {(f"{m[1]}.conv.{m[2]}" if (m := _HY_CONV_UNWRAP.match(k)) else k): v for k, v in out.items()}
+    return out, unused
+
+
+def _fix_attention(sd: dict[str, Tensor], notes: list[str]) -> dict[str, Tensor]:
+    """Old diffusers attention names (query/key/value/proj_attn) and conv-shaped attention weights -> linear."""
+    from diffusers.loaders.single_file_utils import conv_attn_to_linear
+
+    if any(o in k for k in sd for o in _OLD_ATTN):
+        sd = dict(sd)
+        conv_attn_to_linear(sd)
+        renamed = {}
+        for k, v in sd.items():
+            for old, new in _OLD_ATTN.items():
+                k = k.replace(old, new)
+            renamed[k] = v
+        sd = renamed
+        notes.append("old attention names (query/key/value/proj_attn) renamed to to_q/to_k/to_v/to_out.0")
+    squeezed = False
+    for k in list(sd):
+        v = sd[k]
+        if _ATTN_LINEAR.search(k) and v.ndim > 2 and all(s == 1 for s in v.shape[2:]):
+            sd[k] = v.reshape(v.shape[0], v.shape[1])
+            squeezed = True
+    if squeezed and "attention 1x1-conv weights reshaped to linear" not in notes:
+        notes.append("attention 1x1-conv weights reshaped to linear")
+    return sd
+
+
+def _convert_taesd_original(sd: dict[str, Tensor], part: str) -> dict[str, Tensor]:
+    """Original TAESD (madebyollin) Sequential-index keys -> AutoencoderTiny keys. The original decoder starts with a
+    parameter-free Clamp layer, which diffusers does in forward(), so decoder indices shift by one."""
+    out = {}
+    for k, v in sd.items():
+        i, rest = k.split(".", 1)
+        idx = int(i) - 1 if part == "decoder" else int(i)
+        out[f"{part}.layers.{idx}.{rest}"] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Structure: class, diffusers state dict, widths
+# ----------------------------------------------------------------------------------------------------------------------
+
+_VAE_ROOTS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
+
+
+@dataclass
+class _Analysis:
+    cls_name: str
+    layout: str
+    sd: dict[str, Tensor]
+    inferred: dict
+    latent: int
+    has_encoder: bool
+    notes: list[str]
+    unused_decoder: list[str]
+    is_residual: bool = False
+
+
+def _idx(sd, pattern: str) -> list[int]:
+    rx = re.compile(pattern)
+    return sorted({int(m[1]) for k in sd if (m := rx.match(k))})
+
+
+def _unrecognised(label: str, keys, extra: str = "") -> CheckpointError:
+    keys = list(keys)
+    return CheckpointError(
+        f"{label}: not a recognised VAE checkpoint: found {len(keys)} tensors, e.g. {', '.join(keys[:3])}{extra}; "
+        f"recognised families: {', '.join(family_names())}"
+    )
+
+
+def _no_vae_error(label: str, keys: list[str]) -> CheckpointError:
+    if any(k.startswith(("encoder.", "taesd_encoder.")) for k in keys) or (
+        keys and all(_TAESD_INDEX.match(k) for k in keys) and "0.weight" in keys
+    ):
+        return CheckpointError(f"{label}: encoder weights only (no decoder): nothing to decode with")
+    return _unrecognised(label, keys)
+
+
+def _analyse(state_dict: dict[str, Tensor], label: str, notes: list[str], n_total: int = 0) -> _Analysis:
+    keys = list(state_dict)
+    prefix = _vae_prefix(keys)
+    if prefix is None:
+        raise _no_vae_error(label, keys)
+
+    # -- take the VAE part ---------------------------------------------------------------------------------------------
+    if prefix == "taesd_":  # ComfyUI-style combined TAESD: taesd_decoder.N / taesd_encoder.N
+        dec = {k[len("taesd_decoder."):]: v for k, v in state_dict.items() if k.startswith("taesd_decoder.")}
+        enc = {k[len("taesd_encoder."):]: v for k, v in state_dict.items() if k.startswith("taesd_encoder.")}
+        sd = {**_convert_taesd_original(dec, "decoder"), **_convert_taesd_original(enc, "encoder")}
+        return _finish(sd, "taesd-original+taesd_decoder", notes, [], label)
+    sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    suffix = f"+{prefix.rstrip('.')}" if prefix else ""
+    if prefix:
+        others = max(n_total, len(state_dict)) - len(sub)
+        extra = f" ({others} other tensors, e.g. UNet/text encoders, ignored)" if others else ""
+        notes.append(f"VAE taken from under the '{prefix}' prefix: {len(sub)} tensors{extra}")
+
+    if all(_TAESD_INDEX.match(k) for k in sub):
+        return _finish(_convert_taesd_original(sub, "decoder"), "taesd-original" + suffix, notes, [], label)
+
+    dkeys = [k for k in sub if k.startswith("decoder.")]
+    if any(k.startswith("decoder.layers.") for k in dkeys):
+        style = "diffusers"
+    elif any(k.startswith(("decoder.middle.", "decoder.upsamples.", "decoder.head.")) for k in dkeys):
+        style = "wan-original"
+    elif any(k.startswith(("decoder.up.", "decoder.mid.")) for k in dkeys):
+        style = "ldm"
+    elif any(k.startswith(("decoder.up_blocks.", "decoder.mid_block.", "decoder.conv_in.")) for k in dkeys):
+        style = "diffusers"
+    else:
+        raise _unrecognised(label, state_dict)
+
+    roots = _VAE_ROOTS + (("conv1.", "conv2.") if style == "wan-original" else ())
+    dropped = [k for k in sub if not k.startswith(roots)]
+    if dropped:
+        notes.append(f"ignored {len(dropped)} non-VAE tensors, e.g. {', '.join(dropped[:3])}")
+        sub = {k: v for k, v in sub.items() if k.startswith(roots)}
+
+    unused: list[str] = []
+    if style == "ldm":
+        sd, unused = _convert_ldm(sub, notes)
+    elif style == "wan-original":
+        if any(re.match(r"^decoder\.upsamples\.\d+\.upsamples\.", k) for k in sub):
+            sd = _convert_wan22_original(sub)
+            notes.append("original Wan 2.2 layout (nested upsamples) converted")
+        else:
+            from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+            sd = convert_wan_vae_to_diffusers(sub)
+    else:
+        sd = sub
+    sd = _fix_attention(sd, notes)
+    return _finish(sd, style + suffix, notes, [k for k in unused if k.startswith("decoder.")], label)
+
+
+def _finish(sd: dict[str, Tensor], layout: str, notes: list[str], unused_dec: list[str], label: str) -> _Analysis:
+    has_encoder = any(k.startswith("encoder.") for k in sd)
+    if "decoder.layers.0.weight" in sd:
+        return _infer_tiny(sd, layout, notes, unused_dec, has_encoder, label)
+    if any(k.startswith("decoder.") and (k.endswith(".gamma") or ".to_qkv." in k) for k in sd):
+        return _infer_wan(sd, layout, notes, unused_dec, has_encoder, label)
+    w = sd.get("decoder.conv_in.conv.weight")
+    if w is not None and w.ndim == 5:
+        return _infer_kl(sd, layout, notes, unused_dec, has_encoder, label, "AutoencoderKLHunyuanVideo")
+    w = sd.get("decoder.conv_in.weight")
+    if w is not None and w.ndim == 4:
+        return _infer_kl(sd, layout, notes, unused_dec, has_encoder, label, "AutoencoderKL")
+    raise _unrecognised(label, sd, " (a decoder without conv_in)")
+
+
+def _shape(sd, key, label) -> torch.Size:
+    if key not in sd:
+        raise CheckpointError(f"{label}: VAE checkpoint is missing {key}")
+    return sd[key].shape
+
+
+def _infer_kl(sd, layout, notes, unused_dec, has_encoder, label, cls_name) -> _Analysis:
+    c = ".conv" if cls_name == "AutoencoderKLHunyuanVideo" else ""
+    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
+    if not ups or ups != list(range(len(ups))):
+        raise _unrecognised(label, sd, " (decoder up blocks missing or not numbered 0..n-1)")
+    rev = [_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2{c}.weight", label)[0] for i in ups]
+    n_res = len(_idx(sd, r"^decoder\.up_blocks\.0\.resnets\.(\d+)\."))
+    latent = _shape(sd, f"decoder.conv_in{c}.weight", label)[1]
+    out_ch = _shape(sd, f"decoder.conv_out{c}.weight", label)[0]
+    in_ch = sd["encoder.conv_in" + c + ".weight"].shape[1] if f"encoder.conv_in{c}.weight" in sd else out_ch
+    n = len(ups)
+    down_t = "HunyuanVideoDownBlock3D" if c else "DownEncoderBlock2D"
+    up_t = "HunyuanVideoUpBlock3D" if c else "UpDecoderBlock2D"
+    inferred = {
+        "in_channels": int(in_ch),
+        "out_channels": int(out_ch),
+        "latent_channels": int(latent),
+        "block_out_channels": [int(x) for x in reversed(rev)],
+        "layers_per_block": max(n_res - 1, 1),
+        "down_block_types": [down_t] * n,
+        "up_block_types": [up_t] * n,
+        "mid_block_add_attention": any(k.startswith("decoder.mid_block.attentions.") for k in sd),
+    }
+    if cls_name == "AutoencoderKL":
+        post = "post_quant_conv.weight" in sd
+        quant = "quant_conv.weight" in sd if has_encoder else post
+        inferred["use_post_quant_conv"] = post
+        inferred["use_quant_conv"] = quant
+    return _Analysis(cls_name, layout, sd, inferred, int(latent), has_encoder, notes, unused_dec)
+
+
+def _infer_wan(sd, layout, notes, unused_dec, has_encoder, label) -> _Analysis:
+    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
+    if not ups or ups != list(range(len(ups))):
+        raise _unrecognised(label, sd, " (Wan decoder up blocks missing or not numbered 0..n-1)")
+    residual = any(re.match(r"^decoder\.up_blocks\.\d+\.upsampler\.", k) for k in sd)
+    z = int(_shape(sd, "decoder.conv_in.weight", label)[1])
+    dec_base = int(_shape(sd, "decoder.conv_out.weight", label)[1])
+    out_ch = int(_shape(sd, "decoder.conv_out.weight", label)[0])
+    outs = [int(_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2.weight", label)[0]) for i in ups]
+    if any(o % dec_base for o in outs):
+        raise CheckpointError(f"{label}: Wan decoder widths {outs} are not multiples of {dec_base}; pass config")
+    dim_mult = [o // dec_base for o in reversed(outs)]
+    n_res = len(_idx(sd, r"^decoder\.up_blocks\.0\.resnets\.(\d+)\.")) - 1
+    sampler = "upsampler" if residual else "upsamplers.0"
+    t_up = [f"decoder.up_blocks.{i}.{sampler}.time_conv.weight" in sd for i in ups[:-1]]
+    enc_w = sd.get("encoder.conv_in.weight")
+    in_ch = int(enc_w.shape[1]) if enc_w is not None else out_ch
+    patch = int(round((out_ch / 3) ** 0.5)) if out_ch % 3 == 0 else 1
+    inferred = {
+        "decoder_base_dim": dec_base,
+        "z_dim": z,
+        "dim_mult": dim_mult,
+        "num_res_blocks": n_res,
+        "temperal_downsample": list(reversed(t_up)),
+        "is_residual": residual,
+        "in_channels": in_ch,
+        "out_channels": out_ch,
+    }
+    if enc_w is not None:
+        inferred["base_dim"] = int(enc_w.shape[0])
+    if patch > 1:
+        inferred["patch_size"] = patch
+        inferred["scale_factor_spatial"] = 2 ** (len(dim_mult) - 1) * patch
+    return _Analysis("AutoencoderKLWan", layout, sd, inferred, z, has_encoder, notes, unused_dec, residual)
+
+
+def _tiny_layers(sd, part: str) -> list[tuple[str, torch.Size]]:
+    """AutoencoderTiny `layers` in order: ("block", conv.4 shape) or ("conv", weight shape)."""
+    items = []
+    for i in _idx(sd, rf"^{part}\.layers\.(\d+)\."):
+        if f"{part}.layers.{i}.conv.4.weight" in sd:
+            items.append(("block", sd[f"{part}.layers.{i}.conv.4.weight"].shape))
+        elif f"{part}.layers.{i}.weight" in sd:
+            items.append(("conv", sd[f"{part}.layers.{i}.weight"].shape))
+    return items
+
+
+def _infer_tiny(sd, layout, notes, unused_dec, has_encoder, label) -> _Analysis:
+    items = _tiny_layers(sd, "decoder")
+    if not items or items[0][0] != "conv" or items[-1][0] != "conv":
+        raise _unrecognised(label, sd, " (tiny decoder without first/last conv)")
+    latent = int(items[0][1][1])
+    chans, counts, cur, n = [], [], int(items[0][1][0]), 0
+    for kind, shape in items[1:]:
+        if kind == "block":
+            cur, n = int(shape[0]), n + 1
+        else:
+            chans.append(cur)
+            counts.append(n)
+            n = 0
+    inferred = {
+        "latent_channels": latent,
+        "out_channels": int(items[-1][1][0]),
+        "decoder_block_out_channels": chans,
+        "num_decoder_blocks": counts,
+    }
+    if has_encoder:
+        eitems = _tiny_layers(sd, "encoder")
+        if eitems and eitems[0][0] == "conv":
+            inferred["in_channels"] = int(eitems[0][1][1])
+            echans, ecounts = [], []
+            for kind, shape in eitems[:-1]:
+                if kind == "conv":
+                    echans.append(int(shape[0]))
+                    ecounts.append(0)
+                else:
+                    ecounts[-1] += 1
+            inferred["encoder_block_out_channels"] = echans
+            inferred["num_encoder_blocks"] = ecounts
+    else:
+        inferred["in_channels"] = inferred["out_channels"]
+    return _Analysis("AutoencoderTiny", layout, sd, inferred, latent, has_encoder, notes, unused_dec)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Family
+# ----------------------------------------------------------------------------------------------------------------------
+
+_NAME_HINTS = [  # (family, pattern) on the lower-cased file/dir name or metadata text; first match wins
+    ("taesdxl", r"taesd[-_]?xl"),
+    ("taesd", r"taesd"),
+    ("wan22", r"wan[-_ ]?2[._]?2|ti2v"),
+    ("wan21", r"wan[-_ ]?2[._]?1"),
+    ("hunyuanvideo", r"hunyuan|hyvideo"),
+    ("sd3", r"sd[-_ ]?3|stable[-_ ]?diffusion[-_ ]?3"),
+    ("flux", r"flux|^ae\.(safetensors|sft)$"),
+    ("sdxl", r"sdxl|sd[-_ ]xl|xl(?![a-z])"),
+    ("sd2", r"sd[-_ ]?2|v2[-_]1|768-v|stable[-_ ]?diffusion[-_ ]?2"),
+    ("sd15", r"sd[-_ ]?v?1(?!\d)|sd[-_ ]?1\.?5|v1[-_][45]|stable[-_ ]?diffusion[-_ ]?v?1"),
+]
+_KEY_HINTS = [  # other weights of a full checkpoint -> family
+    ("sd3", ("model.diffusion_model.joint_blocks.",), "SD3 MMDiT weights"),
+    ("flux", ("model.diffusion_model.double_blocks.", "double_blocks."), "FLUX transformer weights"),
+    ("sdxl", ("conditioner.embedders.1.", "conditioner.embedders.0.model."), "SDXL text encoders"),
+    ("sd2", ("cond_stage_model.model.",), "OpenCLIP text encoder (SD 2.x)"),
+    ("sd15", ("cond_stage_model.transformer.",), "CLIP text encoder (SD 1.x)"),
+]
+_DEFAULTS = {"AutoencoderKLHunyuanVideo": "hunyuanvideo", "AutoencoderTiny": "taesd"}
+
+
+def _name_hint(text: str) -> str | None:
+    text = text.lower()
+    for fam, pat in _NAME_HINTS:
+        if re.search(pat, text):
+            return fam
+    return None
+
+
+def _compatible(spec: FamilySpec, a: _Analysis) -> bool:
+    if spec.cls_name != a.cls_name:
+        return False
+    return a.cls_name == "AutoencoderTiny" or spec.latent_channels == a.latent
+
+
+def _structure(a: _Analysis) -> str:
+    if a.cls_name == "AutoencoderKLWan":
+        return f"{a.cls_name} with z_dim {a.latent}"
+    return f"{a.cls_name} with {a.latent} latent channels"
+
+
+def _scaling_match(cfg: dict, a: _Analysis) -> str | None:
+    if not isinstance(cfg, dict) or cfg.get("scaling_factor") is None or a.cls_name == "AutoencoderTiny":
+        return None
+    hits = []
+    for name in family_names():
+        spec = get_family(name)
+        if _compatible(spec, a) and spec.config.get("scaling_factor") is not None:
+            same_scale = abs(float(spec.config["scaling_factor"]) - float(cfg["scaling_factor"])) < 1e-6
+            same_shift = abs(float(spec.config.get("shift_factor") or 0) - float(cfg.get("shift_factor") or 0)) < 1e-6
+            if same_scale and same_shift:
+                hits.append(name)
+    if len(hits) > 1 and cfg.get("sample_size") is not None:
+        by_size = [h for h in hits if get_family(h).config.get("sample_size") == cfg.get("sample_size")]
+        hits = by_size or hits
+    return hits[0] if hits else None
+
+
+def _choose_family(a: _Analysis, family, explicit, meta_cfg, metadata, other_keys, names, notes, label) -> FamilySpec:
+    if family:
+        spec = get_family(family)
+        if not _compatible(spec, a):
+            raise CheckpointError(
+                f"{label}: family '{spec.name}' ({spec.cls_name}, {spec.latent_channels} latent channels) does not "
+                f"match the checkpoint: its weights are an {_structure(a)}"
+            )
+        notes.append(f"family {spec.name} as requested")
+        return spec
+    if a.cls_name == "AutoencoderKLWan":  # shapes decide
+        name = "wan22" if a.is_residual or a.latent == 48 else "wan21"
+        spec = get_family(name)
+        why = f"{'residual up blocks, ' if a.is_residual else ''}z_dim {a.latent}"
+        notes.append(f"family {name} from the weights ({why})")
+        if spec.latent_channels != a.latent:
+            notes.append(f"z_dim {a.latent} differs from {name}'s {spec.latent_channels}: latents_mean/std do not fit")
+        return spec
+
+    ignored = set()
+
+    def accept(name: str | None, source: str, verb: str = "from") -> FamilySpec | None:
+        if not name:
+            return None
+        spec = get_family(name)
+        if _compatible(spec, a):
+            notes.append(f"family {name} {verb} {source}")
+            return spec
+        if name not in ignored:
+            ignored.add(name)
+            notes.append(f"{source} suggests {name}, but the weights are an {_structure(a)}: ignored")
+        return None
+
+    for cfg, where in ((explicit, "the given config"), (meta_cfg, "the checkpoint's config")):
+        if spec := accept(_scaling_match(cfg, a), f"{where} (scaling_factor {cfg and cfg.get('scaling_factor')})"):
+            return spec
+    texts = [str(v) for k, v in (metadata or {}).items() if k != "config" and isinstance(v, str)]
+    if isinstance(meta_cfg, dict) and meta_cfg.get("_name_or_path"):
+        texts.append(str(meta_cfg["_name_or_path"]))
+    for t in texts:
+        if spec := accept(_name_hint(t), f"the file's metadata ('{t[:60]}')"):
+            return spec
+    for fam, prefixes, what in _KEY_HINTS:
+        if any(k.startswith(prefixes) for k in other_keys):
+            if spec := accept(fam, f"the checkpoint's other weights ({what})"):
+                return spec
+    for n in names:
+        if n and (spec := accept(_name_hint(n), f"file name '{n}'", "guessed from")):
+            return spec
+
+    # Defaults.
+    if a.cls_name == "AutoencoderKL":
+        if a.latent == 4:
+            notes.append(
+                "family sd15 assumed: SD 1.x, SD 2.x and SDXL VAEs have identical shapes and nothing in the metadata "
+                "or file name tells them apart (sd15's scaling_factor 0.18215 is also right for SD 2.x); for an SDXL "
+                "VAE pass family='sdxl' (--family sdxl)"
+            )
+            return get_family("sd15")
+        if a.latent == 16:
+            notes.append(
+                "family flux assumed: SD3 and FLUX VAEs have identical shapes (16 channels, no quant convs) and "
+                "nothing in the metadata or file name tells them apart; for an SD3/3.5 VAE pass family='sd3' "
+                "(--family sd3)"
+            )
+            return get_family("flux")
+    elif a.cls_name in _DEFAULTS:
+        name = _DEFAULTS[a.cls_name]
+        spec = get_family(name)
+        if a.cls_name == "AutoencoderTiny":
+            if a.latent == spec.latent_channels:
+                notes.append(
+                    "family taesd assumed: TAESD and TAESDXL have identical shapes; for TAESDXL pass family='taesdxl'"
+                )
+            else:
+                notes.append(f"{a.latent}-channel tiny autoencoder (e.g. TAESD3/TAEF1): no family of its own, using "
+                             f"taesd settings with latent_channels {a.latent}")
+            return spec
+        if _compatible(spec, a):
+            notes.append(f"family {name} from the weights")
+            return spec
+    if explicit or (isinstance(meta_cfg, dict) and meta_cfg.get("scaling_factor") is not None):
+        if a.cls_name == "AutoencoderKL":
+            base = "sd15" if "post_quant_conv.weight" in a.sd else "flux"
+        else:
+            base = _DEFAULTS.get(a.cls_name, "sd15")
+        notes.append(f"{_structure(a)} matches no known family; using {base} as the base config (scaling from config)")
+        return get_family(base)
+    raise CheckpointError(
+        f"{label}: not a recognised VAE checkpoint: an {_structure(a)} matches no known family; pass family= and "
+        f"config= (recognised families: {', '.join(family_names())})"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _init_params(cls_name: str) -> set[str]:
+    return set(inspect.signature(model_class(cls_name).__init__).parameters) - {"self"}
+
+
+def _load_config_arg(config) -> dict | None:
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    p = Path(config).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise CheckpointError(f"config file not found: {p}")
+    try:
+        cfg = json.loads(p.read_text())
+    except Exception as e:
+        raise CheckpointError(f"{p}: config is not valid JSON ({_short(e)})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{p}: config must be a JSON object")
+    return cfg
+
+
+def _meta_config(metadata: dict | None, notes: list[str]) -> dict | None:
+    raw = (metadata or {}).get("config")
+    if raw is None:
+        return None
+    try:
+        cfg = json.loads(raw) if isinstance(raw, str) else raw
+    except Exception:
+        notes.append("metadata 'config' is not valid JSON: ignored")
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _norm_groups(cfg: dict, widths: list[int], source: str, notes: list[str]) -> None:
+    g = int(cfg.get("norm_num_groups") or 32)
+    if source == "family default" and any(w % g for w in widths):
+        g2 = max(d for d in range(1, g + 1) if all(w % d == 0 for w in widths))
+        notes.append(
+            f"norm_num_groups {g} (family default) does not divide the widths {widths}; using {g2} — a guess, "
+            f"pass config={{'norm_num_groups': N}} if the model was trained with another value"
+        )
+        cfg["norm_num_groups"] = g2
+    elif source == "family default":
+        notes.append(
+            f"norm_num_groups {g} assumed (family default; group count cannot be read from the weights) — pass "
+            f"config={{'norm_num_groups': N}} if the model was trained with another value"
+        )
+    else:
+        notes.append(f"norm_num_groups {g} from {source}")
+
+
+def _describe(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items())
+
+
+def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label) -> FamilySpec:
+    params = _init_params(a.cls_name)
+    cfg = copy.deepcopy(spec.config)
+    if meta_cfg:
+        mc = meta_cfg.get("_class_name")
+        if mc and mc != a.cls_name:
+            notes.append(f"the checkpoint's config is for {mc}, but the weights are an {a.cls_name}: config ignored")
+            meta_cfg = None
+    meta_use = {k: v for k, v in (meta_cfg or {}).items() if k in params}
+    cfg.update(meta_use)
+    shaped = {}
+    for k, v in a.inferred.items():
+        if k not in params:
+            continue
+        if k in meta_use and _norm(meta_use[k]) != _norm(v):
+            notes.append(f"the checkpoint's config says {k} {meta_use[k]}, the weights say {v}: using the weights")
+        if _norm(spec.config.get(k)) != _norm(v) and k not in meta_use:
+            shaped[k] = v
+        cfg[k] = v
+    if a.cls_name == "AutoencoderKLWan" and not a.has_encoder and "base_dim" not in meta_use:
+        cfg["base_dim"] = cfg["decoder_base_dim"]  # the encoder is left at init anyway: keep it as small as the decoder
+    if shaped:
+        keys = [k for k in ("base_dim", "decoder_base_dim", "block_out_channels", "layers_per_block",
+                            "latent_channels", "z_dim", "dim_mult", "num_res_blocks",
+                            "decoder_block_out_channels", "num_decoder_blocks") if k in shaped]
+        if keys:
+            notes.append("widths inferred from shapes: " + _describe({k: shaped[k] for k in keys}))
+    if "norm_num_groups" in params:
+        if explicit and "norm_num_groups" in explicit:
+            source = "the given config"
+        elif "norm_num_groups" in meta_use:
+            source = "the checkpoint's config metadata"
+        else:
+            source = "family default"
+        standard = _norm(cfg.get("block_out_channels")) == _norm(spec.config.get("block_out_channels"))
+        if source == "the checkpoint's config metadata" or (source == "family default" and not standard):
+            # (a model with the family's own widths uses the family's group count: nothing worth a note)
+            _norm_groups(cfg, list(cfg.get("block_out_channels", [])), source, notes)
+    if explicit:
+        xc = explicit.get("_class_name")
+        if xc and xc != a.cls_name:
+            raise CheckpointError(f"{label}: the given config is for {xc}, but the weights are an {a.cls_name}")
+        use = {k: v for k, v in explicit.items() if k in params}
+        unknown = [k for k in explicit if k not in params and not k.startswith("_")]
+        if unknown:
+            notes.append(f"ignored unknown config keys for {a.cls_name}: {', '.join(unknown[:5])}")
+        for k, v in use.items():
+            if k in a.inferred and _norm(a.inferred[k]) != _norm(v):
+                notes.append(f"the given config sets {k} {v}, the weights suggest {a.inferred[k]}")
+        cfg.update(use)
+        if "norm_num_groups" in use:
+            notes.append(f"norm_num_groups {use['norm_num_groups']} from the given config")
+    cfg["_class_name"] = a.cls_name
+    return FamilySpec(spec.name, spec.title, cfg)
+
+
+def _norm(v):
+    if isinstance(v, tuple | list):
+        return [_norm(x) for x in v]
+    return v
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Public: detect / load
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _detect(
+    state_dict, *, filename="", metadata=None, family=None, config=None, other_keys=None, names=None, is_dir=False
+) -> tuple[FamilySpec, _Analysis, list[str]]:
+    label = filename or "checkpoint"
+    notes: list[str] = []
+    if not state_dict:
+        raise CheckpointError(f"{label}: not a checkpoint: it holds no tensors")
+    a = _analyse(state_dict, label, notes, len(other_keys or ()))
+    if is_dir:
+        a.layout = "diffusers-dir" if a.layout == "diffusers" else f"{a.layout} (directory)"
+    explicit = _load_config_arg(config)
+    meta_cfg = _meta_config(metadata, notes)
+    if names is None:
+        names = [Path(filename).name] if filename else []
+    spec = _choose_family(a, family, explicit, meta_cfg, metadata, other_keys or list(state_dict), names, notes, label)
+    spec = _build_spec(a, spec, meta_cfg, explicit, notes, label)
+    return spec, a, notes
+
+
+def detect(
+    state_dict: dict[str, Tensor],
+    *,
+    filename: str = "",
+    metadata: dict | None = None,
+    family: str | None = None,
+    config: dict | str | Path | None = None,
+) -> tuple[FamilySpec, str, list[str]]:
+    """Family (its config adjusted to the checkpoint's real widths), layout name and human notes for a state dict."""
+    spec, a, notes = _detect(state_dict, filename=filename, metadata=metadata, family=family, config=config)
+    return spec, a.layout, notes
+
+
+def _dtype_on_disk(tensors: dict[str, Tensor], notes: list[str]) -> torch.dtype | None:
+    count: dict[torch.dtype, int] = {}
+    for v in tensors.values():
+        if v.is_floating_point():
+            count[v.dtype] = count.get(v.dtype, 0) + v.numel()
+    if not count:
+        return None
+    main = max(count, key=count.get)
+    if len(count) > 1:
+        notes.append("mixed dtypes on disk: " + ", ".join(str(d).replace("torch.", "") for d in count))
+    return main
+
+
+def _few(keys, n: int = 3) -> str:
+    keys = list(keys)
+    return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+
+
+def _instantiate(spec: FamilySpec, label: str, meta: bool = False):
+    params = _init_params(spec.cls_name)
+    kwargs = {k: v for k, v in spec.config.items() if k in params}
+    cls = model_class(spec.cls_name)
+    try:
+        if meta:  # no memory, no init: every tensor is assigned from the checkpoint afterwards
+            with torch.device("meta"):
+                return cls(**kwargs)
+        return cls(**kwargs)
+    except Exception as e:
+        raise CheckpointError(f"{label}: cannot build {spec.cls_name} from the detected config ({_short(e)})") from None
+
+
+def _load_into_model(spec: FamilySpec, a: _Analysis, label: str, notes: list[str], dtype) -> torch.nn.Module:
+    model = _instantiate(spec, label, meta=True)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    sd = a.sd
+    is_dec = lambda k: k.startswith(("decoder.", "post_quant_conv."))  # noqa: E731
+
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    mism = [k for k in sd if k in expected and tuple(sd[k].shape) != expected[k]]
+    problems = []
+    dec_missing = [k for k in missing if is_dec(k)]
+    dec_unexpected = [k for k in unexpected if is_dec(k)] + list(a.unused_decoder)
+    if dec_missing:
+        problems.append(f"missing {len(dec_missing)} decoder tensors: {_few(dec_missing)}")
+    if dec_unexpected:
+        problems.append(f"unexpected decoder tensors: {_few(dec_unexpected)}")
+    dec_mism = [k for k in mism if is_dec(k)]
+    if dec_mism:
+        problems.append(
+            "shape mismatch: "
+            + "; ".join(f"{k} {list(sd[k].shape)} vs expected {list(expected[k])}" for k in dec_mism[:3])
+            + (f" (+{len(dec_mism) - 3} more)" if len(dec_mism) > 3 else "")
+        )
+    if problems:
+        raise CheckpointError(
+            f"{label}: decoder weights do not fit {spec.cls_name} ({spec.name}, layout {a.layout}): "
+            + "; ".join(problems)
+            + " — wrong family/config, or a damaged file"
+        )
+
+    enc_missing = [k for k in missing if not is_dec(k)]
+    enc_bad = [k for k in unexpected if not is_dec(k)] + [k for k in mism if not is_dec(k)]
+    if enc_bad:
+        notes.append(f"encoder weights do not fit ({_few(enc_bad)}): encoder left at init, decode only")
+        enc_missing = [k for k in expected if not is_dec(k)]
+    elif enc_missing and not a.has_encoder:
+        notes.append("encoder weights absent: decode only")
+    elif enc_missing:
+        notes.append(
+            f"encoder incomplete ({len(enc_missing)} tensors missing, e.g. {_few(enc_missing, 2)}): decode only"
+        )
+    skip = set(enc_missing)
+    load = {k: v.to(dtype=dtype).contiguous() for k, v in sd.items() if k in expected and k not in skip}
+    if enc_missing:  # take those from a normally initialised model
+        fresh = _instantiate(spec, label).state_dict()
+        load.update({k: fresh[k].to(dtype) for k in enc_missing})
+    model.load_state_dict(load, strict=True, assign=True)
+    return model
+
+
+def _to(model: torch.nn.Module, device, dtype) -> torch.nn.Module:
+    # torch's own .to: diffusers' ModelMixin.to logs a warning about fp32 modules whenever a dtype is passed.
+    return torch.nn.Module.to(model, device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_vae(
+    path: str | Path | None = None,
+    *,
+    family: str | None = None,
+    config: str | Path | dict | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LoadedVAE:
+    """Load a VAE checkpoint (file or diffusers directory) into an eval-mode diffusers model on `device` in `dtype`.
+    With path=None, builds the family's model with random weights (for benchmarks)."""
+    if path is None:
+        if not family:
+            raise CheckpointError("no checkpoint given: pass a path, or a family for a randomly initialised model")
+        spec = get_family(family)
+        explicit = _load_config_arg(config)
+        if explicit:
+            spec = spec.with_config({k: v for k, v in explicit.items() if k in _init_params(spec.cls_name)})
+        model = _instantiate(spec, spec.name)
+        model = _to(model, device, dtype)
+        return LoadedVAE(model, spec, "random-init", None, ["no checkpoint: random weights"], None)
+
+    src = _read(Path(path), select_vae=True)
+    label = str(src.path)
+    spec, a, notes = _detect(
+        src.tensors,
+        filename=label,
+        metadata=src.metadata,
+        family=family,
+        config=config,
+        other_keys=src.all_keys,
+        names=src.hint_names,
+        is_dir=src.is_dir,
+    )
+    disk = _dtype_on_disk(a.sd, notes)
+    model = _load_into_model(spec, a, label, notes, dtype)
+    model = _to(model, device, dtype)
+    if disk is not None:
+        name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+        notes.append(f"weights on disk: {name(disk)}, loaded as {name(dtype)}")
+    return LoadedVAE(model, spec, a.layout, src.path, notes, disk)
