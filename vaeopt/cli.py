@@ -18,6 +18,7 @@ from vaeopt import __version__
 from vaeopt.errors import VaeoptError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")  # its per-call dtype warnings are noise here
 
 app = typer.Typer(
     help="Fast, memory-aware, fidelity-checked VAE decoding for latent diffusion "

@@ -1,0 +1,144 @@
+"""Calibrate the planner's memory model on the GPU, and check budgets on emulated smaller cards.
+
+1. Peak memory of vaeopt's whole decode (default stages) over a grid of shapes per family -> least-squares fit of
+   act_bytes_per_px (see vaeopt/planner.py); held-out shapes checked against the fit.
+2. Budget emulation: torch.cuda.set_per_process_memory_fraction to 16 GB / 8 GB, decode sdxl-2048, sdxl-4096 and
+   wan21-720p with --vram-budget set accordingly; report plan, time, peak, PSNR vs an fp32 reference where cheap.
+
+Writes $OUT/calibration.json. Usage: python benchmarks/gpu_calibrate.py [--quick]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vaeopt.families import build_model, get_family
+from vaeopt.hw import machine_info
+from vaeopt.loading import LoadedVAE
+from vaeopt.pipeline import Options, Pipeline
+from vaeopt import planner
+
+OUT = Path(os.environ.get("OUT", "out"))
+OUT.mkdir(parents=True, exist_ok=True)
+dev = torch.device("cuda")
+quick = "--quick" in sys.argv
+
+
+def make_pipe(fam: str, **opts) -> Pipeline:
+    spec = get_family(fam)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        m = build_model(spec)
+    m = m.to_empty(device="cpu")
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    loaded = LoadedVAE(model=m, family=spec, layout="random", path=None, notes=[], dtype_on_disk=None)
+    return Pipeline(loaded, Options(device="cuda", dtype="bf16", graphs="off", **opts))
+
+
+def measure(pipe: Pipeline, shape, **plan_kw):
+    z = torch.randn(shape)
+    plan = pipe.plan(shape)
+    for k, v in plan_kw.items():
+        setattr(plan, k, v)
+    torch.cuda.empty_cache()
+    out, stats = pipe.decode(z, plan)
+    return plan, stats
+
+
+rows = []
+fits = {}
+grids = {
+    "sdxl": [(1, 4, 64, 64), (1, 4, 96, 96), (1, 4, 128, 128), (1, 4, 160, 160), (1, 4, 192, 192), (1, 4, 256, 256)],
+    "wan21": [(1, 16, 5, 30, 52), (1, 16, 5, 45, 80), (1, 16, 5, 60, 104), (1, 16, 5, 90, 160)],
+}
+if quick:
+    grids = {k: v[:3] for k, v in grids.items()}
+for fam, shapes in grids.items():
+    pipe = make_pipe(fam, tiling="off")
+    spec = pipe.family
+    eb = 2
+    xs, ys = [], []
+    for shape in shapes:
+        chunk = 1 if spec.is_video else None
+        try:
+            plan, stats = measure(pipe, shape, mode="chunked" if chunk else "whole", chunk=chunk)
+        except torch.cuda.OutOfMemoryError:
+            print(f"{fam} {shape}: OOM")
+            continue
+        n, h, w = shape[0], shape[-2] * spec.spatial_factor, shape[-1] * spec.spatial_factor
+        frames = (chunk or 1) * spec.temporal_factor if spec.is_video else 1
+        px = n * frames * h * w
+        out_b = (n * spec.output_frames(shape[2]) if spec.is_video else n) * h * w * 3 * eb
+        wb = planner._weights_bytes(pipe.model, torch.bfloat16)
+        xs.append(px * eb)
+        ys.append(stats.peak_bytes - wb - out_b)
+        rows.append({"family": fam, "shape": list(shape), "peak_gib": stats.peak_bytes / 2**30, "seconds": stats.seconds,
+                     "px_in_flight": px, "est_before_gib": planner.estimate_whole(spec, pipe.model, shape, torch.bfloat16,
+                                                                                 chunk) / 2**30})
+        print(f"{fam} {shape}: peak {stats.peak_bytes / 2**30:.2f} GiB, {stats.seconds * 1e3:.0f} ms")
+    # fit on all but the last (held out)
+    if len(xs) >= 3:
+        fx, fy = xs[:-1], ys[:-1]
+        coef = sum(a * b for a, b in zip(fx, fy)) / sum(a * a for a in fx)
+        pred = coef * xs[-1] + (ys[-1] - ys[-1])  # noqa
+        held = rows[-1]
+        est = coef * xs[-1]
+        err = (est - ys[-1]) / (ys[-1] + planner._weights_bytes(pipe.model, torch.bfloat16))
+        fits[fam] = {"act_bytes_per_px": round(coef, 1), "held_out_shape": held["shape"],
+                     "held_out_rel_error": err}
+        print(f"fit {fam}: act_bytes_per_px {coef:.0f}; held-out {held['shape']} error {100 * err:+.1f}%")
+    del pipe
+    torch.cuda.empty_cache()
+
+# ---- budget emulation
+budget_rows = []
+total = torch.cuda.get_device_properties(0).total_memory
+cases = [("sdxl", (1, 4, 256, 256)), ("sdxl", (1, 4, 512, 512)), ("wan21", (1, 16, 21, 90, 160))]
+if quick:
+    cases = cases[:2]
+for budget_gb in (16, 8):
+    for fam, shape in cases:
+        pipe = make_pipe(fam)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(budget_gb * 2**30 / total, 0)
+        rec = {"family": fam, "shape": list(shape), "budget_gb": budget_gb}
+        try:
+            pipe.opts.vram_budget_gb = budget_gb * 0.9
+            plan = pipe.plan(shape)
+            rec["plan"] = plan.to_dict()
+            t0 = time.perf_counter()
+            out, stats = pipe.decode(torch.randn(shape), plan)
+            rec.update(ok=True, seconds=stats.seconds, peak_gib=stats.peak_bytes / 2**30, retries=stats.retries)
+        except torch.cuda.OutOfMemoryError as e:
+            rec.update(ok=False, error=str(e).splitlines()[0][:200])
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
+            del pipe
+            torch.cuda.empty_cache()
+        budget_rows.append(rec)
+        print(f"budget {budget_gb} GB {fam} {shape}: " + (
+            f"{rec['plan']['mode']} tile={rec['plan']['tile']} chunk={rec['plan']['chunk']} "
+            f"{rec['seconds']:.2f} s peak {rec['peak_gib']:.2f} GiB" if rec.get("ok") else f"FAILED {rec.get('error')}"))
+
+mi = machine_info()
+result = {"gpu": mi.gpus[0].name, "versions": {"torch": mi.torch, "cudnn": mi.cudnn, "triton": mi.triton,
+                                                 "diffusers": mi.diffusers},
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "command": "python benchmarks/gpu_calibrate.py" + (" --quick" if quick else ""),
+          "peaks": rows, "fits": fits, "budgets": budget_rows}
+(OUT / "calibration.json").write_text(json.dumps(result, indent=1))
+print("\nfamily  act_bytes_per_px  held-out error")
+for k, v in fits.items():
+    print(f"{k:8s} {v['act_bytes_per_px']:10.0f} {100 * v['held_out_rel_error']:+8.1f}%")
+print("budget  workload            ok   plan        time    peak")
+for r in budget_rows:
+    print(f"{r['budget_gb']:4d} GB {r['family']:6s} {str(tuple(r['shape'])):22s} {str(r.get('ok')):5s} "
+          f"{r.get('plan', {}).get('mode', '-'):8s} {r.get('seconds', 0):7.2f}s {r.get('peak_gib', 0):6.2f} GiB")
