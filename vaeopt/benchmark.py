@@ -100,12 +100,14 @@ def matmul_tflops(device: torch.device) -> float | None:
 
 def time_fn(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, repeats: int):
     out = None
+    if device.type == "cuda":  # peak includes warm-up (and a CUDA graph's capture pool)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup):
         out = fn()
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
         for _ in range(repeats):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()

@@ -64,6 +64,7 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     device = device or next(model.parameters()).device
     per_dim = {d: _probe(d, device, dtype) for d in dims}
     desc = "; ".join(f"head_dim {d}: SDPA uses {v[0] if v else 'none'} (usable: {', '.join(v)})" for d, v in per_dim.items())
+    data = {"head_dims": dims, "backends": per_dim, "switched": n}
     if n:
-        desc += f"; switched {n} attention processors to SDPA"
-    return StageResult(NAME, "applied", desc, {"head_dims": dims, "backends": per_dim})
+        return StageResult(NAME, "applied", f"switched {n} attention processors to SDPA; {desc}", data)
+    return StageResult(NAME, "skipped", f"nothing to change: already SDPA; {desc}", data)
