@@ -1,0 +1,95 @@
+"""`vaeopt benchmark` on CPU: JSON schema, fidelity on every row, skipped stages carry reasons, broken stages show."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vaeopt.cli import app
+
+runner = CliRunner()
+ROW_KEYS = {"name", "kind", "status", "reason", "median_ms", "min_ms", "max_ms", "peak_alloc_gib", "throughput",
+            "throughput_unit", "tflops", "psnr_db", "max_abs", "stages", "speedup_vs_diffusers_bf16"}
+
+
+def _bench(tmp_path, samples_dir, *extra):
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,16,16",
+                            "--repeats", "2", "--warmup", "0", "--peers", "tiling", "--json", str(out),
+                            "--plot", str(tmp_path / "r.png"), *extra], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text()), r.output
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory, samples_dir):
+    return _bench(tmp_path_factory.mktemp("b"), samples_dir)
+
+
+def test_schema_and_fidelity(result):
+    data, output = result
+    for k in ("workload", "family", "latent_shape", "dtype", "device", "flops", "versions", "date", "command", "rows"):
+        assert k in data
+    assert data["cpu_numbers"] is True and "CPU numbers" in output
+    assert data["flops"] > 1e9 and data["latent_shape"] == [1, 4, 16, 16]
+    names = [r["name"] for r in data["rows"]]
+    assert names[0] == "diffusers fp32 (reference)" and "vaeopt plain" in names and "+ CUDA graphs" in names
+    for r in data["rows"]:
+        assert ROW_KEYS <= set(r)
+        if r["status"] == "ok":
+            assert r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+            assert r["psnr_db"] is not None and r["max_abs"] is not None  # every measured row has fidelity
+            assert r["throughput_unit"] == "MP/s" and r["tflops"] > 0
+        else:
+            assert r["status"] == "skipped" and r["reason"]  # skipped rows say why
+    plain = next(r for r in data["rows"] if r["name"] == "vaeopt plain")
+    assert plain["psnr_db"] > 100  # fp32 plain path == diffusers fp32
+
+
+def test_skipped_stages_carry_reason(result):
+    data, _ = result
+    rows = {r["name"]: r for r in data["rows"]}
+    assert rows["+ fp8"]["status"] == "skipped" and "--fp8" in rows["+ fp8"]["reason"]
+    assert rows["+ CUDA graphs"]["status"] == "skipped" and "GPU" in rows["+ CUDA graphs"]["reason"]
+
+
+def test_plot_written(result, tmp_path_factory):
+    from PIL import Image
+
+    data, _ = result
+    # the fixture's plot lives next to its json; regenerate to a known place
+    from vaeopt.benchmark import plot
+
+    p = tmp_path_factory.mktemp("p") / "plot.png"
+    plot(data, p)
+    im = Image.open(p)
+    assert im.size[0] == 1000 and im.size[1] > 100
+
+
+def test_broken_stage_is_reported_not_hidden(tmp_path, samples_dir, monkeypatch):
+    from vaeopt.stages import channels_last
+
+    real = channels_last.apply
+
+    def broken(model, **kw):
+        r = real(model, **kw)
+        with torch.no_grad():
+            model.decoder.conv_out.weight.mul_(0.5)  # a bug that halves the output
+        return r
+
+    monkeypatch.setattr(channels_last, "apply", broken)
+    data, _ = _bench(tmp_path, samples_dir)
+    rows = {r["name"]: r for r in data["rows"]}
+    assert rows["vaeopt plain"]["psnr_db"] > 100
+    assert rows["+ channels_last"]["status"] == "ok"
+    assert rows["+ channels_last"]["psnr_db"] < 30, rows["+ channels_last"]["psnr_db"]
+
+
+def test_bad_arguments():
+    r = runner.invoke(app, ["benchmark", "--family", "sdxl", "--shape", "1,16,8,8"])
+    assert r.exit_code == 2 and "does not fit" in r.output
+    r = runner.invoke(app, ["benchmark", "--workload", "nope"])
+    assert r.exit_code == 2 and "unknown workload" in r.output
+    r = runner.invoke(app, ["benchmark", "--family", "sdxl", "--shape", "1,4,8,8", "--peers", "magic"])
+    assert r.exit_code == 2 and "unknown magic" in r.output
