@@ -157,3 +157,60 @@ def test_gpu_real_shapes_bf16(layout, shape):
     err = (y.double() - ref).abs().max().item()
     err_torch = (F.silu(F.group_norm(x, 32, w, b, 1e-6)).double() - ref).abs().max().item()
     assert _same_format(y, x) and err <= 2 * err_torch + FLOOR[torch.bfloat16], (err, err_torch)
+
+
+# --- x_bias: a conv's bias folded into the norm (the conv runs without it) ------------------------------------------
+
+XB_CASES = [  # (shape, groups, launcher knobs): per-element channel lookup (cf: S % BLOCK != 0) and per-block lookup
+    ((2, 48, 7, 13), 16, {}),  # odd sizes, 3 channels per group
+    ((1, 64, 16, 16), 32, {}),  # one block spans several channels (cf per-element path)
+    ((1, 32, 8, 8), 8, dict(tile=64, target_programs=32)),  # cf: one channel per block, 4 chunks per group
+    ((1, 24, 2, 3, 5), 6, {}),  # 5-D
+]
+
+
+def _ref64_xb(x, groups, w, b, xb, eps=1e-6, silu=True):
+    xx = x.double() + xb.double().reshape(-1, *([1] * (x.dim() - 2)))
+    y = F.group_norm(xx, groups, w.double(), b.double(), eps)
+    return F.silu(y) if silu else y
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("shape,groups,knobs", XB_CASES)
+def test_x_bias(device, dtype, layout, shape, groups, knobs):
+    """group_norm_silu(x, ..., x_bias=b) == silu(group_norm(x + b)); bf16: within 2x torch's own bf16 error (torch
+    rounds x + b to bf16 before the norm; the kernel adds in fp32)."""
+    _need(device)
+    from vaeopt.kernels import group_norm_silu
+
+    x, w, b = _inputs(shape, dtype, device, seed=7)
+    xb = (torch.randn(shape[1], generator=torch.Generator().manual_seed(8)) * 3).to(device=device, dtype=dtype)
+    x = _layout(x, layout)
+    y = group_norm_silu(x, groups, w, b, 1e-6, x_bias=xb, **knobs)
+    assert y.dtype == dtype and _same_format(y, x)
+    ref = _ref64_xb(x, groups, w, b, xb)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, atol=2e-5, rtol=2e-5)
+    else:
+        err = (y.double() - ref).abs().max().item()
+        xx = x + xb.reshape(-1, *([1] * (x.dim() - 2)))
+        err_torch = (F.silu(F.group_norm(xx, groups, w, b, 1e-6)).double() - ref).abs().max().item()
+        assert err <= 2 * err_torch + FLOOR[dtype], (err, err_torch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_x_bias_large_offset_and_gn_only(device, layout):
+    """A bias 1000x the spread of x (the shift trick must see it), silu=False; a wrongly sized x_bias is refused."""
+    _need(device)
+    from vaeopt.kernels import group_norm_silu
+
+    x, w, b = _inputs((2, 8, 6, 7), torch.float32, device, seed=9, offset=0.0, spread=1.0)
+    xb = torch.linspace(-1000, 1000, 8, device=device)
+    x = _layout(x, layout)
+    y = group_norm_silu(x, 2, w, b, 1e-6, False, tile=32, target_programs=12, max_block_p=2, x_bias=xb)
+    torch.testing.assert_close(y.double(), _ref64_xb(x, 2, w, b, xb, silu=False), atol=5e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        group_norm_silu(x, 2, w, b, x_bias=xb[:4])

@@ -228,10 +228,12 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
 
 LADDER = (
     # (row name, Options overrides) — each adds one stage on top of the previous row
-    ("vaeopt plain", dict(channels_last="off", triton="off", attention="off", graphs="off", fp8="off", tiling="off")),
+    ("vaeopt plain", dict(channels_last="off", triton="off", epilogues="off", attention="off", graphs="off", fp8="off",
+                          tiling="off")),
     ("+ fp8", dict(fp8="on")),
     ("+ channels_last", dict(channels_last="on")),
-    ("+ fused norms (Triton)", dict(triton="auto")),  # auto: on CPU it would only run interpreted
+    ("+ fused norms (Triton)", dict(triton="auto", epilogues="off")),  # auto: on CPU it would only run interpreted
+    ("+ fused epilogues", dict(epilogues="auto")),
     ("+ attention backend", dict(attention="auto")),
     ("+ planner (tile/chunk)", dict(tiling="auto")),
     ("+ CUDA graphs", dict(graphs="on")),
@@ -306,10 +308,14 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         if ladder_hook is not None:
             make = ladder_hook(name, make)
         r = b.run(name, "ladder", make)
+        plan = next((s for s in r.stages if s["name"] == "plan"), None)
+        if name == "+ planner (tile/chunk)" and plan and plan["detail"].startswith("whole decode"):
+            r.status, r.reason = "skipped", f"nothing to change: {plan['detail']}"
         # a stage that reported "skipped" did nothing: show the row as skipped with its reason
         for s in r.stages:
             key = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
-                   "+ attention backend": "attention", "+ CUDA graphs": "graphs"}.get(name)
+                   "+ fused epilogues": "fused_epilogues", "+ attention backend": "attention",
+                   "+ CUDA graphs": "graphs"}.get(name)
             if key and s["name"] == key and s["status"] == "skipped":
                 r.status, r.reason = "skipped", s["detail"]
         rows.append(r)

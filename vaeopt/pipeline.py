@@ -1,7 +1,7 @@
 """The optimization pipeline: applies the stages in a fixed order to a loaded VAE, plans memory, decodes.
 
 Order (each stage logs one line: what it did with numbers, or why it was skipped):
-    precision -> fp8 -> channels_last -> fused_norms -> attention -> plan (tile/chunk) -> graphs
+    precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> attention -> plan (tile/chunk) -> graphs
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Options:
     dtype: str = "auto"
     channels_last: str = "auto"
     triton: str = "auto"
+    epilogues: str = "auto"  # conv bias folded into norms, fused residual(+upsample) epilogues, chunked attention
     attention: str = "auto"
     fp8: str = "off"
     graphs: str = "auto"
@@ -38,7 +39,7 @@ class Options:
     gate_db: float = 40.0  # fidelity gate for lossy stages (PSNR vs fp32 reference)
 
     def validate(self) -> None:
-        for name in ("channels_last", "triton", "attention", "fp8", "graphs", "tiling"):
+        for name in ("channels_last", "triton", "epilogues", "attention", "fp8", "graphs", "tiling"):
             v = getattr(self, name)
             if v not in SWITCHES:
                 raise VaeoptError(f"--{name.replace('_', '-')} must be one of {', '.join(SWITCHES)}, got '{v}'")
@@ -124,11 +125,17 @@ class Pipeline:
             self._record(StageResult.skipped("channels_last", f"fused NHWC norm kernels unavailable ({fused_why}); "
                                              "aten GroupNorm relayouts NHWC inputs, which is slower"))
         if o.triton == "off":
-            self._record(StageResult.skipped("fused_norms", "off"))
+            fused = self._record(StageResult.skipped("fused_norms", "off"))
         elif not fused_ok and o.triton == "auto":
-            self._record(StageResult.skipped("fused_norms", fused_why))
+            fused = self._record(StageResult.skipped("fused_norms", fused_why))
         else:
-            self._record(self._stage("fused_norms").apply(self.model))
+            fused = self._record(self._stage("fused_norms").apply(self.model))
+        if o.epilogues == "off":
+            self._record(StageResult.skipped("fused_epilogues", "off"))
+        elif fused.status != "applied":
+            self._record(StageResult.skipped("fused_epilogues", "needs the fused norms (they carry the folded biases)"))
+        else:
+            self._record(self._stage("fused_epilogues").apply(self.model, device=self.device))
 
         if o.attention == "off":
             self._record(StageResult.skipped("attention", "off"))

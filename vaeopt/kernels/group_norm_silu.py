@@ -12,6 +12,11 @@ and relayouts channels_last inputs to NCHW and back; SiLU is one more full read+
 
 DRAM traffic: 2 reads + 1 write of x (vs 5 passes for aten GroupNorm + SiLU); ~1 read + 1 write when x fits in L2.
 
+Input bias (`x_bias`, optional [C]): the kernels normalize x + x_bias[c] instead of x, so a conv can run without its
+bias and the bias is folded in here (one full read+write pass less per conv: aten's cuDNN path adds the bias in a
+separate broadcast kernel). Stats add it on load; finalize subtracts it from the per-channel mean it writes
+(mean' = mean_g - x_bias[c]), so apply is unchanged: (x - mean') * a + b = (x + x_bias - mean_g) * a + b.
+
 Layouts: every tensor is seen as (N, C, S) with S = flattened spatial dims; "channels-first" means each sample is a
 contiguous [C, S] block (NCHW, NCDHW, (B, C, L)), "channels-last" means a contiguous [S, C] block (NHWC, NDHWC,
 (B, C, L) with channel stride 1). Anything else is made contiguous first (the only relayout, and only for odd strides).
@@ -32,14 +37,18 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _stats_cf_kernel(
     x_ptr,  # [N, G, L]: sample n at x_ptr + n*stride_n, group g is the contiguous run [g*L, (g+1)*L)
     part_ptr,  # [3, NG, n_chunks] fp32: count, mean, M2 of each chunk
+    xb_ptr,  # [C] input bias (read only when XB > 0)
     NG,
     L,
     stride_n,
     G,
     n_chunks,
     iters,  # blocks per chunk
+    S,  # spatial size: element o of a group belongs to its channel o // S
+    CG,
     BLOCK_GR: tl.constexpr,  # (n, group) rows per program: 1 for big groups, more when groups are small
     BLOCK: tl.constexpr,
+    XB: tl.constexpr,  # input bias: 0 none, 1 one channel per block (S % BLOCK == 0), 2 per element
 ):
     chunk = tl.program_id(0)
     ng = tl.program_id(1) * BLOCK_GR + tl.arange(0, BLOCK_GR)
@@ -54,6 +63,13 @@ def _stats_cf_kernel(
     # Shift by the first block's mean: sum/sumsq of (x - k) stay well-conditioned even when |mean| >> std.
     m0 = ngm[:, None] & (offs < lim)[None, :]
     x0 = tl.load(row[:, None] + offs[None, :], mask=m0, other=0.0).to(tl.float32)
+    gc = g * CG  # first channel of each row's group
+    if XB == 1:  # the whole block lies in one channel: one bias value per row
+        b0 = tl.load(xb_ptr + gc + (start // S).to(tl.int32), mask=ngm, other=0.0).to(tl.float32)
+        x0 = tl.where(m0, x0 + b0[:, None], 0.0)
+    elif XB == 2:  # odd sizes: channel of each element
+        cl0 = (start.to(tl.int32) + offs) // S
+        x0 = tl.where(m0, x0 + tl.load(xb_ptr + gc[:, None] + cl0[None, :], mask=m0, other=0.0).to(tl.float32), 0.0)
     k = tl.sum(x0, axis=1) / tl.minimum(lim, BLOCK).to(tl.float32)  # [BLOCK_GR]
 
     s1 = tl.zeros([BLOCK_GR, BLOCK], dtype=tl.float32)
@@ -62,6 +78,12 @@ def _stats_cf_kernel(
         o = it * BLOCK + offs
         m = ngm[:, None] & (o < lim)[None, :]
         x = tl.load(row[:, None] + o[None, :], mask=m, other=0.0).to(tl.float32)
+        if XB == 1:
+            cb = ((start + it * BLOCK) // S).to(tl.int32)
+            x += tl.load(xb_ptr + gc + cb, mask=ngm, other=0.0).to(tl.float32)[:, None]
+        elif XB == 2:
+            cl = (start.to(tl.int32) + o) // S
+            x += tl.load(xb_ptr + gc[:, None] + cl[None, :], mask=m, other=0.0).to(tl.float32)
         d = tl.where(m, x - k[:, None], 0.0)
         s1 += d
         s2 += d * d
@@ -79,6 +101,7 @@ def _stats_cf_kernel(
 def _stats_cl_kernel(
     x_ptr,  # [N, S, C]: sample n at x_ptr + n*stride_n, channel stride 1, spatial stride C
     part_ptr,  # [3, N*G, n_chunks] fp32: count, mean, M2 of each chunk
+    xb_ptr,  # [C] input bias (read only when XB)
     S,
     C,
     CG,  # channels per group
@@ -90,6 +113,7 @@ def _stats_cl_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     CG_POW2: tl.constexpr,  # CG if it is a power of 2, else 0
+    XB: tl.constexpr,  # add the input bias xb[c]
 ):
     chunk = tl.program_id(0)
     n = tl.program_id(1)
@@ -103,6 +127,9 @@ def _stats_cl_kernel(
     # Per-channel shift = mean of the chunk's first row block (see _stats_cf_kernel).
     m0 = (rows < lim)[:, None] & cm[None, :]
     x0 = tl.load(base + rows[:, None] * C + cols[None, :], mask=m0, other=0.0).to(tl.float32)
+    if XB:
+        xbc = tl.load(xb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        x0 = tl.where(m0, x0 + xbc[None, :], 0.0)
     k = tl.sum(x0, axis=0) / tl.minimum(lim, BLOCK_S).to(tl.float32)  # [BLOCK_C]
 
     # Whole rows are contiguous in memory: loads stay coalesced/vectorized whatever the group size.
@@ -112,6 +139,8 @@ def _stats_cl_kernel(
         r = it * BLOCK_S + rows
         m = (r < lim)[:, None] & cm[None, :]
         x = tl.load(base + r[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if XB:
+            x += xbc[None, :]
         d = tl.where(m, x - k[None, :], 0.0)
         s1 += d
         s2 += d * d
@@ -146,7 +175,8 @@ def _stats_cl_kernel(
 def _finalize_kernel(
     part_ptr,  # [3, NG, n_chunks] fp32
     w_ptr,  # [C] affine weight
-    mean_ptr,  # [N, C] fp32 out: mean of the channel's group
+    xb_ptr,  # [C] input bias (read only when XB)
+    mean_ptr,  # [N, C] fp32 out: mean of the channel's group, minus the channel's input bias
     a_ptr,  # [N, C] fp32 out: rstd * weight
     NG,
     C,
@@ -157,6 +187,7 @@ def _finalize_kernel(
     BLOCK_NG: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_CG: tl.constexpr,
+    XB: tl.constexpr,
 ):
     ng = tl.program_id(0) * BLOCK_NG + tl.arange(0, BLOCK_NG)  # (n, group) pairs of this program
     ngm = ng < NG
@@ -191,7 +222,10 @@ def _finalize_kernel(
     c = g[:, None] * CG + j[None, :]  # [BLOCK_NG, BLOCK_CG] channel ids
     w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
     out = n[:, None] * C + c
-    tl.store(mean_ptr + out, tl.zeros([BLOCK_NG, BLOCK_CG], dtype=tl.float32) + mean[:, None], mask=cm)
+    mean_c = tl.zeros([BLOCK_NG, BLOCK_CG], dtype=tl.float32) + mean[:, None]
+    if XB:  # apply computes (x - mean') * a: with mean' = mean - xb[c] that is (x + xb[c] - mean) * a
+        mean_c -= tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    tl.store(mean_ptr + out, mean_c, mask=cm)
     tl.store(a_ptr + out, rstd[:, None] * w, mask=cm)
 
 
@@ -283,8 +317,12 @@ def group_norm_silu(
     target_programs: int | None = None,
     num_warps: int | None = None,
     max_block_p: int = 1024,
+    x_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(group_norm(x)) (or plain group_norm with silu=False) for x of shape (N, C, *spatial), fp32/bf16/fp16.
+
+    `x_bias` ([C], optional): normalize x + x_bias[c] instead (a conv's bias folded in: the conv runs without it);
+    the sum is formed in fp32 inside the kernels, never materialized.
 
     Output has x's dtype and memory format. `tile` (elements per block), `target_programs` (stats grid size) and
     `num_warps` are tuning knobs; tests shrink them (and `max_block_p`, partials merged per finalize step) to
@@ -298,7 +336,7 @@ def group_norm_silu(
     G = int(num_groups)
     if C % G:
         raise ValueError(f"group_norm_silu: {C} channels not divisible by {G} groups")
-    for name, t in (("weight", weight), ("bias", bias)):
+    for name, t in (("weight", weight), ("bias", bias), ("x_bias", x_bias)):
         if t is not None and t.numel() != C:
             raise ValueError(f"group_norm_silu: {name} has {t.numel()} values for {C} channels")
     if x.numel() == 0:
@@ -319,6 +357,8 @@ def group_norm_silu(
     tile = tile or default_tile(dev)
     target = target_programs or n_programs_target(dev)
     nw = num_warps or _warps(tile)
+    has_xb = x_bias is not None
+    xb = x_bias.reshape(C) if has_xb else w  # a valid pointer either way; read only under the XB flags
 
     if kind == "cf":
         L = CG * S
@@ -336,14 +376,16 @@ def group_norm_silu(
 
     part = torch.empty((3, N * G, n_chunks), device=dev, dtype=torch.float32)
     if kind == "cf":
+        xb_mode = 0 if not has_xb else (1 if S % BLOCK == 0 else 2)  # 1: no per-element channel division
         _stats_cf_kernel[(n_chunks, triton.cdiv(N * G, BLOCK_GR))](
-            x, part, N * G, L, stride_n, G, n_chunks, iters, BLOCK_GR=BLOCK_GR, BLOCK=BLOCK, num_warps=nw
-        )
+            x, part, xb, N * G, L, stride_n, G, n_chunks, iters, S, CG,
+            BLOCK_GR=BLOCK_GR, BLOCK=BLOCK, XB=xb_mode, num_warps=nw,
+        )  # fmt: skip
     else:
         _stats_cl_kernel[(n_chunks, N)](
-            x, part, S, C, CG, G, stride_n, n_chunks, iters,
+            x, part, xb, S, C, CG, G, stride_n, n_chunks, iters,
             BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, BLOCK_G=triton.next_power_of_2(G),
-            CG_POW2=CG if CG & (CG - 1) == 0 else 0, num_warps=nw,
+            CG_POW2=CG if CG & (CG - 1) == 0 else 0, XB=has_xb, num_warps=nw,
         )  # fmt: skip
 
     mean = torch.empty((N, C), device=dev, dtype=torch.float32)
@@ -351,8 +393,8 @@ def group_norm_silu(
     BLOCK_P = min(max_block_p, triton.next_power_of_2(n_chunks))
     BLOCK_NG = min(triton.next_power_of_2(N * G), max(1, 2048 // BLOCK_P))  # tiny work: few programs
     _finalize_kernel[(triton.cdiv(N * G, BLOCK_NG),)](
-        part, w, mean, a, N * G, C, G, CG, n_chunks, float(eps),
-        BLOCK_NG=BLOCK_NG, BLOCK_P=BLOCK_P, BLOCK_CG=triton.next_power_of_2(CG), num_warps=4,
+        part, w, xb, mean, a, N * G, C, G, CG, n_chunks, float(eps),
+        BLOCK_NG=BLOCK_NG, BLOCK_P=BLOCK_P, BLOCK_CG=triton.next_power_of_2(CG), XB=has_xb, num_warps=4,
     )  # fmt: skip
 
     if kind == "cf":
@@ -374,8 +416,10 @@ def group_norm_silu(
     return y
 
 
-def group_norm_silu_reference(x, num_groups, weight, bias, eps=1e-6, silu=True):
+def group_norm_silu_reference(x, num_groups, weight, bias, eps=1e-6, silu=True, x_bias=None):
     """The exact torch composition the kernel replaces (and the fallback off-GPU)."""
+    if x_bias is not None:
+        x = x + x_bias.to(x.dtype).reshape(-1, *([1] * (x.dim() - 2)))
     y = torch.nn.functional.group_norm(x, num_groups, weight, bias, eps)
     return torch.nn.functional.silu(y) if silu else y
 

@@ -54,17 +54,23 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
         return StageResult.skipped(NAME, "model has no attention in its decoder")
     # diffusers' VAE Attention defaults to AttnProcessor2_0 (SDPA); make sure nothing else was set.
     n = 0
+    chunked = 0
     for m in model.modules():
         if type(m).__name__ == "Attention" and hasattr(m, "set_processor"):
             from diffusers.models.attention_processor import AttnProcessor2_0
 
-            if not isinstance(m.processor, AttnProcessor2_0):
+            if type(m.processor).__name__ == "ChunkedAttnProcessor":
+                chunked += 1  # fused_epilogues already replaced SDPA for this wide head
+            elif not isinstance(m.processor, AttnProcessor2_0):
                 m.set_processor(AttnProcessor2_0())
                 n += 1
     device = device or next(model.parameters()).device
     per_dim = {d: _probe(d, device, dtype) for d in dims}
     desc = "; ".join(f"head_dim {d}: SDPA uses {v[0] if v else 'none'} (usable: {', '.join(v)})" for d, v in per_dim.items())
-    data = {"head_dims": dims, "backends": per_dim, "switched": n}
+    data = {"head_dims": dims, "backends": per_dim, "switched": n, "chunked": chunked}
+    if chunked:
+        desc = (f"{chunked} block(s) on exact query-chunked GEMM attention (set by fused_epilogues; SDPA would use "
+                f"{', '.join(v[0] for v in per_dim.values() if v)})")
     if n:
         return StageResult(NAME, "applied", f"switched {n} attention processors to SDPA; {desc}", data)
     return StageResult(NAME, "skipped", f"nothing to change: already SDPA; {desc}", data)

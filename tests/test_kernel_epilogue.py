@@ -1,0 +1,202 @@
+"""bias_residual / upsample_nearest2x / softmax_rows kernels vs torch: layouts, residual strides, scale, dtypes,
+odd sizes, fused 2x nearest upsample; chunked attention vs SDPA.
+
+CPU: the Triton interpreter (TRITON_INTERPRET=1 from conftest), small shapes. "cuda" copies run with -m gpu.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vaeopt.kernels import triton_available
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _need(device):
+    ok, why = triton_available(device)
+    if not ok:
+        pytest.skip(why)
+
+
+def _cl(x):
+    return x.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def _lay(x, layout):
+    return _cl(x) if layout == "cl" else x.contiguous()
+
+
+def _same_format(y, x):
+    return [st for st, n in zip(y.stride(), y.shape) if n > 1] == [st for st, n in zip(x.stride(), x.shape) if n > 1]
+
+
+def _ref32(h, bias, residual, scale, up, rb):
+    """diffusers' association in fp32 from the (possibly rounded) inputs: ((r + rb) + (h + b)) / scale."""
+    sh = (1, -1) + (1,) * (h.dim() - 2)
+    y = h.float() + (0 if bias is None else bias.float().reshape(sh))
+    if residual is not None:
+        y = (residual.float() + (0 if rb is None else rb.float().reshape(sh))) + y
+    y = y / scale if scale != 1.0 else y
+    return F.interpolate(y, scale_factor=2.0, mode="nearest") if up else y
+
+
+def _data(shape, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return mk(*shape), mk(C), mk(*shape), mk(C)
+
+
+SHAPES = [(2, 6, 5, 7), (1, 16, 8, 8), (1, 3, 1, 9)]  # odd H/W and C; batch 2; a 1-row image
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("up", [False, True], ids=["plain", "up2x"])
+@pytest.mark.parametrize("layout,rlayout", [("cf", "cf"), ("cl", "cl"), ("cf", "cl"), ("cl", "cf")])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bias_residual_fp32(device, up, layout, rlayout, shape):
+    _need(device)
+    from vaeopt.kernels.epilogue import bias_residual
+
+    h, b, r, rb = _data(shape, torch.float32, device, seed=sum(shape))
+    h, r = _lay(h, layout), _lay(r, rlayout)
+    for scale in (1.0, 0.7):
+        y = bias_residual(h, b, r, scale, up, residual_bias=rb, tile=64)  # small tile: many programs, tails
+        ref = _ref32(h, b, r, scale, up, rb)
+        assert y.shape == ref.shape and y.dtype == h.dtype
+        assert _same_format(y, _lay(ref, layout)), "output keeps h's layout"
+        torch.testing.assert_close(y, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("up", [False, True], ids=["plain", "up2x"])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_residual_low_precision(device, up, layout, dtype):
+    """One rounding of the fp32 result (torch rounds after every op): within one output ulp of the fp32 result, and
+    never worse than torch's own composition (+ the interpreter's truncating casts)."""
+    _need(device)
+    from vaeopt.kernels.epilogue import bias_residual, bias_residual_reference
+
+    h, b, r, rb = _data((2, 12, 5, 6), dtype, device, seed=3)
+    h, r = _lay(h, layout), _lay(r, layout)
+    y = bias_residual(h, b, r, 1.0, up, residual_bias=rb)
+    ref = _ref32(h, b, r, 1.0, up, rb)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(y.float(), ref, atol=ulp, rtol=ulp)
+    err = (y.float() - ref).abs().max().item()
+    err_torch = (bias_residual_reference(h, b, r, 1.0, up, rb).float() - ref).abs().max().item()
+    assert err <= err_torch + ulp * ref.abs().max().item(), (err, err_torch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_optional_operands_and_5d(device, layout):
+    _need(device)
+    from vaeopt.kernels.epilogue import bias_residual
+
+    h, b, r, rb = _data((2, 5, 3, 4), torch.float32, device, seed=5)
+    h, r = _lay(h, layout), _lay(r, layout)
+    torch.testing.assert_close(bias_residual(h, b), _ref32(h, b, None, 1.0, False, None), atol=1e-6, rtol=0)
+    torch.testing.assert_close(bias_residual(h, None, r), _ref32(h, None, r, 1.0, False, None), atol=1e-6, rtol=0)
+    torch.testing.assert_close(bias_residual(h, None, r, 2.0, True), _ref32(h, None, r, 2.0, True, None),
+                               atol=1e-6, rtol=0)
+    # 5-D (video activations): plain epilogue, NCDHW and NDHWC
+    h5, b5, r5, _ = _data((1, 6, 2, 3, 5), torch.float32, device, seed=6)
+    if layout == "cl":
+        h5, r5 = _cl(h5), _cl(r5)
+    y = bias_residual(h5, b5, r5, 1.0)
+    assert _same_format(y, h5)
+    torch.testing.assert_close(y, _ref32(h5, b5, r5, 1.0, False, None), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_odd_residual_strides_and_errors(device):
+    _need(device)
+    from vaeopt.kernels.epilogue import bias_residual
+
+    h, b, _, _ = _data((2, 4, 5, 6), torch.float32, device, seed=7)
+    big = torch.randn(3, 4, 5, 12, device=device)
+    r = big[1:, :, :, ::2]  # batch offset + every other column: spatial dims do not merge
+    for up in (False, True):
+        torch.testing.assert_close(bias_residual(h, b, r, 1.0, up), _ref32(h, b, r, 1.0, up, None), atol=1e-6, rtol=0)
+    hs = torch.randn(2, 8, 5, 6, device=device)[:, ::2]  # channel-sliced h: relaid once, still right
+    torch.testing.assert_close(bias_residual(hs, b, r), _ref32(hs, b, r, 1.0, False, None), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError):
+        bias_residual(h, b[:3])
+    with pytest.raises(ValueError):
+        bias_residual(h, b, r[:, :, :4])
+    with pytest.raises(ValueError):
+        bias_residual(torch.randn(1, 4, 2, 3, 3, device=device), upsample2x=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upsample_nearest2x_bitwise(device, layout, dtype):
+    _need(device)
+    from vaeopt.kernels.epilogue import upsample_nearest2x, upsample_nearest2x_expand
+
+    x = _lay(torch.randn(2, 5, 3, 7, device=device).to(dtype), layout)
+    ref = F.interpolate(x, scale_factor=2.0, mode="nearest")
+    y = upsample_nearest2x(x)
+    assert torch.equal(y, ref) and _same_format(y, _lay(ref, layout))
+    if layout == "cl":
+        e = upsample_nearest2x_expand(x)
+        assert torch.equal(e, ref) and e.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("L,block", [(37, None), (37, 8), (300, 64)])  # one pass; online two-pass with tails
+def test_softmax_rows(device, L, block):
+    _need(device)
+    from vaeopt.kernels.epilogue import softmax_rows
+
+    s = torch.randn(2, 5, L, device=device) * 6
+    ref = torch.softmax(s.double() * 0.3, dim=-1)
+    p = softmax_rows(s, 0.3, torch.float32, block=block)
+    torch.testing.assert_close(p.double(), ref, atol=1e-6, rtol=1e-5)
+    p16 = softmax_rows(s, 0.3, torch.bfloat16, block=block)
+    assert p16.dtype == torch.bfloat16
+    torch.testing.assert_close(p16.double(), ref, atol=2**-8, rtol=2**-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_chunked_attention_matches_sdpa(device, chunk):
+    _need(device)
+    from vaeopt.stages.fused_epilogues import chunked_attention
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 1, 24, 40, generator=g).to(device) * 2 for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    out = chunked_attention(q, k, v, chunk=chunk, max_score_bytes=1 << 30)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+    out = chunked_attention(q, k, v, max_score_bytes=2 * 24 * 4 * 5)  # budget -> 5 queries per chunk
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_gpu_real_shapes_bf16(layout):
+    _need("cuda")
+    from vaeopt.kernels.epilogue import bias_residual
+
+    h, b, r, rb = _data((1, 512, 128, 128), torch.bfloat16, "cuda", seed=12)
+    h, r = _lay(h, layout), _lay(r, layout)
+    for up in (False, True):
+        y = bias_residual(h, b, r, 1.0, up, residual_bias=rb)
+        torch.testing.assert_close(y.float(), _ref32(h, b, r, 1.0, up, rb), atol=2**-7, rtol=2**-7)
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_attention_bf16():
+    _need("cuda")
+    from vaeopt.stages.fused_epilogues import chunked_attention
+
+    q, k, v = (torch.randn(1, 1, 4096, 512, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    err = (chunked_attention(q, k, v, chunk=1024).float() - ref).abs().max().item()
+    err_sdpa = (F.scaled_dot_product_attention(q, k, v).float() - ref).abs().max().item()
+    assert err <= 2 * err_sdpa + 1e-2, (err, err_sdpa)

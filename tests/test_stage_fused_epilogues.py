@@ -1,0 +1,197 @@
+"""Stage fused_epilogues (after fused_norms) on a small SDXL-config AutoencoderKL: decode equals stock, the counts are
+what the model holds and what ran, the upsample is fused exactly where it should be, revert restores.
+
+CPU: fp32 through the Triton interpreter. "cuda" (pytest -m gpu): fp32 with TF32 off, and bf16 judged against stock
+bf16's own error vs fp32.
+"""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vaeopt.families import build_model, get_family
+from vaeopt.kernels import triton_available
+from vaeopt.stages import fused_epilogues, fused_norms
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _need(device):
+    ok, why = triton_available(device)
+    if not ok:
+        pytest.skip(why)
+
+
+def _spy(monkeypatch, module_name, fn_name):
+    """Record the launches of a kernel launcher that the patched forwards import at call time."""
+    mod = importlib.import_module(module_name)
+    calls = []
+    real = getattr(mod, fn_name)
+
+    def wrapper(*a, **k):
+        calls.append((tuple(a[0].shape), k))
+        return real(*a, **k)
+
+    monkeypatch.setattr(mod, fn_name, wrapper)
+    return calls
+
+
+def _decode(model, z):
+    with torch.no_grad():
+        return model.decode(z).sample.float()
+
+
+@pytest.fixture(scope="module")
+def small_kl():
+    torch.manual_seed(0)
+    return build_model(get_family("sdxl"), block_out_channels=[32, 32, 64, 64], norm_num_groups=8)
+
+
+def _structure(dec):
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.resnet import ResnetBlock2D
+
+    resnets = [m for m in dec.modules() if isinstance(m, ResnetBlock2D)]
+    ups = [b for b in dec.up_blocks if b.upsamplers is not None]
+    return dict(
+        resnets=resnets,
+        shortcuts=sum(m.conv_shortcut is not None for m in resnets),
+        up_blocks=ups,
+        attns=[m for m in dec.modules() if isinstance(m, Attention)],
+    )
+
+
+def _apply_both(model, **kw):
+    assert fused_norms.apply(model).status == "applied"
+    r = fused_epilogues.apply(model, min_head_dim=0, attention_chunk=24, **kw)  # head_dim 64 here: force chunking
+    assert r.status == "applied", r.detail
+    return r
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
+    _need(device)
+    model = small_kl.to(device)
+    mf = torch.channels_last if layout == "cl" else torch.contiguous_format
+    model.to(memory_format=mf)
+    st = _structure(model.decoder)
+    keys = {k: v for k, v in model.state_dict().items()}
+    processors = [a.processor for a in st["attns"]]
+    z = torch.randn(1, 4, 8, 8, device=device).contiguous(memory_format=mf)
+    torch.backends.cudnn.allow_tf32 = False  # fp32 comparison: no TF32 convs (they round differently per call)
+    try:
+        ref = _decode(model, z)
+        r = _apply_both(model)
+        n_res = len(st["resnets"])
+        d = r.data
+        assert d["epilogues"] == n_res == 14 and d["bias_folded"] == n_res
+        assert d["shortcut_bias_folded"] == st["shortcuts"] == 1
+        assert d["upsample_fused"] == d["upsamplers"] == len(st["up_blocks"]) == 3
+        assert d["attention_chunked"] == len(st["attns"]) == 1 and d["head_dims"] == [64]
+        assert r.detail == ("folded 14 conv biases into GroupNorm, 14 residual epilogues (3 with fused 2x upsample, "
+                            "1 shortcut biases folded), chunked attention for head_dim 64 (1 block)")
+        assert {k: v for k, v in model.state_dict().items()}.keys() == keys.keys()
+        assert all(model.state_dict()[k] is not None and model.state_dict()[k].data_ptr() == v.data_ptr()
+                   for k, v in keys.items()), "parameters untouched"
+
+        epi = _spy(monkeypatch, "vaeopt.kernels.epilogue", "bias_residual")
+        gn = _spy(monkeypatch, "vaeopt.kernels.group_norm_silu", "group_norm_silu")
+        up = _spy(monkeypatch, "vaeopt.kernels.epilogue", "upsample_nearest2x")
+        interp = []
+        real_interp = F.interpolate
+        monkeypatch.setattr(F, "interpolate", lambda *a, **k: interp.append(1) or real_interp(*a, **k))
+        out = _decode(model, z)
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
+        assert out.is_contiguous(memory_format=mf) or layout == "cf"
+        # what ran: one epilogue per resnet + the attention's; 3 of them wrote the upsampled output; no interpolate.
+        # (On CUDA the chunked attention is for bf16/fp16 only: the fp32 decode keeps SDPA.)
+        chunked = 1 if device == "cpu" else 0
+        assert len(epi) == n_res + chunked
+        assert sum(k.get("upsample2x", False) for _, k in epi) == 3 and up == [] and interp == []
+        assert sum(k.get("x_bias") is not None for _, k in gn) == n_res
+        proc = st["attns"][0].processor
+        assert type(proc).__name__ == "ChunkedAttnProcessor" and proc.calls == chunked
+
+        if device == "cuda":  # bf16: error vs fp32 within 2x stock bf16's own + floor
+            fused16 = _decode(model.to(torch.bfloat16), z.to(torch.bfloat16))
+            assert proc.calls == 1 and len(epi) == 2 * n_res + 1
+            fused_epilogues.revert(model)
+            fused_norms.revert(model)
+            stock16 = _decode(model, z.to(torch.bfloat16))
+            err, err_stock = (fused16 - ref).abs().max().item(), (stock16 - ref).abs().max().item()
+            assert err <= 2 * err_stock + 2e-2, (err, err_stock)
+            model.float()
+            _apply_both(model)
+
+        assert fused_epilogues.apply(model).status == "skipped"  # applying twice is refused
+        fused_epilogues.revert(model)
+        assert not any("forward" in m.__dict__ for m in model.decoder.modules()), "patched forwards removed"
+        assert [a.processor for a in st["attns"]] == processors
+        assert not any(fused_epilogues._STATE in m.__dict__ or fused_epilogues._PENDING in m.__dict__
+                       for m in model.decoder.modules())
+        n_epi = len(epi)
+        torch.testing.assert_close(_decode(model, z), ref, atol=2e-4, rtol=1e-4)
+        assert len(epi) == n_epi, "reverted: no epilogue kernel runs"
+        fused_norms.revert(model)
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+        fused_epilogues.revert(model)
+        fused_norms.revert(model)
+        model.to(memory_format=torch.contiguous_format).cpu().float()
+
+
+def test_upsample_output_size_and_foreign_inputs(small_kl):
+    """The fused resnet + upsampler pair, called as the up-block calls them and otherwise: an output_size other than
+    2x, a tensor the resnet did not produce, and a resnet that fell back all give stock results."""
+    _need("cpu")
+    model = small_kl.cpu().float()
+    blk = model.decoder.up_blocks[1]
+    res, ups = blk.resnets[-1], blk.upsamplers[0]
+    x = torch.randn(1, res.in_channels, 5, 7)
+    with torch.no_grad():
+        ref_r = res(x, None)
+        ref_2x = ups(ref_r)
+        ref_odd = ups(ref_r, output_size=(11, 13))
+        _apply_both(model)
+        try:
+            y = res(x, None)
+            assert y.shape[-2:] == (10, 14), "the fused resnet returns its output upsampled"
+            torch.testing.assert_close(ups(y), ref_2x, atol=2e-5, rtol=1e-5)
+            y = res(x, None)
+            torch.testing.assert_close(ups(y, output_size=(11, 13)), ref_odd, atol=2e-5, rtol=1e-5)
+            y = res(x, None)
+            torch.testing.assert_close(ups(y, output_size=(10, 14)), ref_2x, atol=2e-5, rtol=1e-5)
+            # a tensor that is not the resnet's: upsampled as usual (our kernel, bitwise equal to interpolate)
+            torch.testing.assert_close(ups(ref_r), ref_2x, atol=0, rtol=0)
+            # a live hand-off for another tensor: that other tensor is upsampled as usual
+            y = res(x, None)
+            torch.testing.assert_close(ups(ref_r), ref_2x, atol=0, rtol=0)
+            del y
+            # stale hand-off: resnet output dropped, another tensor comes in
+            res(x, None)
+            torch.testing.assert_close(ups(ref_r.clone()), ref_2x, atol=0, rtol=0)
+        finally:
+            fused_epilogues.revert(model)
+            fused_norms.revert(model)
+
+
+def test_fallback_and_skip_without_triton_backend(monkeypatch, small_kl):
+    """CPU without the interpreter: apply() skips with the reason; patched modules run the stock forwards."""
+    model = small_kl.cpu().float()
+    z = torch.randn(1, 4, 4, 4)
+    ref = _decode(model, z)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    r = fused_epilogues.apply(model, device="cpu")
+    assert r.status == "skipped" and "CPU" in r.detail and fused_epilogues.available("cpu")[0] is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused_epilogues.apply(model, device="cpu").status == "skipped", "refused without fused norms"
+    _apply_both(model)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    epi = _spy(monkeypatch, "vaeopt.kernels.epilogue", "bias_residual")
+    torch.testing.assert_close(_decode(model, z), ref, atol=1e-5, rtol=1e-5)
+    assert epi == [] and model.decoder.mid_block.attentions[0].processor.calls == 0
+    fused_epilogues.revert(model)
+    fused_norms.revert(model)

@@ -1,0 +1,456 @@
+"""Stage `fused_epilogues`: conv biases folded into the next kernel, residual epilogues as one pass, the up-block's
+2x nearest upsample written by that epilogue, and chunked GEMM attention for wide heads. Runs after `fused_norms`.
+
+Per decoder `ResnetBlock2D` (AutoencoderKL; temb-free, no up/down-sampling inside, norms already fused):
+
+    stock                                           here
+    norm1+SiLU (fused)                              norm1+SiLU (fused)
+    conv1 (+ bias: separate broadcast kernel)       conv1 without bias
+    norm2+SiLU (fused)                              norm2+SiLU with conv1.bias added inside (x_bias)
+    conv2 (+ bias kernel)                           conv2 without bias
+    [conv_shortcut (+ bias kernel)]                 [conv_shortcut without bias]
+    (input + hidden) / output_scale_factor          one bias_residual kernel: conv2.bias, residual, shortcut
+                                                    bias, scale
+    [Upsample2D: F.interpolate nearest 2x]          [same kernel writes the 2x-upsampled output directly]
+
+The upsample is fused for the last resnet of a stock `UpDecoderBlock2D` whose single upsampler is a stock
+`Upsample2D` (interpolate, no norm, no transposed conv). The resnet then returns the upsampled tensor and tells the
+upsampler so through a weak reference to exactly that tensor: the upsampler skips its interpolate only for that
+very object (anything else it receives, it upsamples — with our kernel when it can, bitwise equal to
+F.interpolate). An `output_size` other than 2x is honoured by interpolating from the original pixels
+(`x[..., ::2, ::2]` of the nearest-2x tensor is the input, exactly).
+
+Mid-block attention (`Attention` with diffusers' AttnProcessor2_0, head_dim > 256, on CUDA in bf16/fp16): SDPA can
+only use its memory-efficient kernel there (flash/cuDNN take head_dim <= 256). The processor set here computes the
+same attention exactly, in query chunks: S = Q K^T as a cuBLAS GEMM with fp32 output, softmax(S / sqrt(d)) in fp32
+(one Triton pass writing P in the input dtype), O = P V as a GEMM; a chunk's fp32 scores stay under
+`max_score_bytes` (512 MiB). The output projection then runs without its bias, which goes with the residual and
+rescale_output_factor into one bias_residual kernel. Everything else (group_norm, to_q/k/v/out, residual_connection,
+rescale_output_factor) is the module's own, as AttnProcessor2_0 uses it; masks, cross-attention, spatial norm,
+q/k norms and autocast take the stock path.
+
+Weights are used as they are (F.conv2d(x, conv.weight, None, <conv's stride/padding/...>)): no parameter changes,
+so state_dict and `.to()` are unaffected. Each patched forward re-checks at call time that its fast path still holds
+(kernel backend for this tensor, no autocast/compile tracing, plain nn.Conv2d without hooks, fused norms still in
+place) and otherwise runs the stock diffusers forward: on CPU without TRITON_INTERPRET=1 that is exact torch ops.
+`revert(model)` restores every forward and processor.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vaeopt.kernels import _interpret, triton_available
+from vaeopt.stages import StageResult
+
+NAME = "fused_epilogues"
+_MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
+_PENDING = "_vaeopt_upsampled"  # Upsample2D attribute: weakref to the tensor its resnet already upsampled
+_STATE = "_vaeopt_epi"  # ResnetBlock2D attribute: the Upsample2D whose interpolate it performs, or None
+MAX_SCORE_BYTES = 512 << 20
+MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN attention stop at 256)
+
+
+def available(device: torch.device | str | None = None) -> tuple[bool, str]:
+    return triton_available(device)
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    from vaeopt.stages.fused_norms import _use_kernel as use
+
+    return use(x)
+
+
+def _no_hooks(m: nn.Module) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks)
+
+
+def _plain_conv(m) -> bool:
+    """A stock nn.Conv2d we may run as F.conv2d(x, m.weight, None, ...) (no fp8 storage hooks, no subclass)."""
+    return type(m) is nn.Conv2d and m.padding_mode == "zeros" and m.weight is not None and _no_hooks(m)
+
+
+def _conv_nobias(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    return F.conv2d(x, m.weight, None, m.stride, m.padding, m.dilation, m.groups)
+
+
+def _fused_gn(m) -> bool:
+    from vaeopt.stages.fused_norms import FusedGroupNormSiLU
+
+    return type(m) is FusedGroupNormSiLU and m.silu and _no_hooks(m)
+
+
+# --- ResnetBlock2D ---------------------------------------------------------------------------------------------
+
+
+def _resnet_static_ok(m) -> bool:
+    """The structure the fused forward assumes (checked again, cheaply, at every call)."""
+    return (
+        m.time_emb_proj is None
+        and m.time_embedding_norm != "scale_shift"
+        and m.upsample is None
+        and m.downsample is None
+        and _fused_gn(m.norm1)
+        and _fused_gn(m.norm2)
+        and type(m.nonlinearity) is nn.Identity
+        and _plain_conv(m.conv1)
+        and _plain_conv(m.conv2)
+    )
+
+
+def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
+    """ResnetBlock2D.forward with conv biases folded and one epilogue kernel (see the module docstring)."""
+    x = input_tensor
+    if (
+        args
+        or kwargs
+        or temb is not None
+        or x.dim() != 4
+        or not _use_kernel(x)
+        or (self.dropout.training and self.dropout.p > 0)
+        or not _resnet_static_ok(self)
+    ):
+        return type(self).forward(self, input_tensor, temb, *args, **kwargs)
+    from vaeopt.kernels.epilogue import bias_residual
+    from vaeopt.kernels.group_norm_silu import group_norm_silu
+
+    c1, c2, n2, sc = self.conv1, self.conv2, self.norm2, self.conv_shortcut
+    h = self.norm1(x)  # fused GroupNorm + SiLU
+    h = _conv_nobias(c1, h)
+    h = group_norm_silu(h, n2.num_groups, n2.weight, n2.bias, n2.eps, True, x_bias=c1.bias)
+    h = _conv_nobias(c2, h)
+    rb = None
+    if sc is None:
+        res = x
+    elif _plain_conv(sc):
+        res, rb = _conv_nobias(sc, x), sc.bias
+    else:
+        res = sc(x)
+    up = self.__dict__.get(_STATE)
+    up = up if up is not None and _no_hooks(self) else None  # a hook on this block must see its real output
+    out = bias_residual(h, c2.bias, res, self.output_scale_factor, upsample2x=up is not None, residual_bias=rb)
+    if up is not None:
+        setattr(up, _PENDING, weakref.ref(out))
+    return out
+
+
+# --- Upsample2D --------------------------------------------------------------------------------------------------
+
+
+def _upsample_static_ok(m) -> bool:
+    return m.interpolate and not m.use_conv_transpose and m.norm is None
+
+
+def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:
+    if self.use_conv:
+        h = self.conv(h) if self.name == "conv" else self.Conv2d_0(h)
+    return h
+
+
+def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
+    """Upsample2D.forward: skips the interpolate for the tensor its resnet already upsampled; otherwise our NHWC/NCHW
+    nearest-2x kernel where it applies, else the stock forward."""
+    pending = self.__dict__.pop(_PENDING, None)
+    plain = not args and not kwargs and _upsample_static_ok(self) and hidden_states.dim() == 4
+    if plain and hidden_states.shape[1] == self.channels:
+        if pending is not None and pending() is hidden_states:
+            if output_size is not None and tuple(output_size) != tuple(hidden_states.shape[-2:]):
+                # nearest 2x keeps the input at the even pixels: interpolate to the asked size from there
+                hidden_states = F.interpolate(hidden_states[:, :, ::2, ::2], size=output_size, mode="nearest")
+            return _upsample_tail(self, hidden_states)
+        if output_size is None and _use_kernel(hidden_states):
+            from vaeopt.kernels.epilogue import upsample_nearest2x
+
+            return _upsample_tail(self, upsample_nearest2x(hidden_states))
+    return type(self).forward(self, hidden_states, output_size, *args, **kwargs)
+
+
+# --- attention ---------------------------------------------------------------------------------------------------
+
+_BMM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _scores(q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
+    """fp32 q @ kt for bf16/fp16/fp32 operands: cuBLAS with fp32 output where torch has it (>= 2.8, CUDA);
+    else upcast operands (exact products, fp32 accumulation)."""
+    if q.dtype != torch.float32 and q.is_cuda:
+        if _BMM_OUT_DTYPE.get("ok", True):
+            try:
+                s = torch.bmm(q, kt, out_dtype=torch.float32)
+                _BMM_OUT_DTYPE["ok"] = True
+                return s
+            except (TypeError, RuntimeError, NotImplementedError):
+                _BMM_OUT_DTYPE["ok"] = False
+    return torch.bmm(q.float(), kt.float())
+
+
+def chunked_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for (B, H, L, d) tensors, exactly (fp32 scores and softmax), in query chunks whose
+    fp32 score block stays under max_score_bytes (or of `chunk` queries). Output in v's dtype."""
+    B, H, L, d = q.shape
+    Lk = k.shape[2]
+    q3 = q.reshape(B * H, L, d)
+    kt = k.reshape(B * H, Lk, d).transpose(1, 2)
+    v3 = v.reshape(B * H, Lk, v.shape[-1])
+    scale = 1.0 / math.sqrt(d)  # SDPA's default, which AttnProcessor2_0 relies on
+    if chunk is None:
+        chunk = max(1, max_score_bytes // max(1, B * H * Lk * 4))
+    chunk = min(chunk, L)
+    out = torch.empty((B * H, L, v3.shape[-1]), device=q.device, dtype=v.dtype)
+    use_triton = triton_available(q.device)[0] and not torch.compiler.is_compiling()
+    for i in range(0, L, chunk):
+        s = _scores(q3[:, i : i + chunk], kt)
+        if use_triton:
+            from vaeopt.kernels.epilogue import softmax_rows
+
+            p = softmax_rows(s, scale, v.dtype)
+        else:
+            p = torch.softmax(s.mul_(scale), dim=-1).to(v.dtype)
+        del s
+        dst = out[:, i : i + chunk]
+        if dst.is_contiguous():
+            torch.bmm(p, v3, out=dst)
+        else:
+            dst.copy_(torch.bmm(p, v3))
+        del p
+    return out.view(B, H, L, -1)
+
+
+def _attn_processor_base():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    return AttnProcessor2_0
+
+
+def _make_processor_class():
+    base = _attn_processor_base()
+
+    class ChunkedAttnProcessor(base):
+        """AttnProcessor2_0 with SDPA replaced by `chunked_attention` for wide heads (and the output projection's bias,
+        residual and rescale as one epilogue kernel). Subclasses AttnProcessor2_0 so the `attention` stage keeps it."""
+
+        def __init__(self, max_score_bytes: int = MAX_SCORE_BYTES, min_head_dim: int = MIN_HEAD_DIM,
+                     chunk: int | None = None):
+            super().__init__()
+            self.max_score_bytes, self.min_head_dim, self.chunk = max_score_bytes, min_head_dim, chunk
+            self.calls = 0  # chunked calls made (for tests and reports)
+
+        def _applies(self, attn, x, encoder_hidden_states, attention_mask, args, kwargs) -> bool:
+            if args or kwargs.get("scale") is not None:
+                return False
+            if encoder_hidden_states is not None or attention_mask is not None:
+                return False
+            if attn.spatial_norm is not None or attn.norm_q is not None or attn.norm_k is not None:
+                return False
+            if x.dim() not in (3, 4) or attn.to_out is None or _head_dim(attn) <= self.min_head_dim:
+                return False
+            if torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling():
+                return False
+            if x.is_cuda:
+                return x.dtype in (torch.bfloat16, torch.float16)
+            return x.device.type == "cpu" and _interpret()  # CPU: tests only (the interpreter runs the softmax kernel)
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                     *args, **kwargs):
+            if not self._applies(attn, hidden_states, encoder_hidden_states, attention_mask, args, kwargs):
+                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, temb,
+                                        *args, **kwargs)
+            self.calls += 1
+            residual = hidden_states
+            input_ndim = hidden_states.ndim
+            if input_ndim == 4:
+                batch_size, channel, height, width = hidden_states.shape
+                hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+            batch_size = hidden_states.shape[0]
+            if attn.group_norm is not None:
+                hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+            query = attn.to_q(hidden_states)
+            key = attn.to_k(hidden_states)
+            value = attn.to_v(hidden_states)
+            head_dim = key.shape[-1] // attn.heads
+            query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+            key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+            value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+            hidden_states = chunked_attention(query, key, value, self.max_score_bytes, self.chunk)
+            hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+            hidden_states = hidden_states.to(query.dtype)
+
+            proj, drop = attn.to_out[0], attn.to_out[1]
+            epilogue = (
+                input_ndim == 4
+                and type(proj) is nn.Linear
+                and _no_hooks(proj)
+                and not (drop.training and getattr(drop, "p", 0) > 0)
+                and _use_kernel(hidden_states)
+            )
+            if epilogue:
+                from vaeopt.kernels.epilogue import bias_residual
+
+                h = F.linear(hidden_states, proj.weight)  # bias goes into the epilogue
+                h = h.transpose(-1, -2).reshape(batch_size, channel, height, width)
+                return bias_residual(h, proj.bias, residual if attn.residual_connection else None,
+                                     attn.rescale_output_factor)
+            hidden_states = drop(proj(hidden_states))
+            if input_ndim == 4:
+                hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+            if attn.residual_connection:
+                hidden_states = hidden_states + residual
+            return hidden_states / attn.rescale_output_factor
+
+    return ChunkedAttnProcessor
+
+
+_PROC_CLS = None
+
+
+def chunked_processor_class():
+    global _PROC_CLS
+    if _PROC_CLS is None:
+        _PROC_CLS = _make_processor_class()
+    return _PROC_CLS
+
+
+# --- planning / apply / revert -----------------------------------------------------------------------------------
+
+
+def _classes() -> dict:
+    from vaeopt.stages.fused_norms import _classes as base
+
+    K = base()
+    try:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+        from diffusers.models.unets.unet_2d_blocks import UpDecoderBlock2D
+        from diffusers.models.upsampling import Upsample2D
+    except ImportError:
+        AttnProcessor2_0 = UpDecoderBlock2D = Upsample2D = None
+    K.update(AttnProcessor2_0=AttnProcessor2_0, UpDecoderBlock2D=UpDecoderBlock2D, Upsample2D=Upsample2D)
+    return K
+
+
+def _same_forward(m, cls) -> bool:
+    return cls is not None and isinstance(m, cls) and type(m).forward is cls.forward and "forward" not in m.__dict__
+
+
+def _head_dim(attn) -> int:
+    return attn.to_q.out_features // attn.heads
+
+
+def apply(
+    model: nn.Module,
+    upsample: bool = True,
+    attention: bool = True,
+    min_head_dim: int = MIN_HEAD_DIM,
+    max_score_bytes: int = MAX_SCORE_BYTES,
+    attention_chunk: int | None = None,
+    device: torch.device | str | None = None,
+) -> StageResult:
+    """Patch model.decoder in place (after fused_norms). `upsample`: fuse/replace Upsample2D interpolates.
+    `attention`: chunked attention for heads wider than `min_head_dim` (chunk: `attention_chunk` queries, or as many
+    as keep a chunk's fp32 scores under `max_score_bytes`). `device`: where it will run (default: the model's)."""
+    if getattr(model, _MARK, None):
+        return StageResult.skipped(NAME, "already applied")
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else None
+    ok, why = triton_available(device)
+    if not ok:
+        return StageResult.skipped(NAME, why)
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        return StageResult.skipped(NAME, f"{type(model).__name__} has no decoder")
+    K = _classes()
+    resnets = [m for m in decoder.modules() if _same_forward(m, K["ResnetBlock2D"]) and _resnet_static_ok(m)]
+    if not resnets and any(_same_forward(m, K["ResnetBlock2D"]) for m in decoder.modules()):
+        return StageResult.skipped(NAME, "no resnet block has fused norms (apply fused_norms first)")
+    rset = {id(m) for m in resnets}
+
+    fused_up: dict[int, nn.Module] = {}  # id(resnet) -> the Upsample2D whose interpolate it performs
+    upsamplers = []
+    if upsample:
+        upsamplers = [m for m in decoder.modules() if _same_forward(m, K["Upsample2D"]) and _upsample_static_ok(m)]
+        ups = {id(u) for u in upsamplers}
+        for blk in decoder.modules():
+            # stock UpDecoderBlock2D.forward: resnets in turn, then its upsamplers; the last resnet's output goes
+            # nowhere but into the (single) upsampler
+            if not _same_forward(blk, K["UpDecoderBlock2D"]) or blk.upsamplers is None or len(blk.upsamplers) != 1:
+                continue
+            u, last = blk.upsamplers[0], blk.resnets[-1]
+            if id(u) in ups and id(last) in rset and last.conv2.out_channels == u.channels:
+                fused_up[id(last)] = u
+
+    attns = []
+    if attention and K["Attention"] is not None and K["AttnProcessor2_0"] is not None:
+        for m in decoder.modules():
+            if isinstance(m, K["Attention"]) and type(getattr(m, "processor", None)) is K["AttnProcessor2_0"]:
+                if _head_dim(m) > min_head_dim:
+                    attns.append(m)
+
+    if not (resnets or upsamplers or attns):
+        return StageResult.skipped(NAME, f"nothing to fuse in {type(model).__name__}'s decoder")
+
+    record = {"resnets": [], "upsamplers": [], "attns": []}
+    for m in resnets:
+        m.__dict__[_STATE] = fused_up.get(id(m))  # plain attribute: nn.Module.__setattr__ would adopt the module
+        m.forward = types.MethodType(_resnet_forward, m)
+        record["resnets"].append(m)
+    for u in upsamplers:
+        u.forward = types.MethodType(_upsample_forward, u)
+        record["upsamplers"].append(u)
+    cls = chunked_processor_class()
+    for a in attns:
+        record["attns"].append((a, a.processor))
+        a.set_processor(cls(max_score_bytes=max_score_bytes, min_head_dim=min_head_dim, chunk=attention_chunk))
+    setattr(model, _MARK, record)
+
+    n = dict(
+        bias_folded=sum(m.conv1.bias is not None for m in resnets),
+        epilogues=len(resnets),
+        shortcut_bias_folded=sum(_plain_conv(m.conv_shortcut) and m.conv_shortcut.bias is not None
+                                 for m in resnets if m.conv_shortcut is not None),
+        upsample_fused=len(fused_up),
+        upsamplers=len(upsamplers),
+        attention_chunked=len(attns),
+        head_dims=sorted({_head_dim(a) for a in attns}),
+    )
+    return StageResult(NAME, "applied", _describe(n), dict(n, backend=why))
+
+
+def _describe(n: dict) -> str:
+    parts = []
+    if n["epilogues"]:
+        s = f"folded {n['bias_folded']} conv biases into GroupNorm, {n['epilogues']} residual epilogues"
+        extra = []
+        if n["upsample_fused"]:
+            extra.append(f"{n['upsample_fused']} with fused 2x upsample")
+        if n["shortcut_bias_folded"]:
+            extra.append(f"{n['shortcut_bias_folded']} shortcut biases folded")
+        parts.append(s + (f" ({', '.join(extra)})" if extra else ""))
+    if n["upsamplers"] > n["upsample_fused"]:
+        parts.append(f"{n['upsamplers'] - n['upsample_fused']} upsamplers on the nearest-2x kernel")
+    if n["attention_chunked"]:
+        dims = ", ".join(str(d) for d in n["head_dims"])
+        parts.append(f"chunked attention for head_dim {dims} ({n['attention_chunked']} block"
+                     f"{'s' if n['attention_chunked'] > 1 else ''})")
+    return ", ".join(parts)
+
+
+def revert(model: nn.Module) -> None:
+    """Restore every forward and attention processor apply() changed (no-op if it was not applied)."""
+    record = getattr(model, _MARK, None)
+    if not record:
+        return
+    for m in record["resnets"]:
+        m.__dict__.pop("forward", None)
+        m.__dict__.pop(_STATE, None)
+    for u in record["upsamplers"]:
+        u.__dict__.pop("forward", None)
+        u.__dict__.pop(_PENDING, None)
+    for a, proc in record["attns"]:
+        a.set_processor(proc)
+    delattr(model, _MARK)
