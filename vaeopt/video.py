@@ -1,0 +1,650 @@
+"""Causal video VAE decoding (Wan 2.1 / 2.2): exact multi-frame chunks, static caches, streaming to the host.
+
+diffusers' `AutoencoderKLWan._decode` runs the decoder once per latent frame and keeps, for every causal conv, the
+last `CACHE_T`=2 frames of that conv's *input* (`feat_cache`). Read closely, that cache is exactly a causal
+convolution over the whole clip with 2 zero frames in front: the first call pads 2 zeros, the second pads 1 zero
+behind the 1 cached frame, later calls use 2 cached frames. Two places need more than that:
+
+* `WanResample('upsample3d')`: on the first call it stores the marker 'Rep' and does *not* run `time_conv`, so latent
+  frame 0 yields one frame, not two. From the next call on, `time_conv` runs over the frames *after* frame 0 with
+  zero history. A first call of K>1 frames would skip `time_conv` for all K, so diffusers' decoder is exact for
+  K-frame calls only once frame 0 went alone (verified in tests/test_video.py).
+* Wan 2.2's `DupUp3D(first_chunk=True)` drops the first `factor_t-1` frames of the shortcut, which is the same rule
+  (one frame out of frame 0), and it works for any number of frames.
+
+Everything else is per frame (RMS norm over channels, per-frame attention, 2D upsampling) or a causal conv, so a call
+of K latent frames gives the same result as K one-frame calls, up to float summation order.
+
+`_ChunkDecoder` below runs the decoder's own submodules (weights, norms, attention, upsamplers are not copied or
+changed) with this control flow instead of diffusers' forwards:
+
+* the causal history of each conv is one static buffer of 2 frames, zero at the start and updated in place;
+* the conv input is built once per call as [history | new frames], with the previous RMS-norm + SiLU writing its
+  result straight into that buffer (`out=`), and the spatial zero padding left to the convolution itself. diffusers
+  does clone + cat + `F.pad` (two extra full copies per conv, and `F.pad` returns NCDHW whatever came in);
+* the layout is channels_last_3d end to end when the decoder's Conv3d weights are (the frame-wise 2D ops then see
+  channels_last views for free), and the nearest 2x upsampling runs in the input dtype (a copy: bit-identical to
+  diffusers' upcast to fp32 and back);
+* the first chunk may hold several latent frames: frame 0 skips `time_conv`, frames 1.. start its causal stream;
+* outputs go into a preallocated clip tensor (`decode_video`) or, frame group by frame group, to the host
+  (`iter_decode_video`), never through a growing `torch.cat`;
+* peak memory per chunk is kept low (estimate_chunk_bytes): the RMS norm runs over frame groups, no block input or
+  consumed conv output is held longer than needed, and oversized 2D upsamples / Conv3d calls (int32 indexing on
+  CUDA) run over frame groups.
+
+Numerics: the op sequence per element is diffusers' own (normalize in fp32 for bf16, then * scale * gamma, SiLU;
+residual adds; same conv weights), so fp32 results agree to float rounding (~1e-6) and bf16 results to bf16 rounding.
+Notes and measurements: docs/notes-video.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+import torch.utils._python_dispatch
+import torch.utils._pytree
+from torch import Tensor, nn
+
+from vaeopt.errors import CheckpointError, LatentError
+
+__all__ = [
+    "chunk_schedule",
+    "decode_video",
+    "estimate_chunk_bytes",
+    "iter_decode_video",
+    "output_frame_counts",
+    "to_uint8_frames",
+]
+
+Chunk = int | Sequence[int] | None
+
+# RMS norm runs over frame groups of at most this many elements (>= 1 frame): bounds its fp32 temporaries.
+_NORM_SLICE_ELEMS = 1 << 26
+# Several CUDA kernels index with int32 (NHWC nearest upsampling; cuDNN cannot split a batch of 1), and big chunks at
+# 720p would cross 2^31 elements. The 2x upsample + conv2d always runs over frame groups of at most _SPLIT_ELEMS
+# upsampled elements (it also bounds that transient); a Conv3d whose input or output would reach _INT32_ELEMS runs
+# over temporal windows of about _SPLIT_ELEMS / 2 elements.
+_SPLIT_ELEMS = 1 << 30
+_INT32_ELEMS = 2**31 - 1
+
+
+def _wan():
+    from diffusers.models.autoencoders import autoencoder_kl_wan
+
+    return autoencoder_kl_wan
+
+
+def _check_vae(vae) -> None:
+    if type(vae).__name__ != "AutoencoderKLWan" or not hasattr(vae, "decoder"):
+        raise CheckpointError(
+            f"vaeopt.video decodes AutoencoderKLWan (Wan 2.1 / 2.2) only, not {type(vae).__name__}; "
+            "use the model's own decode for other video VAEs"
+        )
+    if vae.training:
+        raise CheckpointError("vaeopt.video decodes in eval mode only (call vae.eval())")
+
+
+def _temporal_factor(vae) -> int:
+    wan = _wan()
+    n = sum(isinstance(m, wan.WanResample) and m.mode == "upsample3d" for m in vae.decoder.modules())
+    return 2**n
+
+
+def chunk_schedule(num_latent_frames: int, chunk: Chunk) -> list[int]:
+    """Latent frames per decoder call. `chunk` None/<=0/>=T: one call. An int K: every call but the first has K
+    frames, the first takes the remainder ((T-1) % K + 1), so Wan's usual T = 1 + 4n gives [1, K, K, ...] when K
+    divides 4n, and all calls after the first have one static shape. A sequence is taken as the schedule itself."""
+    T = int(num_latent_frames)
+    if T < 1:
+        raise LatentError("a video latent needs at least one frame")
+    if chunk is not None and not isinstance(chunk, int):
+        sched = [int(k) for k in chunk]
+        if sum(sched) != T or min(sched) < 1:
+            raise LatentError(f"chunk schedule {sched} does not cover {T} latent frames")
+        return sched
+    K = T if chunk is None or chunk <= 0 or chunk >= T else int(chunk)
+    first = (T - 1) % K + 1
+    return [first] + [K] * ((T - first) // K)
+
+
+def output_frame_counts(schedule: Sequence[int], temporal_factor: int = 4) -> list[int]:
+    """Output frames of each call: the first latent frame of the clip gives 1 frame, every later one `factor`."""
+    return [(1 + temporal_factor * (k - 1)) if i == 0 else temporal_factor * k for i, k in enumerate(schedule)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chunked decoder
+
+
+def _unhooked(m: nn.Module) -> bool:
+    """No forward hooks or per-instance forward (offloading, FP8 storage...): safe to run on its weights directly."""
+    return "forward" not in m.__dict__ and not m._forward_hooks and not m._forward_pre_hooks
+
+
+def _norm_act_into(norm: nn.Module, act: nn.Module, x: Tensor, out: Tensor) -> None:
+    """out <- act(norm(x)), writing into `out` (a view of a conv input buffer). For diffusers' WanRMS_norm + SiLU the
+    ops are WanRMS_norm.forward's own, in its order, so the result is bit-identical; other modules are called."""
+    wan = _wan()
+    if type(norm) is wan.WanRMS_norm and _unhooked(norm) and norm.channel_first and type(act) is nn.SiLU:
+        low = x.dtype in (torch.float16, torch.bfloat16) or any(t in str(x.dtype) for t in ("float4_", "float8_"))
+        # The norm is per pixel and frame, so run it over groups of frames: its fp32 temporaries (2x the input each
+        # in bf16) would otherwise set the decode's peak memory at the full-resolution layers.
+        step = max(1, _NORM_SLICE_ELEMS // max(1, x[:, :, :1].numel()))
+        for t in range(0, x.shape[2], step):
+            xs, o = x[:, :, t : t + step], out[:, :, t : t + step]
+            n = F.normalize(xs.float() if low else xs, dim=1).to(x.dtype)
+            n = n.mul_(norm.scale)  # n is fresh (F.normalize allocates); same kernel as `n * scale`
+            torch.mul(n, norm.gamma, out=o)
+            del n
+            if isinstance(norm.bias, Tensor):
+                o.add_(norm.bias)
+            F.silu(o, inplace=True)
+    else:
+        out.copy_(act(norm(x)))
+
+
+class _ChunkDecoder:
+    """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches."""
+
+    def __init__(self, vae, channels_last: bool):
+        self.vae = vae
+        self.dec = vae.decoder
+        self.mf = torch.channels_last_3d if channels_last else torch.contiguous_format
+        self.cache: dict[nn.Module, Tensor] = {}  # conv -> (N, C, 2, H, W) last input frames, updated in place
+        self.first = True
+
+    def step(self, z: Tensor) -> Tensor:
+        """z: (N, z_dim, k, h, w) raw latents of the next k frames -> decoder output (N, C_out, f, H, W), unclamped,
+        before unpatchify; f = 1 + 4(k-1) on the first call, 4k after."""
+        # Activations are handed to the next block in a one-element list that the block empties (`box.pop()`), so
+        # that no caller keeps a block's input alive while the block runs (a full activation less at the peak).
+        with torch.no_grad():
+            x = self._conv(self.vae.post_quant_conv, z.contiguous(memory_format=self.mf))
+            box = [self._conv(self.dec.conv_in, x)]
+            del x
+            mid = self.dec.mid_block
+            box = [self._resblock(mid.resnets[0], box)]
+            for attn, res in zip(mid.attentions, mid.resnets[1:]):
+                if attn is not None:
+                    box = [attn(box.pop())]
+                box = [self._resblock(res, box)]
+            for ub in self.dec.up_blocks:
+                box = [self._upblock(ub, box)]
+            b = self._stage(self.dec.conv_out, box.pop(), self.dec.norm_out, self.dec.nonlinearity)
+            y = self._run(self.dec.conv_out, b)
+        self.first = False
+        return y
+
+    # -- causal conv with a static 2-frame history ------------------------------------------------------------
+    # A conv call is split in two so that callers can drop the producer's tensor between them:
+    #   staged = self._stage(conv, src, norm, act); del src; y = self._run(conv, staged)
+    def _conv(self, conv: nn.Module, src: Tensor, norm: nn.Module | None = None, act: nn.Module | None = None):
+        """conv(act(norm(src))) continuing the conv's causal stream. src: (N, C, k, H, W)."""
+        return self._run(conv, self._stage(conv, src, norm, act))
+
+    @staticmethod
+    def _plain(conv: nn.Module) -> bool:
+        """A stock WanCausalConv3d we may run as F.conv3d on its weights (no hooks or patched forward to honour)."""
+        wan = _wan()
+        return (
+            type(conv).forward is wan.WanCausalConv3d.forward
+            and _unhooked(conv)
+            and conv.stride[0] == 1
+            and conv.dilation[0] == 1
+            and conv.padding == (0, 0, 0)
+        )
+
+    @staticmethod
+    def _hist(conv: nn.Module) -> int:
+        return conv._padding[4] if hasattr(conv, "_padding") else 0  # causal frames in front (2 for kernel 3)
+
+    def _stage(self, conv, src: Tensor, norm=None, act=None) -> Tensor:
+        """The conv's input for this call: [history | act(norm(src))] in one buffer (plain WanCausalConv3d with a
+        temporal kernel), else act(norm(src))."""
+        hist = self._hist(conv)
+        if not self._plain(conv) or hist == 0:
+            if norm is None:
+                return src
+            if not self._plain(conv):
+                return act(norm(src))
+            x = torch.empty_like(src, memory_format=self.mf)
+            _norm_act_into(norm, act, src, x)
+            return x
+        N, C, k, H, W = src.shape
+        buf = torch.empty((N, C, hist + k, H, W), dtype=src.dtype, device=src.device, memory_format=self.mf)
+        cache = self.cache.get(conv)
+        if cache is None:
+            buf[:, :, :hist].zero_()  # diffusers' zero padding before the clip's first frame
+        else:
+            buf[:, :, :hist].copy_(cache)
+        if norm is None:
+            buf[:, :, hist:].copy_(src)
+        else:
+            _norm_act_into(norm, act, src, buf[:, :, hist:])
+        return buf
+
+    def _run(self, conv, x: Tensor) -> Tensor:
+        hist = self._hist(conv)
+        if not self._plain(conv):  # a swapped-in conv module: call it with WanCausalConv3d's (x, cache_x) contract
+            if hist == 0:
+                return conv(x)
+            N, C, k, H, W = x.shape
+            cache = self._history(conv, (N, C, hist, H, W), x)
+            y = conv(x, cache)  # cache has exactly `hist` frames, so no zero padding is added
+            self._update(conv, torch.cat([cache, x], 2) if k < hist else x)
+            return y
+        pad = (0, conv._padding[2], conv._padding[0])  # spatial zero padding done by the conv, not F.pad
+        N, C, T, H, W = x.shape
+        k = T - hist
+        per = N * max(C, conv.out_channels) * H * W  # elements per frame, input or output
+        if per * T < _INT32_ELEMS:
+            y = F.conv3d(x, conv.weight, conv.bias, 1, pad, 1, conv.groups)
+        else:  # windows of [hist | g frames]: the same causal conv, in pieces
+            g = max(4, _SPLIT_ELEMS // 2 // per)
+            y = torch.empty((N, conv.out_channels, k, H, W), dtype=x.dtype, device=x.device, memory_format=self.mf)
+            for s in range(0, k, g):
+                y[:, :, s : s + g].copy_(F.conv3d(x[:, :, s : s + g + hist], conv.weight, conv.bias, 1, pad, 1,
+                                                  conv.groups))
+        if hist:
+            self._update(conv, x)
+        return y
+
+    def _history(self, conv, shape, like: Tensor) -> Tensor:
+        c = self.cache.get(conv)
+        if c is None:
+            c = torch.zeros(shape, dtype=like.dtype, device=like.device).contiguous(memory_format=self.mf)
+            self.cache[conv] = c
+        return c
+
+    def _update(self, conv, stream_tail: Tensor) -> None:
+        """History <- last frames of [history | new frames] (`stream_tail` ends with them), in place."""
+        c = self.cache.get(conv)
+        hist = self._hist(conv)
+        if c is None:
+            N, C, _, H, W = stream_tail.shape
+            c = torch.empty((N, C, hist, H, W), dtype=stream_tail.dtype, device=stream_tail.device,
+                            memory_format=self.mf)
+            self.cache[conv] = c
+        c.copy_(stream_tail[:, :, -hist:])
+
+    # -- blocks -------------------------------------------------------------------------------------------------
+    def _resblock(self, blk, box: list[Tensor]) -> Tensor:
+        # dropout is identity in eval mode (checked in _check_vae)
+        x = box.pop()
+        act = blk.nonlinearity
+        y = self._run(blk.conv1, self._stage(blk.conv1, x, blk.norm1, act))
+        b = self._stage(blk.conv2, y, blk.norm2, act)
+        del y  # conv1's output is in conv2's input buffer now: one full activation less at the peak
+        y = self._run(blk.conv2, b)
+        del b
+        # x lives on for the residual anyway; computing a conv shortcut only now avoids holding h (out_dim) as well
+        h = x if isinstance(blk.conv_shortcut, nn.Identity) else self._conv(blk.conv_shortcut, x)
+        return y.add_(h)
+
+    def _upblock(self, ub, box: list[Tensor]) -> Tensor:
+        wan = _wan()
+        residual = isinstance(ub, wan.WanResidualUpBlock)
+        # Wan 2.2's DupUp3D shortcut needs the block input (diffusers clones it; nothing here writes into it)
+        x_in = box[0] if residual and ub.avg_shortcut is not None else None
+        for res in ub.resnets:
+            box = [self._resblock(res, box)]
+        resampler = ub.upsampler if residual else (ub.upsamplers[0] if ub.upsamplers is not None else None)
+        x = self._resample(resampler, box) if resampler is not None else box.pop()
+        if x_in is not None:
+            x = x.add_(ub.avg_shortcut(x_in, first_chunk=self.first))
+        return x
+
+    def _resample(self, rs, box: list[Tensor]) -> Tensor:
+        if rs.mode == "upsample3d":
+            x = self._time_upsample(rs, box.pop())
+        elif rs.mode == "upsample2d":
+            x = box.pop()
+        else:
+            raise CheckpointError(f"unexpected resample mode {rs.mode!r} in a Wan decoder")
+        b, c, t, h, w = x.shape
+        # per-frame 2D: a free view when x is channels_last_3d (it becomes channels_last), a copy otherwise
+        x2 = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+        del x
+        up, conv2d = rs.resample[0], rs.resample[1]
+        if isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact"):
+            up = functools.partial(nn.Upsample.forward, up)  # a pure copy: skipping WanUpsample's fp32 round trip
+            # is bit-identical
+        g = max(1, _SPLIT_ELEMS // (4 * x2[:1].numel()))  # frames per call: the 2x upsampled tensor stays bounded
+        if g >= b * t:
+            y = conv2d(up(x2))
+        else:
+            y = None
+            for s in range(0, b * t, g):
+                ys = conv2d(up(x2[s : s + g]))
+                if y is None:
+                    y = torch.empty((b * t, *ys.shape[1:]), dtype=ys.dtype, device=ys.device,
+                                    memory_format=_suggest_2d(ys))
+                y[s : s + g].copy_(ys)
+                del ys
+        return y.view(b, t, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4)
+
+    def _time_upsample(self, rs, x: Tensor) -> Tensor:
+        """(b, c, t, h, w) -> (b, c, 2t, h, w), or 2t-1 on the clip's first chunk (its frame 0 is not doubled)."""
+        b, c, t, h, w = x.shape
+        skip = 1 if self.first else 0  # diffusers' 'Rep': frame 0 bypasses time_conv, which starts at frame 1
+        out = torch.empty((b, c, 2 * t - skip, h, w), dtype=x.dtype, device=x.device, memory_format=self.mf)
+        if skip:
+            out[:, :, :1].copy_(x[:, :, :1])
+        if t > skip:
+            y = self._conv(rs.time_conv, x[:, :, skip:])  # (b, 2c, t', h, w): channel half j -> frame 2i + j
+            out[:, :, skip:].unflatten(2, (t - skip, 2)).copy_(y.unflatten(1, (2, c)).permute(0, 2, 3, 1, 4, 5))
+        return out
+
+
+def _suggest_2d(t: Tensor) -> torch.memory_format:
+    return torch.channels_last if t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() \
+        else torch.contiguous_format
+
+
+def _channels_last(vae, channels_last: bool | None) -> bool:
+    if channels_last is not None:
+        return bool(channels_last)
+    w = vae.decoder.conv_in.weight
+    return w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
+
+
+def _prepare(vae, z_raw: Tensor) -> Tensor:
+    _check_vae(vae)
+    if z_raw.dim() != 5:
+        raise LatentError(f"video latents must be (N, C, T, h, w), got {tuple(z_raw.shape)}")
+    p = vae.post_quant_conv.weight
+    if z_raw.shape[1] != p.shape[1]:
+        raise LatentError(f"latents have {z_raw.shape[1]} channels, the VAE takes {p.shape[1]}")
+    return z_raw.to(device=p.device, dtype=p.dtype)
+
+
+def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None) -> Iterator[tuple[int, Tensor]]:
+    """(first output frame index, raw decoder output) per call."""
+    dec = _ChunkDecoder(vae, _channels_last(vae, channels_last))
+    t0 = f0 = 0
+    for k in chunk_schedule(z.shape[2], chunk):
+        y = dec.step(z[:, :, t0 : t0 + k])
+        t0 += k
+        yield f0, y
+        f0 += y.shape[2]
+        del y
+
+
+def _patch(vae) -> int:
+    return int(vae.config.get("patch_size") or 1)
+
+
+def _unpatch7(y: Tensor, p: int) -> Tensor:
+    """Decoder output (N, C*p*p, f, h, w) -> a view equal to diffusers' unpatchify, as (N, C, f, h, p, w, p)."""
+    N, Cp, f, h, w = y.shape
+    return y.unflatten(1, (Cp // (p * p), p, p)).permute(0, 1, 4, 5, 3, 6, 2)
+
+
+def _final_shape(y: Tensor, p: int, frames: int | None = None) -> tuple[int, int, int, int, int]:
+    N, Cp, f, h, w = y.shape
+    return N, Cp // (p * p), f if frames is None else frames, h * p, w * p
+
+
+def _finish_float(y: Tensor, p: int, dst: Tensor) -> None:
+    """dst (N, C, f, H, W) <- clamp(unpatchify(y), -1, 1), diffusers' last two steps, without intermediate copies."""
+    if p == 1:
+        torch.clamp(y, -1.0, 1.0, out=dst)
+    else:
+        N, Cp, f, h, w = y.shape
+        torch.clamp(_unpatch7(y, p), -1.0, 1.0, out=dst.unflatten(4, (w, p)).unflatten(3, (h, p)))
+
+
+def _finish_uint8(y: Tensor, p: int, dst: Tensor) -> None:
+    """dst (N, f, H, W, C) uint8 <- round((clamp(unpatchify(y), -1, 1) + 1) * 127.5), computed in fp32."""
+    N, Cp, f, h, w = y.shape
+    if p == 1:
+        src, d = y, dst.permute(0, 4, 1, 2, 3)
+    else:
+        src = _unpatch7(y, p)
+        d = dst.unflatten(3, (w, p)).unflatten(2, (h, p)).permute(0, 6, 1, 2, 3, 4, 5)
+    d.copy_(torch.clamp(src.float(), -1.0, 1.0).add_(1.0).mul_(127.5).round_())
+
+
+def to_uint8_frames(video: Tensor) -> Tensor:
+    """(N, C, T, H, W) float video in [-1, 1] (e.g. diffusers' `decode(z).sample`) -> (N, T, H, W, C) uint8, with the
+    same rounding as iter_decode_video(output="uint8"): round((clamp(x, -1, 1) + 1) * 127.5)."""
+    out = torch.empty((video.shape[0], *video.shape[2:], video.shape[1]), dtype=torch.uint8, device=video.device)
+    _finish_uint8(video, 1, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public decode APIs
+
+
+def decode_video(
+    vae, z_raw: Tensor, chunk: Chunk = 4, *, channels_last: bool | None = None, out: Tensor | None = None
+) -> Tensor:
+    """Decode a whole clip like diffusers' `vae.decode(z_raw).sample`: (N, C, T_out, H, W) in the VAE's dtype on its
+    device, clamped to [-1, 1], T_out = 1 + 4(T-1). `chunk` latent frames per decoder call (see chunk_schedule);
+    peak memory grows with it (estimate_chunk_bytes). The clip is written into one preallocated tensor (or `out`).
+    `channels_last` None follows the decoder's Conv3d weights."""
+    z = _prepare(vae, z_raw)
+    p = _patch(vae)
+    sched = chunk_schedule(z.shape[2], chunk)
+    total = sum(output_frame_counts(sched, _temporal_factor(vae)))
+    for f0, y in _iter_raw(vae, z, sched, channels_last):
+        if out is None:
+            out = torch.empty(_final_shape(y, p, total), dtype=y.dtype, device=y.device)
+        elif tuple(out.shape) != _final_shape(y, p, total):
+            raise LatentError(f"`out` has shape {tuple(out.shape)}, the clip needs {_final_shape(y, p, total)}")
+        _finish_float(y, p, out[:, :, f0 : f0 + y.shape[2]])
+    return out
+
+
+class _HostSlots:
+    """A ring of `n` host buffers (pinned when the decode runs on CUDA); call i gets slot i % n."""
+
+    def __init__(self, n: int, numel: int, dtype: torch.dtype, pin: bool):
+        self.bufs = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(n)]
+        self.i = 0
+
+    def take(self, shape) -> Tensor:
+        buf = self.bufs[self.i % len(self.bufs)]
+        self.i += 1
+        return buf[: math.prod(shape)].view(shape)
+
+
+def iter_decode_video(
+    vae,
+    z_raw: Tensor,
+    chunk: Chunk = 4,
+    copy_stream: bool = True,
+    *,
+    output: str = "uint8",
+    reuse_buffers: bool = False,
+    channels_last: bool | None = None,
+) -> Iterator[Tensor]:
+    """Decode a clip chunk by chunk, yielding consecutive groups of output frames on the CPU.
+
+    output="uint8" (default): frames of one clip as (f, H, W, 3) uint8 (NHWC with N = frames), the clamped values
+    mapped by round((x + 1) * 127.5): what a video writer takes. It needs a single clip (z_raw.shape[0] == 1);
+    decode a batch clip by clip (z_raw[i:i+1]) or as floats.
+    output="float": (N, 3, f, H, W) in the VAE's dtype, clamped to [-1, 1]: the matching slice of decode_video's
+    result. Concatenated along the frame axis the groups are the whole clip; the first group holds 1 + 4(k-1)
+    frames, later ones 4k (k = latent frames of that call, see chunk_schedule).
+
+    Host memory: the iterator itself holds at most two chunks (the one handed out and the one being copied), so it
+    stays bounded for any clip length as long as the consumer lets go of what it has written. By default each group
+    is a fresh tensor the caller owns (on CUDA from PyTorch's caching pinned-memory allocator, so freed groups are
+    recycled, not re-pinned): safe for consumers that queue groups, like outputs.Mp4Writer. reuse_buffers=True
+    instead writes into two fixed host buffers alternately: each yielded tensor is then valid only until the
+    iterator is advanced again, so a consumer must write it out (or copy it) before calling next().
+
+    On CUDA with copy_stream=True, chunk i+1's kernels are queued before chunk i is handed out; its device->host copy
+    runs on a side stream (ordered after chunk i's compute by an event) into a pinned buffer, and the device tensor
+    is kept alive until that copy's event has completed. So the caller's work on chunk i overlaps the GPU decoding
+    chunk i+1. copy_stream=False (and any CPU decode) is synchronous: decode, copy, yield.
+    """
+    if output not in ("uint8", "float"):
+        raise ValueError(f"output must be 'uint8' or 'float', not {output!r}")
+    z = _prepare(vae, z_raw)
+    if output == "uint8" and z.shape[0] != 1:
+        raise LatentError(f"uint8 frames are per clip: got a batch of {z.shape[0]}; pass z_raw[i:i+1] or "
+                          "output='float'")
+    p = _patch(vae)
+    sched = chunk_schedule(z.shape[2], chunk)
+    counts = output_frame_counts(sched, _temporal_factor(vae))
+    cuda = z.device.type == "cuda"
+    overlap = cuda and copy_stream
+    side = torch.cuda.Stream(device=z.device) if overlap else None
+    slots: _HostSlots | None = None
+    pending: tuple[Tensor, torch.cuda.Event, Tensor] | None = None  # (host view, copy done, device source)
+
+    for f0, y in _iter_raw(vae, z, sched, channels_last):
+        N, C, f, H, W = _final_shape(y, p)
+        shape = (f, H, W, C) if output == "uint8" else (N, C, f, H, W)
+        dtype = torch.uint8 if output == "uint8" else y.dtype
+        if reuse_buffers and slots is None:
+            slots = _HostSlots(2, math.prod(shape) // f * max(counts), dtype, pin=cuda)
+        host_buf = (lambda: slots.take(shape)) if reuse_buffers else (
+            lambda: torch.empty(shape, dtype=dtype, pin_memory=cuda))
+        if output == "uint8":
+            finish = lambda y, p, dst: _finish_uint8(y, p, dst.unsqueeze(0))  # noqa: E731
+        else:
+            finish = _finish_float
+        if not cuda:  # finish straight into the host buffer
+            host = host_buf()
+            finish(y, p, host)
+            del y
+            yield host
+            del host  # the iterator keeps no reference to what it handed out
+            continue
+        dev = torch.empty(shape, dtype=dtype, device=y.device)
+        finish(y, p, dev)
+        del y
+        if not overlap:
+            host = host_buf()
+            host.copy_(dev)  # blocking: waits for this chunk's compute
+            del dev
+            yield host
+            del host
+            continue
+        # Slot reuse is safe: the slot written now was handed out two chunks ago, and the caller has advanced since.
+        host = host_buf()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(z.device))
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            host.copy_(dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        dev.record_stream(side)  # should the caller stop early and drop `dev` mid-copy, its memory waits for `side`
+        if pending is not None:
+            p_host, p_done, p_dev = pending
+            pending = None
+            p_done.synchronize()  # the copy finished; only now may the allocator reuse p_dev's memory
+            del p_dev
+            yield p_host
+            del p_host
+        pending = (host, done, dev)
+        del host, dev
+    if pending is not None:
+        p_host, p_done, p_dev = pending
+        pending = None
+        p_done.synchronize()
+        del p_dev
+        yield p_host
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory estimate
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bytes of storages created under it that are still alive, and their peak: what a caching
+    allocator must hold for eager execution (before its rounding, fragmentation and cuDNN workspaces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, Tensor):
+                s = t.untyped_storage()
+                if s not in self._seen:
+                    self._seen.add(s)
+                    n = s.nbytes()
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(s, self._free, n)
+        return out
+
+
+class _MemEfficientSDPA(torch.overrides.TorchFunctionMode):
+    """On meta tensors SDPA would decompose into the math path and materialize the (L, L) scores; on CUDA the
+    fused kernels do not, so count only its output (plus the fp32 logsumexp, negligible)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, v = args[0], args[2]
+            return q.new_empty((*q.shape[:-1], v.shape[-1]))
+        return func(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_skeleton(cls, config_json: str, dtype: torch.dtype):
+    cfg = {k: v for k, v in json.loads(config_json).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        m = cls(**cfg)
+    return m.to(dtype).eval().requires_grad_(False)
+
+
+def estimate_chunk_bytes(
+    vae, latent_shape: Sequence[int], chunk: Chunk, dtype: torch.dtype | None = None, channels_last: bool = False
+) -> int:
+    """Peak device bytes of decoding one steady-state chunk with decode_video / iter_decode_video, excluding the
+    model's weights and decode_video's whole-clip output tensor (add N*3*T_out*H*W*itemsize for that).
+
+    Basis: a dry run of this module's own decode on meta tensors (no compute; seconds on a CPU at full size, cached
+    per shape) with the VAE's architecture, counting the bytes of every tensor storage alive at each op: a first
+    chunk and one full chunk after it (so the static caches are included), peak over both. That is what PyTorch's
+    caching allocator must hold in eager mode. Not included: the allocator's block rounding and fragmentation,
+    cuDNN workspaces, the CUDA context -- leave ~15% and some hundreds of MB on top (benchmarks/gpu_video.py prints
+    the estimate next to torch.cuda.max_memory_allocated). Attention counts as a fused kernel (output only), as
+    CUDA's SDPA runs it. The iterator adds only the chunk's converted frames (3 channels) on top.
+    wan21-480p bf16 (1,16,21,60,104): K=1 3.05 GiB, 2: 3.9, 4: 5.6, 8: 9.05 (+0.24 GiB weights, +0.19 GiB output)."""
+    _check_vae(vae)
+    dtype = dtype or vae.post_quant_conv.weight.dtype
+    shape = tuple(int(s) for s in latent_shape)
+    K = max(chunk_schedule(shape[2], chunk))  # the first call never has more frames than the others
+    config = json.dumps(dict(vae.config), sort_keys=True, default=str)
+    return _estimate(type(vae), config, shape, K, dtype, bool(channels_last))
+
+
+@functools.lru_cache(maxsize=256)
+def _estimate(cls, config_json: str, shape: tuple, K: int, dtype: torch.dtype, channels_last: bool) -> int:
+    N, C, T, h, w = shape
+    sched = [K] + ([K] if T > K else [])
+    skel = _meta_skeleton(cls, config_json, dtype)
+    counter = _LiveBytes()
+    with _MemEfficientSDPA(), counter, torch.no_grad():
+        z = torch.empty((N, C, sum(sched), h, w), device="meta", dtype=dtype)
+        dec = _ChunkDecoder(skel, channels_last)
+        t0 = 0
+        for k in sched:
+            y = dec.step(z[:, :, t0 : t0 + k])
+            t0 += k
+            del y
+        peak = counter.peak
+        del dec, z
+    return int(peak)
