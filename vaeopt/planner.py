@@ -125,22 +125,38 @@ def _largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
     return t
 
 
+def estimate_video(family, model, latent_shape, dtype, chunk: int) -> int:
+    """Peak bytes of a chunked video decode: the dry-run estimate of vaeopt.video (activations and static caches of
+    one chunk) + weights + the whole-clip output + 15% for allocator rounding and cuDNN workspaces."""
+    if family.cls_name != "AutoencoderKLWan":
+        return estimate_whole(family, model, latent_shape, dtype, chunk)
+    from vaeopt import video
+
+    eb = torch.tensor([], dtype=dtype).element_size()
+    cl = any(m.weight.is_contiguous(memory_format=torch.channels_last_3d) and not m.weight.is_contiguous()
+             for m in model.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.weight is not None)
+    act = video.estimate_chunk_bytes(model, latent_shape, chunk, dtype, channels_last=cl)
+    n, _, t, h, w = latent_shape
+    out = n * 3 * family.output_frames(t) * h * family.spatial_factor * w * family.spatial_factor * eb
+    return int(1.15 * act + _weights_bytes(model, dtype) + out)
+
+
 def _plan_video(family, model, latent_shape, dtype, budget, why, chunk) -> Plan:
     t_lat = latent_shape[2]
     if chunk is not None:
-        est = estimate_whole(family, model, latent_shape, dtype, chunk)
+        est = estimate_video(family, model, latent_shape, dtype, chunk)
         return Plan("chunked", budget, est, chunk=chunk, reason=f"chunk {chunk} latent frames requested")
     if budget is None:
         # CPU: 1 frame per call keeps host memory lowest; speed gains of bigger chunks are GPU effects.
-        est = estimate_whole(family, model, latent_shape, dtype, 1)
+        est = estimate_video(family, model, latent_shape, dtype, 1)
         return Plan("chunked", None, est, chunk=1, reason=f"chunk 1 latent frame ({why}: memory not planned)")
     best = None
     for k in range(1, min(MAX_CHUNK, max(t_lat - 1, 1)) + 1):
-        est = estimate_whole(family, model, latent_shape, dtype, k)
+        est = estimate_video(family, model, latent_shape, dtype, k)
         if est <= budget:
             best = (k, est)
     if best is None:
-        est = estimate_whole(family, model, latent_shape, dtype, 1)
+        est = estimate_video(family, model, latent_shape, dtype, 1)
         return Plan("chunked", budget, est, chunk=1,
                     reason=f"chunk 1: est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory")
     k, est = best
