@@ -27,7 +27,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)  # long paths: let the terminal wrap
 out_console = Console(highlight=False)
 
 

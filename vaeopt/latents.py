@@ -88,11 +88,15 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
-            if "weights_only" not in str(e) and "Unsupported global" not in str(e):
-                raise LatentError(f"{path}: not a readable torch file ({str(e).splitlines()[0][:160]})") from e
+            msg = str(e)
+            code = any(k in msg for k in ("GLOBAL", "Unsupported global", "Unsupported class"))
+            with open(path, "rb") as fh:
+                raw_pickle = fh.read(1) == b"\x80"  # a bare pickle stream, not torch's zip container
+            if not code and not raw_pickle:  # garbage, not code
+                raise LatentError(f"{path}: not a readable torch file ({msg.splitlines()[0][:160]})") from e
+            what = next((ln.strip() for ln in msg.splitlines() if "GLOBAL" in ln or "nsupported" in ln), "")
             raise LatentError(
-                f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): "
-                f"{str(e).splitlines()[0][:160]}"
+                f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): {what[:160]}"
             ) from e
         except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
             raise LatentError(f"{path}: not a readable torch file ({str(e).splitlines()[0][:160]})") from e

@@ -1,0 +1,135 @@
+"""The CLI as a user runs it: real files in, real files out, clear one-line errors, no tracebacks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from vaeopt.cli import app
+
+runner = CliRunner()
+
+
+def run(*args, env=None):
+    r = runner.invoke(app, [str(a) for a in args], env=env, catch_exceptions=False)
+    return r
+
+
+def test_version_and_help():
+    r = run("--version")
+    assert r.exit_code == 0 and "vaeopt 0.1.0" in r.output
+    for cmd in ("decode", "info", "benchmark"):
+        r = run(cmd, "--help")
+        assert r.exit_code == 0 and "Usage" in r.output
+
+
+def test_info_json_without_gpu():
+    r = run("info", "--json")
+    assert r.exit_code == 0
+    data = json.loads(r.stdout)
+    assert data["torch"].startswith("2.") and isinstance(data["gpus"], list)
+    stages = {s["stage"]: s for s in data["stages"]}
+    if not torch.cuda.is_available():
+        assert stages["fp8"]["runs"] is False and "no CUDA GPU" in stages["fp8"]["why"]
+        assert stages["graphs"]["runs"] is False
+
+
+def test_decode_bundled_sample_short_form(tmp_path, samples_dir):
+    # `vaeopt decode latents.pt`: the model comes from samples/vaeopt.json
+    lat = tmp_path / "tiny_kl_image_latents.pt"
+    lat.write_bytes((samples_dir / "tiny_kl_image_latents.pt").read_bytes())
+    (tmp_path / "vaeopt.json").write_text(json.dumps(
+        {"files": {lat.name: {"model": str(samples_dir / "tiny_kl_image.safetensors")}}}))
+    r = run("decode", lat, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    written = [p for o in out["outputs"] for p in o["written"]]
+    assert sorted(os.path.basename(p) for p in written) == ["tiny_kl_image_latents_astronaut.png",
+                                                            "tiny_kl_image_latents_coffee.png"]
+    img = np.asarray(Image.open(tmp_path / "tiny_kl_image_latents_astronaut.png"))
+    assert img.shape == (512, 512, 3)
+    ref = np.asarray(Image.open(samples_dir / "astronaut.png").convert("RGB").resize((512, 512)))
+    mse = ((img.astype(float) - ref.astype(float)) ** 2).mean()
+    psnr = 10 * np.log10(255**2 / mse)
+    assert psnr > 14, psnr  # a small trained model: ~17 dB against the photo it never saw
+    # second run refuses to overwrite, and leaves the file alone
+    before = (tmp_path / "tiny_kl_image_latents_astronaut.png").stat().st_mtime_ns
+    r = run("decode", lat)
+    assert r.exit_code == 2 and "already exists" in r.output and "Traceback" not in r.output
+    assert (tmp_path / "tiny_kl_image_latents_astronaut.png").stat().st_mtime_ns == before
+
+
+def test_decode_video_to_mp4(tmp_path, samples_dir):
+    import av
+
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2]
+    torch.save(z, tmp_path / "clip.pt")
+    r = run("decode", tmp_path / "clip.pt", "--model", samples_dir / "tiny_wan_video.safetensors",
+            "--latent-space", "raw", "-o", tmp_path / "clip.mp4")
+    assert r.exit_code == 0, r.output
+    with av.open(str(tmp_path / "clip.mp4")) as c:
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (272, 640, 3)
+    assert 20 < frames[2].mean() < 235  # real content, not a blank frame
+
+
+def test_decode_batch_numbered_and_safetensors(tmp_path, samples_dir):
+    from safetensors.torch import load_file
+
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"]
+    torch.save(torch.cat([z, z]), tmp_path / "b.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o_000.png").exists() and (tmp_path / "o_001.png").exists()
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.safetensors")
+    assert r.exit_code == 0, r.output
+    x = load_file(str(tmp_path / "o.safetensors"))["sample"]
+    assert x.shape == (2, 3, 400, 600)
+
+
+@pytest.mark.parametrize("make,expect", [
+    (lambda d: torch.save(torch.randn(1, 16, 8, 8), d / "l.pt"), "16 latent channels"),
+    (lambda d: torch.save(torch.full((1, 4, 8, 8), float("nan")), d / "l.pt"), "non-finite"),
+    (lambda d: (d / "l.pt").write_bytes(b"garbage"), "not a readable torch file"),
+])
+def test_bad_latents_clear_error(tmp_path, samples_dir, make, expect):
+    make(tmp_path)
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors")
+    assert r.exit_code == 2
+    assert expect in r.output and "Traceback" not in r.output
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bad_model_and_missing_model(tmp_path, samples_dir):
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    (tmp_path / "vae.safetensors").write_bytes(b"\x00" * 100)
+    r = run("decode", tmp_path / "l.pt", "-m", tmp_path / "vae.safetensors")
+    assert r.exit_code == 2 and "error:" in r.output and "Traceback" not in r.output
+    env = {k: v for k, v in os.environ.items() if k != "VAEOPT_MODEL"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+    r = run("decode", tmp_path / "l.pt", env=env)
+    assert r.exit_code == 2 and "--model" in r.output and "VAEOPT_MODEL" in r.output
+
+
+def test_unwritable_output_leaves_nothing(tmp_path, samples_dir):
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    (tmp_path / "afile").write_text("x")
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors",
+            "-o", tmp_path / "afile" / "out.png")
+    assert r.exit_code == 2 and "not a folder" in r.output
+
+
+def test_cli_subprocess_no_traceback(tmp_path):
+    # the installed entry point, as a user runs it
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    p = subprocess.run([sys.executable, "-m", "vaeopt", "decode", str(tmp_path / "l.pt"), "-m",
+                        str(tmp_path / "nope.safetensors")], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr and "error:" in p.stderr
