@@ -235,7 +235,7 @@ class Pipeline:
         from vaeopt import tiling
 
         if plan.mode == "tiled":
-            return tiling.tiled_decode(self.model, z, tile=plan.tile, progress=progress)
+            return tiling.tiled_decode(self.model, z, tile=plan.tile, progress=progress, vram_budget=plan.budget_bytes)
         try:
             fn = self.graphed or self._decode_whole_raw
             return fn(z)
@@ -247,7 +247,7 @@ class Pipeline:
             stats.retries.append(f"out of memory in whole decode (est. {planner.gib(plan.est_bytes)}): "
                                  f"retrying tiled with {tile * self.family.spatial_factor}px tiles")
             self.log("↩ " + stats.retries[-1])
-            return tiling.tiled_decode(self.model, z, tile=tile, progress=progress)
+            return tiling.tiled_decode(self.model, z, tile=tile, progress=progress, vram_budget=budget)
 
     def _decode_video(self, z, plan, progress) -> torch.Tensor:
         from vaeopt import video
