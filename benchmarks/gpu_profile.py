@@ -155,6 +155,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="sdxl-1024")
     ap.add_argument("--experiments", action="store_true")
+    ap.add_argument("--tiled", type=int, nargs="*", default=[], help="also profile tiled decodes with these tiles")
+    ap.add_argument("--only-tiled", action="store_true")
     args = ap.parse_args()
     fam, shape = WORKLOADS[args.workload]
     z = torch.randn(shape)
@@ -163,6 +165,8 @@ def main():
         "diffusers-bf16": dict(channels_last="off", triton="off", attention="off"),
         "vaeopt": dict(),
     }
+    if args.only_tiled:
+        variants = {}
     for name, opts in variants.items():
         pipe = make_pipe(fam, **opts)
         zz = z.to("cuda", torch.bfloat16)
@@ -174,6 +178,25 @@ def main():
             result["variants"][name]["stages"] = [s.line() for s in pipe.stages]
         del pipe
         torch.cuda.empty_cache()
+    from vaeopt import tiling
+
+    for tile in args.tiled:
+        pipe = make_pipe(fam)
+        zz = z.to("cuda", torch.bfloat16)
+        with torch.inference_mode():
+            ref = pipe._decode_whole_raw(zz).float()
+            infos = []
+            fn = lambda: infos.append(tiling.tiled_decode(pipe.model, zz, tile=tile, return_info=True))  # noqa: E731
+            ms = bench(fn, 2)
+            out, info = infos[-1]
+            from vaeopt.fidelity import psnr
+
+            rec = profile(fn, n=1)
+            rec.update(wall_ms=ms, info={k: v for k, v in info.items() if k != "oom_events"},
+                       psnr_vs_untiled=psnr(out.float(), ref), untiled_ms=bench(lambda: pipe._decode_whole_raw(zz), 3))
+            result["variants"][f"tiled-{tile}"] = rec
+        del pipe
+        torch.cuda.empty_cache()
     if args.experiments:
         result["experiments"] = experiments()
     mi = machine_info()
@@ -182,7 +205,9 @@ def main():
                   command=" ".join(["python3"] + sys.argv))
     (OUT / f"profile_{args.workload}.json").write_text(json.dumps(result, indent=1))
     for name, v in result["variants"].items():
-        print(f"\n== {args.workload} {name}: {v['total_ms']:.1f} ms kernel time per decode")
+        print(f"\n== {args.workload} {name}: {v['total_ms']:.1f} ms kernel time per decode"
+              + (f"; wall {v['wall_ms']:.0f} ms vs untiled {v['untiled_ms']:.0f} ms, {v['psnr_vs_untiled']:.1f} dB, "
+                 f"info {v['info']}" if "wall_ms" in v else ""))
         print("   " + ", ".join(f"{k} {t:.1f}" for k, t in v["by_category_ms"].items()))
         print("   kernels/decode: " + ", ".join(f"{k} {int(c)}" for k, c in v["kernels_per_decode"].items()))
         for kname, t in v["top_kernels_ms"][:8]:

@@ -58,6 +58,7 @@ class DecodeStats:
     seconds: float = 0.0
     peak_bytes: int | None = None
     retries: list[str] = field(default_factory=list)
+    tiling: dict | None = None
 
 
 class Pipeline:
@@ -235,7 +236,10 @@ class Pipeline:
         from vaeopt import tiling
 
         if plan.mode == "tiled":
-            return tiling.tiled_decode(self.model, z, tile=plan.tile, progress=progress, vram_budget=plan.budget_bytes)
+            out, info = tiling.tiled_decode(self.model, z, tile=plan.tile, progress=progress,
+                                            vram_budget=plan.budget_bytes, return_info=True)
+            self._tiling_report(info, stats)
+            return out
         try:
             fn = self.graphed or self._decode_whole_raw
             return fn(z)
@@ -247,7 +251,18 @@ class Pipeline:
             stats.retries.append(f"out of memory in whole decode (est. {planner.gib(plan.est_bytes)}): "
                                  f"retrying tiled with {tile * self.family.spatial_factor}px tiles")
             self.log("↩ " + stats.retries[-1])
-            return tiling.tiled_decode(self.model, z, tile=tile, progress=progress, vram_budget=budget)
+            out, info = tiling.tiled_decode(self.model, z, tile=tile, progress=progress, vram_budget=budget,
+                                            return_info=True)
+            self._tiling_report(info, stats)
+            return out
+
+    def _tiling_report(self, info: dict, stats: DecodeStats) -> None:
+        f = self.family.spatial_factor
+        stats.tiling = {k: v for k, v in info.items() if k != "oom_events"}
+        if info.get("shrinks"):
+            stats.retries.append(f"tiled decode ran out of memory {info['shrinks']}x: tile shrank "
+                                 f"{info['tile'][0] * f}px -> {info['final_tile'][0] * f}px; finished tiles kept")
+            self.log("↩ " + stats.retries[-1])
 
     def _decode_video(self, z, plan, progress) -> torch.Tensor:
         from vaeopt import video
