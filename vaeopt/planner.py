@@ -49,10 +49,14 @@ def _weights_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return n * torch.tensor([], dtype=dtype).element_size()
 
 
-def _coef(family: FamilySpec) -> float:
+def _coef(family: FamilySpec, model=None) -> tuple[float, int]:
+    """(activation bytes per output pixel per dtype byte, constant bytes) for this family and pipeline."""
     mm = memory_model()
     entry = mm.get(family.name) or mm.get(family.cls_name) or mm["default"]
-    return float(entry["act_bytes_per_px"])
+    if model is not None and getattr(model, "_vaeopt_fused_epilogues", None) and "act_bytes_per_px_fused" in entry:
+        # fused stages hold fewer activations (measured); the constant is cuDNN workspace and allocator slack
+        return float(entry["act_bytes_per_px_fused"]), int(entry.get("const_bytes_fused", 0))
+    return float(entry["act_bytes_per_px"]), int(entry.get("const_bytes", 0))
 
 
 def estimate_whole(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dtype, chunk: int | None = None) -> int:
@@ -68,7 +72,8 @@ def estimate_whole(family: FamilySpec, model, latent_shape: tuple, dtype: torch.
     else:
         px = n * h * w
         out = n * h * w * 3 * eb
-    return int(_weights_bytes(model, dtype) + _coef(family) * eb * px + out)
+    slope, const = _coef(family, model)
+    return int(_weights_bytes(model, dtype) + slope * eb * px + const + out)
 
 
 def budget_bytes(device: torch.device, vram_budget_gb: float | None) -> tuple[int | None, str]:

@@ -1,0 +1,72 @@
+"""The VRAM planner: whole when it fits, tiles/chunks from the budget, and the calibrated memory model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vaeopt import planner
+from vaeopt.families import build_model, get_family
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+@pytest.fixture(scope="module")
+def sdxl_meta():
+    spec = get_family("sdxl")
+    with torch.device("meta"):
+        return spec, build_model(spec)
+
+
+def test_whole_when_it_fits_tiled_when_not(sdxl_meta):
+    spec, m = sdxl_meta
+    cpu = torch.device("cpu")
+    p = planner.plan_decode(spec, m, (1, 4, 128, 128), torch.bfloat16, cpu, vram_budget_gb=16)
+    assert p.mode == "whole" and "whole decode" in p.reason and p.est_bytes < 16 * 2**30
+    p = planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, vram_budget_gb=8)
+    assert p.mode == "tiled" and p.tile % 8 == 0 and p.tile < 512
+    assert p.est_bytes <= 8 * 2**30 and f"tile {p.tile * 8}x{p.tile * 8}" in p.reason
+    # a bigger budget never gives a smaller tile
+    p16 = planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, vram_budget_gb=16)
+    assert p16.mode == "tiled" and p16.tile >= p.tile
+    assert planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, tile=64).tile == 64
+
+
+def test_cpu_without_budget_does_not_plan(sdxl_meta):
+    spec, m = sdxl_meta
+    p = planner.plan_decode(spec, m, (1, 4, 128, 128), torch.float32, torch.device("cpu"))
+    assert p.mode == "whole" and "memory not planned" in p.reason
+
+
+def test_video_chunk_grows_with_budget():
+    spec = get_family("wan21")
+    with torch.device("meta"):
+        m = build_model(spec)
+    shape = (1, 16, 21, 60, 104)
+    cpu = torch.device("cpu")
+    small = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=5)
+    big = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=40)
+    assert small.mode == big.mode == "chunked"
+    assert 1 <= small.chunk < big.chunk <= planner.MAX_CHUNK
+    assert small.est_bytes <= 5 * 2**30 and big.est_bytes <= 40 * 2**30
+    tiny = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=1)
+    assert tiny.chunk == 1 and "may run out of memory" in tiny.reason
+
+
+def test_memory_model_predicts_measured_peaks_within_15_percent(sdxl_meta):
+    """The coefficients in configs/memory_model.json against the H200 peaks they were fitted on (and held out)."""
+    spec, m = sdxl_meta
+    cal = json.loads((RESULTS / "h200_calibration_2026-11-21.json").read_text())
+    m._vaeopt_fused_epilogues = True  # the calibration measured the default (fused) pipeline
+    try:
+        rows = [r for r in cal["peaks"] if r["family"] == "sdxl"]
+        assert len(rows) >= 5
+        for r in rows:
+            est = planner.estimate_whole(spec, m, tuple(r["shape"]), torch.bfloat16)
+            rel = est / (r["peak_gib"] * 2**30) - 1
+            assert abs(rel) < 0.15, (r["shape"], rel)
+    finally:
+        del m._vaeopt_fused_epilogues
+    held = cal["fits"]["sdxl"]
+    assert held["held_out_shape"] == [1, 4, 256, 256] and abs(held["held_out_rel_error"]) < 0.15
