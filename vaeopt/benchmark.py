@@ -197,6 +197,9 @@ def _fmt_row(r: Row) -> str:
 
 
 def _reference_fn(b: Bench) -> Callable[[], torch.Tensor]:
+    """fp32 decode of the same weights. Video: vaeopt's chunk-1 loop, which is diffusers' schedule with the same cache
+    semantics (max |diff| 0.0 vs diffusers' decode in fp32 with TF32 off, benchmarks/results/h200_video_*.json) and
+    without the growing torch.cat that makes diffusers' fp32 decode need 39 GiB at wan21-480p."""
     model = b.fresh_model(torch.float32)
     z = b.z.to(b.device, torch.float32)
     if b.spec.is_video:
@@ -289,7 +292,8 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
     log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
-    ref_row = b.run("diffusers fp32 (reference)", "reference", lambda: _reference_fn(b))
+    ref_name = "fp32 reference (chunk-1 = diffusers)" if spec.is_video else "diffusers fp32 (reference)"
+    ref_row = b.run(ref_name, "reference", lambda: _reference_fn(b))
     if ref_row.status != "ok":
         raise VaeoptError(f"the fp32 reference decode failed ({ref_row.reason}); use a smaller --shape")
     rows.append(ref_row)
