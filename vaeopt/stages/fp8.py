@@ -98,10 +98,17 @@ class FP8GemmLinear(nn.Module):
         self.register_buffer("wscale", (amax / E4M3_MAX).float().reshape(()))
         # _scaled_mm wants B column-major: store (I, O) as the transpose of a row-major (O, I)
         self.register_buffer("qweight_t", (w.float() / self.wscale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).t())
-        self.bias = layer.bias
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
         self.is_conv = isinstance(layer, nn.Conv2d)
         self.out_features = w.shape[0]
-        self.original = [layer]
+        self.orig_device = layer.weight.device
+        self.original = [layer.to("cpu")]  # for revert; off the GPU so the fp8 copy really saves memory
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Dequantized weight for code that reads `.weight` (e.g. fused epilogues); the GEMM never uses it."""
+        w = (self.qweight_t.t().float() * self.wscale).to(self.bias.dtype if self.bias is not None else torch.bfloat16)
+        return w.view(self.original[0].weight.shape) if self.is_conv else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_conv:
@@ -166,7 +173,7 @@ def revert(model: nn.Module) -> int:
             n += 1
         for name, child in list(parent.named_children()):
             if isinstance(child, FP8GemmLinear):
-                setattr(parent, name, child.original[0])
+                setattr(parent, name, child.original[0].to(child.orig_device))
                 n += 1
     return n
 
