@@ -135,7 +135,11 @@ def get_family(name: str) -> FamilySpec:
 
 
 def model_class(cls_name: str):
-    import diffusers
+    try:
+        import diffusers
+    except ImportError as e:
+        raise CheckpointError(f"diffusers is not installed ({e}); vaeopt builds its models with it: "
+                              "pip install diffusers") from e
 
     try:
         return getattr(diffusers, cls_name)
