@@ -63,6 +63,26 @@ def test_storage_works_for_wan_causal_convs(samples_dir):
         assert torch.equal(model.decode(z).sample, ref)
 
 
+def test_channels_last_after_fp8_storage(samples_dir):
+    from vaeopt.loading import load_vae
+    from vaeopt.stages import channels_last
+
+    model = load_vae(samples_dir / "tiny_kl_image.safetensors").model
+    z = torch.randn(1, 4, 16, 16)
+    with torch.no_grad():
+        ref = model.decode(z).sample
+    fp8.convert(model, compute=False)
+    r = channels_last.apply(model)
+    assert r.status == "applied" and r.data["conv2d"] > 10
+    with torch.no_grad():
+        out = model.decode(z).sample
+    assert psnr(out, ref) > 25
+    channels_last.revert(model)
+    fp8.revert(model)
+    with torch.no_grad():
+        assert torch.allclose(model.decode(z).sample, ref, atol=1e-5)
+
+
 def test_gate_reverts_when_fidelity_is_too_low():
     torch.manual_seed(0)
     spec = get_family("sdxl")

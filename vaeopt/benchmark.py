@@ -323,8 +323,8 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
             key = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
                    "+ fused epilogues": "fused_epilogues", "+ attention backend": "attention",
                    "+ CUDA graphs": "graphs"}.get(name)
-            if key and s["name"] == key and s["status"] == "skipped":
-                r.status, r.reason = "skipped", s["detail"]
+            if key and s["name"] == key and s["status"] in ("skipped", "fallback"):
+                r.status, r.reason = s["status"], s["detail"]  # the stage did not run: no row of its own
         rows.append(r)
     _speedups(rows, dtype)
     mi = machine_info()

@@ -37,12 +37,15 @@ def apply(model: nn.Module, **_) -> StageResult:
     n2 = n3 = 0
     for part in _decoder_parts(model):
         for m in part.modules():
-            if isinstance(m, nn.Conv2d):
-                m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
-                n2 += 1
-            elif isinstance(m, nn.Conv3d):
-                m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
-                n3 += 1
+            if not isinstance(m, (nn.Conv2d, nn.Conv3d)):
+                continue
+            fmt = torch.channels_last if isinstance(m, nn.Conv2d) else torch.channels_last_3d
+            if m.weight is None and hasattr(m, "_vaeopt_fp8_fmt"):  # fp8 storage: dequantize straight into NHWC
+                m._vaeopt_fp8_fmt = fmt
+            else:
+                m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+            n2 += isinstance(m, nn.Conv2d)
+            n3 += isinstance(m, nn.Conv3d)
     # The decoder's input arrives NCHW from the caller: relayout once at the entry.
     first = _decoder_parts(model)[0]
     handle = first.register_forward_pre_hook(lambda mod, args: (_to_layout(args[0]),) + tuple(args[1:]))
@@ -64,4 +67,7 @@ def revert(model: nn.Module) -> None:
     for part in _decoder_parts(model):
         for m in part.modules():
             if isinstance(m, (nn.Conv2d, nn.Conv3d)):
-                m.weight.data = m.weight.data.contiguous()
+                if m.weight is None and hasattr(m, "_vaeopt_fp8_fmt"):
+                    m._vaeopt_fp8_fmt = torch.contiguous_format
+                else:
+                    m.weight.data = m.weight.data.contiguous()
