@@ -175,7 +175,7 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
         plan = pipe.plan(shape)
         pipe.log(f"plan {job.source.name}{'[' + job.entry + ']' if job.entry else ''} {shape}: {plan.reason}")
         if not graphs_logged:
-            use, why = pipe.graphs_decision(shapes.count(shape), plan)
+            use, why = pipe.graphs_decision(shapes.count(shape), plan, shape)
             if use:
                 pipe.enable_graphs(why)
             else:

@@ -19,7 +19,12 @@ from vaeopt.loading import LoadedVAE
 from vaeopt.stages import StageResult
 
 SWITCHES = ("auto", "on", "off")
-GRAPH_MIN_REPEATS = 4  # capture = 1 warm-up + 1 captured run; see docs/perf-notes.md
+# CUDA graphs, measured on an H200 (benchmarks/results/h200_graphs_fp8_2026-11-21.json): a 512² decode 8.2 -> 5.6 ms
+# replayed, capture (incl. warm-up) 27 ms; a 1024² decode 22.0 -> 21.8 ms. So graphs pay for small outputs decoded
+# often enough to repay the capture: auto enables them up to GRAPH_MAX_PIXELS per decode and from
+# GRAPH_MIN_REPEATS same-shape decodes.
+GRAPH_MIN_REPEATS = 12
+GRAPH_MAX_PIXELS = 512 * 512 * 2
 
 
 @dataclass
@@ -183,7 +188,8 @@ class Pipeline:
                                 vram_budget_gb=o.vram_budget_gb, tile=o.tile, chunk=o.chunk, tiling=o.tiling)
         return p
 
-    def graphs_decision(self, repeats: int, plan: planner.Plan) -> tuple[bool, str]:
+    def graphs_decision(self, repeats: int, plan: planner.Plan, latent_shape: tuple | None = None
+                        ) -> tuple[bool, str]:
         o = self.opts
         ok, why = self._stage("graphs").available(self.device)
         if o.graphs == "off":
@@ -196,6 +202,11 @@ class Pipeline:
             return False, "video decodes loop over chunks in Python; per-chunk graphs are not implemented yet"
         if o.graphs == "on":
             return True, "forced on"
+        if latent_shape is not None:
+            px = latent_shape[0] * latent_shape[-2] * latent_shape[-1] * self.family.spatial_factor ** 2
+            if px > GRAPH_MAX_PIXELS:
+                return False, (f"{px / 1e6:.1f} MP per decode: GPU-bound, replay saved ~1% at 1 MP on an H200 "
+                               "(--graphs on to force)")
         if repeats < GRAPH_MIN_REPEATS:
             return False, (f"{repeats} decode(s) of this shape: capture costs a warm-up decode and pays only from "
                            f"{GRAPH_MIN_REPEATS} same-shape decodes (--graphs on to force)")
