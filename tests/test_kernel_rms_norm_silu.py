@@ -144,3 +144,112 @@ def test_gpu_real_shapes_bf16(layout, shape):
     err = (y.double() - ref).abs().max().item()
     err_torch = (_wan_rms_silu(x, gamma, 0.0).double() - ref).abs().max().item()
     assert _same_format(y, x) and err <= 2 * err_torch + FLOOR[torch.bfloat16], (err, err_torch)
+
+
+# --- x_bias (a conv's bias folded into the norm) and out= (writing into a conv input buffer) ----------------------
+
+
+def _ref64_xb(x, gamma, bias, x_bias, silu=True):
+    """WanRMS_norm + SiLU of (x + x_bias) in fp64: what the conv with its bias, then the norm, compute exactly."""
+    xb = x.double() + x_bias.double().reshape(-1, *([1] * (x.dim() - 2)))
+    b = bias.double() if isinstance(bias, torch.Tensor) else bias
+    return _wan_rms_silu(xb, gamma.double(), b, silu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("shape,max_block_c", [((2, 48, 3, 5, 7), 1024), ((1, 100, 2, 3, 5), 32),
+                                                 ((1, 20, 9, 11), 1024)])
+def test_x_bias_fp32(device, layout, shape, max_block_c):
+    """x_bias in one-pass and two-loop kernels, 5-D and 4-D, both layouts: equal to norm(x + x_bias)."""
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+
+    x, gamma, bias = _inputs(shape, torch.float32, device, seed=5)
+    xb = (torch.randn(shape[1], generator=torch.Generator().manual_seed(6)) * 2).to(device)
+    x = _layout(x, layout)
+    y = rms_norm_silu(x, gamma, bias, x_bias=xb, max_block_c=max_block_c)
+    assert y.dtype == x.dtype and _same_format(y, x)
+    torch.testing.assert_close(y.double(), _ref64_xb(x, gamma, bias, xb), atol=2e-5, rtol=2e-5)
+    y = rms_norm_silu(x, gamma, 0.0, silu=False, x_bias=xb.reshape(-1, 1, 1), max_block_c=max_block_c)  # any shape
+    torch.testing.assert_close(y.double(), _ref64_xb(x, gamma, 0.0, xb, silu=False), atol=2e-5, rtol=2e-5)
+    # x_bias=None is the default path, bit for bit
+    assert torch.equal(rms_norm_silu(x, gamma, bias, x_bias=None), rms_norm_silu(x, gamma, bias))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_x_bias_low_precision(device, dtype, layout):
+    """bf16/fp16: the sum is formed in fp32 (never rounded), so the kernel is at least as close to the fp64 result
+    as diffusers' composition (conv output + bias rounded to bf16, then the norm) -- within 2x + floor."""
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+    from vaeopt.kernels.rms_norm_silu import rms_norm_silu_reference
+
+    x, gamma, bias = _inputs((1, 96, 2, 6, 8), dtype, device, seed=7)
+    xb = torch.randn(96, generator=torch.Generator().manual_seed(8)).to(device=device, dtype=dtype)
+    x = _layout(x, layout)
+    y = rms_norm_silu(x, gamma, bias, x_bias=xb)
+    ref = _ref64_xb(x, gamma, bias, xb)
+    err = (y.double() - ref).abs().max().item()
+    err_torch = (rms_norm_silu_reference(x, gamma, bias, x_bias=xb).double() - ref).abs().max().item()
+    assert err <= 2 * err_torch + FLOOR[dtype], (err, err_torch)
+
+
+def _buffer(shape, hist, layout, device, dtype=torch.float32, fill=7.0):
+    """A causal conv input buffer (N, C, hist + T, ...) filled with a sentinel, in the given layout."""
+    full = (shape[0], shape[1], hist + shape[2], *shape[3:])
+    return _layout(torch.full(full, fill, device=device, dtype=dtype), layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("max_block_c", [1024, 16])
+def test_out_into_conv_buffer(device, layout, max_block_c):
+    """out= a frame range of a larger buffer (batch 2: sample strides differ from x's; channels-first: channel
+    stride too): written in place, the history frames untouched, same values as without out=."""
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+
+    shape = (2, 40, 3, 5, 6)
+    x, gamma, bias = _inputs(shape, torch.float32, device, seed=9)
+    xb = torch.randn(40, generator=torch.Generator().manual_seed(10)).to(device)
+    x = _layout(x, layout)
+    buf = _buffer(shape, 2, layout, device)
+    dst = buf[:, :, 2:]
+    ret = rms_norm_silu(x, gamma, bias, x_bias=xb, out=dst, max_block_c=max_block_c)
+    assert ret.data_ptr() == dst.data_ptr() and ret.stride() == dst.stride()
+    assert (buf[:, :, :2] == 7.0).all()
+    assert torch.equal(dst, rms_norm_silu(x, gamma, bias, x_bias=xb, max_block_c=max_block_c))
+    torch.testing.assert_close(dst.double(), _ref64_xb(x, gamma, bias, xb), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_odd_strides_dtype_and_errors(device):
+    """An out= the kernels cannot address (other layout kind, transposed spatial dims) is filled through a copy; an
+    fp32 out for a bf16 x gets the fp32 result rounded once; strided (frame-slice) channels-first inputs read in
+    place; wrong shapes / types are rejected."""
+    _need(device)
+    from vaeopt.kernels import rms_norm_silu
+
+    shape = (1, 24, 2, 4, 5)
+    x, gamma, bias = _inputs(shape, torch.float32, device, seed=11)
+    ref = rms_norm_silu(x, gamma, bias)
+    for out in (_layout(torch.empty(shape, device=device), "cl"),  # cl out for a cf x
+                torch.empty(1, 24, 2, 5, 4, device=device).transpose(3, 4)):  # spatial dims that do not merge
+        ret = rms_norm_silu(x, gamma, bias, out=out)
+        assert ret is out and torch.equal(out, ref)
+    xb16 = x.bfloat16()
+    out32 = torch.empty(shape, device=device)
+    rms_norm_silu(xb16, gamma, bias, out=out32)
+    torch.testing.assert_close(out32.double(), _ref64(xb16, gamma, bias), atol=2e-5, rtol=2e-5)
+    big = torch.randn(1, 24, 5, 4, 5, generator=torch.Generator().manual_seed(12)).to(device)
+    torch.testing.assert_close(rms_norm_silu(big[:, :, 1:3], gamma, bias), rms_norm_silu(big[:, :, 1:3].contiguous(),
+                                                                                          gamma, bias))
+    with pytest.raises(ValueError, match="shape"):
+        rms_norm_silu(x, gamma, bias, out=torch.empty(1, 24, 3, 4, 5, device=device))
+    with pytest.raises(ValueError, match="x_bias"):
+        rms_norm_silu(x, gamma, bias, x_bias=torch.zeros(23, device=device))
+    with pytest.raises(ValueError):
+        rms_norm_silu(x, gamma, bias, out=torch.empty(shape, device=device, dtype=torch.int32))

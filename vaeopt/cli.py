@@ -165,8 +165,13 @@ def decode(
             _log(n)
     model_path, why = api.resolve_model(model, files[0])
     t0 = time.perf_counter()
+    import diffusers  # noqa: F401  (a few seconds on first import; timed apart from reading the checkpoint)
+
+    t_import = time.perf_counter() - t0
+    t0 = time.perf_counter()
     loaded = load_vae(model_path, family=family, config=config)
-    console.print(f"[bold]load[/] {model_path} ({why}) in {time.perf_counter() - t0:.2f} s: "
+    console.print(f"[bold]load[/] {model_path} ({why}) in {time.perf_counter() - t0:.2f} s "
+                  f"(+{t_import:.1f} s importing diffusers): "
                   f"{loaded.family.title} [{loaded.family.cls_name}], layout {loaded.layout}", highlight=False)
     for n in loaded.notes:
         _log(n)

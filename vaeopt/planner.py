@@ -10,6 +10,7 @@ Tiling is never free, so the planner tiles only when the whole decode does not f
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -146,15 +147,22 @@ def estimate_video(family, model, latent_shape, dtype, chunk: int) -> int:
     return int(1.15 * act + _weights_bytes(model, dtype) + out)
 
 
+def _host_budget() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 4 * 2**30
+
+
 def _plan_video(family, model, latent_shape, dtype, budget, why, chunk) -> Plan:
     t_lat = latent_shape[2]
     if chunk is not None:
         est = estimate_video(family, model, latent_shape, dtype, chunk)
         return Plan("chunked", budget, est, chunk=chunk, reason=f"chunk {chunk} latent frames requested")
     if budget is None:
-        # CPU: 1 frame per call keeps host memory lowest; speed gains of bigger chunks are GPU effects.
-        est = estimate_video(family, model, latent_shape, dtype, 1)
-        return Plan("chunked", None, est, chunk=1, reason=f"chunk 1 latent frame ({why}: memory not planned)")
+        # CPU: bigger chunks are much faster here (fewer, larger convs: 15.8 s -> 4.4 s for a 5-frame clip of the tiny
+        # model, docs/notes-video.md); plan them from half the available host memory.
+        budget, why = _host_budget(), "half of the available host memory"
     best = None
     for k in range(1, min(MAX_CHUNK, max(t_lat - 1, 1)) + 1):
         est = estimate_video(family, model, latent_shape, dtype, k)

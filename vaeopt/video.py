@@ -34,14 +34,35 @@ changed) with this control flow instead of diffusers' forwards:
 
 Numerics: the op sequence per element is diffusers' own (normalize in fp32 for bf16, then * scale * gamma, SiLU;
 residual adds; same conv weights), so fp32 results agree to float rounding (~1e-6) and bf16 results to bf16 rounding.
+
+Fused kernel path (`fused=`; by default on when the Triton kernels can run -- CUDA, or CPU under TRITON_INTERPRET=1 --
+and the fused_norms stage has been applied): each Wan residual block whose norms are RMS norm + SiLU runs as
+
+    norm1+SiLU (kernel, + the input's owed bias)  -> written straight into conv1's input buffer (rms_norm_silu out=)
+    conv1 without bias                            -> norm2+SiLU with conv1's bias folded in (x_bias), into conv2's
+                                                     input buffer
+    conv2 without bias [, 1x1x1 shortcut conv without bias]
+    one epilogue kernel: (residual + shortcut bias) + (conv2 out + conv2 bias)           (epilogue.bias_residual)
+
+and WanResample's nearest 2x upsample disappears into kernels: for 'upsample2d' the last block's epilogue writes the
+upsampled frames; for 'upsample3d' it writes time_conv's input buffer, time_conv runs without bias, and one kernel
+adds that bias, interleaves the channel halves into frames (diffusers' reshape + stack) and upsamples; frame 0 of the
+clip (the 'Rep' frame, no time_conv) is upsampled alone. The 2D conv after the upsample, and conv_in, run without
+their biases too: the next block folds them into its norm1 (x_bias) and its residual (residual_bias; through a 1x1x1
+shortcut as W @ bias). PyTorch's cuDNN path would add every conv bias as a separate broadcast pass. Blocks or
+resamplers that do not match (hooks, other modules) take the torch path; a bias they cannot fold is added first.
+The sums are formed in fp32 inside the kernels (one rounding), so bf16 results differ from diffusers' by bf16
+rounding; fp32 agrees to ~1e-6. Counts of what was fused: `_ChunkDecoder.stats`.
 Notes and measurements: docs/notes-video.md.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
+import os
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -51,7 +72,7 @@ import torch.utils._python_dispatch
 import torch.utils._pytree
 from torch import Tensor, nn
 
-from vaeopt.errors import CheckpointError, LatentError
+from vaeopt.errors import CheckpointError, LatentError, VaeoptError
 
 __all__ = [
     "chunk_schedule",
@@ -149,35 +170,143 @@ def _norm_act_into(norm: nn.Module, act: nn.Module, x: Tensor, out: Tensor) -> N
         out.copy_(act(norm(x)))
 
 
-class _ChunkDecoder:
-    """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches."""
+FUSED_ENV = "VAEOPT_VIDEO_FUSED"  # "0"/"off": never use the fused kernel path; "1"/"on": require it; unset: auto
 
-    def __init__(self, vae, channels_last: bool):
+
+def _fused_from_env() -> bool | None:
+    v = os.environ.get(FUSED_ENV, "").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return False
+    if v in ("1", "on", "true", "yes"):
+        return True
+    return None
+
+
+def _rms_params(norm: nn.Module, act: nn.Module | None):
+    """(gamma, bias, scale, eps) when act(norm(x)) is Wan's channel-first RMS norm + SiLU, i.e. what our
+    rms_norm_silu kernel computes: the fused_norms stage's FusedRMSNormSiLU(silu=True) followed by an Identity, or a
+    stock WanRMS_norm followed by nn.SiLU. None for anything else (hooks, other modules)."""
+    from vaeopt.stages.fused_norms import FusedRMSNormSiLU
+
+    if not _unhooked(norm) or (act is not None and not _unhooked(act)):
+        return None
+    if type(norm) is FusedRMSNormSiLU and norm.silu and norm.channel_first and type(act) is nn.Identity:
+        return norm.gamma, norm.bias, norm.scale, norm.eps
+    if type(norm) is _wan().WanRMS_norm and norm.channel_first and type(act) is nn.SiLU:
+        return norm.gamma, norm.bias, norm.scale, 1e-12  # F.normalize's default eps, as WanRMS_norm uses it
+    return None
+
+
+def _has_fused_norms(dec: nn.Module) -> bool:
+    from vaeopt.stages.fused_norms import FusedRMSNormSiLU
+
+    return any(type(m) is FusedRMSNormSiLU for m in dec.modules())
+
+
+def _is_2x_nearest(up: nn.Module) -> bool:
+    """An nn.Upsample (e.g. WanUpsample) doing exactly a 2x nearest / nearest-exact upsample of H and W (for a 2x
+    factor both modes pick source pixel i // 2: the same copy)."""
+    if not isinstance(up, nn.Upsample) or up.mode not in ("nearest", "nearest-exact") or up.size is not None:
+        return False
+    sf = up.scale_factor
+    sf = tuple(sf) if isinstance(sf, (tuple, list)) else (sf, sf)
+    return len(sf) == 2 and all(float(f) == 2.0 for f in sf) and _unhooked(up)
+
+
+def _plain_conv2d(m: nn.Module) -> bool:
+    return type(m) is nn.Conv2d and m.padding_mode == "zeros" and _unhooked(m)
+
+
+def _meta_result(like: Tensor, shape: tuple) -> Tensor:
+    """An empty meta tensor of `shape` in the layout our kernels would give a result computed from `like`."""
+    from vaeopt.kernels import flat_layout
+
+    lay = flat_layout(like)
+    if lay is not None and lay[0] == "cl":
+        return torch.empty((shape[0], *shape[2:], shape[1]), dtype=like.dtype, device=like.device).movedim(-1, 1)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _frames4(x: Tensor) -> Tensor:
+    """(b, c, t, h, w) -> (b*t, c, h, w): a free (channels_last) view of an NDHWC tensor, a copy otherwise."""
+    b, c, t, h, w = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+
+
+class _ChunkDecoder:
+    """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches.
+
+    fused (None: auto, True: required, False: off; `VAEOPT_VIDEO_FUSED` when None): with the Triton kernels runnable
+    for the latents (CUDA, or CPU under TRITON_INTERPRET=1; fp32/bf16/fp16, no autocast) -- and, in auto mode, the
+    fused_norms stage applied to the decoder -- residual blocks whose norms are Wan RMS norm + SiLU run with conv
+    biases folded into the next kernel, one epilogue kernel for bias + residual, norms writing straight into the
+    conv input buffers, and WanResample's upsample as a kernel fused with that epilogue / the time_conv interleave.
+    Otherwise (and for any module that does not match) the torch path below runs unchanged. `stats` counts what the
+    fused path did (per decoder, over all calls)."""
+
+    def __init__(self, vae, channels_last: bool, fused: bool | None = None):
         self.vae = vae
         self.dec = vae.decoder
         self.mf = torch.channels_last_3d if channels_last else torch.contiguous_format
         self.cache: dict[nn.Module, Tensor] = {}  # conv -> (N, C, 2, H, W) last input frames, updated in place
         self.first = True
+        self.fused = _fused_from_env() if fused is None else bool(fused)
+        self.kern = False  # the fused kernel path is on for the current call
+        self.stats: collections.Counter = collections.Counter()
+
+    def _kernels_on(self, z: Tensor) -> bool:
+        if self.fused is False:
+            return False
+        if z.is_meta:  # dry run of the fused path (estimate_chunk_bytes(fused=True))
+            return bool(self.fused)
+        try:
+            from vaeopt.stages.fused_norms import _use_kernel
+            from vaeopt.kernels import triton_available
+        except ImportError as e:  # pragma: no cover - broken install
+            if self.fused:
+                raise VaeoptError(f"fused video decode requested, but the kernels do not import ({e})") from e
+            return False
+        if not _use_kernel(z):
+            if self.fused:
+                raise VaeoptError("fused video decode requested, but the Triton kernels cannot run for these latents "
+                                  f"({triton_available(z.device)[1]}; dtype {z.dtype}, autocast/compile off needed)")
+            return False
+        return True if self.fused else _has_fused_norms(self.dec)
 
     def step(self, z: Tensor) -> Tensor:
         """z: (N, z_dim, k, h, w) raw latents of the next k frames -> decoder output (N, C_out, f, H, W), unclamped,
         before unpatchify; f = 1 + 4(k-1) on the first call, 4k after."""
         # Activations are handed to the next block in a one-element list that the block empties (`box.pop()`), so
         # that no caller keeps a block's input alive while the block runs (a full activation less at the peak).
+        # `xb` is a bias still owed to the activation in the box (its conv ran without it: the consumer folds it in).
         with torch.no_grad():
+            self.kern = self._kernels_on(z)
             x = self._conv(self.vae.post_quant_conv, z.contiguous(memory_format=self.mf))
-            box = [self._conv(self.dec.conv_in, x)]
+            conv_in = self.dec.conv_in
+            if self.kern and self._plain(conv_in) and self._hist(conv_in):
+                box, xb = [self._run(conv_in, self._stage(conv_in, x), bias=False)], conv_in.bias
+                self.stats["bias_folded"] += conv_in.bias is not None
+            else:
+                box, xb = [self._conv(conv_in, x)], None
             del x
             mid = self.dec.mid_block
-            box = [self._resblock(mid.resnets[0], box)]
+            box = [self._block(mid.resnets[0], box, xb)]
             for attn, res in zip(mid.attentions, mid.resnets[1:]):
                 if attn is not None:
                     box = [attn(box.pop())]
-                box = [self._resblock(res, box)]
+                box = [self._block(res, box, None)]
+            xb = None
             for ub in self.dec.up_blocks:
-                box = [self._upblock(ub, box)]
-            b = self._stage(self.dec.conv_out, box.pop(), self.dec.norm_out, self.dec.nonlinearity)
-            y = self._run(self.dec.conv_out, b)
+                x, xb = self._upblock(ub, box, xb)
+                box = [x]
+                del x
+            conv_out, norm_out, act = self.dec.conv_out, self.dec.norm_out, self.dec.nonlinearity
+            p = _rms_params(norm_out, act) if self.kern else None
+            if p is not None and self._plain(conv_out) and self._hist(conv_out):
+                b = self._stage_k(conv_out, box.pop(), p, xb)
+            else:
+                b = self._stage(conv_out, self._materialize(box.pop(), xb), norm_out, act)
+            y = self._run(conv_out, b)
         self.first = False
         return y
 
@@ -229,9 +358,13 @@ class _ChunkDecoder:
             _norm_act_into(norm, act, src, buf[:, :, hist:])
         return buf
 
-    def _run(self, conv, x: Tensor) -> Tensor:
+    def _run(self, conv, x: Tensor, bias: bool = True) -> Tensor:
+        """The conv over a staged input (updates its history). bias=False (plain convs only): without the conv's
+        bias, which the caller has folded into the next kernel."""
         hist = self._hist(conv)
         if not self._plain(conv):  # a swapped-in conv module: call it with WanCausalConv3d's (x, cache_x) contract
+            if not bias:
+                raise AssertionError("bias folding needs a plain WanCausalConv3d")
             if hist == 0:
                 return conv(x)
             N, C, k, H, W = x.shape
@@ -243,14 +376,14 @@ class _ChunkDecoder:
         N, C, T, H, W = x.shape
         k = T - hist
         per = N * max(C, conv.out_channels) * H * W  # elements per frame, input or output
+        cb = conv.bias if bias else None
         if per * T < _INT32_ELEMS:
-            y = F.conv3d(x, conv.weight, conv.bias, 1, pad, 1, conv.groups)
+            y = F.conv3d(x, conv.weight, cb, 1, pad, 1, conv.groups)
         else:  # windows of [hist | g frames]: the same causal conv, in pieces
             g = max(4, _SPLIT_ELEMS // 2 // per)
             y = torch.empty((N, conv.out_channels, k, H, W), dtype=x.dtype, device=x.device, memory_format=self.mf)
             for s in range(0, k, g):
-                y[:, :, s : s + g].copy_(F.conv3d(x[:, :, s : s + g + hist], conv.weight, conv.bias, 1, pad, 1,
-                                                  conv.groups))
+                y[:, :, s : s + g].copy_(F.conv3d(x[:, :, s : s + g + hist], conv.weight, cb, 1, pad, 1, conv.groups))
         if hist:
             self._update(conv, x)
         return y
@@ -287,18 +420,219 @@ class _ChunkDecoder:
         h = x if isinstance(blk.conv_shortcut, nn.Identity) else self._conv(blk.conv_shortcut, x)
         return y.add_(h)
 
-    def _upblock(self, ub, box: list[Tensor]) -> Tensor:
+    def _upblock(self, ub, box: list[Tensor], xb: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """-> (output, bias it still owes or None)."""
         wan = _wan()
         residual = isinstance(ub, wan.WanResidualUpBlock)
-        # Wan 2.2's DupUp3D shortcut needs the block input (diffusers clones it; nothing here writes into it)
-        x_in = box[0] if residual and ub.avg_shortcut is not None else None
-        for res in ub.resnets:
-            box = [self._resblock(res, box)]
         resampler = ub.upsampler if residual else (ub.upsamplers[0] if ub.upsamplers is not None else None)
-        x = self._resample(resampler, box) if resampler is not None else box.pop()
+        dup = residual and ub.avg_shortcut is not None
+        if dup and xb is not None:  # DupUp3D reads the block input as is: give it its bias first
+            box, xb = [self._materialize(box.pop(), xb)], None
+        # Wan 2.2's DupUp3D shortcut needs the block input (diffusers clones it; nothing here writes into it)
+        x_in = box[0] if dup else None
+        fuse_up = self.kern and resampler is not None and self._up_fusable(resampler)
+        last = len(ub.resnets) - 1
+        x = None
+        for i, res in enumerate(ub.resnets):
+            p = self._res_fusable(res) if self.kern else None
+            if i == last and fuse_up and p is not None:  # its epilogue writes what the resampler needs
+                x, xb = self._resample_fused(resampler, self._res_parts(res, box, xb, p))
+                break
+            box, xb = [self._block(res, box, xb)], None
+        if x is None:
+            x = box.pop()
+            if resampler is not None:
+                x = self._resample(resampler, [self._materialize(x, xb)])
+                xb = None
         if x_in is not None:
-            x = x.add_(ub.avg_shortcut(x_in, first_chunk=self.first))
-        return x
+            d = ub.avg_shortcut(x_in, first_chunk=self.first)
+            del x_in
+            if xb is not None:  # (x + bias) + shortcut in one pass, diffusers' association
+                x = self._epilogue(x, xb, d, None)
+                xb = None
+            else:
+                x = x.add_(d)
+        return x, xb
+
+    # -- the fused kernel path ------------------------------------------------------------------------------------
+    def _materialize(self, x: Tensor, xb: Tensor | None) -> Tensor:
+        """x + xb for a consumer that cannot fold the bias (the same pass cuDNN's bias add would have made)."""
+        if xb is None:
+            return x
+        self.stats["bias_materialized"] += 1
+        return x.add_(xb.to(x.dtype).reshape(1, -1, *([1] * (x.dim() - 2))))
+
+    def _res_fusable(self, blk):
+        """(norm1 params, norm2 params) when `blk` can run on the kernels: Wan RMS norm + SiLU twice, plain causal
+        convs, and an identity or 1x1x1 plain conv shortcut; else None."""
+        p1 = _rms_params(blk.norm1, blk.nonlinearity)
+        p2 = _rms_params(blk.norm2, blk.nonlinearity)
+        if p1 is None or p2 is None:
+            return None
+        c1, c2, sc = blk.conv1, blk.conv2, blk.conv_shortcut
+        if not (self._plain(c1) and self._plain(c2) and self._hist(c1) and self._hist(c2)):
+            return None
+        if not isinstance(sc, nn.Identity):
+            if not (self._plain(sc) and self._hist(sc) == 0 and tuple(sc.kernel_size) == (1, 1, 1)):
+                return None
+        if blk.dropout.training and blk.dropout.p > 0:
+            return None
+        return p1, p2
+
+    def _block(self, blk, box: list[Tensor], xb: Tensor | None) -> Tensor:
+        p = self._res_fusable(blk) if self.kern else None
+        if p is None:
+            return self._resblock(blk, [self._materialize(box.pop(), xb)])
+        h, b, r, rb = self._res_parts(blk, box, xb, p)
+        return self._epilogue(h, b, r, rb)
+
+    def _norm_k(self, p, x: Tensor, out: Tensor | None = None, xb: Tensor | None = None) -> Tensor:
+        self.stats["norm_kernel"] += 1
+        if x.is_meta:  # dry run (estimate_chunk_bytes): only the result's storage
+            return out if out is not None else _meta_result(x, tuple(x.shape))
+        from vaeopt.kernels.rms_norm_silu import rms_norm_silu
+
+        gamma, bias, scale, eps = p
+        return rms_norm_silu(x, gamma, bias, eps, True, scale=scale, x_bias=xb, out=out)
+
+    @staticmethod
+    def _br(h: Tensor, bias=None, r=None, rb=None, *, upsample2x=False, groups=1, out=None) -> Tensor:
+        """epilogue.bias_residual, or on meta tensors (dry run) just its result's storage."""
+        if h.is_meta:
+            if out is not None:
+                return out
+            N, C = h.shape[:2]
+            sp = (2 * h.shape[2], 2 * h.shape[3]) if upsample2x else tuple(h.shape[2:])
+            return _meta_result(h, (N * groups, C // groups, *sp))
+        from vaeopt.kernels.epilogue import bias_residual
+
+        return bias_residual(h, bias, r, upsample2x=upsample2x, residual_bias=rb, groups=groups, out=out)
+
+    def _stage_k(self, conv, src: Tensor, p, xb: Tensor | None) -> Tensor:
+        """[history | rms_norm_silu(src + xb)] for a plain causal conv, the kernel writing into the buffer."""
+        hist = self._hist(conv)
+        N, C, k, H, W = src.shape
+        buf = torch.empty((N, C, hist + k, H, W), dtype=src.dtype, device=src.device, memory_format=self.mf)
+        cache = self.cache.get(conv)
+        if cache is None:
+            buf[:, :, :hist].zero_()
+        else:
+            buf[:, :, :hist].copy_(cache)
+        self._norm_k(p, src, buf[:, :, hist:], xb)
+        return buf
+
+    def _epilogue(self, h, b, r, rb, **kw) -> Tensor:
+        self.stats["epilogue"] += 1
+        return self._br(h, b, r, rb, **kw)
+
+    def _res_parts(self, blk, box: list[Tensor], xb: Tensor | None, p):
+        """A residual block up to its epilogue: norm1 (+ the input's owed bias) -> conv1 without bias -> norm2 with
+        conv1's bias folded -> conv2 without bias; the shortcut conv without bias. -> (h, bias, residual,
+        residual_bias): the block's output is (residual + residual_bias) + (h + bias)."""
+        x = box.pop()
+        (p1, p2), c1, c2, sc = p, blk.conv1, blk.conv2, blk.conv_shortcut
+        self.stats["fused_blocks"] += 1
+        b = self._stage_k(c1, x, p1, xb)
+        y = self._run(c1, b, bias=False)
+        del b
+        b = self._stage_k(c2, y, p2, c1.bias)
+        del y  # conv1's output is in conv2's input buffer now
+        y = self._run(c2, b, bias=False)
+        del b
+        self.stats["bias_folded"] += (c1.bias is not None) + (c2.bias is not None)
+        if isinstance(sc, nn.Identity):
+            return y, c2.bias, x, xb
+        if xb is not None and sc.groups != 1:
+            x, xb = x + xb.to(x.dtype).reshape(1, -1, 1, 1, 1), None
+            self.stats["bias_materialized"] += 1
+        r = self._run(sc, x, bias=False)
+        del x
+        rb = sc.bias
+        self.stats["bias_folded"] += rb is not None
+        if xb is not None:  # a 1x1x1 conv without padding: conv(x + xb) = conv(x) + W @ xb, exactly
+            fold = torch.mv(sc.weight.reshape(sc.out_channels, -1).float(), xb.float())
+            rb = fold if rb is None else fold.add_(rb.float())
+        return y, c2.bias, r, rb
+
+    def _up_fusable(self, rs) -> bool:
+        if rs.mode not in ("upsample2d", "upsample3d") or not isinstance(rs.resample, nn.Sequential):
+            return False
+        if len(rs.resample) != 2 or not _is_2x_nearest(rs.resample[0]) or not _plain_conv2d(rs.resample[1]):
+            return False
+        return rs.mode == "upsample2d" or (self._plain(rs.time_conv) and self._hist(rs.time_conv) > 0)
+
+    def _resample_fused(self, rs, parts) -> tuple[Tensor, Tensor | None]:
+        """WanResample after a residual block whose epilogue is still to run: the epilogue writes the 2x upsampled
+        frames directly (upsample2d), or into time_conv's input buffer, time_conv runs without bias, and one kernel
+        adds its bias, interleaves the two channel halves into frames and upsamples (upsample3d). The 2D conv runs
+        without its bias, which the next block folds in. -> (x, owed bias)."""
+        h, b2, r, rb = parts
+        del parts
+        N, C, t, H, W = h.shape
+        conv2d = rs.resample[1]
+        skip = 1 if rs.mode == "upsample3d" and self.first else 0
+        T = 2 * t - skip if rs.mode == "upsample3d" else t
+        per = C * 4 * H * W  # upsampled elements per frame
+        limit = min(2 * _SPLIT_ELEMS, _INT32_ELEMS)
+        fmt4 = torch.channels_last if self.mf == torch.channels_last_3d else torch.contiguous_format
+        if per * N * T > limit:  # too big for one upsampled tensor: the frame-grouped path of _resample on a
+            # materialized x (holding h and the residual over all groups would cost more memory than x)
+            x = self._epilogue(h, b2, r, rb)
+            del h, r
+            return self._resample(rs, [x]), None
+        if rs.mode == "upsample2d":
+            h4, r4 = _frames4(h), _frames4(r)
+            del h, r
+            self.stats["upsample_fused"] += 1
+            u = self._epilogue(h4, b2, r4, rb, upsample2x=True)
+            del h4, r4
+            y = F.conv2d(u, conv2d.weight, None, conv2d.stride, conv2d.padding, conv2d.dilation, conv2d.groups)
+            del u
+        else:
+            tc = rs.time_conv
+            hist = self._hist(tc)
+            if skip == 0:  # the epilogue writes straight into time_conv's input buffer, after its history
+                buf = torch.empty((N, C, hist + t, H, W), dtype=h.dtype, device=h.device, memory_format=self.mf)
+                cache = self.cache.get(tc)
+                if cache is None:  # the first chunk had one frame, so time_conv starts now, from zeros ('Rep')
+                    buf[:, :, :hist].zero_()
+                else:
+                    buf[:, :, :hist].copy_(cache)
+                self._epilogue(h, b2, r, rb, out=buf[:, :, hist:])
+                del h, r
+                y = self._run(tc, buf, bias=False)
+                del buf
+                u = torch.empty((N * T, C, 2 * H, 2 * W), dtype=y.dtype, device=y.device, memory_format=fmt4)
+                self._interleave_up(y, tc.bias, u)
+                del y
+            else:  # first chunk: frame 0 skips time_conv and is upsampled as it is
+                x = self._epilogue(h, b2, r, rb)
+                del h, r
+                u = torch.empty((N * T, C, 2 * H, 2 * W), dtype=x.dtype, device=x.device, memory_format=fmt4)
+                u5 = u.view(N, T, C, 2 * H, 2 * W)
+                self._br(x[:, :, 0], upsample2x=True, out=u5[:, 0])
+                self.stats["upsample_kernel"] += 1
+                if t > 1:
+                    b = self._stage(tc, x[:, :, 1:])
+                    del x
+                    y = self._run(tc, b, bias=False)
+                    del b
+                    for n in range(N):
+                        self._interleave_up(y[n : n + 1], tc.bias, u5[n, 1:])
+                    del y
+                else:
+                    del x
+            y = F.conv2d(u, conv2d.weight, None, conv2d.stride, conv2d.padding, conv2d.dilation, conv2d.groups)
+            del u
+        self.stats["bias_folded"] += conv2d.bias is not None
+        return y.view(N, T, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4), conv2d.bias
+
+    def _interleave_up(self, y: Tensor, bias: Tensor | None, out: Tensor) -> None:
+        """out (n*2t, c, 2H, 2W) <- frames of time_conv's output y (n, 2c, t, H, W) + bias: channel half j of
+        frame i becomes frame 2i + j (diffusers' reshape + stack), 2x nearest upsampled, in one pass."""
+        self.stats["interleave_upsample"] += 1
+        self.stats["bias_folded"] += bias is not None
+        self._br(_frames4(y), bias, upsample2x=True, groups=2, out=out)
 
     def _resample(self, rs, box: list[Tensor]) -> Tensor:
         if rs.mode == "upsample3d":
@@ -312,7 +646,10 @@ class _ChunkDecoder:
         x2 = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
         del x
         up, conv2d = rs.resample[0], rs.resample[1]
-        if isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact"):
+        if self.kern and _is_2x_nearest(up):
+            up = functools.partial(self._br, upsample2x=True)  # bitwise the same copy, in x's layout
+            self.stats["upsample_kernel"] += 1
+        elif isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact"):
             up = functools.partial(nn.Upsample.forward, up)  # a pure copy: skipping WanUpsample's fp32 round trip
             # is bit-identical
         g = max(1, _SPLIT_ELEMS // (4 * x2[:1].numel()))  # frames per call: the 2x upsampled tensor stays bounded
@@ -364,9 +701,10 @@ def _prepare(vae, z_raw: Tensor) -> Tensor:
     return z_raw.to(device=p.device, dtype=p.dtype)
 
 
-def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None) -> Iterator[tuple[int, Tensor]]:
+def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None,
+              fused: bool | None = None) -> Iterator[tuple[int, Tensor]]:
     """(first output frame index, raw decoder output) per call."""
-    dec = _ChunkDecoder(vae, _channels_last(vae, channels_last))
+    dec = _ChunkDecoder(vae, _channels_last(vae, channels_last), fused)
     t0 = f0 = 0
     for k in chunk_schedule(z.shape[2], chunk):
         y = dec.step(z[:, :, t0 : t0 + k])
@@ -424,17 +762,20 @@ def to_uint8_frames(video: Tensor) -> Tensor:
 
 
 def decode_video(
-    vae, z_raw: Tensor, chunk: Chunk = 4, *, channels_last: bool | None = None, out: Tensor | None = None
+    vae, z_raw: Tensor, chunk: Chunk = 4, *, channels_last: bool | None = None, out: Tensor | None = None,
+    fused: bool | None = None,
 ) -> Tensor:
     """Decode a whole clip like diffusers' `vae.decode(z_raw).sample`: (N, C, T_out, H, W) in the VAE's dtype on its
     device, clamped to [-1, 1], T_out = 1 + 4(T-1). `chunk` latent frames per decoder call (see chunk_schedule);
     peak memory grows with it (estimate_chunk_bytes). The clip is written into one preallocated tensor (or `out`).
-    `channels_last` None follows the decoder's Conv3d weights."""
+    `channels_last` None follows the decoder's Conv3d weights. `fused`: the Triton kernel path (conv biases folded,
+    one-pass residual epilogues, kernel upsampling; see _ChunkDecoder): None = when the kernels can run and the
+    fused_norms stage is applied (or as $VAEOPT_VIDEO_FUSED says), True = required, False = torch ops only."""
     z = _prepare(vae, z_raw)
     p = _patch(vae)
     sched = chunk_schedule(z.shape[2], chunk)
     total = sum(output_frame_counts(sched, _temporal_factor(vae)))
-    for f0, y in _iter_raw(vae, z, sched, channels_last):
+    for f0, y in _iter_raw(vae, z, sched, channels_last, fused):
         if out is None:
             out = torch.empty(_final_shape(y, p, total), dtype=y.dtype, device=y.device)
         elif tuple(out.shape) != _final_shape(y, p, total):
@@ -465,6 +806,7 @@ def iter_decode_video(
     output: str = "uint8",
     reuse_buffers: bool = False,
     channels_last: bool | None = None,
+    fused: bool | None = None,
 ) -> Iterator[Tensor]:
     """Decode a clip chunk by chunk, yielding consecutive groups of output frames on the CPU.
 
@@ -486,6 +828,7 @@ def iter_decode_video(
     runs on a side stream (ordered after chunk i's compute by an event) into a pinned buffer, and the device tensor
     is kept alive until that copy's event has completed. So the caller's work on chunk i overlaps the GPU decoding
     chunk i+1. copy_stream=False (and any CPU decode) is synchronous: decode, copy, yield.
+    `fused`: as in decode_video.
     """
     if output not in ("uint8", "float"):
         raise ValueError(f"output must be 'uint8' or 'float', not {output!r}")
@@ -502,7 +845,7 @@ def iter_decode_video(
     slots: _HostSlots | None = None
     pending: tuple[Tensor, torch.cuda.Event, Tensor] | None = None  # (host view, copy done, device source)
 
-    for f0, y in _iter_raw(vae, z, sched, channels_last):
+    for f0, y in _iter_raw(vae, z, sched, channels_last, fused):
         N, C, f, H, W = _final_shape(y, p)
         shape = (f, H, W, C) if output == "uint8" else (N, C, f, H, W)
         dtype = torch.uint8 if output == "uint8" else y.dtype
@@ -610,7 +953,8 @@ def _meta_skeleton(cls, config_json: str, dtype: torch.dtype):
 
 
 def estimate_chunk_bytes(
-    vae, latent_shape: Sequence[int], chunk: Chunk, dtype: torch.dtype | None = None, channels_last: bool = False
+    vae, latent_shape: Sequence[int], chunk: Chunk, dtype: torch.dtype | None = None, channels_last: bool = False,
+    fused: bool = False,
 ) -> int:
     """Peak device bytes of decoding one steady-state chunk with decode_video / iter_decode_video, excluding the
     model's weights and decode_video's whole-clip output tensor (add N*3*T_out*H*W*itemsize for that).
@@ -628,18 +972,19 @@ def estimate_chunk_bytes(
     shape = tuple(int(s) for s in latent_shape)
     K = max(chunk_schedule(shape[2], chunk))  # the first call never has more frames than the others
     config = json.dumps(dict(vae.config), sort_keys=True, default=str)
-    return _estimate(type(vae), config, shape, K, dtype, bool(channels_last))
+    return _estimate(type(vae), config, shape, K, dtype, bool(channels_last), bool(fused))
 
 
 @functools.lru_cache(maxsize=256)
-def _estimate(cls, config_json: str, shape: tuple, K: int, dtype: torch.dtype, channels_last: bool) -> int:
+def _estimate(cls, config_json: str, shape: tuple, K: int, dtype: torch.dtype, channels_last: bool,
+              fused: bool = False) -> int:
     N, C, T, h, w = shape
     sched = [K] + ([K] if T > K else [])
     skel = _meta_skeleton(cls, config_json, dtype)
     counter = _LiveBytes()
     with _MemEfficientSDPA(), counter, torch.no_grad():
         z = torch.empty((N, C, sum(sched), h, w), device="meta", dtype=dtype)
-        dec = _ChunkDecoder(skel, channels_last)
+        dec = _ChunkDecoder(skel, channels_last, fused=fused)  # fused: the kernel path, results' storage only
         t0 = 0
         for k in sched:
             y = dec.step(z[:, :, t0 : t0 + k])

@@ -9,8 +9,11 @@ follows the last resnet of an up-block disappears too: the kernel writes each va
 (F.interpolate(scale_factor=2, mode="nearest") copies input (h, w) to exactly those four; bitwise the same).
 
 Layouts: `h` leads. It is viewed as (N, C, S) (see `flat_layout`): "cf" (NCHW, NCDHW, (B, C, L)) or "cl" (NHWC,
-NDHWC); anything else is made contiguous first. The output is dense in h's layout. The residual may have any strides
-that flatten to (N, C, S) (e.g. NCHW residual for an NHWC h): it is read through its own strides, never copied.
+NDHWC); anything else is made contiguous first. The output is dense in h's layout, or written into `out=` (e.g. the
+frames after the causal history in a video conv's input buffer: any sample stride, and any channel stride for "cf").
+The residual may have any strides that flatten to (N, C, S) (e.g. NCHW residual for an NHWC h): it is read through
+its own strides, never copied. `groups=G` writes channel group g of sample n as sample n*G + g (Wan's time_conv
+output (b, 2c, t) -> frames (b, c, 2t), interleaved), in the same pass.
 Arithmetic in fp32, one rounding to h's dtype. The association is diffusers' own: (residual + (h + bias)) / scale,
 with the division skipped when scale == 1 (x / 1.0 == x exactly) and done with IEEE rounding (div_rn) otherwise.
 
@@ -44,7 +47,7 @@ def _epi_cf_kernel(
     b_ptr,  # [C] bias (HAS_B)
     r_ptr,  # residual, element (n, c, s) at n*rsn + c*rsc + s*rss (HAS_R)
     rb_ptr,  # [C] residual bias (HAS_RB)
-    y_ptr,  # [N, C, S] dense
+    y_ptr,  # output: group g of sample n, channel c' at (n*G + g)*stride_yn + c'*stride_yc + s
     NC,
     C,
     S,
@@ -52,6 +55,9 @@ def _epi_cf_kernel(
     rsn,
     rsc,
     rss,
+    stride_yn,
+    stride_yc,
+    CG,  # channels per output group (C // G)
     scale,
     n_s_blocks,
     BLOCK_R: tl.constexpr,
@@ -88,7 +94,7 @@ def _epi_cf_kernel(
     if HAS_RB:
         rbv = tl.load(rb_ptr + c, mask=rm, other=0.0).to(tl.float32)
     y = _combine(h, b[:, None], res, rbv[:, None], scale, SCALE)
-    yo = r.to(tl.int64) * S
+    yo = (n * (C // CG) + c // CG).to(tl.int64) * stride_yn + (c % CG).to(tl.int64) * stride_yc
     tl.store(y_ptr + yo[:, None] + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -98,16 +104,19 @@ def _epi_cl_kernel(
     b_ptr,
     r_ptr,  # residual, element (n, c, s) at n*rsn + c*rsc + s*rss
     rb_ptr,
-    y_ptr,  # [N, S, C] dense
+    y_ptr,  # output: group g of sample n at (n*G + g)*stride_yn, a contiguous [S, C // G] block inside
     S,
     C,
     stride_hn,
     rsn,
     rsc,
     rss,
+    stride_yn,
+    CG,  # channels per output group (C // G)
     scale,
     n_s_blocks,
-    n_c_blocks,
+    n_c_blocks,  # channel blocks per group
+    G,
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -116,14 +125,17 @@ def _epi_cl_kernel(
     SCALE: tl.constexpr,
     R_LIKE_H: tl.constexpr,
 ):
+    # A program covers BLOCK_C channels of one group (so addresses stay contiguous along channels: vector access)
     t = tl.program_id(0)
-    cb = t % n_c_blocks
-    t2 = t // n_c_blocks
+    cb = t % (n_c_blocks * G)
+    t2 = t // (n_c_blocks * G)
     n = t2 // n_s_blocks
     sb = t2 % n_s_blocks
+    g = cb // n_c_blocks
     s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = cols < C
+    cl = (cb % n_c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)  # channel within the group
+    cm = cl < CG
+    cols = g * CG + cl
     m = (s < S)[:, None] & cm[None, :]
     off = s.to(tl.int64)[:, None] * C + cols[None, :]
     h = tl.load(h_ptr + n.to(tl.int64) * stride_hn + off, mask=m, other=0.0).to(tl.float32)
@@ -141,7 +153,8 @@ def _epi_cl_kernel(
     if HAS_RB:
         rbv = tl.load(rb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     y = _combine(h, b[None, :], res, rbv[None, :], scale, SCALE)
-    tl.store(y_ptr + n.to(tl.int64) * S * C + off, y.to(y_ptr.dtype.element_ty), mask=m)
+    yo = (n * G + g).to(tl.int64) * stride_yn + s.to(tl.int64)[:, None] * CG + cl[None, :]
+    tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -150,7 +163,7 @@ def _epi_up_cf_kernel(
     b_ptr,
     r_ptr,  # residual, element (n, c, i, j) at n*rsn + c*rsc + i*rsh + j*rsw
     rb_ptr,
-    y_ptr,  # [N, C, 2H, 2W] dense
+    y_ptr,  # [N*G, C // G, 2H, 2W]: (n*G + g, c') at (n*G + g)*stride_yn + c'*stride_yc, dense [2H, 2W] inside
     NCH,  # input rows: N*C*H
     C,
     H,
@@ -160,6 +173,9 @@ def _epi_up_cf_kernel(
     rsc,
     rsh,
     rsw,
+    stride_yn,
+    stride_yc,
+    CG,
     scale,
     n_w_blocks,
     BLOCK_R: tl.constexpr,
@@ -200,7 +216,8 @@ def _epi_up_cf_kernel(
     if HAS_RB:
         rbv = tl.load(rb_ptr + c, mask=rm, other=0.0).to(tl.float32)
     y = _combine(h, b[:, None], res, rbv[:, None], scale, SCALE).to(y_ptr.dtype.element_ty)
-    yo = (2 * R.to(tl.int64)) * W2  # output row 2R; row 2R+1 follows at + W2
+    # output row 2i of (sample n*G + c // CG, channel c % CG); row 2i+1 follows at + W2
+    yo = (n * (C // CG) + c // CG).to(tl.int64) * stride_yn + (c % CG).to(tl.int64) * stride_yc + 2 * i * W2
     p = y_ptr + yo[:, None] + wo[None, :]
     tl.store(p, y, mask=m)
     tl.store(p + W2, y, mask=m)
@@ -212,7 +229,7 @@ def _epi_up_cl_kernel(
     b_ptr,
     r_ptr,  # residual, element (n, c, i, j) at n*rsn + c*rsc + i*rsh + j*rsw
     rb_ptr,
-    y_ptr,  # [N, 2H, 2W, C] dense
+    y_ptr,  # [N*G, 2H, 2W, C // G]: sample n*G + g at (n*G + g)*stride_yn, dense [2H, 2W, C // G] inside
     C,
     H,
     W,
@@ -221,9 +238,12 @@ def _epi_up_cl_kernel(
     rsc,
     rsh,
     rsw,
+    stride_yn,
+    CG,
     scale,
     n_w_blocks,
-    n_c_blocks,
+    n_c_blocks,  # channel blocks per group
+    G,
     BLOCK_W: tl.constexpr,  # output pixels (of one output row pair) per program
     BLOCK_C: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -233,16 +253,18 @@ def _epi_up_cl_kernel(
     R_LIKE_H: tl.constexpr,
 ):
     t = tl.program_id(0)
-    cb = t % n_c_blocks
-    t2 = t // n_c_blocks
+    cb = t % (n_c_blocks * G)
+    t2 = t // (n_c_blocks * G)
     wb = t2 % n_w_blocks
     row = t2 // n_w_blocks  # n*H + i
     n = row // H
     i = row % H
+    g = cb // n_c_blocks
     wo = wb * BLOCK_W + tl.arange(0, BLOCK_W)
     W2 = 2 * W
-    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = cols < C
+    cl = (cb % n_c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)  # channel within the group
+    cm = cl < CG
+    cols = g * CG + cl
     m = (wo < W2)[:, None] & cm[None, :]
     wi = wo // 2
     hoff = i.to(tl.int64) * W * C + wi.to(tl.int64)[:, None] * C + cols[None, :]
@@ -262,11 +284,11 @@ def _epi_up_cl_kernel(
     if HAS_RB:
         rbv = tl.load(rb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     y = _combine(h, b[None, :], res, rbv[None, :], scale, SCALE).to(y_ptr.dtype.element_ty)
-    # output row 2i of sample n, then row 2i+1 one output row (2W*C elements) further
-    ybase = (n.to(tl.int64) * 2 * H + 2 * i) * W2 * C
-    p = y_ptr + ybase + wo.to(tl.int64)[:, None] * C + cols[None, :]
+    # output row 2i of sample n*G + g, then row 2i+1 one output row (2W*CG elements) further
+    yo = (n * G + g).to(tl.int64) * stride_yn + (2 * i.to(tl.int64) * W2 + wo.to(tl.int64)[:, None]) * CG
+    p = y_ptr + yo + cl[None, :]
     tl.store(p, y, mask=m)
-    tl.store(p + W2 * C, y, mask=m)
+    tl.store(p + W2 * CG, y, mask=m)
 
 
 @triton.jit
@@ -340,6 +362,20 @@ def _same_inner(t: torch.Tensor, ref: torch.Tensor) -> bool:
     return all(a == b for a, b, n in zip(t.stride()[1:], ref.stride()[1:], t.shape[1:]) if n > 1)
 
 
+def _out_strides(out: torch.Tensor, kind: str) -> tuple[int, int] | None:
+    """(stride_n, stride_c) of `out` (N, C, *spatial) when the kernels can write it directly: per sample a contiguous
+    [S, C] block for "cl"; for "cf" spatial dims merging into one of stride 1 (any channel stride). Else None."""
+    st = _nc_s_strides(out)
+    if st is None:
+        return None
+    sn, sc, ss = st
+    C = out.shape[1]
+    S = out[0, 0].numel() if out.numel() else 0
+    if kind == "cl":
+        return (sn, 1) if (C == 1 or sc == 1) and (S <= 1 or ss == C) else None
+    return (sn, sc) if S <= 1 or ss == 1 else None
+
+
 def bias_residual(
     h: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -348,6 +384,8 @@ def bias_residual(
     upsample2x: bool = False,
     *,
     residual_bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    groups: int = 1,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
@@ -356,6 +394,12 @@ def bias_residual(
     bias / residual_bias: [C] or None. residual: h's shape, any strides (or None). scale: diffusers'
     output_scale_factor (1.0: no division). upsample2x (4-D only): return the result 2x nearest-upsampled,
     (N, C, 2H, 2W), written directly: equal to F.interpolate(result, scale_factor=2, mode="nearest").
+    groups=G (C divisible by G): the channels are G consecutive groups and the result is returned as
+    (N*G, C/G, ...), group g of sample n becoming sample n*G + g -- Wan's time_conv interleave (channel half j of
+    latent frame i is output frame 2i + j), written by the same pass.
+    out: write the result there (its shape must be the result's) and return it; the kernels address it directly if
+    each of its samples is laid out like the result (h's layout kind; channels-first: any channel stride), e.g. a
+    frame range of a larger NDHWC / NCDHW buffer; otherwise the result is copied in.
     `tile` (elements per program) and `num_warps` are tuning knobs.
     """
     if h.dtype not in SUPPORTED_DTYPES:
@@ -365,6 +409,10 @@ def bias_residual(
     if upsample2x and h.dim() != 4:
         raise ValueError(f"bias_residual: upsample2x needs (N, C, H, W), got {tuple(h.shape)}")
     N, C = h.shape[:2]
+    G = int(groups)
+    if G < 1 or C % G:
+        raise ValueError(f"bias_residual: {C} channels do not split into {groups} groups")
+    CG = C // G
     bias = _check_vec("bias", bias, C)
     residual_bias = _check_vec("residual_bias", residual_bias, C)
     if residual is not None:
@@ -377,10 +425,19 @@ def bias_residual(
         h = h.contiguous()
         layout = flat_layout(h)
     kind, S, stride_hn = layout
-    shape = (N, C, 2 * h.shape[2], 2 * h.shape[3]) if upsample2x else tuple(h.shape)
-    y = _dense(shape, kind, h)
+    spatial = (2 * h.shape[2], 2 * h.shape[3]) if upsample2x else tuple(h.shape[2:])
+    shape = (N * G, CG, *spatial)
+    if out is not None:
+        if tuple(out.shape) != shape:
+            raise ValueError(f"bias_residual: out has shape {tuple(out.shape)}, the result {shape}")
+        if out.dtype not in SUPPORTED_DTYPES or out.device != h.device:
+            raise ValueError(f"bias_residual: out must be a float tensor on {h.device} ({out.dtype}, {out.device})")
+    ys = _out_strides(out, kind) if out is not None else None
+    y = out if ys is not None else _dense(shape, kind, h)
+    if ys is None:
+        ys = _out_strides(y, kind)
     if h.numel() == 0:
-        return y
+        return out if out is not None else y
     rs = (0, 0, 0, 0) if upsample2x else (0, 0, 0)
     like = False
     if residual is not None:
@@ -408,29 +465,32 @@ def bias_residual(
         BR = max(1, min(tile // BS, triton.next_power_of_2(N * C)))
         nsb = triton.cdiv(S, BS)
         grid = (nsb * triton.cdiv(N * C, BR),)
-        _epi_cf_kernel[grid](*args, N * C, C, S, stride_hn, *rs, sc, nsb,
+        _epi_cf_kernel[grid](*args, N * C, C, S, stride_hn, *rs, ys[0], ys[1], CG, sc, nsb,
                              BLOCK_R=BR, BLOCK_S=BS, **flags, num_warps=nw)
     elif not upsample2x:
-        BC = min(triton.next_power_of_2(C), 1024)
+        BC = min(triton.next_power_of_2(CG), 1024)
         BS = max(1, min(tile // BC, triton.next_power_of_2(S)))
-        nsb, ncb = triton.cdiv(S, BS), triton.cdiv(C, BC)
-        _epi_cl_kernel[(N * nsb * ncb,)](*args, S, C, stride_hn, *rs, sc, nsb, ncb,
-                                         BLOCK_S=BS, BLOCK_C=BC, **flags, num_warps=nw)
+        nsb, ncb = triton.cdiv(S, BS), triton.cdiv(CG, BC)
+        _epi_cl_kernel[(N * nsb * ncb * G,)](*args, S, C, stride_hn, *rs, ys[0], CG, sc, nsb, ncb, G,
+                                             BLOCK_S=BS, BLOCK_C=BC, **flags, num_warps=nw)
     elif kind == "cf":
         Hh, Ww = h.shape[2:]
         BW = min(triton.next_power_of_2(2 * Ww), max(256, tile // 4))
         BR = max(1, min(tile // BW, triton.next_power_of_2(N * C * Hh)))
         nwb = triton.cdiv(2 * Ww, BW)
         grid = (nwb * triton.cdiv(N * C * Hh, BR),)
-        _epi_up_cf_kernel[grid](*args, N * C * Hh, C, Hh, Ww, stride_hn, *rs, sc, nwb,
+        _epi_up_cf_kernel[grid](*args, N * C * Hh, C, Hh, Ww, stride_hn, *rs, ys[0], ys[1], CG, sc, nwb,
                                 BLOCK_R=BR, BLOCK_W=BW, **flags, num_warps=nw)
     else:
         Hh, Ww = h.shape[2:]
-        BC = min(triton.next_power_of_2(C), 1024)
+        BC = min(triton.next_power_of_2(CG), 1024)
         BW = max(1, min(tile // BC, triton.next_power_of_2(2 * Ww)))
-        nwb, ncb = triton.cdiv(2 * Ww, BW), triton.cdiv(C, BC)
-        _epi_up_cl_kernel[(N * Hh * nwb * ncb,)](*args, C, Hh, Ww, stride_hn, *rs, sc, nwb, ncb,
-                                                 BLOCK_W=BW, BLOCK_C=BC, **flags, num_warps=nw)
+        nwb, ncb = triton.cdiv(2 * Ww, BW), triton.cdiv(CG, BC)
+        _epi_up_cl_kernel[(N * Hh * nwb * ncb * G,)](*args, C, Hh, Ww, stride_hn, *rs, ys[0], CG, sc, nwb, ncb, G,
+                                                     BLOCK_W=BW, BLOCK_C=BC, **flags, num_warps=nw)
+    if out is not None and y is not out:  # an `out` the kernels cannot address: filled by a copy
+        out.copy_(y)
+        return out
     return y
 
 

@@ -5,6 +5,12 @@ Computes silu(x / max(||x||_2 over C, eps) * scale * gamma + bias), scale = sqrt
 (upcast copy, norm reduction, divide, downcast, scale*gamma, +bias, SiLU); here it is one read and one write:
 each program owns whole channel vectors (all C values of a block of positions), so the reduction never leaves
 registers. Channels larger than `max_block_c` take a two-loop path whose second read hits L1/L2.
+
+Input bias (`x_bias`, optional [C]): the kernels normalize x + x_bias[c] (formed in fp32, never materialized), so
+the conv before the norm can run without its bias (PyTorch's cuDNN path adds a conv bias as a separate broadcast
+pass). `out=`: write into a given tensor (e.g. the frames after the causal history in a conv's input buffer) instead
+of a new one; it may be a strided view as long as each sample is [C, S] with contiguous S ("cf", any channel
+stride) or a contiguous [S, C] block ("cl"), in x's layout kind.
 """
 
 from __future__ import annotations
@@ -20,19 +26,24 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def _rms_cf_kernel(
-    x_ptr,  # [N, C, S]: sample n at x_ptr + n*stride_xn, contiguous [C, S] inside
-    y_ptr,  # [N, C, S] dense
+    x_ptr,  # [N, C, S]: element (n, c, s) at n*stride_xn + c*stride_xc + s
+    y_ptr,  # [N, C, S]: element (n, c, s) at n*stride_yn + c*stride_yc + s
     g_ptr,  # [C] gamma
     b_ptr,  # [C] bias (read only if HAS_BIAS)
+    xb_ptr,  # [C] input bias (read only if HAS_XB)
     C,
     S,
     stride_xn,
+    stride_xc,
+    stride_yn,
+    stride_yc,
     scale,
     eps,
     BLOCK_C: tl.constexpr,
     BLOCK_S: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK_C >= C: the tile holds whole channel vectors, x is read once
     HAS_BIAS: tl.constexpr,
+    HAS_XB: tl.constexpr,
     SILU: tl.constexpr,
 ):
     sb = tl.program_id(0)
@@ -41,12 +52,14 @@ def _rms_cf_kernel(
     sm = s < S
     cc = tl.arange(0, BLOCK_C)
     xb = x_ptr + n.to(tl.int64) * stride_xn
-    yb = y_ptr + n.to(tl.int64) * C * S
+    yb = y_ptr + n.to(tl.int64) * stride_yn
     if ONE_PASS:
         cm = cc < C
         m = cm[:, None] & sm[None, :]
-        off = cc[:, None] * S + s[None, :]
-        x = tl.load(xb + off, mask=m, other=0.0).to(tl.float32)
+        c64 = cc.to(tl.int64)[:, None]
+        x = tl.load(xb + c64 * stride_xc + s[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_XB:
+            x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[:, None]
         inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=0)), eps)  # [BLOCK_S]
         g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
         y = x * inv[None, :] * g[:, None]
@@ -54,46 +67,54 @@ def _rms_cf_kernel(
             y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[:, None]
         if SILU:
             y = y / (1.0 + tl.exp(-y))  # SiLU
-        tl.store(yb + off, y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_S], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + cc
-            m = (c < C)[:, None] & sm[None, :]
-            x = tl.load(xb + c[:, None] * S + s[None, :], mask=m, other=0.0).to(tl.float32)
+            cm = c < C
+            m = cm[:, None] & sm[None, :]
+            x = tl.load(xb + c.to(tl.int64)[:, None] * stride_xc + s[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_XB:
+                x += tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)[:, None]
             acc += tl.sum(x * x, axis=0)
         inv = scale / tl.maximum(tl.sqrt(acc), eps)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + cc
             cm = c < C
             m = cm[:, None] & sm[None, :]
-            off = c[:, None] * S + s[None, :]
-            x = tl.load(xb + off, mask=m, other=0.0).to(tl.float32)
+            c64 = c.to(tl.int64)[:, None]
+            x = tl.load(xb + c64 * stride_xc + s[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_XB:
+                x += tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)[:, None]
             g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
             y = x * inv[None, :] * g[:, None]
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[:, None]
             if SILU:
                 y = y / (1.0 + tl.exp(-y))  # SiLU
-            tl.store(yb + off, y.to(y_ptr.dtype.element_ty), mask=m)
+            tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _rms_cl_kernel(
     x_ptr,  # [N, S, C]: sample n at x_ptr + n*stride_xn, contiguous [S, C] inside
-    y_ptr,  # [N*S, C] dense
+    y_ptr,  # [N, S, C]: sample n at y_ptr + n*stride_yn, contiguous [S, C] inside
     g_ptr,  # [C] gamma
     b_ptr,  # [C] bias (read only if HAS_BIAS)
+    xb_ptr,  # [C] input bias (read only if HAS_XB)
     R,  # N*S rows
     S,
     C,
     stride_xn,
+    stride_yn,
     scale,
     eps,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ONE_PASS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_XB: tl.constexpr,
     SILU: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -101,12 +122,14 @@ def _rms_cl_kernel(
     n = r // S
     s = r % S
     xo = n.to(tl.int64) * stride_xn + s.to(tl.int64) * C  # [BLOCK_R]
-    yo = r.to(tl.int64) * C
+    yo = n.to(tl.int64) * stride_yn + s.to(tl.int64) * C
     cc = tl.arange(0, BLOCK_C)
     if ONE_PASS:
         cm = cc < C
         m = rm[:, None] & cm[None, :]
         x = tl.load(x_ptr + xo[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_XB:
+            x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
         inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)  # [BLOCK_R]
         g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
         y = x * inv[:, None] * g[None, :]
@@ -119,8 +142,11 @@ def _rms_cl_kernel(
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + cc
-            m = rm[:, None] & (c < C)[None, :]
+            cm = c < C
+            m = rm[:, None] & cm[None, :]
             x = tl.load(x_ptr + xo[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_XB:
+                x += tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
             acc += tl.sum(x * x, axis=1)
         inv = scale / tl.maximum(tl.sqrt(acc), eps)
         for c0 in range(0, C, BLOCK_C):
@@ -128,6 +154,8 @@ def _rms_cl_kernel(
             cm = c < C
             m = rm[:, None] & cm[None, :]
             x = tl.load(x_ptr + xo[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_XB:
+                x += tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
             g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
             y = x * inv[:, None] * g[None, :]
             if HAS_BIAS:
@@ -135,6 +163,35 @@ def _rms_cl_kernel(
             if SILU:
                 y = y / (1.0 + tl.exp(-y))  # SiLU
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _out_strides(out: torch.Tensor, kind: str, S: int) -> tuple[int, int] | None:
+    """(stride_n, stride_c) of `out` (N, C, *spatial) when its spatial dims merge into one dim of stride 1 ("cf")
+    or a contiguous [S, C] block per sample ("cl"), else None."""
+    layout = flat_layout(out)
+    if layout is not None and layout[0] == kind:
+        return layout[2], (S if kind == "cf" else 1)
+    if kind != "cf":
+        return None
+    st = out.stride()
+    dims = [(n, s) for n, s in zip(out.shape[2:], st[2:]) if n != 1]
+    if not all(s0 == s1 * n1 for (_, s0), (n1, s1) in zip(dims, dims[1:])):
+        return None
+    if dims and dims[-1][1] != 1:
+        return None
+    return st[0], st[1]
+
+
+def _vec(name: str, v, C: int, device) -> torch.Tensor | None:
+    if v is None:
+        return None
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"rms_norm_silu: {name} must be a tensor of {C} values")
+    if v.numel() != C:
+        raise ValueError(f"rms_norm_silu: {name} has {v.numel()} values for {C} channels")
+    if v.device != device:
+        raise ValueError(f"rms_norm_silu: {name} is on {v.device}, x on {device}")
+    return v.reshape(C)
 
 
 def rms_norm_silu(
@@ -145,15 +202,22 @@ def rms_norm_silu(
     silu: bool = True,
     *,
     scale: float | None = None,
+    x_bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     tile: int | None = None,
     max_block_c: int = 1024,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """silu(F.normalize(x, dim=1, eps) * scale * gamma + bias) for x (N, C, *spatial), fp32/bf16/fp16, fp32 math.
+    """silu(F.normalize(x + x_bias, dim=1, eps) * scale * gamma + bias) for x (N, C, *spatial), fp32/bf16/fp16, fp32
+    math.
 
     gamma/bias: C values in any shape ((C,), (C,1,1), (C,1,1,1)); bias may be a number (Wan's default 0.0) or None.
-    scale defaults to sqrt(C) as in WanRMS_norm. Output has x's dtype and memory format. `tile`, `max_block_c`,
-    `num_warps` are tuning knobs (tests lower max_block_c to exercise the two-loop path).
+    x_bias: optional C values added to x (in fp32) before the norm: a preceding conv's bias, so that conv can run
+    without it. scale defaults to sqrt(C) as in WanRMS_norm. Output has x's dtype and memory format, or is written
+    into `out` (x's shape; any supported float dtype; a view whose samples are [C, S] with contiguous S for a
+    channels-first x, or contiguous [S, C] blocks for a channels-last x; other strides are filled by a copy) and
+    `out` is returned. `tile`, `max_block_c`, `num_warps` are tuning knobs (tests lower max_block_c to exercise the
+    two-loop path).
     """
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"rms_norm_silu: dtype {x.dtype} not supported")
@@ -171,43 +235,66 @@ def rms_norm_silu(
         b, has_bias = torch.full((C,), float(bias), device=x.device, dtype=torch.float32), True
     else:
         b, has_bias = g, False  # placeholder pointer, never read
+    xb = _vec("x_bias", x_bias, C, x.device)
+    if out is not None:
+        if tuple(out.shape) != tuple(x.shape):
+            raise ValueError(f"rms_norm_silu: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")
+        if out.dtype not in SUPPORTED_DTYPES or out.device != x.device:
+            raise ValueError(f"rms_norm_silu: out must be a float tensor on {x.device} ({out.dtype}, {out.device})")
     scale = float(C) ** 0.5 if scale is None else float(scale)
     if x.numel() == 0:
-        return torch.empty_like(x)
-    if x[0].numel() >= 2**31:
-        raise ValueError("rms_norm_silu: one sample must have < 2**31 elements (int32 in-sample offsets)")
+        return torch.empty_like(x) if out is None else out
+    S = x[0, 0].numel()
+    if N * S >= 2**31:
+        raise ValueError("rms_norm_silu: N * spatial positions must be < 2**31 (int32 position indices)")
     layout = flat_layout(x)
-    if layout is None:  # odd strides: the one case that relayouts
+    xs = _out_strides(x, "cf", S) if layout is None else None  # e.g. a frame slice of an NCDHW tensor
+    if layout is None and xs is None:  # odd strides: the one case that relayouts
         x = x.contiguous()
         layout = flat_layout(x)
-    kind, S, stride_n = layout
-    y = new_like(x, kind)
+    kind, stride_n = (layout[0], layout[2]) if layout is not None else ("cf", xs[0])
+    ys = _out_strides(out, kind, S) if out is not None else None
+    if ys is None:
+        y = new_like(x, kind)
+        ys = (C * S, S if kind == "cf" else 1)
+    else:
+        y = out
     tile = tile or default_tile(x.device)
     BLOCK_C = min(triton.next_power_of_2(C), max_block_c)
     one_pass = triton.next_power_of_2(C) <= max_block_c
+    xbp = xb if xb is not None else g  # placeholder pointer when absent (never read)
     if kind == "cf":
         # >= 16 positions per row segment keeps loads at least 32-byte sectors wide
         BLOCK_S = min(max(16, tile // BLOCK_C), triton.next_power_of_2(S))
         nw = num_warps or (4 if BLOCK_C * BLOCK_S <= 4096 else 8)
+        stride_c = xs[1] if xs is not None else S
         _rms_cf_kernel[(triton.cdiv(S, BLOCK_S), N)](
-            x, y, g, b, C, S, stride_n, scale, float(eps),
-            BLOCK_C=BLOCK_C, BLOCK_S=BLOCK_S, ONE_PASS=one_pass, HAS_BIAS=has_bias, SILU=silu, num_warps=nw,
+            x, y, g, b, xbp, C, S, stride_n, stride_c, ys[0], ys[1], scale, float(eps),
+            BLOCK_C=BLOCK_C, BLOCK_S=BLOCK_S, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
+            SILU=silu, num_warps=nw,
         )  # fmt: skip
     else:
         R = N * S
         BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
         nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
         _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
-            x, y, g, b, R, S, C, stride_n, scale, float(eps),
-            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, SILU=silu, num_warps=nw,
+            x, y, g, b, xbp, R, S, C, stride_n, ys[0], scale, float(eps),
+            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
+            SILU=silu, num_warps=nw,
         )  # fmt: skip
+    if out is not None and y is not out:  # an `out` whose strides the kernels cannot address directly
+        out.copy_(y)
+        return out
     return y
 
 
-def rms_norm_silu_reference(x, gamma, bias=None, eps=1e-12, silu=True, scale=None):
-    """diffusers' WanRMS_norm (channel_first) + SiLU, op for op (and the fallback off-GPU)."""
+def rms_norm_silu_reference(x, gamma, bias=None, eps=1e-12, silu=True, scale=None, x_bias=None):
+    """diffusers' WanRMS_norm (channel_first) + SiLU, op for op (and the fallback off-GPU); x_bias is added to x
+    first, in x's dtype (as a conv's own bias add would)."""
     C = x.shape[1]
     shape = (C,) + (1,) * (x.dim() - 2)
+    if x_bias is not None:
+        x = x + x_bias.to(x.dtype).reshape(shape)
     scale = float(C) ** 0.5 if scale is None else scale
     upcast = x.dtype in (torch.float16, torch.bfloat16)
     y = torch.nn.functional.normalize(x.float() if upcast else x, dim=1, eps=eps).to(x.dtype)
