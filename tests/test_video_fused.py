@@ -18,7 +18,7 @@ from vaeopt import video
 from vaeopt.errors import VaeoptError
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
-from vaeopt.stages import fused_norms
+from vaeopt.stages import fused_epilogues, fused_norms
 
 
 
@@ -54,6 +54,7 @@ def _tiny_wan21(samples_dir, fused=True, channels_last=False, device="cpu"):
         r = fused_norms.apply(vae)
         if r.status != "applied":
             pytest.skip(r.line())
+        assert fused_epilogues.apply(vae).status == "applied"  # switches the fused chunk decoder on
     return _cl_weights(vae) if channels_last else vae
 
 
@@ -193,6 +194,7 @@ def test_wan22_fused_batch2_channels_last():
     vae = build_model(get_family("wan22"), base_dim=8, decoder_base_dim=8)
     vae.load_state_dict(stock.state_dict())
     fused_norms.apply(vae)
+    fused_epilogues.apply(vae)
     _cl_weights(vae)
     n_blocks, n_sc, n_up3, n_up2 = _structure(vae)
     for chunk in (1, 2, 3):

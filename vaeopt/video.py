@@ -271,7 +271,9 @@ class _ChunkDecoder:
                 raise VaeoptError("fused video decode requested, but the Triton kernels cannot run for these latents "
                                   f"({triton_available(z.device)[1]}; dtype {z.dtype}, autocast/compile off needed)")
             return False
-        return True if self.fused else _has_fused_norms(self.dec)
+        # auto: on when the pipeline applied both fused_norms and fused_epilogues to this model
+        return True if self.fused else (_has_fused_norms(self.dec)
+                                        and bool(getattr(self.vae, "_vaeopt_fused_epilogues", None)))
 
     def step(self, z: Tensor) -> Tensor:
         """z: (N, z_dim, k, h, w) raw latents of the next k frames -> decoder output (N, C_out, f, H, W), unclamped,

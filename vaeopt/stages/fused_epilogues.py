@@ -355,6 +355,8 @@ def apply(
     as keep a chunk's fp32 scores under `max_score_bytes`). `device`: where it will run (default: the model's)."""
     if getattr(model, _MARK, None):
         return StageResult.skipped(NAME, "already applied")
+    if type(model).__name__ == "AutoencoderKLWan":
+        return _apply_wan(model, device)
     if device is None:
         p = next(model.parameters(), None)
         device = p.device if p is not None else None
@@ -438,6 +440,24 @@ def _describe(n: dict) -> str:
         parts.append(f"chunked attention for head_dim {dims} ({n['attention_chunked']} block"
                      f"{'s' if n['attention_chunked'] > 1 else ''})")
     return ", ".join(parts)
+
+
+def _apply_wan(model: nn.Module, device) -> StageResult:
+    """Wan's decoder runs chunk by chunk in vaeopt.video, which owns its caches: the epilogues are fused there (conv
+    biases folded into the RMSNorm / residual kernels, residual + upsample and time_conv interleave fused). This stage
+    switches that path on for this model; what ran is counted per decode in the chunk decoder's stats."""
+    if not getattr(model, "_vaeopt_fused_norms", None):
+        return StageResult.skipped(NAME, "needs the fused norms (they carry the folded biases)")
+    ok, why = triton_available(device)
+    if not ok:
+        return StageResult.skipped(NAME, why)
+    names = [type(m).__name__ for m in model.decoder.modules()]
+    n_res, n_rs = names.count("WanResidualBlock"), names.count("WanResample")
+    setattr(model, _MARK, {"wan": True, "resnets": [], "upsamplers": [], "attns": []})
+    return StageResult(NAME, "applied", f"Wan: {n_res} residual blocks and {n_rs} resamplers run fused in the chunk "
+                                        "decoder (conv biases folded into RMSNorm/residual epilogues, upsample and "
+                                        "time_conv interleave fused into the epilogue)",
+                       {"residual_blocks": n_res, "resamplers": n_rs})
 
 
 def revert(model: nn.Module) -> None:
