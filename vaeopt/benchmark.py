@@ -387,7 +387,7 @@ def plot(result: dict, path: Path) -> None:
     for i, r in enumerate(rows):
         y = 60 + i * rowh
         d.text((10, y + 8), r["name"][:38], fill="black")
-        wbar = int((W - left - 180) * r["median_ms"] / tmax)
+        wbar = int((W - left - 240) * r["median_ms"] / tmax)  # room for the number before the PSNR column
         color = {"reference": (150, 150, 150), "peer": (90, 130, 200), "ladder": (230, 120, 40)}[r["kind"]]
         d.rectangle([left, y + 4, left + max(wbar, 1), y + rowh - 6], fill=color)
         d.text((left + wbar + 5, y + 8), f"{r['median_ms']:.1f}", fill="black")
