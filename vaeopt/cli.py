@@ -136,6 +136,8 @@ def decode(
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
     fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
     fps: float = typer.Option(16.0, "--fps", help="Frames per second of MP4 output."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
+                                                            "split into bands, many inputs are spread over ranks)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
@@ -153,6 +155,10 @@ def decode(
                    fp8=fp8, graphs=graphs,
                    tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
     opts.validate()
+    if gpus is not None:
+        _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
+                            as_json)
+        return
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key) for p in latents]
     console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
@@ -325,6 +331,34 @@ def _print_bench(result: dict) -> None:
                                                      if result.get("matmul_tflops") else ""), style="dim")
     for r in skipped:
         out_console.print(f"  [yellow]{r['status']}[/] {r['name']}: {r['reason']}", highlight=False)
+
+
+def _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
+                        as_json) -> None:
+    import torch
+
+    from vaeopt.distributed import DistributedError, decode_files_distributed, launch
+
+    if gpus < 1:
+        raise VaeoptError("--gpus must be at least 1")
+    n_cuda = torch.cuda.device_count()
+    if gpus > n_cuda and "WORLD_SIZE" not in os.environ:  # under torchrun the ranks exist already (gloo on CPU)
+        raise VaeoptError(f"--gpus {gpus}: only {n_cuda} CUDA GPU(s) visible" + (
+            " (on CPU: torchrun --nproc-per-node N -m vaeopt decode ... --gpus N runs the same code on gloo)" if not n_cuda else ""))
+    console.print(f"[bold]distributed[/] {gpus} ranks (NCCL), {len(latents)} input file(s)")
+    try:
+        summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
+                         str(model) if model else None,
+                         kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
+                                     overwrite=overwrite, options=opts, fps=fps, log=print))
+    except DistributedError as e:
+        raise VaeoptError(str(e).splitlines()[0]) from None
+    for r in summary or []:
+        for p in r["written"]:
+            console.print(f"[bold green]wrote[/] {p}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
+                          highlight=False)
+    if as_json:
+        out_console.print_json(json.dumps({"distributed": gpus, "outputs": summary}, default=str))
 
 
 def run():  # console-script entry
