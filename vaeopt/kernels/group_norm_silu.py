@@ -301,8 +301,151 @@ def _apply_cl_kernel(
     tl.store(y_ptr + n.to(tl.int64) * S * C + off, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+# Sizes/offsets that differ between the tiles of one layer (border vs interior tiles, the last row band) are not
+# specialized on, so a layer compiles one variant instead of one per divisibility pattern.
+@triton.jit(do_not_specialize=["Hi", "Wi", "Wo", "P", "syn", "syh", "pt", "pl", "n_p_blocks"])
+def _apply_win_kernel(
+    x_ptr,  # (N, C, Hi, Wi) with any strides (e.g. a window of a larger NHWC / NCHW buffer), read in place
+    y_ptr,  # (N, C, Ho, Wo) with any strides (dense output, or a window of a buffer)
+    mean_ptr,  # [N, C] fp32: group mean of (x + x_bias)
+    a_ptr,  # [N, C] fp32: rstd * weight
+    b_ptr,  # [C] affine bias
+    xb_ptr,  # [C] input bias (read only when XB)
+    C,
+    Hi,
+    Wi,
+    Wo,
+    P,  # output pixels per sample: Ho * Wo
+    sxn,
+    sxc,
+    sxh,
+    sxw,
+    syn,
+    syc,
+    syh,
+    syw,
+    pt,  # output (i, j) reads input (i - pt, j - pl); outside the input the output is 0 (a conv's zero padding)
+    pl,
+    n_p_blocks,
+    n_c_blocks,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SILU: tl.constexpr,
+    XB: tl.constexpr,
+    PAD: tl.constexpr,  # some output pixels lie outside the input
+    CF: tl.constexpr,  # channels-first tile [BLOCK_C, BLOCK_P] (pixels contiguous); else [BLOCK_P, BLOCK_C]
+):
+    pid = tl.program_id(0)
+    cb = pid % n_c_blocks
+    t = pid // n_c_blocks
+    pb = t % n_p_blocks
+    n = t // n_p_blocks
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    pm = p < P
+    cm = c < C
+    i = p // Wo
+    j = p - i * Wo
+    si = i - pt
+    sj = j - pl
+    if PAD:
+        inside = pm & (si >= 0) & (si < Hi) & (sj >= 0) & (sj < Wi)
+    else:
+        inside = pm
+    xo = n.to(tl.int64) * sxn + si.to(tl.int64) * sxh + sj.to(tl.int64) * sxw  # [BLOCK_P]
+    yo = n.to(tl.int64) * syn + i.to(tl.int64) * syh + j.to(tl.int64) * syw
+    mu = tl.load(mean_ptr + n * C + c, mask=cm, other=0.0)
+    if XB:  # same association as the fused path's finalize: (x - (mean - xb)) * a + b
+        mu = mu - tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + n * C + c, mask=cm, other=0.0)
+    b = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    cx = c.to(tl.int64) * sxc
+    cy = c.to(tl.int64) * syc
+    if CF:
+        m = cm[:, None] & inside[None, :]
+        x = tl.load(x_ptr + cx[:, None] + xo[None, :], mask=m, other=0.0).to(tl.float32)
+        y = (x - mu[:, None]) * a[:, None] + b[:, None]
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        if PAD:
+            y = tl.where(m, y, 0.0)
+        tl.store(y_ptr + cy[:, None] + yo[None, :], y.to(y_ptr.dtype.element_ty), mask=cm[:, None] & pm[None, :])
+    else:
+        m = inside[:, None] & cm[None, :]
+        x = tl.load(x_ptr + xo[:, None] + cx[None, :], mask=m, other=0.0).to(tl.float32)
+        y = (x - mu[None, :]) * a[None, :] + b[None, :]
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        if PAD:
+            y = tl.where(m, y, 0.0)
+        tl.store(y_ptr + yo[:, None] + cy[None, :], y.to(y_ptr.dtype.element_ty), mask=pm[:, None] & cm[None, :])
+
+
 def _warps(tile: int) -> int:
     return 4 if tile <= 4096 else 8
+
+
+def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:
+    BLOCK_C = triton.next_power_of_2(C)
+    return BLOCK_C, max(1, min(tile // BLOCK_C, triton.next_power_of_2(S)))
+
+
+def _launch_stats(x, G, x_bias, tile, target_programs, num_warps, out=None):
+    """Run the split stats kernel on x (N, C, *spatial). -> (x as read, kind, S, stride_n, partials [3, N*G, chunks])
+    (x is made contiguous first only for odd strides). `out`: a preallocated partials buffer of the right shape (see
+    `group_norm_partials_shape`)."""
+    N, C = x.shape[:2]
+    CG = C // G
+    layout = flat_layout(x)
+    if layout is None or (layout[0] == "cl" and C > 8192):
+        # odd strides (e.g. a sliced channel dim), or channels-last rows too wide for one tile: the only relayout
+        x = x.contiguous()
+        layout = flat_layout(x)
+    kind, S, stride_n = layout
+    dev = x.device
+    tile = tile or default_tile(dev)
+    target = target_programs or n_programs_target(dev)
+    nw = num_warps or _warps(tile)
+    has_xb = x_bias is not None
+    xb = x_bias.reshape(C) if has_xb else x  # a valid pointer either way; read only under the XB flags
+    g = _stats_geometry(N, C, G, kind, S, tile, target)
+    n_chunks, iters = g["n_chunks"], g["iters"]
+
+    if out is not None:
+        if tuple(out.shape) != (3, N * G, n_chunks) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"group_norm_partials: out must be a contiguous float32 {(3, N * G, n_chunks)} tensor")
+        part = out
+    else:
+        part = torch.empty((3, N * G, n_chunks), device=dev, dtype=torch.float32)
+    if kind == "cf":
+        BLOCK, BLOCK_GR = g["BLOCK"], g["BLOCK_GR"]
+        xb_mode = 0 if not has_xb else (1 if S % BLOCK == 0 else 2)  # 1: no per-element channel division
+        _stats_cf_kernel[(n_chunks, triton.cdiv(N * G, BLOCK_GR))](
+            x, part, xb, N * G, CG * S, stride_n, G, n_chunks, iters, S, CG,
+            BLOCK_GR=BLOCK_GR, BLOCK=BLOCK, XB=xb_mode, num_warps=nw,
+        )  # fmt: skip
+    else:
+        _stats_cl_kernel[(n_chunks, N)](
+            x, part, xb, S, C, CG, G, stride_n, n_chunks, iters,
+            BLOCK_S=g["BLOCK_S"], BLOCK_C=g["BLOCK_C"], BLOCK_G=triton.next_power_of_2(G),
+            CG_POW2=CG if CG & (CG - 1) == 0 else 0, XB=has_xb, num_warps=nw,
+        )  # fmt: skip
+    return x, kind, S, stride_n, part
+
+
+def _stats_geometry(N: int, C: int, G: int, kind: str, S: int, tile: int, target: int) -> dict:
+    """Block sizes and chunking of the split stats kernels (one place, so partials buffers can be preallocated)."""
+    if kind == "cf":
+        L = (C // G) * S
+        BLOCK = min(tile, triton.next_power_of_2(L))
+        BLOCK_GR = min(triton.next_power_of_2(N * G), max(1, tile // BLOCK))
+        blocks = triton.cdiv(L, BLOCK)
+        iters = max(1, triton.cdiv(triton.cdiv(N * G, BLOCK_GR) * blocks, target))
+        return dict(BLOCK=BLOCK, BLOCK_GR=BLOCK_GR, iters=iters, n_chunks=triton.cdiv(blocks, iters))
+    BLOCK_C, BLOCK_S = _cl_blocks(C, S, tile)
+    blocks = triton.cdiv(S, BLOCK_S)
+    iters = max(1, triton.cdiv(N * blocks, target))
+    return dict(BLOCK_C=BLOCK_C, BLOCK_S=BLOCK_S, iters=iters, n_chunks=triton.cdiv(blocks, iters))
 
 
 def group_norm_silu(
@@ -342,51 +485,22 @@ def group_norm_silu(
     if x.numel() == 0:
         return torch.empty_like(x)
     if x[0].numel() >= 2**31:
-        raise ValueError("group_norm_silu: one sample must have < 2**31 elements (int32 in-sample offsets)")
+        # int32 in-sample offsets: a sample this large (e.g. 128 ch at 4096²) takes the exact torch ops instead,
+        # in the input's memory format
+        y = group_norm_silu_reference(x, G, weight, bias, eps, silu, x_bias)
+        return y.contiguous(memory_format=torch.channels_last) if x.dim() == 4 and not x.is_contiguous() \
+            and x.is_contiguous(memory_format=torch.channels_last) else y
+    x, kind, S, stride_n, part = _launch_stats(x, G, x_bias, tile, target_programs, num_warps)
     CG = C // G
-    layout = flat_layout(x)
-    if layout is None or (layout[0] == "cl" and C > 8192):
-        # odd strides (e.g. a sliced channel dim), or channels-last rows too wide for one tile: the only relayout
-        x = x.contiguous()
-        layout = flat_layout(x)
-    kind, S, stride_n = layout
-    y = new_like(x, kind)
     dev = x.device
     w = weight if weight is not None else torch.ones(C, device=dev, dtype=torch.float32)
     b = bias if bias is not None else torch.zeros(C, device=dev, dtype=torch.float32)
     tile = tile or default_tile(dev)
-    target = target_programs or n_programs_target(dev)
     nw = num_warps or _warps(tile)
     has_xb = x_bias is not None
     xb = x_bias.reshape(C) if has_xb else w  # a valid pointer either way; read only under the XB flags
-
-    if kind == "cf":
-        L = CG * S
-        BLOCK = min(tile, triton.next_power_of_2(L))
-        BLOCK_GR = min(triton.next_power_of_2(N * G), max(1, tile // BLOCK))
-        blocks = triton.cdiv(L, BLOCK)
-        iters = max(1, triton.cdiv(triton.cdiv(N * G, BLOCK_GR) * blocks, target))
-        n_chunks = triton.cdiv(blocks, iters)
-    else:
-        BLOCK_C = triton.next_power_of_2(C)
-        BLOCK_S = max(1, min(tile // BLOCK_C, triton.next_power_of_2(S)))
-        blocks = triton.cdiv(S, BLOCK_S)
-        iters = max(1, triton.cdiv(N * blocks, target))
-        n_chunks = triton.cdiv(blocks, iters)
-
-    part = torch.empty((3, N * G, n_chunks), device=dev, dtype=torch.float32)
-    if kind == "cf":
-        xb_mode = 0 if not has_xb else (1 if S % BLOCK == 0 else 2)  # 1: no per-element channel division
-        _stats_cf_kernel[(n_chunks, triton.cdiv(N * G, BLOCK_GR))](
-            x, part, xb, N * G, L, stride_n, G, n_chunks, iters, S, CG,
-            BLOCK_GR=BLOCK_GR, BLOCK=BLOCK, XB=xb_mode, num_warps=nw,
-        )  # fmt: skip
-    else:
-        _stats_cl_kernel[(n_chunks, N)](
-            x, part, xb, S, C, CG, G, stride_n, n_chunks, iters,
-            BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, BLOCK_G=triton.next_power_of_2(G),
-            CG_POW2=CG if CG & (CG - 1) == 0 else 0, XB=has_xb, num_warps=nw,
-        )  # fmt: skip
+    y = new_like(x, kind)
+    n_chunks = part.shape[2]
 
     mean = torch.empty((N, C), device=dev, dtype=torch.float32)
     a = torch.empty((N, C), device=dev, dtype=torch.float32)
@@ -407,6 +521,7 @@ def group_norm_silu(
             BLOCK_R=BR, BLOCK_S=BS, SILU=silu, num_warps=nw,
         )  # fmt: skip
     else:
+        BLOCK_C, BLOCK_S = _cl_blocks(C, S, tile)  # the stats kernel's row blocks
         n_s_blocks = triton.cdiv(S, BLOCK_S)
         n_tiles = N * n_s_blocks
         _apply_cl_kernel[(n_tiles,)](
@@ -414,6 +529,191 @@ def group_norm_silu(
             BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, SILU=silu, num_warps=nw,
         )  # fmt: skip
     return y
+
+
+# --- split API: statistics of parts of a tensor, merged, then applied (the exact tiled decoder's norms) -------------
+
+
+def _check_x(x: torch.Tensor, num_groups: int, who: str) -> tuple[int, int, int]:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{who}: dtype {x.dtype} not supported")
+    if x.dim() < 2:
+        raise ValueError(f"{who}: expected (N, C, ...), got {tuple(x.shape)}")
+    N, C = x.shape[:2]
+    G = int(num_groups)
+    if G < 1 or C % G:
+        raise ValueError(f"{who}: {C} channels not divisible by {num_groups} groups")
+    if x[0].numel() >= 2**31:
+        raise ValueError(f"{who}: one sample must have < 2**31 elements (int32 in-sample offsets)")
+    return N, C, G
+
+
+def group_norm_partials_shape(x: torch.Tensor, num_groups: int, *, tile: int | None = None,
+                              target_programs: int | None = None) -> tuple[int, int, int]:
+    """Shape of `group_norm_partials(x, num_groups)` ((3, N*G, chunks)), e.g. to preallocate its `out`."""
+    N, C, G = _check_x(x, num_groups, "group_norm_partials")
+    layout = flat_layout(x)
+    if layout is None or (layout[0] == "cl" and C > 8192):
+        layout = flat_layout(x.contiguous()) if x.numel() else ("cf", 0, 0)
+    kind, S, _ = layout
+    dev = x.device
+    g = _stats_geometry(N, C, G, kind, S, tile or default_tile(dev), target_programs or n_programs_target(dev))
+    return 3, N * G, g["n_chunks"]
+
+
+def group_norm_partials(
+    x: torch.Tensor,
+    num_groups: int,
+    *,
+    x_bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tile: int | None = None,
+    target_programs: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Partial GroupNorm statistics of x (N, C, *spatial) -- of x + x_bias[c] when `x_bias` ([C]) is given -- from
+    the split stats kernels: a float32 tensor (3, N*G, chunks) holding (count, mean, M2) of each chunk of each
+    (sample, group). Each chunk's moments are taken around a shift (no cancellation), so they are exact to fp32.
+
+    Partials are *mergeable*: the partials of disjoint parts of one activation (e.g. tiles), concatenated along
+    dim 2, are the partials of the whole (`group_norm_finalize` merges them exactly, Chan et al.; `merge_partials`
+    gives the merged moments). Layout as group_norm_silu (NCHW/NHWC/NCDHW/NDHWC read in place; odd strides are
+    made contiguous first). `out`: a preallocated buffer of shape `group_norm_partials_shape(x, num_groups)`.
+    """
+    N, C, G = _check_x(x, num_groups, "group_norm_partials")
+    if x_bias is not None and x_bias.numel() != C:
+        raise ValueError(f"group_norm_partials: x_bias has {x_bias.numel()} values for {C} channels")
+    if x.numel() == 0:
+        return torch.zeros((3, N * G, 0), device=x.device, dtype=torch.float32)
+    return _launch_stats(x, G, x_bias, tile, target_programs, num_warps, out=out)[4]
+
+
+def merge_partials(parts: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact merge (Chan et al., float64) of partials (3, R, chunks) -- or a list of them, concatenated along the
+    chunks -- into per-row (count, mean, M2), each of shape (R,): row r = n*G + g is group g of sample n."""
+    p = torch.cat(list(parts), dim=2) if isinstance(parts, (list, tuple)) else parts
+    p = p.double()
+    cnt, mu, m2 = p[0], p[1], p[2]
+    n = cnt.sum(dim=1)
+    mean = (cnt * mu).sum(dim=1) / n.clamp_min(1.0)
+    M2 = (m2 + cnt * (mu - mean[:, None]) ** 2).sum(dim=1)
+    return n, mean, M2
+
+
+def group_norm_finalize(
+    parts: torch.Tensor | list[torch.Tensor],
+    num_groups: int,
+    num_channels: int,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    max_block_p: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partials (see `group_norm_partials`; a list is concatenated along the chunks) exactly, in one launch of
+    the fused path's finalize kernel. -> (mean, scale), float32 (N, C): mean = the mean of channel c's group (of x +
+    x_bias if the partials were taken with one), scale = rstd * weight[c] (biased variance, as nn.GroupNorm)."""
+    p = torch.cat(list(parts), dim=2) if isinstance(parts, (list, tuple)) else parts
+    if p.dim() != 3 or p.shape[0] != 3 or p.dtype != torch.float32:
+        raise ValueError(f"group_norm_finalize: expected float32 partials (3, N*G, chunks), got {tuple(p.shape)}")
+    p = p.contiguous()
+    G, C = int(num_groups), int(num_channels)
+    if C % G or p.shape[1] % G:
+        raise ValueError(f"group_norm_finalize: {C} channels / {p.shape[1]} partial rows vs {G} groups")
+    N = p.shape[1] // G
+    dev = p.device
+    w = weight if weight is not None else torch.ones(C, device=dev, dtype=torch.float32)
+    if w.numel() != C:
+        raise ValueError(f"group_norm_finalize: weight has {w.numel()} values for {C} channels")
+    n_chunks = p.shape[2]
+    mean = torch.empty((N, C), device=dev, dtype=torch.float32)
+    a = torch.empty((N, C), device=dev, dtype=torch.float32)
+    BLOCK_P = min(max_block_p, triton.next_power_of_2(max(1, n_chunks)))
+    BLOCK_NG = min(triton.next_power_of_2(N * G), max(1, 2048 // BLOCK_P))
+    _finalize_kernel[(triton.cdiv(N * G, BLOCK_NG),)](
+        p, w, w, mean, a, N * G, C, G, C // G, n_chunks, float(eps),
+        BLOCK_NG=BLOCK_NG, BLOCK_P=BLOCK_P, BLOCK_CG=triton.next_power_of_2(C // G), XB=False, num_warps=4,
+    )  # fmt: skip
+    return mean, a
+
+
+def group_norm_apply(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu: bool = True,
+    *,
+    x_bias: torch.Tensor | None = None,
+    pad: tuple[int, int, int, int] = (0, 0, 0, 0),
+    out: torch.Tensor | None = None,
+    tile: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """y = silu((x + x_bias[c] - mean[n, c]) * scale[n, c] + bias[c]) (silu optional) for x (N, C, H, W) with GIVEN
+    statistics (e.g. `group_norm_finalize` of partials merged over all tiles of an activation). One read of x, one
+    write of y, fp32 math, one rounding to the output dtype (no fp32 intermediate tensor).
+
+    x may have any strides -- a window of a larger NHWC/NCHW buffer is read in place. pad = (top, bottom, left,
+    right): the output is (N, C, H + top + bottom, W + left + right) with x at offset (top, left) and ZEROS in the
+    ring (after the activation: a following conv's zero padding, so it can run with padding=0). Output: dense, in x's
+    layout (channels-last when x's channel stride is 1, else contiguous), x's dtype; or written into `out` (any
+    strides, any float dtype). mean/scale: float32 (N, C) or (C,).
+    """
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"group_norm_apply: dtype {x.dtype} not supported")
+    if x.dim() != 4:
+        raise ValueError(f"group_norm_apply: expected (N, C, H, W), got {tuple(x.shape)}")
+    N, C, Hi, Wi = x.shape
+    pt, pb, pl, pr = (int(v) for v in pad)
+    if min(pt, pb, pl, pr) < 0:
+        raise ValueError(f"group_norm_apply: negative pad {pad}")
+    Ho, Wo = Hi + pt + pb, Wi + pl + pr
+    dev = x.device
+
+    def vec(name, v, per_sample):
+        if v is None:
+            return None
+        v = v.to(device=dev)
+        if per_sample and v.numel() == C and N > 1:
+            v = v.reshape(1, C).expand(N, C)
+        if v.numel() != (N * C if per_sample else C):
+            raise ValueError(f"group_norm_apply: {name} has {v.numel()} values for {N} x {C}")
+        return v.reshape(N, C).float().contiguous() if per_sample else v.reshape(C)
+
+    mean, scale = vec("mean", mean, True), vec("scale", scale, True)
+    b = vec("bias", bias, False)
+    xb = vec("x_bias", x_bias, False)
+    if b is None:
+        b = torch.zeros(C, device=dev, dtype=torch.float32)
+    cl = C > 1 and x.stride(1) == 1 and Hi * Wi > 1
+    if out is None:
+        if cl:
+            out = torch.empty((N, Ho, Wo, C), device=dev, dtype=x.dtype).permute(0, 3, 1, 2)
+        else:
+            out = torch.empty((N, C, Ho, Wo), device=dev, dtype=x.dtype)
+    elif tuple(out.shape) != (N, C, Ho, Wo) or out.dtype not in SUPPORTED_DTYPES or out.device != dev:
+        raise ValueError(f"group_norm_apply: out must be a float tensor {(N, C, Ho, Wo)} on {dev}")
+    if out.numel() == 0:
+        return out
+    tile = tile or default_tile(dev)
+    nw = num_warps or _warps(tile)
+    P = Ho * Wo
+    CF = not (out.stride(1) == 1 or C == 1)  # channels-first output: tile with pixels fastest
+    if CF:
+        BLOCK_P = min(triton.next_power_of_2(P), max(256, tile // 4))
+        BLOCK_C = max(1, min(tile // BLOCK_P, triton.next_power_of_2(C)))
+    else:
+        BLOCK_C = min(triton.next_power_of_2(C), max(16, tile // 4))
+        BLOCK_P = max(1, min(tile // BLOCK_C, triton.next_power_of_2(P)))
+    npb, ncb = triton.cdiv(P, BLOCK_P), triton.cdiv(C, BLOCK_C)
+    _apply_win_kernel[(N * npb * ncb,)](
+        x, out, mean, scale, b, xb if xb is not None else b, C, Hi, Wi, Wo, P,
+        *x.stride(), *out.stride(), pt, pl, npb, ncb,
+        BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, SILU=bool(silu), XB=xb is not None, PAD=(Ho, Wo) != (Hi, Wi),
+        CF=CF, num_warps=nw,
+    )  # fmt: skip
+    return out
+
 
 
 def group_norm_silu_reference(x, num_groups, weight, bias, eps=1e-6, silu=True, x_bias=None):
@@ -424,4 +724,13 @@ def group_norm_silu_reference(x, num_groups, weight, bias, eps=1e-6, silu=True, 
     return torch.nn.functional.silu(y) if silu else y
 
 
-__all__ = ["group_norm_silu", "group_norm_silu_reference", "SUPPORTED_DTYPES"]
+__all__ = [
+    "group_norm_silu",
+    "group_norm_silu_reference",
+    "group_norm_partials",
+    "group_norm_partials_shape",
+    "merge_partials",
+    "group_norm_finalize",
+    "group_norm_apply",
+    "SUPPORTED_DTYPES",
+]
