@@ -74,3 +74,25 @@ def test_options_reject_bad_combinations():
         Options(graphs="maybe").validate()
     with pytest.raises(VaeoptError, match="at least 8"):
         Options(tile=4).validate()
+
+
+def test_hunyuan_video_decodes_through_diffusers():
+    from vaeopt.families import FamilySpec
+
+    spec = get_family("hunyuanvideo")
+    torch.manual_seed(0)
+    small = dict(block_out_channels=[16, 16, 32, 32], norm_num_groups=8, layers_per_block=1)
+    model = build_model(spec, **small)
+    z = torch.randn(1, 16, 2, 4, 4)
+    with torch.no_grad():
+        ref = model.decode(z).sample.clamp(-1, 1)
+    loaded = LoadedVAE(model, FamilySpec(spec.name, spec.title, {**spec.config, **small}), "test", None, [], None)
+    lines = []
+    pipe = Pipeline(loaded, Options(device="cpu"), log=lines.append)
+    plan = pipe.plan(tuple(z.shape))
+    assert plan.mode == "whole" and "covers Wan only" in plan.reason
+    out, _ = pipe.decode(z, plan)
+    assert out.shape == ref.shape == (1, 3, 5, 32, 32)
+    assert torch.allclose(out, ref, atol=1e-5)
+    frames = list(pipe.iter_video(z, plan))
+    assert frames[0].shape == (5, 32, 32, 3) and frames[0].dtype == torch.uint8

@@ -278,12 +278,18 @@ class Pipeline:
     def _decode_video(self, z, plan, progress) -> torch.Tensor:
         from vaeopt import video
 
+        if self.family.cls_name != "AutoencoderKLWan":
+            # vaeopt.video's exact chunk decoder covers Wan; other video VAEs (HunyuanVideo) use diffusers' decode
+            return self.model.decode(z).sample.clamp(-1, 1)
         return video.decode_video(self.model, z, chunk=plan.chunk or 1)
 
     def iter_video(self, z_raw: torch.Tensor, plan: planner.Plan) -> Iterator[torch.Tensor]:
         """Stream uint8 (T,H,W,3) frame groups of the first clip in the batch, for MP4 writing."""
-        from vaeopt import video
+        from vaeopt import outputs, video
 
         z = z_raw.to(self.device, self.dtype)
         with torch.inference_mode():
+            if self.family.cls_name != "AutoencoderKLWan":
+                yield outputs.to_uint8_images(self._decode_video(z, plan, None))[0]
+                return
             yield from video.iter_decode_video(self.model, z, chunk=plan.chunk or 1)

@@ -158,6 +158,10 @@ def _host_budget() -> int:
 
 def _plan_video(family, model, latent_shape, dtype, budget, why, chunk) -> Plan:
     t_lat = latent_shape[2]
+    if family.cls_name != "AutoencoderKLWan":
+        est = estimate_whole(family, model, latent_shape, dtype, t_lat)
+        return Plan("whole", budget, est, reason=f"whole clip through diffusers' {family.cls_name}.decode (vaeopt's "
+                                                 f"chunked video decoder covers Wan only): est. {gib(est)}")
     if chunk is not None:
         est = estimate_video(family, model, latent_shape, dtype, chunk)
         return Plan("chunked", budget, est, chunk=chunk, reason=f"chunk {chunk} latent frames requested")
