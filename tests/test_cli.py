@@ -133,3 +133,16 @@ def test_cli_subprocess_no_traceback(tmp_path):
                         str(tmp_path / "nope.safetensors")], capture_output=True, text=True)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and "error:" in p.stderr
+
+
+def test_unexpected_error_is_one_line(tmp_path, samples_dir, monkeypatch):
+    from vaeopt import api
+
+    def boom(*a, **k):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(api, "run_jobs", boom)
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors")
+    assert r.exit_code == 1 and "unexpected KeyError" in r.output and "VAEOPT_DEBUG" in r.output
+    assert "Traceback" not in r.output

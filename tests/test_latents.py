@@ -159,3 +159,10 @@ def test_manifest_hints(samples_dir):
     lf = lat.read_latents(samples_dir / "tiny_wan_video_latents.pt")
     assert lf.default_space == "raw"
     assert lf.manifest["model"].endswith("tiny_wan_video.safetensors")
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
+def test_float8_latents_are_upcast(tmp_path):
+    t = torch.randn(1, 4, 8, 8).to(torch.float8_e4m3fn)
+    z = lat.validate(lat.LatentEntry("", t), SDXL, tmp_path / "f.pt")
+    assert z.dtype == torch.float32 and torch.equal(z, t.float())

@@ -59,6 +59,15 @@ def clean_errors(fn):
         except MemoryError:
             console.print("[bold red]error:[/] out of host memory (try --tile / --chunk, or smaller inputs)")
             raise typer.Exit(3)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as e:  # a bug, not bad input: one line, the traceback only on request
+            if os.environ.get("VAEOPT_DEBUG"):
+                raise
+            console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                          " — this is a vaeopt bug; rerun with VAEOPT_DEBUG=1 for the traceback and report it",
+                          markup=False)
+            raise typer.Exit(1)
 
     return wrapper
 

@@ -158,6 +158,8 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path) -> torch.Tens
     where = f"{source}" + (f" [{entry.name}]" if entry.name else "")
     if not torch.is_floating_point(t):
         raise LatentError(f"{where}: latents must be floating point, got {t.dtype}")
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        t = t.float()  # e.g. float8 latents: upcast (and so isfinite works)
     want = 5 if family.is_video else 4
     if family.is_video and t.ndim == 4:
         # (C,T,H,W) one clip, or (N,C,H,W) single latent frames
