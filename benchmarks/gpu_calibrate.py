@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from vaeopt.families import build_model, get_family
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import make_pipe  # noqa: E402
 from vaeopt.hw import machine_info
-from vaeopt.loading import LoadedVAE
-from vaeopt.pipeline import Options, Pipeline
 from vaeopt import planner
 
 OUT = Path(os.environ.get("OUT", "out"))
@@ -31,19 +30,7 @@ dev = torch.device("cuda")
 quick = "--quick" in sys.argv
 
 
-def make_pipe(fam: str, **opts) -> Pipeline:
-    spec = get_family(fam)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        m = build_model(spec)
-    m = m.to_empty(device="cpu")
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    loaded = LoadedVAE(model=m, family=spec, layout="random", path=None, notes=[], dtype_on_disk=None)
-    return Pipeline(loaded, Options(device="cuda", dtype="bf16", graphs="off", **opts))
-
-
-def measure(pipe: Pipeline, shape, **plan_kw):
+def measure(pipe, shape, **plan_kw):
     z = torch.randn(shape)
     plan = pipe.plan(shape)
     for k, v in plan_kw.items():
@@ -109,7 +96,7 @@ if quick:
     cases = cases[:2]
 for budget_gb in (16, 8):
     for fam, shape in cases:
-        pipe = make_pipe(fam)
+        pipe = make_pipe(fam, tiling="auto")
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(budget_gb * 2**30 / total, 0)
         rec = {"family": fam, "shape": list(shape), "budget_gb": budget_gb}

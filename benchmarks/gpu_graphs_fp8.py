@@ -22,26 +22,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vaeopt.families import build_model, get_family  # noqa: E402
 from vaeopt.fidelity import psnr  # noqa: E402
-from vaeopt.hw import machine_info  # noqa: E402
-from vaeopt.loading import LoadedVAE  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import make_pipe  # noqa: E402
 from vaeopt.pipeline import Options, Pipeline  # noqa: E402
+from vaeopt.hw import machine_info  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "out"))
 OUT.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
-
-
-def make_pipe(fam: str, seed=0, **opts) -> Pipeline:
-    spec = get_family(fam)
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        m = build_model(spec)
-    m = m.to_empty(device="cpu")
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    return Pipeline(LoadedVAE(m, spec, "random", None, [], None), Options(**{"device": "cuda", "dtype": "bf16", **opts}))
 
 
 def timed(fn, n):

@@ -23,10 +23,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
-from vaeopt.families import build_model, get_family  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import make_pipe  # noqa: E402
 from vaeopt.hw import machine_info  # noqa: E402
-from vaeopt.loading import LoadedVAE  # noqa: E402
-from vaeopt.pipeline import Options, Pipeline  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -48,18 +47,6 @@ def category(name: str) -> str:
         if any(k in n for k in keys):
             return cat
     return "other"
-
-
-def make_pipe(fam: str, **opts) -> Pipeline:
-    spec = get_family(fam)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        m = build_model(spec)
-    m = m.to_empty(device="cpu")
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    return Pipeline(LoadedVAE(m, spec, "random", None, [], None),
-                    Options(device="cuda", dtype="bf16", graphs="off", tiling="off", **opts))
 
 
 def profile(fn, n=3) -> dict:

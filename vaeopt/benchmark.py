@@ -8,13 +8,8 @@ with FlopCounterMode) and its fraction of a bf16 matmul measured in the same run
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
-import json
-import math
-import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +19,7 @@ import torch
 
 from vaeopt import fidelity
 from vaeopt.errors import VaeoptError
-from vaeopt.families import FamilySpec, build_model, get_family
+from vaeopt.families import FamilySpec, build_model
 from vaeopt.hw import machine_info
 
 # Standard workloads (shared/ANCHORS.md): name -> (family, raw latent shape)

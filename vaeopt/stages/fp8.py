@@ -11,7 +11,6 @@ the fp32 decode of the same weights; below the gate (default 40 dB PSNR) the sta
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.stages import StageResult

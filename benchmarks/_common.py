@@ -1,0 +1,27 @@
+"""Shared by the GPU scripts: a full-size family model with random weights, optimized by vaeopt's pipeline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vaeopt.families import build_model, get_family  # noqa: E402
+from vaeopt.loading import LoadedVAE  # noqa: E402
+from vaeopt.pipeline import Options, Pipeline  # noqa: E402
+
+
+def make_pipe(fam: str, seed: int = 0, **opts) -> Pipeline:
+    """Random N(0, 0.02) weights (timing equals real weights); Options default to CUDA, bf16, graphs/tiling off."""
+    spec = get_family(fam)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        m = build_model(spec)
+    m = m.to_empty(device="cpu")
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    o = {"device": "cuda", "dtype": "bf16", "graphs": "off", "tiling": "off", **opts}
+    return Pipeline(LoadedVAE(m, spec, "random", None, [], None), Options(**o))
