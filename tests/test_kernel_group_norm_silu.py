@@ -214,3 +214,100 @@ def test_x_bias_large_offset_and_gn_only(device, layout):
     torch.testing.assert_close(y.double(), _ref64_xb(x, 2, w, b, xb, silu=False), atol=5e-4, rtol=1e-4)
     with pytest.raises(ValueError):
         group_norm_silu(x, 2, w, b, x_bias=xb[:4])
+
+
+# --- split API (the exact tiled decoder's norms): partials of windows, exact merge, apply with given statistics -------
+
+
+def _windows(H, W):
+    """Disjoint windows covering (H, W): uneven rows x uneven cols (odd sizes, like tiles at an image border)."""
+    ys, xs = [0, 3, H - 2, H], [0, 5, W]
+    return [(ys[i], ys[i + 1], xs[j], xs[j + 1]) for i in range(3) for j in range(2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("with_xb", [False, True])
+def test_partials_of_windows_merge_exactly(device, layout, with_xb):
+    """Partials of disjoint windows (read in place from the big tensor; several chunks each), concatenated, merge to the
+    moments of the whole tensor; group_norm_finalize gives its mean and rstd * weight -- with a bias 100x the spread
+    of x folded in (x_bias), so the between-window term and the shift trick both matter."""
+    _need(device)
+    from vaeopt.kernels.group_norm_silu import (
+        group_norm_finalize, group_norm_partials, group_norm_partials_shape, merge_partials,
+    )  # fmt: skip
+
+    N, C, G, H, W = 2, 12, 4, 11, 14
+    x, w, _ = _inputs((N, C, H, W), torch.float32, device, seed=11, offset=3.0)
+    x = _layout(x, layout)
+    xb = torch.linspace(-200, 200, C, device=device) if with_xb else None
+    parts = []
+    for y0, y1, x0, x1 in _windows(H, W):
+        win = x[:, :, y0:y1, x0:x1]
+        p = group_norm_partials(win, G, x_bias=xb, tile=16, target_programs=64)
+        assert p.shape == group_norm_partials_shape(win, G, tile=16, target_programs=64)
+        parts.append(p)
+    assert all(p.shape[2] > 1 for p in parts)
+    xx = x.double() + (xb.double().view(1, -1, 1, 1) if with_xb else 0.0)
+    grp = xx.reshape(N * G, -1)
+    n, mean, m2 = merge_partials(parts)
+    assert torch.equal(n.cpu(), torch.full((N * G,), float(grp.shape[1]), dtype=torch.float64))
+    torch.testing.assert_close(mean, grp.mean(1), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(m2, grp.var(1, unbiased=False) * grp.shape[1], atol=1e-4, rtol=2e-5)
+    mu, a = group_norm_finalize(parts, G, C, w, 1e-6, max_block_p=4)  # several merge steps
+    exp_mu = grp.mean(1).view(N, G, 1).expand(N, G, C // G).reshape(N, C)
+    exp_a = (torch.rsqrt(grp.var(1, unbiased=False) + 1e-6).view(N, G, 1).expand(N, G, C // G).reshape(N, C)
+             * w.double().view(1, C))
+    torch.testing.assert_close(mu.double(), exp_mu, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(a.double(), exp_a, atol=1e-6, rtol=2e-5)
+    # preallocated output buffer; wrong shapes are refused
+    win = x[:, :, :3, :5]
+    buf = torch.empty(group_norm_partials_shape(win, G), device=device)
+    assert group_norm_partials(win, G, out=buf).data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError):
+        group_norm_partials(win, G, out=torch.empty(3, N * G, buf.shape[2] + 1, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_apply_window_with_padding(device, dtype, layout):
+    """group_norm_apply on a window of a bigger buffer (read in place), zero-padded ring (the next conv's padding),
+    x_bias and SiLU: equals silu(group_norm(x + b)) of the whole tensor at the window, zeros around; output in the
+    window's layout and dtype, written once (bf16: within 2x torch's bf16 error)."""
+    _need(device)
+    from vaeopt.kernels.group_norm_silu import group_norm_apply, group_norm_finalize, group_norm_partials
+
+    N, C, G, H, W = 1, 16, 4, 10, 13
+    x, w, b = _inputs((N, C, H, W), dtype, device, seed=12)
+    x = _layout(x, layout)
+    xb = (torch.randn(C, generator=torch.Generator().manual_seed(13)) * 2).to(device=device, dtype=dtype)
+    mu, a = group_norm_finalize(group_norm_partials(x, G, x_bias=xb), G, C, w, 1e-6)
+    ref = _ref64_xb(x, G, w, b, xb)
+    win = x[:, :, 2:7, 0:9]  # touches the left border: padded there, real neighbours elsewhere
+    for silu in (True, False):
+        y = group_norm_apply(win, mu, a, b, silu, x_bias=xb, pad=(1, 2, 1, 0))
+        assert y.shape == (N, C, 5 + 3, 9 + 1) and y.dtype == dtype
+        assert (y.stride(1) == 1) == (layout == "cl"), "output keeps the input's layout"
+        exp = torch.zeros(y.shape, dtype=torch.float64, device=device)
+        r = ref if silu else _ref64_xb(x, G, w, b, xb, silu=False)
+        exp[:, :, 1:6, 1:10] = r[:, :, 2:7, 0:9]
+        err = (y.double() - exp).abs().max().item()
+        if dtype == torch.float32:
+            assert err <= 2e-5, err
+        else:
+            xx = x + xb.view(1, -1, 1, 1)
+            t = F.group_norm(xx, G, w, b, 1e-6)
+            t = F.silu(t) if silu else t
+            err_torch = (t[:, :, 2:7, 0:9].double() - r[:, :, 2:7, 0:9]).abs().max().item()
+            assert err <= 2 * err_torch + FLOOR[dtype], (err, err_torch)
+    # out=: straight into a window of another buffer; (C,) statistics broadcast over the batch
+    big = torch.full((N, C, H + 4, W + 4), 7.0, device=device, dtype=dtype)
+    big = _layout(big, layout)
+    view = big[:, :, 3:8, 2:11]
+    group_norm_apply(win, mu[0], a[0], b, True, x_bias=xb, out=view)
+    torch.testing.assert_close(view.double(), ref[:, :, 2:7, 0:9], atol=2e-5 if dtype == torch.float32 else 0.05,
+                               rtol=0)
+    assert (big[:, :, :3] == 7).all() and (big[:, :, 8:] == 7).all() and (big[:, :, :, :2] == 7).all()
+    with pytest.raises(ValueError):
+        group_norm_apply(win, mu, a, b, out=big)

@@ -13,26 +13,53 @@ each layer is evaluated tile by tile, so that the accelerator only ever holds on
 * Every up-block layer and the output head is a tiled *pass*: a 3x3 conv reads its tile plus a 1-pixel halo of the
   full input activation (zeros only at true image borders), so conv results are exact, not approximated.
 * Every GroupNorm uses the statistics of the WHOLE activation: the pass that produces an activation also records
-  per-tile, per-channel (count, mean, M2) and merges them exactly (Chan et al.'s parallel variance, fp64). Per-channel
-  moments are merged into per-group moments when the norm is applied, so any ``num_groups`` works.
+  per-tile moments and merges them exactly (Chan et al.'s parallel variance).
 * Nearest upsampling, residual adds and the 1x1 shortcut convs are pointwise per tile.
 * Full-size intermediate activations live in buffers on a *storage* device (the compute device when they fit, else
   CPU, pinned when CUDA is present). Only tiles travel to the compute device.
 
-The result equals the untiled decode up to fp32 rounding (>100 dB PSNR in fp32 on tiny_kl_image), for 1x the
+Two implementations of the per-tile math, same structure:
+
+* **Kernel path** (CUDA, or CPU under TRITON_INTERPRET=1; ``kernels=None`` picks it when the Triton kernels can run):
+  the norms use ``kernels/group_norm_silu.py``'s split API. A pass records each tile's ``group_norm_partials`` (the
+  split-stats kernel's per-chunk (count, mean, M2), with the pending conv bias added on load); the consumer merges
+  all tiles' chunks exactly in one ``group_norm_finalize`` launch and every tile is normalized by
+  ``group_norm_apply``: one kernel reads the halo'd region *in place* from the storage buffer (any strides), applies
+  (x + bias - mean) * scale + beta and SiLU in fp32, and writes the model dtype once -- already zero-padded to the
+  conv's full halo, so every conv runs with ``padding=0`` and returns exactly its tile (no crops). Convs run WITHOUT
+  their bias: the bias stays *pending* on the activation (``_Act.bias``) and is added where the value is next read --
+  inside the next norm's stats/apply (``x_bias``), in the residual epilogue (``residual_bias``; through a 1x1
+  shortcut conv as ``W @ bias``), or in the nearest-2x upsample kernel. Resnet outputs are one ``bias_residual``
+  kernel (conv2 bias + residual + shortcut bias + output scale), written straight into the storage buffer when the
+  region is addressable (row bands of an NHWC buffer). Nothing is materialised in fp32.
+* **Torch path** (anything else: plain CPU, MPS, no Triton): per-channel (count, mean, M2) per tile merged in fp64,
+  ``addcmul`` in fp32 + cast + SiLU, convs with their bias.
+
+Tile shape: ``shape="tiles"`` cuts each layer into (th*s, tw*s) rectangles; ``shape="bands"`` into full-width row
+bands with the same area (th*tw/w latent rows). Bands are the default on the kernel path and on CUDA: every region
+of an NHWC buffer is then one contiguous block (reads are views, the residual epilogue writes in place, host<->device
+copies are single DMA transfers). ``tile`` keeps its meaning (the per-tile area budget, in latent px).
+
+Storage on CPU (CUDA compute): buffers are pinned and NHWC; region reads go through a copy stream (host->device) and
+are prefetched one tile ahead, writes through a second stream (device->host), both overlapping compute; at most two
+tiles' writes are in flight. ``info["bytes_h2d"]`` / ``info["bytes_d2h"]`` report the traffic.
+
+The result equals the untiled decode up to rounding (>100 dB PSNR in fp32 on tiny_kl_image), for 1x the
 convolution FLOPs plus a 1-pixel halo ring per tile ((t+2)^2/t^2: 1.6% at a 256-px tile).
 
 Modules are *called*, not re-implemented, wherever that keeps the result exact: a plain ``nn.Conv2d`` (no hooks, no
 overridden ``forward``) is evaluated as ``F.conv2d`` with its own weights and ``padding=0`` on the halo'd tile (same
 math, no wasted ring); any other conv / upsampler module (fused, quantized, hooked, ...) is called on the halo'd tile
 and the interior of its output is cropped, which is exact for any padding-preserving local operator of radius <= the
-halo. The nonlinearities and dropout of the model are called as modules. Only GroupNorm must be applied by hand
-(with the global statistics); any norm module exposing ``num_groups``, ``eps``, ``weight`` and ``bias`` is accepted.
+halo (its bias is then applied by the module). The nonlinearities and dropout of the model are called as modules
+unless they are plain SiLU/Identity. Only GroupNorm must be applied by hand (with the global statistics); any norm
+module exposing ``num_groups``, ``eps``, ``weight`` and ``bias`` is accepted.
 
-OOM handling: every tile computes into fresh tensors and commits (buffer write + statistics merge) only at its very
-end. If a tile raises ``torch.cuda.OutOfMemoryError`` (or ``torch.OutOfMemoryError``) the tile side is halved for all
-remaining work, the failed tile is re-split and the pass resumes; completed tiles are never recomputed. How often
-that happened is reported in the info dict (``shrinks``).
+OOM handling: every tile computes into fresh tensors and commits (buffer write + statistics) only at its very end
+(the in-place residual write is the last operation, after every allocation of the tile). If a tile raises
+``torch.cuda.OutOfMemoryError`` (or ``torch.OutOfMemoryError``) the tile side is halved for all remaining work, the
+failed tile is re-split and the pass resumes; completed tiles are never recomputed. How often that happened is
+reported in the info dict (``shrinks``).
 
 Public API: :func:`tiled_decode`, :class:`TiledDecoder`, :func:`estimate_tiled_bytes`, :func:`storage_bytes`,
 :func:`tile_from_pixels`.
@@ -65,6 +92,11 @@ __all__ = [
 _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
     {e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if e}
 )
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CUDNN_WORKSPACE_BYTES = 256 << 20  # allowance for cuDNN conv workspaces in estimate_tiled_bytes (CUDA only)
+CUDA_MARGIN = 1.10  # allocator rounding / fragmentation on CUDA; CPU keeps the validated 1.125
+MAX_INFLIGHT_WRITES = 2  # device->host tile writes allowed in flight before the host waits (bounds memory)
+_STATS_MAX_NUMEL = 2**31  # the stats kernels use int32 in-sample offsets: bigger tiles are reduced in row pieces
 
 
 class TilingError(VaeoptError):
@@ -178,7 +210,8 @@ def _pair(t: int | Sequence[int]) -> tuple[int, int]:
 
 
 class _Moments:
-    """Per-channel running (count, mean, M2) of one activation, merged exactly across tiles (Chan et al.)."""
+    """Torch path: per-channel running (count, mean, M2) of one activation, merged exactly across tiles (Chan et al.,
+    fp64). Per-channel moments merge into per-group ones for any ``num_groups``."""
 
     def __init__(self, channels: int, device: torch.device):
         dt = torch.float32 if device.type == "mps" else torch.float64
@@ -200,7 +233,9 @@ class _Moments:
         var, mean = torch.var_mean(xf, dim=(0, 2, 3), correction=0)  # one-pass Welford reduction on GPUs
         return n, mean, var * n
 
-    def merge(self, part: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+    def add(self, part: tuple[int, torch.Tensor, torch.Tensor] | None) -> None:
+        if part is None:
+            return
         nb, mb, m2b = part
         if nb == 0:
             return
@@ -212,6 +247,8 @@ class _Moments:
         self.m2 += m2b + delta * delta * (na * nb / n)
         self.n = n
         self._affine.clear()
+
+    merge = add
 
     def affine(self, norm: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(shift_c, scale_c) as (1, C, 1, 1) fp32 tensors such that GroupNorm(x)_c = x_c * scale_c + shift_c with
@@ -237,12 +274,43 @@ class _Moments:
         return self._affine[key]
 
 
-class _Act:
-    """A full-size activation (1, C, H, W) on the storage device plus its running moments."""
+class _KStats:
+    """Kernel path: the ``group_norm_partials`` of every tile of one activation (for the one norm that will read it).
+    Concatenated, they are the partials of the whole activation; ``affine`` merges them exactly in one finalize
+    launch (fp32 Chan merge, as the untiled fused kernel does)."""
 
-    def __init__(self, t: torch.Tensor, stats_device: torch.device):
+    def __init__(self, channels: int, groups: int):
+        self.c, self.groups = channels, groups
+        self.parts: list[torch.Tensor] = []
+        self._affine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, part: torch.Tensor | list[torch.Tensor] | None) -> None:
+        if part is not None:
+            self.parts.extend(part if isinstance(part, list) else [part])
+            self._affine.clear()
+
+    def affine(self, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, scale) as (1, C) fp32: the group mean of (stored value + pending bias) and rstd * weight."""
+        key = id(norm)
+        if key not in self._affine:
+            if int(norm.num_groups) != self.groups or not self.parts:
+                raise RuntimeError(f"tiling: statistics for {self.groups} groups, norm wants {norm.num_groups}")
+            from vaeopt.kernels.group_norm_silu import group_norm_finalize
+
+            if len(self.parts) > 1:
+                self.parts = [torch.cat(self.parts, dim=2)]
+            self._affine[key] = group_norm_finalize(self.parts[0], self.groups, self.c, norm.weight, float(norm.eps))
+        return self._affine[key]
+
+
+class _Act:
+    """A full-size activation (1, C, H, W) on the storage device, its statistics, and its pending per-channel bias
+    (kernel path: the true activation is ``t + bias[c]``; the producing conv ran without its bias)."""
+
+    def __init__(self, t: torch.Tensor, stats: _Moments | _KStats | None, bias: torch.Tensor | None = None):
         self.t = t
-        self.stats = _Moments(t.shape[1], stats_device)
+        self.stats = stats
+        self.bias = bias
 
     @property
     def hw(self) -> tuple[int, int]:
@@ -252,14 +320,17 @@ class _Act:
 # ------------------------------------------------------------------------------------------------ module helpers
 
 
+def _no_hooks(m: nn.Module) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks)
+
+
 def _is_plain_conv(m: nn.Module) -> bool:
     """A stock nn.Conv2d whose forward we may evaluate as F.conv2d(padding=0) on a halo'd tile."""
     return (
         isinstance(m, nn.Conv2d)
         and type(m).forward is nn.Conv2d.forward
         and "forward" not in m.__dict__
-        and not m._forward_hooks
-        and not m._forward_pre_hooks
+        and _no_hooks(m)
         and m.padding_mode == "zeros"
         and tuple(m.stride) == (1, 1)
         and tuple(m.dilation) == (1, 1)
@@ -292,15 +363,24 @@ def _conv_region(conv: nn.Module, x: torch.Tensor, oy: int, ox: int, h: int, w: 
 
 
 def _is_plain_upsampler(up: nn.Module) -> bool:
+    """Upsample2D doing interpolate(nearest, 2x) + conv, with its stock forward -- or with the forward that
+    stages/fused_epilogues.py installs (same result for any tensor its resnet did not already upsample)."""
     try:
         from diffusers.models.upsampling import Upsample2D
     except Exception:  # pragma: no cover - diffusers always present in practice
         return False
+    fwd = up.__dict__.get("forward")
+    if fwd is not None:
+        try:
+            from vaeopt.stages.fused_epilogues import _upsample_forward
+        except Exception:  # pragma: no cover
+            return False
+        if getattr(fwd, "__func__", None) is not _upsample_forward:
+            return False
     return (
-        type(up).forward is Upsample2D.forward
-        and "forward" not in up.__dict__
-        and not up._forward_hooks
-        and not up._forward_pre_hooks
+        isinstance(up, Upsample2D)
+        and type(up).forward is Upsample2D.forward
+        and _no_hooks(up)
         and getattr(up, "interpolate", False)
         and getattr(up, "use_conv", False)
         and not getattr(up, "use_conv_transpose", False)
@@ -322,6 +402,196 @@ def _up_conv(up: nn.Module) -> nn.Module:
     return up.conv if getattr(up, "name", "conv") == "conv" else up.Conv2d_0
 
 
+def _act_mode(norm: nn.Module, nonlin: nn.Module) -> tuple[bool, Callable | None]:
+    """How norm -> nonlinearity runs on the kernel path: (SiLU inside the apply kernel?, module to call after)."""
+    fused = getattr(norm, "silu", False) is True  # FusedGroupNormSiLU (stages/fused_norms.py)
+    if type(nonlin) is nn.Identity and _no_hooks(nonlin):
+        return fused, None
+    if type(nonlin) is nn.SiLU and _no_hooks(nonlin):
+        return True, (None if not fused else (lambda t: F.silu(t, inplace=True)))
+    return fused, nonlin
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _layout_of(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if (t.dim() == 4 and t.stride(1) == 1 and t.shape[1] > 1) else torch.contiguous_format
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def _flat(t: torch.Tensor) -> bool:
+    from vaeopt.kernels import flat_layout
+
+    return flat_layout(t) is not None
+
+
+def _kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    if dtype not in _KERNEL_DTYPES:
+        return False, f"dtype {dtype} has no kernels"
+    if torch.is_autocast_enabled(device.type) if device.type in ("cuda", "cpu") else False:
+        return False, "autocast is on"
+    try:
+        from vaeopt.kernels import triton_available
+    except Exception as e:  # pragma: no cover
+        return False, f"vaeopt.kernels not importable ({e})"
+    return triton_available(device)
+
+
+def _decoder_weights_bytes(vae: nn.Module) -> int:
+    mods = [m for m in (getattr(vae, "post_quant_conv", None), getattr(vae, "decoder", None)) if m is not None]
+    seen, total = set(), 0
+    for m in mods:
+        for t in list(m.parameters()) + list(m.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _model_device(vae: nn.Module) -> torch.device:
+    dec = getattr(vae, "decoder", vae)
+    p = next((p for p in dec.parameters() if p.is_floating_point()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _use_bands(shape: str, kernels: bool, device: torch.device) -> bool:
+    if shape not in ("auto", "bands", "tiles"):
+        raise ValueError(f"shape must be 'auto', 'bands' or 'tiles', got {shape!r}")
+    return shape == "bands" or (shape == "auto" and (kernels or device.type == "cuda"))
+
+
+def _tile_geometry(lat_hw: tuple[int, int], tile: tuple[int, int], scale: int, bands: bool) -> tuple[int, int]:
+    """(rows, cols) of one tile at a layer running at `scale` x latent resolution."""
+    h, w = lat_hw
+    th, tw = tile
+    if bands:
+        rows = max(1, (th * min(tw, w)) // w)
+        return min(rows, h) * scale, w * scale
+    return min(th, h) * scale, min(tw, w) * scale
+
+
+def _region(hw: tuple[int, int], y0: int, y1: int, x0: int, x1: int, hy: int, hx: int) -> tuple[int, int, int, int]:
+    h, w = hw
+    return max(y0 - hy, 0), min(y1 + hy, h), max(x0 - hx, 0), min(x1 + hx, w)
+
+
+# ------------------------------------------------------------------------------------------------------ transfers
+
+
+class _Mover:
+    """Tile regions between the storage device and the compute device.
+
+    Local storage: a region is a view of the buffer, a write one in-place copy. Remote storage (CPU buffers, CUDA
+    compute): dense regions of pinned buffers are copied by a host->device stream (prefetched one tile ahead, so the
+    copy overlaps the current tile's kernels) and written back by a device->host stream (in parallel: PCIe is full
+    duplex). Ordering is by CUDA events, never by host waits: the compute stream waits for the read of its region;
+    the device->host stream waits for the compute stream; a read waits only for the in-flight writes that overlap its
+    rows (so the first band of a pass does not wait for the last band of the previous one); ``record_stream`` keeps
+    the allocator from reusing a tile's memory while a copy still uses it. At most MAX_INFLIGHT_WRITES writes are in
+    flight (the host waits on the oldest), which bounds the device memory they hold. Non-dense regions (2D tiles of a
+    buffer) take torch's synchronous path. ``force_copy`` (tests): treat a same-device storage as remote, with plain
+    copies."""
+
+    def __init__(self, device: torch.device, storage: torch.device, overlap: bool = True, force_copy: bool = False):
+        self.device = device
+        self.remote = force_copy or storage != device
+        self.async_ = bool(overlap and self.remote and device.type == "cuda" and storage.type == "cpu")
+        self.h2d = torch.cuda.Stream(device) if self.async_ else None
+        self.d2h = torch.cuda.Stream(device) if self.async_ else None
+        self.cache: dict[tuple, tuple[torch.Tensor, object]] = {}
+        self.inflight: deque = deque()  # events of device->host writes, oldest first (throttle)
+        self.writes: list[tuple] = []  # (buffer ptr, y0, y1, x0, x1, event) of writes that may be in flight
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.prefetch_hits = 0
+
+    def begin_pass(self) -> None:
+        self.cache.clear()
+
+    def drop(self) -> None:
+        self.cache.clear()
+
+    def _fetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> tuple[torch.Tensor, object]:
+        view = t[:, :, ya:yb, xa:xb]
+        self.bytes_h2d += view.numel() * view.element_size()
+        if self.async_ and _is_dense(view) and view.is_pinned():
+            ptr = t.data_ptr()
+            for wp, y0, y1, x0, x1, ev in self.writes:  # read-after-write: only the overlapping writes
+                if wp == ptr and y0 < yb and ya < y1 and x0 < xb and xa < x1:
+                    self.h2d.wait_event(ev)
+            with torch.cuda.stream(self.h2d):
+                dev = torch.empty_like(view, device=self.device)  # dense: keeps the view's strides
+                dev.copy_(view, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.h2d)
+            return dev, ev
+        if self.async_:  # host-side gather of a non-dense region: pending writes must have landed
+            self.d2h.synchronize()
+        if view.device == self.device:  # force_copy
+            return view.clone(memory_format=torch.preserve_format), None
+        return view.to(self.device, memory_format=_layout_of(view)), None
+
+    def prefetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> None:
+        if not self.remote:
+            return
+        key = (t.data_ptr(), ya, yb, xa, xb)
+        if key not in self.cache:
+            self.cache[key] = self._fetch(t, ya, yb, xa, xb)
+
+    def get(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> torch.Tensor:
+        if not self.remote:
+            return t[:, :, ya:yb, xa:xb]
+        hit = self.cache.pop((t.data_ptr(), ya, yb, xa, xb), None)
+        if hit is not None:
+            self.prefetch_hits += 1
+        dev, ev = hit if hit is not None else self._fetch(t, ya, yb, xa, xb)
+        if ev is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(ev)
+            dev.record_stream(cur)  # allocated on the copy stream, used on this one
+        return dev
+
+    def put(self, t: torch.Tensor, y0: int, y1: int, x0: int, x1: int, val: torch.Tensor) -> None:
+        view = t[:, :, y0:y1, x0:x1]
+        if not self.remote:
+            view.copy_(val)
+            return
+        self.bytes_d2h += val.numel() * val.element_size()
+        if self.async_ and _is_dense(view) and view.is_pinned():
+            if not _same_strides(val, view):
+                val = val.contiguous(memory_format=_layout_of(view))  # same strides: one DMA, no host staging
+            cur = torch.cuda.current_stream(self.device)
+            self.d2h.wait_stream(cur)
+            with torch.cuda.stream(self.d2h):
+                view.copy_(val, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.d2h)
+            val.record_stream(self.d2h)
+            self.inflight.append(ev)
+            self.writes.append((t.data_ptr(), y0, y1, x0, x1, ev))
+            while len(self.inflight) > MAX_INFLIGHT_WRITES:  # bound the device memory held by pending writes
+                self.inflight.popleft().synchronize()
+            if len(self.writes) > 4 * MAX_INFLIGHT_WRITES:
+                self.writes = [w for w in self.writes if not w[5].query()]
+            return
+        if self.async_:
+            self.d2h.synchronize()
+        view.copy_(val)
+
+    def finish(self) -> None:
+        self.cache.clear()
+        if self.async_:
+            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+            self.d2h.synchronize()
+            self.inflight.clear()
+            self.writes.clear()
+
+
 # ------------------------------------------------------------------------------------------------------ decoder
 
 
@@ -337,13 +607,18 @@ class TiledDecoder:
             long as convs stay stride-1 padding-preserving and norms expose num_groups/eps/weight/bias.
         tile: tile side in LATENT pixels (int or (h, w)); the output tile is ``tile * 8`` px for SD/SDXL/SD3/FLUX.
             At a layer that runs at ``s`` times the latent resolution the tile is ``tile * s`` px of that layer.
-            Use :func:`tile_from_pixels` to convert from output pixels.
-        storage: where the full-size intermediate activations live. ``None``: the compute device if they fit in
-            its free memory next to the tile working set, else CPU (pinned if CUDA is available).
+            With ``shape="bands"`` the tile is a full-width row band of the same area. Use
+            :func:`tile_from_pixels` to convert from output pixels.
+        storage: where the full-size intermediate activations live. ``None``: the compute device if they fit (in
+            its free memory and ``vram_budget``) next to the working set of ``tile`` -- or of ``tile/2``, ``tile/4``
+            (a smaller tile with device storage beats host transfers) -- else CPU (pinned if CUDA is available).
         progress: ``progress(done, total)`` after every tile of every pass (``total`` grows if tiles are split).
         min_tile: smallest latent tile the OOM fallback may shrink to.
-        vram_budget: bytes the decode may use on a CUDA device (e.g. the planner's budget). With ``storage=None``
-            the full-size buffers go to the GPU only if buffers + working set fit both this and 85% of free memory.
+        vram_budget: bytes the decode may use on a CUDA device (e.g. the planner's budget; weights included).
+        kernels: use the Triton kernel path (None: when the kernels can run on the model's device and dtype).
+        shape: "tiles", "bands" or "auto" (bands on the kernel path and on CUDA, else tiles).
+        overlap: with CPU storage and CUDA compute, overlap host<->device copies with compute (copy streams,
+            one-tile prefetch); False: synchronous copies on the compute stream.
     """
 
     def __init__(
@@ -354,6 +629,9 @@ class TiledDecoder:
         progress: Callable[[int, int], None] | None = None,
         min_tile: int = 2,
         vram_budget: int | None = None,
+        kernels: bool | None = None,
+        shape: str = "auto",
+        overlap: bool = True,
     ):
         self.vae = vae
         self.vram_budget = vram_budget
@@ -363,9 +641,15 @@ class TiledDecoder:
         self.tile = _pair(tile)
         if min(self.tile) < 1:
             raise ValueError("tile must be >= 1 latent pixel")
+        if shape not in ("auto", "bands", "tiles"):
+            raise ValueError(f"shape must be 'auto', 'bands' or 'tiles', got {shape!r}")
         self.storage_arg = storage
         self.progress = progress
         self.min_tile = max(1, int(min_tile))
+        self.kernels_arg = kernels
+        self.shape_arg = shape
+        self.overlap = overlap
+        self._force_copy = False  # tests: exercise the remote-storage bookkeeping on one device
         self.info: dict = {}
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -378,91 +662,219 @@ class TiledDecoder:
         p = next(p for p in self.dec.parameters() if p.is_floating_point())
         self.device, self.dtype = p.device, p.dtype
         self.memory_format = _memory_format(self.dec)
+        ok, why = _kernels_usable(self.device, self.dtype)
+        if self.kernels_arg and not ok:
+            raise ValueError(f"kernels=True but the Triton kernels cannot run here: {why}")
+        self.kernels = ok if self.kernels_arg is None else bool(self.kernels_arg)
+        if self.kernels:
+            from vaeopt.kernels.epilogue import bias_residual
+            from vaeopt.kernels.group_norm_silu import group_norm_apply, group_norm_partials, group_norm_partials_shape
+
+            self._k = dict(apply=group_norm_apply, partials=group_norm_partials, shape=group_norm_partials_shape,
+                           epilogue=bias_residual)
+        self.bands = _use_bands(self.shape_arg, self.kernels, self.device)
         n, _, h, w = z.shape
-        self.storage = self._choose_storage((h, w))
-        self.cur_tile = self.tile
+        self.lat_hw = (h, w)
+        self.storage, self.start_tile = self._choose_storage((h, w), n)
+        self.mover = _Mover(self.device, self.storage, self.overlap, self._force_copy)
+        # NHWC buffers whenever they are remote: a row band is then one contiguous block (one DMA per region)
+        remote = self.mover.remote
+        self.storage_format = torch.channels_last if (remote or self.memory_format is torch.channels_last) else (
+            torch.contiguous_format)
+        self.cur_tile = self.start_tile
         self.done = 0
         self.total = n * sum(len(_tiles(h * ps.scale, w * ps.scale, *self._tile_px(ps.scale))) for ps in self.passes)
         self.info = {
-            "tile": self.tile,
-            "final_tile": self.tile,
+            "tile": self.start_tile,
+            "planned_tile": self.tile,
+            "final_tile": self.start_tile,
             "shrinks": 0,
             "oom_events": [],
             "tiles": 0,
             "passes": len(self.passes),
             "storage": str(self.storage),
             "factor": self.factor,
+            "kernels": self.kernels,
+            "shape": "bands" if self.bands else "tiles",
+            "overlap": self.mover.async_,
+            "bias_folded": 0,
+            "bytes_h2d": 0,
+            "bytes_d2h": 0,
         }
         f, c_out = self.factor, self.passes[-1].cout
-        out = torch.empty(n, c_out, h * f, w * f, device=self.device, dtype=self.dtype)
+        out = torch.empty(n, c_out, h * f, w * f, device=self.device, dtype=self.dtype,
+                          memory_format=self.memory_format)
         for i in range(n):
             self._decode_one(z[i : i + 1], out[i : i + 1])
         self.info["tiles"] = self.done
         self.info["final_tile"] = self.cur_tile
+        self.info["bytes_h2d"] = self.mover.bytes_h2d
+        self.info["bytes_d2h"] = self.mover.bytes_d2h
+        self.info["prefetch_hits"] = self.mover.prefetch_hits
+        self.info["bias_folded"] //= max(1, n)
         return out
 
-    # -- internals -----------------------------------------------------------------------------------------------
+    # -- setup ---------------------------------------------------------------------------------------------------
 
-    def _choose_storage(self, latent_hw: tuple[int, int]) -> torch.device:
+    def _choose_storage(self, latent_hw: tuple[int, int], batch: int = 1) -> tuple[torch.device, tuple[int, int]]:
         if self.storage_arg is not None:
-            return torch.device(self.storage_arg)
+            st = torch.device(self.storage_arg)
+            if st.type == self.device.type and st.index is None:
+                st = self.device
+            return st, self.tile
         if self.device.type != "cuda":
-            return self.device
-        need = storage_bytes(self.vae, latent_hw, self.dtype) + estimate_tiled_bytes(
-            self.vae, latent_hw, self.tile, self.dtype
-        )
+            return self.device, self.tile
         free, _ = torch.cuda.mem_get_info(self.device)
-        limit = 0.85 * free if self.vram_budget is None else min(0.85 * free, self.vram_budget)
-        return self.device if need <= limit else torch.device("cpu")
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        weights = _decoder_weights_bytes(self.vae)  # already resident: counts against the budget, not free memory
+        cands, t = [self.tile], self.tile
+        for _ in range(2):  # a 2-4x smaller tile with device storage is still far faster than PCIe traffic
+            t = (t[0] // 2, t[1] // 2)
+            if min(t) < max(self.min_tile, 8):
+                break
+            cands.append(t)
+        for t in cands:
+            need = estimate_tiled_bytes(self.vae, latent_hw, t, self.dtype, storage_on_device=True, batch=batch,
+                                        include_weights=False, kernels=self.kernels,
+                                        shape="bands" if self.bands else "tiles")
+            if need <= 0.9 * free and (self.vram_budget is None or need + weights <= self.vram_budget):
+                return self.device, t
+        return torch.device("cpu"), self.tile
 
     def _alloc(self, c: int, h: int, w: int) -> torch.Tensor:
         pin = self.storage.type == "cpu" and self.device.type == "cuda"
-        t = torch.empty(1, c, h, w, dtype=self.dtype, device=self.storage, pin_memory=pin)
-        if self.memory_format is torch.channels_last:  # (empty() cannot pin and pick a format at once)
-            t = t.as_strided((1, c, h, w), (c * h * w, 1, w * c, c))
-        return t
+        if self.storage_format is torch.channels_last:
+            return torch.empty(1, h, w, c, dtype=self.dtype, device=self.storage, pin_memory=pin).permute(0, 3, 1, 2)
+        return torch.empty(1, c, h, w, dtype=self.dtype, device=self.storage, pin_memory=pin)
 
-    def _to_storage(self, x: torch.Tensor) -> _Act:
-        if x.device == self.storage:
-            a = _Act(x.contiguous(memory_format=self.memory_format), self.device)
-        else:
-            a = _Act(self._alloc(*x.shape[1:]), self.device)
-            a.t.copy_(x)
-        a.stats.merge(_Moments.of_tile(x))
-        return a
+    def _new_stats(self, c: int, norm: nn.Module | None) -> _Moments | _KStats | None:
+        if self.kernels:
+            return _KStats(c, int(norm.num_groups)) if norm is not None else None
+        return _Moments(c, self.device)
+
+    def _consumer(self, i: int) -> nn.Module | None:
+        """The norm that pass i applies to its main input (the output of pass i-1, or of the mid-block)."""
+        if i >= len(self.passes):
+            return None
+        ps = self.passes[i]
+        if ps.kind == "res1":
+            return ps.module.norm1
+        if ps.kind == "res2":
+            return ps.module.norm2
+        if ps.kind == "head":
+            return self.dec.conv_norm_out
+        return None
 
     def _tile_px(self, scale: int) -> tuple[int, int]:
-        return self.cur_tile[0] * scale, self.cur_tile[1] * scale
+        return _tile_geometry(self.lat_hw, self.cur_tile, scale, self.bands)
 
-    def _read(self, act: _Act, y0: int, y1: int, x0: int, x1: int, halo: int):
-        """Tile [y0:y1, x0:x1] of `act` plus up to `halo` px of context, clamped to the image, on the compute device
-        (a view when storage is the compute device). Returns (region, oy, ox): the tile's offset inside the region."""
-        h, w = act.hw
-        ya, yb, xa, xb = max(y0 - halo, 0), min(y1 + halo, h), max(x0 - halo, 0), min(x1 + halo, w)
-        t = act.t[:, :, ya:yb, xa:xb]
-        if t.device != self.device:
-            t = t.to(self.device, non_blocking=True)
-        return t, y0 - ya, x0 - xa
+    # -- per-tile building blocks ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _stat_pieces(t: torch.Tensor) -> list[torch.Tensor]:
+        """t itself, or row slices of it each below the stats kernels' int32 limit (their partials concatenate)."""
+        if t[0].numel() < _STATS_MAX_NUMEL:
+            return [t]
+        rows = max(1, (_STATS_MAX_NUMEL - 1) // (t.shape[1] * t.shape[3]))
+        return [t[:, :, r : r + rows] for r in range(0, t.shape[2], rows)]
+
+    def _stats_buffers(self, view: torch.Tensor, norm: nn.Module) -> list[torch.Tensor]:
+        """Preallocated partials buffers for `_stats(view, ..., out=)`."""
+        return [torch.empty(self._k["shape"](p, int(norm.num_groups)), device=self.device, dtype=torch.float32)
+                for p in self._stat_pieces(view)]
+
+    def _stats(self, o: torch.Tensor, bias: torch.Tensor | None, norm: nn.Module | None, out=None):
+        """Tile statistics of o (+ pending bias) for the norm that will read it (None: nobody will): kernel path, a
+        list of partials (one per row piece); torch path, per-channel moments."""
+        if norm is None:
+            return None
+        if not self.kernels:
+            return _Moments.of_tile(o)
+        if not _flat(o):
+            o = o.contiguous(memory_format=_layout_of(o))
+        pieces = self._stat_pieces(o)
+        outs = out if out is not None else [None] * len(pieces)
+        return [self._k["partials"](p, int(norm.num_groups), x_bias=bias, out=b) for p, b in zip(pieces, outs)]
+
+    def _to_storage(self, x: torch.Tensor, norm: nn.Module | None) -> _Act:
+        part = self._stats(x, None, norm)
+        x = x.contiguous(memory_format=self.storage_format)
+        if self.mover.remote:
+            t = self._alloc(*x.shape[1:])
+            self.mover.put(t, 0, x.shape[2], 0, x.shape[3], x)
+        else:
+            t = x
+        a = _Act(t, self._new_stats(x.shape[1], norm))
+        a.stats.add(part) if a.stats is not None else None
+        return a
+
+    def _read(self, act: _Act, y0: int, y1: int, x0: int, x1: int, hy: int, hx: int | None = None):
+        """Tile [y0:y1, x0:x1] of `act` plus up to (hy, hx) px of context, clamped to the image, on the compute
+        device (a view when storage is the compute device). Returns (region, oy, ox): the tile's offset in it."""
+        hx = hy if hx is None else hx
+        ya, yb, xa, xb = _region(act.hw, y0, y1, x0, x1, hy, hx)
+        return self.mover.get(act.t, ya, yb, xa, xb), y0 - ya, x0 - xa
 
     def _norm_act(self, x: torch.Tensor, act: _Act, norm: nn.Module, nonlin: nn.Module) -> torch.Tensor:
-        """GroupNorm with the statistics of the whole activation, then the model's nonlinearity. Always returns a
-        fresh tensor (never a view of a storage buffer)."""
+        """Torch path: GroupNorm with the statistics of the whole activation, then the model's nonlinearity. Always
+        returns a fresh tensor (never a view of a storage buffer)."""
         shift, scale = act.stats.affine(norm, self.device)
         y = torch.addcmul(shift, x, scale)  # fp32 (promoted), one pass
         if y.dtype != self.dtype:
             y = y.to(self.dtype)
         if getattr(norm, "silu", False) is True:  # a fused GroupNorm+SiLU module (stages/fused_norms.py)
             y = F.silu(y, inplace=True)
-        if type(nonlin) is nn.SiLU and not nonlin._forward_hooks and not nonlin._forward_pre_hooks:
+        if type(nonlin) is nn.SiLU and _no_hooks(nonlin):
             return F.silu(y, inplace=True)
         return nonlin(y)
 
-    def _write(self, dst: _Act | torch.Tensor, y0: int, y1: int, x0: int, x1: int, val: torch.Tensor) -> None:
-        t = dst.t if isinstance(dst, _Act) else dst
-        t[:, :, y0:y1, x0:x1].copy_(val, non_blocking=True)
+    def _folds(self, conv: nn.Module, norm: nn.Module, nonlin: nn.Module) -> bool:
+        """Kernel path, norm -> act -> conv with the conv's bias left pending (and padding done by the apply)."""
+        return self.kernels and _is_plain_conv(conv) and _act_mode(norm, nonlin)[1] is None
 
-    def _run(self, ps: _Pass, hw: tuple[int, int], fn: Callable[[int, int, int, int], None]) -> None:
-        """Run `fn` on every tile of a pass; on OOM halve the tile and resume without redoing finished tiles."""
+    def _halo(self, conv: nn.Module, norm: nn.Module, nonlin: nn.Module) -> tuple[int, int]:
+        if self._folds(conv, norm, nonlin):
+            return conv.kernel_size[0] // 2, conv.kernel_size[1] // 2
+        return 1, 1
+
+    def _norm_conv(self, src: _Act, norm, nonlin, conv, y0, y1, x0, x1, drop=None):
+        """conv(drop(act(norm(src)))) on tile [y0:y1, x0:x1] -> (output tile, bias still to add or None)."""
+        h, w = y1 - y0, x1 - x0
+        hy, hx = self._halo(conv, norm, nonlin)
+        t, oy, ox = self._read(src, y0, y1, x0, x1, hy, hx)
+        if not self.kernels:
+            a = self._norm_act(t, src, norm, nonlin)
+            del t
+            if drop is not None:
+                a = drop(a)
+            return _conv_region(conv, a, oy, ox, h, w), None
+        mean, scale = src.stats.affine(norm)
+        silu, post = _act_mode(norm, nonlin)
+        if self._folds(conv, norm, nonlin):
+            ya, xa = y0 - oy, x0 - ox
+            pad = (hy - oy, y1 + hy - (ya + t.shape[-2]), hx - ox, x1 + hx - (xa + t.shape[-1]))
+            a = self._k["apply"](t, mean, scale, norm.bias, silu, x_bias=src.bias, pad=pad)  # zero ring = padding
+            del t
+            if drop is not None:
+                a = drop(a)
+            return F.conv2d(a, conv.weight, None, 1, 0, 1, conv.groups), conv.bias
+        a = self._k["apply"](t, mean, scale, norm.bias, silu, x_bias=src.bias)
+        del t
+        if post is not None:
+            a = post(a)
+        if drop is not None:
+            a = drop(a)
+        o = _conv_region(conv, a, oy, ox, h, w)
+        return (o if _flat(o) else o.contiguous(memory_format=_layout_of(o))), None
+
+    # -- the tile loop -----------------------------------------------------------------------------------------------
+
+    def _run(self, ps: _Pass, hw: tuple[int, int], fn: Callable[[int, int, int, int], None],
+             reads: Callable[[int, int, int, int], list] | None = None) -> None:
+        """Run `fn` on every tile of a pass; on OOM halve the tile and resume without redoing finished tiles.
+        `reads(tile)` lists the regions a tile reads ((tensor, ya, yb, xa, xb)): with remote storage the current
+        tile's and the next tile's regions are requested before the tile runs (the copies overlap its compute)."""
+        self.mover.begin_pass()
         queue = deque(_tiles(*hw, *self._tile_px(ps.scale)))
         while queue:
             y0, y1, x0, x1 = queue.popleft()
@@ -477,12 +889,21 @@ class TiledDecoder:
                 continue
             oom = False
             try:
+                if reads is not None and self.mover.remote:
+                    for r in reads(y0, y1, x0, x1):
+                        self.mover.prefetch(*r)
+                    if queue:
+                        ny0, ny1, nx0, nx1 = queue[0]
+                        if ny1 - ny0 <= th and nx1 - nx0 <= tw:
+                            for r in reads(ny0, ny1, nx0, nx1):
+                                self.mover.prefetch(*r)
                 fn(y0, y1, x0, x1)
             except _OOM_ERRORS:
                 if max(self.cur_tile) <= self.min_tile:
                     raise
                 oom = True  # handled below, once the traceback (and the tile's tensors it holds) is released
             if oom:
+                self.mover.drop()
                 self.cur_tile = tuple(max(self.min_tile, t // 2) for t in self.cur_tile)
                 self.info["shrinks"] += 1
                 self.info["oom_events"].append((ps.name, (y0, y1, x0, x1), self.cur_tile))
@@ -503,129 +924,201 @@ class TiledDecoder:
             x = pqc(x)
         x = dec.conv_in(x)
         x = dec.mid_block(x, None)
-        cur = self._to_storage(x)
+        cur = self._to_storage(x, self._consumer(0))
         del x
         h, w = cur.hw
         # ---- tiled passes; each pass method returns its output activation and drops its inputs
         h1: _Act | None = None
-        for ps in self.passes:
+        for i, ps in enumerate(self.passes):
             hw = (h * ps.scale, w * ps.scale)
             if ps.kind == "res1":
-                h1 = self._pass_res1(ps, hw, cur)
+                h1 = self._pass_res1(i, ps, hw, cur)
             elif ps.kind == "res2":
-                cur = self._pass_res2(ps, hw, cur, h1)
+                cur = self._pass_res2(i, ps, hw, cur, h1)
                 h1 = None
             elif ps.kind == "up":
-                cur = self._pass_up(ps, hw, cur)
+                cur = self._pass_up(i, ps, hw, cur)
             else:
-                self._pass_head(ps, hw, cur, out)
+                self._pass_head(i, ps, hw, cur, out)
                 cur = None
-        if self.storage.type == "cpu" and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        self.mover.finish()
 
-    def _pass_res1(self, ps: _Pass, hw: tuple[int, int], src: _Act) -> _Act:
+    # -- passes ------------------------------------------------------------------------------------------------------
+
+    def _reads(self, act: _Act, hy: int, hx: int, extra: _Act | None = None):
+        """The `reads` callback of a pass that reads `act` with a (hy, hx) halo (+ `extra` at the tile itself)."""
+
+        def reads(y0, y1, x0, x1):
+            r = [(act.t, *_region(act.hw, y0, y1, x0, x1, hy, hx))]
+            if extra is not None:
+                r.append((extra.t, y0, y1, x0, x1))
+            return r
+
+        return reads
+
+    def _pass_res1(self, i: int, ps: _Pass, hw: tuple[int, int], src: _Act) -> _Act:
         """h1 = conv1(act(norm1(x))) -- x is kept (it is the residual)."""
         blk = ps.module
-        dst = _Act(self._alloc(ps.cout, *hw), self.device)
+        norm_next = self._consumer(i + 1)
+        fold = self._folds(blk.conv1, blk.norm1, blk.nonlinearity) and blk.conv1.bias is not None
+        dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
+                   blk.conv1.bias.detach() if fold else None)
+        self.info["bias_folded"] += int(fold)
 
         def fn(y0, y1, x0, x1):
-            t, oy, ox = self._read(src, y0, y1, x0, x1, 1)
-            a = self._norm_act(t, src, blk.norm1, blk.nonlinearity)
-            del t
-            o = _conv_region(blk.conv1, a, oy, ox, y1 - y0, x1 - x0)
-            del a
-            st = _Moments.of_tile(o)
-            self._write(dst, y0, y1, x0, x1, o)
-            dst.stats.merge(st)
+            o, ob = self._norm_conv(src, blk.norm1, blk.nonlinearity, blk.conv1, y0, y1, x0, x1)
+            part = self._stats(o, ob, norm_next)
+            self.mover.put(dst.t, y0, y1, x0, x1, o)
+            if dst.stats is not None:
+                dst.stats.add(part)
 
-        self._run(ps, hw, fn)
+        self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv1, blk.norm1, blk.nonlinearity)))
         return dst
 
-    def _pass_res2(self, ps: _Pass, hw: tuple[int, int], res: _Act, src: _Act) -> _Act:
+    def _shortcut_bias(self, sc: nn.Module, res_bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Bias of sc(r + res_bias) = sc_nobias(r) + (W @ res_bias + sc.bias) for a plain 1x1 shortcut conv (fp32)."""
+        b = sc.bias.detach().float() if sc.bias is not None else None
+        if res_bias is not None:
+            wb = sc.weight.detach().float().reshape(sc.out_channels, sc.in_channels) @ res_bias.float()
+            b = wb if b is None else b + wb
+        return b
+
+    def _pass_res2(self, i: int, ps: _Pass, hw: tuple[int, int], res: _Act, src: _Act) -> _Act:
         """out = (shortcut(x) + conv2(dropout(act(norm2(h1))))) / output_scale_factor."""
         blk = ps.module
         sc_conv = getattr(blk, "conv_shortcut", None)
         drop = getattr(blk, "dropout", None)
         osf = float(getattr(blk, "output_scale_factor", 1.0))
-        res_t = res.t
+        norm_next = self._consumer(i + 1)
+        k = self.kernels
+        res_t, res_bias = res.t, res.bias
         # The block output may overwrite its input in place: a tile reads the residual only at its own pixels.
-        if sc_conv is None and ps.cout == ps.sc_cin:
-            dst = res
-            dst.stats = _Moments(ps.cout, self.device)
-        else:
-            dst = _Act(self._alloc(ps.cout, *hw), self.device)
+        inplace = sc_conv is None and ps.cout == ps.sc_cin
+        dst = _Act(res_t if inplace else self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next))
         del res
+        sc_plain = (k and sc_conv is not None and _is_plain_conv(sc_conv) and tuple(sc_conv.kernel_size) == (1, 1)
+                    and sc_conv.groups == 1)
+        sc_bias = self._shortcut_bias(sc_conv, res_bias) if sc_plain else None
+        if k:
+            self.info["bias_folded"] += int(self._folds(blk.conv2, blk.norm2, blk.nonlinearity)
+                                            and blk.conv2.bias is not None) + int(sc_plain and sc_conv.bias is not None)
 
         def fn(y0, y1, x0, x1):
-            t, oy, ox = self._read(src, y0, y1, x0, x1, 1)
-            a = self._norm_act(t, src, blk.norm2, blk.nonlinearity)
-            del t
-            if drop is not None:
-                a = drop(a)
-            o = _conv_region(blk.conv2, a, oy, ox, y1 - y0, x1 - x0)
-            del a
-            r = res_t[:, :, y0:y1, x0:x1]
-            if r.device != self.device:
-                r = r.to(self.device, non_blocking=True)
-            if sc_conv is not None:
-                r = _conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0)
-            o = r + o
-            del r
-            if osf != 1.0:
-                o = o / osf
-            st = _Moments.of_tile(o)
-            self._write(dst, y0, y1, x0, x1, o)
-            dst.stats.merge(st)
+            o, ob = self._norm_conv(src, blk.norm2, blk.nonlinearity, blk.conv2, y0, y1, x0, x1, drop=drop)
+            r = self.mover.get(res_t, y0, y1, x0, x1)
+            if not k:  # torch path
+                if sc_conv is not None:
+                    r = _conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0)
+                o = r + o
+                del r
+                if osf != 1.0:
+                    o = o / osf
+                st = self._stats(o, None, norm_next)
+                self.mover.put(dst.t, y0, y1, x0, x1, o)
+                dst.stats.add(st)
+                return
+            rb = res_bias
+            if sc_plain:
+                r, rb = F.conv2d(r, sc_conv.weight, None), sc_bias
+            elif sc_conv is not None:
+                if res_bias is not None:
+                    r = r + res_bias.to(r.dtype).view(1, -1, 1, 1)
+                r, rb = _conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0), None
+            view = dst.t[:, :, y0:y1, x0:x1]
+            if not self.mover.remote and _flat(view):
+                # straight into the buffer (in place over the residual when there is no shortcut). Every allocation
+                # of the tile comes first, so an OOM can never follow a partial overwrite of the residual.
+                pbuf = self._stats_buffers(view, norm_next) if norm_next is not None else None
+                self._k["epilogue"](o, ob, r, osf, residual_bias=rb, out=view)
+                del o, r
+                dst.stats.add(self._stats(view, None, norm_next, out=pbuf)) if norm_next is not None else None
+                return
+            y = self._k["epilogue"](o, ob, r, osf, residual_bias=rb)
+            del o, r
+            part = self._stats(y, None, norm_next)
+            self.mover.put(dst.t, y0, y1, x0, x1, y)
+            if dst.stats is not None:
+                dst.stats.add(part)
 
-        self._run(ps, hw, fn)
+        self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv2, blk.norm2, blk.nonlinearity),
+                                          extra=_Act(res_t, None)))
         return dst
 
-    def _pass_up(self, ps: _Pass, hw: tuple[int, int], src: _Act) -> _Act:
+    def _pass_up(self, i: int, ps: _Pass, hw: tuple[int, int], src: _Act) -> _Act:
         """2x nearest upsampling + 3x3 conv, computed per output tile from a source tile with a 1-px halo."""
         up = ps.module
-        dst = _Act(self._alloc(ps.cout, *hw), self.device)
         plain = _is_plain_upsampler(up)
+        conv = _up_conv(up) if plain else None
+        k = self.kernels
+        fold = bool(k and plain and _is_plain_conv(conv) and tuple(conv.kernel_size) == (3, 3))
+        norm_next = self._consumer(i + 1)
+        dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
+                   conv.bias.detach() if fold and conv.bias is not None else None)
+        self.info["bias_folded"] += int(fold and conv.bias is not None)
         H, W = hw
 
         def fn(y0, y1, x0, x1):
             # output tile [y0, y1) at 2x <- source rows [y0/2 - 1, y1/2 + 1), clamped to the image
             t, sy, sx = self._read(src, y0 // 2, (y1 + 1) // 2, x0 // 2, (x1 + 1) // 2, 1)
             uy0, ux0 = 2 * (y0 // 2 - sy), 2 * (x0 // 2 - sx)  # upsampled coords of t's first pixel
+            h, w = y1 - y0, x1 - x0
             if plain:
-                u = F.interpolate(t, scale_factor=2.0, mode="nearest")
+                if k:  # one kernel: (t + pending bias) written 2x nearest-upsampled, in t's layout
+                    if not _flat(t):
+                        t = t.contiguous(memory_format=_layout_of(t))
+                    u = self._k["epilogue"](t, src.bias, upsample2x=True)
+                else:
+                    u = F.interpolate(t, scale_factor=2.0, mode="nearest")
                 del t
                 # keep the upsampled rows [y0 - 1, y1 + 1) that exist in the image
                 ya, yb, xa, xb = max(y0 - 1, 0), min(y1 + 1, H), max(x0 - 1, 0), min(x1 + 1, W)
                 u = u[:, :, ya - uy0 : yb - uy0, xa - ux0 : xb - ux0]
-                o = _conv_region(_up_conv(up), u, y0 - ya, x0 - xa, y1 - y0, x1 - x0)
+                if fold:
+                    ph = 0 if (ya == y0 - 1 and yb == y1 + 1) else 1  # pad only where the image ends
+                    pw = 0 if (xa == x0 - 1 and xb == x1 + 1) else 1
+                    o = F.conv2d(u, conv.weight, None, 1, (ph, pw), 1, conv.groups)
+                    oy, ox = y0 - ya - 1 + ph, x0 - xa - 1 + pw
+                    if o.shape[-2:] != (h, w):
+                        o = o[:, :, oy : oy + h, ox : ox + w]  # rows only for bands: still one dense block
+                    ob = conv.bias
+                else:
+                    o, ob = _conv_region(conv, u, y0 - ya, x0 - xa, h, w), None
             else:
+                if src.bias is not None:  # (a pending bias reaches an upsampler only in unusual decoders)
+                    t = t + src.bias.to(t.dtype).view(1, -1, 1, 1)
                 u = up(t)
                 if u.shape[-2:] != (2 * t.shape[-2], 2 * t.shape[-1]):
                     raise TilingError(f"{ps.name}: upsampler is not a 2x size-preserving module")
                 del t
                 # u's rows at distance >= 1 from a non-border edge are exact
-                o = u[:, :, y0 - uy0 : y1 - uy0, x0 - ux0 : x1 - ux0]
+                o, ob = u[:, :, y0 - uy0 : y1 - uy0, x0 - ux0 : x1 - ux0], None
             del u
-            st = _Moments.of_tile(o)
-            self._write(dst, y0, y1, x0, x1, o)
-            dst.stats.merge(st)
+            part = self._stats(o, ob, norm_next)
+            self.mover.put(dst.t, y0, y1, x0, x1, o)
+            if dst.stats is not None:
+                dst.stats.add(part)
 
-        self._run(ps, hw, fn)
+        def reads(y0, y1, x0, x1):
+            return [(src.t, *_region(src.hw, y0 // 2, (y1 + 1) // 2, x0 // 2, (x1 + 1) // 2, 1, 1))]
+
+        self._run(ps, hw, fn, reads)
         return dst
 
-    def _pass_head(self, ps: _Pass, hw: tuple[int, int], src: _Act, out: torch.Tensor) -> None:
+    def _pass_head(self, i: int, ps: _Pass, hw: tuple[int, int], src: _Act, out: torch.Tensor) -> None:
         """conv_norm_out -> conv_act -> conv_out, written straight into the output image."""
         dec = self.dec
+        if self._folds(dec.conv_out, dec.conv_norm_out, dec.conv_act) and dec.conv_out.bias is not None:
+            self.info["bias_folded"] += 1
 
         def fn(y0, y1, x0, x1):
-            t, oy, ox = self._read(src, y0, y1, x0, x1, 1)
-            a = self._norm_act(t, src, dec.conv_norm_out, dec.conv_act)
-            del t
-            o = _conv_region(dec.conv_out, a, oy, ox, y1 - y0, x1 - x0)
-            del a
-            self._write(out, y0, y1, x0, x1, o)
+            o, ob = self._norm_conv(src, dec.conv_norm_out, dec.conv_act, dec.conv_out, y0, y1, x0, x1)
+            view = out[:, :, y0:y1, x0:x1]
+            if ob is not None:
+                self._k["epilogue"](o, ob, out=view)  # conv_out's bias added on the way into the image
+            else:
+                view.copy_(o)
 
-        self._run(ps, hw, fn)
+        self._run(ps, hw, fn, self._reads(src, *self._halo(dec.conv_out, dec.conv_norm_out, dec.conv_act)))
 
 
 def tiled_decode(
@@ -637,16 +1130,24 @@ def tiled_decode(
     return_info: bool = False,
     min_tile: int = 2,
     vram_budget: int | None = None,
+    kernels: bool | None = None,
+    shape: str = "auto",
+    overlap: bool = True,
 ):
     """Decode raw (unscaled) latents ``z_raw`` (N, C, h, w) with exact layer-streamed tiling.
 
     ``tile`` is the tile side in LATENT pixels (int or (h, w)); an output tile is ``tile * factor`` px (factor 8
     for SD/SDXL/SD3/FLUX), so tiles are always aligned to the VAE's factor. Sizes need not be multiples of the tile.
-    Returns images (N, 3, h*factor, w*factor) in [-1, 1] (model dtype, model device); with ``return_info=True``
-    returns ``(images, info)`` where info has ``shrinks`` (OOM tile halvings), ``final_tile``, ``tiles``, ``storage``.
-    ``storage``, ``progress``, ``min_tile`` and ``vram_budget``: see :class:`TiledDecoder`.
+    Returns images (N, 3, h*factor, w*factor) in [-1, 1] (model dtype, model device, model memory format); with
+    ``return_info=True`` returns ``(images, info)``: ``tile`` (the tile used: the planned one or, for device storage
+    under a budget, a halved one), ``planned_tile``, ``final_tile``, ``shrinks`` (OOM tile halvings),
+    ``oom_events``, ``tiles``, ``passes``, ``storage``, ``factor``, ``kernels``, ``shape``, ``overlap``,
+    ``bias_folded`` (conv biases folded per decode), ``bytes_h2d`` / ``bytes_d2h`` (host<->device tile traffic),
+    ``prefetch_hits``. ``storage``, ``progress``, ``min_tile``, ``vram_budget``, ``kernels``, ``shape``,
+    ``overlap``: see :class:`TiledDecoder`.
     """
-    td = TiledDecoder(vae, tile=tile, storage=storage, progress=progress, min_tile=min_tile, vram_budget=vram_budget)
+    td = TiledDecoder(vae, tile=tile, storage=storage, progress=progress, min_tile=min_tile, vram_budget=vram_budget,
+                      kernels=kernels, shape=shape, overlap=overlap)
     img = td.decode(z_raw)
     return (img, td.info) if return_info else img
 
@@ -676,6 +1177,64 @@ def storage_bytes(vae: nn.Module, latent_hw: Sequence[int], dtype: torch.dtype =
     return int(worst)
 
 
+def _attention_extra(dec: nn.Module, tokens: int, b: int) -> int:
+    """Score memory of the mid-block attention beyond its activations: the fused_epilogues chunked processor keeps
+    one fp32 score chunk (<= its max_score_bytes) and its probabilities in the model dtype. Stock SDPA is assumed
+    to pick a memory-efficient kernel (no tokens^2 matrix)."""
+    extra = 0
+    mid = getattr(dec, "mid_block", None)
+    for m in mid.modules() if mid is not None else ():
+        proc = getattr(m, "processor", None)
+        if proc is not None and type(proc).__name__ == "ChunkedAttnProcessor":
+            s = min(tokens * tokens * 4, int(getattr(proc, "max_score_bytes", 512 << 20)))
+            extra = max(extra, s + s * b // 4)
+    return extra
+
+
+def _pass_bytes(ps: _Pass, ty: int, tx: int, b: int, kernels: bool, remote: bool, tiles2d: bool) -> int:
+    """Compute-device working set of one tile of pass `ps` ((ty, tx) px at its resolution), modelled on the code:
+    remote storage adds the fetched regions twice (current + prefetched) and the output of the previous tile whose
+    device->host write is still in flight; 2D tiles add the relayout copies that row bands avoid."""
+    f32 = 4
+    low = b < f32
+    A, Ah = ty * tx, (ty + 2) * (tx + 2)
+    out = ps.cout * A * b
+    if ps.kind in ("res1", "res2", "head"):
+        region = ps.cin * Ah * b
+        fetched = 2 * region if remote else 0
+        has_sc = ps.kind == "res2" and (getattr(ps.module, "conv_shortcut", None) is not None or ps.sc_cin != ps.cout)
+        if kernels:
+            act = ps.cin * Ah * b  # the apply kernel's padded output, in the model dtype
+            if ps.kind == "res2":
+                resid = 2 * ps.sc_cin * A * b if remote else 0
+                rs = out if has_sc else 0
+                rc = ps.sc_cin * A * b if tiles2d else 0  # bias_residual makes a 2D-window residual dense
+                y = out if (remote or tiles2d) else 0  # else written in place
+                return fetched + resid + max(act + out, out + rs + rc + y) + (y if remote else 0)
+            return fetched + act + out + (out if (remote or ps.kind == "head") else 0)
+        # torch path: fp32 normalised tile, its cast, the conv output, an fp32 statistics temporary
+        norm = Ah * ps.cin * f32
+        act = Ah * ps.cin * b if low else norm
+        stats = out // b * f32 if low else 0
+        ws = max(fetched + norm + (Ah * ps.cin * b if low else 0), fetched + act + out, out + stats)
+        if ps.kind == "res2":
+            res = ps.sc_cin * A * b * (2 if remote else 0)
+            sc = out if ps.sc_cin != ps.cout else 0
+            ws = max(ws, act + out + res, out + res + sc, 3 * out + stats)
+        return ws + (out if remote else 0)
+    # up: source region (half resolution + halo) -> 2x nearest -> crop -> conv
+    As, Au, Ao = (ty // 2 + 2) * (tx // 2 + 2), (ty + 4) * (tx + 4), (ty + 2) * (tx + 2)
+    src = ps.cin * As * b
+    fetched = 2 * src if remote else 0
+    upd = ps.cin * Au * b
+    pending = out if remote else 0
+    if kernels:
+        copies = (src + ps.cin * Ao * b + out) if tiles2d else 0  # dense source, cuDNN's copy of the crop, stats
+        return fetched + upd + ps.cout * Ao * b + copies + pending
+    stats = out // b * f32 if low else 0
+    return max(fetched + upd, upd + out, out + stats) + pending
+
+
 def estimate_tiled_bytes(
     vae: nn.Module,
     latent_hw: Sequence[int],
@@ -684,56 +1243,48 @@ def estimate_tiled_bytes(
     storage_on_device: bool = False,
     include_output: bool = True,
     batch: int = 1,
+    *,
+    include_weights: bool = True,
+    kernels: bool | None = None,
+    shape: str = "auto",
+    device: torch.device | str | None = None,
 ) -> int:
     """Peak bytes :func:`tiled_decode` needs on the compute device for one sample at ``latent_hw`` with a latent
-    ``tile`` (same units as tiled_decode), excluding weights.
+    ``tile`` (same units as tiled_decode) -- an upper bound meant to be compared with a whole memory budget.
 
-    It is the max over the untiled latent-resolution part (conv_in + mid-block incl. attention, ~8 live activations,
-    assuming a memory-efficient SDPA kernel, i.e. no N^2 score matrix) and every tiled pass's working set, modelled
-    on the code: halo'd input tile (a copy only when storage is elsewhere), fp32 normalised tile, its cast to
-    ``dtype``, conv output, fp32 statistics temporary, residual/shortcut tiles; plus a 12.5% margin for convolution
-    workspaces. Samples of a batch are decoded one after another, so ``batch`` only scales the output image.
-    Added on top: the output image (``include_output``) and, with ``storage_on_device=True``, the
-    full-size activation buffers (:func:`storage_bytes`). The tiled part grows with the tile area and does not
-    depend on the image size; the latent-resolution part grows with the latent area (1/64 of the pixels).
-    Validated against a live-tensor tracker on CPU (docs/notes-tiling.md): within +0..+25% of the measured peak.
+    Sum of: the decoder weights (``include_weights``), the output image (``include_output``; ``batch`` samples),
+    the full-size buffers when ``storage_on_device`` (:func:`storage_bytes`; otherwise they are on the host and tile
+    regions are copied in -- prefetched one tile ahead -- and out), and the larger of
+      * the untiled latent-resolution part: conv_in + mid-block, ~8 activations of the mid-block width (+ an fp32
+        one for 16-bit dtypes) + the chunked attention's score block (stages/fused_epilogues; stock SDPA is assumed
+        memory-efficient), and
+      * the largest tiled pass's working set, modelled on the code for the path that will run (``kernels`` and
+        ``shape`` as tiled_decode decides them for the model's ``device`` when None): see `_pass_bytes`,
+    times 1.125 (CPU) or 1.10 plus CUDNN_WORKSPACE_BYTES for cuDNN workspaces (CUDA). The tiled part grows with the
+    tile area, the latent-resolution part with the latent area. Validated against a live-tensor tracker on CPU
+    (docs/notes-tiling.md).
     """
     h, w = latent_hw
     th, tw = _pair(tile)
     th, tw = min(th, h), min(tw, w)
     b = _dtype_bytes(dtype)
-    f32 = 4
-    low = b < f32
-    copy_in = 0 if storage_on_device else 1
+    dev = torch.device(device) if device is not None else _model_device(vae)
+    if kernels is None:
+        kernels = _kernels_usable(dev, dtype)[0]
+    bands = _use_bands(shape, kernels, dev)
     passes = _plan(vae)
+    dec = _decoder(vae)
     c_mid = passes[0].cin
-    peak = h * w * c_mid * (8 * b + (f32 if low else 0))
+    low = b < 4
+    peak = h * w * c_mid * (8 * b + (4 if low else 0)) + _attention_extra(dec, h * w, b)
     for ps in passes:
-        s = ps.scale
-        ty, tx = min(th * s, h * s), min(tw * s, w * s)
-        inner = ty * tx
-        if ps.kind in ("res1", "res2", "head"):
-            halo = (ty + 2) * (tx + 2) * ps.cin
-            read = copy_in * halo * b
-            norm = halo * f32
-            act = halo * b if low else norm  # after the cast (the fp32 temporary is dropped)
-            out = ps.cout * inner * b
-            stats = ps.cout * inner * f32 if low else 0
-            ws = max(read + norm + (halo * b if low else 0), act + out, out + stats)
-            if ps.kind == "res2":
-                res = ps.sc_cin * inner * b * copy_in
-                sc = ps.cout * inner * b if ps.sc_cin != ps.cout else 0
-                ws = max(ws, act + out + res, out + res + sc, 3 * out + stats)
-        else:  # up: source tile (half res + halo) -> 2x nearest -> conv
-            src = copy_in * ps.cin * (ty // 2 + 2) * (tx // 2 + 2) * b
-            upd = ps.cin * (ty + 4) * (tx + 4) * b
-            out = ps.cout * inner * b
-            stats = ps.cout * inner * f32 if low else 0
-            ws = max(src + upd, upd + out, out + stats)
-        peak = max(peak, ws)
-    total = int(peak * 1.125)
+        ty, tx = _tile_geometry((h, w), (th, tw), ps.scale, bands)
+        peak = max(peak, _pass_bytes(ps, ty, tx, b, kernels, not storage_on_device, not bands))
+    total = peak * CUDA_MARGIN + CUDNN_WORKSPACE_BYTES if dev.type == "cuda" else peak * 1.125
     if include_output:
         total += max(1, int(batch)) * passes[-1].cout * h * w * passes[-1].scale ** 2 * b
     if storage_on_device:
         total += storage_bytes(vae, latent_hw, dtype)
+    if include_weights:
+        total += _decoder_weights_bytes(vae)
     return int(total)

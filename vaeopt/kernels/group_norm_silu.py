@@ -17,6 +17,14 @@ bias and the bias is folded in here (one full read+write pass less per conv: ate
 separate broadcast kernel). Stats add it on load; finalize subtracts it from the per-channel mean it writes
 (mean' = mean_g - x_bias[c]), so apply is unchanged: (x - mean') * a + b = (x + x_bias - mean_g) * a + b.
 
+Split API (vaeopt/tiling.py's exact tiled decoder, whose norms need the statistics of a whole activation that is only
+ever seen a tile at a time): `group_norm_partials` runs the stats kernels on a tile (optionally with `x_bias`) and
+returns the per-chunk (count, mean, M2) partials -- partials of disjoint tiles concatenate into those of their union;
+`group_norm_finalize` merges any number of them exactly in one launch of the finalize kernel; `group_norm_apply`
+normalizes a region with given per-(n, channel) mean/scale (+ x_bias, affine bias, SiLU) in one read and one write
+in the model dtype, reading the region in place from a larger buffer (any strides) and optionally writing a zero ring
+around it (the next conv's padding). `merge_partials` is the float64 torch reference of the merge.
+
 Layouts: every tensor is seen as (N, C, S) with S = flattened spatial dims; "channels-first" means each sample is a
 contiguous [C, S] block (NCHW, NCDHW, (B, C, L)), "channels-last" means a contiguous [S, C] block (NHWC, NDHWC,
 (B, C, L) with channel stride 1). Anything else is made contiguous first (the only relayout, and only for odd strides).
