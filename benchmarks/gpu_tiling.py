@@ -218,7 +218,7 @@ def main() -> None:
                 continue
             clean()
             try:
-                torch.cuda.set_per_process_memory_fraction(min(1.0, gb * GIB / total_mem), dev)
+                torch.cuda.set_per_process_memory_fraction(min(1.0, gb * GIB / total_mem), torch.cuda.current_device())
                 pipe.opts.vram_budget_gb = float(gb)
                 plan = pipe.plan(tuple(z.shape))
                 outs, stats = [], []
@@ -248,7 +248,7 @@ def main() -> None:
                 record(wl, name, {"error": f"{type(e).__name__}: {str(e)[:200]}",
                                   "trace": traceback.format_exc()[-800:]})
             finally:
-                torch.cuda.set_per_process_memory_fraction(1.0, dev)
+                torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
                 pipe.opts.vram_budget_gb = None
                 clean()
         del ref, z
