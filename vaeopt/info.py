@@ -25,13 +25,14 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
         row("fp8", True, f"{g.sm} has FP8 tensor cores; opt-in (--fp8 on), gated on PSNR vs fp32")
     else:
         row("fp8", False, f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU")
-    for name in ("fused_norms", "channels_last", "graphs"):
+    for name in ("fused_norms", "fused_epilogues", "channels_last", "graphs"):
         try:
             mod = importlib.import_module(f"vaeopt.stages.{name}")
             ok, why = mod.available(dev)
         except ImportError as e:
             ok, why = False, f"not importable ({e})"
         what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
+                "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues, chunked attention",
                 "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
                 "graphs": "capture + replay for repeated same-shape decodes"}[name]
         row(name, ok, what if ok else why)
@@ -39,5 +40,5 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
     if g:
         row("planner", True, f"tiles/chunks planned from {g.free_gib:.1f} GiB free VRAM")
     else:
-        row("planner", True, "CPU: whole decode unless --tile/--chunk; video in 1-frame chunks")
+        row("planner", True, "CPU: whole decode unless --tile; video chunks planned from half the free host memory")
     return rows
