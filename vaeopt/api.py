@@ -208,6 +208,8 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
     if pipe.graphed is not None:
         for s in pipe.stages:
             if s.name == "graphs":
+                s.status = "applied" if pipe.graphed.captures else "skipped"
                 s.detail = pipe.graphed.report()
                 s.data = {"replays": pipe.graphed.replays, "captures": pipe.graphed.captures}
+                pipe.log(s.line())  # the measured outcome, after the decodes
     return results

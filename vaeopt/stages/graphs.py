@@ -80,4 +80,5 @@ class GraphedDecode:
 
 def apply(fn: Callable, device: torch.device, **_) -> tuple[GraphedDecode, StageResult]:
     g = GraphedDecode(fn, device)
-    return g, StageResult(NAME, "applied", "decode will be captured per latent shape on its first call and replayed")
+    # Not "applied" yet: nothing is captured until the first decode; run_jobs reports what really happened.
+    return g, StageResult(NAME, "skipped", "nothing captured yet: each latent shape is captured on its first decode")
