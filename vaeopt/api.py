@@ -15,7 +15,7 @@ from vaeopt import latents as lat
 from vaeopt import outputs
 from vaeopt.errors import VaeoptError
 from vaeopt.loading import LoadedVAE, load_vae
-from vaeopt.pipeline import Options, Pipeline
+from vaeopt.pipeline import DecodeStats, Options, Pipeline
 
 USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
 
@@ -190,7 +190,8 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
             try:
                 done = 0
                 total = pipe.family.output_frames(job.z_raw.shape[2])
-                for frames in pipe.iter_video(job.z_raw, plan):
+                vstats = DecodeStats()
+                for frames in pipe.iter_video(job.z_raw, plan, vstats):
                     writer.put(frames)
                     done += frames.shape[0]
                     if cb:
@@ -200,7 +201,8 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
                 raise
             writer.close()
             peak = torch.cuda.max_memory_allocated(pipe.device) if pipe.device.type == "cuda" else None
-            results.append(DecodeResult(job, time.perf_counter() - t0, peak, [job.outputs[0]], plan.to_dict()))
+            results.append(DecodeResult(job, time.perf_counter() - t0, peak, [job.outputs[0]], plan.to_dict(),
+                                        vstats.retries))
             continue
         decoded, stats = pipe.decode(job.z_raw, plan, progress=cb)
         written = write_job(job, decoded, fps)

@@ -226,12 +226,13 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
 
 LADDER = (
     # (row name, Options overrides) — each adds one stage on top of the previous row
-    ("vaeopt plain", dict(channels_last="off", triton="off", epilogues="off", attention="off", graphs="off", fp8="off",
-                          tiling="off")),
+    ("vaeopt plain", dict(channels_last="off", triton="off", epilogues="off", conv_kernel="off", attention="off",
+                          graphs="off", fp8="off", tiling="off")),
     ("+ fp8", dict(fp8="on")),
     ("+ channels_last", dict(channels_last="on")),
     ("+ fused norms (Triton)", dict(triton="auto", epilogues="off")),  # auto: on CPU it would only run interpreted
     ("+ fused epilogues", dict(epilogues="auto")),
+    ("+ Triton conv", dict(conv_kernel="auto")),
     ("+ attention backend", dict(attention="auto")),
     ("+ planner (tile/chunk)", dict(tiling="auto")),
     ("+ CUDA graphs", dict(graphs="on")),
@@ -266,7 +267,7 @@ def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
             if b.spec.is_video:
                 from vaeopt import video
 
-                return video.decode_video(pipe.model, z, chunk=plan.chunk or 1)
+                return video.decode_video(pipe.model, z, chunk=plan.chunk or 1, **pipe.video_tiling_kwargs(plan))
             if plan.mode == "tiled":
                 from vaeopt import tiling
 
@@ -291,7 +292,7 @@ def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
 def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: torch.device, dtype: torch.dtype,
                   peers: tuple[str, ...], repeats: int, warmup: int, fp8: bool, log: Callable[[str], None],
                   workload: str | None, command: str, model_overrides: dict | None = None,
-                  ladder_hook: Callable | None = None) -> dict:
+                  ladder_hook: Callable | None = None, gate_db: float = 40.0) -> dict:
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
     log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
@@ -306,7 +307,7 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         rows.append(b.run(f"diffusers {_dt_name(dtype)} + tiling", "peer", _peer_fn(b, dtype, tiling=True)))
     if "compile" in peers:
         rows.append(b.run(f"diffusers {_dt_name(dtype)} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
-    acc: dict = {}
+    acc: dict = {"gate_db": gate_db}
     for name, opts in LADDER:
         acc.update(opts)
         if name == "+ fp8" and not fp8:
@@ -324,7 +325,8 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         # a stage that reported "skipped" did nothing: show the row as skipped with its reason
         for s in r.stages:
             key = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
-                   "+ fused epilogues": "fused_epilogues", "+ attention backend": "attention",
+                   "+ fused epilogues": "fused_epilogues", "+ Triton conv": "triton_conv",
+                   "+ attention backend": "attention",
                    "+ CUDA graphs": "graphs"}.get(name)
             if key and s["name"] == key and s["status"] in ("skipped", "fallback"):
                 r.status, r.reason = s["status"], s["detail"]  # the stage did not run: no row of its own

@@ -142,8 +142,11 @@ def decode(
     triton: str = typer.Option("auto", "--triton", help="Fused Triton norm kernels: auto | on | off"),
     epilogues: str = typer.Option("auto", "--epilogues", help="Fused conv-bias/residual/upsample epilogues and "
                                                               "chunked wide-head attention: auto | on | off"),
+    conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
+                                                                  "faster than cuDNN (Wan's 96-ch Conv3d): auto | on | off"),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
     fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
+    fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
     fps: float = typer.Option(16.0, "--fps", help="Frames per second of MP4 output."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
                                                             "split into bands, many inputs are spread over ranks)."),
@@ -161,7 +164,7 @@ def decode(
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
-                   fp8=fp8, graphs=graphs,
+                   conv_kernel=conv_kernel, fp8=fp8, gate_db=fp8_gate, graphs=graphs,
                    tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
     opts.validate()
     if gpus is not None:
@@ -239,6 +242,7 @@ def benchmark(
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per row (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
     fp8: bool = typer.Option(False, "--fp8", help="Include the FP8 stage in the ladder."),
+    fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="FP8 fidelity gate (dB PSNR vs fp32) used by the ladder."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all numbers to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG bar chart (time and PSNR per row)."),
 ):
@@ -259,7 +263,7 @@ def benchmark(
     console.print(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
                   + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
-                              fp8=fp8, log=_log, workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
+                              fp8=fp8, gate_db=fp8_gate, log=_log, workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
     _print_bench(result)
     if json_out:
         from vaeopt.outputs import atomic_path

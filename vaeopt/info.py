@@ -25,7 +25,7 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
         row("fp8", True, f"{g.sm} has FP8 tensor cores; opt-in (--fp8 on), gated on PSNR vs fp32")
     else:
         row("fp8", False, f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU")
-    for name in ("fused_norms", "fused_epilogues", "channels_last", "graphs"):
+    for name in ("fused_norms", "fused_epilogues", "triton_conv", "channels_last", "graphs"):
         try:
             mod = importlib.import_module(f"vaeopt.stages.{name}")
             ok, why = mod.available(dev)
@@ -33,6 +33,7 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
             ok, why = False, f"not importable ({e})"
         what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
                 "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues, chunked attention",
+                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d (auto on sm_90, where measured)",
                 "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
                 "graphs": "capture + replay for repeated same-shape decodes"}[name]
         row(name, ok, what if ok else why)

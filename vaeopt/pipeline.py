@@ -1,7 +1,8 @@
 """The optimization pipeline: applies the stages in a fixed order to a loaded VAE, plans memory, decodes.
 
 Order (each stage logs one line: what it did with numbers, or why it was skipped):
-    precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> attention -> plan (tile/chunk) -> graphs
+    precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> triton_conv -> attention
+    -> plan (tile/chunk) -> graphs
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Options:
     triton: str = "auto"
     epilogues: str = "auto"  # conv bias folded into norms, fused residual(+upsample) epilogues, chunked attention
     attention: str = "auto"
+    conv_kernel: str = "auto"  # Triton implicit-GEMM conv for the layers where it measured faster than cuDNN
     fp8: str = "off"
     graphs: str = "auto"
     tiling: str = "auto"
@@ -44,7 +46,7 @@ class Options:
     gate_db: float = 40.0  # fidelity gate for lossy stages (PSNR vs fp32 reference)
 
     def validate(self) -> None:
-        for name in ("channels_last", "triton", "epilogues", "attention", "fp8", "graphs", "tiling"):
+        for name in ("channels_last", "triton", "epilogues", "attention", "conv_kernel", "fp8", "graphs", "tiling"):
             v = getattr(self, name)
             if v not in SWITCHES:
                 raise VaeoptError(f"--{name.replace('_', '-')} must be one of {', '.join(SWITCHES)}, got '{v}'")
@@ -109,7 +111,12 @@ class Pipeline:
                                  f"({time.perf_counter() - t0:.2f} s to move weights)"))
 
         # fp8
-        if o.fp8 == "off":
+        wan8 = fam.cls_name == "AutoencoderKLWan" and o.fp8 != "off"
+        if wan8:
+            self._record(StageResult.skipped("fp8", "Wan: FP8 compute runs as e4m3 implicit-GEMM convs ('fp8 convs', "
+                                                    "after the fused path is set up); weight-storage hooks would "
+                                                    "disable that path"))
+        elif o.fp8 == "off":
             self._record(StageResult.skipped("fp8", "off (enable with --fp8 on; gated at "
                                                     f"{o.gate_db:g} dB vs the fp32 decode)"))
         else:
@@ -143,6 +150,12 @@ class Pipeline:
         else:
             self._record(self._stage("fused_epilogues").apply(self.model, device=self.device))
 
+        self._apply_triton_conv()
+        if wan8 and o.conv_kernel == "off":
+            self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
+        elif wan8:
+            self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db))
+
         if o.attention == "off":
             self._record(StageResult.skipped("attention", "off"))
         else:
@@ -167,6 +180,22 @@ class Pipeline:
         except ImportError as e:
             return False, f"fused norm kernels not importable ({e})"
         return mod.available(self.device)
+
+    def _apply_triton_conv(self) -> None:
+        o = self.opts
+        name = "triton_conv"
+        cl = any(s.name == "channels_last" and s.status == "applied" for s in self.stages)
+        if o.conv_kernel == "off":
+            self._record(StageResult.skipped(name, "off"))
+        elif self.device.type != "cuda" and o.conv_kernel == "auto":
+            self._record(StageResult.skipped(name, "CPU decode: the Triton conv would run only through the "
+                                                   "interpreter (--conv-kernel on forces it)"))
+        elif not cl:
+            self._record(StageResult.skipped(name, "needs channels_last activations (the kernel reads NDHWC)"))
+        elif self.dtype == torch.float32 and self.device.type == "cuda":
+            self._record(StageResult.skipped(name, "fp32 decode: cuDNN kept (the kernel's fp32 dot would use TF32)"))
+        else:
+            self._record(self._stage(name).apply(self.model, device=self.device, force=o.conv_kernel == "on"))
 
     def _apply_fp8(self) -> None:
         try:
@@ -234,7 +263,7 @@ class Pipeline:
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self.family.is_video:
-                out = self._decode_video(z, plan, progress)
+                out = self._decode_video(z, plan, progress, stats)
             else:
                 out = self._decode_image(z, plan, stats, progress)
         if self.device.type == "cuda":
@@ -275,16 +304,45 @@ class Pipeline:
                                  f"{info['tile'][0] * f}px -> {info['final_tile'][0] * f}px; finished tiles kept")
             self.log("↩ " + stats.retries[-1])
 
-    def _decode_video(self, z, plan, progress) -> torch.Tensor:
+    @staticmethod
+    def video_tiling_kwargs(plan: planner.Plan) -> dict:
+        """decode_video / iter_decode_video keywords for a tiled video plan: spatial tile, split, cache storage."""
+        if plan.mode != "tiled":
+            return {}
+        return {"tile": plan.tile, "split": plan.split, "storage": plan.storage or "device"}
+
+    def _video_kwargs(self, plan: planner.Plan, info: dict) -> dict:
+        # oom_retry: a CUDA out-of-memory error restarts the clip with a smaller plan (vaeopt.video_tiling: tile,
+        # then chunk, then host caches; never the same plan twice); frames already handed out are not repeated.
+        return {"chunk": plan.chunk or 1, "oom_retry": True, "info": info, **self.video_tiling_kwargs(plan)}
+
+    def _video_report(self, info: dict, stats: DecodeStats | None) -> None:
+        if not info or stats is None:
+            return
+        stats.tiling = {"plan": info["plan"].describe(self.model), "tiles": info.get("tiles"),
+                        "halo": info.get("halo"), "shrinks": info.get("shrinks", 0),
+                        **{k: info[k] for k in ("cache_bytes", "bytes_h2d", "bytes_d2h") if k in info}}
+        for ev in info.get("oom_events", []):
+            nxt = ev["next"].describe(self.model) if ev["next"] is not None else "nothing smaller"
+            stats.retries.append(f"out of memory in the video decode ({ev['plan'].describe(self.model)}) after "
+                                 f"{ev['frames_done']} frames: decoded again with {nxt}, frames already out kept")
+            self.log("↩ " + stats.retries[-1])
+
+    def _decode_video(self, z, plan, progress, stats: DecodeStats | None = None) -> torch.Tensor:
         from vaeopt import video
 
         if self.family.cls_name != "AutoencoderKLWan":
             # vaeopt.video's exact chunk decoder covers Wan; other video VAEs (HunyuanVideo) use diffusers' decode
             return self.model.decode(z).sample.clamp(-1, 1)
-        return video.decode_video(self.model, z, chunk=plan.chunk or 1)
+        info: dict = {}
+        out = video.decode_video(self.model, z, **self._video_kwargs(plan, info))
+        self._video_report(info, stats)
+        return out
 
-    def iter_video(self, z_raw: torch.Tensor, plan: planner.Plan) -> Iterator[torch.Tensor]:
-        """Stream uint8 (T,H,W,3) frame groups of the first clip in the batch, for MP4 writing."""
+    def iter_video(self, z_raw: torch.Tensor, plan: planner.Plan,
+                   stats: DecodeStats | None = None) -> Iterator[torch.Tensor]:
+        """Stream uint8 (T,H,W,3) frame groups of the first clip in the batch, for MP4 writing. A tiled plan hands
+        out each chunk once all its tiles are done. `stats` gets the OOM retries and tiling info at the end."""
         from vaeopt import outputs, video
 
         z = z_raw.to(self.device, self.dtype)
@@ -292,4 +350,6 @@ class Pipeline:
             if self.family.cls_name != "AutoencoderKLWan":
                 yield outputs.to_uint8_images(self._decode_video(z, plan, None))[0]
                 return
-            yield from video.iter_decode_video(self.model, z, chunk=plan.chunk or 1)
+            info: dict = {}
+            yield from video.iter_decode_video(self.model, z, **self._video_kwargs(plan, info))
+            self._video_report(info, stats)

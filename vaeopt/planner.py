@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from vaeopt.errors import VaeoptError
 from vaeopt.families import CONFIG_DIR, FamilySpec
 
 RESERVE_FRACTION = 0.10  # headroom kept free for the allocator's fragmentation and cuDNN workspaces
@@ -33,9 +34,11 @@ class Plan:
     mode: str  # "whole", "tiled", "chunked"
     budget_bytes: int | None
     est_bytes: int
-    tile: int | None = None  # latent pixels per tile side
+    tile: int | tuple[int, int] | None = None  # latent pixels per tile side; video: (rows, cols) of a tile
     chunk: int | None = None  # latent frames per decoder call
     reason: str = ""
+    split: int | None = None  # video tiles: the first tiled up block (vaeopt.video_tiling)
+    storage: str | None = None  # video tiles: where the per-tile causal caches live, "device" or "host"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,7 +97,7 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
                 tiling: str = "auto") -> Plan:
     budget, why = budget_bytes(device, vram_budget_gb)
     if family.is_video:
-        return _plan_video(family, model, latent_shape, dtype, budget, why, chunk)
+        return _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
     whole = estimate_whole(family, model, latent_shape, dtype)
     if tile is not None or tiling == "on":
         t = tile or _largest_tile(family, model, latent_shape, dtype, budget or whole // 2)
@@ -132,20 +135,39 @@ def _largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
     return t
 
 
-def estimate_video(family, model, latent_shape, dtype, chunk: int) -> int:
-    """Peak bytes of a chunked video decode: the dry-run estimate of vaeopt.video (activations and static caches of
-    one chunk) + weights + the whole-clip output + 15% for allocator rounding and cuDNN workspaces."""
-    if family.cls_name != "AutoencoderKLWan":
-        return estimate_whole(family, model, latent_shape, dtype, chunk)
+def _video_flags(model) -> tuple[bool, bool]:
+    """(channels_last, fused) as vaeopt.video's decoder will run this model: what the estimates must model."""
     from vaeopt import video
 
-    eb = torch.tensor([], dtype=dtype).element_size()
     cl = any(m.weight.is_contiguous(memory_format=torch.channels_last_3d) and not m.weight.is_contiguous()
              for m in model.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.weight is not None)
-    act = video.estimate_chunk_bytes(model, latent_shape, chunk, dtype, channels_last=cl)
+    env = video._fused_from_env()
+    fused = env if env is not None else (video._has_fused_norms(model.decoder)
+                                         and bool(getattr(model, "_vaeopt_fused_epilogues", None)))
+    return cl, fused
+
+
+def estimate_video(family, model, latent_shape, dtype, chunk: int, tile=None, split: int | None = None,
+                   storage: str = "device") -> int:
+    """Peak bytes of a chunked (optionally spatially tiled) video decode: the dry-run estimate of vaeopt.video /
+    vaeopt.video_tiling (activations and causal caches of one chunk, on the path that will run: layout, fused
+    kernels) + weights + the whole-clip output + 15% for allocator rounding and cuDNN workspaces."""
+    if family.cls_name != "AutoencoderKLWan":
+        return estimate_whole(family, model, latent_shape, dtype, chunk)
+    from vaeopt import video_tiling
+
+    cl, fused = _video_flags(model)
+    act = video_tiling.estimate_tiled_video_bytes(model, latent_shape, chunk, tile, dtype, channels_last=cl,
+                                                  fused=fused, split=split, storage=storage)
+    return int(1.15 * act) + _video_fixed_bytes(family, model, latent_shape, dtype)
+
+
+def _video_fixed_bytes(family, model, latent_shape, dtype) -> int:
+    """Weights + decode_video's whole-clip output."""
+    eb = torch.tensor([], dtype=dtype).element_size()
     n, _, t, h, w = latent_shape
     out = n * 3 * family.output_frames(t) * h * family.spatial_factor * w * family.spatial_factor * eb
-    return int(1.15 * act + _weights_bytes(model, dtype) + out)
+    return _weights_bytes(model, dtype) + out
 
 
 def _host_budget() -> int:
@@ -155,29 +177,120 @@ def _host_budget() -> int:
         return 4 * 2**30
 
 
-def _plan_video(family, model, latent_shape, dtype, budget, why, chunk) -> Plan:
+def _tile_words(family, model, latent_shape, p, device, requested: bool = False) -> tuple[str, str]:
+    """('tile 1280x240px (3 bands), chunk 1', how the tiles run) for a video plan's reason."""
+    from vaeopt import video_tiling as vt
+
+    f = family.spatial_factor
+    rows, cols = p.tile
+    n = len(vt._regions(tuple(latent_shape[-2:]), rows, cols))
+    shape = ("band" if cols >= latent_shape[-1] else "tile") + ("s" if n != 1 else "")
+    halo, _ = vt.receptive_field(model, p.split)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    where = "pinned host memory" if p.storage == "host" else ("the GPU" if dev.type == "cuda" else str(dev))
+    return (f"tile {cols * f}x{rows * f}px{' requested' if requested else ''} ({n} {shape}), chunk {p.chunk}",
+            f"tiled from up block {p.split} (halo {halo}px at {vt._front_scale(model, p.split)}x latent "
+            f"resolution), one causal cache per tile on {where}")
+
+
+def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=None, tiling="auto",
+                device=None) -> Plan:
+    from vaeopt import video_tiling as vt
+
     t_lat = latent_shape[2]
     if family.cls_name != "AutoencoderKLWan":
+        if tile is not None or tiling == "on":
+            raise VaeoptError(f"--tile / --tiling on: spatial tiling of video covers Wan (AutoencoderKLWan) only; "
+                              f"{family.cls_name} decodes through diffusers (no --tile)")
         est = estimate_whole(family, model, latent_shape, dtype, t_lat)
         return Plan("whole", budget, est, reason=f"whole clip through diffusers' {family.cls_name}.decode (vaeopt's "
                                                  f"chunked video decoder covers Wan only): est. {gib(est)}")
-    if chunk is not None:
-        est = estimate_video(family, model, latent_shape, dtype, chunk)
-        return Plan("chunked", budget, est, chunk=chunk, reason=f"chunk {chunk} latent frames requested")
+    hw = tuple(latent_shape[-2:])
+    host = device is not None and torch.device(device).type == "cuda"  # pinned host caches need a CUDA device
+    chunks = [chunk] if chunk is not None else list(range(min(MAX_CHUNK, max(t_lat - 1, 1)), 0, -1))
     if budget is None:
         # CPU: bigger chunks are much faster here (fewer, larger convs: 15.8 s -> 4.4 s for a 5-frame clip of the tiny
         # model, docs/notes-video.md); plan them from half the available host memory.
         budget, why = _host_budget(), "half of the available host memory"
+
+    def video_plan(p, est: int, head: str) -> Plan:
+        return Plan("tiled", budget, est, tile=p.tile, chunk=p.chunk, split=p.split, storage=p.storage, reason=head)
+
+    if tile is not None:  # --tile: that tile; the largest chunk (or --chunk) and the cheapest cache storage that fit
+        split = vt.default_split(model)
+        t = vt.resolve_tile(tile, hw)
+        vt.check_tile(model, vt.TiledVideoPlan(1, t, split), hw)
+        tries = [vt.TiledVideoPlan(k, t, split, st) for k in chunks for st in (("device", "host") if host else
+                                                                                ("device",))]
+        tries.sort(key=lambda p: vt.plan_cost(model, hw, p, MAX_CHUNK))
+        ests = [(p, estimate_video(family, model, latent_shape, dtype, p.chunk, p.tile, p.split, p.storage))
+                for p in tries]
+        fit = [(p, e) for p, e in ests if e <= budget]
+        p, est = fit[0] if fit else min(ests, key=lambda pe: pe[1])
+        what, how = _tile_words(family, model, latent_shape, p, device, requested=True)
+        verdict = (f"est. {gib(est)} of {gib(budget)} budget ({why})" if fit else
+                   f"est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory")
+        return video_plan(p, est, f"{what}: {verdict}; {how}")
+
+    untiled = [(k, estimate_video(family, model, latent_shape, dtype, k)) for k in chunks]
+    if tiling != "on":
+        fit = [(k, e) for k, e in untiled if e <= budget]
+        if fit or tiling == "off":
+            if fit:
+                k, est = fit[0]  # chunks are in decreasing order
+                src = "requested" if chunk is not None else f"({family.temporal_factor * k} output frames) per call"
+                return Plan("chunked", budget, est, chunk=k,
+                            reason=f"chunk {k} latent frame(s) {src}: est. {gib(est)} of {gib(budget)} budget ({why})")
+            k, est = untiled[-1]
+            return Plan("chunked", budget, est, chunk=k,
+                        reason=f"chunk {k}: est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of "
+                               "memory (--tiling off)")
+    # The untiled decode does not fit (or tiling is forced): the cheapest tiled plan that does (plan_cost order:
+    # fewest halo rows, device caches before host caches), estimated by a dry run of the tiled decode itself.
+    # Bounds that skip dry runs which cannot fit: plans with the caches on the device need at least the untiled
+    # decode's caches; with host caches, the estimate falls as the bands get thinner, so the thinnest band of each
+    # (split, chunk) shows whether any of them can fit.
+    cands = vt.candidate_plans(model, hw, chunks, host, MAX_CHUNK)
+    device_floor = _video_fixed_bytes(family, model, latent_shape, dtype) + int(
+        1.15 * vt.cache_floor_bytes(model, latent_shape, dtype, _video_flags(model)[0]))
+    host_min: dict[tuple, int] = {}
     best = None
-    for k in range(1, min(MAX_CHUNK, max(t_lat - 1, 1)) + 1):
-        est = estimate_video(family, model, latent_shape, dtype, k)
+    for p in cands:
+        if p.storage == "device" and device_floor > budget:
+            continue
+        if p.storage == "host":
+            g = (p.split, p.chunk)
+            if g not in host_min:
+                thin = min((c for c in cands if (c.split, c.chunk, c.storage) == (*g, "host")), key=lambda c: c.tile[0])
+                host_min[g] = estimate_video(family, model, latent_shape, dtype, thin.chunk, thin.tile, thin.split,
+                                             thin.storage)
+                if best is None or host_min[g] < best[1]:
+                    best = (thin, host_min[g])
+            if host_min[g] > budget:
+                continue
+        est = estimate_video(family, model, latent_shape, dtype, p.chunk, p.tile, p.split, p.storage)
         if est <= budget:
-            best = (k, est)
-    if best is None:
-        est = estimate_video(family, model, latent_shape, dtype, 1)
-        return Plan("chunked", budget, est, chunk=1,
-                    reason=f"chunk 1: est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory")
-    k, est = best
-    return Plan("chunked", budget, est, chunk=k,
-                reason=f"chunk {k} latent frame(s) ({family.temporal_factor * k} output frames) per call: "
-                       f"est. {gib(est)} of {gib(budget)} budget ({why})")
+            what, how = _tile_words(family, model, latent_shape, p, device)
+            k1 = untiled[-1]
+            more = "tiling forced" if tiling == "on" and untiled[-1][1] <= budget else \
+                f"untiled chunk {k1[0]} would need {gib(k1[1])}"
+            return video_plan(p, est, f"{what}: est. {gib(est)} of {gib(budget)} budget ({why}); {how}; {more}")
+        if best is None or est < best[1]:
+            best = (p, est)
+    if best is None and not cands:  # a frame too small to tile
+        k, est = untiled[-1]
+        return Plan("chunked", budget, est, chunk=k, reason=f"chunk {k}: est. {gib(est)} exceeds the {gib(budget)} "
+                                                           f"budget ({why}) and the frame is too small to tile; may "
+                                                           "run out of memory")
+    if best is None:  # every plan was skipped by the bounds: the cheapest, with its estimate
+        p = cands[0]
+        best = (p, estimate_video(family, model, latent_shape, dtype, p.chunk, p.tile, p.split, p.storage))
+    p, est = best
+    if untiled[-1][1] <= est:
+        k, est = untiled[-1]
+        return Plan("chunked", budget, est, chunk=k, reason=f"chunk {k}: est. {gib(est)} exceeds the {gib(budget)} "
+                                                           f"budget ({why}), and no tiling needs less; may run out of "
+                                                           "memory")
+    what, how = _tile_words(family, model, latent_shape, p, device)
+    return video_plan(p, est, f"{what}: est. {gib(est)} exceeds the {gib(budget)} budget ({why}), the least of any "
+                              f"plan; {how}; may run out of memory")

@@ -64,8 +64,9 @@ reported in the info dict (``shrinks``).
 Public API: :func:`tiled_decode`, :class:`TiledDecoder`, :func:`estimate_tiled_bytes`, :func:`storage_bytes`,
 :func:`tile_from_pixels`.
 
-Not covered: video VAEs (AutoencoderKLWan / HunyuanVideo: causal 3D convs with temporal caches), AutoencoderTiny,
-decoders with SpatialNorm (MoVQ) or attention inside up-blocks; those raise :class:`TilingError`.
+Not covered: video VAEs (AutoencoderKLWan / HunyuanVideo: causal 3D convs with temporal caches; Wan has its own
+tiler, vaeopt/video_tiling.py), AutoencoderTiny, decoders with SpatialNorm (MoVQ) or attention inside up-blocks;
+those raise :class:`TilingError`.
 """
 
 from __future__ import annotations

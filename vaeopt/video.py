@@ -93,6 +93,7 @@ _NORM_SLICE_ELEMS = 1 << 26
 # over temporal windows of about _SPLIT_ELEMS / 2 elements.
 _SPLIT_ELEMS = 1 << 30
 _INT32_ELEMS = 2**31 - 1
+_E4M3 = getattr(torch, "float8_e4m3fn", None)
 
 
 def _wan():
@@ -217,6 +218,15 @@ def _plain_conv2d(m: nn.Module) -> bool:
     return type(m) is nn.Conv2d and m.padding_mode == "zeros" and _unhooked(m)
 
 
+def _igemm_weights(conv: nn.Module, x: Tensor):
+    """Packed weights when the triton_conv stage marked `conv` and x suits the kernel (not on meta dry runs)."""
+    if x.is_meta or not getattr(conv, "_vaeopt_igemm", False):
+        return None
+    from vaeopt.stages.triton_conv import packed_for
+
+    return packed_for(conv, x)
+
+
 def _meta_result(like: Tensor, shape: tuple) -> Tensor:
     """An empty meta tensor of `shape` in the layout our kernels would give a result computed from `like`."""
     from vaeopt.kernels import flat_layout
@@ -253,6 +263,7 @@ class _ChunkDecoder:
         self.fused = _fused_from_env() if fused is None else bool(fused)
         self.kern = False  # the fused kernel path is on for the current call
         self.stats: collections.Counter = collections.Counter()
+        self.fp8_scales: dict[nn.Module, float] = {}  # conv -> static e4m3 scale of its input (fp8 convs)
 
     def _kernels_on(self, z: Tensor) -> bool:
         if self.fused is False:
@@ -278,9 +289,19 @@ class _ChunkDecoder:
     def step(self, z: Tensor) -> Tensor:
         """z: (N, z_dim, k, h, w) raw latents of the next k frames -> decoder output (N, C_out, f, H, W), unclamped,
         before unpatchify; f = 1 + 4(k-1) on the first call, 4k after."""
-        # Activations are handed to the next block in a one-element list that the block empties (`box.pop()`), so
-        # that no caller keeps a block's input alive while the block runs (a full activation less at the peak).
-        # `xb` is a bias still owed to the activation in the box (its conv ran without it: the consumer folds it in).
+        n = len(self.dec.up_blocks)
+        box, xb = self.front(z, n)
+        return self.back(box, xb, n)
+
+    # A call can also run in two parts, front(z, s) then back(box, xb, s), with the activation between them (the
+    # input of up_blocks[s]) handed over in `box`: vaeopt.video_tiling runs the front once per chunk on the whole
+    # frame and the back per spatial tile, each tile with its own _ChunkDecoder (own causal caches).
+    # Activations are handed to the next block in a one-element list that the block empties (`box.pop()`), so that no
+    # caller keeps a block's input alive while the block runs (a full activation less at the peak). `xb` is a bias
+    # still owed to the activation in the box (its conv ran without it: the consumer folds it in).
+    def front(self, z: Tensor, stop: int) -> tuple[list[Tensor], Tensor | None]:
+        """post_quant_conv, conv_in, the mid-block and up_blocks[:stop] on the next k latent frames -> ([activation],
+        owed bias or None). Does not end the call: back() does (a caller running only the front sets `first`)."""
         with torch.no_grad():
             self.kern = self._kernels_on(z)
             x = self._conv(self.vae.post_quant_conv, z.contiguous(memory_format=self.mf))
@@ -298,7 +319,18 @@ class _ChunkDecoder:
                     box = [attn(box.pop())]
                 box = [self._block(res, box, None)]
             xb = None
-            for ub in self.dec.up_blocks:
+            for ub in self.dec.up_blocks[:stop]:
+                x, xb = self._upblock(ub, box, xb)
+                box = [x]
+                del x
+        return box, xb
+
+    def back(self, box: list[Tensor], xb: Tensor | None, start: int) -> Tensor:
+        """up_blocks[start:], norm_out and conv_out on the activation in `box` (emptied), which owes the bias `xb`
+        -> decoder output, as step(). Ends the call."""
+        with torch.no_grad():
+            self.kern = self._kernels_on(box[0])
+            for ub in self.dec.up_blocks[start:]:
                 x, xb = self._upblock(ub, box, xb)
                 box = [x]
                 del x
@@ -379,7 +411,19 @@ class _ChunkDecoder:
         k = T - hist
         per = N * max(C, conv.out_channels) * H * W  # elements per frame, input or output
         cb = conv.bias if bias else None
-        if per * T < _INT32_ELEMS:
+        if x.dtype == _E4M3:  # staged in e4m3 by _stage_k: the fp8 implicit-GEMM conv, output in the compute dtype
+            from vaeopt.kernels.conv import conv_igemm
+            from vaeopt.stages.triton_conv import packed_fp8
+
+            y = conv_igemm(x, packed_fp8(conv), cb, pad[1:], x_scale=self.fp8_scales[conv],
+                           out_dtype=conv.weight.dtype)
+            self.stats["fp8_conv"] += 1
+        elif (packed := _igemm_weights(conv, x)) is not None:  # triton_conv chose this layer (64-bit addressing)
+            from vaeopt.kernels.conv import conv_igemm
+
+            y = conv_igemm(x, packed, cb, pad[1:])
+            self.stats["triton_conv"] += 1
+        elif per * T < _INT32_ELEMS:
             y = F.conv3d(x, conv.weight, cb, 1, pad, 1, conv.groups)
         else:  # windows of [hist | g frames]: the same causal conv, in pieces
             g = max(4, _SPLIT_ELEMS // 2 // per)
@@ -488,14 +532,15 @@ class _ChunkDecoder:
         h, b, r, rb = self._res_parts(blk, box, xb, p)
         return self._epilogue(h, b, r, rb)
 
-    def _norm_k(self, p, x: Tensor, out: Tensor | None = None, xb: Tensor | None = None) -> Tensor:
+    def _norm_k(self, p, x: Tensor, out: Tensor | None = None, xb: Tensor | None = None,
+                out_scale: float | None = None) -> Tensor:
         self.stats["norm_kernel"] += 1
         if x.is_meta:  # dry run (estimate_chunk_bytes): only the result's storage
             return out if out is not None else _meta_result(x, tuple(x.shape))
         from vaeopt.kernels.rms_norm_silu import rms_norm_silu
 
         gamma, bias, scale, eps = p
-        return rms_norm_silu(x, gamma, bias, eps, True, scale=scale, x_bias=xb, out=out)
+        return rms_norm_silu(x, gamma, bias, eps, True, scale=scale, x_bias=xb, out=out, out_scale=out_scale)
 
     @staticmethod
     def _br(h: Tensor, bias=None, r=None, rb=None, *, upsample2x=False, groups=1, out=None) -> Tensor:
@@ -511,17 +556,37 @@ class _ChunkDecoder:
         return bias_residual(h, bias, r, upsample2x=upsample2x, residual_bias=rb, groups=groups, out=out)
 
     def _stage_k(self, conv, src: Tensor, p, xb: Tensor | None) -> Tensor:
-        """[history | rms_norm_silu(src + xb)] for a plain causal conv, the kernel writing into the buffer."""
+        """[history | rms_norm_silu(src + xb)] for a plain causal conv, the kernel writing into the buffer. For a
+        conv the triton_conv stage put on fp8, the buffer (and so the conv's history) is e4m3 with a static scale."""
         hist = self._hist(conv)
         N, C, k, H, W = src.shape
-        buf = torch.empty((N, C, hist + k, H, W), dtype=src.dtype, device=src.device, memory_format=self.mf)
+        s8 = self._fp8_scale(conv, p, src)
+        dt = src.dtype if s8 is None else _E4M3
+        buf = torch.empty((N, C, hist + k, H, W), dtype=dt, device=src.device, memory_format=self.mf)
         cache = self.cache.get(conv)
         if cache is None:
             buf[:, :, :hist].zero_()
         else:
             buf[:, :, :hist].copy_(cache)
-        self._norm_k(p, src, buf[:, :, hist:], xb)
+        self._norm_k(p, src, buf[:, :, hist:], xb, out_scale=s8)
         return buf
+
+    def _fp8_scale(self, conv, p, src: Tensor) -> float | None:
+        """The e4m3 scale of this conv's input when it runs on fp8 (triton_conv stage, fp8 on), else None. Static:
+        RMS norm bounds |x/||x||| by 1, so |silu(norm * scale * gamma + beta)| <= scale * max|gamma| + max|beta|; that
+        bound maps to e4m3's largest value (never saturates; e4m3 keeps 3 mantissa bits anywhere in its range)."""
+        if src.is_meta or self.mf is not torch.channels_last_3d or not getattr(conv, "_vaeopt_fp8conv", False):
+            return None
+        s8 = self.fp8_scales.get(conv)
+        if s8 is None:
+            gamma, beta, scale, _ = p
+            bound = scale * gamma.detach().float().abs().max().item()
+            if isinstance(beta, Tensor):
+                bound += beta.detach().float().abs().max().item()
+            elif beta:
+                bound += abs(float(beta))
+            s8 = self.fp8_scales[conv] = max(bound, 1e-12) / 448.0
+        return s8
 
     def _epilogue(self, h, b, r, rb, **kw) -> Tensor:
         self.stats["epilogue"] += 1
@@ -716,6 +781,16 @@ def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None,
         del y
 
 
+def _raw(vae, z: Tensor, sched: list[int], channels_last: bool | None, fused: bool | None, tile,
+         tiling: dict) -> Iterator[tuple[int, Tensor]]:
+    """_iter_raw, or vaeopt.video_tiling's tiled / OOM-retrying version when a tile or tiling options are given."""
+    if tile is None and not tiling:
+        return _iter_raw(vae, z, sched, channels_last, fused)
+    from vaeopt import video_tiling
+
+    return video_tiling.iter_raw(vae, z, sched, tile, channels_last=channels_last, fused=fused, **tiling)
+
+
 def _patch(vae) -> int:
     return int(vae.config.get("patch_size") or 1)
 
@@ -765,19 +840,21 @@ def to_uint8_frames(video: Tensor) -> Tensor:
 
 def decode_video(
     vae, z_raw: Tensor, chunk: Chunk = 4, *, channels_last: bool | None = None, out: Tensor | None = None,
-    fused: bool | None = None,
+    fused: bool | None = None, tile=None, **tiling,
 ) -> Tensor:
     """Decode a whole clip like diffusers' `vae.decode(z_raw).sample`: (N, C, T_out, H, W) in the VAE's dtype on its
     device, clamped to [-1, 1], T_out = 1 + 4(T-1). `chunk` latent frames per decoder call (see chunk_schedule);
     peak memory grows with it (estimate_chunk_bytes). The clip is written into one preallocated tensor (or `out`).
     `channels_last` None follows the decoder's Conv3d weights. `fused`: the Triton kernel path (conv biases folded,
     one-pass residual epilogues, kernel upsampling; see _ChunkDecoder): None = when the kernels can run and the
-    fused_norms stage is applied (or as $VAEOPT_VIDEO_FUSED says), True = required, False = torch ops only."""
+    fused_norms stage is applied (or as $VAEOPT_VIDEO_FUSED says), True = required, False = torch ops only.
+    `tile` (latent px: an int side -> row bands of that area, or (rows, cols)) decodes in spatial tiles with one causal
+    cache per tile; `tiling` keywords (split, storage, oom_retry, info, ...) go to vaeopt.video_tiling.iter_raw."""
     z = _prepare(vae, z_raw)
     p = _patch(vae)
     sched = chunk_schedule(z.shape[2], chunk)
     total = sum(output_frame_counts(sched, _temporal_factor(vae)))
-    for f0, y in _iter_raw(vae, z, sched, channels_last, fused):
+    for f0, y in _raw(vae, z, sched, channels_last, fused, tile, tiling):
         if out is None:
             out = torch.empty(_final_shape(y, p, total), dtype=y.dtype, device=y.device)
         elif tuple(out.shape) != _final_shape(y, p, total):
@@ -809,6 +886,8 @@ def iter_decode_video(
     reuse_buffers: bool = False,
     channels_last: bool | None = None,
     fused: bool | None = None,
+    tile=None,
+    **tiling,
 ) -> Iterator[Tensor]:
     """Decode a clip chunk by chunk, yielding consecutive groups of output frames on the CPU.
 
@@ -830,7 +909,7 @@ def iter_decode_video(
     runs on a side stream (ordered after chunk i's compute by an event) into a pinned buffer, and the device tensor
     is kept alive until that copy's event has completed. So the caller's work on chunk i overlaps the GPU decoding
     chunk i+1. copy_stream=False (and any CPU decode) is synchronous: decode, copy, yield.
-    `fused`: as in decode_video.
+    `fused`, `tile`, `tiling`: as in decode_video (a tiled chunk is handed out once all its tiles are done).
     """
     if output not in ("uint8", "float"):
         raise ValueError(f"output must be 'uint8' or 'float', not {output!r}")
@@ -847,7 +926,7 @@ def iter_decode_video(
     slots: _HostSlots | None = None
     pending: tuple[Tensor, torch.cuda.Event, Tensor] | None = None  # (host view, copy done, device source)
 
-    for f0, y in _iter_raw(vae, z, sched, channels_last, fused):
+    for f0, y in _raw(vae, z, sched, channels_last, fused, tile, tiling):
         N, C, f, H, W = _final_shape(y, p)
         shape = (f, H, W, C) if output == "uint8" else (N, C, f, H, W)
         dtype = torch.uint8 if output == "uint8" else y.dtype

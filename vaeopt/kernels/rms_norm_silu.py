@@ -22,6 +22,17 @@ import triton.language as tl
 from vaeopt.kernels import default_tile, flat_layout, new_like
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT8 = (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ()
+
+
+@triton.jit
+def _sat_e4m3(y, EXACT8: tl.constexpr):
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if EXACT8:  # round half up to the e4m3 grid (3 mantissa bits; subnormal spacing 2^-9), so the cast is exact
+        e = tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625)))
+        step = tl.exp2(e - 3.0)
+        y = tl.floor(y / step + 0.5) * step
+    return y
 
 
 @triton.jit
@@ -39,12 +50,15 @@ def _rms_cf_kernel(
     stride_yc,
     scale,
     eps,
+    out_mul,  # the result is multiplied by this before the store (1 / the fp8 scale of an e4m3 output)
     BLOCK_C: tl.constexpr,
     BLOCK_S: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK_C >= C: the tile holds whole channel vectors, x is read once
     HAS_BIAS: tl.constexpr,
     HAS_XB: tl.constexpr,
     SILU: tl.constexpr,
+    SAT8: tl.constexpr = False,  # e4m3 output: saturate to +-448 before the cast
+    EXACT8: tl.constexpr = False,  # and round to the e4m3 grid first (the CPU interpreter's fp8 cast misrounds)
 ):
     sb = tl.program_id(0)
     n = tl.program_id(1)
@@ -67,6 +81,9 @@ def _rms_cf_kernel(
             y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[:, None]
         if SILU:
             y = y / (1.0 + tl.exp(-y))  # SiLU
+        y = y * out_mul
+        if SAT8:
+            y = _sat_e4m3(y, EXACT8)
         tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -93,6 +110,9 @@ def _rms_cf_kernel(
                 y += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[:, None]
             if SILU:
                 y = y / (1.0 + tl.exp(-y))  # SiLU
+            y = y * out_mul
+            if SAT8:
+                y = _sat_e4m3(y, EXACT8)
             tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -110,12 +130,15 @@ def _rms_cl_kernel(
     stride_yn,
     scale,
     eps,
+    out_mul,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ONE_PASS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_XB: tl.constexpr,
     SILU: tl.constexpr,
+    SAT8: tl.constexpr = False,  # e4m3 output: saturate to +-448 before the cast
+    EXACT8: tl.constexpr = False,  # and round to the e4m3 grid first (the CPU interpreter's fp8 cast misrounds)
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
@@ -137,6 +160,9 @@ def _rms_cl_kernel(
             y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
         if SILU:
             y = y / (1.0 + tl.exp(-y))  # SiLU
+        y = y * out_mul
+        if SAT8:
+            y = _sat_e4m3(y, EXACT8)
         tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -162,6 +188,9 @@ def _rms_cl_kernel(
                 y += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
             if SILU:
                 y = y / (1.0 + tl.exp(-y))  # SiLU
+            y = y * out_mul
+            if SAT8:
+                y = _sat_e4m3(y, EXACT8)
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -207,6 +236,7 @@ def rms_norm_silu(
     tile: int | None = None,
     max_block_c: int = 1024,
     num_warps: int | None = None,
+    out_scale: float | None = None,
 ) -> torch.Tensor:
     """silu(F.normalize(x + x_bias, dim=1, eps) * scale * gamma + bias) for x (N, C, *spatial), fp32/bf16/fp16, fp32
     math.
@@ -216,7 +246,8 @@ def rms_norm_silu(
     without it. scale defaults to sqrt(C) as in WanRMS_norm. Output has x's dtype and memory format, or is written
     into `out` (x's shape; any supported float dtype; a view whose samples are [C, S] with contiguous S for a
     channels-first x, or contiguous [S, C] blocks for a channels-last x; other strides are filled by a copy) and
-    `out` is returned. `tile`, `max_block_c`, `num_warps` are tuning knobs (tests lower max_block_c to exercise the
+    `out` is returned. fp8: an `out` in float8_e4m3fn receives y / out_scale, saturated to +-448 (the fp8 conv
+    multiplies out_scale back in its epilogue). `tile`, `max_block_c`, `num_warps` are tuning knobs (tests lower max_block_c to exercise the
     two-loop path).
     """
     if x.dtype not in SUPPORTED_DTYPES:
@@ -239,9 +270,13 @@ def rms_norm_silu(
     if out is not None:
         if tuple(out.shape) != tuple(x.shape):
             raise ValueError(f"rms_norm_silu: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")
-        if out.dtype not in SUPPORTED_DTYPES or out.device != x.device:
+        if out.dtype not in SUPPORTED_DTYPES + OUT8 or out.device != x.device:
             raise ValueError(f"rms_norm_silu: out must be a float tensor on {x.device} ({out.dtype}, {out.device})")
     scale = float(C) ** 0.5 if scale is None else float(scale)
+    sat8 = out is not None and out.dtype in OUT8
+    if sat8 and not out_scale:
+        raise ValueError("rms_norm_silu: an e4m3 `out` needs out_scale")
+    out_mul = 1.0 / float(out_scale) if out_scale else 1.0
     if x.numel() == 0:
         return torch.empty_like(x) if out is None else out
     S = x[0, 0].numel()
@@ -255,7 +290,7 @@ def rms_norm_silu(
     kind, stride_n = (layout[0], layout[2]) if layout is not None else ("cf", xs[0])
     ys = _out_strides(out, kind, S) if out is not None else None
     if ys is None:
-        y = new_like(x, kind)
+        y = new_like(x, kind)  # e4m3 `out`: scaled and saturated here, rounded by the copy below
         ys = (C * S, S if kind == "cf" else 1)
     else:
         y = out
@@ -269,18 +304,18 @@ def rms_norm_silu(
         nw = num_warps or (4 if BLOCK_C * BLOCK_S <= 4096 else 8)
         stride_c = xs[1] if xs is not None else S
         _rms_cf_kernel[(triton.cdiv(S, BLOCK_S), N)](
-            x, y, g, b, xbp, C, S, stride_n, stride_c, ys[0], ys[1], scale, float(eps),
+            x, y, g, b, xbp, C, S, stride_n, stride_c, ys[0], ys[1], scale, float(eps), out_mul,
             BLOCK_C=BLOCK_C, BLOCK_S=BLOCK_S, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
-            SILU=silu, num_warps=nw,
+            SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu", num_warps=nw,
         )  # fmt: skip
     else:
         R = N * S
         BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
         nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
         _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
-            x, y, g, b, xbp, R, S, C, stride_n, ys[0], scale, float(eps),
+            x, y, g, b, xbp, R, S, C, stride_n, ys[0], scale, float(eps), out_mul,
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
-            SILU=silu, num_warps=nw,
+            SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu", num_warps=nw,
         )  # fmt: skip
     if out is not None and y is not out:  # an `out` whose strides the kernels cannot address directly
         out.copy_(y)

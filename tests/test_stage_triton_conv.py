@@ -1,0 +1,206 @@
+"""The triton_conv stage: which convs it picks, what it reports, and that Wan decodes through the kernel equal the
+stock diffusers decode (CPU, Triton interpreter: tests/conftest.py sets TRITON_INTERPRET=1)."""
+
+import pytest
+import torch
+
+from vaeopt import video
+from vaeopt.kernels import triton_available
+from vaeopt.stages import triton_conv
+
+from test_video_fused import _structure, _tiny_wan21, CROP  # noqa: F401  (shared fixtures' helpers)
+
+
+@pytest.fixture(autouse=True)
+def _backend():
+    ok, why = triton_available("cpu")
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def z(samples_dir):
+    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
+    return lat["bunny"].float()[:, :, :3, 10:11, 20:22].contiguous()  # 1x2 latent px: the interpreter is slow
+
+
+@pytest.fixture(scope="module")
+def ref(samples_dir, z):
+    with torch.no_grad():
+        return _tiny_wan21(samples_dir, fused=False).decode(z).sample
+
+
+def _eligible_count(vae, max_cout):
+    wan = video._wan()
+    return sum(isinstance(m, wan.WanCausalConv3d) and tuple(m.kernel_size) == (3, 3, 3)
+               and 16 <= m.out_channels <= max_cout for m in vae.decoder.modules())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_through_kernel_equals_diffusers(samples_dir, z, ref, fused, monkeypatch):
+    # the policy's cut at the tiny model's width: its 16-channel full-resolution convs, like Wan's 96-channel ones
+    # (all layers would work too, but the interpreter is slow)
+    monkeypatch.setattr(triton_conv, "MAX_COUT", 16)
+    monkeypatch.setattr(triton_conv, "MIN_COUT", 16)
+    vae = _tiny_wan21(samples_dir, fused=fused, channels_last=True)
+    r = triton_conv.apply(vae, device=torch.device("cpu"), force=True)
+    assert r.status == "applied"
+    n = _eligible_count(vae, 16)
+    assert n > 0 and r.data["layers"] == n and r.data["cudnn_layers"] > 0
+    assert f"{n} causal Conv3d" in r.detail
+    made = []
+
+    class Recording(video._ChunkDecoder):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    orig = video._ChunkDecoder
+    video._ChunkDecoder = Recording
+    try:
+        for chunk in ((1, 3) if fused else (2,)):  # schedules [1, 1, 1] and [3]
+            made.clear()
+            out = video.decode_video(vae, z, chunk)
+            assert (out - ref).abs().max().item() <= 1e-4, chunk
+            steps = len(video.chunk_schedule(z.shape[2], chunk))
+            assert made[0].stats["triton_conv"] == n * steps  # every marked conv ran on the kernel, every step
+    finally:
+        video._ChunkDecoder = orig
+    triton_conv.revert(vae)
+    assert not any(hasattr(m, "_vaeopt_igemm") or hasattr(m, "_vaeopt_igemm_packed") for m in vae.modules())
+
+
+def test_ncdhw_activations_stay_on_torch(samples_dir, z, ref):
+    """Marked convs with NCDHW inputs (channels_last off) are not sent to the NDHWC kernel."""
+    vae = _tiny_wan21(samples_dir, fused=False, channels_last=False)
+    assert triton_conv.apply(vae, device=torch.device("cpu"), force=True).status == "applied"
+    out, st = _decode_stats(vae, z)
+    assert "triton_conv" not in st and (out - ref).abs().max().item() <= 1e-4
+
+
+def _decode_stats(vae, z):
+    made = []
+
+    class Recording(video._ChunkDecoder):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    orig = video._ChunkDecoder
+    video._ChunkDecoder = Recording
+    try:
+        out = video.decode_video(vae, z, 2)
+    finally:
+        video._ChunkDecoder = orig
+    return out, dict(made[0].stats)
+
+
+def test_repacks_after_weight_change(samples_dir, z):
+    vae = _tiny_wan21(samples_dir, fused=False, channels_last=True)
+    triton_conv.apply(vae, device=torch.device("cpu"), force=True)
+    conv = next(m for m in vae.modules() if getattr(m, "_vaeopt_igemm", False))
+    x = torch.randn(1, conv.in_channels, 3, 4, 4).to(memory_format=torch.channels_last_3d)
+    p1 = triton_conv.packed_for(conv, x)
+    assert triton_conv.packed_for(conv, x) is p1  # cached
+    with torch.no_grad():
+        conv.weight.mul_(2)
+    p2 = triton_conv.packed_for(conv, x)
+    assert p2 is not p1 and torch.allclose(p2.w, p1.w * 2)
+    assert triton_conv.packed_for(conv, x.contiguous()) is None  # NCDHW: not for the kernel
+
+
+def test_skips_with_reasons(samples_dir):
+    from vaeopt.families import build_model, get_family
+
+    kl = build_model(get_family("sd15"), block_out_channels=[8, 8], layers_per_block=1,
+                     down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                     norm_num_groups=4)
+    r = triton_conv.apply(kl, device=torch.device("cpu"), force=True)
+    assert r.status == "skipped" and "no Conv3d" in r.detail
+    vae = _tiny_wan21(samples_dir, fused=False)
+    r = triton_conv.apply(vae, device=torch.device("cpu"))  # not forced: CPU is not a target
+    assert r.status == "skipped" and "no CUDA GPU" in r.detail
+    assert not any(hasattr(m, "_vaeopt_igemm") for m in vae.modules())
+
+
+def test_pipeline_reports(samples_dir):
+    from vaeopt.loading import load_vae
+    from vaeopt.pipeline import Options, Pipeline
+
+    def stage(**o):
+        lines = []
+        p = Pipeline(load_vae(samples_dir / "tiny_wan_video.safetensors"), Options(device="cpu", **o),
+                     log=lines.append)
+        return next(s for s in p.stages if s.name == "triton_conv")
+
+    s = stage()
+    assert s.status == "skipped" and "interpreter" in s.detail
+    assert stage(conv_kernel="off").detail == "off"
+    s = stage(conv_kernel="on", channels_last="off")
+    assert s.status == "skipped" and "channels_last" in s.detail
+    s = stage(conv_kernel="on", channels_last="on")
+    assert s.status == "applied"
+
+
+def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
+    """FP8 level 3 on the trained tiny Wan: the residual-block convs run on e4m3 inputs written by the RMS-norm
+    kernel (static scales), the probe PSNR vs fp32 is real, and the gate falls back with the number."""
+    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
+    z = lat["bunny"].float()[:, :, :2, 10:11, 20:22].contiguous()
+    vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z)
+    n = len(triton_conv.fp8_candidates(vae))
+    assert r.status == "applied" and r.data["layers"] == n > 0, r.line()
+    print(r.line())
+    assert 20.0 <= r.data["probe_db"] < r.data["bf16_probe_db"], r.data  # lossy, but not garbage
+    out, st = _decode_stats(vae, z)  # the marked convs really ran on fp8 (chunk 2: one step)
+    assert st["fp8_conv"] == n
+    with torch.no_grad():
+        ref = _tiny_wan21(samples_dir, fused=False).decode(z).sample
+    from vaeopt.fidelity import psnr
+
+    assert abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
+    # the gate: above what fp8 reaches -> fallback, marks removed, the number in the line
+    r2 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z)
+    assert r2.status == "fallback" and f"{r2.data['probe_db']:.1f} dB" in r2.detail and "< gate 99" in r2.detail
+    assert not any(getattr(m, "_vaeopt_fp8conv", False) for m in vae.modules())
+    out, st = _decode_stats(vae, z)
+    assert "fp8_conv" not in st
+
+
+def test_fp8_convs_need_the_fused_path(samples_dir, monkeypatch):
+    ok, why = triton_conv.fp8_available(torch.device("cpu"))
+    assert not ok and "no CUDA GPU" in why
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    vae = _tiny_wan21(samples_dir, fused=False, channels_last=True)
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32)
+    assert r.status == "skipped" and "fused Wan path" in r.detail
+
+
+def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
+    """When all candidates miss the gate, per-layer sensitivity decides: a layer made deliberately fp8-hostile (one
+    huge input channel that crushes the others' e4m3 precision under a per-tensor scale) is the one kept in the
+    compute dtype, and the rest run in fp8 above the gate."""
+    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
+    z = lat["bunny"].float()[:, :, :1, 10:11, 20:21].contiguous()
+    vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    cands = triton_conv.fp8_candidates(vae)[-3:]  # three full-resolution convs (fast under the interpreter)
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m: cands)
+    bad_name, bad = cands[1]
+    blk = next(b for n, b in vae.decoder.named_modules() if f"decoder.{n}.conv1" == bad_name or
+               f"decoder.{n}.conv2" == bad_name)
+    norm = blk.norm1 if bad_name.endswith("conv1") else blk.norm2
+    with torch.no_grad():  # channel 0 of the norm output becomes ~1e4x the rest; the conv undoes it exactly
+        norm.gamma.data[0] *= 1e4
+        bad.weight.data[:, 0] /= 1e4
+    r0 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z)
+    gate = r0.data["probe_db"] + 10  # above all-fp8, so the sensitivity pass must run
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0)
+    assert r.status == "applied", r.line()
+    assert r.data["kept"] == [bad_name] and r.data["layers"] == 2
+    assert r.data["probe_db"] >= gate
+    assert min(r.data["sensitivity_db"], key=r.data["sensitivity_db"].get) == bad_name
+    assert "most sensitive kept" in r.detail and bad_name.replace("decoder.", "") in r.detail
+    assert not getattr(bad, "_vaeopt_fp8conv") and all(getattr(m, "_vaeopt_fp8conv") for n, m in cands if m is not bad)

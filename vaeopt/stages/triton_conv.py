@@ -1,0 +1,261 @@
+"""Triton implicit-GEMM convolution for the layers where it beats cuDNN (vaeopt/kernels/conv.py).
+
+Measured on an H200 (benchmarks/results/h200_conv_2026-11-21*.json), bf16, one layer call each:
+    Wan causal Conv3d 96->96 ch, 3x3x3: 480p 3.22 ms cuDNN (an sm80 kernel, 247 TFLOP/s) vs 2.13 ms Triton;
+        720p 7.63 vs 5.33 ms.
+    192/384/512-ch convs (2D and 3D): cuDNN's sm90 kernels are faster (540-610 vs 370-450 TFLOP/s).
+So the policy is: Wan's stock causal Conv3d layers with a 3x3x3 kernel and at most 128 output channels run on the
+Triton kernel; every other conv stays on cuDNN. The policy was measured on sm_90 only: on other GPUs the stage is
+skipped in auto mode (cuDNN kept) and runs only when forced (--conv-kernel on).
+
+The stage marks the convs; vaeopt.video's chunk decoder runs a marked conv through the kernel (weights packed once
+per weight version, cached on the module). Image VAEs (Conv2d only) are left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vaeopt.stages import StageResult
+
+NAME = "triton_conv"
+MAX_COUT = 128  # measured: Triton wins at 96 output channels, cuDNN from 192 up
+MIN_COUT = 64  # narrower outputs (conv_out's 3 channels) were not measured: cuDNN
+MEASURED_SM = ((9, 0),)
+_MARK = "_vaeopt_igemm"
+_PACKED = "_vaeopt_igemm_packed"
+_MARK8 = "_vaeopt_fp8conv"
+_PACKED8 = "_vaeopt_fp8conv_packed"
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    from vaeopt.kernels import triton_available
+
+    if device.type != "cuda":
+        return False, "no CUDA GPU (the kernel runs on CPU only through the Triton interpreter, for tests)"
+    return triton_available(device)
+
+
+def _eligible(m: nn.Module) -> bool:
+    """A stock WanCausalConv3d that the kernel computes exactly: 3x3x3, stride/dilation 1, one group, 'same' spatial
+    padding done by the cache-aware caller, and few enough output channels that the kernel wins."""
+    try:
+        from diffusers.models.autoencoders import autoencoder_kl_wan as wan
+    except ImportError:  # pragma: no cover
+        return False
+    if type(m).forward is not wan.WanCausalConv3d.forward or m._forward_pre_hooks or m._forward_hooks:
+        return False
+    return (tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1) and tuple(m.dilation) == (1, 1, 1)
+            and m.groups == 1 and m.padding == (0, 0, 0) and m._padding[0] == 1 and m._padding[2] == 1
+            and MIN_COUT <= m.out_channels <= MAX_COUT and getattr(m, "weight", None) is not None)
+
+
+def apply(model: nn.Module, device: torch.device | None = None, force: bool = False, **_) -> StageResult:
+    device = device or next(model.parameters()).device
+    ok, why = available(device)
+    if not ok:
+        from vaeopt.kernels import triton_available
+
+        if not (force and device.type == "cpu" and triton_available(device)[0]):  # CPU: interpreter, tests only
+            return StageResult.skipped(NAME, why)
+    if device.type == "cuda" and not force:
+        cap = torch.cuda.get_device_capability(device)
+        if cap not in MEASURED_SM:
+            return StageResult.skipped(NAME, f"measured only on sm_90 (H200); cuDNN kept on sm_{cap[0]}{cap[1]} "
+                                             "(--conv-kernel on to force)")
+    # the decode path only: the encoder is never run by a decode (and its layers would inflate the count)
+    parts = [getattr(model, "post_quant_conv", None), getattr(model, "decoder", None)] if hasattr(
+        model, "decoder") else [model]
+    convs = [m for p in parts if p is not None for m in p.modules() if isinstance(m, nn.Conv3d)]
+    if not convs:
+        return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
+    chosen = [m for m in convs if _eligible(m)]
+    if not chosen:
+        return StageResult.skipped(NAME, f"none of {len(convs)} Conv3d layers has {MIN_COUT}-{MAX_COUT} output channels "
+                                         "and a 3x3x3 kernel (where the kernel beats cuDNN)")
+    for m in chosen:
+        setattr(m, _MARK, True)
+    shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen})
+    return StageResult(NAME, "applied",
+                       f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the Triton implicit-GEMM "
+                       f"kernel; {len(convs) - len(chosen)} wider Conv3d stay on cuDNN",
+                       {"layers": len(chosen), "cudnn_layers": len(convs) - len(chosen), "shapes": shapes})
+
+
+def revert(model: nn.Module) -> None:
+    for m in model.modules():
+        for a in (_MARK, _PACKED, _MARK8, _PACKED8):
+            if hasattr(m, a):
+                delattr(m, a)
+
+
+def packed_for(conv: nn.Module, x: torch.Tensor):
+    """The conv's PackedWeight for input x when the stage marked it and x suits the kernel, else None. Packed once
+    per weight version and dtype (a later weight change repacks)."""
+    if not getattr(conv, _MARK, False) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    if x.dtype == torch.float32 and x.device.type == "cuda":  # tl.dot would round fp32 operands to TF32
+        return None
+    if x.ndim != 5 or not x.is_contiguous(memory_format=torch.channels_last_3d):
+        return None
+    w = conv.weight
+    if w is None or w.device != x.device:
+        return None
+    key = (w.data_ptr(), w._version, x.dtype)
+    cached = getattr(conv, _PACKED, None)
+    if cached is None or cached[0] != key:
+        from vaeopt.kernels.conv import pack_weight
+
+        cached = (key, pack_weight(w.detach().to(x.dtype)))
+        setattr(conv, _PACKED, cached)
+    return cached[1]
+
+
+# ---- FP8 level 3: e4m3 implicit-GEMM convs for the residual blocks' 3x3x3 convs --------------------------------------
+# Measured on an H200 (benchmarks/results/h200_conv_2026-11-21b.json), one layer call, e4m3 operands vs cuDNN bf16:
+# 96 ch 480p 1.31 vs 3.11 ms, 192 ch 0.92 vs 1.45, 384 ch 0.50 vs 0.67. It pays only with the activation quantization
+# fused into the RMS-norm kernel that writes the conv's input (a torch quantize pass costs more than the conv), which
+# is what vaeopt.video's fused path does for convs marked here: their input buffers (and causal caches) are e4m3.
+
+
+def fp8_available(device: torch.device) -> tuple[bool, str]:
+    from vaeopt.kernels.conv import E4M3
+
+    if E4M3 is None:
+        return False, f"torch {torch.__version__} has no float8_e4m3fn"
+    if device.type != "cuda":
+        return False, "no CUDA GPU"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return False, f"GPU sm_{cap[0]}{cap[1]} has no FP8 tensor cores (needs sm_89+)"
+    return True, ""
+
+
+def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder's residual-block causal convs fed by RMS norm + SiLU (conv1, conv2), 3x3x3: where the fp8 input
+    can be written by the norm kernel. conv_in / conv_out / shortcuts / resample and time convs stay in bf16."""
+    wan_ok = []
+    dec = getattr(model, "decoder", None)
+    if dec is None:
+        return wan_ok
+    for name, m in dec.named_modules():
+        if name.endswith((".conv1", ".conv2")) and ".resnets." in name and isinstance(m, nn.Conv3d) and \
+                type(m).__name__ == "WanCausalConv3d" and tuple(m.kernel_size) == (3, 3, 3) and \
+                m.padding == (0, 0, 0) and m._padding[0] == 1 and m._padding[2] == 1 and m.groups == 1 and \
+                tuple(m.stride) == (1, 1, 1) and not m._forward_pre_hooks and not m._forward_hooks:
+            wan_ok.append((f"decoder.{name}", m))
+    return wan_ok
+
+
+def packed_fp8(conv: nn.Module):
+    """The conv's e4m3 K-major PackedWeight (per-output-channel scales), packed once per weight version."""
+    w = conv.weight
+    key = (w.data_ptr(), w._version)
+    cached = getattr(conv, _PACKED8, None)
+    if cached is None or cached[0] != key:
+        from vaeopt.kernels.conv import E4M3, pack_weight
+
+        cached = (key, pack_weight(w.detach(), E4M3))
+        setattr(conv, _PACKED8, cached)
+    return cached[1]
+
+
+def _probe_psnr(model: nn.Module, z: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(fp8 decode PSNR vs fp32, the bf16 path's PSNR vs fp32, ms of the fp8 probe) for the probe latents z, with the
+    fp8 marks as they are now. The fp32 reference is the same weights upcast, TF32 off."""
+    from vaeopt import video
+    from vaeopt.fidelity import psnr
+
+    marks = [m for m in model.modules() if getattr(m, _MARK8, False)]
+    for m in marks:
+        setattr(m, _MARK8, False)
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        model.float()
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        ref = video.decode_video(model, z.float()).float()
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        model.to(dtype)
+        base = video.decode_video(model, z.to(dtype)).float()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        model.to(dtype)
+        for m in marks:
+            setattr(m, _MARK8, True)
+    import time
+
+    t = time.perf_counter()
+    out = video.decode_video(model, z.to(dtype)).float()
+    ms = (time.perf_counter() - t) * 1000
+    return psnr(out, ref), psnr(base, ref), ms
+
+
+def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_db: float = 40.0,
+              probe: torch.Tensor | None = None, force: bool = False, margin_db: float = 0.5) -> StageResult:
+    """Mark the fp8 candidates, probe-decode, keep them only if the probe clears the gate (PSNR vs fp32). When all
+    of them miss it: measure each layer's sensitivity (the probe with only that layer in fp8), then keep the largest
+    set of the least sensitive layers that clears gate + margin (binary search on the count); else fall back."""
+    name = "fp8 convs"
+    ok, why = fp8_available(device)
+    if not ok and not force:
+        return StageResult.skipped(name, why)
+    from vaeopt import video
+
+    if not (video._has_fused_norms(model.decoder) and getattr(model, "_vaeopt_fused_epilogues", None)):
+        return StageResult.skipped(name, "needs the fused Wan path (fused_norms + fused_epilogues): the RMS-norm "
+                                         "kernel writes the convs' e4m3 inputs")
+    cands = fp8_candidates(model)
+    if not cands:
+        return StageResult.skipped(name, "no residual-block 3x3x3 causal convs fed by RMS norm (Wan) in this decoder")
+    if probe is None:
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randn((1, model.config.z_dim, 3, 16, 16), generator=g)
+    probe = probe.to(device)
+    dname = str(dtype).replace("torch.", "")
+
+    def mark(chosen):
+        ids = {id(m) for _, m in chosen}
+        for _, m in cands:
+            setattr(m, _MARK8, id(m) in ids)
+
+    mark(cands)
+    p8, pb, _ = _probe_psnr(model, probe, dtype)
+    stats = {"layers": len(cands), "probe_db": p8, "bf16_probe_db": pb, "gate_db": gate_db, "kept": []}
+    chosen, note = cands, ""
+    if not p8 >= gate_db:  # per-layer sensitivity on the probe, then the largest passing prefix
+        sens = []
+        for c in cands:
+            mark([c])
+            sens.append((_probe_psnr(model, probe, dtype)[0], c))
+        sens.sort(key=lambda t: -t[0])  # least harmful first
+        order = [c for _, c in sens]
+        lo, hi, best = 1, len(order) - 1, None
+        while lo <= hi:
+            k = (lo + hi) // 2
+            mark(order[:k])
+            pk = _probe_psnr(model, probe, dtype)[0]
+            if pk >= gate_db + margin_db:
+                best, lo = (k, pk), k + 1
+            else:
+                hi = k - 1
+        stats["sensitivity_db"] = {n: round(p, 2) for p, (n, _) in sens}
+        if best is None:
+            mark([])
+            return StageResult(name, "fallback", f"probe {p8:.1f} dB vs fp32 < gate {gate_db:g} dB with all "
+                                                 f"{len(cands)} layers, and no subset of the least sensitive ones "
+                                                 f"cleared it ({dname} path {pb:.1f} dB): convs kept in {dname}", stats)
+        k, p8 = best
+        chosen = order[:k]
+        mark(chosen)
+        kept = [n for n, _ in order[k:]]
+        stats.update(probe_db=p8, layers=k, kept=kept, all_fp8_db=stats["probe_db"])
+        worst = ", ".join(f"{n.replace('decoder.', '')} ({dict((nn_, p) for p, (nn_, _) in sens)[n]:.1f} dB alone)"
+                          for n in kept[-3:][::-1])
+        note = (f"; all {len(cands)} in fp8 measured {stats['all_fp8_db']:.1f} dB, so {len(kept)} most sensitive "
+                f"kept in {dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
+    chans = sorted({m.out_channels for _, m in chosen})
+    return StageResult(name, "applied", f"{len(chosen)} residual-block Conv3d ({'/'.join(map(str, chans))} ch) on the "
+                                        f"e4m3 implicit-GEMM kernel, inputs quantized by the RMS-norm kernel (static "
+                                        f"scales); probe {p8:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path "
+                                        f"{pb:.1f} dB){note}", stats)

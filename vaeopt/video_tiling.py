@@ -1,0 +1,899 @@
+"""Exact spatial tiling of causal video decodes (Wan 2.1 / 2.2), with one causal cache per tile for the whole clip.
+
+Why: vaeopt.video already bounds memory in time (chunks of latent frames), but one latent frame of wan21-720p still
+needs ~6-7 GB of activations and causal caches, so an 8 GB card cannot decode it. This module cuts the frame into
+spatial tiles (full-width row bands by default) for the high-resolution end of the decoder.
+
+How, per chunk of latent frames (the chunk schedule is vaeopt.video's):
+
+* The *front* -- post_quant_conv, conv_in, the mid-block (per-frame attention over the whole frame: global, so it is
+  never tiled) and the first `split` up blocks -- runs once on the whole frame with its own `_ChunkDecoder`
+  (`_ChunkDecoder.front`). These layers run at 1/8-1/2 of the output resolution (at split = the last up block its
+  largest tensor is the 2x upsample into full resolution).
+* The *back* -- up_blocks[split:], norm_out, conv_out -- runs tile by tile (`_ChunkDecoder.back`): each tile crops
+  the front's output with a halo of R pixels (R = the receptive field of the back, counted from its modules by
+  `receptive_field`), runs the back on that crop with zero padding at the crop's edges, and keeps the interior.
+  Every tile owns a `_ChunkDecoder`, i.e. its own causal caches, which persist across all chunks of the clip: a
+  cache is never restarted inside a clip, so chunking and tiling compose exactly.
+
+Why that is exact: everything in the back is per pixel (RMS norm over channels, SiLU, residual adds, 1x1x1
+shortcuts), nearest 2x upsampling, Wan 2.2's DupUp3D (pixel shuffle of duplicated channels: local), or a
+convolution with spatial radius r. A wrong value at the crop's edge (zero padding where the frame continues)
+spreads inwards by r pixels per conv and doubles in pixels per 2x upsample; the halo is the sum over the back of
+those radii, rounded up at each upsample, so the interior never sees it. Where a tile touches the true frame border
+it has no halo on that side, and the conv's zero padding is the untiled decode's. In time, a tile's caches hold the
+conv inputs over the same crop for every chunk, so the same argument holds for the temporal taps. No statistics
+cross pixels (no GroupNorm), so there is nothing to merge between tiles, unlike the image tiler (vaeopt/tiling.py).
+Temporal overlaps are never used (chunks are exact), so nothing is blended.
+
+Cost: the halo ring is computed by two neighbouring tiles; with bands and split = the last up block (only the
+full-resolution block and the head are tiled) it is 2 x 7 rows of the output per interior band edge: +0.7% conv
+FLOPs for 2 bands at wan21-720p, +3.4% for 6; tiling from the up block before costs 4-20% (halo 10 px at half
+resolution) but leaves a much smaller front.
+Memory: the causal caches are most of a video decode's memory (4 GiB of 6.4 at wan21-720p with one latent frame per
+call), and tiling does not shrink them: all tiles' caches together are the whole frame's plus the halo rings. They
+live on the compute device when they fit (`storage="device"`), else in pinned host memory (`storage="host"`), where
+each tile's caches are prefetched to the GPU while the previous tile computes and written back after it.
+
+Planning and OOM: `estimate_tiled_video_bytes` is a dry run of this exact decode on meta tensors (vaeopt.video's
+live-storage counter); vaeopt.planner searches tiles, splits, chunks and cache storage with it. `iter_raw` with
+`oom_retry=True` restarts the clip with a smaller plan after a CUDA out-of-memory error (the cheapest candidate
+estimated at <= 80% of the failed plan's memory; else tile, then chunk, then host caches; never the same plan
+twice) and skips the frames it has already handed out.
+Notes and measurements: docs/notes-video.md ("Spatial tiling").
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from vaeopt import video
+from vaeopt.errors import VaeoptError
+from vaeopt.tiling import TilingError
+
+__all__ = [
+    "TiledVideoPlan",
+    "band_tiles",
+    "cache_floor_bytes",
+    "candidate_plans",
+    "check_tile",
+    "default_split",
+    "estimate_tiled_video_bytes",
+    "iter_raw",
+    "min_tile_rows",
+    "plan_bytes",
+    "plan_cost",
+    "receptive_field",
+    "resolve_tile",
+]
+
+_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
+    {e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if e}
+)
+MAX_INFLIGHT_WRITES = 1  # host cache storage: tiles whose device caches may still be on their way to the host
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Receptive field of the tiled part, counted from the modules
+
+
+def _causal_radius(conv: nn.Module, where: str) -> int:
+    """Spatial radius of a WanCausalConv3d (or a module with its attributes) with 'same' spatial zero padding."""
+    k = tuple(getattr(conv, "kernel_size", ()))
+    pad = getattr(conv, "_padding", None)
+    if len(k) != 3 or pad is None or tuple(getattr(conv, "stride", (1, 1, 1))) != (1, 1, 1) \
+            or tuple(getattr(conv, "dilation", (1, 1, 1))) != (1, 1, 1):
+        raise TilingError(f"{where}: {type(conv).__name__} is not a stride-1 WanCausalConv3d")
+    kh, kw = k[1], k[2]
+    if kh % 2 == 0 or kw % 2 == 0 or pad[2] != (kh - 1) // 2 or pad[0] != (kw - 1) // 2:
+        raise TilingError(f"{where}: spatial padding {pad[:4]} is not 'same' for kernel {k}")
+    return max(kh, kw) // 2
+
+
+def _conv2d_radius(conv: nn.Module, where: str) -> int:
+    if not isinstance(conv, nn.Conv2d) or conv.padding_mode != "zeros" or tuple(conv.stride) != (1, 1) \
+            or tuple(conv.dilation) != (1, 1) or any(k % 2 == 0 for k in conv.kernel_size) \
+            or tuple(conv.padding) != tuple((k - 1) // 2 for k in conv.kernel_size):
+        raise TilingError(f"{where}: {type(conv).__name__} is not a stride-1 'same' zero-padded Conv2d")
+    return max(conv.kernel_size) // 2
+
+
+def _check_pointwise_norm(norm: nn.Module, where: str) -> None:
+    """RMS norms over channels only (per pixel): Wan's WanRMS_norm (channel_first) or the fused_norms stage's."""
+    if type(norm).__name__ not in ("WanRMS_norm", "FusedRMSNormSiLU") or not getattr(norm, "channel_first", False):
+        raise TilingError(f"{where}: {type(norm).__name__} is not a per-pixel (channel) RMS norm; a norm with "
+                          "spatial statistics cannot be tiled with halos")
+
+
+def _check_pointwise_act(act: nn.Module, where: str) -> None:
+    if not (isinstance(act, nn.Identity) or type(act).__module__ == nn.SiLU.__module__):
+        raise TilingError(f"{where}: {type(act).__name__} is not an elementwise activation")
+
+
+def _resblock_radius(blk: nn.Module, where: str) -> list[tuple[str, int]]:
+    wan = video._wan()
+    if not isinstance(blk, wan.WanResidualBlock):
+        raise TilingError(f"{where}: {type(blk).__name__} is not a WanResidualBlock")
+    _check_pointwise_norm(blk.norm1, where + ".norm1")
+    _check_pointwise_norm(blk.norm2, where + ".norm2")
+    _check_pointwise_act(blk.nonlinearity, where + ".nonlinearity")
+    sc = blk.conv_shortcut
+    if not isinstance(sc, nn.Identity) and _causal_radius(sc, where + ".conv_shortcut") != 0:
+        raise TilingError(f"{where}.conv_shortcut: only 1x1 spatial shortcuts are supported")
+    return [("conv", _causal_radius(blk.conv1, where + ".conv1")),
+            ("conv", _causal_radius(blk.conv2, where + ".conv2"))]
+
+
+def _resample_ops(rs: nn.Module, where: str) -> list[tuple[str, int]]:
+    if rs.mode not in ("upsample2d", "upsample3d") or not isinstance(rs.resample, nn.Sequential) \
+            or len(rs.resample) != 2:
+        raise TilingError(f"{where}: WanResample mode {rs.mode!r} / layout is not a 2x upsample + conv")
+    up, conv = rs.resample[0], rs.resample[1]
+    if not (isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact") and up.size is None):
+        raise TilingError(f"{where}.resample.0: {type(up).__name__} is not a nearest upsample")
+    sf = up.scale_factor if isinstance(up.scale_factor, (tuple, list)) else (up.scale_factor, up.scale_factor)
+    if tuple(float(f) for f in sf) != (2.0, 2.0):
+        raise TilingError(f"{where}.resample.0: scale {sf} is not 2x")
+    ops = []
+    if rs.mode == "upsample3d":
+        ops.append(("conv", _causal_radius(rs.time_conv, where + ".time_conv")))  # (3,1,1): radius 0
+    return ops + [("up", 2), ("conv", _conv2d_radius(conv, where + ".resample.1"))]
+
+
+def _upblock_ops(ub: nn.Module, where: str) -> list[tuple[str, int]]:
+    wan = video._wan()
+    ops: list[tuple[str, int]] = []
+    for i, res in enumerate(ub.resnets):
+        ops += _resblock_radius(res, f"{where}.resnets.{i}")
+    if isinstance(ub, wan.WanResidualUpBlock):
+        rs = ub.upsampler
+        if ub.avg_shortcut is not None and (rs is None or ub.avg_shortcut.factor_s != 2):
+            raise TilingError(f"{where}.avg_shortcut: DupUp3D factor_s {ub.avg_shortcut.factor_s} does not match "
+                              "the block's upsampler")  # the shortcut is a local pixel shuffle at the same scale
+    elif isinstance(ub, wan.WanUpBlock):
+        rs = ub.upsamplers[0] if ub.upsamplers is not None else None
+    else:
+        raise TilingError(f"{where}: {type(ub).__name__} is not a Wan up block")
+    if rs is not None:
+        ops += _resample_ops(rs, f"{where}.upsampler")
+    return ops
+
+
+def _ops(vae, split: int) -> list[tuple[str, int]]:
+    """The spatial operations of the tiled part, in order: ("conv", radius) / ("up", 2)."""
+    dec = vae.decoder
+    ops: list[tuple[str, int]] = []
+    for i in range(split, len(dec.up_blocks)):
+        ops += _upblock_ops(dec.up_blocks[i], f"decoder.up_blocks.{i}")
+    _check_pointwise_norm(dec.norm_out, "decoder.norm_out")
+    _check_pointwise_act(dec.nonlinearity, "decoder.nonlinearity")
+    return ops + [("conv", _causal_radius(dec.conv_out, "decoder.conv_out"))]
+
+
+def receptive_field(vae, split: int) -> tuple[int, int]:
+    """(halo, scale) of tiling up_blocks[split:] + head: the halo in pixels at the split's resolution (the input of
+    up_blocks[split]) that makes the interior of a crop exact, and the factor from that resolution to the decoder's
+    output. Counted backwards from the output: a conv adds its radius, a 2x upsample halves (rounding up)."""
+    need, scale = 0, 1
+    for kind, v in reversed(_ops(vae, split)):
+        if kind == "conv":
+            need += v
+        else:
+            need, scale = -(-need // v), scale * v
+    return need, scale
+
+
+def _front_scale(vae, split: int) -> int:
+    """Resolution of the input of up_blocks[split] / latent resolution."""
+    return math.prod(v for i in range(split) for k, v in _upblock_ops(vae.decoder.up_blocks[i], f"up_blocks.{i}")
+                     if k == "up")
+
+
+def default_split(vae) -> int:
+    """Tile only the last up block (the full-resolution one) and the head: the smallest halo (7 output rows for
+    Wan 2.1). The planner also tries earlier splits when the front would not fit."""
+    return len(vae.decoder.up_blocks) - 1
+
+
+def min_tile_rows(vae, split: int) -> int:
+    """Smallest tile side in latent pixels for `split`: the halo must not exceed the tile (beyond that a tile would
+    spend more than 3x its interior's compute on halo rows)."""
+    halo, _ = receptive_field(vae, split)
+    return max(1, -(-halo // _front_scale(vae, split)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tile geometry
+
+
+def resolve_tile(tile: int | Sequence[int], latent_hw: tuple[int, int]) -> tuple[int, int]:
+    """(rows, cols) of one tile in latent pixels. An int is a square tile side turned into full-width row bands of
+    the same area (as the image tiler's bands; at least one row); (rows, cols) is taken as is (cols >= width:
+    bands). Clamped to the frame."""
+    h, w = latent_hw
+    if isinstance(tile, int):
+        return max(1, min(h, (tile * tile) // w)), w
+    th, tw = (int(t) for t in tile)
+    return min(th, h), min(tw, w)
+
+
+def band_tiles(latent_hw: tuple[int, int], n: int) -> tuple[int, int]:
+    """Full-width bands that split h latent rows into n (the last may be shorter)."""
+    h, w = latent_hw
+    return -(-h // n), w
+
+
+def _regions(hw: tuple[int, int], th: int, tw: int) -> list[tuple[int, int, int, int]]:
+    h, w = hw
+    return [(y, min(y + th, h), x, min(x + tw, w)) for y in range(0, h, th) for x in range(0, w, tw)]
+
+
+@dataclass(frozen=True)
+class TiledVideoPlan:
+    """One way to decode a clip: latent frames per call, tile (latent rows, cols) or None (untiled), the split
+    (first tiled up block) and where the tiles' causal caches live ("device" / "host")."""
+
+    chunk: int
+    tile: tuple[int, int] | None
+    split: int
+    storage: str = "device"
+
+    def describe(self, vae=None, latent_hw: tuple[int, int] | None = None) -> str:
+        """'tile 1280x360px (2 tiles), chunk 1, split at up block 3, caches on device' (px given the VAE)."""
+        if self.tile is None:
+            return f"untiled, chunk {self.chunk}"
+        s = f"tile {self.tile[0]}x{self.tile[1]} latent"
+        if vae is not None:
+            f = _spatial_factor(vae)
+            s = f"tile {self.tile[1] * f}x{self.tile[0] * f}px"
+            if latent_hw is not None:
+                s += f" ({len(_regions(latent_hw, *self.tile))} tiles)"
+        return f"{s}, chunk {self.chunk}, split at up block {self.split}, caches on {self.storage}"
+
+
+def _spatial_factor(vae) -> int:
+    """Output pixels per latent pixel: the decoder's 2x upsamplers, then Wan 2.2's unpatchify."""
+    return _front_scale(vae, len(vae.decoder.up_blocks)) * video._patch(vae)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Causal caches carved from one allocation
+#
+# Measured on the H200 (benchmarks/results/h200_video_tiling_2026-11-21.json): with the caches allocated one by one
+# during the first call, between that call's transient buffers, the caching allocator's reserved memory ran 30-48%
+# above the allocated peak (wan21-720p K=1: 10.5 GiB reserved for 7.1 allocated), and every plan that fitted its
+# budget by the estimate ran out of memory under set_per_process_memory_fraction: long-lived caches pin the segments
+# the transients were cut from. So a decode reserves its caches' bytes up front (sized by a dry run) and the
+# decoders carve their caches from that block; the transients then come and go in segments of their own.
+
+_ALIGN = 512
+
+
+class _Arena:
+    """One device allocation handed out as cache tensors by bump allocation (512-byte aligned); reset() reuses it."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.buf = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+        self.off = 0
+
+    def reset(self) -> None:
+        self.off = 0
+
+    def take(self, shape, dtype: torch.dtype, stride=None, memory_format=torch.contiguous_format) -> Tensor | None:
+        """An uninitialised tensor of `shape` (dense: `stride`, or that of `memory_format`), None when full."""
+        nb = math.prod(shape) * dtype.itemsize
+        if self.off + nb > self.buf.numel():
+            return None
+        if stride is None:
+            stride = torch.empty(shape, device="meta", memory_format=memory_format).stride()
+        t = self.buf[self.off : self.off + nb].view(dtype).as_strided(shape, stride)
+        self.off += -(-nb // _ALIGN) * _ALIGN
+        return t
+
+
+class _Decoder(video._ChunkDecoder):
+    """vaeopt.video's chunk decoder taking new causal caches from `arena` when one is set (else as before)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.arena: _Arena | None = None
+
+    def _update(self, conv, stream_tail: Tensor) -> None:
+        if self.arena is not None and conv not in self.cache:
+            N, C, _, H, W = stream_tail.shape
+            c = self.arena.take((N, C, self._hist(conv), H, W), stream_tail.dtype, memory_format=self.mf)
+            if c is not None:
+                self.cache[conv] = c
+        super()._update(conv, stream_tail)
+
+    def _history(self, conv, shape, like: Tensor) -> Tensor:
+        if self.arena is not None and conv not in self.cache:
+            c = self.arena.take(tuple(shape), like.dtype, memory_format=self.mf)
+            if c is not None:
+                self.cache[conv] = c.zero_()
+        return super()._history(conv, shape, like)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def cache_bytes_per_decoder(vae, latent_shape: Sequence[int], plan: TiledVideoPlan,
+                            channels_last: bool = False) -> tuple[int, ...]:
+    """Bytes (each cache 512-byte aligned) of the causal caches of every decoder of `plan`: the front's, then each
+    tile's; one entry for an untiled plan. From a dry run on meta tensors, in the model's dtype (an upper bound where
+    a cache ends up in fp8)."""
+    dtype = vae.post_quant_conv.weight.dtype
+    shape = tuple(int(s) for s in latent_shape)
+    config = json.dumps(dict(vae.config), sort_keys=True, default=str)
+    return _decoder_cache_bytes(type(vae), config, shape, plan.chunk, plan.tile, plan.split, dtype,
+                                bool(channels_last))
+
+
+@functools.lru_cache(maxsize=64)
+def _decoder_cache_bytes(cls, config_json: str, shape: tuple, K: int, tile, split: int, dtype,
+                         channels_last: bool) -> tuple[int, ...]:
+    N, C, T, h, w = shape
+    sched = [min(K, T)] + ([K] if T > K else [])
+    skel = video._meta_skeleton(cls, config_json, dtype)
+    with video._MemEfficientSDPA(), torch.no_grad():
+        z = torch.empty((N, C, sum(sched), h, w), device="meta", dtype=dtype)
+        if tile is None:
+            runner = video._ChunkDecoder(skel, channels_last, fused=True)
+            decs = [runner]
+        else:
+            runner = _TiledClip(skel, (h, w), TiledVideoPlan(K, tile, split, "device"), channels_last, True,
+                                device="meta")
+            decs = [runner.front, *runner.tiles]
+        t0 = 0
+        for k in sched:
+            runner.step(z[:, :, t0 : t0 + k])
+            t0 += k
+        return tuple(sum(_aligned(v.nbytes) for v in d.cache.values()) for d in decs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the tiles' caches live between their calls
+
+
+class _CacheStore:
+    """Per-tile causal caches ({conv: (N, C, 2, h, w)}) between a tile's calls.
+
+    "device": they stay in the tile's decoder (nothing to do). "host": after each call the caches are copied to
+    pinned host tensors on a device->host stream (the device copies are kept alive, and the allocator fenced by
+    record_stream, until the copy is done; at most MAX_INFLIGHT_WRITES tiles in flight), and before a tile runs its
+    caches come back on a host->device stream, prefetched while the previous tile computes. On CUDA everything is
+    ordered by events; elsewhere (CPU tests with `force_copy`) the copies are synchronous. On meta tensors (dry runs)
+    only the device-side allocations are made, with the same lifetimes, so the estimate counts what the GPU holds."""
+
+    def __init__(self, n: int, storage: str, device: torch.device, overlap: bool = True, force_copy: bool = False,
+                 slot_bytes: int = 0):
+        if storage not in ("device", "host"):
+            raise ValueError(f"storage must be 'device' or 'host', not {storage!r}")
+        self.host_mode = storage == "host"
+        self.device = device
+        self.meta = device.type == "meta"
+        self.cuda = device.type == "cuda"
+        self.async_ = self.cuda and overlap
+        if self.host_mode and not (self.cuda or self.meta or force_copy):
+            raise ValueError("host cache storage needs a CUDA device (or force_copy for tests)")
+        self.host: list[dict | None] = [None] * n  # tile -> {conv: host tensor} (meta: {conv: (shape, stride)})
+        self.ready: dict[int, tuple[dict, object]] = {}  # prefetched: tile -> (device caches, h2d event)
+        self.written: list[object] = [None] * n  # tile -> d2h event of its last write
+        self.inflight: collections.deque = collections.deque()  # (event, device caches) of writes in flight
+        self.bytes_h2d = self.bytes_d2h = 0
+        self.prefetch_hits = 0
+        if self.async_:
+            self.h2d = torch.cuda.Stream(device=device)
+            self.d2h = torch.cuda.Stream(device=device)
+        # Host storage with slot_bytes: the tiles' device caches live in min(n, 3) fixed slots (tile i in slot i % 3:
+        # the tile computing, the one prefetched, the one being written back), not in fresh allocations per call.
+        self.slots = [_Arena(slot_bytes, device) for _ in range(min(n, 3))] \
+            if self.host_mode and slot_bytes and not self.meta else []
+        self.slot_read: list[object] = [None] * len(self.slots)  # slot -> event of the last write-back from it
+
+    def _slot(self, i: int) -> tuple[int, _Arena] | tuple[None, None]:
+        return (i % len(self.slots), self.slots[i % len(self.slots)]) if self.slots else (None, None)
+
+    def _load(self, i: int) -> tuple[dict, object]:
+        host = self.host[i]
+        if self.meta:
+            return {k: torch.empty_strided(sh, st, dtype=dt, device="meta") for k, (sh, st, dt) in host.items()}, None
+        si, slot = self._slot(i)
+        if slot is not None:
+            slot.reset()
+        dev = {k: (slot.take(v.shape, v.dtype, v.stride()) if slot is not None else None) for k, v in host.items()}
+        dev = {k: t if t is not None else torch.empty_strided(host[k].shape, host[k].stride(), dtype=host[k].dtype,
+                                                                device=self.device) for k, t in dev.items()}
+        self.bytes_h2d += sum(v.nbytes for v in host.values())
+        if not self.async_:
+            for k, v in host.items():
+                dev[k].copy_(v)
+            return dev, None
+        free = torch.cuda.Event()  # the new tensors' memory may have been in use by the compute stream
+        free.record(torch.cuda.current_stream(self.device))
+        self.h2d.wait_event(free)
+        if self.written[i] is not None:
+            self.h2d.wait_event(self.written[i])  # the host copy is complete
+        if si is not None and self.slot_read[si] is not None:
+            self.h2d.wait_event(self.slot_read[si])  # the slot's previous tile has been written back
+        with torch.cuda.stream(self.h2d):
+            for k, v in host.items():
+                dev[k].copy_(v, non_blocking=True)
+                dev[k].record_stream(self.h2d)  # should the prefetch be dropped unused (an error), its memory waits
+            done = torch.cuda.Event()
+            done.record(self.h2d)
+        return dev, done
+
+    def prefetch(self, i: int) -> None:
+        if self.host_mode and self.host[i] is not None and i not in self.ready:
+            self.ready[i] = self._load(i)
+
+    def acquire(self, i: int, dec: video._ChunkDecoder) -> None:
+        """Give tile i's decoder its caches for the next call."""
+        if not self.host_mode:
+            return
+        si, slot = self._slot(i)
+        if self.host[i] is None:  # the clip's first call: the decoder creates its caches, in the tile's slot
+            if slot is not None:
+                slot.reset()
+                if self.async_ and self.slot_read[si] is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self.slot_read[si])
+                dec.arena = slot
+            return
+        if slot is not None:
+            dec.arena = slot  # a cache first needed in this call (time_conv in the clip's 2nd call) goes there too
+        if i in self.ready:
+            self.prefetch_hits += 1
+            dev, ev = self.ready.pop(i)
+        else:
+            dev, ev = self._load(i)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        dec.cache = dev
+
+    def release(self, i: int, dec: video._ChunkDecoder) -> None:
+        """Tile i has finished a call: write its caches back (host storage) and drop the device copies."""
+        if not self.host_mode:
+            return
+        dev, dec.cache = dec.cache, {}
+        if isinstance(dec, _Decoder):
+            dec.arena = None
+        if self.meta:
+            self.host[i] = {k: (tuple(v.shape), v.stride(), v.dtype) for k, v in dev.items()}
+            self._retire(None, dev)
+            return
+        if self.host[i] is None:
+            self.host[i] = {k: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu",
+                                                   pin_memory=self.cuda) for k, v in dev.items()}
+        host = self.host[i]
+        self.bytes_d2h += sum(v.nbytes for v in dev.values())
+        if not self.async_:
+            for k, v in dev.items():
+                host[k].copy_(v)
+            return
+        computed = torch.cuda.Event()
+        computed.record(torch.cuda.current_stream(self.device))
+        self.d2h.wait_event(computed)
+        with torch.cuda.stream(self.d2h):
+            for k, v in dev.items():
+                host[k].copy_(v, non_blocking=True)
+                v.record_stream(self.d2h)
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        self.written[i] = done
+        si, _ = self._slot(i)
+        if si is not None:
+            self.slot_read[si] = done
+        self._retire(done, dev)
+
+    def _retire(self, event, dev: dict) -> None:
+        """Keep `dev` alive until its write is done, with at most MAX_INFLIGHT_WRITES writes in flight."""
+        self.inflight.append((event, dev))
+        while len(self.inflight) > MAX_INFLIGHT_WRITES:
+            ev, _ = self.inflight.popleft()
+            if ev is not None:
+                ev.synchronize()
+
+    def finish(self) -> None:
+        while self.inflight:
+            ev, _ = self.inflight.popleft()
+            if ev is not None:
+                ev.synchronize()
+        self.ready.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tiled clip decoder
+
+
+class _TiledClip:
+    """Decodes consecutive chunks of one clip: the front once per chunk on the whole frame, the back per tile, each
+    tile with its own _ChunkDecoder (own causal caches) for the whole clip. step() returns the decoder's raw output
+    for the chunk, like _ChunkDecoder.step."""
+
+    def __init__(self, vae, latent_hw: tuple[int, int], plan: TiledVideoPlan, channels_last: bool,
+                 fused: bool | None, overlap: bool = True, force_copy: bool = False, device=None,
+                 arena_bytes: Sequence[int] | None = None):
+        self.vae = vae
+        self.split = plan.split
+        n_up = len(vae.decoder.up_blocks)
+        if not 0 <= self.split <= n_up:
+            raise TilingError(f"split {self.split}: the decoder has {n_up} up blocks")
+        self.halo, self.out_scale = receptive_field(vae, self.split)
+        self.scale = _front_scale(vae, self.split)  # front output / latent resolution
+        h, w = latent_hw
+        th, tw = plan.tile if plan.tile is not None else (h, w)
+        s = self.scale
+        # interior regions at the front's output resolution, aligned to latent pixels
+        self.regions = [(y0 * s, y1 * s, x0 * s, x1 * s) for y0, y1, x0, x1 in _regions((h, w), th, tw)]
+        H, W = h * s, w * s
+        self.ext = [(max(0, y0 - self.halo), min(H, y1 + self.halo), max(0, x0 - self.halo), min(W, x1 + self.halo))
+                    for y0, y1, x0, x1 in self.regions]
+        self.front = _Decoder(vae, channels_last, fused)
+        self.tiles = [_Decoder(vae, channels_last, fused) for _ in self.regions]
+        self.mf = self.front.mf
+        dev = torch.device(device or vae.post_quant_conv.weight.device)
+        # arena_bytes (real runs; cache_bytes_per_decoder): the front's and, with device storage, all tiles' caches
+        # in one block; with host storage the tiles' device caches in the store's slots.
+        host = plan.storage == "host"
+        slot = max(arena_bytes[1:], default=0) if arena_bytes and host else 0
+        self.store = _CacheStore(len(self.regions), plan.storage, dev, overlap, force_copy, slot_bytes=slot)
+        if arena_bytes and dev.type != "meta":
+            arena = _Arena(arena_bytes[0] if host else sum(arena_bytes), dev)
+            for d in [self.front] + ([] if host else self.tiles):
+                d.arena = arena
+        # Dry runs (meta tensors): a tile whose crop has the same shape as an earlier tile's needs exactly the same
+        # memory, so only the first tile of each shape runs its layers; the others get storage of that tile's output
+        # and caches (cache_like), with the same lifetimes. Bands have <= 3 distinct shapes: the estimate's cost
+        # does not grow with the number of tiles.
+        first: dict[tuple[int, int], int] = {}
+        self.clone_of = [first.setdefault((e[1] - e[0], e[3] - e[2]), i) for i, e in enumerate(self.ext)] \
+            if self.store.meta else list(range(len(self.ext)))
+        self._shapes: dict[int, tuple] = {}  # representative tile -> (output (shape, stride), {conv: (shape, stride)})
+
+    @property
+    def stats(self) -> collections.Counter:
+        c = collections.Counter(self.front.stats)
+        for t in self.tiles:
+            c.update(t.stats)
+        return c
+
+    def cache_bytes(self) -> int:
+        """Bytes of all tiles' causal caches (wherever they are) after a call."""
+        if self.store.host_mode:
+            return sum(sum(math.prod(v[0]) * v[2].itemsize if self.store.meta else v.nbytes for v in h.values())
+                       for h in self.store.host if h)
+        return sum(v.nbytes for t in self.tiles for v in t.cache.values())
+
+    def step(self, z: Tensor) -> Tensor:
+        """z: the next k latent frames -> the decoder's raw output for them (N, C_out, f, H, W), assembled from the
+        tiles' interiors; the front's output (the input of up_blocks[split]) lives until the last tile is done."""
+        with torch.no_grad():
+            self.store.prefetch(0)  # overlaps the front
+            box, xb = self.front.front(z, self.split)
+            self.front.first = False
+            x = box.pop()
+            N, C, f = x.shape[:3]
+            whole = len(self.regions) == 1
+            y_full = None
+            for i, ((y0, y1, x0, x1), (ey0, ey1, ex0, ex1)) in enumerate(zip(self.regions, self.ext)):
+                dec = self.tiles[i]
+                self.store.acquire(i, dec)
+                if i + 1 < len(self.regions):
+                    self.store.prefetch(i + 1)
+                if whole:
+                    crop = x
+                else:  # a dense copy of the crop in the decode's layout: what the kernels and convs expect
+                    crop = torch.empty((N, C, f, ey1 - ey0, ex1 - ex0), dtype=x.dtype, device=x.device,
+                                       memory_format=self.mf)
+                    crop.copy_(x[:, :, :, ey0:ey1, ex0:ex1])
+                box = [crop]
+                del crop
+                if whole:
+                    del x
+                j = self.clone_of[i]
+                if j == i:
+                    y = dec.back(box, xb, self.split)
+                    if self.store.meta:
+                        self._shapes[i] = ((y.shape, y.stride()), {k: (v.shape, v.stride(), v.dtype)
+                                                                   for k, v in dec.cache.items()})
+                else:  # dry run: tile i has tile j's shapes
+                    box.clear()
+                    (ysh, yst), cache_like = self._shapes[j]
+                    if not dec.cache:  # the clip's first call (device storage keeps them; host storage reloads)
+                        dec.cache = {k: torch.empty_strided(sh, st, dtype=dt, device="meta")
+                                     for k, (sh, st, dt) in cache_like.items()}
+                    y = torch.empty_strided(ysh, yst, dtype=x.dtype, device="meta")
+                self.store.release(i, dec)
+                F_ = self.out_scale
+                if whole:
+                    y_full = y
+                else:
+                    if y_full is None:
+                        y_full = torch.empty((N, y.shape[1], y.shape[2], x.shape[3] * F_, x.shape[4] * F_),
+                                             dtype=y.dtype, device=y.device, memory_format=self.mf)
+                    oy, ox = (y0 - ey0) * F_, (x0 - ex0) * F_
+                    y_full[:, :, :, y0 * F_ : y1 * F_, x0 * F_ : x1 * F_].copy_(
+                        y[:, :, :, oy : oy + (y1 - y0) * F_, ox : ox + (x1 - x0) * F_])
+                del y
+            return y_full
+
+    def close(self) -> None:
+        self.store.finish()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running a plan, with OOM fallback
+
+
+# The planner and the OOM fallback order plans by a rough relative decode time (1 = untiled, device caches): the
+# halo rows every interior band edge recomputes (2 * halo per edge at the split's resolution, counted as if all of
+# the decode were tiled: an upper bound), CHUNK_COST per latent frame per call below MAX_CHUNK (H200: 2 frames per
+# call ~2% faster than 1 on Wan 2.1, docs/perf-notes.md), and for host cache storage HOST_COST / chunk (every tile's
+# caches cross PCIe twice per call; at wan21-720p that is ~2.4 GB per call against ~0.1 s of compute per latent
+# frame, so roughly doubling the time).
+CHUNK_COST = 0.02
+HOST_COST = 1.0
+BAND_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # band counts the planner tries (then the 1-row band)
+
+
+def plan_cost(vae, latent_hw: tuple[int, int], plan: TiledVideoPlan, max_chunk: int = 2) -> float:
+    cost = 1.0 + CHUNK_COST * max(0, max_chunk - plan.chunk)
+    if plan.tile is not None:
+        h, w = latent_hw
+        halo, _ = receptive_field(vae, plan.split)
+        s = _front_scale(vae, plan.split)
+        ny, nx = -(-h // plan.tile[0]), -(-w // plan.tile[1])
+        cost += 2 * halo * ((ny - 1) / (h * s) + (nx - 1) / (w * s))
+        if plan.storage == "host":
+            cost += HOST_COST / plan.chunk
+    return cost
+
+
+def candidate_plans(vae, latent_hw: tuple[int, int], chunks: Sequence[int], host: bool,
+                    max_chunk: int = 2) -> list[TiledVideoPlan]:
+    """Tiled plans worth trying, cheapest first (plan_cost): full-width bands (BAND_COUNTS bands, down to the
+    halo's minimum rows), split at the last up block or the one before it (earlier splits have larger halos and
+    a front too small to matter), each chunk in `chunks`, caches on the device, or on the host when `host`."""
+    h, w = latent_hw
+    n_up = len(vae.decoder.up_blocks)
+    out = set()
+    for split in range(n_up - 1, max(-1, n_up - 3), -1):
+        try:
+            m = min_tile_rows(vae, split)
+        except TilingError:
+            continue
+        rows = sorted({-(-h // n) for n in BAND_COUNTS if n < h} | {1}, reverse=True)
+        for r in rows:
+            if r < m or r >= h:
+                continue
+            for k in chunks:
+                for st in ("device", "host") if host else ("device",):
+                    out.add(TiledVideoPlan(int(k), (r, w), split, st))
+    return sorted(out, key=lambda p: (plan_cost(vae, latent_hw, p, max_chunk), p.split != n_up - 1, -p.tile[0]))
+
+
+def plan_bytes(vae, latent_shape: Sequence[int], plan: TiledVideoPlan, dtype: torch.dtype | None = None,
+               channels_last: bool = False, fused: bool = False) -> int:
+    """estimate_tiled_video_bytes for a plan (tile None: vaeopt.video's untiled estimate)."""
+    return estimate_tiled_video_bytes(vae, latent_shape, plan.chunk, plan.tile, dtype, channels_last, fused,
+                                      plan.split, plan.storage)
+
+
+SHRINK_FACTOR = 0.8  # an OOM fallback plan must be estimated at <= this fraction of the plan that failed
+
+
+def _shrink(vae, latent_shape: Sequence[int], plan: TiledVideoPlan, tried: set, dtype: torch.dtype,
+            channels_last: bool, fused: bool, host: bool) -> TiledVideoPlan | None:
+    """The plan to retry with after an out-of-memory error: the cheapest candidate (plan_cost: a smaller tile
+    before a smaller chunk where the halo costs less, host caches last) not tried yet, with a chunk no larger than
+    the failed one, whose dry-run estimate is at most SHRINK_FACTOR of the failed plan's; failing that, the
+    candidate with the smallest estimate below it. When the estimates see no smaller plan (they leave out cuDNN
+    workspaces and fragmentation, which shrink with the convs), the structural ladder: halve the tile (a band's
+    rows; the longer side of a 2D tile) down to the halo's minimum, then halve the chunk, then host caches (CUDA).
+    None when all of those were tried."""
+    hw = tuple(latent_shape[-2:])
+    cur = plan_bytes(vae, latent_shape, plan, dtype, channels_last, fused)
+    best = None
+    for c in candidate_plans(vae, hw, range(plan.chunk, 0, -1), host):
+        if c in tried:
+            continue
+        e = plan_bytes(vae, latent_shape, c, dtype, channels_last, fused)
+        if e <= SHRINK_FACTOR * cur:
+            return c
+        if e < cur and (best is None or e < best[0]):
+            best = (e, c)
+    if best is not None:
+        return best[1]
+    h, w = hw
+    m = min_tile_rows(vae, plan.split)
+    th, tw = plan.tile if plan.tile is not None else (h, w)
+    ladder = []
+    if plan.tile is None or th >= tw or tw >= w:
+        ladder.append((-(-th // 2), tw))
+    else:
+        ladder.append((th, -(-tw // 2)))
+    ladder = [TiledVideoPlan(plan.chunk, t, plan.split, plan.storage) for t in ladder if min(t) >= min(m, h, w)
+              and t != (th, tw)]
+    if plan.chunk > 1:
+        ladder.append(TiledVideoPlan(plan.chunk // 2, plan.tile, plan.split, plan.storage))
+    if host and plan.storage == "device":
+        ladder.append(TiledVideoPlan(plan.chunk, plan.tile or band_tiles(hw, 2), plan.split, "host"))
+    return next((c for c in ladder if c not in tried), None)
+
+
+def check_tile(vae, plan: TiledVideoPlan, latent_hw: tuple[int, int]) -> None:
+    """VaeoptError, naming the halo, for a tile smaller than min_tile_rows on a side the frame is larger than."""
+    if plan.tile is None:
+        return
+    m = min_tile_rows(vae, plan.split)
+    th, tw = plan.tile
+    h, w = latent_hw
+    if th < min(m, h) or tw < min(m, w):
+        halo, _ = receptive_field(vae, plan.split)
+        f = _spatial_factor(vae)
+        raise VaeoptError(
+            f"tile {tw * f}x{th * f}px ({th}x{tw} latent): tiling from up block {plan.split} on needs a halo of "
+            f"{halo}px at {_front_scale(vae, plan.split)}x the latent resolution (the receptive field of the layers "
+            f"after it), so tiles must be at least {m} latent px ({m * f} output px) on each side; smaller tiles "
+            "would spend more than 3x their compute on halos")
+
+
+def iter_raw(
+    vae, z: Tensor, chunk: video.Chunk, tile: int | Sequence[int] | None = None, *,
+    channels_last: bool | None = None, fused: bool | None = None, split: int | None = None,
+    storage: str = "device", overlap: bool = True, oom_retry: bool = False, info: dict | None = None,
+    arena: bool = True, _force_copy: bool = False,
+) -> Iterator[tuple[int, Tensor]]:
+    """(first output frame index, raw decoder output) per call, like vaeopt.video._iter_raw, for a tiled plan.
+
+    tile: None = untiled (vaeopt.video's decoder); an int (square side in latent px -> full-width bands of that
+    area) or (rows, cols) in latent px. split: first tiled up block (None: default_split). storage: "device" or
+    "host" (pinned; CUDA) for the tiles' causal caches. oom_retry: after a CUDA out-of-memory error, free, take the
+    next smaller plan (see _shrink) and decode the clip again from its first frame, skipping the frames already
+    handed out; the events go to info["oom_events"]. arena: the causal caches come from one allocation made at the
+    start (see _Arena; False: allocated one by one, as vaeopt.video does). `info` (a dict, filled in): plan, tiles,
+    halo, shrinks, ..."""
+    z = video._prepare(vae, z)
+    N, _, T, h, w = z.shape
+    cl = video._channels_last(vae, channels_last)
+    kern = video._ChunkDecoder(vae, cl, fused)._kernels_on(z)  # what the decoders will run: for the estimates
+    split = default_split(vae) if split is None else int(split)
+    sched0 = video.chunk_schedule(T, chunk)
+    K = max(sched0)
+    plan = TiledVideoPlan(K, resolve_tile(tile, (h, w)) if tile is not None else None, split, storage)
+    check_tile(vae, plan, (h, w))
+    info = info if info is not None else {}
+    info.update(planned=plan, plan=plan, oom_events=[], shrinks=0)
+    tried: set = set()
+    delivered = 0  # output frames handed out so far
+    cuda = z.device.type == "cuda"
+    while True:
+        tried.add(plan)
+        info["plan"] = plan
+        sched = sched0 if plan.chunk == K else video.chunk_schedule(T, plan.chunk)
+        runner = y = None
+        try:
+            arena_bytes = cache_bytes_per_decoder(vae, z.shape, plan, cl) if arena else None
+            if plan.tile is None:
+                runner = _Decoder(vae, cl, fused)
+                if arena_bytes:
+                    runner.arena = _Arena(arena_bytes[0], z.device)
+                info.update(tiles=1, halo=0)
+            else:
+                runner = _TiledClip(vae, (h, w), plan, cl, fused, overlap, _force_copy, arena_bytes=arena_bytes)
+                info.update(tiles=len(runner.regions), halo=runner.halo, split=plan.split)
+            t0 = f0 = 0
+            for k in sched:
+                y = runner.step(z[:, :, t0 : t0 + k])
+                t0 += k
+                f1 = f0 + y.shape[2]
+                if f1 > delivered:  # after a restart, the frames already handed out are decoded again but skipped
+                    if f0 < delivered:
+                        y = y[:, :, delivered - f0 :]
+                    yield max(f0, delivered), y
+                    delivered = f1
+                y = None
+                f0 = f1
+            if isinstance(runner, _TiledClip):
+                runner.close()
+                info.update(bytes_h2d=runner.store.bytes_h2d, bytes_d2h=runner.store.bytes_d2h,
+                            prefetch_hits=runner.store.prefetch_hits, cache_bytes=runner.cache_bytes())
+            info["stats"] = dict(runner.stats)
+            return
+        except _OOM_ERRORS as e:
+            if not oom_retry:
+                raise
+            failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # Outside the except clause the exception's traceback (and the failed call's tensors in its frames) is gone.
+        runner = y = None
+        if cuda:
+            torch.cuda.synchronize(z.device)
+            torch.cuda.empty_cache()
+        nxt = _shrink(vae, z.shape, plan, tried, z.dtype, cl, kern, cuda)
+        info["oom_events"].append({"plan": plan, "next": nxt, "frames_done": delivered, "error": failed})
+        if nxt is None:
+            raise VaeoptError(f"out of memory decoding the clip, and no plan needs less memory than "
+                              f"{plan.describe(vae, (h, w))} (tried {len(tried)} plan(s)): {failed}")
+        info["shrinks"] += 1
+        plan = nxt
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory estimate: a dry run of the tiled decode on meta tensors
+
+
+def estimate_tiled_video_bytes(
+    vae, latent_shape: Sequence[int], chunk: video.Chunk, tile: int | Sequence[int] | None,
+    dtype: torch.dtype | None = None, channels_last: bool = False, fused: bool = False, split: int | None = None,
+    storage: str = "device",
+) -> int:
+    """Peak device bytes of decoding with this plan (steady state: a first chunk and a full one after it, all tiles),
+    excluding weights and decode_video's whole-clip output, like vaeopt.video.estimate_chunk_bytes (same counter:
+    the bytes of all live tensor storages, SDPA as a fused kernel). Includes the front's caches and output, every
+    tile's caches (device storage) or those of the tiles in flight (host storage), the crop, the back's working set
+    and the chunk's raw output. Cached per argument set; ~0.05 s per tile on a CPU at 720p."""
+    video._check_vae(vae)
+    dtype = dtype or vae.post_quant_conv.weight.dtype
+    shape = tuple(int(s) for s in latent_shape)
+    K = max(video.chunk_schedule(shape[2], chunk))
+    t = None if tile is None else resolve_tile(tile, shape[-2:])
+    split = default_split(vae) if split is None else int(split)
+    config = json.dumps(dict(vae.config), sort_keys=True, default=str)
+    return _estimate(type(vae), config, shape, K, t, dtype, bool(channels_last), bool(fused), split, storage)
+
+
+@functools.lru_cache(maxsize=1024)
+def _estimate(cls, config_json: str, shape: tuple, K: int, tile, dtype, channels_last: bool, fused: bool,
+              split: int, storage: str) -> int:
+    if tile is None:
+        return video._estimate(cls, config_json, shape, K, dtype, channels_last, fused)
+    N, C, T, h, w = shape
+    sched = [K] + ([K] if T > K else [])
+    skel = video._meta_skeleton(cls, config_json, dtype)
+    counter = video._LiveBytes()
+    with video._MemEfficientSDPA(), counter, torch.no_grad():
+        z = torch.empty((N, C, sum(sched), h, w), device="meta", dtype=dtype)
+        clip = _TiledClip(skel, (h, w), TiledVideoPlan(K, tile, split, storage), channels_last, fused,
+                          device="meta")
+        t0 = 0
+        for k in sched:
+            y = clip.step(z[:, :, t0 : t0 + k])
+            t0 += k
+            del y
+        peak = counter.peak
+        del clip, z
+    return int(peak)
+
+
+def cache_floor_bytes(vae, latent_shape: Sequence[int], dtype: torch.dtype | None = None,
+                      channels_last: bool = False) -> int:
+    """Bytes of the untiled decode's causal caches (2 frames of every causal conv's input, the whole frame): no
+    plan with the caches on the device needs less (tiles add their halo rings), which lets the planner skip those
+    plans without a dry run each."""
+    video._check_vae(vae)
+    dtype = dtype or vae.post_quant_conv.weight.dtype
+    N, C, T, h, w = (int(s) for s in latent_shape)
+    config = json.dumps(dict(vae.config), sort_keys=True, default=str)
+    return _cache_floor(type(vae), config, (N, C, min(T, 2), h, w), dtype, bool(channels_last))
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_floor(cls, config_json: str, shape: tuple, dtype, channels_last: bool) -> int:
+    skel = video._meta_skeleton(cls, config_json, dtype)
+    with video._MemEfficientSDPA(), torch.no_grad():
+        z = torch.empty(shape, device="meta", dtype=dtype)
+        dec = video._ChunkDecoder(skel, channels_last, fused=False)
+        for t in range(shape[2]):
+            dec.step(z[:, :, t : t + 1])
+        return int(sum(v.nbytes for v in dec.cache.values()))
+
