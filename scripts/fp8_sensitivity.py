@@ -5,7 +5,7 @@ decode the sample latents, PSNR vs the unquantized fp32 decode. Then the cumulat
 to most sensitive, measured PSNR after each, next to the PSNR predicted by adding single-layer MSEs. Then the policy
 (vaeopt.fp8_sensitivity.choose_keep) on the "stage" ranking: which layers stay in bf16.
 
-    python scripts/fp8_sensitivity.py                       # CPU, cropped latents: ~5 min a model on 2 free cores
+    python scripts/fp8_sensitivity.py                       # CPU, one cropped latent a model: ~10 min
     python scripts/fp8_sensitivity.py --full --device cuda --cumulative all   # whole sample latents, GPU: seconds
     python scripts/fp8_sensitivity.py --write-config        # also store the results in vaeopt/configs/
 
@@ -33,7 +33,8 @@ from vaeopt.loading import load_vae  # noqa: E402
 from vaeopt.stages import fp8  # noqa: E402
 
 SAMPLES = ROOT / "samples"
-# (model file, latents file, latent space of the file, CPU crop: (H, W) or (T, H, W) from the top-left corner)
+# (model file, latents file, latent space of the file, CPU crop: (H, W) or (T, H, W) from the top-left corner of the
+# file's first latent; --full takes every latent of the file whole)
 MODELS = {
     "tiny_kl_image": ("tiny_kl_image.safetensors", "tiny_kl_image_latents.pt", "scaled", (32, 32)),
     "tiny_wan_video": ("tiny_wan_video.safetensors", "tiny_wan_video_latents.pt", "raw", (2, 12, 16)),
@@ -45,7 +46,7 @@ def load(name: str, full: bool, device: torch.device):
     loaded = load_vae(SAMPLES / mfile, device=device)
     lat = torch.load(SAMPLES / lfile, weights_only=True)
     zs, desc = [], []
-    for key, z in lat.items():
+    for key, z in list(lat.items())[: None if full else 1]:
         z = z.float()
         z = loaded.family.unscale(z) if space == "scaled" else z
         if not full:
