@@ -5,7 +5,7 @@ decode the sample latents, PSNR vs the unquantized fp32 decode. Then the cumulat
 to most sensitive, measured PSNR after each, next to the PSNR predicted by adding single-layer MSEs. Then the policy
 (vaeopt.fp8_sensitivity.choose_keep) on the "stage" ranking: which layers stay in bf16.
 
-    python scripts/fp8_sensitivity.py                       # CPU, one cropped latent a model: ~10 min
+    python scripts/fp8_sensitivity.py                       # CPU, one cropped latent a model: 11 min (2 busy cores)
     python scripts/fp8_sensitivity.py --full --device cuda --cumulative all   # whole sample latents, GPU: seconds
     python scripts/fp8_sensitivity.py --write-config        # also store the results in vaeopt/configs/
 
