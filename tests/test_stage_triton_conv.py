@@ -8,7 +8,7 @@ from vaeopt import video
 from vaeopt.kernels import triton_available
 from vaeopt.stages import triton_conv
 
-from test_video_fused import _structure, _tiny_wan21, CROP  # noqa: F401  (shared fixtures' helpers)
+from test_video_fused import _tiny_wan21, decode
 
 
 @pytest.fixture(autouse=True)
@@ -48,24 +48,11 @@ def test_decode_through_kernel_equals_diffusers(samples_dir, z, ref, fused, monk
     n = _eligible_count(vae, 16)
     assert n > 0 and r.data["layers"] == n and r.data["cudnn_layers"] > 0
     assert f"{n} causal Conv3d" in r.detail
-    made = []
-
-    class Recording(video._ChunkDecoder):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    orig = video._ChunkDecoder
-    video._ChunkDecoder = Recording
-    try:
-        for chunk in ((1, 3) if fused else (2,)):  # schedules [1, 1, 1] and [3]
-            made.clear()
-            out = video.decode_video(vae, z, chunk)
-            assert (out - ref).abs().max().item() <= 1e-4, chunk
-            steps = len(video.chunk_schedule(z.shape[2], chunk))
-            assert made[0].stats["triton_conv"] == n * steps  # every marked conv ran on the kernel, every step
-    finally:
-        video._ChunkDecoder = orig
+    for chunk in ((1, 3) if fused else (2,)):  # schedules [1, 1, 1] and [3]
+        out, st = decode(vae, z, chunk)
+        assert (out - ref).abs().max().item() <= 1e-4, chunk
+        steps = len(video.chunk_schedule(z.shape[2], chunk))
+        assert st["triton_conv"] == n * steps  # every marked conv ran on the kernel, every step
     triton_conv.revert(vae)
     assert not any(hasattr(m, "_vaeopt_igemm") or hasattr(m, "_vaeopt_igemm_packed") for m in vae.modules())
 
@@ -74,25 +61,8 @@ def test_ncdhw_activations_stay_on_torch(samples_dir, z, ref):
     """Marked convs with NCDHW inputs (channels_last off) are not sent to the NDHWC kernel."""
     vae = _tiny_wan21(samples_dir, fused=False, channels_last=False)
     assert triton_conv.apply(vae, device=torch.device("cpu"), force=True).status == "applied"
-    out, st = _decode_stats(vae, z)
+    out, st = decode(vae, z, 2)
     assert "triton_conv" not in st and (out - ref).abs().max().item() <= 1e-4
-
-
-def _decode_stats(vae, z):
-    made = []
-
-    class Recording(video._ChunkDecoder):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    orig = video._ChunkDecoder
-    video._ChunkDecoder = Recording
-    try:
-        out = video.decode_video(vae, z, 2)
-    finally:
-        video._ChunkDecoder = orig
-    return out, dict(made[0].stats)
 
 
 def test_repacks_after_weight_change(samples_dir, z):
@@ -154,7 +124,7 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     assert r.status == "applied" and r.data["layers"] == n > 0, r.line()
     print(r.line())
     assert 20.0 <= r.data["probe_db"] < r.data["bf16_probe_db"], r.data  # lossy, but not garbage
-    out, st = _decode_stats(vae, z)  # the marked convs really ran on fp8 (chunk 2: one step)
+    out, st = decode(vae, z, 2)  # the marked convs really ran on fp8 (chunk 2: one step)
     assert st["fp8_conv"] == n
     with torch.no_grad():
         ref = _tiny_wan21(samples_dir, fused=False).decode(z).sample
@@ -165,7 +135,7 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     r2 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z)
     assert r2.status == "fallback" and f"{r2.data['probe_db']:.1f} dB" in r2.detail and "< gate 99" in r2.detail
     assert not any(getattr(m, "_vaeopt_fp8conv", False) for m in vae.modules())
-    out, st = _decode_stats(vae, z)
+    out, st = decode(vae, z, 2)
     assert "fp8_conv" not in st
 
 

@@ -37,9 +37,9 @@ def available(device: torch.device) -> tuple[bool, str]:
     return triton_available(device)
 
 
-def _eligible(m: nn.Module) -> bool:
-    """A stock WanCausalConv3d that the kernel computes exactly: 3x3x3, stride/dilation 1, one group, 'same' spatial
-    padding done by the cache-aware caller, and few enough output channels that the kernel wins."""
+def _kernel_fits(m: nn.Module) -> bool:
+    """A stock, unhooked WanCausalConv3d that the kernel computes exactly: 3x3x3, stride/dilation 1, one group,
+    'same' spatial padding done by the cache-aware caller."""
     try:
         from diffusers.models.autoencoders import autoencoder_kl_wan as wan
     except ImportError:  # pragma: no cover
@@ -48,7 +48,12 @@ def _eligible(m: nn.Module) -> bool:
         return False
     return (tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1) and tuple(m.dilation) == (1, 1, 1)
             and m.groups == 1 and m.padding == (0, 0, 0) and m._padding[0] == 1 and m._padding[2] == 1
-            and MIN_COUT <= m.out_channels <= MAX_COUT and getattr(m, "weight", None) is not None)
+            and getattr(m, "weight", None) is not None)
+
+
+def _eligible(m: nn.Module) -> bool:
+    """_kernel_fits, with few enough output channels that the bf16 kernel beats cuDNN."""
+    return _kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT
 
 
 def apply(model: nn.Module, device: torch.device | None = None, force: bool = False, **_) -> StageResult:
@@ -140,10 +145,7 @@ def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if dec is None:
         return wan_ok
     for name, m in dec.named_modules():
-        if name.endswith((".conv1", ".conv2")) and ".resnets." in name and isinstance(m, nn.Conv3d) and \
-                type(m).__name__ == "WanCausalConv3d" and tuple(m.kernel_size) == (3, 3, 3) and \
-                m.padding == (0, 0, 0) and m._padding[0] == 1 and m._padding[2] == 1 and m.groups == 1 and \
-                tuple(m.stride) == (1, 1, 1) and not m._forward_pre_hooks and not m._forward_hooks:
+        if name.endswith((".conv1", ".conv2")) and ".resnets." in name and _kernel_fits(m):
             wan_ok.append((f"decoder.{name}", m))
     return wan_ok
 
@@ -161,34 +163,28 @@ def packed_fp8(conv: nn.Module):
     return cached[1]
 
 
-def _probe_psnr(model: nn.Module, z: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, float]:
-    """(fp8 decode PSNR vs fp32, the bf16 path's PSNR vs fp32, ms of the fp8 probe) for the probe latents z, with the
-    fp8 marks as they are now. The fp32 reference is the same weights upcast, TF32 off."""
+def _references(model: nn.Module, z: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp32 decode of the same weights, TF32 off; the decode in `dtype`) of the probe z. Call with no fp8 marks."""
     from vaeopt import video
-    from vaeopt.fidelity import psnr
+    from vaeopt.stages.fp8 import _exact_fp32
 
-    marks = [m for m in model.modules() if getattr(m, _MARK8, False)]
-    for m in marks:
-        setattr(m, _MARK8, False)
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     try:
         model.float()
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-        ref = video.decode_video(model, z.float()).float()
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        with _exact_fp32():
+            ref = video.decode_video(model, z.float()).float()
         model.to(dtype)
         base = video.decode_video(model, z.to(dtype)).float()
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
         model.to(dtype)
-        for m in marks:
-            setattr(m, _MARK8, True)
-    import time
+    return ref, base
 
-    t = time.perf_counter()
-    out = video.decode_video(model, z.to(dtype)).float()
-    ms = (time.perf_counter() - t) * 1000
-    return psnr(out, ref), psnr(base, ref), ms
+
+def _probe_db(model: nn.Module, z: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor) -> float:
+    """PSNR vs ref of the probe decode with the fp8 marks as they are now."""
+    from vaeopt import video
+    from vaeopt.fidelity import psnr
+
+    return psnr(video.decode_video(model, z.to(dtype)).float(), ref)
 
 
 def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_db: float = 40.0,
@@ -212,6 +208,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         g = torch.Generator().manual_seed(0)
         probe = torch.randn((1, model.config.z_dim, 3, 16, 16), generator=g)
     probe = probe.to(device)
+    from vaeopt.fidelity import psnr
+
     dname = str(dtype).replace("torch.", "")
 
     def mark(chosen):
@@ -219,22 +217,25 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         for _, m in cands:
             setattr(m, _MARK8, id(m) in ids)
 
+    mark([])
+    ref, base = _references(model, probe, dtype)  # once: every probe below is compared with the same decodes
+    pb = psnr(base, ref)
     mark(cands)
-    p8, pb, _ = _probe_psnr(model, probe, dtype)
+    p8 = _probe_db(model, probe, dtype, ref)
     stats = {"layers": len(cands), "probe_db": p8, "bf16_probe_db": pb, "gate_db": gate_db, "kept": []}
     chosen, note = cands, ""
     if not p8 >= gate_db:  # per-layer sensitivity on the probe, then the largest passing prefix
         sens = []
         for c in cands:
             mark([c])
-            sens.append((_probe_psnr(model, probe, dtype)[0], c))
+            sens.append((_probe_db(model, probe, dtype, ref), c))
         sens.sort(key=lambda t: -t[0])  # least harmful first
         order = [c for _, c in sens]
         lo, hi, best = 1, len(order) - 1, None
         while lo <= hi:
             k = (lo + hi) // 2
             mark(order[:k])
-            pk = _probe_psnr(model, probe, dtype)[0]
+            pk = _probe_db(model, probe, dtype, ref)
             if pk >= gate_db + margin_db:
                 best, lo = (k, pk), k + 1
             else:
