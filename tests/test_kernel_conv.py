@@ -121,3 +121,24 @@ def test_gpu_matches_cudnn():
         x, w, b = _case(*shape, dtype=torch.bfloat16, device="cuda")
         y = K.conv_igemm(x, K.pack_weight(w), b, (1, 1))
         assert _rel(y, K.conv_reference(x, w, b, (1, 1))) < 1e-2
+
+
+def test_fp8_per_sample_scale_tensor():
+    """x_scale as a device tensor with one value per sample (what the GroupNorm kernel writes): each sample is scaled
+    by its own value, equal to separate calls with python floats; a one-value tensor broadcasts."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 6, 5, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 16, 3, 3, generator=g) * 0.1
+    b = torch.randn(32, generator=g)
+    pw = K.pack_weight(w, K.E4M3)
+    xq, _ = K.quantize_activation(x)
+    s = torch.tensor([0.5, 3.0])
+    y = K.conv_igemm(xq, pw, b, (1, 1), x_scale=s)
+    for n in range(2):
+        yn = K.conv_igemm(xq[n:n + 1].contiguous(memory_format=torch.channels_last), pw, b, (1, 1),
+                          x_scale=float(s[n]))
+        assert torch.allclose(y[n:n + 1].float(), yn.float(), rtol=1e-2, atol=1e-2)
+    y1 = K.conv_igemm(xq, pw, b, (1, 1), x_scale=torch.tensor(0.5))
+    assert torch.allclose(y1[:1].float(), y[:1].float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="x_scale"):
+        K.conv_igemm(xq, pw, b, (1, 1), x_scale=torch.ones(3))

@@ -311,3 +311,40 @@ def test_apply_window_with_padding(device, dtype, layout):
     assert (big[:, :, :3] == 7).all() and (big[:, :, 8:] == 7).all() and (big[:, :, :, :2] == 7).all()
     with pytest.raises(ValueError):
         group_norm_apply(win, mu, a, b, out=big)
+
+
+E4M3_SHAPES = [((2, 64, 12, 10), 32), ((1, 48, 5, 7), 16), ((1, 96, 2, 6, 10), 32)]  # 3 ch/group: one-hot path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("shape,groups", E4M3_SHAPES)
+def test_e4m3_output(device, silu, shape, groups):
+    """group_norm_silu_e4m3 (the fp8 conv's input): the per-sample scale bounds the true amax from above without
+    wasting range (bound <= 2x amax), and the codes are exactly e4m3(y / scale) of the reference y (no rounding
+    beyond the one fp8 cast); x_bias folded in; multi-chunk stats/merges (small tile)."""
+    from vaeopt.kernels.group_norm_silu import group_norm_silu_e4m3
+
+    _need(device)
+    x, w, b = _inputs(shape, torch.bfloat16, device, spread=3.0)
+    x = _layout(x, "cl")
+    xb = torch.randn(shape[1], generator=torch.Generator().manual_seed(1)).to(device)
+    y8, s = group_norm_silu_e4m3(x, groups, w, b, 1e-6, silu, x_bias=xb, tile=256, target_programs=4)
+    assert y8.dtype == torch.float8_e4m3fn and _same_format(y8, x) and s.shape == (shape[0],)
+    ref = _ref64(x.double() + xb.double().view(1, -1, *[1] * (x.dim() - 2)), groups, w, b, silu=silu)
+    amax = ref.abs().flatten(1).amax(1)
+    scale = s.double().view(-1, *[1] * (x.dim() - 1))
+    assert (s.double() >= amax / 448 * (1 - 1e-5)).all() and (s.double() <= amax / 448 * 2).all(), (s, amax / 448)
+    codes = (ref / scale).clamp(-448, 448).float().to(torch.float8_e4m3fn)
+    assert (codes.float() != y8.float()).float().mean().item() < 1e-3  # ties / fp32 vs fp64 rounding only
+    deq = y8.double() * scale
+    assert ((deq - ref).norm() / ref.norm()).item() < 0.04  # e4m3: 3 mantissa bits
+
+
+def test_e4m3_output_needs_channels_last():
+    from vaeopt.kernels.group_norm_silu import group_norm_silu_e4m3
+
+    _need("cpu")
+    x, w, b = _inputs((1, 32, 8, 8), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="channels-last"):
+        group_norm_silu_e4m3(x, 8, w, b)

@@ -322,8 +322,10 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         if name == "+ planner (tile/chunk)" and plan and (plan["detail"].startswith("whole decode")
                                                          or plan["detail"].startswith("chunk 1 ")):
             r.status, r.reason = "skipped", f"nothing to change: {plan['detail']}"
-        # a stage that reported "skipped" did nothing: show the row as skipped with its reason
-        for s in r.stages:
+        # a stage that reported "skipped" did nothing: show the row as skipped with its reason (the Triton conv row
+        # also carries FP8 level 3, whose e4m3 convs are Triton kernels: it counts when those ran)
+        fp8_convs = any(s["name"] == "fp8 convs" and s["status"] == "applied" for s in r.stages)
+        for s in ([] if name == "+ Triton conv" and fp8_convs else r.stages):
             key = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
                    "+ fused epilogues": "fused_epilogues", "+ Triton conv": "triton_conv",
                    "+ attention backend": "attention",

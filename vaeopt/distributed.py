@@ -69,7 +69,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vaeopt import video
 from vaeopt.errors import VaeoptError
+from vaeopt.video import _unhooked
 
 __all__ = [
     "DistributedError",
@@ -272,13 +274,10 @@ def _fix_edges(inp: Tensor, top: Tensor | None, bot: Tensor | None, out: Tensor,
         out.narrow(dim, H - 1, 1).copy_(conv_rows(torch.cat([row(H - 2), row(H - 1), row(H)], dim)))
 
 
-def _unhooked(m: nn.Module) -> bool:
-    return "forward" not in m.__dict__ and not m._forward_hooks and not m._forward_pre_hooks
-
-
 def _plain_conv2d(m: nn.Module) -> bool:
-    return (type(m) is nn.Conv2d and _unhooked(m) and m.padding_mode == "zeros" and tuple(m.stride) == (1, 1)
-            and tuple(m.dilation) == (1, 1) and tuple(m.padding) == (m.kernel_size[0] // 2, m.kernel_size[1] // 2))
+    # video's test, plus what recomputing edge rows from 3-row slabs needs: stride 1, no dilation, "same" padding
+    return (video._plain_conv2d(m) and tuple(m.stride) == (1, 1) and tuple(m.dilation) == (1, 1)
+            and tuple(m.padding) == (m.kernel_size[0] // 2, m.kernel_size[1] // 2))
 
 
 def _conv2d_rows(conv: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -746,8 +745,6 @@ class _ImageBandDecoder:
 
 
 def _band_chunk_decoder_class():
-    from vaeopt import video
-
     class _BandChunkDecoder(video._ChunkDecoder):
         """vaeopt.video's chunk decoder on one band of rows: every spatial conv exchanges the boundary rows of its
         staged input ([causal history | new frames], i.e. including the history) and recomputes its edge rows;
@@ -792,6 +789,7 @@ def _band_chunk_decoder_class():
             _fix_edges(x, top, bot, y, rows, 3)
             return y
 
+        # video's _resample with a halo exchange around its frame-group loop (inline there, so not reusable as is)
         def _resample(self, rs, box: list[Tensor]) -> Tensor:
             if rs.mode == "upsample3d":
                 x = self._time_upsample(rs, box.pop())
@@ -800,9 +798,10 @@ def _band_chunk_decoder_class():
             else:
                 raise DistributedError(f"unexpected resample mode {rs.mode!r} in a Wan decoder")
             b, c, t, h, w = x.shape
-            x2 = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+            x2 = video._frames4(x)
             del x
             up, conv2d = rs.resample[0], rs.resample[1]
+            # not video's choice, on purpose: the edge slabs below assume 2x; a hooked Upsample runs with its hooks
             if self.kern and video._is_2x_nearest(up) and hasattr(self, "_br"):
                 up_fn = functools.partial(self._br, upsample2x=True)  # the kernel: bitwise the same copy
                 self.stats["upsample_kernel"] += 1
@@ -879,8 +878,6 @@ class _WanBandAttention(nn.Module):
 
 
 def _decode_wan_band(vae, z: Tensor, comm: _Comm, chunk, fused, channels_last, gather: bool):
-    from vaeopt import video
-
     z = video._prepare(vae, z)
     wan = video._wan()
     mid = vae.decoder.mid_block

@@ -110,10 +110,10 @@ class Pipeline:
                                  f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
                                  f"({time.perf_counter() - t0:.2f} s to move weights)"))
 
-        # fp8
-        wan8 = fam.cls_name == "AutoencoderKLWan" and o.fp8 != "off"
-        if wan8:
-            self._record(StageResult.skipped("fp8", "Wan: FP8 compute runs as e4m3 implicit-GEMM convs ('fp8 convs', "
+        # fp8: level 3 (e4m3 implicit-GEMM convs fed by the fused norms) where it can run, else levels 1-2
+        conv8 = o.fp8 != "off" and self._level3_family()
+        if conv8:
+            self._record(StageResult.skipped("fp8", "FP8 compute runs as e4m3 implicit-GEMM convs ('fp8 convs', "
                                                     "after the fused path is set up); weight-storage hooks would "
                                                     "disable that path"))
         elif o.fp8 == "off":
@@ -151,9 +151,9 @@ class Pipeline:
             self._record(self._stage("fused_epilogues").apply(self.model, device=self.device))
 
         self._apply_triton_conv()
-        if wan8 and o.conv_kernel == "off":
+        if conv8 and o.conv_kernel == "off":
             self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
-        elif wan8:
+        elif conv8:
             self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db))
 
         if o.attention == "off":
@@ -180,6 +180,17 @@ class Pipeline:
         except ImportError as e:
             return False, f"fused norm kernels not importable ({e})"
         return mod.available(self.device)
+
+    def _level3_family(self) -> bool:
+        """Whether --fp8 means level 3 (e4m3 implicit-GEMM convs written by the fused norms) rather than levels 1-2:
+        Wan always (its fused chunk decoder has no room for storage hooks), AutoencoderKL for 16-bit decodes on a
+        GPU with FP8 tensor cores. Decided from the family and hardware, not the other switches, so that a ladder
+        row with the Triton path still off says why fp8 waits instead of running levels 1-2 there."""
+        name = self.family.cls_name
+        if name == "AutoencoderKLWan":
+            return True
+        return (name == "AutoencoderKL" and self.dtype in (torch.bfloat16, torch.float16)
+                and self._stage("triton_conv").fp8_available(self.device)[0])
 
     def _apply_triton_conv(self) -> None:
         o = self.opts

@@ -77,12 +77,13 @@ def flat_layout(x: torch.Tensor) -> tuple[str, int, int] | None:
     return None
 
 
-def new_like(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """A dense output of x's shape and dtype in layout `kind` ("cf": contiguous, "cl": channels last)."""
+def new_like(x: torch.Tensor, kind: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A dense output of x's shape and dtype (or `dtype`) in layout `kind` ("cf": contiguous, "cl": channels last)."""
+    dtype = dtype or x.dtype
     if kind == "cf":
-        return torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        return torch.empty(x.shape, device=x.device, dtype=dtype)
     shape = (x.shape[0], *x.shape[2:], x.shape[1])
-    return torch.empty(shape, device=x.device, dtype=x.dtype).movedim(-1, 1)
+    return torch.empty(shape, device=x.device, dtype=dtype).movedim(-1, 1)
 
 
 @functools.lru_cache(maxsize=None)

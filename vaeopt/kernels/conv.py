@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from vaeopt.kernels.fp8_quant import E4M3
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-E4M3 = getattr(torch, "float8_e4m3fn", None)
 
 
 @triton.jit
@@ -60,9 +61,11 @@ def _kstep(x_ptr, w_ptr, src, ok, c, c_ok, tap, C, CO, KTOT, n0, n0_ok, n1, n1_o
 
 
 @triton.jit
-def _epilogue_store(acc, n, n_ok, m_ok, yrow, y_ptr, b_ptr, s_ptr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
-    if HAS_SCALE:
+def _epilogue_store(acc, n, n_ok, m_ok, yrow, y_ptr, b_ptr, s_ptr, xs, HAS_BIAS: tl.constexpr,
+                    HAS_SCALE: tl.constexpr):
+    if HAS_SCALE:  # fp8: x_scale (per output row, or one number) * w_scale[cout]
         acc = acc * tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
+        acc = acc * xs
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=n_ok, other=0.0)[None, :]
     tl.store(y_ptr + yrow + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -73,7 +76,9 @@ def _igemm_kernel(
     x_ptr,  # input, [frames_in, H, W, C] dense (NDHWC / NHWC)
     w_ptr,  # packed weights: [TAPS * C, CO] dense, or [CO, TAPS * C] (W_KMAJOR)
     b_ptr,  # [CO] fp32 bias (HAS_BIAS)
-    s_ptr,  # [CO] fp32 output scale (HAS_SCALE: x_scale * w_scale, fp8)
+    s_ptr,  # [CO] fp32 per-output-channel weight scale (HAS_SCALE, fp8)
+    xs_ptr,  # [N] fp32 per-sample activation scale (XS_PTR, fp8; e.g. written by the GroupNorm kernel)
+    x_scale,  # fp32 activation scale when not XS_PTR (fp8)
     y_ptr,  # output, pixel m's channels at y_ptr + m * stride_ym + [0, CO)
     M,  # output pixels: N * T * H * W
     HW,
@@ -95,6 +100,7 @@ def _igemm_kernel(
     BK1: tl.constexpr,  # > 0: C == BLOCK_K + BK1, one K step per tap with two channel pieces (e.g. 96 = 64 + 32)
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    XS_PTR: tl.constexpr,
     W_KMAJOR: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
@@ -132,9 +138,13 @@ def _igemm_kernel(
             acc0, acc1 = _kstep(x_ptr, w_ptr, src, ok, kk1, kk1 < C, tap, C, CO, KTOT, n0, n0_ok, n1, n1_ok, acc0,
                                 acc1, BN1, W_KMAJOR, DOT_F32)
     yrow = m.to(tl.int64)[:, None] * stride_ym
-    _epilogue_store(acc0, n0, n0_ok, m_ok, yrow, y_ptr, b_ptr, s_ptr, HAS_BIAS, HAS_SCALE)
+    if XS_PTR:
+        xs = tl.load(xs_ptr + m // THW, mask=m_ok, other=0.0)[:, None]
+    else:
+        xs = x_scale
+    _epilogue_store(acc0, n0, n0_ok, m_ok, yrow, y_ptr, b_ptr, s_ptr, xs, HAS_BIAS, HAS_SCALE)
     if BN1 > 0:
-        _epilogue_store(acc1, n1, n1_ok, m_ok, yrow, y_ptr, b_ptr, s_ptr, HAS_BIAS, HAS_SCALE)
+        _epilogue_store(acc1, n1, n1_ok, m_ok, yrow, y_ptr, b_ptr, s_ptr, xs, HAS_BIAS, HAS_SCALE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +177,8 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None, kmajor: 
     """weight (Cout, Cin, kt, kh, kw) or (Cout, Cin, kh, kw) -> PackedWeight. dtype float8_e4m3fn: per-output-channel
     scaled e4m3 (scale in `.scale`); else the compute dtype (default: the weight's). kmajor (default: fp8 only):
     store the B operand K-contiguous, the layout Hopper's fp8 wgmma reads."""
+    from vaeopt.kernels.fp8_quant import quantize_per_channel
+
     if weight.ndim == 4:
         weight = weight.unsqueeze(2)
     if weight.ndim != 5:
@@ -175,9 +187,7 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None, kmajor: 
     wk = weight.detach().permute(2, 3, 4, 1, 0).reshape(kt * kh * kw * ci, co)
     scale = None
     if dtype is not None and dtype == E4M3:
-        amax = wk.float().abs().amax(dim=0).clamp_min(1e-12)
-        scale = (amax / 448.0).contiguous()
-        wk = (wk.float() / scale).clamp(-448.0, 448.0).to(E4M3)
+        wk, scale = quantize_per_channel(wk, dim=1)  # one scale per output channel (column of [K, Cout])
     elif dtype is not None:
         wk = wk.to(dtype)
     if kmajor is None:
@@ -199,6 +209,8 @@ def default_config(cin: int, cout: int, device: torch.device, fp8: bool = False,
     if cout == 96:
         return Config(128, 64, 32, bk, 4, 4)
     if cout % 128 == 0:
+        if fp8:  # measured best for e4m3 at 128-512 ch (h200_conv_2026-11-21b.json)
+            return Config(256, 128, 0, bk, 8, 3)
         return Config(128, 128, 0, bk, 8, 4)
     if cout % 192 == 0:
         return Config(128, 128, 64, bk, 8, 3)
@@ -233,7 +245,8 @@ def conv_igemm(
 
     x: (N, Cin, Tin, H, W) channels_last_3d (output T = Tin - kt + 1: no temporal padding) or (N, Cin, H, W)
     channels_last (kt must be 1). padding: (ph, pw) zero padding of H and W. fp8: x in e4m3 with x_scale (a
-    python float or a 0-d fp32 tensor), weights packed in e4m3; output in out_dtype (default bf16 for fp8).
+    python float, or an fp32 device tensor of one value or one per sample, read by the kernel: no host sync, fit for
+    CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8).
     Returns the output in x's memory format (channels_last[_3d])."""
     v = _frames_view(x)
     if v is None:
@@ -265,18 +278,25 @@ def conv_igemm(
     cfg = config or default_config(pw.cin, CO, x.device, fp8, M)
     if cfg.bk1 and cfg.block_k + cfg.bk1 != pw.cin:
         raise ValueError(f"conv_igemm: config splits Cin as {cfg.block_k} + {cfg.bk1}, the layer has {pw.cin}")
-    scale = None
-    if fp8:
-        xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale or 1.0))
-        scale = (pw.scale * xs.to(pw.scale.device, torch.float32)).contiguous()
+    xs_t, xs_f = None, 1.0
+    if fp8 and isinstance(x_scale, torch.Tensor):
+        if x_scale.numel() not in (1, N) or x_scale.device != x.device:
+            raise ValueError(f"conv_igemm: x_scale must hold 1 or {N} values on {x.device}, got "
+                             f"{tuple(x_scale.shape)} on {x_scale.device}")
+        xs_t = x_scale.reshape(-1).float()
+        if xs_t.numel() == 1 and N > 1:
+            xs_t = xs_t.expand(N).contiguous()
+    elif fp8:
+        xs_f = float(x_scale or 1.0)
+    scale = pw.scale if fp8 else None
     b = bias.detach().float().contiguous() if bias is not None else None
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(CO, cfg.n_width()))
     _igemm_kernel[grid](
-        x, pw.w, b if b is not None else y, scale if scale is not None else y, y,
-        M, H * W, T * H * W, H, W, pw.cin, CO, CO,
+        x, pw.w, b if b is not None else y, scale if scale is not None else y, xs_t if xs_t is not None else y,
+        xs_f, y, M, H * W, T * H * W, H, W, pw.cin, CO, CO,
         KT=kt, KH=kh, KW=kw, PH=ph, PW=pwd,
         BLOCK_M=cfg.block_m, BN0=cfg.bn0, BN1=cfg.bn1, BLOCK_K=cfg.block_k, BK1=cfg.bk1,
-        HAS_BIAS=b is not None, HAS_SCALE=scale is not None, W_KMAJOR=pw.kmajor, NUM_STAGES=cfg.num_stages,
+        HAS_BIAS=b is not None, HAS_SCALE=scale is not None, XS_PTR=xs_t is not None, W_KMAJOR=pw.kmajor, NUM_STAGES=cfg.num_stages,
         DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
     )

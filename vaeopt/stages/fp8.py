@@ -20,11 +20,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+# E4M3, E4M3_MAX and quantize_per_channel are defined in the kernels layer (shared with the fp8 conv's
+# pack_weight) and stay public here.
+from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX, quantize_per_channel  # noqa: F401
 from vaeopt.stages import StageResult
 
 NAME = "fp8"
-E4M3 = getattr(torch, "float8_e4m3fn", None)
-E4M3_MAX = 448.0
 KEEP = ("conv_in", "conv_out")  # the decoder's first and last layers: most sensitive, cheapest to keep
 
 
@@ -37,14 +38,6 @@ def available(device: torch.device) -> tuple[bool, str]:
     if cap < (8, 9):
         return False, f"GPU sm_{cap[0]}{cap[1]} has no FP8 tensor cores (needs sm_89+)"
     return True, ""
-
-
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (O, ...) -> (e4m3 weights, fp32 scale (O,)) with w ≈ q * scale[:, None...]."""
-    amax = w.detach().float().reshape(w.shape[0], -1).abs().amax(dim=1).clamp_min(1e-12)
-    scale = amax / E4M3_MAX
-    q = (w.float() / scale.view(-1, *([1] * (w.ndim - 1)))).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

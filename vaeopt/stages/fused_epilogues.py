@@ -118,13 +118,10 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     ):
         return type(self).forward(self, input_tensor, temb, *args, **kwargs)
     from vaeopt.kernels.epilogue import bias_residual
-    from vaeopt.kernels.group_norm_silu import group_norm_silu
 
-    c1, c2, n2, sc = self.conv1, self.conv2, self.norm2, self.conv_shortcut
-    h = self.norm1(x)  # fused GroupNorm + SiLU
-    h = _conv_nobias(c1, h)
-    h = group_norm_silu(h, n2.num_groups, n2.weight, n2.bias, n2.eps, True, x_bias=c1.bias)
-    h = _conv_nobias(c2, h)
+    c1, c2, n1, n2, sc = self.conv1, self.conv2, self.norm1, self.norm2, self.conv_shortcut
+    h = _norm_conv(n1, c1, x, None)  # fused GroupNorm + SiLU, conv1 without its bias
+    h = _norm_conv(n2, c2, h, c1.bias)  # conv1's bias folded into norm2, conv2 without its bias
     rb = None
     if sc is None:
         res = x
@@ -138,6 +135,39 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     if up is not None:
         setattr(up, _PENDING, weakref.ref(out))
     return out
+
+
+def _fp8_weights(conv, x: torch.Tensor):
+    """conv's e4m3 packed weights when the FP8 level-3 stage marked it (stages/triton_conv.apply_fp8) and x is an
+    NHWC activation the e4m3 kernels take; else None."""
+    if not getattr(conv, "_vaeopt_fp8conv", False) or x.dim() != 4:
+        return None
+    if not x.is_contiguous(memory_format=torch.channels_last) or x.dtype not in (torch.bfloat16, torch.float16,
+                                                                                 torch.float32):
+        return None
+    from vaeopt.stages.triton_conv import packed_fp8
+
+    return packed_fp8(conv)
+
+
+def _norm_conv(norm, conv, x: torch.Tensor, x_bias) -> torch.Tensor:
+    """conv(silu(group_norm(x + x_bias))) without conv's bias. For an fp8-marked conv the norm kernel writes e4m3
+    with a per-sample scale derived from the group max/min, and the conv is the e4m3 implicit-GEMM kernel (fp32
+    accumulation, output in x's dtype); otherwise the bf16 norm kernel and cuDNN."""
+    pw = _fp8_weights(conv, x)
+    if pw is not None:
+        from vaeopt.kernels.conv import conv_igemm
+        from vaeopt.kernels.group_norm_silu import group_norm_silu_e4m3
+
+        h8, s = group_norm_silu_e4m3(x, norm.num_groups, norm.weight, norm.bias, norm.eps, True, x_bias=x_bias)
+        return conv_igemm(h8, pw, None, tuple(conv.padding), x_scale=s, out_dtype=x.dtype)
+    if x_bias is None:
+        h = norm(x)
+    else:
+        from vaeopt.kernels.group_norm_silu import group_norm_silu
+
+        h = group_norm_silu(x, norm.num_groups, norm.weight, norm.bias, norm.eps, True, x_bias=x_bias)
+    return _conv_nobias(conv, h)
 
 
 # --- Upsample2D --------------------------------------------------------------------------------------------------

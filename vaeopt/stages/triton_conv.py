@@ -9,7 +9,8 @@ Triton kernel; every other conv stays on cuDNN. The policy was measured on sm_90
 skipped in auto mode (cuDNN kept) and runs only when forced (--conv-kernel on).
 
 The stage marks the convs; vaeopt.video's chunk decoder runs a marked conv through the kernel (weights packed once
-per weight version, cached on the module). Image VAEs (Conv2d only) are left alone.
+per weight version, cached on the module). Image VAEs' bf16 convs are left to cuDNN; their resnet convs take the
+e4m3 kernel only under FP8 level 3 (`apply_fp8` below, run by stages/fused_epilogues' resnet forward).
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ def revert(model: nn.Module) -> None:
                 delattr(m, a)
 
 
+def _weight_key(w: torch.Tensor) -> tuple:
+    """Identifies a weight version for the pack caches. Inference tensors (a model moved under
+    torch.inference_mode) have no version counter: an in-place edit of one inside inference mode is not seen
+    (revert() drops the packs)."""
+    return (w.data_ptr(), -1 if w.is_inference() else w._version)
+
+
 def packed_for(conv: nn.Module, x: torch.Tensor):
     """The conv's PackedWeight for input x when the stage marked it and x suits the kernel, else None. Packed once
     per weight version and dtype (a later weight change repacks)."""
@@ -107,7 +115,7 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     w = conv.weight
     if w is None or w.device != x.device:
         return None
-    key = (w.data_ptr(), w._version, x.dtype)
+    key = (*_weight_key(w), x.dtype)
     cached = getattr(conv, _PACKED, None)
     if cached is None or cached[0] != key:
         from vaeopt.kernels.conv import pack_weight
@@ -117,43 +125,67 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     return cached[1]
 
 
-# ---- FP8 level 3: e4m3 implicit-GEMM convs for the residual blocks' 3x3x3 convs --------------------------------------
+# ---- FP8 level 3: e4m3 implicit-GEMM convs for the residual blocks' 3x3(x3) convs ------------------------------------
 # Measured on an H200 (benchmarks/results/h200_conv_2026-11-21b.json), one layer call, e4m3 operands vs cuDNN bf16:
 # 96 ch 480p 1.31 vs 3.11 ms, 192 ch 0.92 vs 1.45, 384 ch 0.50 vs 0.67. It pays only with the activation quantization
-# fused into the RMS-norm kernel that writes the conv's input (a torch quantize pass costs more than the conv), which
-# is what vaeopt.video's fused path does for convs marked here: their input buffers (and causal caches) are e4m3.
+# fused into the norm kernel that writes the conv's input (a torch quantize pass costs more than the conv), which is
+# what vaeopt.video's fused path does for convs marked here (their input buffers and causal caches are e4m3), and
+# what stages/fused_epilogues' resnet forward does for AutoencoderKL (GroupNorm+SiLU writes e4m3).
 
 
 def fp8_available(device: torch.device) -> tuple[bool, str]:
-    from vaeopt.kernels.conv import E4M3
+    """FP8 tensor cores here (sm_89+), as for the level 1-2 stage."""
+    from vaeopt.stages.fp8 import available
 
-    if E4M3 is None:
-        return False, f"torch {torch.__version__} has no float8_e4m3fn"
-    if device.type != "cuda":
-        return False, "no CUDA GPU"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 9):
-        return False, f"GPU sm_{cap[0]}{cap[1]} has no FP8 tensor cores (needs sm_89+)"
-    return True, ""
+    return available(device)
+
+
+# Image decoders: where (GroupNorm e4m3 + e4m3 conv) measured faster than (GroupNorm bf16 + cuDNN bf16), H200,
+# benchmarks/results/h200_sdxl_fp8_2026-11-21.json: 512 ch @128-256² and 512->256 / 256 ch @512² win (0.02-0.08 ms
+# each), 128-ch layers at 1024² lose (cuDNN 720 TFLOP/s there, and the norm's max/min pass costs 0.1-0.3 ms). Whole
+# sdxl-1024 decode: all 28 resnet convs 21.43 ms, the 22 with >= 256 channels 20.76 ms, bf16 21.24 ms.
+IMAGE_FP8_MIN_CH = 256
+
+
+def _is_wan(model: nn.Module) -> bool:
+    return type(model).__name__ == "AutoencoderKLWan"
+
+
+def _conv2d_fits(m: nn.Module) -> bool:
+    """A plain 3x3 Conv2d, stride/dilation 1, one group, zero 'same' padding: what the kernel computes exactly."""
+    return (type(m) is nn.Conv2d and not (m._forward_hooks or m._forward_pre_hooks) and m.padding_mode == "zeros"
+            and tuple(m.kernel_size) == (3, 3) and tuple(m.stride) == (1, 1) and tuple(m.dilation) == (1, 1)
+            and m.groups == 1 and tuple(m.padding) == (1, 1))
 
 
 def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The decoder's residual-block causal convs fed by RMS norm + SiLU (conv1, conv2), 3x3x3: where the fp8 input
-    can be written by the norm kernel. conv_in / conv_out / shortcuts / resample and time convs stay in bf16."""
-    wan_ok = []
+    """The decoder's residual-block convs fed by a norm + SiLU (conv1, conv2), where the fp8 input can be written by
+    the norm kernel: Wan's 3x3x3 causal convs (RMS norm, vaeopt.video's chunk decoder) and AutoencoderKL's 3x3
+    Conv2d in the resnets that stages/fused_epilogues runs (GroupNorm). conv_in / conv_out / shortcuts / upsampler
+    and time convs stay in bf16 (their inputs come from no norm kernel)."""
+    out = []
     dec = getattr(model, "decoder", None)
     if dec is None:
-        return wan_ok
+        return out
+    if _is_wan(model):
+        for name, m in dec.named_modules():
+            if name.endswith((".conv1", ".conv2")) and ".resnets." in name and _kernel_fits(m):
+                out.append((f"decoder.{name}", m))
+        return out
+    fused = {id(r) for r in (getattr(model, "_vaeopt_fused_epilogues", None) or {}).get("resnets", [])}
     for name, m in dec.named_modules():
-        if name.endswith((".conv1", ".conv2")) and ".resnets." in name and _kernel_fits(m):
-            wan_ok.append((f"decoder.{name}", m))
-    return wan_ok
+        if id(m) in fused:
+            for cname in ("conv1", "conv2"):
+                c = getattr(m, cname)
+                if _conv2d_fits(c) and min(c.in_channels, c.out_channels) >= IMAGE_FP8_MIN_CH:
+                    out.append((f"decoder.{name}.{cname}", c))
+    return out
 
 
 def packed_fp8(conv: nn.Module):
     """The conv's e4m3 K-major PackedWeight (per-output-channel scales), packed once per weight version."""
     w = conv.weight
-    key = (w.data_ptr(), w._version)
+    key = _weight_key(w)
     cached = getattr(conv, _PACKED8, None)
     if cached is None or cached[0] != key:
         from vaeopt.kernels.conv import E4M3, pack_weight
@@ -163,17 +195,26 @@ def packed_fp8(conv: nn.Module):
     return cached[1]
 
 
+def _decode(model: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """The decode the pipeline runs: vaeopt.video's chunk decoder for Wan, the (patched) model.decode otherwise."""
+    if _is_wan(model):
+        from vaeopt import video
+
+        return video.decode_video(model, z)
+    with torch.no_grad():
+        return model.decode(z).sample
+
+
 def _references(model: nn.Module, z: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(the fp32 decode of the same weights, TF32 off; the decode in `dtype`) of the probe z. Call with no fp8 marks."""
-    from vaeopt import video
     from vaeopt.stages.fp8 import _exact_fp32
 
     try:
         model.float()
         with _exact_fp32():
-            ref = video.decode_video(model, z.float()).float()
+            ref = _decode(model, z.float()).float()
         model.to(dtype)
-        base = video.decode_video(model, z.to(dtype)).float()
+        base = _decode(model, z.to(dtype)).float()
     finally:
         model.to(dtype)
     return ref, base
@@ -181,10 +222,9 @@ def _references(model: nn.Module, z: torch.Tensor, dtype: torch.dtype) -> tuple[
 
 def _probe_db(model: nn.Module, z: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor) -> float:
     """PSNR vs ref of the probe decode with the fp8 marks as they are now."""
-    from vaeopt import video
     from vaeopt.fidelity import psnr
 
-    return psnr(video.decode_video(model, z.to(dtype)).float(), ref)
+    return psnr(_decode(model, z.to(dtype)).float(), ref)
 
 
 def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_db: float = 40.0,
@@ -196,17 +236,26 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     ok, why = fp8_available(device)
     if not ok and not force:
         return StageResult.skipped(name, why)
-    from vaeopt import video
+    wan = _is_wan(model)
+    norm = "RMS-norm" if wan else "GroupNorm"
+    if wan:
+        from vaeopt import video
 
-    if not (video._has_fused_norms(model.decoder) and getattr(model, "_vaeopt_fused_epilogues", None)):
-        return StageResult.skipped(name, "needs the fused Wan path (fused_norms + fused_epilogues): the RMS-norm "
-                                         "kernel writes the convs' e4m3 inputs")
+        fused = video._has_fused_norms(model.decoder) and getattr(model, "_vaeopt_fused_epilogues", None)
+    else:
+        fused = (getattr(model, "_vaeopt_fused_epilogues", None) or {}).get("resnets")
+    if not fused:
+        return StageResult.skipped(name, f"needs the fused path (fused_norms + fused_epilogues): the {norm} kernel "
+                                         "writes the convs' e4m3 inputs")
     cands = fp8_candidates(model)
     if not cands:
-        return StageResult.skipped(name, "no residual-block 3x3x3 causal convs fed by RMS norm (Wan) in this decoder")
+        why = "" if wan else (f" with >= {IMAGE_FP8_MIN_CH} channels (narrower ones measured slower in e4m3 than "
+                              "cuDNN bf16, H200)")
+        return StageResult.skipped(name, f"no residual-block 3x3 convs fed by a fused norm{why} in this decoder")
     if probe is None:
         g = torch.Generator().manual_seed(0)
-        probe = torch.randn((1, model.config.z_dim, 3, 16, 16), generator=g)
+        shape = (1, model.config.z_dim, 3, 16, 16) if wan else (1, model.config.latent_channels, 16, 16)
+        probe = torch.randn(shape, generator=g)
     probe = probe.to(device)
     from vaeopt.fidelity import psnr
 
@@ -256,7 +305,10 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         note = (f"; all {len(cands)} in fp8 measured {stats['all_fp8_db']:.1f} dB, so {len(kept)} most sensitive "
                 f"kept in {dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
     chans = sorted({m.out_channels for _, m in chosen})
-    return StageResult(name, "applied", f"{len(chosen)} residual-block Conv3d ({'/'.join(map(str, chans))} ch) on the "
-                                        f"e4m3 implicit-GEMM kernel, inputs quantized by the RMS-norm kernel (static "
-                                        f"scales); probe {p8:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path "
-                                        f"{pb:.1f} dB){note}", stats)
+    what = ("Conv3d", "the RMS-norm kernel (static scales)") if wan else (
+        "Conv2d", "the GroupNorm kernel (per-sample scales from the group max/min; whole-image decodes, tiled ones "
+                  "keep their convs)")
+    return StageResult(name, "applied", f"{len(chosen)} residual-block {what[0]} ({'/'.join(map(str, chans))} ch) on "
+                                        f"the e4m3 implicit-GEMM kernel, inputs quantized by {what[1]}; probe "
+                                        f"{p8:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path {pb:.1f} dB){note}",
+                       stats)

@@ -1,0 +1,25 @@
+"""Per-channel e4m3 (float8_e4m3fn) weight quantization: the one definition behind the fp8 stage's weight storage
+(vaeopt.stages.fp8) and the fp8 implicit-GEMM conv's packed weights (vaeopt.kernels.conv.pack_weight). Pure torch."""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = getattr(torch, "float8_e4m3fn", None)
+E4M3_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantize_per_channel(w: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w -> (e4m3 tensor of w's shape, fp32 scale (w.shape[dim],)) with w ≈ q * scale broadcast along `dim`.
+
+    One scale per index of `dim` (dim 0: the output channels of an (O, ...) weight): amax / E4M3_MAX, so each
+    channel's largest |w| maps to ±E4M3_MAX (an all-zero channel gets amax 1e-12 and quantizes to zeros); the scaled
+    values are clamped to e4m3's range and cast (round to nearest)."""
+    dim = dim % w.ndim
+    n = w.shape[dim]
+    amax = w.detach().float().movedim(dim, 0).reshape(n, -1).abs().amax(dim=1).clamp_min(1e-12)
+    scale = amax / E4M3_MAX
+    bshape = [1] * w.ndim
+    bshape[dim] = -1
+    q = (w.float() / scale.view(bshape)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
