@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from vaeopt import latents as lat
-from vaeopt import outputs
+from vaeopt import outputs, video_graphs
 from vaeopt.errors import VaeoptError
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import DecodeStats, Options, Pipeline
@@ -48,7 +48,11 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     pipe = Pipeline(loaded, options, log=log)
     entry = lat.LatentEntry("", latents)
     z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
-    out, _ = pipe.decode(z)
+    plan = pipe.plan(tuple(z.shape))
+    vg = video_graphs.arm(pipe, plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
+    out, _ = pipe.decode(z, plan)
+    if vg is not None:
+        video_graphs.report_to(pipe, vg)
     return out
 
 
@@ -170,10 +174,16 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
     shapes = [tuple(j.z_raw.shape) for j in jobs]
     results = []
     graphs_logged = False
+    vg = None  # Wan video: per-chunk CUDA graphs (vaeopt.video_graphs), decided per clip
     for job in jobs:
         shape = tuple(job.z_raw.shape)
         plan = pipe.plan(shape)
         pipe.log(f"plan {job.source.name}{'[' + job.entry + ']' if job.entry else ''} {shape}: {plan.reason}")
+        if not graphs_logged and video_graphs.applies(pipe):
+            vg = video_graphs.arm(pipe, plan)
+            graphs_logged = True
+        if vg is not None:
+            vg.budget_bytes = plan.budget_bytes  # the budget this clip was planned for bounds its graph pool
         if not graphs_logged:
             use, why = pipe.graphs_decision(shapes.count(shape), plan, shape)
             if use:
@@ -207,6 +217,8 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
         decoded, stats = pipe.decode(job.z_raw, plan, progress=cb)
         written = write_job(job, decoded, fps)
         results.append(DecodeResult(job, stats.seconds, stats.peak_bytes, written, plan.to_dict(), stats.retries))
+    if vg is not None:
+        video_graphs.report_to(pipe, vg)  # the measured outcome, after the decodes
     if pipe.graphed is not None:
         for s in pipe.stages:
             if s.name == "graphs":

@@ -239,7 +239,10 @@ class Pipeline:
         if plan.mode != "whole":
             return False, f"{plan.mode} decode: graphs are captured for whole decodes only"
         if self.family.is_video:
-            return False, "video decodes loop over chunks in Python; per-chunk graphs are not implemented yet"
+            if self.family.cls_name == "AutoencoderKLWan":
+                return False, ("Wan: the whole-clip graph does not apply; per-chunk graphs are decided per clip by "
+                               "vaeopt.video_graphs")
+            return False, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only"
         if o.graphs == "on":
             return True, "forced on"
         if latent_shape is not None:

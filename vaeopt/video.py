@@ -769,26 +769,33 @@ def _prepare(vae, z_raw: Tensor) -> Tensor:
 
 
 def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None,
-              fused: bool | None = None) -> Iterator[tuple[int, Tensor]]:
-    """(first output frame index, raw decoder output) per call."""
-    dec = _ChunkDecoder(vae, _channels_last(vae, channels_last), fused)
+              fused: bool | None = None, graphs=None) -> Iterator[tuple[int, Tensor]]:
+    """(first output frame index, raw decoder output) per call. `graphs`: per-chunk CUDA graphs
+    (vaeopt.video_graphs; None: the policy vaeopt.video_graphs.enable attached to the model, if any)."""
+    from vaeopt import video_graphs
+
+    sched = chunk_schedule(z.shape[2], chunk)
+    dec = video_graphs.wrap(_ChunkDecoder(vae, _channels_last(vae, channels_last), fused), vae, z, sched, graphs)
     t0 = f0 = 0
-    for k in chunk_schedule(z.shape[2], chunk):
+    for k in sched:
         y = dec.step(z[:, :, t0 : t0 + k])
         t0 += k
         yield f0, y
         f0 += y.shape[2]
         del y
+    if isinstance(dec, video_graphs.GraphedSteps):
+        dec.finish()
 
 
 def _raw(vae, z: Tensor, sched: list[int], channels_last: bool | None, fused: bool | None, tile,
-         tiling: dict) -> Iterator[tuple[int, Tensor]]:
+         tiling: dict, graphs=None) -> Iterator[tuple[int, Tensor]]:
     """_iter_raw, or vaeopt.video_tiling's tiled / OOM-retrying version when a tile or tiling options are given."""
     if tile is None and not tiling:
-        return _iter_raw(vae, z, sched, channels_last, fused)
+        return _iter_raw(vae, z, sched, channels_last, fused, graphs)
     from vaeopt import video_tiling
 
-    return video_tiling.iter_raw(vae, z, sched, tile, channels_last=channels_last, fused=fused, **tiling)
+    return video_tiling.iter_raw(vae, z, sched, tile, channels_last=channels_last, fused=fused, graphs=graphs,
+                                 **tiling)
 
 
 def _patch(vae) -> int:
@@ -840,7 +847,7 @@ def to_uint8_frames(video: Tensor) -> Tensor:
 
 def decode_video(
     vae, z_raw: Tensor, chunk: Chunk = 4, *, channels_last: bool | None = None, out: Tensor | None = None,
-    fused: bool | None = None, tile=None, **tiling,
+    fused: bool | None = None, tile=None, graphs=None, **tiling,
 ) -> Tensor:
     """Decode a whole clip like diffusers' `vae.decode(z_raw).sample`: (N, C, T_out, H, W) in the VAE's dtype on its
     device, clamped to [-1, 1], T_out = 1 + 4(T-1). `chunk` latent frames per decoder call (see chunk_schedule);
@@ -849,12 +856,14 @@ def decode_video(
     one-pass residual epilogues, kernel upsampling; see _ChunkDecoder): None = when the kernels can run and the
     fused_norms stage is applied (or as $VAEOPT_VIDEO_FUSED says), True = required, False = torch ops only.
     `tile` (latent px: an int side -> row bands of that area, or (rows, cols)) decodes in spatial tiles with one causal
-    cache per tile; `tiling` keywords (split, storage, oom_retry, info, ...) go to vaeopt.video_tiling.iter_raw."""
+    cache per tile; `tiling` keywords (split, storage, oom_retry, info, ...) go to vaeopt.video_tiling.iter_raw.
+    `graphs`: per-chunk CUDA graphs (vaeopt.video_graphs): None = the policy attached to the model by
+    vaeopt.video_graphs.enable (the pipeline's --graphs), else none; "on" / "auto" / "off" / a ChunkGraphs."""
     z = _prepare(vae, z_raw)
     p = _patch(vae)
     sched = chunk_schedule(z.shape[2], chunk)
     total = sum(output_frame_counts(sched, _temporal_factor(vae)))
-    for f0, y in _raw(vae, z, sched, channels_last, fused, tile, tiling):
+    for f0, y in _raw(vae, z, sched, channels_last, fused, tile, tiling, graphs):
         if out is None:
             out = torch.empty(_final_shape(y, p, total), dtype=y.dtype, device=y.device)
         elif tuple(out.shape) != _final_shape(y, p, total):
@@ -887,6 +896,7 @@ def iter_decode_video(
     channels_last: bool | None = None,
     fused: bool | None = None,
     tile=None,
+    graphs=None,
     **tiling,
 ) -> Iterator[Tensor]:
     """Decode a clip chunk by chunk, yielding consecutive groups of output frames on the CPU.
@@ -909,7 +919,8 @@ def iter_decode_video(
     runs on a side stream (ordered after chunk i's compute by an event) into a pinned buffer, and the device tensor
     is kept alive until that copy's event has completed. So the caller's work on chunk i overlaps the GPU decoding
     chunk i+1. copy_stream=False (and any CPU decode) is synchronous: decode, copy, yield.
-    `fused`, `tile`, `tiling`: as in decode_video (a tiled chunk is handed out once all its tiles are done).
+    `fused`, `tile`, `graphs`, `tiling`: as in decode_video (a tiled chunk is handed out once all its tiles are
+    done; a replayed chunk is a copy of the graph's output, so groups are independent of later replays).
     """
     if output not in ("uint8", "float"):
         raise ValueError(f"output must be 'uint8' or 'float', not {output!r}")
@@ -926,7 +937,7 @@ def iter_decode_video(
     slots: _HostSlots | None = None
     pending: tuple[Tensor, torch.cuda.Event, Tensor] | None = None  # (host view, copy done, device source)
 
-    for f0, y in _raw(vae, z, sched, channels_last, fused, tile, tiling):
+    for f0, y in _raw(vae, z, sched, channels_last, fused, tile, tiling, graphs):
         N, C, f, H, W = _final_shape(y, p)
         shape = (f, H, W, C) if output == "uint8" else (N, C, f, H, W)
         dtype = torch.uint8 if output == "uint8" else y.dtype

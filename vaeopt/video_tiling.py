@@ -754,7 +754,7 @@ def iter_raw(
     vae, z: Tensor, chunk: video.Chunk, tile: int | Sequence[int] | None = None, *,
     channels_last: bool | None = None, fused: bool | None = None, split: int | None = None,
     storage: str = "device", overlap: bool = True, oom_retry: bool = False, info: dict | None = None,
-    arena: bool = True, _force_copy: bool = False,
+    arena: bool = True, graphs=None, _force_copy: bool = False,
 ) -> Iterator[tuple[int, Tensor]]:
     """(first output frame index, raw decoder output) per call, like vaeopt.video._iter_raw, for a tiled plan.
 
@@ -763,8 +763,11 @@ def iter_raw(
     "host" (pinned; CUDA) for the tiles' causal caches. oom_retry: after a CUDA out-of-memory error, free, take the
     next smaller plan (see _shrink) and decode the clip again from its first frame, skipping the frames already
     handed out; the events go to info["oom_events"]. arena: the causal caches come from one allocation made at the
-    start (see _Arena; False: allocated one by one, as vaeopt.video does). `info` (a dict, filled in): plan, tiles,
-    halo, shrinks, ..."""
+    start (see _Arena; False: allocated one by one, as vaeopt.video does). graphs: per-chunk CUDA graphs for untiled
+    plans (vaeopt.video_graphs; None: the model's policy, if any); each attempt gets a record (info["graphs"]).
+    `info` (a dict, filled in): plan, tiles, halo, shrinks, ..."""
+    from vaeopt import video_graphs
+
     z = video._prepare(vae, z)
     N, _, T, h, w = z.shape
     cl = video._channels_last(vae, channels_last)
@@ -791,9 +794,11 @@ def iter_raw(
                 if arena_bytes:
                     runner.arena = _Arena(arena_bytes[0], z.device)
                 info.update(tiles=1, halo=0)
+                runner = video_graphs.wrap(runner, vae, z, sched, graphs, info=info)
             else:
                 runner = _TiledClip(vae, (h, w), plan, cl, fused, overlap, _force_copy, arena_bytes=arena_bytes)
                 info.update(tiles=len(runner.regions), halo=runner.halo, split=plan.split)
+                video_graphs.wrap(runner, vae, z, sched, graphs, tiles=len(runner.regions), info=info)  # reason
             t0 = f0 = 0
             for k in sched:
                 y = runner.step(z[:, :, t0 : t0 + k])
@@ -806,6 +811,8 @@ def iter_raw(
                     delivered = f1
                 y = None
                 f0 = f1
+            if isinstance(runner, video_graphs.GraphedSteps):
+                runner.finish()
             if isinstance(runner, _TiledClip):
                 runner.close()
                 info.update(bytes_h2d=runner.store.bytes_h2d, bytes_d2h=runner.store.bytes_d2h,

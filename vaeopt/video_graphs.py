@@ -1,0 +1,516 @@
+"""Per-chunk CUDA graphs for Wan's chunked video decode (vaeopt.video's `_ChunkDecoder`).
+
+Every decoder call after a clip's first has one static shape by the chunk schedule's construction ([1, K, K, ...]
+for Wan's usual T = 1 + 4n), and all state a call carries to the next -- the causal caches -- lives in static
+buffers updated in place. So one such call can be captured once per clip and replayed for the others:
+
+    call 0 (the first chunk: other shape, 'Rep' frame)      eager
+    call 1 (first steady chunk)                            eager, on the capture stream: the warm-up (Triton
+                                                           compiles, packed weights, cuDNN plans, caches created)
+    call 2                                                 captured (nothing runs), then replayed with its data
+    calls 3..                                              replayed; a chunk of another shape runs eagerly
+
+Replays read the latent chunk from a static input buffer (copied in on the compute stream) and hand out a copy of
+the graph's static output, so a consumer may keep what it got across later replays. The replayed kernels are the
+eager path's own, so replayed output equals eager output bitwise (tests/test_video_graphs.py; on the GPU in
+benchmarks/gpu_wan_graphs.py).
+
+Memory: the graph's intermediates live in a private pool about the size of one eager call's reserved transient
+segments (2.0-2.5x the dry run's live bytes; 4.56 GiB at wan21-480p, K=2). Cached segments are returned to the
+device (empty_cache) before the warm-up (the capture stream cannot reuse the compute stream's segments) and before
+the capture, so the warm-up's and the pool's memory take the place of the eager transients instead of adding to
+them: peak reserved memory equals the eager decode's at 480p. The capture is skipped when reserved memory + the
+estimated pool would exceed the decode's VRAM budget (the planner's, vaeopt.planner); a graph whose pool pushed
+reserved memory over the budget is dropped. An out-of-memory error (or any other error) during capture ends the
+capture and the clip goes on eagerly, with the reason recorded. The graph and its pool are freed at the end of the
+clip; the capture stream is one per device for the process (each new stream would keep its own cuBLAS workspace).
+
+Not captured (eager, reason recorded): CPU decodes, spatially tiled plans (vaeopt.video_tiling: per-tile decoders,
+and host-cache plans copy caches on side streams between tiles), clips with fewer than 2 steady chunks, decodes
+already inside a capture; in auto mode also clips with fewer than AUTO_MIN_STEADY steady chunks or more than
+AUTO_MAX_CHUNK_PIXELS output pixels per chunk (GPU-bound: no gain measured at 0.8 and 3.2 MP per chunk).
+
+Policy and bookkeeping: a `ChunkGraphs` attached to the model (`enable`, done by vaeopt.api for `--graphs auto|on`)
+is read by vaeopt.video / vaeopt.video_tiling at each clip; it keeps one record per clip (captured or why not,
+replays, eager chunks, capture ms, pool bytes, reserved memory vs the budget) and renders the graphs stage line.
+Measurements: docs/notes-video.md ("Per-chunk CUDA graphs"), docs/perf-notes.md E14.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["AUTO_MIN_STEADY", "ChunkGraphs", "GraphedSteps", "disable", "enable", "policy_of", "resolve"]
+
+ATTR = "_vaeopt_chunk_graphs"
+# auto: graphs for clips with at least AUTO_MIN_STEADY steady chunks (after the first) whose output is at most
+# AUTO_MAX_CHUNK_PIXELS per call. Measured on an H200 (docs/perf-notes.md E14, h200_wan_graphs_2026-11-21.json):
+# at wan21-480p (K=2: 3.2 MP per call) a replayed chunk took 72.6 ms against 72.5 eager (GPU-bound: the Python and
+# the launches run ahead of the GPU), while the capture (9 ms), a slower first replay (+7 ms) and the drains cost
+# ~12 ms per clip: a 735 ms decode became 747 ms (+1.2 to +1.9% over three runs); 240x416 (0.8 MP): 191 -> 198 ms.
+# Graphs pay where launches dominate: at 128x128 (0.13 MP per 2-frame chunk) a replay took 3.86 ms against 5.37
+# eager and a 21-frame decode went 60.5 -> 55.2 ms; its per-clip cost (~8 ms) is ~6 replays' gain, so auto wants
+# 8 steady chunks.
+AUTO_MIN_STEADY = 8
+AUTO_MAX_CHUNK_PIXELS = 512 * 512 * 2
+# The graph's pool measured 2.0-2.5x the dry run's live bytes (minus caches) on the H200 (4.56 GiB against 1.86 at
+# wan21-480p, 1.12 / 0.46 at 240x416, 0.16 / 0.08 at 128x128): the caching allocator's segments, as for eager
+# decodes (7.06 GiB reserved for 4.13-4.25 allocated at 480p). The budget check before capture uses this factor.
+POOL_FACTOR = 2.5
+MIN_STEADY = 2  # one warm-up chunk, then one to capture and replay
+
+
+class ChunkGraphs:
+    """Per-chunk graph policy for a model's video decodes and what it did: one record per clip (decode attempt).
+
+    mode: "on" (capture whenever possible), "auto" (from AUTO_MIN_STEADY steady chunks), "off" (never; with
+    time_chunks=True the chunks are still timed, for benchmarks). budget_bytes: the VRAM budget the planner planned
+    the decode for (None: not checked beyond the device's own limit). time_chunks: CUDA events around every call
+    (a synchronize at the end of each clip), per-chunk milliseconds in the record."""
+
+    def __init__(self, mode: str = "auto", budget_bytes: int | None = None, time_chunks: bool = False,
+                 min_steady: int | None = None):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"graphs mode must be auto, on or off, not {mode!r}")
+        self.mode = mode
+        self.budget_bytes = budget_bytes
+        self.time_chunks = time_chunks
+        self.min_steady = min_steady if min_steady is not None else (AUTO_MIN_STEADY if mode == "auto" else MIN_STEADY)
+        self.max_chunk_pixels = AUTO_MAX_CHUNK_PIXELS
+        self.clips: list[dict] = []
+
+    # -- per clip ----------------------------------------------------------------------------------------------
+    def decide(self, device: torch.device, sched: Sequence[int], tiles: int = 1,
+               chunk_pixels: int | None = None) -> tuple[bool, str]:
+        """(capture this clip, why) for a clip decoded with this chunk schedule and this many spatial tiles;
+        chunk_pixels: output pixels (frames x H x W x batch) of one steady call, for auto's size bound."""
+        if self.mode == "off":
+            return False, "off"
+        if backend_for(device) is None:
+            return False, f"{device.type.upper()} decode: CUDA graphs need a GPU"
+        if tiles > 1:
+            return False, (f"spatially tiled plan ({tiles} tiles): per-tile decoders (and host-cache copies between "
+                           "them) are not captured; chunks run eagerly")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False, "already inside a CUDA graph capture"
+        steady = _steady(sched)
+        k = sched[1] if len(sched) > 1 else sched[0]
+        if steady < MIN_STEADY:
+            return False, (f"{steady} chunk(s) of one shape after the first: a graph needs one warm-up chunk and "
+                           "one more to replay")
+        if steady < self.min_steady:
+            return False, (f"{steady} chunks of {k} latent frame(s) after the first: {self.mode} captures from "
+                           f"{self.min_steady} (--graphs on forces it)")
+        if self.mode == "auto" and chunk_pixels is not None and chunk_pixels > self.max_chunk_pixels:
+            return False, (f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound (wan21-480p, 3.2 MP, on an H200: "
+                           "a replayed chunk 72.6 vs 72.5 ms eager, the decode +1.6% with the capture); auto "
+                           f"captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk (--graphs on forces it)")
+        return True, f"{steady} chunks of {k} latent frame(s) after the first"
+
+    def new_record(self, z: Tensor, sched: Sequence[int], tiles: int, use: bool, why: str) -> dict:
+        k = sched[1] if len(sched) > 1 else sched[0]
+        rec = {"latent_chunk": [int(z.shape[0]), int(z.shape[1]), int(k), int(z.shape[3]), int(z.shape[4])],
+               "chunks": len(sched), "tiles": tiles, "status": "armed" if use else "skipped", "reason": why,
+               "captures": 0, "replays": 0, "eager_chunks": 0, "capture_ms": None, "pool_bytes": None,
+               "reserved_after_capture": None, "budget_bytes": self.budget_bytes}
+        self.clips.append(rec)
+        return rec
+
+    # -- the stage line ------------------------------------------------------------------------------------------
+    def report(self) -> tuple[str, str, dict]:
+        """(status, detail, data) for the graphs stage line: applied with measured numbers when a clip was
+        captured, else skipped / fallback with the reason(s)."""
+        cap = [r for r in self.clips if r["captures"]]
+        data = {"clips": len(self.clips), "captures": sum(r["captures"] for r in self.clips),
+                "replays": sum(r["replays"] for r in self.clips),
+                "eager_chunks": sum(r["eager_chunks"] for r in self.clips)}
+        if not self.clips:
+            return "skipped", "no Wan video clip was decoded", data
+        others = collections.Counter(r["reason"] for r in self.clips if not r["captures"])
+        why = "; ".join(f"{r}{f' ({n} clips)' if n > 1 else ''}" for r, n in others.items())
+        if not cap:
+            failed = any(r["status"] == "fallback" for r in self.clips)
+            return ("fallback" if failed else "skipped"), f"per-chunk graphs: {why}", data
+        ms = [r["capture_ms"] for r in cap]
+        pool = max(r["pool_bytes"] or 0 for r in cap)
+        res = max(r["reserved_after_capture"] or 0 for r in cap)
+        budget = next((r["budget_bytes"] for r in cap if r["budget_bytes"]), None)
+        shapes = sorted({tuple(r["latent_chunk"]) for r in cap})
+        data.update(capture_ms=ms, pool_bytes=pool, reserved_after_capture=res, budget_bytes=budget)
+        detail = (f"per-chunk: {len(cap)} of {len(self.clips)} clip(s) captured (chunk "
+                  f"{', '.join(str(s) for s in shapes)}), capture {_fmt_ms(ms)} ms, "
+                  f"{data['replays']} replays, {data['eager_chunks']} eager chunks (first + warm-up per clip); "
+                  f"graph pool {pool / 2**30:.2f} GiB, reserved {res / 2**30:.1f} GiB after capture"
+                  + (f" of the {budget / 2**30:.1f} GiB budget" if budget else ""))
+        if others:
+            detail += f"; not captured: {why}"
+        return "applied", detail, data
+
+
+def _fmt_ms(ms: list[float]) -> str:
+    return f"{ms[0]:.0f}" if len(ms) == 1 else f"{min(ms):.0f}-{max(ms):.0f}"
+
+
+def _steady(sched: Sequence[int]) -> int:
+    """Calls after the first with the shape of the second (the schedule's steady chunk)."""
+    return sum(1 for k in sched[1:] if k == sched[1]) if len(sched) > 1 else 0
+
+
+def enable(vae, mode: str = "auto", budget_bytes: int | None = None, time_chunks: bool = False) -> ChunkGraphs:
+    """Attach a per-chunk graph policy to a Wan VAE: its later decodes through vaeopt.video / the pipeline use it."""
+    pol = ChunkGraphs(mode, budget_bytes, time_chunks)
+    setattr(vae, ATTR, pol)
+    return pol
+
+
+def disable(vae) -> None:
+    if hasattr(vae, ATTR):
+        delattr(vae, ATTR)
+
+
+def policy_of(vae) -> ChunkGraphs | None:
+    return getattr(vae, ATTR, None)
+
+
+def resolve(vae, graphs) -> ChunkGraphs | None:
+    """The policy for a decode call: `graphs` None -> the model's (enable()), else off; "off"/False -> None;
+    "on"/True/"auto" -> a fresh policy of that mode (what it did: info["graphs"]); a ChunkGraphs as is."""
+    if graphs is None:
+        return policy_of(vae)
+    if isinstance(graphs, ChunkGraphs):
+        return graphs
+    if graphs is False or graphs == "off":
+        return None
+    return ChunkGraphs("on" if graphs is True else str(graphs))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Capture / replay backend (CUDA); tests substitute a CPU stand-in through backend_for
+
+
+class _CudaBackend:
+    cuda = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = _capture_stream(device)  # warm-up and capture stream
+
+    def main(self):
+        return torch.cuda.current_stream(self.device)
+
+    def warmup(self, fn, dec) -> Tensor:
+        """fn() on the capture stream, ordered after the compute stream's work and before its later work."""
+        main = self.main()
+        before = {id(t) for t in dec.cache.values()}
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            y = fn()
+        main.wait_stream(self.stream)
+        y.record_stream(main)  # allocated on the capture stream, consumed on the compute stream
+        for t in dec.cache.values():  # caches created by this call live on, used by the compute stream
+            if id(t) not in before:
+                t.record_stream(main)
+        return y
+
+    def drain(self) -> None:
+        """Wait for the queued work and return the cached free segments (the eager transients), so the graph's
+        pool takes their place instead of adding to them."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def capture(self, fn, dec):
+        """-> (graph, static output). Records fn() on the capture stream into a graph with its own memory pool;
+        nothing runs. Errors (out of memory, ...) end the capture first and are raised."""
+        graph = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()
+        self.stream.wait_stream(self.main())
+        err = out = None
+        with torch.cuda.stream(self.stream):
+            # thread_local: the MP4 writer's thread may call into CUDA (pinned host memory) meanwhile
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            except BaseException as e:  # noqa: BLE001 - the capture must be ended whatever happened
+                err = e
+            try:
+                graph.capture_end()
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
+        self.main().wait_stream(self.stream)
+        if err is not None:
+            del graph, out
+            raise err
+        return graph, out
+
+    def replay(self, graph) -> None:
+        graph.replay()
+
+    def release(self) -> None:
+        """After the graph is destroyed: a dead pool's segments stay reserved (unusable by other pools) until the
+        allocator's cache is emptied."""
+        torch.cuda.empty_cache()
+
+    def event(self):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(self.main())
+        return e
+
+    def elapsed_ms(self, a, b) -> float:
+        return a.elapsed_time(b)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device):
+    """One warm-up/capture stream per device for the process: every new stream gets its own cuBLAS workspace
+    (32 MiB on Hopper) that PyTorch keeps for good; a stream per clip made reserved memory grow by that much per
+    clip on the H200 (run 2 of h200_wan_graphs_2026-11-21*.json)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _STREAMS.get(idx)
+    if s is None:
+        s = _STREAMS[idx] = torch.cuda.Stream(device=torch.device("cuda", idx))
+    return s
+
+
+def backend_for(device: torch.device):
+    """The capture backend for a device: CUDA only (None elsewhere: the clip decodes eagerly)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _CudaBackend(device)
+
+
+_OOM = tuple({e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+              if e})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The graphed decoder
+
+
+class GraphedSteps:
+    """Wraps a `_ChunkDecoder` (same `step` / `stats`): the clip's first call and calls of another shape run eagerly,
+    the first steady call is the warm-up on the capture stream, the second is captured and every steady call from
+    then on is a replay. `finish()` ends the clip: totals into the record, the graph and its pool freed."""
+
+    def __init__(self, dec, vae, z: Tensor, sched: Sequence[int], policy: ChunkGraphs, record: dict, use: bool):
+        self.dec = dec
+        self.vae = vae
+        self.policy = policy
+        self.rec = record
+        self.sched = list(sched)
+        self.K = self.sched[1] if len(self.sched) > 1 else self.sched[0]
+        self.full_shape = tuple(z.shape)
+        self.backend = backend_for(z.device) if (use or policy.time_chunks) else None
+        self.state = "cold" if use and self.backend is not None else "off"
+        self.calls = 0
+        self.key = None
+        self.graph = self.static_in = self.static_out = None
+        self.delta: collections.Counter = collections.Counter()
+        self.times: list[tuple[str, object, object]] = []  # (kind, start event, end event)
+
+    @property
+    def stats(self) -> collections.Counter:
+        return self.dec.stats
+
+    def __getattr__(self, name):  # everything else (cache, first, mf, arena, ...) is the decoder's
+        if name == "dec":
+            raise AttributeError(name)
+        return getattr(self.dec, name)
+
+    def step(self, z: Tensor) -> Tensor:
+        i = self.calls
+        self.calls += 1
+        timing = self.policy.time_chunks and self.backend is not None
+        t0 = self.backend.event() if timing else None
+        kind, y = self._step(z, i)
+        if timing:
+            self.times.append((kind, t0, self.backend.event()))
+        return y
+
+    def _step(self, z: Tensor, i: int) -> tuple[str, Tensor]:
+        key = (tuple(z.shape), z.dtype, z.device)
+        if i == 1:
+            self.key = key
+        if self.state == "off" or i == 0 or key != self.key:
+            self.rec["eager_chunks"] += 1
+            return ("first" if i == 0 else "eager"), self.dec.step(z)
+        if self.state == "cold":
+            self.rec["eager_chunks"] += 1
+            # The capture stream cannot reuse the compute stream's cached segments (the caching allocator keeps
+            # them per stream): return them first, or the warm-up's transients would stack on top of them
+            # (measured on the H200: 7.1 -> 11.6 GiB peak reserved at wan21-480p).
+            t = time.perf_counter()
+            self.backend.drain()
+            self.rec["warmup_drain_ms"] = round((time.perf_counter() - t) * 1e3, 2)
+            y = self.backend.warmup(lambda: self.dec.step(z), self.dec)
+            self.state = "warm"
+            return "warmup", y
+        if self.state == "warm":
+            if not self._capture(z):
+                self.state = "off"
+                self.rec["eager_chunks"] += 1
+                return "eager", self.dec.step(z)
+            self.state = "graphed"
+        self.static_in.copy_(z)
+        self.backend.replay(self.graph)
+        self.stats.update(self.delta)  # what the captured call counted, once per replay
+        self.rec["replays"] += 1
+        return "replay", self.static_out.clone()  # the next replay overwrites static_out
+
+    def _capture(self, z: Tensor) -> bool:
+        """Capture one steady call; False (reason recorded, graph memory freed) when it cannot be."""
+        be, rec, budget = self.backend, self.rec, self.policy.budget_bytes
+        need = self._pool_estimate(z)  # (cached dry run: the planner made it) before the GPU is drained
+        t0 = time.perf_counter()
+        be.drain()
+        t1 = time.perf_counter()
+        r0 = be.reserved()
+        if budget is not None and r0 + need > budget:
+            rec.update(status="skipped", reason=(
+                f"graph pool (est. {need / 2**30:.2f} GiB) on top of {r0 / 2**30:.2f} GiB reserved would exceed "
+                f"the {budget / 2**30:.2f} GiB budget: eager"))
+            return False
+        static_in = torch.empty_like(z, memory_format=self.dec.mf).copy_(z)
+        before = collections.Counter(self.dec.stats)
+        first = self.dec.first
+        try:
+            graph, out = be.capture(lambda: self.dec.step(static_in), self.dec)
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager, with its reason
+            self._restore(before, first)
+            be.drain()
+            what = "out of memory during capture" if isinstance(e, _OOM) else \
+                f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+            rec.update(status="fallback", reason=f"{what}: eager")
+            return False
+        self.delta = collections.Counter({k: v - before.get(k, 0) for k, v in self.dec.stats.items()
+                                          if v - before.get(k, 0) > 0})
+        self._restore(before, first)  # nothing ran: the replays will count
+        be.sync()
+        t2 = time.perf_counter()
+        r1 = be.reserved()
+        # capture_ms: the GPU sits idle meanwhile (drain_ms: waiting for the queued chunks + returning segments)
+        rec.update(pool_bytes=max(0, r1 - r0), reserved_after_capture=r1, capture_ms=round((t2 - t1) * 1e3, 2),
+                   drain_ms=round((t1 - t0) * 1e3, 2), pool_estimate_bytes=need)
+        if budget is not None and r1 > budget:
+            del graph, out
+            be.drain()
+            rec.update(status="skipped", reason=(f"graph pool of {(r1 - r0) / 2**30:.2f} GiB put reserved memory at "
+                                                 f"{r1 / 2**30:.2f} GiB, over the {budget / 2**30:.2f} GiB budget: "
+                                                 "dropped, eager"))
+            return False
+        self.graph, self.static_in, self.static_out = graph, static_in, out
+        rec.update(status="captured", captures=rec["captures"] + 1)
+        return True
+
+    def _restore(self, before: collections.Counter, first: bool) -> None:
+        self.dec.stats.clear()
+        self.dec.stats.update(before)
+        self.dec.first = first
+
+    def _pool_estimate(self, z: Tensor) -> int:
+        """The graph's pool by the dry run: POOL_FACTOR x (the steady call's peak live bytes minus the causal
+        caches, which exist already). 0 when no estimate can be made (the post-capture check still applies)."""
+        from vaeopt import video
+
+        try:
+            dec = self.dec
+            est = video.estimate_chunk_bytes(self.vae, self.full_shape, self.K, z.dtype,
+                                             channels_last=dec.mf is torch.channels_last_3d,
+                                             fused=dec._kernels_on(z))
+        except Exception:  # noqa: BLE001 - an estimate is a convenience here
+            return 0
+        return int(POOL_FACTOR * max(0, est - sum(t.nbytes for t in self.dec.cache.values())))
+
+    def finish(self) -> dict:
+        """End of the clip: per-chunk times (time_chunks), graph and static buffers freed. -> the clip's record."""
+        if self.times:
+            self.backend.sync()
+            ms: dict[str, list[float]] = collections.defaultdict(list)
+            for kind, a, b in self.times:
+                ms[kind].append(round(self.backend.elapsed_ms(a, b), 3))
+            self.rec["chunk_ms"] = dict(ms)
+            self.times = []
+        if self.rec["status"] == "armed":  # never got to capture (e.g. the schedule changed shape)
+            self.rec.update(status="skipped", reason="no second steady chunk reached: eager")
+        if self.graph is not None:
+            self.graph = self.static_in = self.static_out = None
+            self.backend.release()  # the pool's segments go back to the device now, not at the next OOM
+        return self.rec
+
+
+def _chunk_pixels(vae, z: Tensor, sched: Sequence[int]) -> int | None:
+    """Output pixels of one steady call: batch x 4K frames x H x W."""
+    try:
+        from vaeopt import video, video_tiling
+
+        k = sched[1] if len(sched) > 1 else sched[0]
+        f = video_tiling._spatial_factor(vae)
+        return int(z.shape[0] * video._temporal_factor(vae) * k * z.shape[3] * f * z.shape[4] * f)
+    except Exception:  # noqa: BLE001 - a module layout the tiler does not know: no size bound
+        return None
+
+
+def wrap(dec, vae, z: Tensor, sched: Sequence[int], graphs=None, tiles: int = 1, info: dict | None = None):
+    """`dec` itself when no graph policy applies to this decode, else a GraphedSteps around it. The decision and,
+    later, what happened go to the policy's record for this clip (and to info["graphs"])."""
+    pol = resolve(vae, graphs)
+    if pol is None:
+        return dec
+    use, why = pol.decide(z.device, sched, tiles, _chunk_pixels(vae, z, sched))
+    rec = pol.new_record(z, sched, tiles, use, why)
+    if info is not None:
+        info["graphs"] = rec
+    if not use and not (pol.time_chunks and backend_for(z.device) is not None and tiles == 1):
+        return dec
+    return GraphedSteps(dec, vae, z, sched, pol, rec, use)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The graphs stage for Wan video in the pipeline (called by vaeopt.api, which runs the decodes)
+
+
+def applies(pipe) -> bool:
+    """Wan video: vaeopt.video's chunk decoder runs, so graphs are per chunk (not the whole-decode GraphedDecode)."""
+    return pipe.family.cls_name == "AutoencoderKLWan"
+
+
+def arm(pipe, plan) -> ChunkGraphs | None:
+    """Attach the --graphs policy to the pipeline's Wan model before its decodes and log the stage as armed (or
+    skipped, with the reason). -> the policy, whose report() gives the measured stage line after the decodes."""
+    from vaeopt.stages import StageResult, graphs as graphs_stage
+
+    mode = pipe.opts.graphs
+    ok, why = graphs_stage.available(pipe.device)
+    if mode == "off" or not ok:
+        disable(pipe.model)
+        pipe._record(StageResult.skipped(graphs_stage.NAME, "off" if mode == "off" else why))
+        return None
+    pol = enable(pipe.model, mode, plan.budget_bytes)
+    when = "clips with >= 2 chunks of one shape after the first" if mode == "on" else \
+        (f"clips with >= {pol.min_steady} chunks of one shape after the first and <= "
+         f"{pol.max_chunk_pixels / 1e6:.1f} MP per chunk, untiled plans")
+    pipe._record(StageResult(graphs_stage.NAME, "skipped",
+                             f"per-chunk graphs armed ({mode}: {when}); what was captured is logged after the decodes"))
+    return pol
+
+
+def report_to(pipe, pol: ChunkGraphs) -> None:
+    """Replace the armed graphs stage line by what happened (measured numbers or the reasons) and log it."""
+    status, detail, data = pol.report()
+    for s in pipe.stages:
+        if s.name == "graphs":
+            s.status, s.detail, s.data = status, detail, data
+            pipe.log(s.line())
+            return
