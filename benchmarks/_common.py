@@ -25,3 +25,34 @@ def make_pipe(fam: str, seed: int = 0, **opts) -> Pipeline:
         torch.nn.init.normal_(p, std=0.02)
     o = {"device": "cuda", "dtype": "bf16", "graphs": "off", "tiling": "off", **opts}
     return Pipeline(LoadedVAE(m, spec, "random", None, [], None), Options(**o))
+
+
+def event_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median GPU time of fn() in ms over `reps` calls (CUDA events), after `warmup` calls."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def timed(fn, n: int):
+    """(last output, wall ms of each of n synchronized calls)."""
+    import time
+
+    ts, out = [], None
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return out, ts

@@ -24,24 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vaeopt.fidelity import psnr  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import make_pipe  # noqa: E402
+from _common import make_pipe, timed  # noqa: E402
 from vaeopt.pipeline import Options, Pipeline  # noqa: E402
 from vaeopt.hw import machine_info  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "out"))
 OUT.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
-
-
-def timed(fn, n):
-    ts = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return out, ts
 
 
 res = {"graphs": [], "fp8": []}

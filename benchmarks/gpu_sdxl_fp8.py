@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import triton  # noqa: E402
 
-from _common import make_pipe  # noqa: E402
+from _common import event_ms as bench, make_pipe, timed  # noqa: E402
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.kernels import conv as K  # noqa: E402
 import importlib  # noqa: E402
@@ -44,20 +44,6 @@ LAYERS = [(512, 512, 128, 10), (512, 512, 256, 6), (512, 256, 512, 1), (256, 256
           (128, 128, 1024, 5)]
 CFGS = [K.Config(256, 128, 0, 128, 8, 3), K.Config(128, 128, 0, 128, 8, 4), K.Config(128, 256, 0, 128, 8, 3),
         K.Config(256, 128, 0, 64, 8, 4)]
-
-
-def bench(fn, reps=20, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def checks() -> dict:
@@ -134,18 +120,6 @@ def layer_pairs() -> list:
               f"(conv {r['cudnn_ms']:.3f} vs {r['fp8_conv_ms']:.3f}, gn {r['gn_bf16_ms']:.3f} vs {r['gn_e4m3_ms']:.3f})",
               flush=True)
     return rows
-
-
-def timed(fn, n):
-    ts = []
-    out = None
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return out, ts
 
 
 def decodes() -> list:
