@@ -24,9 +24,11 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 import triton  # noqa: E402
 
+from _common import event_ms  # noqa: E402
 from vaeopt.kernels import conv as K  # noqa: E402
 
 # (name, N, Cin, Cout, Tin, H, W, kt): kt None = Conv2d (N frames), else causal Conv3d with Tin = T + kt - 1
@@ -61,23 +63,14 @@ FP8_CFGS = {  # fp8 weights are packed K-major (Hopper's fp8 wgmma operand layou
 
 def bench(fn, reps: int, warmup: int = 3) -> float:
     """Median ms over reps (CUDA events), or wall time on CPU."""
+    if torch.cuda.is_available():
+        return event_ms(fn, reps, warmup)
     for _ in range(warmup):
         fn()
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) * 1000 / reps
-    ts = []
+    t = time.perf_counter()
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    return (time.perf_counter() - t) * 1000 / reps
 
 
 def cfgs_for(table, cout: int):

@@ -13,7 +13,6 @@ import collections
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import make_pipe  # noqa: E402
+from _common import event_ms, make_pipe  # noqa: E402
 from vaeopt.hw import machine_info  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "out"))
@@ -75,17 +74,7 @@ def profile(fn, n=3) -> dict:
 
 
 def bench(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return event_ms(fn, reps, warmup=1)
 
 
 def chunked_attention(q, k, v, chunk=4096):

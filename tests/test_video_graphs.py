@@ -19,31 +19,7 @@ import torch
 from vaeopt import video, video_graphs
 from vaeopt import video_tiling as vt
 
-CROP = (slice(10, 16), slice(30, 36))
-
-
-def _wan21(samples_dir, device="cpu"):
-    from diffusers import AutoencoderKLWan
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = str(samples_dir / "tiny_wan_video.safetensors")
-    with safe_open(path, "pt") as f:
-        cfg = json.loads(f.metadata()["config"])
-    vae = AutoencoderKLWan(**cfg).eval().requires_grad_(False)
-    vae.load_state_dict({k: v.float() for k, v in load_file(path).items()})
-    return vae.to(device)
-
-
-@pytest.fixture(scope="module")
-def wan21(samples_dir):
-    return _wan21(samples_dir)
-
-
-@pytest.fixture(scope="module")
-def z21(samples_dir):
-    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    return lat["bikes"].float()[:, :, :, CROP[0], CROP[1]].contiguous()
+from test_video_tiling import _wan21, wan21, z21  # noqa: F401 (the same tiny Wan, 6x6 crop and fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +284,7 @@ def test_cli_stage_line_with_graphs(tmp_path, samples_dir, z21, stand_in, monkey
 def _gpu_tiny(samples_dir, dtype):
     from vaeopt.stages import fused_epilogues, fused_norms
 
-    vae = _wan21(samples_dir, "cuda").to(dtype)
+    vae = _wan21(samples_dir).to("cuda").to(dtype)
     assert fused_norms.apply(vae).status == "applied"
     assert fused_epilogues.apply(vae).status == "applied"
     for m in vae.modules():

@@ -789,7 +789,7 @@ def _band_chunk_decoder_class():
             _fix_edges(x, top, bot, y, rows, 3)
             return y
 
-        # video's _resample with a halo exchange around its frame-group loop (inline there, so not reusable as is)
+        # video's _resample with a halo exchange around its frame-group conv (video._frames_up_conv)
         def _resample(self, rs, box: list[Tensor]) -> Tensor:
             if rs.mode == "upsample3d":
                 x = self._time_upsample(rs, box.pop())
@@ -814,18 +814,7 @@ def _band_chunk_decoder_class():
                 raise DistributedError("band decoding: the Wan resample conv is not 3x3")
             self.halo_seen.add(id(conv2d))
             pend = self.comm.exchange_start(x2, 2)
-            g = max(1, video._SPLIT_ELEMS // (4 * x2[:1].numel()))
-            if g >= b * t:
-                y = conv2d(up_fn(x2))
-            else:
-                y = None
-                for s in range(0, b * t, g):
-                    ys = conv2d(up_fn(x2[s : s + g]))
-                    if y is None:
-                        y = torch.empty((b * t, *ys.shape[1:]), dtype=ys.dtype, device=ys.device,
-                                        memory_format=video._suggest_2d(ys))
-                    y[s : s + g].copy_(ys)
-                    del ys
+            y = video._frames_up_conv(conv2d, up_fn, x2)
             top, bot = pend.wait()
             rows = _conv2d_rows(conv2d)
             if top is not None:  # upsampled rows 2a-1, 2a, 2a+1 = [top, x0, x0]

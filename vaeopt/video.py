@@ -243,6 +243,23 @@ def _frames4(x: Tensor) -> Tensor:
     return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
 
 
+def _frames_up_conv(conv2d, up, x2: Tensor) -> Tensor:
+    """conv2d(up(x2)) for frames x2 (n, c, h, w), a few frames per call so the 2x-upsampled tensor stays bounded
+    (_SPLIT_ELEMS), into one output."""
+    n = x2.shape[0]
+    g = max(1, _SPLIT_ELEMS // (4 * x2[:1].numel()))
+    if g >= n:
+        return conv2d(up(x2))
+    y = None
+    for s in range(0, n, g):
+        ys = conv2d(up(x2[s : s + g]))
+        if y is None:
+            y = torch.empty((n, *ys.shape[1:]), dtype=ys.dtype, device=ys.device, memory_format=_suggest_2d(ys))
+        y[s : s + g].copy_(ys)
+        del ys
+    return y
+
+
 class _ChunkDecoder:
     """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches.
 
@@ -709,8 +726,7 @@ class _ChunkDecoder:
         else:
             raise CheckpointError(f"unexpected resample mode {rs.mode!r} in a Wan decoder")
         b, c, t, h, w = x.shape
-        # per-frame 2D: a free view when x is channels_last_3d (it becomes channels_last), a copy otherwise
-        x2 = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+        x2 = _frames4(x)  # per-frame 2D: a free view when x is channels_last_3d, a copy otherwise
         del x
         up, conv2d = rs.resample[0], rs.resample[1]
         if self.kern and _is_2x_nearest(up):
@@ -719,18 +735,7 @@ class _ChunkDecoder:
         elif isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact"):
             up = functools.partial(nn.Upsample.forward, up)  # a pure copy: skipping WanUpsample's fp32 round trip
             # is bit-identical
-        g = max(1, _SPLIT_ELEMS // (4 * x2[:1].numel()))  # frames per call: the 2x upsampled tensor stays bounded
-        if g >= b * t:
-            y = conv2d(up(x2))
-        else:
-            y = None
-            for s in range(0, b * t, g):
-                ys = conv2d(up(x2[s : s + g]))
-                if y is None:
-                    y = torch.empty((b * t, *ys.shape[1:]), dtype=ys.dtype, device=ys.device,
-                                    memory_format=_suggest_2d(ys))
-                y[s : s + g].copy_(ys)
-                del ys
+        y = _frames_up_conv(conv2d, up, x2)
         return y.view(b, t, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4)
 
     def _time_upsample(self, rs, x: Tensor) -> Tensor:
@@ -1067,21 +1072,28 @@ def estimate_chunk_bytes(
     return _estimate(type(vae), config, shape, K, dtype, bool(channels_last), bool(fused))
 
 
-@functools.lru_cache(maxsize=256)
-def _estimate(cls, config_json: str, shape: tuple, K: int, dtype: torch.dtype, channels_last: bool,
-              fused: bool = False) -> int:
+def _meta_peak(make_stepper, shape: tuple, K: int, dtype: torch.dtype) -> int:
+    """Peak live bytes of a dry run on the meta device: a first chunk of K latent frames and one full chunk after
+    it, through the object make_stepper() builds (built inside the count: its caches are included)."""
     N, C, T, h, w = shape
     sched = [K] + ([K] if T > K else [])
-    skel = _meta_skeleton(cls, config_json, dtype)
     counter = _LiveBytes()
     with _MemEfficientSDPA(), counter, torch.no_grad():
         z = torch.empty((N, C, sum(sched), h, w), device="meta", dtype=dtype)
-        dec = _ChunkDecoder(skel, channels_last, fused=fused)  # fused: the kernel path, results' storage only
+        stepper = make_stepper()
         t0 = 0
         for k in sched:
-            y = dec.step(z[:, :, t0 : t0 + k])
+            y = stepper.step(z[:, :, t0 : t0 + k])
             t0 += k
             del y
         peak = counter.peak
-        del dec, z
+        del stepper, z
     return int(peak)
+
+
+@functools.lru_cache(maxsize=256)
+def _estimate(cls, config_json: str, shape: tuple, K: int, dtype: torch.dtype, channels_last: bool,
+              fused: bool = False) -> int:
+    skel = _meta_skeleton(cls, config_json, dtype)
+    # fused: the kernel path, results' storage only
+    return _meta_peak(lambda: _ChunkDecoder(skel, channels_last, fused=fused), shape, K, dtype)

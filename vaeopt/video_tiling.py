@@ -866,22 +866,10 @@ def _estimate(cls, config_json: str, shape: tuple, K: int, tile, dtype, channels
               split: int, storage: str) -> int:
     if tile is None:
         return video._estimate(cls, config_json, shape, K, dtype, channels_last, fused)
-    N, C, T, h, w = shape
-    sched = [K] + ([K] if T > K else [])
     skel = video._meta_skeleton(cls, config_json, dtype)
-    counter = video._LiveBytes()
-    with video._MemEfficientSDPA(), counter, torch.no_grad():
-        z = torch.empty((N, C, sum(sched), h, w), device="meta", dtype=dtype)
-        clip = _TiledClip(skel, (h, w), TiledVideoPlan(K, tile, split, storage), channels_last, fused,
-                          device="meta")
-        t0 = 0
-        for k in sched:
-            y = clip.step(z[:, :, t0 : t0 + k])
-            t0 += k
-            del y
-        peak = counter.peak
-        del clip, z
-    return int(peak)
+    plan = TiledVideoPlan(K, tile, split, storage)
+    return video._meta_peak(lambda: _TiledClip(skel, shape[-2:], plan, channels_last, fused, device="meta"),
+                            shape, K, dtype)
 
 
 def cache_floor_bytes(vae, latent_shape: Sequence[int], dtype: torch.dtype | None = None,
