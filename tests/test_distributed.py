@@ -84,6 +84,11 @@ def _suite(samples: str, files_job: dict | None):
     res["coffee_bands"] = allb
     wan, zw = _wan_inputs(samples)
     res["wan"] = D.band_parallel_decode(wan, zw, chunk=2, return_info=True)
+    from vaeopt.stages import upsample_conv
+
+    upsample_conv.apply(wan, force=True)  # the resample convs as 2x2 phase convs inside the bands (torch path)
+    res["wan_phase"] = D.band_parallel_decode(wan, zw, chunk=2, return_info=True)
+    upsample_conv.revert(wan)
     w22, z22 = _wan22_inputs()
     res["wan22"] = D.band_parallel_decode(w22, z22, chunk=2, return_info=True)
     if _triton_ok() and files_job is not None:  # once (2 ranks; the interpreter is slow)
@@ -234,6 +239,15 @@ def test_wan_band_decode_matches_single_process(run, refs):
           f"schedule {info['schedule']}, bands {info['bands']}")
     assert info["schedule"] == [1, 2]
     assert err <= 1e-4 and psnr(out, ref) >= 100.0
+
+
+def test_wan_band_decode_with_phase_upsample_convs(run, refs):
+    """stages/upsample_conv's phase convs on each band (zero padding at the band edges, rows fixed by the halo
+    slabs as for the plain conv): the same decode."""
+    world, res = run
+    out, info = res["wan_phase"]
+    assert info["stats"].get("upsample_phase", 0) > 0
+    assert (out - refs["wan"]).abs().max().item() <= 1e-4
 
 
 def test_wan22_band_decode_matches_single_process(run, refs):

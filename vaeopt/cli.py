@@ -142,6 +142,8 @@ def decode(
     triton: str = typer.Option("auto", "--triton", help="Fused Triton norm kernels: auto | on | off"),
     epilogues: str = typer.Option("auto", "--epilogues", help="Fused conv-bias/residual/upsample epilogues and "
                                                               "chunked wide-head attention: auto | on | off"),
+    upsample_conv: str = typer.Option("auto", "--upsample-conv", help="Upsampler convs as four 2x2 phase convs on "
+                                                                      "the low-res input (4/9 of the FLOPs): auto | on | off"),
     conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
                                                                   "faster than cuDNN (Wan's 96-ch Conv3d): auto | on | off"),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
@@ -164,7 +166,7 @@ def decode(
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
-                   conv_kernel=conv_kernel, fp8=fp8, gate_db=fp8_gate, graphs=graphs,
+                   upsample_conv=upsample_conv, conv_kernel=conv_kernel, fp8=fp8, gate_db=fp8_gate, graphs=graphs,
                    tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
     opts.validate()
     if gpus is not None:

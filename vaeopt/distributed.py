@@ -814,7 +814,9 @@ def _band_chunk_decoder_class():
                 raise DistributedError("band decoding: the Wan resample conv is not 3x3")
             self.halo_seen.add(id(conv2d))
             pend = self.comm.exchange_start(x2, 2)
-            y = video._frames_up_conv(conv2d, up_fn, x2)
+            phase = video._phase_ok(conv2d, up, x2)  # stages/upsample_conv's 2x2 phase convs: the same map
+            self.stats["upsample_phase"] += phase
+            y = video._frames_up_conv(conv2d, up_fn, x2, phase)  # its rows 0 / -1 are fixed below
             top, bot = pend.wait()
             rows = _conv2d_rows(conv2d)
             if top is not None:  # upsampled rows 2a-1, 2a, 2a+1 = [top, x0, x0]

@@ -1,7 +1,8 @@
 """The optimization pipeline: applies the stages in a fixed order to a loaded VAE, plans memory, decodes.
 
 Order (each stage logs one line: what it did with numbers, or why it was skipped):
-    precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> triton_conv -> attention
+    precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> upsample_conv -> triton_conv
+    -> fp8 convs -> attention
     -> plan (tile/chunk) -> graphs
 """
 
@@ -36,6 +37,7 @@ class Options:
     triton: str = "auto"
     epilogues: str = "auto"  # conv bias folded into norms, fused residual(+upsample) epilogues, chunked attention
     attention: str = "auto"
+    upsample_conv: str = "auto"  # upsample + 3x3 conv as four 2x2 phase convs on the low-resolution input
     conv_kernel: str = "auto"  # Triton implicit-GEMM conv for the layers where it measured faster than cuDNN
     fp8: str = "off"
     graphs: str = "auto"
@@ -46,7 +48,8 @@ class Options:
     gate_db: float = 40.0  # fidelity gate for lossy stages (PSNR vs fp32 reference)
 
     def validate(self) -> None:
-        for name in ("channels_last", "triton", "epilogues", "attention", "conv_kernel", "fp8", "graphs", "tiling"):
+        for name in ("channels_last", "triton", "epilogues", "attention", "upsample_conv", "conv_kernel", "fp8",
+                     "graphs", "tiling"):
             v = getattr(self, name)
             if v not in SWITCHES:
                 raise VaeoptError(f"--{name.replace('_', '-')} must be one of {', '.join(SWITCHES)}, got '{v}'")
@@ -150,6 +153,7 @@ class Pipeline:
         else:
             self._record(self._stage("fused_epilogues").apply(self.model, device=self.device))
 
+        self._apply_upsample_conv()
         self._apply_triton_conv()
         if conv8 and o.conv_kernel == "off":
             self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
@@ -191,6 +195,14 @@ class Pipeline:
             return True
         return (name == "AutoencoderKL" and self.dtype in (torch.bfloat16, torch.float16)
                 and self._stage("triton_conv").fp8_available(self.device)[0])
+
+    def _apply_upsample_conv(self) -> None:
+        o, name = self.opts, "upsample_conv"
+        if o.upsample_conv == "off":
+            self._record(StageResult.skipped(name, "off"))
+        else:
+            self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
+                                                 force=o.upsample_conv == "on"))
 
     def _apply_triton_conv(self) -> None:
         o = self.opts

@@ -399,6 +399,13 @@ def _memory_format(dec: nn.Module) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _phase_conv(conv: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """stages/upsample_conv marked this upsampler conv, and the tiles compute in its weights' dtype and device."""
+    from vaeopt.stages.upsample_conv import marked
+
+    return marked(conv) and dtype == conv.weight.dtype and device == conv.weight.device
+
+
 def _up_conv(up: nn.Module) -> nn.Module:
     return up.conv if getattr(up, "name", "conv") == "conv" else up.Conv2d_0
 
@@ -699,6 +706,7 @@ class TiledDecoder:
             "shape": "bands" if self.bands else "tiles",
             "overlap": self.mover.async_,
             "bias_folded": 0,
+            "upsample_phase": 0,
             "bytes_h2d": 0,
             "bytes_d2h": 0,
         }
@@ -1052,6 +1060,7 @@ class TiledDecoder:
         conv = _up_conv(up) if plain else None
         k = self.kernels
         fold = bool(k and plain and _is_plain_conv(conv) and tuple(conv.kernel_size) == (3, 3))
+        phase = fold and _phase_conv(conv, self.dtype, self.device)
         norm_next = self._consumer(i + 1)
         dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
                    conv.bias.detach() if fold and conv.bias is not None else None)
@@ -1063,7 +1072,17 @@ class TiledDecoder:
             t, sy, sx = self._read(src, y0 // 2, (y1 + 1) // 2, x0 // 2, (x1 + 1) // 2, 1)
             uy0, ux0 = 2 * (y0 // 2 - sy), 2 * (x0 // 2 - sx)  # upsampled coords of t's first pixel
             h, w = y1 - y0, x1 - x0
-            if plain:
+            if phase:  # 2x2 phase convs on t itself (stages/upsample_conv): rows of the result at distance >= 1
+                # from a non-border edge of t's upsampled extent are exact, as for any padding-preserving operator
+                if src.bias is not None:
+                    t = self._k["epilogue"](t if _flat(t) else t.contiguous(memory_format=_layout_of(t)), src.bias)
+                from vaeopt.stages.upsample_conv import run
+
+                u = run(conv, t, bias=False)
+                del t
+                self.info["upsample_phase"] += 1
+                o, ob = u[:, :, y0 - uy0 : y1 - uy0, x0 - ux0 : x1 - ux0], conv.bias
+            elif plain:
                 if k:  # one kernel: (t + pending bias) written 2x nearest-upsampled, in t's layout
                     if not _flat(t):
                         t = t.contiguous(memory_format=_layout_of(t))

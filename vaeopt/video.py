@@ -243,16 +243,34 @@ def _frames4(x: Tensor) -> Tensor:
     return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
 
 
-def _frames_up_conv(conv2d, up, x2: Tensor) -> Tensor:
+def _phase_ok(conv2d, up, x: Tensor) -> bool:
+    """conv2d(up(x)) may run as 2x2 phase convs on x: up is a 2x nearest upsample and stages/upsample_conv marked
+    conv2d (a stock 3x3, padding-1 conv) for x's dtype and device."""
+    from vaeopt.stages.upsample_conv import marked
+
+    return marked(conv2d) and x.dtype == conv2d.weight.dtype and x.device == conv2d.weight.device and (
+        up is None or _is_2x_nearest(up))
+
+
+def _frames_up_conv(conv2d, up, x2: Tensor, phase: bool = False) -> Tensor:
     """conv2d(up(x2)) for frames x2 (n, c, h, w), a few frames per call so the 2x-upsampled tensor stays bounded
-    (_SPLIT_ELEMS), into one output."""
+    (_SPLIT_ELEMS), into one output. phase: up is a 2x nearest upsample and conv2d runs as the 2x2 phase convs of
+    stages/upsample_conv on x2 itself (4/9 of the FLOPs, no upsampled tensor)."""
+    if phase:
+        from vaeopt.stages.upsample_conv import run
+
+        def f(t: Tensor) -> Tensor:
+            return run(conv2d, t)
+    else:
+        def f(t: Tensor) -> Tensor:
+            return conv2d(up(t))
     n = x2.shape[0]
     g = max(1, _SPLIT_ELEMS // (4 * x2[:1].numel()))
     if g >= n:
-        return conv2d(up(x2))
+        return f(x2)
     y = None
     for s in range(0, n, g):
-        ys = conv2d(up(x2[s : s + g]))
+        ys = f(x2[s : s + g])
         if y is None:
             y = torch.empty((n, *ys.shape[1:]), dtype=ys.dtype, device=ys.device, memory_format=_suggest_2d(ys))
         y[s : s + g].copy_(ys)
@@ -649,11 +667,16 @@ class _ChunkDecoder:
         """WanResample after a residual block whose epilogue is still to run: the epilogue writes the 2x upsampled
         frames directly (upsample2d), or into time_conv's input buffer, time_conv runs without bias, and one kernel
         adds its bias, interleaves the two channel halves into frames and upsamples (upsample3d). The 2D conv runs
-        without its bias, which the next block folds in. -> (x, owed bias)."""
+        without its bias, which the next block folds in. When stages/upsample_conv marked the 2D conv, nothing is
+        upsampled: the epilogue / interleave write low-resolution frames and the conv runs as 2x2 phase convs.
+        -> (x, owed bias)."""
         h, b2, r, rb = parts
         del parts
         N, C, t, H, W = h.shape
         conv2d = rs.resample[1]
+        phase = _phase_ok(conv2d, None, h)  # the 2D conv as 2x2 phase convs: its input is not upsampled
+        up2 = not phase
+        f = 2 if up2 else 1
         skip = 1 if rs.mode == "upsample3d" and self.first else 0
         T = 2 * t - skip if rs.mode == "upsample3d" else t
         per = C * 4 * H * W  # upsampled elements per frame
@@ -667,11 +690,9 @@ class _ChunkDecoder:
         if rs.mode == "upsample2d":
             h4, r4 = _frames4(h), _frames4(r)
             del h, r
-            self.stats["upsample_fused"] += 1
-            u = self._epilogue(h4, b2, r4, rb, upsample2x=True)
+            self.stats["upsample_fused" if up2 else "upsample_phase"] += 1
+            u = self._epilogue(h4, b2, r4, rb, upsample2x=up2)
             del h4, r4
-            y = F.conv2d(u, conv2d.weight, None, conv2d.stride, conv2d.padding, conv2d.dilation, conv2d.groups)
-            del u
         else:
             tc = rs.time_conv
             hist = self._hist(tc)
@@ -686,37 +707,48 @@ class _ChunkDecoder:
                 del h, r
                 y = self._run(tc, buf, bias=False)
                 del buf
-                u = torch.empty((N * T, C, 2 * H, 2 * W), dtype=y.dtype, device=y.device, memory_format=fmt4)
-                self._interleave_up(y, tc.bias, u)
+                u = torch.empty((N * T, C, f * H, f * W), dtype=y.dtype, device=y.device, memory_format=fmt4)
+                self._interleave_up(y, tc.bias, u, up2)
                 del y
             else:  # first chunk: frame 0 skips time_conv and is upsampled as it is
                 x = self._epilogue(h, b2, r, rb)
                 del h, r
-                u = torch.empty((N * T, C, 2 * H, 2 * W), dtype=x.dtype, device=x.device, memory_format=fmt4)
-                u5 = u.view(N, T, C, 2 * H, 2 * W)
-                self._br(x[:, :, 0], upsample2x=True, out=u5[:, 0])
-                self.stats["upsample_kernel"] += 1
+                u = torch.empty((N * T, C, f * H, f * W), dtype=x.dtype, device=x.device, memory_format=fmt4)
+                u5 = u.view(N, T, C, f * H, f * W)
+                if up2:
+                    self._br(x[:, :, 0], upsample2x=True, out=u5[:, 0])
+                    self.stats["upsample_kernel"] += 1
+                else:
+                    u5[:, 0].copy_(x[:, :, 0])
                 if t > 1:
                     b = self._stage(tc, x[:, :, 1:])
                     del x
                     y = self._run(tc, b, bias=False)
                     del b
                     for n in range(N):
-                        self._interleave_up(y[n : n + 1], tc.bias, u5[n, 1:])
+                        self._interleave_up(y[n : n + 1], tc.bias, u5[n, 1:], up2)
                     del y
                 else:
                     del x
+            if phase:
+                self.stats["upsample_phase"] += 1
+        if phase:
+            from vaeopt.stages.upsample_conv import run
+
+            y = run(conv2d, u, bias=False)
+        else:
             y = F.conv2d(u, conv2d.weight, None, conv2d.stride, conv2d.padding, conv2d.dilation, conv2d.groups)
-            del u
+        del u
         self.stats["bias_folded"] += conv2d.bias is not None
         return y.view(N, T, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4), conv2d.bias
 
-    def _interleave_up(self, y: Tensor, bias: Tensor | None, out: Tensor) -> None:
+    def _interleave_up(self, y: Tensor, bias: Tensor | None, out: Tensor, upsample2x: bool = True) -> None:
         """out (n*2t, c, 2H, 2W) <- frames of time_conv's output y (n, 2c, t, H, W) + bias: channel half j of
-        frame i becomes frame 2i + j (diffusers' reshape + stack), 2x nearest upsampled, in one pass."""
-        self.stats["interleave_upsample"] += 1
+        frame i becomes frame 2i + j (diffusers' reshape + stack), 2x nearest upsampled, in one pass (not
+        upsampled, out (n*2t, c, H, W), when the 2D conv after it runs as phase convs)."""
+        self.stats["interleave_upsample" if upsample2x else "interleave"] += 1
         self.stats["bias_folded"] += bias is not None
-        self._br(_frames4(y), bias, upsample2x=True, groups=2, out=out)
+        self._br(_frames4(y), bias, upsample2x=upsample2x, groups=2, out=out)
 
     def _resample(self, rs, box: list[Tensor]) -> Tensor:
         if rs.mode == "upsample3d":
@@ -729,13 +761,16 @@ class _ChunkDecoder:
         x2 = _frames4(x)  # per-frame 2D: a free view when x is channels_last_3d, a copy otherwise
         del x
         up, conv2d = rs.resample[0], rs.resample[1]
-        if self.kern and _is_2x_nearest(up):
+        phase = _phase_ok(conv2d, up, x2)
+        if phase:
+            self.stats["upsample_phase"] += 1
+        elif self.kern and _is_2x_nearest(up):
             up = functools.partial(self._br, upsample2x=True)  # bitwise the same copy, in x's layout
             self.stats["upsample_kernel"] += 1
         elif isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact"):
             up = functools.partial(nn.Upsample.forward, up)  # a pure copy: skipping WanUpsample's fp32 round trip
             # is bit-identical
-        y = _frames_up_conv(conv2d, up, x2)
+        y = _frames_up_conv(conv2d, up, x2, phase)
         return y.view(b, t, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4)
 
     def _time_upsample(self, rs, x: Tensor) -> Tensor:

@@ -18,7 +18,9 @@ The upsample is fused for the last resnet of a stock `UpDecoderBlock2D` whose si
 upsampler so through a weak reference to exactly that tensor: the upsampler skips its interpolate only for that
 very object (anything else it receives, it upsamples — with our kernel when it can, bitwise equal to
 F.interpolate). An `output_size` other than 2x is honoured by interpolating from the original pixels
-(`x[..., ::2, ::2]` of the nearest-2x tensor is the input, exactly).
+(`x[..., ::2, ::2]` of the nearest-2x tensor is the input, exactly). When stages/upsample_conv has marked the
+upsampler's conv, the resnet writes its low-resolution output instead and the upsampler runs the 2x2 phase convs on
+it (no upsampled tensor at all).
 
 Mid-block attention (`Attention` with diffusers' AttnProcessor2_0, head_dim > 256, on CUDA in bf16/fp16): SDPA can
 only use its memory-efficient kernel there (flash/cuDNN take head_dim <= 256). The processor set here computes the
@@ -130,7 +132,8 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     else:
         res = sc(x)
     up = self.__dict__.get(_STATE)
-    up = up if up is not None and _no_hooks(self) else None  # a hook on this block must see its real output
+    # a hook on this block must see its real output; an upsampler on phase convs wants the low-resolution one
+    up = up if up is not None and _no_hooks(self) and not _phase_upsampler(up, x) else None
     out = bias_residual(h, c2.bias, res, self.output_scale_factor, upsample2x=up is not None, residual_bias=rb)
     if up is not None:
         setattr(up, _PENDING, weakref.ref(out))
@@ -177,6 +180,14 @@ def _upsample_static_ok(m) -> bool:
     return m.interpolate and not m.use_conv_transpose and m.norm is None
 
 
+def _phase_upsampler(u, x: torch.Tensor) -> bool:
+    """u's conv runs as 2x2 phase convs on u's low-resolution input (stages/upsample_conv marked it)."""
+    from vaeopt.stages.upsample_conv import marked
+
+    return u.use_conv and u.name == "conv" and marked(u.conv) and x.dtype == u.conv.weight.dtype \
+        and x.device == u.conv.weight.device
+
+
 def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:
     if self.use_conv:
         h = self.conv(h) if self.name == "conv" else self.Conv2d_0(h)
@@ -184,8 +195,8 @@ def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:
 
 
 def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
-    """Upsample2D.forward: skips the interpolate for the tensor its resnet already upsampled; otherwise our NHWC/NCHW
-    nearest-2x kernel where it applies, else the stock forward."""
+    """Upsample2D.forward: skips the interpolate for the tensor its resnet already upsampled; otherwise the 2x2 phase
+    convs (stages/upsample_conv) or our NHWC/NCHW nearest-2x kernel where they apply, else the stock forward."""
     pending = self.__dict__.pop(_PENDING, None)
     plain = not args and not kwargs and _upsample_static_ok(self) and hidden_states.dim() == 4
     if plain and hidden_states.shape[1] == self.channels:
@@ -194,6 +205,10 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
                 # nearest 2x keeps the input at the even pixels: interpolate to the asked size from there
                 hidden_states = F.interpolate(hidden_states[:, :, ::2, ::2], size=output_size, mode="nearest")
             return _upsample_tail(self, hidden_states)
+        if output_size is None and _phase_upsampler(self, hidden_states):
+            from vaeopt.stages.upsample_conv import run
+
+            return run(self.conv, hidden_states)
         if output_size is None and _use_kernel(hidden_states):
             from vaeopt.kernels.epilogue import upsample_nearest2x
 

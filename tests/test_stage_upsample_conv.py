@@ -1,0 +1,228 @@
+"""Upsampler convs as four 2x2 phase convs (vaeopt/kernels/upconv.py, stages/upsample_conv.py).
+
+The rewrite is the same linear map: in fp64 it equals conv3x3(upsample2x(x)) to rounding; the interleave kernel
+(Triton interpreter on CPU) equals the torch copies bitwise. In the decoders: the image decoder (after fused_norms +
+fused_epilogues: the up-blocks' last resnets then write low-resolution outputs), the tiled image decode, and Wan's
+chunk decoder (fused and torch paths, chunk sizes 1-3) decode what the stock model decodes (fp32, 1e-4).
+"""
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vaeopt import video
+from vaeopt.families import build_model, get_family
+from vaeopt.kernels import triton_available
+from vaeopt.kernels.upconv import interleave_phases, phase_weights, upconv2x, upconv2x_reference
+from vaeopt.stages import fused_epilogues, fused_norms, upsample_conv
+
+from test_video_fused import decode as _decode_stats  # noqa: E402 (decode_video + its chunk decoder's stats)
+from test_video_tiling import _wan21 as _tiny_wan21  # noqa: E402 (the trained tiny Wan 2.1, fp32)
+
+CPU = torch.device("cpu")
+
+
+def _need_triton():
+    ok, why = triton_available("cpu")
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 9), (1, 3, 1, 1), (1, 8, 4, 1)])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_phase_conv_is_upsample_then_conv(shape, layout, with_bias):
+    g = torch.Generator().manual_seed(0)
+    n, ci, h, w = shape
+    co = 6
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    wt = torch.randn(co, ci, 3, 3, generator=g, dtype=torch.float64)
+    b = torch.randn(co, generator=g, dtype=torch.float64) if with_bias else None
+    if layout == "cl":
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = upconv2x(x, phase_weights(wt), b)
+    ref = upconv2x_reference(x, wt, b)
+    assert y.shape == (n, co, 2 * h, 2 * w)
+    assert (y - ref).abs().max().item() < 1e-12
+    if h * w > 1:  # (a 1x1 input is both layouts at once)
+        assert y.is_contiguous(memory_format=torch.channels_last) == (layout == "cl")
+
+
+def test_phase_weights_layout_and_errors():
+    wt = torch.arange(9.0).view(1, 1, 3, 3)  # rows [0 1 2], [3 4 5], [6 7 8]
+    w4 = phase_weights(wt)
+    assert w4.shape == (4, 1, 2, 2)
+    # phase (a=0, b=0): rows [w0, w1 + w2] x cols [w0, w1 + w2]
+    assert w4[0, 0].tolist() == [[0.0, 1 + 2], [3 + 6, 4 + 5 + 7 + 8]]
+    # phase (a=1, b=1): rows [w0 + w1, w2] x cols [w0 + w1, w2]
+    assert w4[3, 0].tolist() == [[0 + 1 + 3 + 4, 2 + 5], [6 + 7, 8.0]]
+    assert w4.sum().item() == 4 * wt.sum().item()  # every tap lands in each phase once
+    bf = phase_weights(torch.randn(4, 3, 3, 3).bfloat16())
+    assert bf.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="3, 3"):
+        phase_weights(torch.randn(2, 2, 5, 5))
+    with pytest.raises(ValueError):
+        upconv2x(torch.randn(1, 2, 3, 3), torch.randn(3, 2, 2, 2))  # 3 is not 4 * Cout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interleave_kernel_equals_torch_copies(dtype):
+    _need_triton()
+    g = torch.Generator().manual_seed(1)
+    p = torch.randn(2, 4 * 6, 4, 5, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(6, generator=g).to(dtype)
+    for bias in (None, b):
+        y = interleave_phases(p, bias)  # NHWC: the Triton kernel (interpreted)
+        ref = interleave_phases(p.contiguous(), bias)  # NCHW: the torch copies
+        assert y.is_contiguous(memory_format=torch.channels_last) and y.shape == (2, 6, 6, 8)
+        if bias is None or dtype == torch.float32:
+            assert torch.equal(y, ref)
+        else:  # the interpreter's fp32 -> bf16 cast may round the other way (1 ulp); the GPU rounds to nearest even
+            torch.testing.assert_close(y, ref, atol=0, rtol=2 ** -7)
+
+
+# ---- the image decoder ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_kl():
+    torch.manual_seed(0)
+    return build_model(get_family("sdxl"), block_out_channels=[32, 32, 64, 64], norm_num_groups=8).eval()
+
+
+def _spy(monkeypatch, mod, name, record):
+    real = getattr(mod, name)
+
+    def wrapped(*a, **k):
+        record(*a, **k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(mod, name, wrapped)
+
+
+@contextlib.contextmanager
+def _stages(model):
+    """fused_norms + fused_epilogues applied for the body of the with-block (upsample_conv as the body applies it);
+    everything reverted after."""
+    try:
+        fused_norms.apply(model)
+        assert fused_epilogues.apply(model).status == "applied"
+        yield model
+    finally:
+        upsample_conv.revert(model)
+        fused_epilogues.revert(model)
+        fused_norms.revert(model)
+
+
+def test_image_decoder_phase_convs(small_kl, monkeypatch):
+    _need_triton()
+    model = small_kl
+    z = torch.randn(1, 4, 6, 5, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model.decode(z).sample
+    assert upsample_conv.apply(model, device=CPU, force=True).status == "skipped"  # needs fused_epilogues
+    with _stages(model):
+        auto = upsample_conv.apply(model, device=CPU)
+        assert auto.status == "skipped" and "CPU" in auto.detail and "--upsample-conv on" in auto.detail
+        r = upsample_conv.apply(model, device=CPU, force=True)
+        assert r.status == "applied" and r.data == {"layers": 3, "shapes": ["32->32", "64->64"]}
+        assert "4/9 of their FLOPs" in r.detail
+        epi = importlib.import_module("vaeopt.kernels.epilogue")
+        ups, k2 = [], []
+        _spy(monkeypatch, epi, "bias_residual", lambda *a, **k: ups.append(bool(k.get("upsample2x"))))
+        _spy(monkeypatch, F, "conv2d", lambda x, w, *a, **k: k2.append(tuple(w.shape[-2:]) == (2, 2)))
+        _spy(monkeypatch, F, "interpolate", lambda *a, **k: pytest.fail("no interpolate on the phase path"))
+        with torch.no_grad():
+            out = model.decode(z).sample
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert sum(k2) == 3, "each upsampler ran one 2x2 phase conv"
+        assert not any(ups), "no resnet wrote an upsampled output"
+        upsample_conv.revert(model)
+        ups.clear(), k2.clear()
+        with torch.no_grad():
+            out = model.decode(z).sample
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert sum(k2) == 0 and sum(ups) == 3, "reverted: the epilogues write the upsample again"
+
+
+def test_tiled_image_decode_phase_convs(small_kl):
+    _need_triton()
+    from vaeopt.tiling import tiled_decode
+
+    model = small_kl
+    z = torch.randn(1, 4, 9, 7, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model.decode(z).sample
+        with _stages(model):
+            upsample_conv.apply(model, device=CPU, force=True)
+            out, info = tiled_decode(model, z, tile=(4, 7), kernels=True, return_info=True)
+    assert info["upsample_phase"] == 3 * info["tiles"] // info["passes"]  # every tile of the 3 upsampler passes
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- Wan ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_wan_chunk_decoder_phase_convs(samples_dir, fused):
+    if fused:
+        _need_triton()
+    vae = _tiny_wan21(samples_dir)
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["bunny"].float()[:, :, :, 10:12, 20:22].contiguous()
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    r = upsample_conv.apply(vae, device=CPU, force=True)
+    n_rs = sum(type(m).__name__ == "WanResample" and m.mode.startswith("upsample") for m in vae.decoder.modules())
+    assert r.status == "applied" and r.data["layers"] == n_rs == 3
+    if fused:
+        fused_norms.apply(vae)
+        fused_epilogues.apply(vae)
+    for chunk in (1, 2, 3):
+        out, st = _decode_stats(vae, z, chunk)
+        steps = len(video.chunk_schedule(z.shape[2], chunk))
+        assert (out - ref).abs().max().item() <= 1e-4, chunk
+        assert st["upsample_phase"] == n_rs * steps
+        assert "upsample_fused" not in st and "interleave_upsample" not in st
+    upsample_conv.revert(vae)
+    out, st = _decode_stats(vae, z, 2)
+    assert "upsample_phase" not in st and (out - ref).abs().max().item() <= 1e-4
+
+
+def test_no_candidates_and_wrong_dtype_fall_back(samples_dir):
+    """A decoder without nearest-2x + 3x3 upsamplers is skipped with the reason; a call whose activations are not in
+    the weights' dtype takes the plain composition."""
+    tiny = build_model(get_family("taesd"))  # AutoencoderTiny: its upsamplers are not Upsample2D / WanResample
+    r = upsample_conv.apply(tiny, device=CPU, force=True)
+    assert r.status == "skipped"
+    vae = _tiny_wan21(samples_dir)
+    upsample_conv.apply(vae, device=CPU, force=True)
+    conv = next(m.resample[1] for m in vae.decoder.modules() if type(m).__name__ == "WanResample"
+                and m.mode.startswith("upsample"))
+    x = torch.randn(2, conv.in_channels, 3, 4)
+    assert video._phase_ok(conv, None, x) and not video._phase_ok(conv, None, x.double())
+    assert not video._phase_ok(conv, torch.nn.Upsample(scale_factor=3.0), x)
+
+
+@pytest.mark.gpu
+def test_gpu_phase_conv_bf16_and_interleave():
+    """On the GPU: the interleave kernel equals the torch copies bitwise (bf16, with bias), and the bf16 phase conv's
+    error vs an fp32 reference stays within 1.5x of the plain bf16 composition's."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 40, 52, generator=g).to(dev, torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(32, 64, 3, 3, generator=g) / 24).to(dev, torch.bfloat16)
+    b = torch.randn(32, generator=g).to(dev, torch.bfloat16)
+    p = F.conv2d(x, phase_weights(w), None, padding=1)
+    assert torch.equal(interleave_phases(p, b), interleave_phases(p.contiguous(), b))
+    prev = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref = upconv2x_reference(x.float(), w.float(), b.float())
+        err_phase = (upconv2x(x, phase_weights(w), b).float() - ref).norm() / ref.norm()
+        err_plain = (upconv2x_reference(x, w, b).float() - ref).norm() / ref.norm()
+    finally:
+        torch.backends.cudnn.allow_tf32 = prev
+    assert err_phase <= 1.5 * err_plain, (err_phase, err_plain)

@@ -1,0 +1,139 @@
+"""Stage `upsample_conv`: each decoder upsampler's "2x nearest upsample, then 3x3 conv" as four 2x2 phase convs on
+the low-resolution input (vaeopt/kernels/upconv.py): 4/9 of the conv FLOPs, and the 4x-upsampled tensor is never
+written.
+
+Measured on an H200 (benchmarks/results/h200_upconv_2026-11-21.json), bf16, one layer call, phase conv + interleave
+(bias included) vs the bias-free 3x3 conv on the already-upsampled input:
+    SDXL 512 ch @128² -> 256²: 0.41 -> 0.25 ms; 512 ch @256²: 1.77 -> 1.00; 256 ch @512²: 1.71 -> 1.05
+    Wan 2.1 384 -> 192 ch @120x208 (8 frames): 1.99 -> 0.97; 192 -> 96 @240x416: 1.97 -> 1.32; @360x640: 4.90 -> 3.02
+
+The stage marks the convs and computes their phase kernels (once per weight version and dtype, cached on the conv);
+the code that runs them decides per call:
+- AutoencoderKL (SD/SDXL/SD3/FLUX): Upsample2D modules patched by `fused_epilogues` run the phase conv, and the
+  up-block's last resnet stops writing its output 2x-upsampled (stages/fused_epilogues.py).
+- Wan: WanResample's `resample` (nn.Upsample 2x nearest + Conv2d 3x3) runs as the phase conv in vaeopt.video's chunk
+  decoder, on the fused path and the torch path alike (video._frames_up_conv).
+Numerics: an exact rewrite of the same linear map; only rounding differs (the summed taps are rounded once to the
+weight dtype), which the benchmark's PSNR vs fp32 measures. On CPU, auto keeps the stock composition (CPU decodes
+stay bitwise diffusers); `--upsample-conv on` forces it anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from vaeopt.stages import StageResult
+
+NAME = "upsample_conv"
+_MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
+_W4 = "_vaeopt_upconv_w4"  # on the nn.Conv2d: (weight key, dtype) -> phase kernels
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, "CPU decode: the stock upsample + conv kept (bitwise diffusers); --upsample-conv on forces it"
+    return True, "cuDNN"
+
+
+def _conv3x3(m) -> bool:
+    return (type(m) is nn.Conv2d and m.padding_mode == "zeros" and m.weight is not None
+            and tuple(m.kernel_size) == (3, 3) and tuple(m.stride) == (1, 1) and tuple(m.padding) == (1, 1)
+            and tuple(m.dilation) == (1, 1) and m.groups == 1 and not (m._forward_hooks or m._forward_pre_hooks))
+
+
+def _image_candidates(model: nn.Module) -> list[nn.Conv2d]:
+    """Convs of the Upsample2D modules that fused_epilogues patched (their forward is the one that consumes the
+    mark) with an interpolating, conv-ending stock layout."""
+    from vaeopt.stages import fused_epilogues as fe
+
+    record = getattr(model, fe._MARK, None) or {}
+    out = []
+    for u in record.get("upsamplers", []):
+        conv = getattr(u, "conv", None) if getattr(u, "name", "conv") == "conv" else None
+        if u.use_conv and fe._upsample_static_ok(u) and conv is not None and _conv3x3(conv):
+            out.append(conv)
+    return out
+
+
+def _wan_candidates(model: nn.Module) -> list[nn.Conv2d]:
+    from vaeopt.video import _is_2x_nearest
+
+    out = []
+    for m in model.decoder.modules():
+        if type(m).__name__ != "WanResample" or m.mode not in ("upsample2d", "upsample3d"):
+            continue
+        rs = m.resample
+        if isinstance(rs, nn.Sequential) and len(rs) == 2 and _is_2x_nearest(rs[0]) and _conv3x3(rs[1]):
+            out.append(rs[1])
+    return out
+
+
+def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None,
+          force: bool = False, **_) -> StageResult:
+    device = device or next(model.parameters()).device
+    ok, why = available(device)
+    if not ok and not force:
+        return StageResult.skipped(NAME, why)
+    if getattr(model, "decoder", None) is None:
+        return StageResult.skipped(NAME, f"{type(model).__name__} has no decoder")
+    wan = type(model).__name__ == "AutoencoderKLWan"
+    if wan:
+        convs = _wan_candidates(model)
+    else:
+        from vaeopt.stages import fused_epilogues as fe
+
+        if not getattr(model, fe._MARK, None):
+            return StageResult.skipped(NAME, "needs fused_epilogues (its Upsample2D forward runs the phase convs)")
+        convs = _image_candidates(model)
+    if not convs:
+        return StageResult.skipped(NAME, "no upsampler of the form nearest 2x + 3x3 conv (padding 1) in the decoder")
+    dtype = dtype or convs[0].weight.dtype
+    t0 = time.perf_counter()
+    for c in convs:
+        setattr(c, _MARK, True)
+        phase_for(c, dtype)
+    ms = (time.perf_counter() - t0) * 1e3
+    shapes = sorted({f"{c.in_channels}->{c.out_channels}" for c in convs})
+    return StageResult(NAME, "applied",
+                       f"{len(convs)} upsampler convs ({', '.join(shapes)} ch) as four 2x2 phase convs on the "
+                       f"low-resolution input: 4/9 of their FLOPs, no 4x-upsampled tensor (kernels in {ms:.0f} ms)",
+                       {"layers": len(convs), "shapes": shapes})
+
+
+def revert(model: nn.Module) -> None:
+    for m in model.modules():
+        for a in (_MARK, _W4):
+            if hasattr(m, a):
+                delattr(m, a)
+
+
+def marked(conv) -> bool:
+    return bool(getattr(conv, _MARK, False)) and _conv3x3(conv)
+
+
+def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
+    """The conv's phase kernels (4*Cout, Cin, 2, 2) in `dtype` (channels_last for cuDNN's NHWC kernels), computed
+    once per weight version and dtype."""
+    from vaeopt.kernels.upconv import phase_weights
+    from vaeopt.stages.triton_conv import _weight_key
+
+    w = conv.weight
+    key = (*_weight_key(w), dtype, w.device)
+    cached = getattr(conv, _W4, None)
+    if cached is None or cached[0] != key:
+        w4 = phase_weights(w.detach()).to(dtype)
+        if w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous():
+            w4 = w4.contiguous(memory_format=torch.channels_last)
+        cached = (key, w4)
+        setattr(conv, _W4, cached)
+    return cached[1]
+
+
+def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """conv(2x nearest upsample of x) through the phase kernels; the conv's bias added unless bias=False."""
+    from vaeopt.kernels.upconv import upconv2x
+
+    return upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None)
