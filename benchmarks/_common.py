@@ -56,3 +56,31 @@ def timed(fn, n: int):
         torch.cuda.synchronize()
         ts.append((time.perf_counter() - t0) * 1e3)
     return out, ts
+
+
+def out_dir():
+    """$OUT (what the device tool brings back), created."""
+    import os
+    from pathlib import Path
+
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_meta(command: str) -> dict:
+    """Date, GPU and versions for a result file."""
+    import datetime
+
+    import triton
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "command": command,
+            "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                         "cudnn": torch.backends.cudnn.version()}}
+
+
+def no_tf32() -> None:
+    """fp32 references without TF32 (cuDNN's default would put ~1e-3 relative error into them)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False

@@ -12,9 +12,7 @@ and the error of each vs an fp32 reference (TF32 off) of the plain composition.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,15 +25,13 @@ sys.path.insert(0, str(HERE.parent))
 
 import triton  # noqa: E402
 
-from _common import event_ms  # noqa: E402
+from _common import event_ms, no_tf32, out_dir, run_meta  # noqa: E402
 from vaeopt.kernels.epilogue import upsample_nearest2x  # noqa: E402
 from vaeopt.kernels import upconv as U  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", "out"))
-OUT.mkdir(parents=True, exist_ok=True)
+OUT = out_dir()
 dev = torch.device("cuda")
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
+no_tf32()
 
 # (name, frames, cin, cout, H, W) of the low-resolution input
 SHAPES = [("sdxl up0 512@128", 1, 512, 512, 128, 128), ("sdxl up1 512@256", 1, 512, 512, 256, 256),
@@ -92,10 +88,7 @@ for name, n, ci, co, H, W in SHAPES:
     del x, u, p, yp, ref, y6
     torch.cuda.empty_cache()
 
-meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(), "command": "python3 benchmarks/gpu_upconv.py",
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "cudnn": torch.backends.cudnn.version()}}
+meta = run_meta("python3 benchmarks/gpu_upconv.py")
 (OUT / "upconv.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
 print(f"\n# {meta['gpu']} | torch {torch.__version__} | triton {triton.__version__} | cuDNN {meta['versions']['cudnn']}")
 print(f"{'shape':32s} {'up+conv3':>8s} {'conv3':>7s} {'phase':>7s} {'(conv2':>7s} {'ilv':>6s} {'ilv_t)':>7s} "

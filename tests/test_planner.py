@@ -39,12 +39,18 @@ def test_cpu_without_budget_does_not_plan(sdxl_meta):
     assert p.mode == "whole" and "memory not planned" in p.reason
 
 
-def test_video_chunk_grows_with_budget():
+WAN480 = (1, 16, 21, 60, 104)
+
+
+def _wan_meta():
     spec = get_family("wan21")
     with torch.device("meta"):
-        m = build_model(spec)
-    shape = (1, 16, 21, 60, 104)
-    cpu = torch.device("cpu")
+        return spec, build_model(spec)
+
+
+def test_video_chunk_grows_with_budget():
+    spec, m = _wan_meta()
+    shape, cpu = WAN480, torch.device("cpu")
     small = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=4.4)
     big = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=40)
     assert small.mode == big.mode == "chunked"
@@ -52,6 +58,22 @@ def test_video_chunk_grows_with_budget():
     assert small.est_bytes <= 5 * 2**30 and big.est_bytes <= 40 * 2**30
     tiny = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=1)
     assert tiny.chunk == 1 and "may run out of memory" in tiny.reason
+
+
+def test_video_chunk_3_only_with_stacked_convs():
+    """With stacked_conv3d's marks the untiled plan may take 3 latent frames per call (measured faster there), and
+    its estimate counts the stacks; a requested --chunk is kept as asked."""
+    from vaeopt.stages import stacked_conv3d
+
+    spec, m = _wan_meta()
+    shape, cpu = WAN480, torch.device("cpu")
+    plain = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=40)
+    stacked_conv3d.mark(stacked_conv3d.candidates(m))
+    stacked = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=40)
+    asked = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=40, chunk=2)
+    assert plain.chunk == planner.MAX_CHUNK == 2 and stacked.chunk == planner.MAX_CHUNK_STACKED == 3
+    assert asked.chunk == 2
+    assert stacked.est_bytes > plain.est_bytes
 
 
 def test_memory_model_predicts_measured_peaks_within_15_percent(sdxl_meta):

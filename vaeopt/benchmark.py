@@ -227,12 +227,14 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
 LADDER = (
     # (row name, Options overrides) — each adds one stage on top of the previous row
     ("vaeopt plain", dict(channels_last="off", triton="off", epilogues="off", upsample_conv="off",
-                          conv_kernel="off", attention="off", graphs="off", fp8="off", tiling="off")),
+                          stack_conv3d="off", conv_kernel="off", attention="off", graphs="off", fp8="off",
+                          tiling="off")),
     ("+ fp8", dict(fp8="on")),
     ("+ channels_last", dict(channels_last="on")),
     ("+ fused norms (Triton)", dict(triton="auto", epilogues="off")),  # auto: on CPU it would only run interpreted
     ("+ fused epilogues", dict(epilogues="auto")),
     ("+ phase upsample convs", dict(upsample_conv="auto")),
+    ("+ stacked Conv3d", dict(stack_conv3d="auto")),
     ("+ Triton conv", dict(conv_kernel="auto")),
     ("+ attention backend", dict(attention="auto")),
     ("+ planner (tile/chunk)", dict(tiling="auto")),
@@ -329,6 +331,7 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         for s in ([] if name == "+ Triton conv" and fp8_convs else r.stages):
             key = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
                    "+ fused epilogues": "fused_epilogues", "+ phase upsample convs": "upsample_conv",
+                   "+ stacked Conv3d": "stacked_conv3d",
                    "+ Triton conv": "triton_conv",
                    "+ attention backend": "attention",
                    "+ CUDA graphs": "graphs"}.get(name)

@@ -144,6 +144,8 @@ def decode(
                                                               "chunked wide-head attention: auto | on | off"),
     upsample_conv: str = typer.Option("auto", "--upsample-conv", help="Upsampler convs as four 2x2 phase convs on "
                                                                       "the low-res input (4/9 of the FLOPs): auto | on | off"),
+    stack_conv3d: str = typer.Option("auto", "--stack-conv3d", help="Wan's causal Conv3d as one Conv2d over "
+                                                                    "time-stacked channels: auto | on | off"),
     conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
                                                                   "faster than cuDNN (Wan's 96-ch Conv3d): auto | on | off"),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
@@ -166,7 +168,7 @@ def decode(
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
-                   upsample_conv=upsample_conv, conv_kernel=conv_kernel, fp8=fp8, gate_db=fp8_gate, graphs=graphs,
+                   upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8, gate_db=fp8_gate, graphs=graphs,
                    tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
     opts.validate()
     if gpus is not None:

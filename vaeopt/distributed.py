@@ -748,7 +748,10 @@ def _band_chunk_decoder_class():
     class _BandChunkDecoder(video._ChunkDecoder):
         """vaeopt.video's chunk decoder on one band of rows: every spatial conv exchanges the boundary rows of its
         staged input ([causal history | new frames], i.e. including the history) and recomputes its edge rows;
-        the mid-block attention gathers its latent-resolution input. Each band keeps its own causal caches."""
+        the mid-block attention gathers its latent-resolution input. Each band keeps its own causal caches. The
+        edge-row fix reads the 5-D staged input, so convs are not run time-stacked here."""
+
+        STACK = False
 
         def __init__(self, vae, channels_last: bool, fused, comm: _Comm):
             super().__init__(vae, channels_last, fused)

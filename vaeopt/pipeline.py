@@ -1,8 +1,8 @@
 """The optimization pipeline: applies the stages in a fixed order to a loaded VAE, plans memory, decodes.
 
 Order (each stage logs one line: what it did with numbers, or why it was skipped):
-    precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> upsample_conv -> triton_conv
-    -> fp8 convs -> attention
+    precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> upsample_conv -> stacked_conv3d (Wan)
+    -> triton_conv -> fp8 convs -> attention
     -> plan (tile/chunk) -> graphs
 """
 
@@ -38,6 +38,7 @@ class Options:
     epilogues: str = "auto"  # conv bias folded into norms, fused residual(+upsample) epilogues, chunked attention
     attention: str = "auto"
     upsample_conv: str = "auto"  # upsample + 3x3 conv as four 2x2 phase convs on the low-resolution input
+    stack_conv3d: str = "auto"  # Wan's causal Conv3d as a Conv2d over time-stacked channels
     conv_kernel: str = "auto"  # Triton implicit-GEMM conv for the layers where it measured faster than cuDNN
     fp8: str = "off"
     graphs: str = "auto"
@@ -48,8 +49,8 @@ class Options:
     gate_db: float = 40.0  # fidelity gate for lossy stages (PSNR vs fp32 reference)
 
     def validate(self) -> None:
-        for name in ("channels_last", "triton", "epilogues", "attention", "upsample_conv", "conv_kernel", "fp8",
-                     "graphs", "tiling"):
+        for name in ("channels_last", "triton", "epilogues", "attention", "upsample_conv", "stack_conv3d",
+                     "conv_kernel", "fp8", "graphs", "tiling"):
             v = getattr(self, name)
             if v not in SWITCHES:
                 raise VaeoptError(f"--{name.replace('_', '-')} must be one of {', '.join(SWITCHES)}, got '{v}'")
@@ -154,6 +155,7 @@ class Pipeline:
             self._record(self._stage("fused_epilogues").apply(self.model, device=self.device))
 
         self._apply_upsample_conv()
+        self._apply_stacked_conv3d()
         self._apply_triton_conv()
         if conv8 and o.conv_kernel == "off":
             self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
@@ -203,6 +205,18 @@ class Pipeline:
         else:
             self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
                                                  force=o.upsample_conv == "on"))
+
+    def _apply_stacked_conv3d(self) -> None:
+        o, name = self.opts, "stacked_conv3d"
+        cl = any(s.name == "channels_last" and s.status == "applied" for s in self.stages)
+        if self.family.cls_name != "AutoencoderKLWan":
+            return  # no causal Conv3d: no line for image families
+        if o.stack_conv3d == "off":
+            self._record(StageResult.skipped(name, "off"))
+        elif not cl:
+            self._record(StageResult.skipped(name, "needs channels_last_3d activations (the stack is NHWC)"))
+        else:
+            self._record(self._stage(name).apply(self.model, device=self.device, force=o.stack_conv3d == "on"))
 
     def _apply_triton_conv(self) -> None:
         o = self.opts

@@ -23,6 +23,9 @@ RESERVE_MIN = 512 * 2**20
 # Latent frames per decoder call. Measured on an H200 (docs/perf-notes.md E5/E9): 2 frames ~2% faster than 1 on
 # Wan 2.1; 8 frames -4% (480p), -0.4% (720p) on Wan 2.1 but +9% slower on Wan 2.2, at 2.5-3.5x the memory.
 MAX_CHUNK = 2
+# With Wan 2.1's convs time-stacked (stages/stacked_conv3d) the untiled decode gains from 3 (h200_wan_stack_2026-11-21:
+# 480p 665.7 -> 641.7 ms, 720p 1538.6 -> 1502.5 ms, +1.4 / +3.3 GiB; 4 frames no faster).
+MAX_CHUNK_STACKED = 3
 
 
 def memory_model() -> dict:
@@ -232,7 +235,10 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
                    f"est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory")
         return video_plan(p, est, f"{what}: {verdict}; {how}")
 
-    untiled = [(k, estimate_video(family, model, latent_shape, dtype, k)) for k in chunks]
+    longer = []
+    if chunk is None and any(getattr(m, "_vaeopt_stack3d", False) for m in model.decoder.modules()):
+        longer = list(range(min(MAX_CHUNK_STACKED, max(t_lat - 1, 1)), max(chunks), -1))
+    untiled = [(k, estimate_video(family, model, latent_shape, dtype, k)) for k in longer + chunks]
     if tiling != "on":
         fit = [(k, e) for k, e in untiled if e <= budget]
         if fit or tiling == "off":

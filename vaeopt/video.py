@@ -65,6 +65,7 @@ import math
 import os
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,7 @@ _NORM_SLICE_ELEMS = 1 << 26
 _SPLIT_ELEMS = 1 << 30
 _INT32_ELEMS = 2**31 - 1
 _E4M3 = getattr(torch, "float8_e4m3fn", None)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _wan():
@@ -278,6 +280,14 @@ def _frames_up_conv(conv2d, up, x2: Tensor, phase: bool = False) -> Tensor:
     return y
 
 
+class _Stacked(NamedTuple):
+    """A causal conv's time-stacked input (see _ChunkDecoder._stage_stacked): S (N*k, 3C, H, W) channels_last."""
+
+    S: Tensor
+    N: int
+    k: int
+
+
 class _ChunkDecoder:
     """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches.
 
@@ -288,6 +298,9 @@ class _ChunkDecoder:
     conv input buffers, and WanResample's upsample as a kernel fused with that epilogue / the time_conv interleave.
     Otherwise (and for any module that does not match) the torch path below runs unchanged. `stats` counts what the
     fused path did (per decoder, over all calls)."""
+
+    STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (subclasses that crop or exchange
+    # the staged 5-D input -- spatial tiles, bands -- turn it off)
 
     def __init__(self, vae, channels_last: bool, fused: bool | None = None):
         self.vae = vae
@@ -430,6 +443,8 @@ class _ChunkDecoder:
     def _run(self, conv, x: Tensor, bias: bool = True) -> Tensor:
         """The conv over a staged input (updates its history). bias=False (plain convs only): without the conv's
         bias, which the caller has folded into the next kernel."""
+        if isinstance(x, _Stacked):
+            return self._run_stacked(conv, x, bias)
         hist = self._hist(conv)
         if not self._plain(conv):  # a swapped-in conv module: call it with WanCausalConv3d's (x, cache_x) contract
             if not bias:
@@ -590,12 +605,15 @@ class _ChunkDecoder:
 
         return bias_residual(h, bias, r, upsample2x=upsample2x, residual_bias=rb, groups=groups, out=out)
 
-    def _stage_k(self, conv, src: Tensor, p, xb: Tensor | None) -> Tensor:
+    def _stage_k(self, conv, src: Tensor, p, xb: Tensor | None) -> Tensor | _Stacked:
         """[history | rms_norm_silu(src + xb)] for a plain causal conv, the kernel writing into the buffer. For a
-        conv the triton_conv stage put on fp8, the buffer (and so the conv's history) is e4m3 with a static scale."""
+        conv the triton_conv stage put on fp8, the buffer (and so the conv's history) is e4m3 with a static scale;
+        for a conv stacked_conv3d marked, the time-stacked Conv2d input (_Stacked)."""
         hist = self._hist(conv)
         N, C, k, H, W = src.shape
         s8 = self._fp8_scale(conv, p, src)
+        if s8 is None and self._stackable(conv, src):
+            return self._stage_stacked(conv, src, p, xb)
         dt = src.dtype if s8 is None else _E4M3
         buf = torch.empty((N, C, hist + k, H, W), dtype=dt, device=src.device, memory_format=self.mf)
         cache = self.cache.get(conv)
@@ -605,6 +623,55 @@ class _ChunkDecoder:
             buf[:, :, :hist].copy_(cache)
         self._norm_k(p, src, buf[:, :, hist:], xb, out_scale=s8)
         return buf
+
+    def _stackable(self, conv, src: Tensor) -> bool:
+        from vaeopt.stages.stacked_conv3d import marked
+
+        return (self.STACK and marked(conv) and self.mf is torch.channels_last_3d and self._hist(conv) == 2
+                and conv.kernel_size[0] == 3 and src.dtype == conv.weight.dtype and src.dtype in _KERNEL_DTYPES)
+
+    def _stage_stacked(self, conv, src: Tensor, p, xb: Tensor | None) -> _Stacked:
+        """The conv's input as (N*k, 3C, H, W) channels_last: frame n*k + t holds stream frames t, t+1, t+2 of
+        [history (2) | rms_norm_silu(src + xb) (k)] in channel blocks 0, 1, 2. The history goes into the blocks of
+        output frames 0 and 1, the kernel writes every new frame into its (up to) three places."""
+        N, C, k, H, W = src.shape
+        S = torch.empty((N * k, 3 * C, H, W), dtype=src.dtype, device=src.device, memory_format=torch.channels_last)
+        Sv = S.permute(0, 2, 3, 1).view(N, k, H, W, 3, C)
+        cache = self.cache.get(conv)
+        if cache is None:  # the clip's first chunk: zeros before frame 0, as diffusers pads
+            Sv[:, 0, :, :, 0:2].zero_()
+            if k > 1:
+                Sv[:, 1, :, :, 0].zero_()
+        else:
+            hv = cache.permute(0, 2, 3, 4, 1)  # (N, 2, H, W, C)
+            Sv[:, 0, :, :, 0:2].copy_(hv.permute(0, 2, 3, 1, 4))
+            if k > 1:
+                Sv[:, 1, :, :, 0].copy_(hv[:, 1])
+        self.stats["norm_kernel"] += 1
+        if not src.is_meta:
+            from vaeopt.kernels.rms_norm_silu import rms_norm_silu
+
+            gamma, bias, scale, eps = p
+            rms_norm_silu(src, gamma, bias, eps, True, scale=scale, x_bias=xb, out=S, taps=3)
+        return _Stacked(S, N, k)
+
+    def _run_stacked(self, conv, st: _Stacked, bias: bool) -> Tensor:
+        """The causal Conv3d as a Conv2d over the stack (stages/stacked_conv3d); history <- the stream's last two
+        frames, read from the stack's last frame (blocks 1 and 2)."""
+        S, N, k = st
+        _, C3, H, W = S.shape
+        C, Co = C3 // 3, conv.out_channels
+        if S.is_meta:
+            y = torch.empty((N, k, H, W, Co), dtype=S.dtype, device=S.device)
+        else:
+            from vaeopt.stages.stacked_conv3d import stacked_weight
+
+            y4 = F.conv2d(S, stacked_weight(conv, S.dtype), conv.bias if bias else None, 1,
+                          (conv._padding[2], conv._padding[0]))
+            y = y4.permute(0, 2, 3, 1).reshape(N, k, H, W, Co)
+        self._update(conv, S.permute(0, 2, 3, 1).view(N, k, H, W, 3, C)[:, k - 1, :, :, 1:3].permute(0, 4, 3, 1, 2))
+        self.stats["stacked_conv"] += 1
+        return y.permute(0, 4, 1, 2, 3)
 
     def _fp8_scale(self, conv, p, src: Tensor) -> float | None:
         """The e4m3 scale of this conv's input when it runs on fp8 (triton_conv stage, fp8 on), else None. Static:
@@ -1084,6 +1151,13 @@ def _meta_skeleton(cls, config_json: str, dtype: torch.dtype):
     return m.to(dtype).eval().requires_grad_(False)
 
 
+def _stacked_names(vae) -> tuple[str, ...]:
+    """Names of the decoder convs stages/stacked_conv3d marked (the dry run marks the same ones on its skeleton)."""
+    from vaeopt.stages.stacked_conv3d import marked
+
+    return tuple(n for n, m in vae.decoder.named_modules() if marked(m))
+
+
 def estimate_chunk_bytes(
     vae, latent_shape: Sequence[int], chunk: Chunk, dtype: torch.dtype | None = None, channels_last: bool = False,
     fused: bool = False,
@@ -1104,7 +1178,8 @@ def estimate_chunk_bytes(
     shape = tuple(int(s) for s in latent_shape)
     K = max(chunk_schedule(shape[2], chunk))  # the first call never has more frames than the others
     config = json.dumps(dict(vae.config), sort_keys=True, default=str)
-    return _estimate(type(vae), config, shape, K, dtype, bool(channels_last), bool(fused))
+    return _estimate(type(vae), config, shape, K, dtype, bool(channels_last), bool(fused),
+                     _stacked_names(vae) if fused else ())
 
 
 def _meta_peak(make_stepper, shape: tuple, K: int, dtype: torch.dtype) -> int:
@@ -1128,7 +1203,12 @@ def _meta_peak(make_stepper, shape: tuple, K: int, dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _estimate(cls, config_json: str, shape: tuple, K: int, dtype: torch.dtype, channels_last: bool,
-              fused: bool = False) -> int:
+              fused: bool = False, stacked: tuple[str, ...] = ()) -> int:
     skel = _meta_skeleton(cls, config_json, dtype)
+    if stacked:  # the time-stacked Conv2d inputs of the convs stacked_conv3d marked on the real model
+        from vaeopt.stages.stacked_conv3d import mark
+
+        names = set(stacked)
+        mark(m for n, m in skel.decoder.named_modules() if n in names)
     # fused: the kernel path, results' storage only
     return _meta_peak(lambda: _ChunkDecoder(skel, channels_last, fused=fused), shape, K, dtype)

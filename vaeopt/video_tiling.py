@@ -302,7 +302,10 @@ class _Arena:
 
 
 class _Decoder(video._ChunkDecoder):
-    """vaeopt.video's chunk decoder taking new causal caches from `arena` when one is set (else as before)."""
+    """vaeopt.video's chunk decoder taking new causal caches from `arena` when one is set (else as before). Convs run
+    on the 5-D staged input (no time-stacked Conv2d: its 3x input would not be in the tiled plan's estimate)."""
+
+    STACK = False
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
@@ -858,14 +861,16 @@ def estimate_tiled_video_bytes(
     t = None if tile is None else resolve_tile(tile, shape[-2:])
     split = default_split(vae) if split is None else int(split)
     config = json.dumps(dict(vae.config), sort_keys=True, default=str)
-    return _estimate(type(vae), config, shape, K, t, dtype, bool(channels_last), bool(fused), split, storage)
+    stacked = video._stacked_names(vae) if t is None and fused else ()  # tiles never run stacked (_Decoder.STACK)
+    return _estimate(type(vae), config, shape, K, t, dtype, bool(channels_last), bool(fused), split, storage,
+                     stacked)
 
 
 @functools.lru_cache(maxsize=1024)
 def _estimate(cls, config_json: str, shape: tuple, K: int, tile, dtype, channels_last: bool, fused: bool,
-              split: int, storage: str) -> int:
+              split: int, storage: str, stacked: tuple[str, ...] = ()) -> int:
     if tile is None:
-        return video._estimate(cls, config_json, shape, K, dtype, channels_last, fused)
+        return video._estimate(cls, config_json, shape, K, dtype, channels_last, fused, stacked)
     skel = video._meta_skeleton(cls, config_json, dtype)
     plan = TiledVideoPlan(K, tile, split, storage)
     return video._meta_peak(lambda: _TiledClip(skel, shape[-2:], plan, channels_last, fused, device="meta"),

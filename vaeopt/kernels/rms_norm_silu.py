@@ -139,6 +139,9 @@ def _rms_cl_kernel(
     SILU: tl.constexpr,
     SAT8: tl.constexpr = False,  # e4m3 output: saturate to +-448 before the cast
     EXACT8: tl.constexpr = False,  # and round to the e4m3 grid first (the CPU interpreter's fp8 cast misrounds)
+    TAPS: tl.constexpr = 0,  # > 0: tap-stacked output (see rms_norm_silu's `taps`); x is (N, C, K, HW)
+    K=1,
+    HW=1,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
@@ -163,7 +166,19 @@ def _rms_cl_kernel(
         y = y * out_mul
         if SAT8:
             y = _sat_e4m3(y, EXACT8)
-        tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+        if TAPS > 0:
+            # frame j of sample n is tap dt of output frame j + TAPS - 1 - dt (the first TAPS - 1 frames of the
+            # stack are the causal history, written by the caller): up to TAPS stores of the same values
+            j = s // HW
+            pix = s % HW
+            y = y.to(y_ptr.dtype.element_ty)
+            for dt in tl.static_range(TAPS):
+                t = j + (TAPS - 1 - dt)
+                mt = m & (t < K)[:, None]
+                to = ((n * K + t).to(tl.int64) * HW + pix.to(tl.int64)) * (TAPS * C) + dt * C
+                tl.store(y_ptr + to[:, None] + cc[None, :], y, mask=mt)
+        else:
+            tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -192,6 +207,49 @@ def _rms_cl_kernel(
             if SAT8:
                 y = _sat_e4m3(y, EXACT8)
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_warps) -> torch.Tensor:
+    if x.dim() != 5 or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"rms_norm_silu(taps=): x must be a (N, C, K, H, W) float tensor, got {tuple(x.shape)}")
+    lay = flat_layout(x)
+    if lay is None or lay[0] != "cl":  # each sample must be one [K*H*W, C] block
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+        lay = flat_layout(x)
+    N, C, K, H, W = x.shape
+    if out is None or tuple(out.shape) != (N * K, taps * C, H, W) or out.dtype not in SUPPORTED_DTYPES \
+            or out.device != x.device or not out.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"rms_norm_silu(taps={taps}): out must be a dense channels_last ({N * K}, {taps * C}, {H}, "
+                         f"{W}) tensor on {x.device}")
+    if triton.next_power_of_2(C) > 1024:
+        raise ValueError(f"rms_norm_silu(taps=): {C} channels (at most 1024)")
+    g = gamma.reshape(-1).float().contiguous() if gamma.numel() == C else None
+    if g is None:
+        raise ValueError(f"rms_norm_silu: gamma has {gamma.numel()} values for {C} channels")
+    if isinstance(bias, torch.Tensor):
+        b, has_bias = bias.reshape(-1), True
+    elif bias:
+        b, has_bias = torch.full((C,), float(bias), device=x.device, dtype=torch.float32), True
+    else:
+        b, has_bias = g, False
+    xb = _vec("x_bias", x_bias, C, x.device)
+    if x.numel() == 0:
+        return out
+    S = K * H * W
+    R = N * S
+    if R >= 2**31:
+        raise ValueError("rms_norm_silu: N * spatial positions must be < 2**31 (int32 position indices)")
+    tile = tile or default_tile(x.device)
+    BLOCK_C = triton.next_power_of_2(C)
+    BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
+    nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
+    _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
+        x, out, g, b, xb if xb is not None else g, R, S, C, lay[2], 0,
+        float(C) ** 0.5 if scale is None else float(scale), float(eps), 1.0,
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=True, HAS_BIAS=has_bias, HAS_XB=xb is not None, SILU=silu,
+        TAPS=taps, K=K, HW=H * W, num_warps=nw,
+    )  # fmt: skip
+    return out
 
 
 def _out_strides(out: torch.Tensor, kind: str, S: int) -> tuple[int, int] | None:
@@ -237,6 +295,7 @@ def rms_norm_silu(
     max_block_c: int = 1024,
     num_warps: int | None = None,
     out_scale: float | None = None,
+    taps: int = 0,
 ) -> torch.Tensor:
     """silu(F.normalize(x + x_bias, dim=1, eps) * scale * gamma + bias) for x (N, C, *spatial), fp32/bf16/fp16, fp32
     math.
@@ -249,7 +308,13 @@ def rms_norm_silu(
     `out` is returned. fp8: an `out` in float8_e4m3fn receives y / out_scale, saturated to +-448 (the fp8 conv
     multiplies out_scale back in its epilogue). `tile`, `max_block_c`, `num_warps` are tuning knobs (tests lower max_block_c to exercise the
     two-loop path).
+    taps=k > 0 (a causal conv's time-stacked input, vaeopt.video): x (N, C, K, H, W) channels_last_3d, out the dense
+    channels_last (N*K, k*C, H, W) stack whose frame n*K + t holds input frames t-k+1 .. t of the conv's
+    [history | x] stream in channel blocks 0 .. k-1; frame j of x goes to block dt of frame j + k-1-dt wherever
+    that frame exists (blocks taken by the k-1 history frames are the caller's). One read, up to k writes.
     """
+    if taps:
+        return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps)
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"rms_norm_silu: dtype {x.dtype} not supported")
     if x.dim() < 2:

@@ -10,7 +10,7 @@ A stage never reports success for work it did not do: `detail` carries measured 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 Status = Literal["applied", "skipped", "fallback"]
 
@@ -29,3 +29,44 @@ class StageResult:
     def line(self) -> str:
         mark = {"applied": "✓", "skipped": "–", "fallback": "↩"}[self.status]
         return f"{mark} {self.name}: {self.status if self.status != 'applied' else ''}{' — ' if self.status != 'applied' else ''}{self.detail}"
+
+
+def unmeasured_gpu(device, measured_sm: tuple, kept: str, flag: str) -> str | None:
+    """None on a CUDA GPU of a measured compute capability (or off CUDA); else the skip reason for a stage whose
+    policy was measured only there: `kept` is what stays instead, `flag` the switch that forces the stage."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if cap in measured_sm:
+        return None
+    where = ", ".join(f"sm_{a}{b}" for a, b in measured_sm)
+    return f"measured only on {where} (H200); {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
+
+
+def weight_version(w) -> tuple:
+    """Identifies a weight version for derived-weight caches. Inference tensors (a model moved under
+    torch.inference_mode) have no version counter: an in-place edit of one inside inference mode is not seen
+    (the stages' revert() drops the caches)."""
+    return (w.data_ptr(), -1 if w.is_inference() else w._version)
+
+
+def cached_weight(module, attr: str, dtype, make: Callable):
+    """make() -- a tensor derived from module.weight in `dtype` -- cached on the module under `attr`, recomputed
+    when the weight changes (version, storage, device) or another dtype is asked for."""
+    w = module.weight
+    key = (*weight_version(w), dtype, w.device)
+    cached = getattr(module, attr, None)
+    if cached is None or cached[0] != key:
+        cached = (key, make())
+        setattr(module, attr, cached)
+    return cached[1]
+
+
+def drop_attrs(model, *attrs: str) -> None:
+    """Remove the given attributes (a stage's marks and caches) from every submodule."""
+    for m in model.modules():
+        for a in attrs:
+            if hasattr(m, a):
+                delattr(m, a)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vaeopt.stages import StageResult
+from vaeopt.stages import StageResult, drop_attrs, unmeasured_gpu, weight_version
 
 NAME = "triton_conv"
 MAX_COUT = 128  # measured: Triton wins at 96 output channels, cuDNN from 192 up
@@ -53,8 +53,9 @@ def _kernel_fits(m: nn.Module) -> bool:
 
 
 def _eligible(m: nn.Module) -> bool:
-    """_kernel_fits, with few enough output channels that the bf16 kernel beats cuDNN."""
-    return _kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT
+    """_kernel_fits, with few enough output channels that the bf16 kernel beats cuDNN, and not taken by
+    stacked_conv3d (its time-stacked cuDNN Conv2d measured faster than this kernel at 96 channels)."""
+    return _kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT and not getattr(m, "_vaeopt_stack3d", False)
 
 
 def apply(model: nn.Module, device: torch.device | None = None, force: bool = False, **_) -> StageResult:
@@ -65,11 +66,9 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
 
         if not (force and device.type == "cpu" and triton_available(device)[0]):  # CPU: interpreter, tests only
             return StageResult.skipped(NAME, why)
-    if device.type == "cuda" and not force:
-        cap = torch.cuda.get_device_capability(device)
-        if cap not in MEASURED_SM:
-            return StageResult.skipped(NAME, f"measured only on sm_90 (H200); cuDNN kept on sm_{cap[0]}{cap[1]} "
-                                             "(--conv-kernel on to force)")
+    why = None if force else unmeasured_gpu(device, MEASURED_SM, "cuDNN", "--conv-kernel")
+    if why:
+        return StageResult.skipped(NAME, why)
     # the decode path only: the encoder is never run by a decode (and its layers would inflate the count)
     parts = [getattr(model, "post_quant_conv", None), getattr(model, "decoder", None)] if hasattr(
         model, "decoder") else [model]
@@ -78,6 +77,10 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
     chosen = [m for m in convs if _eligible(m)]
     if not chosen:
+        stacked = sum(bool(getattr(m, "_vaeopt_stack3d", False)) for m in convs)
+        if stacked and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT for m in convs):
+            return StageResult.skipped(NAME, f"the {MIN_COUT}-{MAX_COUT}-channel Conv3d layers run as stacked Conv2d "
+                                             "(stacked_conv3d: faster than this kernel there)")
         return StageResult.skipped(NAME, f"none of {len(convs)} Conv3d layers has {MIN_COUT}-{MAX_COUT} output channels "
                                          "and a 3x3x3 kernel (where the kernel beats cuDNN)")
     for m in chosen:
@@ -90,17 +93,10 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
 
 
 def revert(model: nn.Module) -> None:
-    for m in model.modules():
-        for a in (_MARK, _PACKED, _MARK8, _PACKED8):
-            if hasattr(m, a):
-                delattr(m, a)
+    drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8)
 
 
-def _weight_key(w: torch.Tensor) -> tuple:
-    """Identifies a weight version for the pack caches. Inference tensors (a model moved under
-    torch.inference_mode) have no version counter: an in-place edit of one inside inference mode is not seen
-    (revert() drops the packs)."""
-    return (w.data_ptr(), -1 if w.is_inference() else w._version)
+_weight_key = weight_version
 
 
 def packed_for(conv: nn.Module, x: torch.Tensor):

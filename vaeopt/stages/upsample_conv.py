@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from vaeopt.stages import StageResult
+from vaeopt.stages import StageResult, cached_weight, drop_attrs
 
 NAME = "upsample_conv"
 _MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
@@ -104,10 +104,7 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
 
 
 def revert(model: nn.Module) -> None:
-    for m in model.modules():
-        for a in (_MARK, _W4):
-            if hasattr(m, a):
-                delattr(m, a)
+    drop_attrs(model, _MARK, _W4)
 
 
 def marked(conv) -> bool:
@@ -118,18 +115,15 @@ def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
     """The conv's phase kernels (4*Cout, Cin, 2, 2) in `dtype` (channels_last for cuDNN's NHWC kernels), computed
     once per weight version and dtype."""
     from vaeopt.kernels.upconv import phase_weights
-    from vaeopt.stages.triton_conv import _weight_key
 
-    w = conv.weight
-    key = (*_weight_key(w), dtype, w.device)
-    cached = getattr(conv, _W4, None)
-    if cached is None or cached[0] != key:
+    def make():
+        w = conv.weight
         w4 = phase_weights(w.detach()).to(dtype)
         if w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous():
             w4 = w4.contiguous(memory_format=torch.channels_last)
-        cached = (key, w4)
-        setattr(conv, _W4, cached)
-    return cached[1]
+        return w4
+
+    return cached_weight(conv, _W4, dtype, make)
 
 
 def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:

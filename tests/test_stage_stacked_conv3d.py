@@ -1,0 +1,115 @@
+"""Wan's causal Conv3d as a Conv2d over time-stacked channels (stages/stacked_conv3d.py, rms_norm_silu(taps=3)).
+
+The RMS-norm kernel writes each new frame into its (up to) three places of the stack (checked against the reference
+norm, history blocks left to the caller); the trained tiny Wan 2.1 with every causal 3x3x3 conv stacked decodes what
+diffusers decodes (fp32, chunk sizes 1-3, with and without the phase upsample convs); the planner's dry run counts
+the stack; the stage's skip reasons; triton_conv yields the convs stacking took.
+"""
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from vaeopt import video
+from vaeopt.families import build_model, get_family
+from vaeopt.kernels import triton_available
+from vaeopt.stages import channels_last, fused_epilogues, fused_norms, stacked_conv3d, triton_conv, upsample_conv
+
+from test_video_fused import decode as _decode_stats  # noqa: E402 (decode_video + its chunk decoder's stats)
+from test_video_tiling import _wan21  # noqa: E402 (the trained tiny Wan 2.1, fp32)
+
+CPU = torch.device("cpu")
+R = importlib.import_module("vaeopt.kernels.rms_norm_silu")  # (the package re-exports a function of that name)
+
+
+@pytest.fixture(autouse=True)
+def _backend():
+    ok, why = triton_available("cpu")
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 3, 4, 5), (1, 16, 1, 3, 3), (1, 4, 5, 2, 3)])
+def test_norm_writes_the_time_stack(shape):
+    N, C, K, H, W = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).contiguous(memory_format=torch.channels_last_3d)
+    gamma, beta, xb = (torch.randn(C, generator=g) for _ in range(3))
+    ref = R.rms_norm_silu_reference(x, gamma, beta, 1e-12, True, x_bias=xb)
+    out = torch.full((N * K, 3 * C, H, W), float("nan")).contiguous(memory_format=torch.channels_last)
+    assert R.rms_norm_silu(x, gamma, beta, 1e-12, True, x_bias=xb, out=out, taps=3) is out
+    for n in range(N):
+        for t in range(K):
+            for dt in range(3):
+                blk = out[n * K + t, dt * C : (dt + 1) * C]
+                f = t + dt - 2  # stream frame t + dt; the first two are the history
+                if f >= 0:
+                    torch.testing.assert_close(blk, ref[n, :, f], atol=1e-5, rtol=1e-5)
+                else:
+                    assert torch.isnan(blk).all(), "history blocks are the caller's"
+    with pytest.raises(ValueError, match="channels_last"):
+        R.rms_norm_silu(x, gamma, beta, out=out.contiguous(), taps=3)
+
+
+@pytest.fixture(scope="module")
+def z21(samples_dir):
+    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
+    return lat["bunny"].float()[:, :, :, 10:12, 20:22].contiguous()
+
+
+@pytest.mark.parametrize("phase", [False, True], ids=["plain-upsample", "phase-upsample"])
+def test_tiny_wan_stacked_equals_diffusers(samples_dir, z21, phase):
+    vae = _wan21(samples_dir)
+    with torch.no_grad():
+        ref = vae.decode(z21).sample
+    fused_norms.apply(vae)
+    channels_last.apply(vae)
+    assert stacked_conv3d.apply(vae, device=CPU, force=True).status == "skipped"  # needs the fused chunk decoder
+    fused_epilogues.apply(vae)
+    auto = stacked_conv3d.apply(vae, device=CPU)
+    assert auto.status == "skipped" and "--stack-conv3d on" in auto.detail
+    r = stacked_conv3d.apply(vae, device=CPU, force=True)
+    n = sum(type(m).__name__ == "WanCausalConv3d" and m.kernel_size == (3, 3, 3) for m in vae.decoder.modules())
+    assert r.status == "applied" and r.data["layers"] == n
+    if phase:
+        upsample_conv.apply(vae, device=CPU, force=True)
+    for chunk in (1, 2, 3):
+        out, st = _decode_stats(vae, z21, chunk)
+        steps = len(video.chunk_schedule(z21.shape[2], chunk))
+        assert (out - ref).abs().max().item() <= 1e-4, chunk
+        # every 3x3x3 conv of every step whose input a norm kernel writes: all but conv_in (the latents)
+        assert st["stacked_conv"] == (n - 1) * steps
+        assert st.get("upsample_phase", 0) == (3 * steps if phase else 0)
+    stacked_conv3d.revert(vae)
+    out, st = _decode_stats(vae, z21, 2)
+    assert "stacked_conv" not in st and (out - ref).abs().max().item() <= 1e-4
+
+
+def test_auto_policy_and_triton_conv_handover():
+    """Auto stacks the measured widths (96, 384: Wan 2.1's 21 such convs); triton_conv then says why it has no
+    layers instead of claiming the 96-channel ones."""
+    with torch.device("meta"):
+        full = build_model(get_family("wan21"))
+    convs = stacked_conv3d.candidates(full)
+    assert len(convs) == 21 and {m.in_channels for m in convs} == {96, 384}
+    stacked_conv3d.mark(convs)
+    r = triton_conv.apply(full, device=CPU, force=True)
+    assert r.status == "skipped" and "stacked" in r.detail
+    assert stacked_conv3d.apply(build_model(get_family("sdxl"), block_out_channels=[8, 8, 8, 8], norm_num_groups=4),
+                                device=CPU, force=True).status == "skipped"
+
+
+def test_estimate_counts_the_stack():
+    """The dry run marks the same convs on its skeleton: at wan21-480p with 1 latent frame per call the stacked
+    96-channel input (3x the staged frames) is the peak, and the estimate grows by it."""
+    with torch.device("meta"):
+        full = build_model(get_family("wan21"))
+    cfg = json.dumps(dict(full.config), sort_keys=True, default=str)
+    names = tuple(n for n, m in full.decoder.named_modules() if m in set(stacked_conv3d.candidates(full)))
+    shape = (1, 16, 21, 60, 104)
+    plain = video._estimate(type(full), cfg, shape, 1, torch.bfloat16, True, True, ())
+    stacked = video._estimate(type(full), cfg, shape, 1, torch.bfloat16, True, True, names)
+    # the 96-ch stack of 4 output frames at 480x832 in bf16 is 3 * 4 * 96 * 399360 * 2 B = 0.92 GB
+    assert 0.2 * 2**30 < stacked - plain < 1.0 * 2**30, ((stacked - plain) / 2**30)
