@@ -60,7 +60,7 @@ def test_video_chunk_grows_with_budget():
     assert tiny.chunk == 1 and "may run out of memory" in tiny.reason
 
 
-def test_video_chunk_3_only_with_stacked_convs():
+def test_video_chunk_policy_per_model():
     """With stacked_conv3d's marks the untiled plan may take 3 latent frames per call (measured faster there), and
     its estimate counts the stacks; a requested --chunk is kept as asked."""
     from vaeopt.stages import stacked_conv3d
@@ -74,6 +74,11 @@ def test_video_chunk_3_only_with_stacked_convs():
     assert plain.chunk == planner.MAX_CHUNK == 2 and stacked.chunk == planner.MAX_CHUNK_STACKED == 3
     assert asked.chunk == 2
     assert stacked.est_bytes > plain.est_bytes
+    spec22 = get_family("wan22")
+    with torch.device("meta"):
+        m22 = build_model(spec22)
+    p22 = planner.plan_decode(spec22, m22, (1, 48, 31, 44, 80), torch.bfloat16, cpu, vram_budget_gb=40)
+    assert p22.chunk == planner.MAX_CHUNK_WAN22 == 1  # measured fastest for Wan 2.2
 
 
 def test_memory_model_predicts_measured_peaks_within_15_percent(sdxl_meta):

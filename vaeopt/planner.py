@@ -26,6 +26,9 @@ MAX_CHUNK = 2
 # With Wan 2.1's convs time-stacked (stages/stacked_conv3d) the untiled decode gains from 3 (h200_wan_stack_2026-11-21:
 # 480p 665.7 -> 641.7 ms, 720p 1538.6 -> 1502.5 ms, +1.4 / +3.3 GiB; 4 frames no faster).
 MAX_CHUNK_STACKED = 3
+# Wan 2.2 (residual up blocks, patch 2): 1 frame per call measured fastest (h200_wan22-720p_2026-11-21e: 3164-3173 ms at
+# 1 vs 3238 ms at 2 after the phase upsample convs).
+MAX_CHUNK_WAN22 = 1
 
 
 def memory_model() -> dict:
@@ -210,7 +213,8 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
                                                  f"chunked video decoder covers Wan only): est. {gib(est)}")
     hw = tuple(latent_shape[-2:])
     host = device is not None and torch.device(device).type == "cuda"  # pinned host caches need a CUDA device
-    chunks = [chunk] if chunk is not None else list(range(min(MAX_CHUNK, max(t_lat - 1, 1)), 0, -1))
+    top = MAX_CHUNK_WAN22 if getattr(getattr(model, "config", None), "is_residual", False) else MAX_CHUNK
+    chunks = [chunk] if chunk is not None else list(range(min(top, max(t_lat - 1, 1)), 0, -1))
     if budget is None:
         # CPU: bigger chunks are much faster here (fewer, larger convs: 15.8 s -> 4.4 s for a 5-frame clip of the tiny
         # model, docs/notes-video.md); plan them from half the available host memory.
