@@ -113,3 +113,6 @@ def test_estimate_counts_the_stack():
     stacked = video._estimate(type(full), cfg, shape, 1, torch.bfloat16, True, True, names)
     # the 96-ch stack of 4 output frames at 480x832 in bf16 is 3 * 4 * 96 * 399360 * 2 B = 0.92 GB
     assert 0.2 * 2**30 < stacked - plain < 1.0 * 2**30, ((stacked - plain) / 2**30)
+    # the dry run's cached skeleton keeps no marks: the unstacked estimate afterwards is the same as before
+    assert video._estimate(type(full), cfg, shape, 2, torch.bfloat16, True, True, ()) == video._estimate.__wrapped__(
+        type(full), cfg, shape, 2, torch.bfloat16, True, True, ())

@@ -75,8 +75,12 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         except StopIteration:
             device = None
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
+    # diffusers' own Wan decode (what vae.decode runs) does not go through vaeopt.video's chunk decoder, which is
+    # where the phase upsample convs and the time-stacked Conv3d run: leave them off rather than mark unused layers
+    video_only = "off" if cls == "AutoencoderKLWan" else "auto"
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
-                                    attention=attention, graphs="off"), log=log)
+                                    attention=attention, graphs="off", upsample_conv=video_only,
+                                    stack_conv3d=video_only), log=log)
     vae._vaeopt_stages = pipe.stages
     return vae
 

@@ -25,7 +25,8 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
         row("fp8", True, f"{g.sm} has FP8 tensor cores; opt-in (--fp8 on), gated on PSNR vs fp32")
     else:
         row("fp8", False, f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU")
-    for name in ("fused_norms", "fused_epilogues", "triton_conv", "channels_last", "graphs"):
+    for name in ("fused_norms", "fused_epilogues", "upsample_conv", "stacked_conv3d", "triton_conv", "channels_last",
+                 "graphs"):
         try:
             mod = importlib.import_module(f"vaeopt.stages.{name}")
             ok, why = mod.available(dev)
@@ -33,7 +34,10 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
             ok, why = False, f"not importable ({e})"
         what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
                 "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues, chunked attention",
-                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d (auto on sm_90, where measured)",
+                "upsample_conv": "upsample + 3x3 conv as four 2x2 phase convs on the low-res input (4/9 FLOPs)",
+                "stacked_conv3d": "Wan 2.1's 96/384-ch causal Conv3d as a Conv2d over time-stacked channels "
+                                  "(auto on sm_90, where measured)",
+                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90)",
                 "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
                 "graphs": "capture + replay for repeated same-shape decodes"}[name]
         row(name, ok, what if ok else why)

@@ -1204,11 +1204,14 @@ def _meta_peak(make_stepper, shape: tuple, K: int, dtype: torch.dtype) -> int:
 @functools.lru_cache(maxsize=256)
 def _estimate(cls, config_json: str, shape: tuple, K: int, dtype: torch.dtype, channels_last: bool,
               fused: bool = False, stacked: tuple[str, ...] = ()) -> int:
-    skel = _meta_skeleton(cls, config_json, dtype)
-    if stacked:  # the time-stacked Conv2d inputs of the convs stacked_conv3d marked on the real model
-        from vaeopt.stages.stacked_conv3d import mark
+    skel = _meta_skeleton(cls, config_json, dtype)  # (shared, cached: the marks below are removed again)
+    if not stacked:  # fused: the kernel path, results' storage only
+        return _meta_peak(lambda: _ChunkDecoder(skel, channels_last, fused=fused), shape, K, dtype)
+    from vaeopt.stages import stacked_conv3d
 
-        names = set(stacked)
-        mark(m for n, m in skel.decoder.named_modules() if n in names)
-    # fused: the kernel path, results' storage only
-    return _meta_peak(lambda: _ChunkDecoder(skel, channels_last, fused=fused), shape, K, dtype)
+    names = set(stacked)  # the time-stacked Conv2d inputs of the convs stacked_conv3d marked on the real model
+    stacked_conv3d.mark(m for n, m in skel.decoder.named_modules() if n in names)
+    try:
+        return _meta_peak(lambda: _ChunkDecoder(skel, channels_last, fused=fused), shape, K, dtype)
+    finally:
+        stacked_conv3d.revert(skel)
