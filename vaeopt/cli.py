@@ -168,8 +168,8 @@ def decode(
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
-                   upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8, gate_db=fp8_gate, graphs=graphs,
-                   tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
+                   upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
+                   gate_db=fp8_gate, graphs=graphs, tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
     opts.validate()
     if gpus is not None:
         _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,

@@ -240,7 +240,9 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
         return video_plan(p, est, f"{what}: {verdict}; {how}")
 
     longer = []
-    if chunk is None and any(getattr(m, "_vaeopt_stack3d", False) for m in model.decoder.modules()):
+    from vaeopt import video
+
+    if chunk is None and video._stacked_names(model):
         longer = list(range(min(MAX_CHUNK_STACKED, max(t_lat - 1, 1)), max(chunks), -1))
     untiled = [(k, estimate_video(family, model, latent_shape, dtype, k)) for k in longer + chunks]
     if tiling != "on":

@@ -399,13 +399,6 @@ def _memory_format(dec: nn.Module) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _phase_conv(conv: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """stages/upsample_conv marked this upsampler conv, and the tiles compute in its weights' dtype and device."""
-    from vaeopt.stages.upsample_conv import marked
-
-    return marked(conv) and dtype == conv.weight.dtype and device == conv.weight.device
-
-
 def _up_conv(up: nn.Module) -> nn.Module:
     return up.conv if getattr(up, "name", "conv") == "conv" else up.Conv2d_0
 
@@ -1060,7 +1053,9 @@ class TiledDecoder:
         conv = _up_conv(up) if plain else None
         k = self.kernels
         fold = bool(k and plain and _is_plain_conv(conv) and tuple(conv.kernel_size) == (3, 3))
-        phase = fold and _phase_conv(conv, self.dtype, self.device)
+        from vaeopt.stages.upsample_conv import applies, run
+
+        phase = fold and applies(conv, self.dtype, self.device)  # the tiles compute in self.dtype / self.device
         norm_next = self._consumer(i + 1)
         dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
                    conv.bias.detach() if fold and conv.bias is not None else None)
@@ -1076,8 +1071,6 @@ class TiledDecoder:
                 # from a non-border edge of t's upsampled extent are exact, as for any padding-preserving operator
                 if src.bias is not None:
                     t = self._k["epilogue"](t if _flat(t) else t.contiguous(memory_format=_layout_of(t)), src.bias)
-                from vaeopt.stages.upsample_conv import run
-
                 u = run(conv, t, bias=False)
                 del t
                 self.info["upsample_phase"] += 1

@@ -95,7 +95,6 @@ _NORM_SLICE_ELEMS = 1 << 26
 _SPLIT_ELEMS = 1 << 30
 _INT32_ELEMS = 2**31 - 1
 _E4M3 = getattr(torch, "float8_e4m3fn", None)
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _wan():
@@ -248,10 +247,9 @@ def _frames4(x: Tensor) -> Tensor:
 def _phase_ok(conv2d, up, x: Tensor) -> bool:
     """conv2d(up(x)) may run as 2x2 phase convs on x: up is a 2x nearest upsample and stages/upsample_conv marked
     conv2d (a stock 3x3, padding-1 conv) for x's dtype and device."""
-    from vaeopt.stages.upsample_conv import marked
+    from vaeopt.stages.upsample_conv import applies
 
-    return marked(conv2d) and x.dtype == conv2d.weight.dtype and x.device == conv2d.weight.device and (
-        up is None or _is_2x_nearest(up))
+    return applies(conv2d, x.dtype, x.device) and (up is None or _is_2x_nearest(up))
 
 
 def _frames_up_conv(conv2d, up, x2: Tensor, phase: bool = False) -> Tensor:
@@ -628,7 +626,7 @@ class _ChunkDecoder:
         from vaeopt.stages.stacked_conv3d import marked
 
         return (self.STACK and marked(conv) and self.mf is torch.channels_last_3d and self._hist(conv) == 2
-                and conv.kernel_size[0] == 3 and src.dtype == conv.weight.dtype and src.dtype in _KERNEL_DTYPES)
+                and conv.kernel_size[0] == 3 and src.dtype == conv.weight.dtype)
 
     def _stage_stacked(self, conv, src: Tensor, p, xb: Tensor | None) -> _Stacked:
         """The conv's input as (N*k, 3C, H, W) channels_last: frame n*k + t holds stream frames t, t+1, t+2 of
@@ -757,7 +755,8 @@ class _ChunkDecoder:
         if rs.mode == "upsample2d":
             h4, r4 = _frames4(h), _frames4(r)
             del h, r
-            self.stats["upsample_fused" if up2 else "upsample_phase"] += 1
+            if up2:
+                self.stats["upsample_fused"] += 1
             u = self._epilogue(h4, b2, r4, rb, upsample2x=up2)
             del h4, r4
         else:
@@ -797,11 +796,10 @@ class _ChunkDecoder:
                     del y
                 else:
                     del x
-            if phase:
-                self.stats["upsample_phase"] += 1
         if phase:
             from vaeopt.stages.upsample_conv import run
 
+            self.stats["upsample_phase"] += 1
             y = run(conv2d, u, bias=False)
         else:
             y = F.conv2d(u, conv2d.weight, None, conv2d.stride, conv2d.padding, conv2d.dilation, conv2d.groups)

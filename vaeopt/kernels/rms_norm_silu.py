@@ -209,6 +209,24 @@ def _rms_cl_kernel(
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+def _affine_args(x: torch.Tensor, gamma, bias, x_bias):
+    """(gamma [C], bias [C] or a placeholder, has_bias, x_bias [C] or None), checked against x's C channels; a
+    nonzero number as bias becomes a [C] vector."""
+    C = x.shape[1]
+    g = gamma.reshape(-1)
+    if g.numel() != C:
+        raise ValueError(f"rms_norm_silu: gamma has {g.numel()} values for {C} channels")
+    if isinstance(bias, torch.Tensor):
+        b, has_bias = bias.reshape(-1), True
+        if b.numel() != C:
+            raise ValueError(f"rms_norm_silu: bias has {b.numel()} values for {C} channels")
+    elif bias:  # a nonzero number
+        b, has_bias = torch.full((C,), float(bias), device=x.device, dtype=torch.float32), True
+    else:
+        b, has_bias = g, False  # placeholder pointer, never read
+    return g, b, has_bias, _vec("x_bias", x_bias, C, x.device)
+
+
 def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_warps) -> torch.Tensor:
     if x.dim() != 5 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"rms_norm_silu(taps=): x must be a (N, C, K, H, W) float tensor, got {tuple(x.shape)}")
@@ -223,16 +241,7 @@ def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_war
                          f"{W}) tensor on {x.device}")
     if triton.next_power_of_2(C) > 1024:
         raise ValueError(f"rms_norm_silu(taps=): {C} channels (at most 1024)")
-    g = gamma.reshape(-1).float().contiguous() if gamma.numel() == C else None
-    if g is None:
-        raise ValueError(f"rms_norm_silu: gamma has {gamma.numel()} values for {C} channels")
-    if isinstance(bias, torch.Tensor):
-        b, has_bias = bias.reshape(-1), True
-    elif bias:
-        b, has_bias = torch.full((C,), float(bias), device=x.device, dtype=torch.float32), True
-    else:
-        b, has_bias = g, False
-    xb = _vec("x_bias", x_bias, C, x.device)
+    g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
     if x.numel() == 0:
         return out
     S = K * H * W
@@ -320,18 +329,7 @@ def rms_norm_silu(
     if x.dim() < 2:
         raise ValueError(f"rms_norm_silu: expected (N, C, ...), got {tuple(x.shape)}")
     N, C = x.shape[:2]
-    g = gamma.reshape(-1)
-    if g.numel() != C:
-        raise ValueError(f"rms_norm_silu: gamma has {g.numel()} values for {C} channels")
-    if isinstance(bias, torch.Tensor):
-        b, has_bias = bias.reshape(-1), True
-        if b.numel() != C:
-            raise ValueError(f"rms_norm_silu: bias has {b.numel()} values for {C} channels")
-    elif bias:  # a nonzero number
-        b, has_bias = torch.full((C,), float(bias), device=x.device, dtype=torch.float32), True
-    else:
-        b, has_bias = g, False  # placeholder pointer, never read
-    xb = _vec("x_bias", x_bias, C, x.device)
+    g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
     if out is not None:
         if tuple(out.shape) != tuple(x.shape):
             raise ValueError(f"rms_norm_silu: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")

@@ -182,10 +182,9 @@ def _upsample_static_ok(m) -> bool:
 
 def _phase_upsampler(u, x: torch.Tensor) -> bool:
     """u's conv runs as 2x2 phase convs on u's low-resolution input (stages/upsample_conv marked it)."""
-    from vaeopt.stages.upsample_conv import marked
+    from vaeopt.stages.upsample_conv import applies
 
-    return u.use_conv and u.name == "conv" and marked(u.conv) and x.dtype == u.conv.weight.dtype \
-        and x.device == u.conv.weight.device
+    return u.use_conv and u.name == "conv" and applies(u.conv, x.dtype, x.device)
 
 
 def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:

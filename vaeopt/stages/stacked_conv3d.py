@@ -39,18 +39,14 @@ def available(device: torch.device) -> tuple[bool, str]:
     return True, "cuDNN"
 
 
-def _fits(m: nn.Module) -> bool:
-    from vaeopt.stages.triton_conv import _kernel_fits
-
-    return _kernel_fits(m)
-
-
 def candidates(model: nn.Module, every: bool = False) -> list[nn.Module]:
     """The decoder's stock causal 3x3x3 convs with a measured width (every=True: all of them)."""
+    from vaeopt.stages.triton_conv import _kernel_fits  # (a stock, unhooked WanCausalConv3d, 3x3x3, stride 1)
+
     dec = getattr(model, "decoder", None)
     if dec is None:
         return []
-    return [m for m in dec.modules() if isinstance(m, nn.Conv3d) and _fits(m)
+    return [m for m in dec.modules() if isinstance(m, nn.Conv3d) and _kernel_fits(m)
             and (every or (m.in_channels == m.out_channels and m.in_channels in MEASURED_CHANNELS))]
 
 

@@ -55,7 +55,9 @@ def _kernel_fits(m: nn.Module) -> bool:
 def _eligible(m: nn.Module) -> bool:
     """_kernel_fits, with few enough output channels that the bf16 kernel beats cuDNN, and not taken by
     stacked_conv3d (its time-stacked cuDNN Conv2d measured faster than this kernel at 96 channels)."""
-    return _kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT and not getattr(m, "_vaeopt_stack3d", False)
+    from vaeopt.stages.stacked_conv3d import marked
+
+    return _kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT and not marked(m)
 
 
 def apply(model: nn.Module, device: torch.device | None = None, force: bool = False, **_) -> StageResult:
@@ -77,8 +79,9 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
     chosen = [m for m in convs if _eligible(m)]
     if not chosen:
-        stacked = sum(bool(getattr(m, "_vaeopt_stack3d", False)) for m in convs)
-        if stacked and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT for m in convs):
+        from vaeopt.stages.stacked_conv3d import marked
+
+        if any(marked(m) for m in convs) and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT for m in convs):
             return StageResult.skipped(NAME, f"the {MIN_COUT}-{MAX_COUT}-channel Conv3d layers run as stacked Conv2d "
                                              "(stacked_conv3d: faster than this kernel there)")
         return StageResult.skipped(NAME, f"none of {len(convs)} Conv3d layers has {MIN_COUT}-{MAX_COUT} output channels "

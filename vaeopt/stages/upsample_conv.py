@@ -111,6 +111,12 @@ def marked(conv) -> bool:
     return bool(getattr(conv, _MARK, False)) and _conv3x3(conv)
 
 
+def applies(conv, dtype: torch.dtype, device: torch.device) -> bool:
+    """conv is marked and activations of this dtype / device can run through its phase kernels (the weights'
+    own; anything else, e.g. autocast or a dry run on meta, takes the plain composition)."""
+    return marked(conv) and dtype == conv.weight.dtype and device == conv.weight.device
+
+
 def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
     """The conv's phase kernels (4*Cout, Cin, 2, 2) in `dtype` (channels_last for cuDNN's NHWC kernels), computed
     once per weight version and dtype."""
