@@ -74,6 +74,8 @@ def test_video_chunk_policy_per_model():
     assert plain.chunk == planner.MAX_CHUNK == 2 and stacked.chunk == planner.MAX_CHUNK_STACKED == 3
     assert asked.chunk == 2
     assert stacked.est_bytes > plain.est_bytes
+    tiled = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=40, tile=32)
+    assert tiled.mode == "tiled" and "stacked_conv3d not used" in tiled.reason
     spec22 = get_family("wan22")
     with torch.device("meta"):
         m22 = build_model(spec22)

@@ -220,7 +220,13 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
         # model, docs/notes-video.md); plan them from half the available host memory.
         budget, why = _host_budget(), "half of the available host memory"
 
+    from vaeopt import video
+
+    stacked = bool(video._stacked_names(model))
+
     def video_plan(p, est: int, head: str) -> Plan:
+        if stacked:  # the stage's line was written before the plan: say that tiles do not use it
+            head += "; stacked_conv3d not used (tiles run the Conv3d on their 5-D input)"
         return Plan("tiled", budget, est, tile=p.tile, chunk=p.chunk, split=p.split, storage=p.storage, reason=head)
 
     if tile is not None:  # --tile: that tile; the largest chunk (or --chunk) and the cheapest cache storage that fit
@@ -240,9 +246,7 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
         return video_plan(p, est, f"{what}: {verdict}; {how}")
 
     longer = []
-    from vaeopt import video
-
-    if chunk is None and video._stacked_names(model):
+    if chunk is None and stacked:
         longer = list(range(min(MAX_CHUNK_STACKED, max(t_lat - 1, 1)), max(chunks), -1))
     untiled = [(k, estimate_video(family, model, latent_shape, dtype, k)) for k in longer + chunks]
     if tiling != "on":
