@@ -48,7 +48,7 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile(fn, n=3) -> dict:
+def profile(fn, n=3, top=15) -> dict:
     from torch.profiler import ProfilerActivity, profile as tprof
 
     fn()
@@ -70,7 +70,7 @@ def profile(fn, n=3) -> dict:
         counts[c] += 1
     return {"total_ms": sum(by_cat.values()), "by_category_ms": dict(by_cat.most_common()),
             "kernels_per_decode": {k: v / n for k, v in counts.items()},
-            "top_kernels_ms": by_kernel.most_common(15)}
+            "top_kernels_ms": by_kernel.most_common(top)}
 
 
 def bench(fn, reps=20) -> float:
@@ -133,6 +133,8 @@ def main():
     ap.add_argument("--experiments", action="store_true")
     ap.add_argument("--tiled", type=int, nargs="*", default=[], help="also profile tiled decodes with these tiles")
     ap.add_argument("--only-tiled", action="store_true")
+    ap.add_argument("--only-vaeopt", action="store_true", help="skip the diffusers-bf16 variant")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per variant")
     args = ap.parse_args()
     fam, shape = WORKLOADS[args.workload]
     z = torch.randn(shape)
@@ -143,6 +145,8 @@ def main():
     }
     if args.only_tiled:
         variants = {}
+    elif args.only_vaeopt:
+        del variants["diffusers-bf16"]
     for name, opts in variants.items():
         pipe = make_pipe(fam, **opts)
         zz = z.to("cuda", torch.bfloat16)
@@ -150,7 +154,7 @@ def main():
         with torch.inference_mode():
             fn = (lambda: pipe._decode_video(zz, plan, None)) if pipe.family.is_video else \
                 (lambda: pipe._decode_whole_raw(zz))
-            result["variants"][name] = profile(fn, n=1 if pipe.family.is_video else 3)
+            result["variants"][name] = profile(fn, n=1 if pipe.family.is_video else 3, top=args.top)
             result["variants"][name]["stages"] = [s.line() for s in pipe.stages]
         del pipe
         torch.cuda.empty_cache()
@@ -186,7 +190,7 @@ def main():
                  f"info {v['info']}" if "wall_ms" in v else ""))
         print("   " + ", ".join(f"{k} {t:.1f}" for k, t in v["by_category_ms"].items()))
         print("   kernels/decode: " + ", ".join(f"{k} {int(c)}" for k, c in v["kernels_per_decode"].items()))
-        for kname, t in v["top_kernels_ms"][:8]:
+        for kname, t in v["top_kernels_ms"][:args.top]:
             print(f"     {t:7.2f} ms  {kname}")
     for k, v in result.get("experiments", {}).items():
         print(k, {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in v.items()})

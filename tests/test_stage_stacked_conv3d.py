@@ -51,6 +51,18 @@ def test_norm_writes_the_time_stack(shape):
                     assert torch.isnan(blk).all(), "history blocks are the caller's"
     with pytest.raises(ValueError, match="channels_last"):
         R.rms_norm_silu(x, gamma, beta, out=out.contiguous(), taps=3)
+    # cache_out: the next history (the stream's last two frames) written by the same pass; with one new frame only
+    # slot 1 (slot 0 is the caller's shift of the old history)
+    cache = torch.full((N, C, 2, H, W), float("nan")).contiguous(memory_format=torch.channels_last_3d)
+    R.rms_norm_silu(x, gamma, beta, 1e-12, True, x_bias=xb, out=out, taps=3, cache_out=cache)
+    for slot in range(2):
+        f = K - 2 + slot
+        if f >= 0:
+            torch.testing.assert_close(cache[:, :, slot], ref[:, :, f], atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.isnan(cache[:, :, slot]).all()
+    with pytest.raises(ValueError, match="cache_out"):
+        R.rms_norm_silu(x, gamma, beta, out=out, taps=3, cache_out=cache.contiguous())
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +94,12 @@ def test_tiny_wan_stacked_equals_diffusers(samples_dir, z21, phase):
         # every 3x3x3 conv of every step whose input a norm kernel writes: all but conv_in (the latents)
         assert st["stacked_conv"] == (n - 1) * steps
         assert st.get("upsample_phase", 0) == (3 * steps if phase else 0)
+    # the pipeline's path (`vaeopt decode`: video_tiling's OOM-retrying runner, untiled plan) stacks too
+    info: dict = {}
+    with torch.no_grad():
+        out = video.decode_video(vae, z21, 2, oom_retry=True, info=info)
+    assert info["stats"]["stacked_conv"] == (n - 1) * len(video.chunk_schedule(z21.shape[2], 2))
+    assert (out - ref.clamp(-1, 1)).abs().max().item() <= 1e-4
     stacked_conv3d.revert(vae)
     out, st = _decode_stats(vae, z21, 2)
     assert "stacked_conv" not in st and (out - ref).abs().max().item() <= 1e-4
@@ -116,3 +134,16 @@ def test_estimate_counts_the_stack():
     # the dry run's cached skeleton keeps no marks: the unstacked estimate afterwards is the same as before
     assert video._estimate(type(full), cfg, shape, 2, torch.bfloat16, True, True, ()) == video._estimate.__wrapped__(
         type(full), cfg, shape, 2, torch.bfloat16, True, True, ())
+
+
+def test_history_copy_is_bitwise():
+    """The stack's history copies move channel rows as int64 words: bitwise equal to copy_ (NaN payloads, -0.0
+    included), and the plain copy where the rows do not split into words."""
+    bits = torch.randint(-(2**15), 2**15, (2, 3, 5, 8), dtype=torch.int16)
+    src = bits.view(torch.bfloat16)  # arbitrary bit patterns, NaNs among them
+    dst = torch.zeros(2, 3, 5, 12, dtype=torch.bfloat16)[..., 2:10]  # a row slice: strided, 4-aligned offset
+    video._copy_lastdim(dst, src)
+    assert torch.equal(dst.view(torch.int16), bits)
+    odd = torch.zeros(2, 3, 5, 12, dtype=torch.bfloat16)[..., 1:9]  # offset 1: not word-aligned -> plain copy
+    video._copy_lastdim(odd, src)
+    assert torch.equal(odd.view(torch.int16), bits)

@@ -126,6 +126,9 @@ def test_wan21_fused_equals_diffusers(fused21, z21, ref21, layout):
         assert st["upsample_kernel"] == n_up3
         assert st["interleave_upsample"] == n_up3 * (steps - (first == 1))
         assert "bias_materialized" not in st
+        # the mid-block attention: chunked GEMM attention + one epilogue, on channels-last activations
+        n_attn = sum(a is not None for a in vae.decoder.mid_block.attentions)
+        assert n_attn and st.get("attention_chunked", 0) == (n_attn * steps if layout == "cl" else 0)
         # conv_in + conv1/conv2 of every block + shortcuts + 2D upsample convs, and time_conv where it runs
         assert st["bias_folded"] == (1 + 2 * n_blocks + n_sc + n_up3 + n_up2) * steps + st["interleave_upsample"]
     # fused off: the torch path, no kernel
@@ -141,8 +144,10 @@ def test_counts_are_real(fused21, z21, ref21, monkeypatch):
     epi = importlib.import_module("vaeopt.kernels.epilogue")
     rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")  # (the package re-exports a function of that name)
 
+    tap = importlib.import_module("vaeopt.kernels.tapconv")
+
     calls = {"br": 0, "br_up": 0, "rms": 0, "rms_out": 0, "conv3d_nobias": 0, "conv3d_bias": 0,
-             "conv2d_nobias": 0, "conv2d_bias": 0, "interp": 0}
+             "conv2d_nobias": 0, "conv2d_bias": 0, "interp": 0, "rms_taps": 0, "tap_sum": 0}
 
     def spy(name, fn, count):
         def wrapped(*a, **k):
@@ -168,19 +173,27 @@ def test_counts_are_real(fused21, z21, ref21, monkeypatch):
     spy((F, "conv3d"), F.conv3d, c_conv("conv3d"))
     spy((F, "conv2d"), F.conv2d, c_conv("conv2d"))
     spy((F, "interpolate"), F.interpolate, lambda *a, **k: calls.__setitem__("interp", calls["interp"] + 1))
+    spy((tap, "rms_norm_taps"), tap.rms_norm_taps, lambda *a, **k: calls.__setitem__("rms_taps", calls["rms_taps"] + 1))
+    spy((tap, "tap_sum"), tap.tap_sum, lambda *a, **k: calls.__setitem__("tap_sum", calls["tap_sum"] + 1))
     vae = fused21["cl"]
     out, st = decode(vae, z21, 2)
     assert (out - ref21).abs().max().item() <= 1e-4
     steps = 3
     n_attn = sum(type(m).__name__ == "WanAttentionBlock" for m in vae.decoder.modules())
-    assert calls["rms"] == st["norm_kernel"] + n_attn * steps  # the attention norm runs its own (silu=False) kernel
-    assert calls["rms_out"] == st["norm_kernel"]  # every residual-block / head norm wrote into its conv buffer
-    assert calls["br"] == st["epilogue"] + st["interleave_upsample"] + st["upsample_kernel"]
+    # the head's norm_out + conv_out: one norm+GEMM kernel and one tap sum per call
+    assert st["conv_taps"] == calls["rms_taps"] == calls["tap_sum"] == steps
+    # the attention norm runs its own (silu=False) kernel
+    assert calls["rms"] == st["norm_kernel"] - st["conv_taps"] + n_attn * steps
+    assert calls["rms_out"] == st["norm_kernel"] - st["conv_taps"]  # every residual-block norm wrote into its conv buffer
+    # + one epilogue (proj's bias + residual) per chunked attention
+    assert st["attention_chunked"] == n_attn * steps
+    assert calls["br"] == st["epilogue"] + st["interleave_upsample"] + st["upsample_kernel"] + st["attention_chunked"]
     assert calls["br_up"] == st["upsample_fused"] + st["interleave_upsample"] + st["upsample_kernel"]
     assert calls["conv3d_nobias"] + calls["conv2d_nobias"] == st["bias_folded"]
-    assert calls["conv3d_bias"] == 2 * steps  # post_quant_conv and conv_out keep theirs
-    # attention's 1x1 Conv2d (to_qkv, proj) keep their biases; the resample convs run without
-    assert calls["conv2d_bias"] == 2 * n_attn * steps
+    assert calls["conv3d_bias"] == steps  # post_quant_conv keeps its bias (conv_out's is added by the tap sum)
+    # attention's 1x1 convs run as GEMMs (to_qkv with its bias, proj's in the epilogue); the resample convs run
+    # without their biases
+    assert calls["conv2d_bias"] == 0
     assert calls["interp"] == 0
 
 

@@ -244,7 +244,7 @@ LADDER = (
 
 def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
     from vaeopt.loading import LoadedVAE
-    from vaeopt.pipeline import Options, Pipeline
+    from vaeopt.pipeline import DecodeStats, Options, Pipeline
 
     def make():
         model = b.fresh_model(torch.float32)
@@ -266,16 +266,10 @@ def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
                 pipe._record(StageResult.skipped("graphs", why))
         z = b.z.to(b.device, b.dtype)
 
-        def fn():
+        def fn():  # the path `vaeopt decode` takes (OOM retry included), not a shortcut around it
             if b.spec.is_video:
-                from vaeopt import video
-
-                return video.decode_video(pipe.model, z, chunk=plan.chunk or 1, **pipe.video_tiling_kwargs(plan))
-            if plan.mode == "tiled":
-                from vaeopt import tiling
-
-                return tiling.tiled_decode(pipe.model, z, tile=plan.tile)
-            return (pipe.graphed or pipe._decode_whole_raw)(z)
+                return pipe._decode_video(z, plan, None)
+            return pipe._decode_image(z, plan, DecodeStats(), None)
 
         def stages():  # read after the timed runs: graphs are captured during them
             if pipe.graphed is not None:

@@ -752,6 +752,7 @@ def _band_chunk_decoder_class():
         edge-row fix reads the 5-D staged input, so convs are not run time-stacked here."""
 
         STACK = False
+        TAPS = False  # conv_out too goes through _run's edge-row exchange
 
         def __init__(self, vae, channels_last: bool, fused, comm: _Comm):
             super().__init__(vae, channels_last, fused)

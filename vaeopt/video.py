@@ -228,6 +228,31 @@ def _igemm_weights(conv: nn.Module, x: Tensor):
     return packed_for(conv, x)
 
 
+def _copy_lastdim(dst: Tensor, src: Tensor) -> None:
+    """dst.copy_(src), bitwise, for same-dtype views whose last dim is contiguous (channels of a channels-last
+    activation): moved as 8-byte words where the strides allow, so torch's strided copy kernel handles 4x fewer
+    bf16 elements (the stacked convs' history copies: 29 -> see docs/perf-notes.md E18)."""
+    w = 8 // dst.element_size() if dst.element_size() in (1, 2, 4) else 0
+    if (w and not dst.is_meta and dst.dtype == src.dtype and dst.shape == src.shape and dst.dim() > 0
+            and dst.stride(-1) == 1 and src.stride(-1) == 1 and dst.shape[-1] % w == 0
+            and all(t.storage_offset() % w == 0 and all(st % w == 0 for st in t.stride()[:-1]) for t in (dst, src))):
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+    else:
+        dst.copy_(src)
+
+
+def triton_block(c: int) -> int:
+    return max(16, 1 << (int(c) - 1).bit_length())
+
+
+def _tap_matrix(conv: nn.Module, dtype: torch.dtype, block_c: int) -> Tensor:
+    """kernels/tapconv's (C, 27*Co) tap matrix of `conv` (cached per weight version and dtype)."""
+    from vaeopt.kernels.tapconv import tap_weights
+    from vaeopt.stages import cached_weight
+
+    return cached_weight(conv, "_vaeopt_tap_matrix", dtype, lambda: tap_weights(conv.weight, block_c, dtype))
+
+
 def _meta_result(like: Tensor, shape: tuple) -> Tensor:
     """An empty meta tensor of `shape` in the layout our kernels would give a result computed from `like`."""
     from vaeopt.kernels import flat_layout
@@ -297,6 +322,8 @@ class _ChunkDecoder:
     Otherwise (and for any module that does not match) the torch path below runs unchanged. `stats` counts what the
     fused path did (per decoder, over all calls)."""
 
+    TAPS = True  # conv_out (3 channels) as kernels/tapconv's norm+GEMM and tap sum (band decoders, which exchange
+    # the staged input's edge rows, turn it off)
     STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (subclasses that crop or exchange
     # the staged 5-D input -- spatial tiles, bands -- turn it off)
 
@@ -362,7 +389,7 @@ class _ChunkDecoder:
             box = [self._block(mid.resnets[0], box, xb)]
             for attn, res in zip(mid.attentions, mid.resnets[1:]):
                 if attn is not None:
-                    box = [attn(box.pop())]
+                    box = [self._attention(attn, box.pop())]
                 box = [self._block(res, box, None)]
             xb = None
             for ub in self.dec.up_blocks[:stop]:
@@ -383,12 +410,47 @@ class _ChunkDecoder:
             conv_out, norm_out, act = self.dec.conv_out, self.dec.norm_out, self.dec.nonlinearity
             p = _rms_params(norm_out, act) if self.kern else None
             if p is not None and self._plain(conv_out) and self._hist(conv_out):
-                b = self._stage_k(conv_out, box.pop(), p, xb)
+                if self._taps_ok(conv_out, box[0]):
+                    y = self._conv_taps(conv_out, box.pop(), p, xb)
+                else:
+                    y = self._run(conv_out, self._stage_k(conv_out, box.pop(), p, xb))
             else:
-                b = self._stage(conv_out, self._materialize(box.pop(), xb), norm_out, act)
-            y = self._run(conv_out, b)
+                y = self._run(conv_out, self._stage(conv_out, self._materialize(box.pop(), xb), norm_out, act))
         self.first = False
         return y
+
+    # -- mid-block attention ---------------------------------------------------------------------------------
+    def _attn_fusable(self, blk, x: Tensor) -> bool:
+        wan = _wan()
+        return (self.kern and type(blk) is wan.WanAttentionBlock and _unhooked(blk) and self.mf is torch.channels_last_3d
+                and all(_plain_conv2d(c) and c.kernel_size == (1, 1) and c.groups == 1 and c.stride == (1, 1)
+                        and c.padding == (0, 0) for c in (blk.to_qkv, blk.proj)))
+
+    def _attention(self, blk, x: Tensor) -> Tensor:
+        """WanAttentionBlock (one head, per frame): x + proj(attention(to_qkv(norm(x)))). On the kernel path the
+        attention is fused_epilogues' exact query-chunked GEMM attention (fp32 scores and softmax; SDPA has only its
+        memory-efficient kernel for head_dim 384), the 1x1 convs are GEMMs on the channels-last rows, and one
+        epilogue adds proj's bias and the residual. Else diffusers' forward."""
+        if not self._attn_fusable(blk, x):
+            return blk(x)
+        from vaeopt.stages.fused_epilogues import chunked_attention
+
+        N, C, T, H, W = x.shape
+        B, L = N * T, H * W
+        h = blk.norm(x.permute(0, 2, 1, 3, 4).reshape(B, C, H, W))  # a view of the frames (channels_last)
+        rows = h.permute(0, 2, 3, 1).reshape(B * L, C)
+        del h
+        wq, wp = blk.to_qkv.weight, blk.proj.weight
+        qkv = F.linear(rows, wq.reshape(wq.shape[0], C), blk.to_qkv.bias).view(B, 1, L, 3 * C)
+        del rows
+        q, k, v = qkv.split(C, dim=-1)  # strided views, as the GEMMs take them
+        o = chunked_attention(q, k, v)
+        del qkv, q, k, v
+        h = F.linear(o.view(B * L, C), wp.reshape(C, C))
+        del o
+        self.stats["attention_chunked"] += 1
+        h5 = h.view(N, T, H, W, C).permute(0, 4, 1, 2, 3)  # channels_last_3d
+        return self._br(h5, blk.proj.bias, x)
 
     # -- causal conv with a static 2-frame history ------------------------------------------------------------
     # A conv call is split in two so that callers can drop the producer's tensor between them:
@@ -489,16 +551,20 @@ class _ChunkDecoder:
             self.cache[conv] = c
         return c
 
-    def _update(self, conv, stream_tail: Tensor) -> None:
-        """History <- last frames of [history | new frames] (`stream_tail` ends with them), in place."""
+    def _update(self, conv, stream_tail: Tensor, fmt: torch.memory_format | None = None) -> None:
+        """History <- last frames of [history | new frames] (`stream_tail` ends with them), in place. A new history
+        tensor gets the decode's layout, or `fmt`."""
         c = self.cache.get(conv)
         hist = self._hist(conv)
         if c is None:
             N, C, _, H, W = stream_tail.shape
             c = torch.empty((N, C, hist, H, W), dtype=stream_tail.dtype, device=stream_tail.device,
-                            memory_format=self.mf)
+                            memory_format=fmt or self.mf)
             self.cache[conv] = c
-        c.copy_(stream_tail[:, :, -hist:])
+        if c.stride(1) == 1 and stream_tail.stride(1) == 1:  # channels last: copy with the channels innermost
+            _copy_lastdim(c.permute(0, 2, 3, 4, 1), stream_tail[:, :, -hist:].permute(0, 2, 3, 4, 1))
+        else:
+            c.copy_(stream_tail[:, :, -hist:])
 
     # -- blocks -------------------------------------------------------------------------------------------------
     def _resblock(self, blk, box: list[Tensor]) -> Tensor:
@@ -635,27 +701,25 @@ class _ChunkDecoder:
         N, C, k, H, W = src.shape
         S = torch.empty((N * k, 3 * C, H, W), dtype=src.dtype, device=src.device, memory_format=torch.channels_last)
         Sv = S.permute(0, 2, 3, 1).view(N, k, H, W, 3, C)
-        cache = self.cache.get(conv)
-        if cache is None:  # the clip's first chunk: zeros before frame 0, as diffusers pads
-            Sv[:, 0, :, :, 0:2].zero_()
-            if k > 1:
-                Sv[:, 1, :, :, 0].zero_()
-        else:
-            hv = cache.permute(0, 2, 3, 4, 1)  # (N, 2, H, W, C)
-            Sv[:, 0, :, :, 0:2].copy_(hv.permute(0, 2, 3, 1, 4))
-            if k > 1:
-                Sv[:, 1, :, :, 0].copy_(hv[:, 1])
+        first = conv not in self.cache
+        cache = self._history(conv, (N, C, 2, H, W), src)  # (zeros before the clip's first frame, as diffusers pads)
+        hv = cache.permute(0, 2, 3, 4, 1)  # (N, 2, H, W, C)
+        _copy_lastdim(Sv[:, 0, :, :, 0:2], hv.permute(0, 2, 3, 1, 4))
+        if k > 1:
+            _copy_lastdim(Sv[:, 1, :, :, 0], hv[:, 1])
+        elif not first:  # one new frame: the next history is [old slot 1 | it]
+            _copy_lastdim(hv[:, 0], hv[:, 1])
         self.stats["norm_kernel"] += 1
         if not src.is_meta:
             from vaeopt.kernels.rms_norm_silu import rms_norm_silu
 
             gamma, bias, scale, eps = p
-            rms_norm_silu(src, gamma, bias, eps, True, scale=scale, x_bias=xb, out=S, taps=3)
+            # the kernel also writes the stream's last two frames into the history (cache_out)
+            rms_norm_silu(src, gamma, bias, eps, True, scale=scale, x_bias=xb, out=S, taps=3, cache_out=cache)
         return _Stacked(S, N, k)
 
     def _run_stacked(self, conv, st: _Stacked, bias: bool) -> Tensor:
-        """The causal Conv3d as a Conv2d over the stack (stages/stacked_conv3d); history <- the stream's last two
-        frames, read from the stack's last frame (blocks 1 and 2)."""
+        """The causal Conv3d as a Conv2d over the stack (stages/stacked_conv3d)."""
         S, N, k = st
         _, C3, H, W = S.shape
         C, Co = C3 // 3, conv.out_channels
@@ -667,9 +731,48 @@ class _ChunkDecoder:
             y4 = F.conv2d(S, stacked_weight(conv, S.dtype), conv.bias if bias else None, 1,
                           (conv._padding[2], conv._padding[0]))
             y = y4.permute(0, 2, 3, 1).reshape(N, k, H, W, Co)
-        self._update(conv, S.permute(0, 2, 3, 1).view(N, k, H, W, 3, C)[:, k - 1, :, :, 1:3].permute(0, 4, 3, 1, 2))
-        self.stats["stacked_conv"] += 1
+        self.stats["stacked_conv"] += 1  # (its history was written by the norm kernel: _stage_stacked)
         return y.permute(0, 4, 1, 2, 3)
+
+    def _taps_ok(self, conv, src: Tensor) -> bool:
+        from vaeopt.kernels import tapconv
+
+        return (self.TAPS and self.mf is torch.channels_last_3d and conv.kernel_size == (3, 3, 3)
+                and tuple(conv._padding) == (1, 1, 1, 1, 2, 0) and conv.groups == 1 and tuple(conv.dilation) == (1, 1, 1)
+                and tuple(conv.stride) == (1, 1, 1) and src.dtype == conv.weight.dtype and src.shape[1] <= 256
+                and src.dtype in tapconv.SUPPORTED_DTYPES and conv.out_channels * 27 <= tapconv.MAX_TAP_COLUMNS
+                and not getattr(conv, "_vaeopt_fp8conv", False) and not getattr(conv, "_vaeopt_igemm", False)
+                and not self._stackable(conv, src))  # a stage's explicit choice for this conv wins
+
+    def _conv_taps(self, conv, src: Tensor, p, xb: Tensor | None) -> Tensor:
+        """conv(rms_norm_silu(src + xb)) continuing the causal stream, for a conv with few output channels
+        (kernels/tapconv): one kernel normalizes and multiplies every pixel by the (C, 27*Co) tap matrix into the
+        planar Y, whose first two frames are the cached Y of the last two frames (so the history is kept as Y, not
+        as the conv's input), one kernel sums the taps. -> (N, Co, k, H, W)."""
+        N, C, k, H, W = src.shape
+        co, hist = conv.out_channels, 2
+        nt = 27 * co
+        if not src.is_meta and not src.permute(0, 2, 3, 4, 1).is_contiguous():
+            src = src.contiguous(memory_format=torch.channels_last_3d)
+        Y = torch.empty((N, nt, hist + k, H, W), dtype=src.dtype, device=src.device)
+        cache = self.cache.get(conv)
+        if cache is None:
+            Y[:, :, :hist].zero_()  # zero input frames before the clip: Y = 0
+        else:
+            Y[:, :, :hist].copy_(cache)
+        y = torch.empty((N, co, k, H, W), dtype=src.dtype, device=src.device, memory_format=self.mf)
+        self.stats["norm_kernel"] += 1
+        self.stats["conv_taps"] += 1
+        if not src.is_meta:
+            from vaeopt.kernels import tapconv
+
+            gamma, beta, scale, eps = p
+            wt = _tap_matrix(conv, src.dtype, triton_block(C))
+            tapconv.rms_norm_taps(src, gamma, beta, eps, scale, wt, nt, Y, hist, x_bias=xb)
+            del src
+            tapconv.tap_sum(Y, co, (3, 3, 3), conv.bias, y)
+        self._update(conv, Y, fmt=torch.contiguous_format)
+        return y
 
     def _fp8_scale(self, conv, p, src: Tensor) -> float | None:
         """The e4m3 scale of this conv's input when it runs on fp8 (triton_conv stage, fp8 on), else None. Static:

@@ -302,22 +302,24 @@ class _Arena:
 
 
 class _Decoder(video._ChunkDecoder):
-    """vaeopt.video's chunk decoder taking new causal caches from `arena` when one is set (else as before). Convs run
-    on the 5-D staged input (no time-stacked Conv2d: its 3x input would not be in the tiled plan's estimate)."""
+    """vaeopt.video's chunk decoder taking new causal caches from `arena` when one is set (else as before). A tile's
+    convs run on the 5-D staged input (no time-stacked Conv2d: its 3x input is not in the tiled plan's estimate);
+    the untiled plan's decoder (stack=True) stacks like vaeopt.video's, which its estimate counts."""
 
     STACK = False
 
-    def __init__(self, *a, **k):
+    def __init__(self, *a, stack: bool = False, **k):
         super().__init__(*a, **k)
+        self.STACK = bool(stack)
         self.arena: _Arena | None = None
 
-    def _update(self, conv, stream_tail: Tensor) -> None:
+    def _update(self, conv, stream_tail: Tensor, fmt: torch.memory_format | None = None) -> None:
         if self.arena is not None and conv not in self.cache:
             N, C, _, H, W = stream_tail.shape
-            c = self.arena.take((N, C, self._hist(conv), H, W), stream_tail.dtype, memory_format=self.mf)
+            c = self.arena.take((N, C, self._hist(conv), H, W), stream_tail.dtype, memory_format=fmt or self.mf)
             if c is not None:
                 self.cache[conv] = c
-        super()._update(conv, stream_tail)
+        super()._update(conv, stream_tail, fmt)
 
     def _history(self, conv, shape, like: Tensor) -> Tensor:
         if self.arena is not None and conv not in self.cache:
@@ -793,7 +795,7 @@ def iter_raw(
         try:
             arena_bytes = cache_bytes_per_decoder(vae, z.shape, plan, cl) if arena else None
             if plan.tile is None:
-                runner = _Decoder(vae, cl, fused)
+                runner = _Decoder(vae, cl, fused, stack=True)  # as the untiled estimate assumes
                 if arena_bytes:
                     runner.arena = _Arena(arena_bytes[0], z.device)
                 info.update(tiles=1, halo=0)

@@ -142,6 +142,8 @@ def _rms_cl_kernel(
     TAPS: tl.constexpr = 0,  # > 0: tap-stacked output (see rms_norm_silu's `taps`); x is (N, C, K, HW)
     K=1,
     HW=1,
+    c_ptr=None,  # TAPS with CACHE: [N, TAPS-1, HW, C] the stream's last TAPS-1 frames (the conv's next history)
+    CACHE: tl.constexpr = False,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
@@ -177,6 +179,10 @@ def _rms_cl_kernel(
                 mt = m & (t < K)[:, None]
                 to = ((n * K + t).to(tl.int64) * HW + pix.to(tl.int64)) * (TAPS * C) + dt * C
                 tl.store(y_ptr + to[:, None] + cc[None, :], y, mask=mt)
+            if CACHE:  # frame j is slot j - (K - (TAPS - 1)) of the next history, where that is >= 0
+                slot = j - (K - (TAPS - 1))
+                co = ((n * (TAPS - 1) + slot).to(tl.int64) * HW + pix.to(tl.int64)) * C
+                tl.store(c_ptr + co[:, None] + cc[None, :], y, mask=m & (slot >= 0)[:, None])
         else:
             tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
@@ -227,7 +233,7 @@ def _affine_args(x: torch.Tensor, gamma, bias, x_bias):
     return g, b, has_bias, _vec("x_bias", x_bias, C, x.device)
 
 
-def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_warps) -> torch.Tensor:
+def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_warps, cache_out=None) -> torch.Tensor:
     if x.dim() != 5 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"rms_norm_silu(taps=): x must be a (N, C, K, H, W) float tensor, got {tuple(x.shape)}")
     lay = flat_layout(x)
@@ -241,6 +247,10 @@ def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_war
                          f"{W}) tensor on {x.device}")
     if triton.next_power_of_2(C) > 1024:
         raise ValueError(f"rms_norm_silu(taps=): {C} channels (at most 1024)")
+    if cache_out is not None and (tuple(cache_out.shape) != (N, C, taps - 1, H, W) or cache_out.dtype != out.dtype
+                                  or not cache_out.permute(0, 2, 3, 4, 1).is_contiguous()):
+        raise ValueError(f"rms_norm_silu(taps={taps}): cache_out must be a dense channels_last_3d ({N}, {C}, "
+                         f"{taps - 1}, {H}, {W}) {out.dtype} tensor")
     g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
     if x.numel() == 0:
         return out
@@ -256,7 +266,8 @@ def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_war
         x, out, g, b, xb if xb is not None else g, R, S, C, lay[2], 0,
         float(C) ** 0.5 if scale is None else float(scale), float(eps), 1.0,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=True, HAS_BIAS=has_bias, HAS_XB=xb is not None, SILU=silu,
-        TAPS=taps, K=K, HW=H * W, num_warps=nw,
+        TAPS=taps, K=K, HW=H * W, c_ptr=cache_out if cache_out is not None else out, CACHE=cache_out is not None,
+        num_warps=nw,
     )  # fmt: skip
     return out
 
@@ -305,6 +316,7 @@ def rms_norm_silu(
     num_warps: int | None = None,
     out_scale: float | None = None,
     taps: int = 0,
+    cache_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(F.normalize(x + x_bias, dim=1, eps) * scale * gamma + bias) for x (N, C, *spatial), fp32/bf16/fp16, fp32
     math.
@@ -321,9 +333,12 @@ def rms_norm_silu(
     channels_last (N*K, k*C, H, W) stack whose frame n*K + t holds input frames t-k+1 .. t of the conv's
     [history | x] stream in channel blocks 0 .. k-1; frame j of x goes to block dt of frame j + k-1-dt wherever
     that frame exists (blocks taken by the k-1 history frames are the caller's). One read, up to k writes.
+    cache_out (taps only): the conv's (N, C, k-1, H, W) dense channels_last_3d history, whose slots the kernel fills
+    with the last frames of x (slot s <- frame K - (k-1) + s; with K < k-1 the caller shifts the older slots first):
+    the next call's history without reading it back from the stack.
     """
     if taps:
-        return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps)
+        return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps, cache_out)
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"rms_norm_silu: dtype {x.dtype} not supported")
     if x.dim() < 2:

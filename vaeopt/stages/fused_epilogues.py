@@ -496,12 +496,22 @@ def _apply_wan(model: nn.Module, device) -> StageResult:
     if not ok:
         return StageResult.skipped(NAME, why)
     names = [type(m).__name__ for m in model.decoder.modules()]
-    n_res, n_rs = names.count("WanResidualBlock"), names.count("WanResample")
+    n_res, n_rs, n_attn = names.count("WanResidualBlock"), names.count("WanResample"), names.count("WanAttentionBlock")
+    from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS
+
+    co = getattr(getattr(model.decoder, "conv_out", None), "out_channels", 0)
+    head = 0 < co * 27 <= MAX_TAP_COLUMNS
     setattr(model, _MARK, {"wan": True, "resnets": [], "upsamplers": [], "attns": []})
+    extra = ""
+    if n_attn:
+        extra += f"; {n_attn} mid-block attention(s) as chunked GEMM attention (fp32 scores) + one epilogue"
+    extra += (f"; the head (norm_out + conv_out, {co} channels) as one norm+GEMM kernel and a tap sum" if head else
+              f"; conv_out ({co} channels) stays a Conv3d (the tap GEMM is used up to "
+              f"{MAX_TAP_COLUMNS // 27} output channels: 27 taps x channels <= {MAX_TAP_COLUMNS} GEMM columns)")
     return StageResult(NAME, "applied", f"Wan: {n_res} residual blocks and {n_rs} resamplers run fused in the chunk "
                                         "decoder (conv biases folded into RMSNorm/residual epilogues, upsample and "
-                                        "time_conv interleave fused into the epilogue)",
-                       {"residual_blocks": n_res, "resamplers": n_rs})
+                                        "time_conv interleave fused into the epilogue)" + extra,
+                       {"residual_blocks": n_res, "resamplers": n_rs, "attentions": n_attn, "head_taps": head})
 
 
 def revert(model: nn.Module) -> None:

@@ -1,0 +1,101 @@
+"""kernels/tapconv: conv_out (few output channels) as a norm+GEMM kernel writing planar per-tap partial sums, then a
+tap-sum kernel, against the conv over the [history | rms_norm_silu(x)] stream in torch. CPU runs use the Triton
+interpreter; "cuda" repeats the checks on a GPU."""
+
+import pytest
+import torch
+
+from vaeopt.kernels import tapconv as T
+from vaeopt.kernels import triton_available
+from vaeopt.kernels.rms_norm_silu import rms_norm_silu_reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _need(device):
+    ok, why = triton_available(device)
+    if not ok:
+        pytest.skip(why)
+
+
+def _case(device, dtype, N, C, k, H, W, co, hist, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, k, H, W, generator=g).to(device, dtype).contiguous(memory_format=torch.channels_last_3d)
+    gamma = (1 + 0.2 * torch.randn(C, generator=g)).to(device)
+    beta = (0.1 * torch.randn(C, generator=g)).to(device)
+    xb = (0.1 * torch.randn(C, generator=g)).to(device)
+    kt = hist + 1
+    w = (torch.randn(co, C, kt, 3, 3, generator=g) / (9 * kt * C) ** 0.5).to(device, dtype)
+    bias = (0.1 * torch.randn(co, generator=g)).to(device, dtype)
+    hx = torch.randn(N, C, hist, H, W, generator=g).to(device, dtype)
+    return x, gamma, beta, xb, w, bias, hx
+
+
+def _run(x, gamma, beta, xb, w, bias, hx, ydtype=None):
+    N, C, k, H, W = x.shape
+    co, kt = w.shape[0], w.shape[2]
+    hist = kt - 1
+    nt = co * kt * 9
+    wt = T.tap_weights(w, max(16, 1 << (C - 1).bit_length()))
+    y = torch.empty(N, nt, hist + k, H, W, dtype=ydtype or x.dtype, device=x.device)
+    # history frames: their Y is the GEMM of the (already normalized) history input, as the decoder caches it
+    y[:, :, :hist] = torch.einsum("nctHW,cj->njtHW", hx.float(), wt[:C, :nt].float()).to(y.dtype)
+    T.rms_norm_taps(x, gamma, beta, 1e-12, C**0.5, wt, nt, y, hist, x_bias=xb)
+    out = torch.empty(N, co, k, H, W, dtype=x.dtype, device=x.device).contiguous(memory_format=torch.channels_last_3d)
+    assert T.tap_sum(y, co, (kt, 3, 3), bias, out) is out
+    return out
+
+
+def _reference(x, gamma, beta, xb, w, bias, hx):
+    a = rms_norm_silu_reference(x.float(), gamma.float(), beta.float(), 1e-12, True, x_bias=xb.float()).to(x.dtype)
+    return T.conv_taps_reference(torch.cat([hx, a], 2).double(), w.double(), bias.double())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1, 96, 3, 6, 13, 3, 2), (2, 20, 1, 5, 7, 3, 2), (1, 16, 4, 3, 33, 4, 2),
+                                   (1, 24, 2, 4, 9, 3, 0)],
+                         ids=["wan-head", "batch2-k1", "co4-wide", "2d-no-history"])
+def test_matches_the_conv_fp32(device, shape):
+    _need(device)
+    N, C, k, H, W, co, hist = shape
+    args = _case(device, torch.float32, N, C, k, H, W, co, hist)
+    out = _run(*args)
+    ref = _reference(*args)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_error_like_the_conv(device):
+    """bf16: the per-tap partial sums are rounded once each; the error stays of the size of the plain bf16 path's
+    (rms_norm_silu + conv in bf16) against the same fp64 reference."""
+    _need(device)
+    import importlib
+
+    rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    args = _case(device, torch.bfloat16, 1, 96, 3, 6, 13, 3, 2, seed=1)
+    out = _run(*args).double()
+    x, gamma, beta, xb, w, bias, hx = args
+    a = rms.rms_norm_silu(x, gamma, beta, 1e-12, True, x_bias=xb)  # the conv input both paths round the same way
+    stream = torch.cat([hx, a], 2)
+    ref = T.conv_taps_reference(stream.double(), w.double(), bias.double())
+    plain = T.conv_taps_reference(stream.float(), w.float(), bias.float()).to(x.dtype).double()
+    err = ((out - ref).norm() / ref.norm()).item()
+    err_plain = ((plain - ref).norm() / ref.norm()).item()
+    assert err < max(3 * err_plain, 4e-3), (err, err_plain)
+
+
+def test_tap_weights_layout_and_errors():
+    w = torch.arange(3 * 4 * 3 * 3 * 3, dtype=torch.float32).reshape(3, 4, 3, 3, 3)
+    m = T.tap_weights(w, 16)
+    assert m.shape == (16, 96)  # 81 columns padded to a multiple of 32, rows to the kernel's channel block
+    assert m[2, ((1 * 3 + 2) * 3 + 0) * 3 + 1] == w[1, 2, 1, 2, 0]  # column ((dt*3 + dh)*3 + dw)*Co + o
+    assert (m[4:] == 0).all() and (m[:, 81:] == 0).all()
+    x = torch.zeros(1, 4, 2, 3, 3).contiguous(memory_format=torch.channels_last_3d)
+    y = torch.zeros(1, 81, 3, 3, 3)
+    with pytest.raises(ValueError, match="y"):
+        T.rms_norm_taps(x, torch.ones(4), None, 1e-12, 2.0, m, 81, y, 2)  # y has 3 frames, needs 2 + 2
+    with pytest.raises(ValueError, match="channels-last"):
+        T.rms_norm_taps(x.contiguous(), torch.ones(4), None, 1e-12, 2.0, m, 81, torch.zeros(1, 81, 4, 3, 3), 2)
+    with pytest.raises(ValueError, match="tap_sum"):
+        T.tap_sum(torch.zeros(1, 81, 4, 3, 3), 3, (3, 3, 3), None, torch.zeros(1, 3, 3, 3, 3))

@@ -1,0 +1,240 @@
+"""A conv with very few output channels (a decoder's conv_out: 96 -> 3) as one GEMM per pixel plus a tap sum.
+
+cuDNN runs Wan's conv_out (a causal 3x3x3 Conv3d, 96 -> 3 channels) as an implicit GEMM with N = 3: its sm80 kernel
+(tile 256x32) spends 20 ms of a 0.64 s wan21-480p decode on 0.5 TFLOP. Here the conv is split the other way round:
+
+1. `rms_norm_taps`: per pixel p, Y[p, tap, o] = sum_c a[p, c] * W[o, c, tap] for all 27 taps and 3 outputs at once
+   (one (pixels x C) @ (C x 81) GEMM on tensor cores), where a = silu(rms_norm(x)) is computed by the same kernel
+   from x (Wan's RMS norm + SiLU, as rms_norm_silu): the normalized activation is never written. Y is stored planar,
+   (N, 27*Co, frames, H, W), in the compute dtype.
+2. `tap_sum`: out[t, h, w, o] = bias[o] + sum over taps (dt, dh, dw) of Y[t + dt, h + dh - 1, w + dw - 1, tap, o]
+   (zero outside the frame): every Y element is read by exactly one output pixel, with unit-stride rows.
+
+The causal history of the conv (its last two input frames) is kept as the last two frames of Y instead: the GEMM
+is linear, so Y of the history frames is what the taps need, and the first chunk's zero padding is Y = 0.
+
+Traffic per output pixel at 96 -> 3 channels in bf16: read x 192 B, write Y 162 B, read Y 162 B, write 6 B, against
+the norm's read + write (384 B) and the conv's repeated reads before. Rounding: a is rounded to the compute dtype as
+the conv input would be; Y is rounded once per (tap, output) to the dtype of its buffer (bf16: 27 roundings of
+partial sums instead of one of the total; fp32 buffers make it exact up to summation order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vaeopt.kernels import triton_available
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TAP_COLUMNS = 128  # taps * out channels the GEMM produces (27 * 4): beyond this the conv's own GEMM is better
+
+
+def tap_weights(w: torch.Tensor, block_c: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(Co, C, kt, kh, kw) or (Co, C, kh, kw) -> (C', NT') matrix with column ((dt*kh + dh)*kw + dw)*Co + o, zero
+    padded to block_c rows (>= C) and a multiple of 32 columns, in `dtype` (default w's)."""
+    if w.dim() == 4:
+        w = w.unsqueeze(2)
+    if w.dim() != 5:
+        raise ValueError(f"tap_weights: expected a conv kernel, got {tuple(w.shape)}")
+    co, c = w.shape[:2]
+    m = w.detach().permute(1, 2, 3, 4, 0).reshape(c, -1)
+    nt = m.shape[1]
+    rows = max(c, block_c or c)
+    cols = -(-nt // 32) * 32
+    out = torch.zeros((rows, cols), dtype=dtype or w.dtype, device=w.device)
+    out[:c, :nt] = m
+    return out
+
+
+def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale: float, wt: torch.Tensor, nt: int,
+                  y: torch.Tensor, hist: int, *, x_bias: torch.Tensor | None = None, silu: bool = True) -> None:
+    """y[:, :, hist:] <- planar GEMM of silu(rms_norm(x + x_bias)) with the tap matrix `wt` (tap_weights).
+
+    x: (N, C, k, H, W) dense channels_last_3d (or (N, C, H, W) channels_last, k = 1). y: (N, nt, hist + k, H, W)
+    contiguous. gamma/bias/x_bias/eps/scale: as rms_norm_silu."""
+    from vaeopt.kernels.rms_norm_silu import _affine_args
+
+    if x.dim() == 4:
+        x = x.unsqueeze(2)
+    N, C, k, H, W = x.shape
+    if not x.permute(0, 2, 3, 4, 1).is_contiguous():
+        raise ValueError("rms_norm_taps: x must be dense channels-last")
+    if tuple(y.shape) != (N, nt, hist + k, H, W) or not y.is_contiguous():
+        raise ValueError(f"rms_norm_taps: y {tuple(y.shape)} for x {tuple(x.shape)}, {nt} columns, {hist} history")
+    if wt.shape[0] < C or wt.shape[1] < nt:
+        raise ValueError(f"rms_norm_taps: tap matrix {tuple(wt.shape)} for {C} channels, {nt} columns")
+    g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
+    R = N * k * H * W
+    if R == 0:
+        return
+    import triton
+
+    BLOCK_C = wt.shape[0]
+    BLOCK_R = 64 if x.is_cuda else 1024  # CPU: few interpreted programs
+    BLOCK_N = 32
+    nw = 4
+    ieee = x.dtype == torch.float32 or not x.is_cuda
+    _rms_taps_kernel[(triton.cdiv(R, BLOCK_R),)](
+        x, g, b if has_bias else g, xb if xb is not None else g, wt, y,
+        R, k * H * W, C, nt, nt * (hist + k) * H * W, (hist + k) * H * W, hist * H * W, float(scale), float(eps),
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, BLOCK_N=BLOCK_N, NT_PAD=wt.shape[1], HAS_BIAS=has_bias,
+        HAS_XB=xb is not None, SILU=bool(silu), IEEE=ieee, num_warps=nw)
+
+
+def tap_sum(y: torch.Tensor, co: int, kernel: tuple[int, int, int], bias: torch.Tensor | None,
+            out: torch.Tensor) -> torch.Tensor:
+    """out (N, co, k, H, W) [any strides] <- bias + sum over taps of the planar GEMM output y (N, kt*kh*kw*co,
+    kt - 1 + k, H, W): the conv with 'same' zero padding in H and W and none in time (the history frames are y's
+    first kt - 1)."""
+    kt, kh, kw = kernel
+    N, nt, Ts, H, W = y.shape
+    k = Ts - (kt - 1)
+    if nt != kt * kh * kw * co or tuple(out.shape) != (N, co, k, H, W) or not y.is_contiguous():
+        raise ValueError(f"tap_sum: y {tuple(y.shape)}, out {tuple(out.shape)}, kernel {kernel}, {co} outputs")
+    if out.numel() == 0:
+        return out
+    import triton
+
+    BLOCK_P = min(1024 if y.is_cuda else 1 << 14, triton.next_power_of_2(H * W))  # CPU: few interpreted programs
+    if bias is not None:
+        bias = bias.contiguous()
+    _tap_sum_kernel[(triton.cdiv(H * W, BLOCK_P), N * k)](
+        y, bias if bias is not None else y, out, H, W, k, nt * Ts * H * W, Ts * H * W,
+        *out.stride(),
+        CO=co, CO_PAD=max(2, triton.next_power_of_2(co)), KT=kt, KH=kh, KW=kw, BLOCK_P=BLOCK_P,
+        HAS_B=bias is not None, num_warps=4)
+    return out
+
+
+def conv_taps_reference(stream: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the pair computes, in torch: the conv over the [history | new] input stream, 'same' in H and W."""
+    pad = (0, w.shape[-2] // 2, w.shape[-1] // 2)
+    return F.conv3d(stream, w, bias, 1, pad)
+
+
+def usable(x: torch.Tensor, co: int, taps: int) -> bool:
+    return (x.dtype in SUPPORTED_DTYPES and co * taps <= MAX_TAP_COLUMNS and triton_available(x)[0]
+            and not torch.compiler.is_compiling())
+
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - no triton: callers check `usable`
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_taps_kernel(
+        x_ptr,  # [R, C] dense rows (pixels of N samples x k frames, channels innermost)
+        g_ptr,
+        b_ptr,
+        xb_ptr,
+        w_ptr,  # [BLOCK_C, NT_PAD] tap matrix, zero padded
+        y_ptr,  # [N, NT, Ts, H, W] planar
+        R,
+        KHW,  # pixels per sample (k * H * W)
+        C,
+        NT,
+        plane_n,  # elements per sample of y
+        plane_c,  # elements per column plane of y (Ts * H * W)
+        y_off,  # hist * H * W: the new frames' offset in a plane
+        scale,
+        eps,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NT_PAD: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_XB: tl.constexpr,
+        SILU: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = r < R
+        cc = tl.arange(0, BLOCK_C)
+        cm = cc < C
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_XB:
+            x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)
+        g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
+        a = x * inv[:, None] * g[None, :]
+        if HAS_BIAS:
+            a += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            a = a / (1.0 + tl.exp(-a))
+        a = tl.where(m, a, 0.0).to(x_ptr.dtype.element_ty)  # the conv input as the torch path rounds it
+        n = r // KHW
+        q = r % KHW
+        base = n.to(tl.int64) * plane_n + y_off + q.to(tl.int64)
+        for n0 in tl.static_range(0, NT_PAD, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            w = tl.load(w_ptr + cc[:, None] * NT_PAD + j[None, :])
+            if IEEE:  # fp32 inputs, or the CPU interpreter (its bf16 dot is wrong: operands upcast)
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(a, w)
+            tl.store(y_ptr + base[:, None] + j.to(tl.int64)[None, :] * plane_c, acc.to(y_ptr.dtype.element_ty),
+                     mask=rm[:, None] & (j < NT)[None, :])
+
+    @triton.jit
+    def _tap_sum_kernel(
+        y_ptr,  # [N, NT, Ts, H, W] planar
+        b_ptr,
+        o_ptr,
+        H,
+        W,
+        K,  # output frames
+        plane_n,
+        plane_c,
+        so_n,
+        so_c,
+        so_t,
+        so_h,
+        so_w,
+        CO: tl.constexpr,
+        CO_PAD: tl.constexpr,
+        KT: tl.constexpr,
+        KH: tl.constexpr,
+        KW: tl.constexpr,
+        BLOCK_P: tl.constexpr,  # consecutive pixels (h*W + w) of one output frame per program
+        HAS_B: tl.constexpr,
+    ):
+        HW = H * W
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        nt = tl.program_id(1)
+        n = nt // K
+        t = nt % K
+        pm = p < HW
+        h = p // W
+        w = p % W
+        o = tl.arange(0, CO_PAD)
+        om = o < CO
+        acc = tl.zeros([BLOCK_P, CO_PAD], dtype=tl.float32)
+        ybase = y_ptr + n.to(tl.int64) * plane_n
+        for dt in tl.static_range(KT):
+            fbase = ybase + (t + dt).to(tl.int64) * HW
+            for dh in tl.static_range(KH):
+                hh = h + (dh - KH // 2)
+                mh = pm & (hh >= 0) & (hh < H)
+                for dw in tl.static_range(KW):
+                    ww = w + (dw - KW // 2)
+                    m = mh & (ww >= 0) & (ww < W)
+                    col = ((dt * KH + dh) * KW + dw) * CO + o
+                    # the source pixel is p shifted by a constant: unit-stride loads along the block
+                    src = p + ((dh - KH // 2) * W + (dw - KW // 2))
+                    ptr = fbase + col.to(tl.int64)[None, :] * plane_c + src[:, None]
+                    acc += tl.load(ptr, mask=m[:, None] & om[None, :], other=0.0).to(tl.float32)
+        if HAS_B:
+            acc += tl.load(b_ptr + o, mask=om, other=0.0).to(tl.float32)[None, :]
+        dst = o_ptr + n.to(tl.int64) * so_n + t.to(tl.int64) * so_t + (h.to(tl.int64) * so_h
+                                                                         + w.to(tl.int64) * so_w)[:, None] \
+            + o[None, :] * so_c
+        tl.store(dst, acc.to(o_ptr.dtype.element_ty), mask=pm[:, None] & om[None, :])
+
+
+__all__ = ["tap_weights", "rms_norm_taps", "tap_sum", "conv_taps_reference", "usable", "MAX_TAP_COLUMNS"]
