@@ -31,7 +31,7 @@ def _case(device, dtype, N, C, k, H, W, co, hist, seed=0):
     return x, gamma, beta, xb, w, bias, hx
 
 
-def _run(x, gamma, beta, xb, w, bias, hx, ydtype=None):
+def _run(x, gamma, beta, xb, w, bias, hx, ydtype=None, impl="triton"):
     N, C, k, H, W = x.shape
     co, kt = w.shape[0], w.shape[2]
     hist = kt - 1
@@ -40,9 +40,9 @@ def _run(x, gamma, beta, xb, w, bias, hx, ydtype=None):
     y = torch.empty(N, nt, hist + k, H, W, dtype=ydtype or x.dtype, device=x.device)
     # history frames: their Y is the GEMM of the (already normalized) history input, as the decoder caches it
     y[:, :, :hist] = torch.einsum("nctHW,cj->njtHW", hx.float(), wt[:C, :nt].float()).to(y.dtype)
-    T.rms_norm_taps(x, gamma, beta, 1e-12, C**0.5, wt, nt, y, hist, x_bias=xb)
+    T.rms_norm_taps(x, gamma, beta, 1e-12, C**0.5, wt, nt, y, hist, x_bias=xb, impl=impl)
     out = torch.empty(N, co, k, H, W, dtype=x.dtype, device=x.device).contiguous(memory_format=torch.channels_last_3d)
-    assert T.tap_sum(y, co, (kt, 3, 3), bias, out) is out
+    assert T.tap_sum(y, co, (kt, 3, 3), bias, out, impl=impl) is out
     return out
 
 
@@ -63,6 +63,8 @@ def test_matches_the_conv_fp32(device, shape):
     ref = _reference(*args)
     assert out.shape == ref.shape
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    # the torch version (CPU decodes) computes the same
+    torch.testing.assert_close(_run(*args, impl="torch"), out, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -97,5 +99,7 @@ def test_tap_weights_layout_and_errors():
         T.rms_norm_taps(x, torch.ones(4), None, 1e-12, 2.0, m, 81, y, 2)  # y has 3 frames, needs 2 + 2
     with pytest.raises(ValueError, match="channels-last"):
         T.rms_norm_taps(x.contiguous(), torch.ones(4), None, 1e-12, 2.0, m, 81, torch.zeros(1, 81, 4, 3, 3), 2)
+    with pytest.raises(ValueError, match="impl"):
+        T.tap_sum(torch.zeros(1, 81, 4, 3, 3), 3, (3, 3, 3), None, torch.zeros(1, 3, 2, 3, 3), impl="cuda")
     with pytest.raises(ValueError, match="tap_sum"):
         T.tap_sum(torch.zeros(1, 81, 4, 3, 3), 3, (3, 3, 3), None, torch.zeros(1, 3, 3, 3, 3))

@@ -47,12 +47,21 @@ def tap_weights(w: torch.Tensor, block_c: int | None = None, dtype: torch.dtype 
     return out
 
 
+def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
+    """impl None: the Triton kernels on CUDA, torch ops on CPU (the interpreter would run them ~10x slower than the
+    rest of a CPU decode; tests run the kernels on CPU with impl="triton")."""
+    if impl not in (None, "triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None, not {impl!r}")
+    return impl == "triton" or (impl is None and t.is_cuda)
+
+
 def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale: float, wt: torch.Tensor, nt: int,
-                  y: torch.Tensor, hist: int, *, x_bias: torch.Tensor | None = None, silu: bool = True) -> None:
+                  y: torch.Tensor, hist: int, *, x_bias: torch.Tensor | None = None, silu: bool = True,
+                  impl: str | None = None) -> None:
     """y[:, :, hist:] <- planar GEMM of silu(rms_norm(x + x_bias)) with the tap matrix `wt` (tap_weights).
 
     x: (N, C, k, H, W) dense channels_last_3d (or (N, C, H, W) channels_last, k = 1). y: (N, nt, hist + k, H, W)
-    contiguous. gamma/bias/x_bias/eps/scale: as rms_norm_silu."""
+    contiguous. gamma/bias/x_bias/eps/scale: as rms_norm_silu. impl: see _use_triton."""
     from vaeopt.kernels.rms_norm_silu import _affine_args
 
     if x.dim() == 4:
@@ -67,6 +76,15 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
     g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
     R = N * k * H * W
     if R == 0:
+        return
+    if not _use_triton(x, impl):  # the kernel's math in torch: fp32 norm, input rounded once, fp32 GEMM
+        a = x.float() if xb is None else x.float() + xb.float().view(1, C, 1, 1, 1)
+        a = a * (float(scale) / a.norm(dim=1, keepdim=True).clamp_min(eps)) * g.float().view(1, C, 1, 1, 1)
+        if has_bias:
+            a = a + b.float().view(1, C, 1, 1, 1)
+        if silu:
+            a = torch.nn.functional.silu(a)
+        y[:, :, hist:] = torch.einsum("nckhw,cj->njkhw", a.to(x.dtype).float(), wt[:C, :nt].float()).to(y.dtype)
         return
     import triton
 
@@ -83,16 +101,28 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
 
 
 def tap_sum(y: torch.Tensor, co: int, kernel: tuple[int, int, int], bias: torch.Tensor | None,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """out (N, co, k, H, W) [any strides] <- bias + sum over taps of the planar GEMM output y (N, kt*kh*kw*co,
     kt - 1 + k, H, W): the conv with 'same' zero padding in H and W and none in time (the history frames are y's
-    first kt - 1)."""
+    first kt - 1). impl: see _use_triton."""
     kt, kh, kw = kernel
     N, nt, Ts, H, W = y.shape
     k = Ts - (kt - 1)
     if nt != kt * kh * kw * co or tuple(out.shape) != (N, co, k, H, W) or not y.is_contiguous():
         raise ValueError(f"tap_sum: y {tuple(y.shape)}, out {tuple(out.shape)}, kernel {kernel}, {co} outputs")
     if out.numel() == 0:
+        return out
+    if not _use_triton(y, impl):  # the same sum in torch: fp32, taps in the kernel's order
+        ph, pw = kh // 2, kw // 2
+        yp = F.pad(y.float(), (pw, pw, ph, ph)).view(N, kt, kh, kw, co, Ts, H + 2 * ph, W + 2 * pw)
+        acc = torch.zeros((N, co, k, H, W), dtype=torch.float32, device=y.device)
+        for dt in range(kt):
+            for dh in range(kh):
+                for dw in range(kw):
+                    acc += yp[:, dt, dh, dw, :, dt : dt + k, dh : dh + H, dw : dw + W]
+        if bias is not None:
+            acc += bias.float().view(1, co, 1, 1, 1)
+        out.copy_(acc)
         return out
     import triton
 

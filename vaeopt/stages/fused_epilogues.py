@@ -234,9 +234,11 @@ def _scores(q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q.float(), kt.float())
 
 
-def chunked_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | None = None) -> torch.Tensor:
+def chunked_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | None = None,
+                      softmax_kernel: bool | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for (B, H, L, d) tensors, exactly (fp32 scores and softmax), in query chunks whose
-    fp32 score block stays under max_score_bytes (or of `chunk` queries). Output in v's dtype."""
+    fp32 score block stays under max_score_bytes (or of `chunk` queries). Output in v's dtype. softmax_kernel: the
+    Triton softmax (None: wherever Triton runs, the CPU interpreter included)."""
     B, H, L, d = q.shape
     Lk = k.shape[2]
     q3 = q.reshape(B * H, L, d)
@@ -247,7 +249,7 @@ def chunked_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: in
         chunk = max(1, max_score_bytes // max(1, B * H * Lk * 4))
     chunk = min(chunk, L)
     out = torch.empty((B * H, L, v3.shape[-1]), device=q.device, dtype=v.dtype)
-    use_triton = triton_available(q.device)[0] and not torch.compiler.is_compiling()
+    use_triton = triton_available(q.device)[0] and not torch.compiler.is_compiling() and softmax_kernel is not False
     for i in range(0, L, chunk):
         s = _scores(q3[:, i : i + chunk], kt)
         if use_triton:
