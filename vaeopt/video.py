@@ -231,7 +231,7 @@ def _igemm_weights(conv: nn.Module, x: Tensor):
 def _copy_lastdim(dst: Tensor, src: Tensor) -> None:
     """dst.copy_(src), bitwise, for same-dtype views whose last dim is contiguous (channels of a channels-last
     activation): moved as 8-byte words where the strides allow, so torch's strided copy kernel handles 4x fewer
-    bf16 elements (the stacked convs' history copies: 29 -> see docs/perf-notes.md E18)."""
+    bf16 elements (the stacked convs' history copies; docs/perf-notes.md E18)."""
     w = 8 // dst.element_size() if dst.element_size() in (1, 2, 4) else 0
     if (w and not dst.is_meta and dst.dtype == src.dtype and dst.shape == src.shape and dst.dim() > 0
             and dst.stride(-1) == 1 and src.stride(-1) == 1 and dst.shape[-1] % w == 0
@@ -241,7 +241,7 @@ def _copy_lastdim(dst: Tensor, src: Tensor) -> None:
         dst.copy_(src)
 
 
-def triton_block(c: int) -> int:
+def _triton_block(c: int) -> int:
     return max(16, 1 << (int(c) - 1).bit_length())
 
 
@@ -768,7 +768,7 @@ class _ChunkDecoder:
             from vaeopt.kernels import tapconv
 
             gamma, beta, scale, eps = p
-            wt = _tap_matrix(conv, src.dtype, triton_block(C))
+            wt = _tap_matrix(conv, src.dtype, _triton_block(C))
             tapconv.rms_norm_taps(src, gamma, beta, eps, scale, wt, nt, Y, hist, x_bias=xb)
             del src
             tapconv.tap_sum(Y, co, (3, 3, 3), conv.bias, y)
