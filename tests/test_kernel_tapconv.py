@@ -36,7 +36,7 @@ def _run(x, gamma, beta, xb, w, bias, hx, ydtype=None, impl="triton"):
     co, kt = w.shape[0], w.shape[2]
     hist = kt - 1
     nt = co * kt * 9
-    wt = T.tap_weights(w, max(16, 1 << (C - 1).bit_length()))
+    wt = T.tap_weights(w)
     y = torch.empty(N, nt, hist + k, H, W, dtype=ydtype or x.dtype, device=x.device)
     # history frames: their Y is the GEMM of the (already normalized) history input, as the decoder caches it
     y[:, :, :hist] = torch.einsum("nctHW,cj->njtHW", hx.float(), wt[:C, :nt].float()).to(y.dtype)
@@ -93,6 +93,8 @@ def test_tap_weights_layout_and_errors():
     assert m.shape == (16, 96)  # 81 columns padded to a multiple of 32, rows to the kernel's channel block
     assert m[2, ((1 * 3 + 2) * 3 + 0) * 3 + 1] == w[1, 2, 1, 2, 0]  # column ((dt*3 + dh)*3 + dw)*Co + o
     assert (m[4:] == 0).all() and (m[:, 81:] == 0).all()
+    assert T.tap_weights(w).shape == (16, 96) and T.block_c(96) == 128  # default rows: the kernel's channel block
+    assert T.fits(3) and T.fits(4) and not T.fits(12)  # Wan 2.1's head takes the path, Wan 2.2's does not
     x = torch.zeros(1, 4, 2, 3, 3).contiguous(memory_format=torch.channels_last_3d)
     y = torch.zeros(1, 81, 3, 3, 3)
     with pytest.raises(ValueError, match="y"):

@@ -241,16 +241,12 @@ def _copy_lastdim(dst: Tensor, src: Tensor) -> None:
         dst.copy_(src)
 
 
-def _triton_block(c: int) -> int:
-    return max(16, 1 << (int(c) - 1).bit_length())
-
-
-def _tap_matrix(conv: nn.Module, dtype: torch.dtype, block_c: int) -> Tensor:
+def _tap_matrix(conv: nn.Module, dtype: torch.dtype) -> Tensor:
     """kernels/tapconv's (C, 27*Co) tap matrix of `conv` (cached per weight version and dtype)."""
     from vaeopt.kernels.tapconv import tap_weights
     from vaeopt.stages import cached_weight
 
-    return cached_weight(conv, "_vaeopt_tap_matrix", dtype, lambda: tap_weights(conv.weight, block_c, dtype))
+    return cached_weight(conv, "_vaeopt_tap_matrix", dtype, lambda: tap_weights(conv.weight, dtype=dtype))
 
 
 def _meta_result(like: Tensor, shape: tuple) -> Tensor:
@@ -741,7 +737,7 @@ class _ChunkDecoder:
         return (self.TAPS and self.mf is torch.channels_last_3d and conv.kernel_size == (3, 3, 3)
                 and tuple(conv._padding) == (1, 1, 1, 1, 2, 0) and conv.groups == 1 and tuple(conv.dilation) == (1, 1, 1)
                 and tuple(conv.stride) == (1, 1, 1) and src.dtype == conv.weight.dtype and src.shape[1] <= 256
-                and src.dtype in tapconv.SUPPORTED_DTYPES and conv.out_channels * 27 <= tapconv.MAX_TAP_COLUMNS
+                and src.dtype in tapconv.SUPPORTED_DTYPES and tapconv.fits(conv.out_channels)
                 and not getattr(conv, "_vaeopt_fp8conv", False) and not getattr(conv, "_vaeopt_igemm", False)
                 and not self._stackable(conv, src))  # a stage's explicit choice for this conv wins
 
@@ -768,7 +764,7 @@ class _ChunkDecoder:
             from vaeopt.kernels import tapconv
 
             gamma, beta, scale, eps = p
-            wt = _tap_matrix(conv, src.dtype, _triton_block(C))
+            wt = _tap_matrix(conv, src.dtype)
             tapconv.rms_norm_taps(src, gamma, beta, eps, scale, wt, nt, Y, hist, x_bias=xb)
             del src
             tapconv.tap_sum(Y, co, (3, 3, 3), conv.bias, y)

@@ -27,12 +27,24 @@ import torch.nn.functional as F
 from vaeopt.kernels import triton_available
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_TAP_COLUMNS = 128  # taps * out channels the GEMM produces (27 * 4): beyond this the conv's own GEMM is better
+MAX_TAP_COLUMNS = 128  # taps * out channels the GEMM may produce (27 * 4); wider heads (Wan 2.2's 12 channels: 324
+# columns) were not tried: their partial sums would be 3.4x the input
 
 
-def tap_weights(w: torch.Tensor, block_c: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+def fits(co: int, taps: int = 27) -> bool:
+    """Does a conv with `co` output channels and `taps` taps take this path (GEMM width <= MAX_TAP_COLUMNS)?"""
+    return 0 < co * taps <= MAX_TAP_COLUMNS
+
+
+def block_c(c: int) -> int:
+    """The kernel's channel block for C input channels (tap matrix rows): a power of 2, at least 16 (tl.dot)."""
+    return max(16, 1 << (int(c) - 1).bit_length())
+
+
+def tap_weights(w: torch.Tensor, rows: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(Co, C, kt, kh, kw) or (Co, C, kh, kw) -> (C', NT') matrix with column ((dt*kh + dh)*kw + dw)*Co + o, zero
-    padded to block_c rows (>= C) and a multiple of 32 columns, in `dtype` (default w's)."""
+    padded to `rows` rows (default: the kernel's block_c(C)) and a multiple of 32 columns, in `dtype` (default
+    w's)."""
     if w.dim() == 4:
         w = w.unsqueeze(2)
     if w.dim() != 5:
@@ -40,7 +52,7 @@ def tap_weights(w: torch.Tensor, block_c: int | None = None, dtype: torch.dtype 
     co, c = w.shape[:2]
     m = w.detach().permute(1, 2, 3, 4, 0).reshape(c, -1)
     nt = m.shape[1]
-    rows = max(c, block_c or c)
+    rows = max(c, rows or block_c(c))
     cols = -(-nt // 32) * 32
     out = torch.zeros((rows, cols), dtype=dtype or w.dtype, device=w.device)
     out[:c, :nt] = m
@@ -143,15 +155,10 @@ def conv_taps_reference(stream: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
     return F.conv3d(stream, w, bias, 1, pad)
 
 
-def usable(x: torch.Tensor, co: int, taps: int) -> bool:
-    return (x.dtype in SUPPORTED_DTYPES and co * taps <= MAX_TAP_COLUMNS and triton_available(x)[0]
-            and not torch.compiler.is_compiling())
-
-
 try:
     import triton
     import triton.language as tl
-except Exception:  # pragma: no cover - no triton: callers check `usable`
+except Exception:  # pragma: no cover - no triton: the torch versions above (impl="torch")
     triton = None
 
 if triton is not None:
@@ -267,4 +274,4 @@ if triton is not None:
         tl.store(dst, acc.to(o_ptr.dtype.element_ty), mask=pm[:, None] & om[None, :])
 
 
-__all__ = ["tap_weights", "rms_norm_taps", "tap_sum", "conv_taps_reference", "usable", "MAX_TAP_COLUMNS"]
+__all__ = ["tap_weights", "rms_norm_taps", "tap_sum", "conv_taps_reference", "fits", "block_c", "MAX_TAP_COLUMNS"]

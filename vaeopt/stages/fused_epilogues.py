@@ -499,10 +499,10 @@ def _apply_wan(model: nn.Module, device) -> StageResult:
         return StageResult.skipped(NAME, why)
     names = [type(m).__name__ for m in model.decoder.modules()]
     n_res, n_rs, n_attn = names.count("WanResidualBlock"), names.count("WanResample"), names.count("WanAttentionBlock")
-    from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS
+    from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS, fits
 
     co = getattr(getattr(model.decoder, "conv_out", None), "out_channels", 0)
-    head = 0 < co * 27 <= MAX_TAP_COLUMNS
+    head = fits(co)
     setattr(model, _MARK, {"wan": True, "resnets": [], "upsamplers": [], "attns": []})
     extra = ""
     if n_attn:
