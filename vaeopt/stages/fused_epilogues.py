@@ -501,15 +501,20 @@ def _apply_wan(model: nn.Module, device) -> StageResult:
     n_res, n_rs, n_attn = names.count("WanResidualBlock"), names.count("WanResample"), names.count("WanAttentionBlock")
     from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS, fits
 
+    from vaeopt.video import _channels_last
+
     co = getattr(getattr(model.decoder, "conv_out", None), "out_channels", 0)
-    head = fits(co)
+    cl = _channels_last(model, None)  # the chunk decoder runs these two on channels_last_3d activations only
+    head = fits(co) and cl
     setattr(model, _MARK, {"wan": True, "resnets": [], "upsamplers": [], "attns": []})
     extra = ""
     if n_attn:
-        extra += f"; {n_attn} mid-block attention(s) as chunked GEMM attention (fp32 scores) + one epilogue"
+        extra += (f"; {n_attn} mid-block attention(s) as chunked GEMM attention (fp32 scores) + one epilogue" if cl
+                  else "; the mid-block attention stays diffusers' (needs channels_last_3d activations)")
     extra += (f"; the head (norm_out + conv_out, {co} channels) as one norm+GEMM kernel and a tap sum" if head else
-              f"; conv_out ({co} channels) stays a Conv3d (the tap GEMM is used up to "
-              f"{MAX_TAP_COLUMNS // 27} output channels: 27 taps x channels <= {MAX_TAP_COLUMNS} GEMM columns)")
+              f"; conv_out ({co} channels) stays a Conv3d (" + (
+                  f"the tap GEMM is used up to {MAX_TAP_COLUMNS // 27} output channels: 27 taps x channels <= "
+                  f"{MAX_TAP_COLUMNS} GEMM columns)" if cl else "the tap path needs channels_last_3d activations)"))
     return StageResult(NAME, "applied", f"Wan: {n_res} residual blocks and {n_rs} resamplers run fused in the chunk "
                                         "decoder (conv biases folded into RMSNorm/residual epilogues, upsample and "
                                         "time_conv interleave fused into the epilogue)" + extra,
