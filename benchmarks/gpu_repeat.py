@@ -1,7 +1,8 @@
 """Run-to-run spread of one workload's decode through the pipeline's own path: N decodes in one process, per-run
 CUDA-event times and allocator activity (new device segments per run).
 
-    python3 benchmarks/gpu_repeat.py --workload wan21-480p --runs 10     -> $OUT/repeat_<workload>.json
+    python3 benchmarks/gpu_repeat.py --workload wan21-480p --runs 10 [--cudnn-autotune]
+        -> $OUT/repeat_<workload>[-autotune].json
 """
 import argparse
 import json
@@ -20,7 +21,12 @@ from vaeopt.benchmark import WORKLOADS  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("--workload", default="wan21-480p")
 ap.add_argument("--runs", type=int, default=10)
+ap.add_argument("--cudnn-autotune", action="store_true", help="stages/cudnn_autotune on before the first decode")
 args = ap.parse_args()
+if args.cudnn_autotune:
+    from vaeopt.stages import cudnn_autotune
+
+    print(cudnn_autotune.apply("gpu_repeat --cudnn-autotune").line())
 fam, shape = WORKLOADS[args.workload]
 pipe = make_pipe(fam)
 z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
@@ -41,8 +47,9 @@ with torch.inference_mode():
         print(runs[-1], flush=True)
 ts = [r["ms"] for r in runs if not r["warmup"]]
 summary = {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "chunk": plan.chunk}
-meta = run_meta(f"python3 benchmarks/gpu_repeat.py --workload {args.workload} --runs {args.runs}")
-(out_dir() / f"repeat_{args.workload}.json").write_text(json.dumps({**meta, "workload": args.workload,
+meta = run_meta("python3 benchmarks/gpu_repeat.py " + " ".join(sys.argv[1:]))
+tag = "-autotune" if args.cudnn_autotune else ""
+(out_dir() / f"repeat_{args.workload}{tag}.json").write_text(json.dumps({**meta, "workload": args.workload,
                                                                      "runs": runs, **summary}, indent=1))
-print(f"\n# {meta['gpu']}: {args.workload} {len(ts)} decodes: median {summary['median_ms']:.1f} ms, "
+print(f"\n# {meta['gpu']}: {args.workload}{tag} {len(ts)} decodes: median {summary['median_ms']:.1f} ms, "
       f"{summary['min_ms']:.1f}-{summary['max_ms']:.1f}")

@@ -35,6 +35,11 @@ def _interpreter_without_overflow_checks() -> None:
         sanitize_overflow: bool = False
 
     interp.InterpreterOptions = _Options
+    # the interpreter's module-level builder was created at import, with the default options: replace those too
+    # (patching the class alone left every check on)
+    builder = getattr(interp, "interpreter_builder", None)
+    if builder is not None and isinstance(getattr(builder, "options", None), base):
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
 _interpreter_without_overflow_checks()

@@ -93,3 +93,7 @@ def test_bad_arguments():
     assert r.exit_code == 2 and "unknown workload" in r.output
     r = runner.invoke(app, ["benchmark", "--family", "sdxl", "--shape", "1,4,8,8", "--peers", "magic"])
     assert r.exit_code == 2 and "unknown magic" in r.output
+    if not torch.cuda.is_available():
+        r = runner.invoke(app, ["benchmark", "--family", "sdxl", "--shape", "1,4,8,8", "--peers", "bf16",
+                                "--cudnn-autotune"])
+        assert r.exit_code == 2 and "--cudnn-autotune: no CUDA device" in r.output and "Traceback" not in r.output

@@ -197,6 +197,7 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
 
                 pipe._record(StageResult.skipped("graphs", why))
             graphs_logged = True
+        pipe.autotune(shapes.count(shape), plan)  # before the shape's first decode: cuDNN keeps its first choice
         cb = (lambda d, t: progress(job.source.name, d, t)) if progress else None
         if job.kind == "mp4" and job.z_raw.shape[0] == 1:
             t0 = time.perf_counter()

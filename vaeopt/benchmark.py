@@ -242,7 +242,7 @@ LADDER = (
 )
 
 
-def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
+def _ladder_fn(b: Bench, opts: dict, autotune: bool = False) -> Callable[[], Callable]:
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import DecodeStats, Options, Pipeline
 
@@ -250,9 +250,12 @@ def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
         model = b.fresh_model(torch.float32)
         loaded = LoadedVAE(model=model, family=b.spec, layout="benchmark", path=None, notes=[], dtype_on_disk=None)
         o = Options(device=str(b.device), dtype=str(b.dtype).replace("torch.", "").replace("bfloat16", "bf16")
-                    .replace("float32", "fp32").replace("float16", "fp16"), **opts)
+                    .replace("float32", "fp32").replace("float16", "fp16"),
+                    cudnn_autotune="on" if autotune else "off", **opts)
         lines = []
         pipe = Pipeline(loaded, o, log=lines.append)
+        if autotune:
+            pipe.autotune(99)
         plan = pipe.plan(b.shape)
         if b.spec.is_video and o.tiling == "off":
             plan.chunk = 1  # before the planner row: diffusers' one-latent-frame-per-call schedule
@@ -289,7 +292,28 @@ def _ladder_fn(b: Bench, opts: dict) -> Callable[[], Callable]:
 def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: torch.device, dtype: torch.dtype,
                   peers: tuple[str, ...], repeats: int, warmup: int, fp8: bool, log: Callable[[str], None],
                   workload: str | None, command: str, model_overrides: dict | None = None,
-                  ladder_hook: Callable | None = None, gate_db: float = 40.0) -> dict:
+                  ladder_hook: Callable | None = None, gate_db: float = 40.0, autotune: bool = False) -> dict:
+    from vaeopt.stages import cudnn_autotune
+
+    tuned = None
+    if autotune:  # for every row, peers included: on before any conv shape is seen (torch caches its first choice)
+        ok, why = cudnn_autotune.available(device)
+        if not ok:
+            raise VaeoptError(f"--cudnn-autotune: {why}")
+        tuned = cudnn_autotune.apply("benchmark --cudnn-autotune")
+        log("✓ " + tuned.detail)
+    try:
+        return _run_benchmark(spec, state_dict, shape, device=device, dtype=dtype, peers=peers, repeats=repeats,
+                              warmup=warmup, fp8=fp8, log=log, workload=workload, command=command,
+                              model_overrides=model_overrides, ladder_hook=ladder_hook, gate_db=gate_db,
+                              autotune=autotune)
+    finally:
+        if tuned is not None:
+            cudnn_autotune.revert(tuned)
+
+
+def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
+                   log, workload, command, model_overrides, ladder_hook, gate_db, autotune) -> dict:
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
     log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
@@ -311,7 +335,7 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
             rows.append(Row(name, "ladder", status="skipped", reason="not requested (--fp8)"))
             acc["fp8"] = "off"
             continue
-        make = _ladder_fn(b, dict(acc))
+        make = _ladder_fn(b, dict(acc), autotune)
         if ladder_hook is not None:
             make = ladder_hook(name, make)
         r = b.run(name, "ladder", make)
@@ -342,6 +366,7 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
                      "diffusers": mi.diffusers, "python": mi.python},
         "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command, "repeats": repeats, "warmup": warmup,
+        "cudnn_autotune": {"benchmark_limit": torch.backends.cudnn.benchmark_limit} if autotune else None,
         "rows": [asdict(r) for r in rows],
     }
 

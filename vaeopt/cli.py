@@ -149,6 +149,8 @@ def decode(
     conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
                                                                   "faster than cuDNN (Wan's 96-ch Conv3d): auto | on | off"),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
+    cudnn_autotune: str = typer.Option("auto", "--cudnn-autotune", help="Time cuDNN's engine configs per new conv "
+                                       "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
     fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
     fps: float = typer.Option(16.0, "--fps", help="Frames per second of MP4 output."),
@@ -169,7 +171,8 @@ def decode(
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
                    upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
-                   gate_db=fp8_gate, graphs=graphs, tiling=tiling, tile=tile, chunk=chunk, vram_budget_gb=vram_budget)
+                   gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
+                   vram_budget_gb=vram_budget)
     opts.validate()
     if gpus is not None:
         _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
@@ -247,6 +250,8 @@ def benchmark(
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
     fp8: bool = typer.Option(False, "--fp8", help="Include the FP8 stage in the ladder."),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="FP8 fidelity gate (dB PSNR vs fp32) used by the ladder."),
+    cudnn_autotune: bool = typer.Option(False, "--cudnn-autotune", help="cuDNN autotuning on for every row, peers "
+                                                                        "included (each row's warm-up pays the tuning)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all numbers to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG bar chart (time and PSNR per row)."),
 ):
@@ -267,7 +272,7 @@ def benchmark(
     console.print(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
                   + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
-                              fp8=fp8, gate_db=fp8_gate, log=_log, workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
+                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
     _print_bench(result)
     if json_out:
         from vaeopt.outputs import atomic_path

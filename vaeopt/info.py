@@ -26,7 +26,7 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
     else:
         row("fp8", False, f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU")
     for name in ("fused_norms", "fused_epilogues", "upsample_conv", "stacked_conv3d", "triton_conv", "channels_last",
-                 "graphs"):
+                 "graphs", "cudnn_autotune"):
         try:
             mod = importlib.import_module(f"vaeopt.stages.{name}")
             ok, why = mod.available(dev)
@@ -40,7 +40,9 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
                                   "(auto on sm_90, where measured)",
                 "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90)",
                 "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
-                "graphs": "capture + replay for repeated same-shape decodes"}[name]
+                "graphs": "capture + replay for repeated same-shape decodes",
+                "cudnn_autotune": "cuDNN engine configs timed per new conv shape (auto from "
+                                  "many same-shape decodes; --cudnn-autotune on)"}[name]
         row(name, ok, what if ok else why)
     row("attention", True, "SDPA; backend chosen per head dim at load" if g else "SDPA (CPU kernels)")
     if g:

@@ -3,7 +3,8 @@
 Order (each stage logs one line: what it did with numbers, or why it was skipped):
     precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> upsample_conv -> stacked_conv3d (Wan)
     -> triton_conv -> fp8 convs -> attention
-    -> plan (tile/chunk) -> graphs
+    -> plan (tile/chunk) -> graphs, cudnn_autotune (these two decided per job: they depend on how often a shape
+    repeats)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Options:
     conv_kernel: str = "auto"  # Triton implicit-GEMM conv for the layers where it measured faster than cuDNN
     fp8: str = "off"
     graphs: str = "auto"
+    cudnn_autotune: str = "auto"  # cuDNN times engine configs per new conv shape (pays for many same-shape decodes)
     tiling: str = "auto"
     tile: int | None = None  # latent px per tile side
     chunk: int | None = None  # latent frames per decoder call (video)
@@ -50,7 +52,7 @@ class Options:
 
     def validate(self) -> None:
         for name in ("channels_last", "triton", "epilogues", "attention", "upsample_conv", "stack_conv3d",
-                     "conv_kernel", "fp8", "graphs", "tiling"):
+                     "conv_kernel", "fp8", "graphs", "cudnn_autotune", "tiling"):
             v = getattr(self, name)
             if v not in SWITCHES:
                 raise VaeoptError(f"--{name.replace('_', '-')} must be one of {', '.join(SWITCHES)}, got '{v}'")
@@ -280,6 +282,17 @@ class Pipeline:
             return False, (f"{repeats} decode(s) of this shape: capture costs a warm-up decode and pays only from "
                            f"{GRAPH_MIN_REPEATS} same-shape decodes (--graphs on to force)")
         return True, f"{repeats} decodes of the same shape"
+
+    def autotune(self, repeats: int, plan: planner.Plan | None = None) -> StageResult:
+        """Decide and apply (or log why not) cuDNN autotuning for `repeats` same-shape decodes of `plan`; once per
+        pipeline."""
+        done = next((s for s in self.stages if s.name == "cudnn_autotune"), None)
+        if done is not None:
+            return done
+        mod = self._stage("cudnn_autotune")
+        use, why = mod.decide(self.opts.cudnn_autotune, self.device, repeats,
+                              plan.est_bytes if plan else None, plan.budget_bytes if plan else None)
+        return self._record(mod.apply(why) if use else StageResult.skipped("cudnn_autotune", why))
 
     def enable_graphs(self, reason: str) -> None:
         mod = self._stage("graphs")
