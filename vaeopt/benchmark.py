@@ -242,7 +242,8 @@ LADDER = (
 )
 
 
-def _ladder_fn(b: Bench, opts: dict, autotune: bool = False) -> Callable[[], Callable]:
+def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
+    """`tuned`: the cudnn_autotune StageResult when run_benchmark turned the autotuner on (process-wide, once)."""
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import DecodeStats, Options, Pipeline
 
@@ -251,11 +252,11 @@ def _ladder_fn(b: Bench, opts: dict, autotune: bool = False) -> Callable[[], Cal
         loaded = LoadedVAE(model=model, family=b.spec, layout="benchmark", path=None, notes=[], dtype_on_disk=None)
         o = Options(device=str(b.device), dtype=str(b.dtype).replace("torch.", "").replace("bfloat16", "bf16")
                     .replace("float32", "fp32").replace("float16", "fp16"),
-                    cudnn_autotune="on" if autotune else "off", **opts)
+                    cudnn_autotune="on" if tuned else "off", **opts)
         lines = []
         pipe = Pipeline(loaded, o, log=lines.append)
-        if autotune:
-            pipe.autotune(99)
+        if tuned is not None:
+            pipe._record(tuned)  # already on for the whole run: the row shows the line, nothing is applied again
         plan = pipe.plan(b.shape)
         if b.spec.is_video and o.tiling == "off":
             plan.chunk = 1  # before the planner row: diffusers' one-latent-frame-per-call schedule
@@ -306,14 +307,14 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         return _run_benchmark(spec, state_dict, shape, device=device, dtype=dtype, peers=peers, repeats=repeats,
                               warmup=warmup, fp8=fp8, log=log, workload=workload, command=command,
                               model_overrides=model_overrides, ladder_hook=ladder_hook, gate_db=gate_db,
-                              autotune=autotune)
+                              tuned=tuned)
     finally:
         if tuned is not None:
             cudnn_autotune.revert(tuned)
 
 
 def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
-                   log, workload, command, model_overrides, ladder_hook, gate_db, autotune) -> dict:
+                   log, workload, command, model_overrides, ladder_hook, gate_db, tuned) -> dict:
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
     log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
@@ -335,7 +336,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             rows.append(Row(name, "ladder", status="skipped", reason="not requested (--fp8)"))
             acc["fp8"] = "off"
             continue
-        make = _ladder_fn(b, dict(acc), autotune)
+        make = _ladder_fn(b, dict(acc), tuned)
         if ladder_hook is not None:
             make = ladder_hook(name, make)
         r = b.run(name, "ladder", make)
@@ -366,7 +367,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
                      "diffusers": mi.diffusers, "python": mi.python},
         "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command, "repeats": repeats, "warmup": warmup,
-        "cudnn_autotune": {"benchmark_limit": torch.backends.cudnn.benchmark_limit} if autotune else None,
+        "cudnn_autotune": {"benchmark_limit": tuned.data["limit"]} if tuned else None,
         "rows": [asdict(r) for r in rows],
     }
 

@@ -272,7 +272,8 @@ def benchmark(
     console.print(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
                   + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
-                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
+                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, workload=wl,
+                              command=" ".join(["vaeopt"] + sys.argv[1:]))
     _print_bench(result)
     if json_out:
         from vaeopt.outputs import atomic_path

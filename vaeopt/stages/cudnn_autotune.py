@@ -7,7 +7,8 @@ Measured (one process per setting; torch keeps its choice per conv shape for the
   tuning); every config (limit 0): 609-614 ms for +63 s; cuDNN's heuristic mode B: slower (652 ms).
 - H200, `vaeopt benchmark` ladders (h200_wan21-480p_2026-11-21h.json vs h200_wan21-480p-autotune_2026-11-21.json):
   planner row 616.4 -> 604.9 ms; gpu_repeat.py, 10 decodes x 2 processes per setting on one H200: 600.5 / 601.1 ->
-  597.2 / 592.6 ms (h200_repeat_wan21-480p*_2026-11-21*.json). sdxl-1024 (h200_sdxl-1024_2026-11-21c / -autotune): no gain (18.8 / 19.1 ms).
+  597.2 / 592.6 ms (h200_repeat_wan21-480p*_2026-11-21*.json). sdxl-1024 (h200_sdxl-1024_2026-11-21c /
+  -autotune): no gain (18.8 / 19.1 ms).
 The tuned choices use more workspace: the wan21-480p planner row's peak went 6.81 -> 10.05 GiB (+48%), the fp32
 reference's 8.5 -> 41 GiB. So `auto` also wants that headroom under the planner's VRAM budget.
 The heuristic's misses are specific shapes: the time-stacked 96-channel conv (tile 128x128x64 where 128x128x32 is
