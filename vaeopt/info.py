@@ -38,7 +38,8 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
                 "upsample_conv": "upsample + 3x3 conv as four 2x2 phase convs on the low-res input (4/9 FLOPs)",
                 "stacked_conv3d": "Wan 2.1's 96/384-ch causal Conv3d as a Conv2d over time-stacked channels "
                                   "(auto on sm_90, where measured)",
-                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90)",
+                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90); "
+                               "FP8 level 3's e4m3 convs (TMA boxes on sm_90)",
                 "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
                 "graphs": "capture + replay for repeated same-shape decodes",
                 "cudnn_autotune": "cuDNN engine configs timed per new conv shape (auto from "

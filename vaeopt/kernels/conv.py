@@ -231,6 +231,62 @@ def _frames_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int] | N
     return None
 
 
+@dataclasses.dataclass
+class ConvArgs:
+    """What both implicit-GEMM kernels need to know about a call, after its arguments were checked."""
+
+    N: int
+    Tin: int
+    T: int
+    H: int
+    W: int
+    fp8: bool
+    odt: torch.dtype
+    xs_t: torch.Tensor | None  # fp8: per-sample activation scales on the device
+    xs_f: float  # fp8: one activation scale (when xs_t is None)
+    video: bool
+
+    def output_view(self, yd: torch.Tensor) -> torch.Tensor:
+        """yd (N*T, H, W, Cout) dense -> the output in x's layout: (N, Cout, [T,] H, W) channels_last[_3d]."""
+        if not self.video:
+            return yd.view(self.N, self.H, self.W, -1).permute(0, 3, 1, 2)
+        return yd.view(self.N, self.T, self.H, self.W, -1).permute(0, 4, 1, 2, 3)
+
+
+def check_args(who: str, x: torch.Tensor, pw: PackedWeight, padding: tuple[int, int],
+               x_scale: torch.Tensor | float | None, out_dtype: torch.dtype | None) -> ConvArgs:
+    """Validate a conv_igemm / conv_tma call (layout, channels, 'same' padding, frames, fp8 pairing, scales)."""
+    v = _frames_view(x)
+    if v is None:
+        raise ValueError(f"{who}: x {tuple(x.shape)} must be dense channels_last / channels_last_3d")
+    _, N, Tin, H, W = v
+    kt, kh, kw = pw.kernel
+    ph, pwd = padding
+    if x.shape[1] != pw.cin:
+        raise ValueError(f"{who}: x has {x.shape[1]} channels, weights expect {pw.cin}")
+    if 2 * ph != kh - 1 or 2 * pwd != kw - 1:
+        raise ValueError(f"{who}: only 'same' spatial padding is supported (kernel {kh}x{kw}, pad {padding})")
+    T = Tin - kt + 1
+    if T < 1 or (x.ndim == 4 and kt != 1):
+        raise ValueError(f"{who}: {Tin} input frames for a temporal kernel of {kt}")
+    fp8 = pw.scale is not None
+    if fp8 != (x.dtype == E4M3):
+        raise ValueError(f"{who}: fp8 weights need fp8 activations (and the reverse)")
+    if not fp8 and x.dtype != pw.w.dtype:
+        raise ValueError(f"{who}: x is {x.dtype}, weights {pw.w.dtype}")
+    xs_t, xs_f = None, 1.0
+    if fp8 and isinstance(x_scale, torch.Tensor):
+        if x_scale.numel() not in (1, N) or x_scale.device != x.device:
+            raise ValueError(f"{who}: x_scale must hold 1 or {N} values on {x.device}, got "
+                             f"{tuple(x_scale.shape)} on {x_scale.device}")
+        xs_t = x_scale.reshape(-1).float()
+        if xs_t.numel() == 1 and N > 1:
+            xs_t = xs_t.expand(N).contiguous()
+    elif fp8:
+        xs_f = float(x_scale or 1.0)
+    return ConvArgs(N, Tin, T, H, W, fp8, out_dtype or (torch.bfloat16 if fp8 else x.dtype), xs_t, xs_f, x.ndim == 5)
+
+
 def conv_igemm(
     x: torch.Tensor,
     pw: PackedWeight,
@@ -248,46 +304,24 @@ def conv_igemm(
     python float, or an fp32 device tensor of one value or one per sample, read by the kernel: no host sync, fit for
     CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8).
     Returns the output in x's memory format (channels_last[_3d])."""
-    v = _frames_view(x)
-    if v is None:
-        raise ValueError(f"conv_igemm: x {tuple(x.shape)} must be dense channels_last / channels_last_3d")
-    _, N, Tin, H, W = v
+    a = check_args("conv_igemm", x, pw, padding, x_scale, out_dtype)
+    if config is None and pw.kmajor and x.is_cuda:
+        from vaeopt.kernels import tma_conv
+
+        if tma_conv.available(x.device) and (cfg := tma_conv.tuned_config(pw.cin, pw.cout, a.W, a.fp8)):
+            return tma_conv.conv_tma(x, pw, bias, padding, x_scale=x_scale, out_dtype=out_dtype, config=cfg)
+    N, T, H, W, CO, fp8 = a.N, a.T, a.H, a.W, pw.cout, a.fp8
     kt, kh, kw = pw.kernel
     ph, pwd = padding
-    if x.shape[1] != pw.cin:
-        raise ValueError(f"conv_igemm: x has {x.shape[1]} channels, weights expect {pw.cin}")
-    if 2 * ph != kh - 1 or 2 * pwd != kw - 1:
-        raise ValueError(f"conv_igemm: only 'same' spatial padding is supported (kernel {kh}x{kw}, pad {padding})")
-    T = Tin - kt + 1
-    if T < 1 or (x.ndim == 4 and kt != 1):
-        raise ValueError(f"conv_igemm: {Tin} input frames for a temporal kernel of {kt}")
-    fp8 = pw.scale is not None
-    if fp8 != (x.dtype == E4M3):
-        raise ValueError("conv_igemm: fp8 weights need fp8 activations (and the reverse)")
-    if not fp8 and x.dtype != pw.w.dtype:
-        raise ValueError(f"conv_igemm: x is {x.dtype}, weights {pw.w.dtype}")
-    odt = out_dtype or (torch.bfloat16 if fp8 else x.dtype)
-    CO = pw.cout
-    if x.ndim == 4:
-        y = torch.empty((N, H, W, CO), device=x.device, dtype=odt).permute(0, 3, 1, 2)
-    else:
-        y = torch.empty((N, T, H, W, CO), device=x.device, dtype=odt).permute(0, 4, 1, 2, 3)
+    yd = torch.empty((N * T, H, W, CO), device=x.device, dtype=a.odt)
+    y = a.output_view(yd)
     M = N * T * H * W
     if M == 0:
         return y
     cfg = config or default_config(pw.cin, CO, x.device, fp8, M)
     if cfg.bk1 and cfg.block_k + cfg.bk1 != pw.cin:
         raise ValueError(f"conv_igemm: config splits Cin as {cfg.block_k} + {cfg.bk1}, the layer has {pw.cin}")
-    xs_t, xs_f = None, 1.0
-    if fp8 and isinstance(x_scale, torch.Tensor):
-        if x_scale.numel() not in (1, N) or x_scale.device != x.device:
-            raise ValueError(f"conv_igemm: x_scale must hold 1 or {N} values on {x.device}, got "
-                             f"{tuple(x_scale.shape)} on {x_scale.device}")
-        xs_t = x_scale.reshape(-1).float()
-        if xs_t.numel() == 1 and N > 1:
-            xs_t = xs_t.expand(N).contiguous()
-    elif fp8:
-        xs_f = float(x_scale or 1.0)
+    xs_t, xs_f = a.xs_t, a.xs_f
     scale = pw.scale if fp8 else None
     b = bias.detach().float().contiguous() if bias is not None else None
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(CO, cfg.n_width()))

@@ -130,6 +130,9 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
 # fused into the norm kernel that writes the conv's input (a torch quantize pass costs more than the conv), which is
 # what vaeopt.video's fused path does for convs marked here (their input buffers and causal caches are e4m3), and
 # what stages/fused_epilogues' resnet forward does for AutoencoderKL (GroupNorm+SiLU writes e4m3).
+# On sm_90, conv_igemm runs these e4m3 layers on the TMA variant of the kernel (kernels/tma_conv.py), 11-37% faster
+# per call (h200_tma_conv_2026-11-21b.json): wan21-480p with all 28 in e4m3 505.5 -> 452.7 ms, sdxl-1024 (graphs)
+# 19.0 -> 17.4 ms against 18.1 in bf16 (h200_tma_decode_*_2026-11-21.json, docs/perf-notes.md E20).
 
 
 def fp8_available(device: torch.device) -> tuple[bool, str]:

@@ -1,0 +1,104 @@
+"""Whole decodes through the pipeline's own path with the TMA conv kernel (`vaeopt/kernels/tma_conv.py`) on or off.
+
+    python3 benchmarks/gpu_tma_decode.py --workload wan21-480p --variants stacked,tma,fp8_pointer,fp8_tma
+        [--rounds 5] [--chunk 3] [--fp8-gate 30] [--graphs]  -> $OUT/tma_decode_<workload>.json
+
+Variants (one pipeline each, one process, interleaved rounds, CUDA events around each decode):
+  stacked      default options (Wan 2.1: the 96-ch causal convs as time-stacked cuDNN Conv2d)
+  tma          --stack-conv3d off: triton_conv takes the 96-ch convs; conv_igemm dispatches them to the TMA kernel
+  pointer      --stack-conv3d off with the TMA kernel disabled (the pointer kernel)
+  bf16         default options (image workloads)
+  fp8_pointer  --fp8 on --fp8-gate G, the e4m3 convs on the pointer kernel
+  fp8_tma      the same on the TMA kernel
+PSNR of each variant's output against the first variant's.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import make_pipe, out_dir, run_meta  # noqa: E402
+
+from vaeopt.benchmark import WORKLOADS  # noqa: E402
+from vaeopt.kernels import tma_conv  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--workload", default="wan21-480p")
+ap.add_argument("--variants", default="stacked,tma")
+ap.add_argument("--rounds", type=int, default=5)
+ap.add_argument("--chunk", type=int, default=None)
+ap.add_argument("--fp8-gate", type=float, default=30.0)
+ap.add_argument("--graphs", action="store_true", help="image workloads: decode through the captured CUDA graph")
+args = ap.parse_args()
+
+OPTS = {"stacked": {}, "bf16": {}, "tma": {"stack_conv3d": "off"}, "pointer": {"stack_conv3d": "off"},
+        "fp8_pointer": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_tma": {"fp8": "on", "gate_db": args.fp8_gate}}
+calls = {"tma": 0}
+_orig = tma_conv.conv_tma
+
+
+def counting(*a, **k):
+    calls["tma"] += 1
+    return _orig(*a, **k)
+
+
+tma_conv.conv_tma = counting
+fam, shape = WORKLOADS[args.workload]
+z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+extra = {"chunk": args.chunk} if args.chunk else {}
+pipes, res = {}, {}
+for name in args.variants.split(","):
+    tma_conv.ENABLED = "pointer" not in name
+    p = make_pipe(fam, **extra, **OPTS[name])
+    if args.graphs and not p.family.is_video:
+        p.enable_graphs("gpu_tma_decode --graphs")
+    pipes[name] = (p, p.plan(shape))
+    res[name] = {"opts": OPTS[name], "stages": [r.line() for r in p.stages], "ms": []}
+    print(name, *res[name]["stages"], sep="\n  ", flush=True)
+
+
+def decode(name):
+    p, plan = pipes[name]
+    tma_conv.ENABLED = "pointer" not in name
+    if p.family.is_video:
+        return p._decode_video(z, plan, None)
+    return p.graphed(z) if args.graphs else p._decode_whole_raw(z)
+
+
+outs = {}
+with torch.inference_mode():
+    for name in pipes:  # warm-up: compiles, allocates
+        torch.cuda.reset_peak_memory_stats()
+        c0 = calls["tma"]
+        outs[name] = decode(name).float().cpu()
+        torch.cuda.synchronize()
+        res[name]["tma_calls_per_decode"] = calls["tma"] - c0
+        res[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    for _ in range(args.rounds):
+        for name in pipes:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            y = decode(name)
+            b.record()
+            torch.cuda.synchronize()
+            del y
+            res[name]["ms"].append(a.elapsed_time(b))
+first = next(iter(outs))
+for name, r in res.items():
+    r["median_ms"] = statistics.median(r["ms"])
+    mse = ((outs[name].clamp(-1, 1) - outs[first].clamp(-1, 1)) ** 2).mean().item()
+    r[f"psnr_vs_{first}_db"] = 99.0 if mse == 0 else 10 * math.log10(4.0 / mse)
+meta = run_meta("python3 benchmarks/gpu_tma_decode.py " + " ".join(sys.argv[1:]))
+(out_dir() / f"tma_decode_{args.workload}{'-graphs' if args.graphs else ''}.json").write_text(json.dumps(
+    {**meta, "workload": args.workload, "plan_chunk": next(iter(pipes.values()))[1].chunk, "variants": res}, indent=1))
+print(f"\n# {meta['gpu']}: {args.workload}, {args.rounds} interleaved rounds")
+for name, r in res.items():
+    print(f"{name:12s} median {r['median_ms']:7.1f} ms  range {min(r['ms']):.1f}-{max(r['ms']):.1f}  "
+          f"tma calls/decode {r['tma_calls_per_decode']:3d}  peak {r['peak_gib']:.2f} GiB  "
+          f"PSNR vs {first} {r[f'psnr_vs_{first}_db']:.1f} dB")

@@ -1,0 +1,128 @@
+"""The TMA implicit-GEMM conv (vaeopt/kernels/tma_conv.py) against torch's conv: under the interpreter on CPU (its
+tensor-descriptor loads zero-fill out-of-bounds boxes, negative corners included, as the hardware does) and, marked
+gpu, on an sm_90 GPU, including conv_igemm's dispatch of e4m3 layers to it."""
+
+import pytest
+import torch
+
+from test_kernel_conv import _case, _rel  # the same random layers and error measure as the pointer kernel's tests
+from vaeopt.kernels import triton_available
+
+K = pytest.importorskip("vaeopt.kernels.conv")
+TC = pytest.importorskip("vaeopt.kernels.tma_conv")
+
+
+@pytest.fixture(autouse=True)
+def _backend(request):
+    dev = "cuda" if "gpu" in request.keywords else "cpu"
+    ok, why = triton_available(dev)
+    if not ok:
+        pytest.skip(why)
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+
+
+@pytest.mark.parametrize("shape,cfg", [
+    # causal Conv3d, Cout 48 as 32 + 16 accumulators, 2x4 tiles that overhang a 5x7 frame on two sides
+    ((1, 32, 48, 2, 5, 7, 3), TC.TmaConfig(2, 4, 16, 32, 16, 4, 1)),
+    # batch 2: each sample's history frames are skipped; Cin 48 as a 32- and a 16-channel box per tap
+    ((2, 48, 48, 2, 5, 7, 3), TC.TmaConfig(2, 4, 32, 32, 16, 4, 1, bk1=16)),
+    # Conv2d, batch = frames, three column tiles (Cout 48 / 16)
+    ((3, 16, 48, 1, 6, 9, None), TC.TmaConfig(4, 4, 16, 16, 0, 4, 1)),
+    # one row per tile, wider than the frame
+    ((1, 16, 16, 3, 3, 5, 3), TC.TmaConfig(1, 8, 16, 16, 0, 4, 1)),
+])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_torch_fp32(shape, cfg, bias):
+    x, w, b = _case(*shape)
+    b = b if bias else None
+    y = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg)
+    ref = K.conv_reference(x, w, b, (1, 1))
+    assert y.shape == ref.shape
+    mf = torch.channels_last if x.ndim == 4 else torch.channels_last_3d
+    assert y.is_contiguous(memory_format=mf)
+    assert _rel(y, ref) < 1e-5
+
+
+def test_fp8_matches_dequantized_reference_and_pointer_kernel():
+    """e4m3 operands, per-output-channel weight scales and a per-sample activation scale tensor: the same numbers as
+    the pointer kernel (both accumulate exact products of e4m3 values in fp32) and close to the fp32 conv of the
+    dequantized input."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 32, 4, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 32, 3, 3, generator=g) * 0.1
+    b = torch.randn(32, generator=g)
+    xq, _ = K.quantize_activation(x)
+    s = torch.tensor([0.02, 0.5])
+    pw = K.pack_weight(w, K.E4M3)
+    assert pw.kmajor
+    y = TC.conv_tma(xq, pw, b, (1, 1), x_scale=s, config=TC.TmaConfig(2, 4, 16, 16, 16, 4, 1, bk1=16))
+    y_ptr = K.conv_igemm(xq, pw, b, (1, 1), x_scale=s)
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), y_ptr.float(), rtol=1e-2, atol=1e-3)
+    wq = (pw.w.float() * pw.scale[:, None]).reshape(32, 3, 3, 32).permute(0, 3, 1, 2)  # dequantized weights
+    ref = K.conv_reference(xq.float() * s.view(2, 1, 1, 1), wq, b, (1, 1))
+    assert _rel(y, ref) < 1e-2
+
+
+def test_rejects_what_it_cannot_compute():
+    x, w, b = _case(1, 32, 32, 2, 4, 4, 3)
+    cfg = TC.TmaConfig(2, 4, 16, 16, 16, 4, 1)
+    pw = K.pack_weight(w, kmajor=True)
+    with pytest.raises(ValueError, match="K-major"):
+        TC.conv_tma(x, K.pack_weight(w), b, (1, 1), config=cfg)
+    with pytest.raises(ValueError, match="multiple of BK"):
+        TC.conv_tma(x, pw, b, (1, 1), config=TC.TmaConfig(2, 4, 24, 16, 16, 4, 1))
+    with pytest.raises(ValueError, match="splits"):
+        TC.conv_tma(x, pw, b, (1, 1), config=TC.TmaConfig(2, 4, 16, 16, 16, 4, 1, bk1=8))
+    with pytest.raises(ValueError, match="no tile config"):
+        TC.conv_tma(x, pw, b, (1, 1))  # bf16/fp32 layers have no measured config: the caller must pass one
+    with pytest.raises(ValueError, match="padding"):
+        TC.conv_tma(x, pw, b, (0, 0), config=cfg)
+    with pytest.raises(ValueError, match="channels_last"):
+        TC.conv_tma(x.contiguous(), pw, b, (1, 1), config=cfg)
+
+
+def test_dispatch_only_on_measured_gpus(monkeypatch):
+    """conv_igemm hands e4m3 layers to the TMA kernel only on CUDA sm_90 with a measured tile; a CPU tensor never
+    goes there, and `ENABLED = False` (the benchmarks' A/B switch) keeps the pointer kernel."""
+    assert not TC.available(torch.device("cpu"))
+    monkeypatch.setattr(TC, "ENABLED", False)
+    assert not TC.available(torch.device("cuda"))
+    assert TC.tuned_config(96, 96, 832, True).bk1 == 32
+    assert TC.tuned_config(96, 96, 832, False) is None  # bf16: cuDNN / the stacked path measured faster
+    assert TC.tuned_config(192, 96, 416, True) is None
+    assert TC.tuned_config(512, 256, 512, True) is not None  # SDXL's 512 -> 256 resnet conv
+    called = []
+    monkeypatch.setattr(TC, "conv_tma", lambda *a, **k: called.append(1))
+    x, w, b = _case(1, 16, 16, 1, 4, 4, None)
+    xq, s = K.quantize_activation(x)
+    K.conv_igemm(xq, K.pack_weight(w, K.E4M3), b, (1, 1), x_scale=s)
+    assert not called
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_and_match():
+    """On the GPU the e4m3 96- and 128-channel layers go to the TMA kernel (when sm_90) and match the pointer
+    kernel; bf16 with an explicit config matches cuDNN."""
+    dev = torch.device("cuda")
+    for shape in [(1, 96, 96, 4, 60, 104, 3), (1, 128, 128, 1, 64, 64, None)]:
+        x, w, b = _case(*shape, dtype=torch.bfloat16, device="cuda")
+        xq, s = K.quantize_activation(x)
+        pw = K.pack_weight(w, K.E4M3)
+        y = K.conv_igemm(xq, pw, b, (1, 1), x_scale=s)
+        TC.ENABLED = False
+        try:
+            y_ptr = K.conv_igemm(xq, pw, b, (1, 1), x_scale=s)
+        finally:
+            TC.ENABLED = True
+        assert _rel(y, y_ptr) < 1e-2
+        assert _rel(y, K.conv_reference(x, w, b, (1, 1))) < 0.08
+        if torch.cuda.get_device_capability(dev) == (9, 0):
+            cfg = TC.tuned_config(shape[1], shape[2], shape[5], True)
+            assert cfg is not None
+            cfg16 = TC.TmaConfig(1, 128, 32, 64, 32, 4, 3) if shape[1] == 96 else TC.TmaConfig(1, 128, 64, 128, 0, 8, 3)
+            y16 = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg16)
+            assert _rel(y16, K.conv_reference(x, w, b, (1, 1))) < 1e-2

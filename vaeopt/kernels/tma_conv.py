@@ -1,0 +1,239 @@
+"""Implicit-GEMM convolution with TMA tensor descriptors (Hopper and newer): the A operand is a box of the NDHWC input.
+
+The pointer kernel (`conv.py`) builds every A block from BLOCK_M row pointers and a border mask. Here each K step
+loads one [1, BH, BW, BK] box of the input seen as a 4D tensor (frames, H, W, C) through a TMA descriptor, at the
+output tile's corner shifted by the tap (t + dt, h0 + dy - ph, w0 + dx - pw, c0). The hardware zero-fills the parts
+of the box that fall outside H or W (negative coordinates included): that is the conv's spatial zero padding, with no
+mask arithmetic, and the copy runs asynchronously so that the pipeline's stages overlap loads and wgmma.
+
+The output tile is BH x BW pixels of one frame (a rectangle, so that every tap's box is a rectangle too). Temporal
+taps read whole frames: the caller passes each sample's causal history in front (Tin = T + kt - 1), as for the
+pointer kernel; 2D convs are kt = 1. Cout that is not a power of two (96, 192) is covered by two accumulators of
+power-of-two widths (64 + 32, 128 + 64) that share each A box, so no MMA work is wasted on padding columns.
+
+Weights are packed K-major ([Cout, taps * Cin], `conv.pack_weight(..., kmajor=True)`); Cin must be a multiple of
+BK so that a K step never straddles two taps. fp8 (e4m3) operands, fp32 accumulation, per-output-channel weight
+scale times the activation scale in the epilogue, as in `conv.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from vaeopt.kernels.conv import PackedWeight, check_args
+
+
+MEASURED_SM = ((9, 0),)
+ENABLED = True  # benchmarks switch it off to time the pointer kernel on the same process
+
+
+def available(device: torch.device) -> bool:
+    """TMA tensor descriptors in this Triton, on a GPU where the tile choices below were measured (sm_90)."""
+    if not ENABLED or device.type != "cuda":
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) in MEASURED_SM
+
+
+@triton.jit
+def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.constexpr, BW: tl.constexpr,
+                  BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    cols = n + tl.arange(0, BN)
+    if HAS_SCALE:
+        acc = acc * (tl.load(s_ptr + cols, mask=cols < co, other=0.0)[None, :] * xs)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + cols, mask=cols < co, other=0.0)[None, :]
+    y_desc.store([f, h0, w0, n], tl.reshape(acc.to(y_desc.dtype), [1, BH, BW, BN]))
+
+
+@triton.jit
+def _tma_conv_kernel(
+    x_desc,  # [frames_in, H, W, C], box [1, BH, BW, BK]
+    x1_desc,  # box [1, BH, BW, BK1] (BK1 > 0)
+    w0_desc,  # [CO, K] K-major weights, box [BN0, BK]
+    w1_desc,  # the same weights, box [BN1, BK] (unused when BN1 == 0)
+    w01_desc,  # box [BN0, BK1] (BK1 > 0)
+    w11_desc,  # box [BN1, BK1] (BK1 > 0 and BN1 > 0)
+    y0_desc,  # [frames_out, H, W, CO], box [1, BH, BW, BN0]
+    y1_desc,  # box [1, BH, BW, BN1]
+    b_ptr,  # [CO] fp32 bias (HAS_BIAS)
+    s_ptr,  # [CO] fp32 weight scale (HAS_SCALE)
+    xs_ptr,  # [N] fp32 activation scale per sample (XS_PTR)
+    x_scale,  # fp32 activation scale when not XS_PTR
+    T,  # output frames per sample
+    H,
+    W,
+    C,
+    CO,
+    N_TILES,  # column tiles of BN0 + BN1 channels
+    KT: tl.constexpr,
+    KH: tl.constexpr,
+    KW: tl.constexpr,
+    PH: tl.constexpr,
+    PW: tl.constexpr,
+    BH: tl.constexpr,
+    BW: tl.constexpr,
+    BK: tl.constexpr,
+    BN0: tl.constexpr,
+    BN1: tl.constexpr,
+    BK1: tl.constexpr,  # > 0: C == BK + BK1, one K step per tap with two channel boxes (e.g. 96 = 64 + 32)
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    XS_PTR: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
+):
+    pid = tl.program_id(0)
+    # column tiles fastest: the programs that share an input box run together and meet it in L2
+    pid_n = pid % N_TILES
+    pid_s = pid // N_TILES
+    nw = tl.cdiv(W, BW)
+    nh = tl.cdiv(H, BH)
+    wt = pid_s % nw
+    r = pid_s // nw
+    ht = r % nh
+    f = r // nh  # output frame over all samples
+    smp = f // T
+    fin = f + smp * (KT - 1)  # the same frame's tap dt = 0 in the input (history in front of each sample)
+    h0 = ht * BH
+    w0 = wt * BW
+    n0 = pid_n * (BN0 + BN1)
+    BM: tl.constexpr = BH * BW
+    acc0 = tl.zeros([BM, BN0], dtype=tl.float32)
+    acc1 = tl.zeros([BM, BN1 if BN1 > 0 else 16], dtype=tl.float32)
+    CB = 1 if BK1 > 0 else C // BK
+    for it in tl.range(0, KT * KH * KW * CB, num_stages=NUM_STAGES):
+        tap = it // CB
+        cb = it - tap * CB
+        dt = tap // (KH * KW)
+        rr = tap - dt * (KH * KW)
+        dy = rr // KW - PH
+        dx = rr % KW - PW
+        a = tl.reshape(x_desc.load([fin + dt, h0 + dy, w0 + dx, cb * BK]), [BM, BK])
+        k = tap * C + cb * BK
+        b0 = w0_desc.load([n0, k])
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b0 = b0.to(tl.float32)
+        acc0 = tl.dot(a, tl.trans(b0), acc0)
+        if BN1 > 0:
+            b1 = w1_desc.load([n0 + BN0, k])
+            if DOT_F32:
+                b1 = b1.to(tl.float32)
+            acc1 = tl.dot(a, tl.trans(b1), acc1)
+        if BK1 > 0:
+            a1 = tl.reshape(x1_desc.load([fin + dt, h0 + dy, w0 + dx, BK]), [BM, BK1])
+            b01 = w01_desc.load([n0, k + BK])
+            if DOT_F32:
+                a1 = a1.to(tl.float32)
+                b01 = b01.to(tl.float32)
+            acc0 = tl.dot(a1, tl.trans(b01), acc0)
+            if BN1 > 0:
+                b11 = w11_desc.load([n0 + BN0, k + BK])
+                if DOT_F32:
+                    b11 = b11.to(tl.float32)
+                acc1 = tl.dot(a1, tl.trans(b11), acc1)
+    if XS_PTR:
+        xs = tl.load(xs_ptr + smp)
+    else:
+        xs = x_scale
+    _tma_epilogue(acc0, n0, CO, f, h0, w0, y0_desc, s_ptr, b_ptr, xs, BH, BW, BN0, HAS_SCALE, HAS_BIAS)
+    if BN1 > 0:
+        _tma_epilogue(acc1, n0 + BN0, CO, f, h0, w0, y1_desc, s_ptr, b_ptr, xs, BH, BW, BN1, HAS_SCALE, HAS_BIAS)
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaConfig:
+    bh: int = 1  # output tile: bh rows x bw columns of one frame
+    bw: int = 128
+    bk: int = 32
+    bn0: int = 64
+    bn1: int = 32
+    num_warps: int = 4
+    num_stages: int = 4
+    bk1: int = 0  # > 0: Cin == bk + bk1, one K step per tap
+
+    def n_width(self) -> int:
+        return self.bn0 + self.bn1
+
+
+def tuned_config(cin: int, cout: int, w: int, fp8: bool) -> TmaConfig | None:
+    """The measured best tile for an e4m3 layer class on an H200, or None where the pointer kernel stays
+    (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/perf-notes.md E20). bf16: None everywhere: per call
+    the kernel trails cuDNN at >= 128 channels (460-570 vs 690-770 TFLOP/s), and Wan's 96-channel convs on it
+    (unstacked) made the whole 480p decode slower than the time-stacked cuDNN path (644 vs 616 ms)."""
+    if not fp8:
+        return None
+    if cin == cout == 96:
+        return TmaConfig(1, 256, 64, 64, 32, 8, 3, bk1=32)
+    if cin == cout == 192:
+        return TmaConfig(1, 128, 64, 128, 64, 8, 3)
+    if cin % 128 == 0 and cout % 128 == 0 and w >= 32:  # measured at Cin = Cout; the tile is the same for 512 -> 256
+        return TmaConfig(4, 32, 128, 128, 0, 8, 4)
+    return None
+
+
+def conv_tma(
+    x: torch.Tensor,
+    pw: PackedWeight,
+    bias: torch.Tensor | None,
+    padding: tuple[int, int],
+    *,
+    x_scale: torch.Tensor | float | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: TmaConfig | None = None,
+) -> torch.Tensor:
+    """The same contract as `conv.conv_igemm` (stride 1, 'same' spatial padding, no temporal padding), through TMA
+    boxes. pw must be packed K-major and Cin a multiple of the config's BK."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a = check_args("conv_tma", x, pw, padding, x_scale, out_dtype)
+    if not pw.kmajor:
+        raise ValueError("conv_tma: weights must be packed K-major (pack_weight(..., kmajor=True))")
+    N, Tin, T, H, W, fp8 = a.N, a.Tin, a.T, a.H, a.W, a.fp8
+    kt, kh, kw = pw.kernel
+    ph, pwd = padding
+    CO, C = pw.cout, pw.cin
+    cfg = config or tuned_config(C, CO, W, fp8)
+    if cfg is None:
+        raise ValueError(f"conv_tma: no tile config for {C}->{CO} channels (pass one)")
+    if cfg.bk1 and cfg.bk + cfg.bk1 != C:
+        raise ValueError(f"conv_tma: config splits Cin as {cfg.bk} + {cfg.bk1}, the layer has {C}")
+    if not cfg.bk1 and C % cfg.bk:
+        raise ValueError(f"conv_tma: Cin {C} is not a multiple of BK {cfg.bk}")
+    yd = torch.empty((N * T, H, W, CO), device=x.device, dtype=a.odt)
+    y = a.output_view(yd)
+    if yd.numel() == 0:
+        return y
+    xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, C)
+    xs_t, xs_f = a.xs_t, a.xs_f
+    b = bias.detach().float().contiguous() if bias is not None else None
+    bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
+    x_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk])
+    w0_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk])
+    # unused descriptors are passed as None (constexpr): each descriptor argument costs host time at every launch
+    w1_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk]) if bn1 else None
+    x1_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk1]) if bk1 else None
+    w01_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk1]) if bk1 else None
+    w11_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk1]) if bk1 and bn1 else None
+    y0_desc = TensorDescriptor(yd, list(yd.shape), list(yd.stride()), [1, bh, bw, bn0])
+    y1_desc = TensorDescriptor(yd, list(yd.shape), list(yd.stride()), [1, bh, bw, bn1]) if bn1 else None
+    n_tiles = triton.cdiv(CO, cfg.n_width())
+    grid = (N * T * triton.cdiv(H, bh) * triton.cdiv(W, bw) * n_tiles,)
+    _tma_conv_kernel[grid](
+        x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc,
+        b, pw.scale if fp8 else None, xs_t, xs_f,
+        T, H, W, C, CO, n_tiles,
+        KT=kt, KH=kh, KW=kw, PH=ph, PW=pwd, BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
+        HAS_BIAS=b is not None, HAS_SCALE=fp8, XS_PTR=xs_t is not None, NUM_STAGES=cfg.num_stages,
+        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+    )
+    return y
