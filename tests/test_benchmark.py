@@ -52,6 +52,8 @@ def test_skipped_stages_carry_reason(result):
     rows = {r["name"]: r for r in data["rows"]}
     assert rows["+ fp8"]["status"] == "skipped" and "--fp8" in rows["+ fp8"]["reason"]
     assert rows["+ CUDA graphs"]["status"] == "skipped" and "GPU" in rows["+ CUDA graphs"]["reason"]
+    # an image VAE has no causal Conv3d: the row is not shown as a measured step (it has no stage line at all)
+    assert rows["+ stacked Conv3d"]["status"] == "skipped" and "no stacked_conv3d stage" in rows["+ stacked Conv3d"]["reason"]
 
 
 def test_plot_written(result, tmp_path_factory):

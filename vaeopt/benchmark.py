@@ -347,15 +347,13 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         # a stage that reported "skipped" did nothing: show the row as skipped with its reason (the Triton conv row
         # also carries FP8 level 3, whose e4m3 convs are Triton kernels: it counts when those ran)
         fp8_convs = any(s["name"] == "fp8 convs" and s["status"] == "applied" for s in r.stages)
-        for s in ([] if name == "+ Triton conv" and fp8_convs else r.stages):
-            key = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
-                   "+ fused epilogues": "fused_epilogues", "+ phase upsample convs": "upsample_conv",
-                   "+ stacked Conv3d": "stacked_conv3d",
-                   "+ Triton conv": "triton_conv",
-                   "+ attention backend": "attention",
-                   "+ CUDA graphs": "graphs"}.get(name)
-            if key and s["name"] == key and s["status"] in ("skipped", "fallback"):
-                r.status, r.reason = s["status"], s["detail"]  # the stage did not run: no row of its own
+        key = _ROW_STAGE.get(name)
+        if key and r.status == "ok" and not (name == "+ Triton conv" and fp8_convs):
+            line = next((s for s in r.stages if s["name"] == key), None)
+            if line is None:  # the pipeline has no such stage for this family (e.g. stacked Conv3d for an image VAE)
+                r.status, r.reason = "skipped", f"no {key} stage for {spec.name}: nothing to apply"
+            elif line["status"] in ("skipped", "fallback"):
+                r.status, r.reason = line["status"], line["detail"]  # the stage did not run: no row of its own
         rows.append(r)
     _speedups(rows, dtype)
     mi = machine_info()
@@ -370,6 +368,13 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         "cudnn_autotune": {"benchmark_limit": tuned.data["limit"]} if tuned else None,
         "rows": [asdict(r) for r in rows],
     }
+
+
+# each ladder row's stage: a row counts only when its stage's line says "applied"
+_ROW_STAGE = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
+              "+ fused epilogues": "fused_epilogues", "+ phase upsample convs": "upsample_conv",
+              "+ stacked Conv3d": "stacked_conv3d", "+ Triton conv": "triton_conv", "+ attention backend": "attention",
+              "+ CUDA graphs": "graphs"}
 
 
 def _driver() -> str | None:
