@@ -124,6 +124,7 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     assert r.status == "applied" and r.data["layers"] == n > 0, r.line()
     print(r.line())
     assert 20.0 <= r.data["probe_db"] < r.data["bf16_probe_db"], r.data  # lossy, but not garbage
+    assert r.data["tma_layers"] == 0 and "TMA" not in r.line()  # the TMA variant is sm_90-only: never claimed on CPU
     out, st = decode(vae, z, 2)  # the marked convs really ran on fp8 (chunk 2: one step)
     assert st["fp8_conv"] == n
     with torch.no_grad():

@@ -307,6 +307,14 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         note = (f"; all {len(cands)} in fp8 measured {stats['all_fp8_db']:.1f} dB, so {len(kept)} most sensitive "
                 f"kept in {dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
     chans = sorted({m.out_channels for _, m in chosen})
+    from vaeopt.kernels import tma_conv
+
+    n_tma = sum(tma_conv.available(torch.device(device)) and tma_conv.tuned_config(
+        m.in_channels, m.out_channels, 1 << 30, True) is not None for _, m in chosen)
+    stats["tma_layers"] = n_tma
+    if n_tma:
+        note += (f"; {n_tma} of the {len(chosen)} e4m3 convs through TMA boxes (kernels/tma_conv.py, tiles "
+                 "measured on sm_90)")
     what = ("Conv3d", "the RMS-norm kernel (static scales)") if wan else (
         "Conv2d", "the GroupNorm kernel (per-sample scales from the group max/min; whole-image decodes, tiled ones "
                   "keep their convs)")
