@@ -136,7 +136,7 @@ class Evil:
         return (os.system, ("echo pwned > /tmp/vaeopt_pwned",))
 
 
-def test_pickle_that_runs_code_is_refused(tmp_path):
+def test_pickle_that_runs_code_is_refused(tmp_path, recwarn):
     import os
     import pickle
 
@@ -153,6 +153,8 @@ def test_pickle_that_runs_code_is_refused(tmp_path):
     with pytest.raises(LatentError):
         lat.read_latents(p2)
     assert not os.path.exists("/tmp/vaeopt_pwned")
+    # torch's "Detected pickle protocol" warning is not printed before our one-line error
+    assert not [w for w in recwarn.list if "pickle" in str(w.message)], [str(w.message) for w in recwarn.list]
 
 
 def test_manifest_hints(samples_dir):

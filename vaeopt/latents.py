@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +87,9 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch's pickle-protocol warning would print before our error
+                warnings.simplefilter("ignore")
+                obj = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             msg = str(e)
             code = any(k in msg for k in ("GLOBAL", "Unsupported global", "Unsupported class"))
