@@ -168,3 +168,16 @@ def test_float8_latents_are_upcast(tmp_path):
     t = torch.randn(1, 4, 8, 8).to(torch.float8_e4m3fn)
     z = lat.validate(lat.LatentEntry("", t), SDXL, tmp_path / "f.pt")
     assert z.dtype == torch.float32 and torch.equal(z, t.float())
+
+
+def test_dict_with_non_latent_tensors_keeps_the_latents(tmp_path):
+    """A saved ComfyUI-style LATENT dict with extra small tensors (an index vector, a scalar): the latents are
+    decoded and the skipped tensors are named in a note, instead of failing on the first one that cannot be latents."""
+    p = tmp_path / "comfy.pt"
+    torch.save({"samples": torch.randn(2, 4, 8, 8), "batch_index": torch.arange(2), "scale": torch.tensor(1.0)}, p)
+    lf = lat.read_latents(p)
+    assert [e.name for e in lf.entries] == ["samples"]
+    assert any("skipped 2 tensor(s)" in n and "batch_index (2,)" in n for n in lf.notes), lf.notes
+    only_small = tmp_path / "small.pt"
+    torch.save({"a": torch.arange(3)}, only_small)
+    assert [e.name for e in lat.read_latents(only_small).entries] == ["a"]  # nothing else: validate() says why

@@ -144,6 +144,13 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
 
     if not entries:
         raise LatentError(f"{path}: contains no tensors")
+    small = [e for e in entries if e.tensor.ndim < 3]
+    if key is None and small and len(small) < len(entries):
+        # e.g. a saved ComfyUI LATENT dict ({"samples": ..., plus masks / indices}): decode what can be latents
+        notes.append(f"skipped {len(small)} tensor(s) with fewer than 3 dims, which cannot be latents: "
+                     + ", ".join(f"{e.name or '<tensor>'} {tuple(e.tensor.shape)}" for e in small[:4])
+                     + (", ..." if len(small) > 4 else ""))
+        entries = [e for e in entries if e.tensor.ndim >= 3]
     if key is not None:
         picked = [e for e in entries if e.name == key]
         if not picked:
