@@ -216,6 +216,8 @@ def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     assert len(cands) == 2 * sum(len(b.resnets) for b in model.decoder.up_blocks) + 2 * len(
         model.decoder.mid_block.resnets)
     assert all(n.endswith((".conv1", ".conv2")) and ".resnets." in n for n in names)
+    cands = cands[::3]  # every third (each block kind stays covered): the interpreted e4m3 convs dominate the time
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m: cands)
     r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z)
     assert r.status == "applied" and r.data["layers"] == len(cands), r.line()
     assert "GroupNorm kernel" in r.detail and "Conv2d" in r.detail
