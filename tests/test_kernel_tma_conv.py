@@ -96,7 +96,7 @@ def test_dispatch_only_on_measured_gpus(monkeypatch):
     assert TC.tuned_config(192, 96, 416, True) is None
     assert TC.tuned_config(512, 256, 512, True) is not None  # SDXL's 512 -> 256 resnet conv
     called = []
-    monkeypatch.setattr(TC, "conv_tma", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(TC, "conv_tma_checked", lambda *a, **k: called.append(1))
     x, w, b = _case(1, 16, 16, 1, 4, 4, None)
     xq, s = K.quantize_activation(x)
     K.conv_igemm(xq, K.pack_weight(w, K.E4M3), b, (1, 1), x_scale=s)
@@ -154,8 +154,8 @@ def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
     # every residual conv but up_blocks.1.resnets.0.conv1 (192 -> 384: no measured tile) takes the TMA kernel
     assert line.data["tma_layers"] == 27 and "27 of the 28 e4m3 convs through TMA boxes" in line.line(), line.line()
     calls = []
-    real = TC.conv_tma
-    monkeypatch.setattr(TC, "conv_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = TC.conv_tma_checked
+    monkeypatch.setattr(TC, "conv_tma_checked", lambda *a, **k: calls.append(1) or real(*a, **k))
     z = torch.randn(1, 16, 3, 16, 16, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
     with torch.inference_mode():
         ref = video.decode_video(pipe.model, z, 1, graphs="off", info={})

@@ -309,7 +309,7 @@ def conv_igemm(
         from vaeopt.kernels import tma_conv
 
         if tma_conv.available(x.device) and (cfg := tma_conv.tuned_config(pw.cin, pw.cout, a.W, a.fp8)):
-            return tma_conv.conv_tma(x, pw, bias, padding, x_scale=x_scale, out_dtype=out_dtype, config=cfg)
+            return tma_conv.conv_tma_checked(x, pw, bias, padding, a, cfg)
     N, T, H, W, CO, fp8 = a.N, a.T, a.H, a.W, pw.cout, a.fp8
     kt, kh, kw = pw.kernel
     ph, pwd = padding

@@ -28,19 +28,21 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels.conv import PackedWeight, check_args
+from vaeopt.kernels.conv import ConvArgs, PackedWeight, check_args
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 MEASURED_SM = ((9, 0),)
 ENABLED = True  # benchmarks switch it off to time the pointer kernel on the same process
 
 
 def available(device: torch.device) -> bool:
-    """TMA tensor descriptors in this Triton, on a GPU where the tile choices below were measured (sm_90)."""
-    if not ENABLED or device.type != "cuda":
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
+    """TMA tensor descriptors in this Triton, on a GPU where the tile choices below were measured (sm_90). Asked on
+    every e4m3 conv call by conv_igemm: no imports here."""
+    if not ENABLED or TensorDescriptor is None or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) in MEASURED_SM
 
@@ -195,18 +197,23 @@ def conv_tma(
 ) -> torch.Tensor:
     """The same contract as `conv.conv_igemm` (stride 1, 'same' spatial padding, no temporal padding), through TMA
     boxes. pw must be packed K-major and Cin a multiple of the config's BK."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     a = check_args("conv_tma", x, pw, padding, x_scale, out_dtype)
     if not pw.kmajor:
         raise ValueError("conv_tma: weights must be packed K-major (pack_weight(..., kmajor=True))")
+    cfg = config or tuned_config(pw.cin, pw.cout, a.W, a.fp8)
+    if cfg is None:
+        raise ValueError(f"conv_tma: no tile config for {pw.cin}->{pw.cout} channels (pass one)")
+    return conv_tma_checked(x, pw, bias, padding, a, cfg)
+
+
+def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, padding: tuple[int, int],
+                     a: ConvArgs, cfg: TmaConfig) -> torch.Tensor:
+    """conv_tma after its arguments were checked (`a` from conv.check_args, pw K-major): what conv_igemm's dispatch
+    calls, so that a dispatched call is validated once."""
     N, Tin, T, H, W, fp8 = a.N, a.Tin, a.T, a.H, a.W, a.fp8
     kt, kh, kw = pw.kernel
     ph, pwd = padding
     CO, C = pw.cout, pw.cin
-    cfg = config or tuned_config(C, CO, W, fp8)
-    if cfg is None:
-        raise ValueError(f"conv_tma: no tile config for {C}->{CO} channels (pass one)")
     if cfg.bk1 and cfg.bk + cfg.bk1 != C:
         raise ValueError(f"conv_tma: config splits Cin as {cfg.bk} + {cfg.bk1}, the layer has {C}")
     if not cfg.bk1 and C % cfg.bk:
