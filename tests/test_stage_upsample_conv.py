@@ -226,3 +226,136 @@ def test_gpu_phase_conv_bf16_and_interleave():
     finally:
         torch.backends.cudnn.allow_tf32 = prev
     assert err_phase <= 1.5 * err_plain, (err_phase, err_plain)
+
+
+# ---- e4m3 phase convs on the TMA kernel (FP8 level 3's upsamplers) --------------------------------------------------
+
+def _need_tma():
+    _need_triton()
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+
+
+def _e4m3_case(n=2, ci=32, co=48, h=5, w=7, seed=0, dev="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, ci, h, w, generator=g) * torch.linspace(0.5, 4.0, n).view(n, 1, 1, 1)
+    wt = torch.randn(co, ci, 3, 3, generator=g) / (9 * ci) ** 0.5
+    b = torch.randn(co, generator=g) * 0.1
+    return (x.to(dev).contiguous(memory_format=torch.channels_last), wt.to(dev), b.to(dev))
+
+
+def _dequantized_reference(x8, s, pw4, b):
+    """The same phase convs in fp32 on the dequantized operands, interleaved."""
+    wq = (pw4.w.float() * pw4.scale[:, None]).reshape(pw4.cout, 2, 2, -1).permute(0, 3, 1, 2)
+    xd = x8.float() * s.view(-1, 1, 1, 1)
+    return interleave_phases(F.conv2d(xd, wq.to(xd.device), None, padding=1), b.float())
+
+
+@pytest.mark.parametrize("cfg_args,merged", [((2, 4, 16, 32, 16, 4, 1, 0), True), ((4, 4, 16, 16, 0, 4, 1, 0), True),
+                                             ((2, 4, 16, 32, 16, 4, 1, 0), False), ((1, 8, 16, 16, 0, 4, 1, 16), True)])
+def test_e4m3_phase_convs_store_each_phase_in_place(cfg_args, merged):
+    """Interpreter: the four phases, each a 2x2 conv with its own top/left padding, stored into the strided places
+    of the upsampled output (one launch, or one per phase): equal to the dequantized operands' conv, and close to
+    upsample + conv3x3 in fp32. Tiles overhang the 5x7 input; one config splits Cin 32 as 16 + 16."""
+    _need_tma()
+    from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
+    from vaeopt.kernels.tma_conv import TmaConfig
+    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+
+    x, w, b = _e4m3_case()
+    x8, s = quantize_e4m3_per_sample(x)
+    pw4 = phase_weights_e4m3(w)
+    assert pw4.kmajor and pw4.kernel == (1, 2, 2) and pw4.cout == 4 * 48 and pw4.scale.shape == (4 * 48,)
+    y = upconv2x_e4m3(x8, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args), merged=merged)
+    assert y.shape == (2, 48, 10, 14) and y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, _dequantized_reference(x8, s, pw4, b), rtol=1e-5, atol=1e-5)
+    ref = upconv2x_reference(x, w, b)
+    assert ((y - ref).norm() / ref.norm()) < 0.06  # e4m3 operands: ~3.6% here
+    yb = upconv2x_e4m3(x8, s, pw4, None, out_dtype=torch.bfloat16, config=TmaConfig(*cfg_args), merged=merged)
+    torch.testing.assert_close(yb.float(), y - b.view(1, -1, 1, 1), rtol=1e-2, atol=1e-2)
+
+
+def test_e4m3_phase_convs_refuse_bad_arguments():
+    _need_tma()
+    from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
+    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+
+    x, w, b = _e4m3_case(ci=16, co=16)
+    x8, s = quantize_e4m3_per_sample(x)
+    pw4 = phase_weights_e4m3(w)
+    with pytest.raises(ValueError, match="e4m3"):
+        upconv2x_e4m3(x, s, pw4, b)
+    with pytest.raises(ValueError, match="phase kernels"):
+        upconv2x_e4m3(x8, s, phase_weights_e4m3(w[:, :8]), b)
+    from vaeopt.kernels.tma_conv import TmaConfig
+    with pytest.raises(ValueError, match="column tile"):  # a store box would reach into the other column phase
+        upconv2x_e4m3(x8, s, pw4, b, config=TmaConfig(2, 4, 16, 32, 0, 4, 1))
+    with pytest.raises(ValueError, match="x_scale"):
+        upconv2x_e4m3(x8, 0.5, pw4, b)
+    with pytest.raises(ValueError, match="no TMA tile"):  # 16 channels: no measured tile
+        upconv2x_e4m3(x8, s, pw4, b)
+
+
+def test_fp8_upsampler_runs_only_where_marked_and_whole_image(small_kl, monkeypatch):
+    """upsample_conv.run takes the e4m3 path only for a conv that FP8 level 3 marked, only from the whole-image
+    Upsample2D forward (fp8=True: the tiler keeps bf16) and only where the TMA kernel has a tile."""
+    _need_tma()
+    from vaeopt.kernels import tma_conv, upconv
+    from vaeopt.kernels.tma_conv import TmaConfig
+
+    model = small_kl
+    z = torch.randn(1, 4, 6, 5, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model.decode(z).sample
+    with _stages(model):
+        upsample_conv.apply(model, device=CPU, force=True)
+        convs = upsample_conv._image_candidates(model)
+        calls = []
+        real = upconv.upconv2x_e4m3
+        monkeypatch.setattr(upconv, "upconv2x_e4m3", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+        with torch.no_grad():
+            out = model.decode(z).sample
+        assert calls == [] and torch.allclose(out, ref, atol=1e-4)  # not marked: bf16 phase convs
+        for c in convs:
+            c._vaeopt_fp8conv = True
+        with torch.no_grad():
+            model.decode(z)
+        assert calls == [], "no TMA here (CPU): marked convs stay on the plain phase convs"
+        monkeypatch.setattr(tma_conv, "available", lambda d: True)
+        monkeypatch.setattr(tma_conv, "tuned_upconv_config", lambda ci, co: TmaConfig(8, 8, 32, co, 0, 4, 1))
+        x = torch.randn(1, convs[0].in_channels, 4, 4).contiguous(memory_format=torch.channels_last)
+        upsample_conv.run(convs[0], x)  # default fp8=False: what the tiler calls
+        assert calls == []
+        with torch.no_grad():
+            out8 = model.decode(z).sample
+        assert len(calls) == len(convs)
+        from vaeopt.fidelity import psnr
+        assert 25 < psnr(out8, ref) < 80, psnr(out8, ref)  # random weights; lossy but the same image
+
+
+@pytest.mark.gpu
+def test_gpu_e4m3_phase_convs_on_the_measured_tile():
+    """sm_90: the tuned tile (256 ch) equals the dequantized operands' conv, and stays near upsample + conv3x3."""
+    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
+    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+
+    if not tma_conv.available(torch.device("cuda")):
+        pytest.skip("the TMA conv kernel's tiles were measured on sm_90 only")
+    x, w, b = _e4m3_case(n=2, ci=256, co=256, h=48, w=40, dev="cuda")
+    x = x.to(torch.bfloat16)
+    x8, s = quantize_e4m3_per_sample(x)
+    pw4 = phase_weights_e4m3(w)
+    y = upconv2x_e4m3(x8, s, pw4, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 256, 96, 80)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y.float(), _dequantized_reference(x8, s, pw4, b), rtol=2e-2, atol=2e-2)
+    prev = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref = upconv2x_reference(x.float(), w, b)
+    finally:
+        torch.backends.cudnn.allow_tf32 = prev
+    assert (y.float() - ref).norm() / ref.norm() < 0.06

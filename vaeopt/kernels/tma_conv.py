@@ -49,13 +49,17 @@ def available(device: torch.device) -> bool:
 
 @triton.jit
 def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.constexpr, BW: tl.constexpr,
-                  BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PHASES: tl.constexpr, ph, pa,
+                  pb):
     cols = n + tl.arange(0, BN)
-    if HAS_SCALE:
-        acc = acc * (tl.load(s_ptr + cols, mask=cols < co, other=0.0)[None, :] * xs)
+    if HAS_SCALE:  # phase ph's weight scales are rows [ph * co, (ph + 1) * co) of the packed weights
+        acc = acc * (tl.load(s_ptr + ph * co + cols, mask=cols < co, other=0.0)[None, :] * xs)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols, mask=cols < co, other=0.0)[None, :]
-    y_desc.store([f, h0, w0, n], tl.reshape(acc.to(y_desc.dtype), [1, BH, BW, BN]))
+    if PHASES:  # y seen as (frames, H, 2, W, 2 * co): output pixel (2h + pa, 2w + pb)
+        y_desc.store([f, h0, pa, w0, pb * co + n], tl.reshape(acc.to(y_desc.dtype), [1, BH, 1, BW, BN]))
+    else:
+        y_desc.store([f, h0, w0, n], tl.reshape(acc.to(y_desc.dtype), [1, BH, BW, BN]))
 
 
 @triton.jit
@@ -94,11 +98,21 @@ def _tma_conv_kernel(
     XS_PTR: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
+    PHASES: tl.constexpr = False,  # the four 2x2 phase convs of a 2x upsample + 3x3 conv in one launch (see below)
 ):
     pid = tl.program_id(0)
     # column tiles fastest: the programs that share an input box run together and meet it in L2
     pid_n = pid % N_TILES
     pid_s = pid // N_TILES
+    if PHASES:  # phase (a, b) next: its boxes are its neighbours' shifted by one pixel
+        ph = pid_s % 4
+        pid_s = pid_s // 4
+        pa = ph // 2
+        pb = ph % 2
+    else:
+        ph = 0
+        pa = 0
+        pb = 0
     nw = tl.cdiv(W, BW)
     nh = tl.cdiv(H, BH)
     wt = pid_s % nw
@@ -119,29 +133,29 @@ def _tma_conv_kernel(
         cb = it - tap * CB
         dt = tap // (KH * KW)
         rr = tap - dt * (KH * KW)
-        dy = rr // KW - PH
-        dx = rr % KW - PW
+        dy = rr // KW - PH + pa
+        dx = rr % KW - PW + pb
         a = tl.reshape(x_desc.load([fin + dt, h0 + dy, w0 + dx, cb * BK]), [BM, BK])
         k = tap * C + cb * BK
-        b0 = w0_desc.load([n0, k])
+        b0 = w0_desc.load([ph * CO + n0, k])
         if DOT_F32:
             a = a.to(tl.float32)
             b0 = b0.to(tl.float32)
         acc0 = tl.dot(a, tl.trans(b0), acc0)
         if BN1 > 0:
-            b1 = w1_desc.load([n0 + BN0, k])
+            b1 = w1_desc.load([ph * CO + n0 + BN0, k])
             if DOT_F32:
                 b1 = b1.to(tl.float32)
             acc1 = tl.dot(a, tl.trans(b1), acc1)
         if BK1 > 0:
             a1 = tl.reshape(x1_desc.load([fin + dt, h0 + dy, w0 + dx, BK]), [BM, BK1])
-            b01 = w01_desc.load([n0, k + BK])
+            b01 = w01_desc.load([ph * CO + n0, k + BK])
             if DOT_F32:
                 a1 = a1.to(tl.float32)
                 b01 = b01.to(tl.float32)
             acc0 = tl.dot(a1, tl.trans(b01), acc0)
             if BN1 > 0:
-                b11 = w11_desc.load([n0 + BN0, k + BK])
+                b11 = w11_desc.load([ph * CO + n0 + BN0, k + BK])
                 if DOT_F32:
                     b11 = b11.to(tl.float32)
                 acc1 = tl.dot(a1, tl.trans(b11), acc1)
@@ -149,9 +163,11 @@ def _tma_conv_kernel(
         xs = tl.load(xs_ptr + smp)
     else:
         xs = x_scale
-    _tma_epilogue(acc0, n0, CO, f, h0, w0, y0_desc, s_ptr, b_ptr, xs, BH, BW, BN0, HAS_SCALE, HAS_BIAS)
+    _tma_epilogue(acc0, n0, CO, f, h0, w0, y0_desc, s_ptr, b_ptr, xs, BH, BW, BN0, HAS_SCALE, HAS_BIAS,
+                  PHASES, ph, pa, pb)
     if BN1 > 0:
-        _tma_epilogue(acc1, n0 + BN0, CO, f, h0, w0, y1_desc, s_ptr, b_ptr, xs, BH, BW, BN1, HAS_SCALE, HAS_BIAS)
+        _tma_epilogue(acc1, n0 + BN0, CO, f, h0, w0, y1_desc, s_ptr, b_ptr, xs, BH, BW, BN1, HAS_SCALE, HAS_BIAS,
+                      PHASES, ph, pa, pb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +201,16 @@ def tuned_config(cin: int, cout: int, w: int, fp8: bool) -> TmaConfig | None:
     return None
 
 
+def tuned_upconv_config(cin: int, cout: int) -> TmaConfig | None:
+    """The measured tile for the merged e4m3 phase convs of an upsampler (upconv_tma_checked), H200
+    (benchmarks/results/h200_upconv_fp8_2026-11-21b.json): 8 x 16-pixel tiles, K steps of 128 channels, 128 output
+    channels per program was the fastest of 8 configs at all three SDXL shapes (512 ch @128² and @256², 256 ch
+    @512²). None where the channels do not fit it."""
+    if cin % 128 == 0 and cout % 128 == 0:
+        return TmaConfig(8, 16, 128, 128, 0, 8, 4)
+    return None
+
+
 def conv_tma(
     x: torch.Tensor,
     pw: PackedWeight,
@@ -206,10 +232,62 @@ def conv_tma(
     return conv_tma_checked(x, pw, bias, padding, a, cfg)
 
 
+def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | None, a: ConvArgs,
+                       cfg: TmaConfig) -> torch.Tensor:
+    """conv3x3(2x nearest upsample of x) as its four 2x2 phase convs in one launch (kernels/upconv.py explains the
+    phases). x: (N, Cin, H, W) channels_last, pw4: the K-major packed phase kernels (4 * Cout, Cin, 2, 2), phase
+    p = 2a + b in rows [p * Cout, (p + 1) * Cout); `a` describes x (N, H, W, scales; Tin = T = 1). Each program
+    computes one phase of one output tile, with top/left padding (1 - a, 1 - b), and stores it through a descriptor
+    of the output seen as (N, H, 2, W, 2 * Cout): no phase-stacked buffer, no interleave pass. Cout must be a
+    multiple of the config's column tile, so that a store box never reaches into the other column phase.
+    Returns (N, 2H, 2W, Cout) dense (NHWC) in a.odt."""
+    N, H, W = a.N, a.H, a.W
+    kt, kh, kw = pw4.kernel
+    CO, C = pw4.cout // 4, pw4.cin
+    if (kt, kh, kw) != (1, 2, 2) or pw4.cout % 4 or not pw4.kmajor:
+        raise ValueError(f"upconv_tma: expected K-major (4*Cout, Cin, 2, 2) phase kernels, got {pw4.kernel} "
+                         f"x {pw4.cout}")
+    if CO % cfg.n_width():
+        raise ValueError(f"upconv_tma: Cout {CO} is not a multiple of the config's column tile {cfg.n_width()}")
+    if (cfg.bk1 and cfg.bk + cfg.bk1 != C) or (not cfg.bk1 and C % cfg.bk):
+        raise ValueError(f"upconv_tma: Cin {C} does not fit the config's K step ({cfg.bk} + {cfg.bk1})")
+    y = torch.empty((N, 2 * H, 2 * W, CO), device=x.device, dtype=a.odt)
+    if y.numel() == 0:
+        return y
+    y5 = y.view(N, H, 2, W, 2 * CO)
+    xd = x.permute(0, 2, 3, 1)
+    b = bias.detach().float().contiguous() if bias is not None else None
+    bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
+    x_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk])
+    x1_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk1]) if bk1 else None
+    w0_desc = TensorDescriptor.from_tensor(pw4.w, [bn0, bk])
+    w1_desc = TensorDescriptor.from_tensor(pw4.w, [bn1, bk]) if bn1 else None
+    w01_desc = TensorDescriptor.from_tensor(pw4.w, [bn0, bk1]) if bk1 else None
+    w11_desc = TensorDescriptor.from_tensor(pw4.w, [bn1, bk1]) if bk1 and bn1 else None
+    y0_desc = TensorDescriptor(y5, list(y5.shape), list(y5.stride()), [1, bh, 1, bw, bn0])
+    y1_desc = TensorDescriptor(y5, list(y5.shape), list(y5.stride()), [1, bh, 1, bw, bn1]) if bn1 else None
+    n_tiles = CO // cfg.n_width()
+    grid = (N * 4 * triton.cdiv(H, bh) * triton.cdiv(W, bw) * n_tiles,)
+    _tma_conv_kernel[grid](
+        x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc,
+        b, pw4.scale if a.fp8 else None, a.xs_t, a.xs_f,
+        1, H, W, C, CO, n_tiles,
+        KT=1, KH=2, KW=2, PH=1, PW=1, BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
+        HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
+        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, PHASES=True,
+        num_warps=cfg.num_warps,
+    )
+    return y
+
+
 def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, padding: tuple[int, int],
-                     a: ConvArgs, cfg: TmaConfig) -> torch.Tensor:
+                     a: ConvArgs, cfg: TmaConfig, yd: torch.Tensor | None = None) -> torch.Tensor | None:
     """conv_tma after its arguments were checked (`a` from conv.check_args, pw K-major): what conv_igemm's dispatch
-    calls, so that a dispatched call is validated once."""
+    calls, so that a dispatched call is validated once.
+
+    padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. yd: an
+    (N*T, H, W, Cout) view to store into instead of a new tensor, any strides TMA takes (last dim dense, the others
+    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_e4m3); returns None then."""
     N, Tin, T, H, W, fp8 = a.N, a.Tin, a.T, a.H, a.W, a.fp8
     kt, kh, kw = pw.kernel
     ph, pwd = padding
@@ -218,8 +296,11 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
         raise ValueError(f"conv_tma: config splits Cin as {cfg.bk} + {cfg.bk1}, the layer has {C}")
     if not cfg.bk1 and C % cfg.bk:
         raise ValueError(f"conv_tma: Cin {C} is not a multiple of BK {cfg.bk}")
-    yd = torch.empty((N * T, H, W, CO), device=x.device, dtype=a.odt)
-    y = a.output_view(yd)
+    if yd is None:
+        yd = torch.empty((N * T, H, W, CO), device=x.device, dtype=a.odt)
+        y = a.output_view(yd)
+    else:
+        y = None
     if yd.numel() == 0:
         return y
     xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, C)

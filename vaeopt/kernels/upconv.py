@@ -55,6 +55,64 @@ def upconv2x(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None = None
     return interleave_phases(p, bias)
 
 
+def phase_weights_e4m3(w: torch.Tensor):
+    """(Cout, Cin, 3, 3) -> the phase kernels (4 * Cout, Cin, 2, 2) (phase p = 2a + b in rows [p * Cout, (p + 1) *
+    Cout)) as one e4m3 K-major PackedWeight with per-row scales. The taps are summed in fp32 and quantized once."""
+    from vaeopt.kernels.conv import E4M3, pack_weight
+
+    return pack_weight(phase_weights(w.detach().float()), E4M3)
+
+
+def _phase_slice(pw4, p: int):
+    """Phase p of the packed phase kernels as its own PackedWeight (a view of rows [p * Cout, (p + 1) * Cout))."""
+    from vaeopt.kernels.conv import PackedWeight
+
+    co = pw4.cout // 4
+    return PackedWeight(pw4.w[p * co:(p + 1) * co], pw4.kernel, pw4.cin, co, pw4.scale[p * co:(p + 1) * co],
+                        pw4.kmajor)
+
+
+def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16, config=None, merged: bool = True) -> torch.Tensor:
+    """conv3x3(2x nearest upsample of x) for an e4m3 x (N, Cin, H, W) channels_last with per-sample scales
+    (x ≈ x8 * x_scale[n]) and pw4 = phase_weights_e4m3(w): (N, Cout, 2H, 2W) channels_last in out_dtype.
+
+    Each phase (a, b) is a 2x2 conv of x with top/left padding (1 - a, 1 - b) on the TMA conv kernel
+    (kernels/tma_conv.py: e4m3 operands, fp32 accumulation, scales and bias in the epilogue), whose output tile is
+    stored straight into its strided place out[:, 2i + a, 2j + b]: no phase-stacked buffer, no interleave pass.
+    merged: the four phases in one launch (tma_conv.upconv_tma_checked); else four launches, one per phase. Needs
+    TMA descriptors (sm_90 on a GPU; the interpreter on CPU) and a tile config for the channel counts
+    (tma_conv.tuned_upconv_config unless `config` is given)."""
+    from vaeopt.kernels.conv import E4M3, ConvArgs
+    from vaeopt.kernels.tma_conv import conv_tma_checked, tuned_upconv_config, upconv_tma_checked
+
+    if x8.dim() != 4 or x8.dtype != E4M3 or not x8.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"upconv2x_e4m3: x must be e4m3 (N, C, H, W) channels_last, got {x8.dtype} "
+                         f"{tuple(x8.shape)}")
+    N, C, H, W = x8.shape
+    if (getattr(pw4, "kernel", None) != (1, 2, 2) or pw4.cin != C or pw4.scale is None or not pw4.kmajor
+            or pw4.cout % 4):
+        raise ValueError("upconv2x_e4m3: pw4 must be the e4m3 K-major 2x2 phase kernels of a "
+                         f"{C}-channel input (phase_weights_e4m3)")
+    CO = pw4.cout // 4
+    if not isinstance(x_scale, torch.Tensor) or x_scale.numel() not in (1, N) or x_scale.device != x8.device:
+        raise ValueError(f"upconv2x_e4m3: x_scale must be a tensor of 1 or {N} scales on {x8.device}")
+    cfg = config or tuned_upconv_config(C, CO)
+    if cfg is None:
+        raise ValueError(f"upconv2x_e4m3: no TMA tile for {C}->{CO} channels")
+    xs = x_scale.reshape(-1).float()
+    xs = xs.expand(N).contiguous() if xs.numel() != N else xs
+    args = ConvArgs(N, 1, 1, H, W, True, out_dtype, xs, 1.0, False)
+    if merged:
+        return upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)
+    y = torch.empty((N, 2 * H, 2 * W, CO), dtype=out_dtype, device=x8.device)
+    y6 = y.view(N, H, 2, W, 2, CO)
+    for p in range(4):
+        a, b = divmod(p, 2)
+        conv_tma_checked(x8, _phase_slice(pw4, p), bias, (1 - a, 1 - b), args, cfg, yd=y6[:, :, a, :, b, :])
+    return y.permute(0, 3, 1, 2)
+
+
 def interleave_phases(p: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(N, 4*C, H+1, W+1) phase-stacked conv output -> (N, C, 2H, 2W): out[2i+a, 2j+b] = p[phase 2a+b][i+a, j+b]
     (+ bias[c])."""

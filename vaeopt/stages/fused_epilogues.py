@@ -207,7 +207,7 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
         if output_size is None and _phase_upsampler(self, hidden_states):
             from vaeopt.stages.upsample_conv import run
 
-            return run(self.conv, hidden_states)
+            return run(self.conv, hidden_states, fp8=True)  # e4m3 phase convs if FP8 level 3 marked the conv
         if output_size is None and _use_kernel(hidden_states):
             from vaeopt.kernels.epilogue import upsample_nearest2x
 

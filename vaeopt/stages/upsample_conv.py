@@ -30,6 +30,8 @@ from vaeopt.stages import StageResult, cached_weight, drop_attrs
 NAME = "upsample_conv"
 _MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
 _W4 = "_vaeopt_upconv_w4"  # on the nn.Conv2d: (weight key, dtype) -> phase kernels
+_W4_8 = "_vaeopt_upconv_w4_e4m3"  # on the nn.Conv2d: (weight key) -> the four e4m3 phase PackedWeights
+_FP8 = "_vaeopt_fp8conv"  # set on the conv by FP8 level 3 (stages/triton_conv.apply_fp8)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -104,7 +106,7 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
 
 
 def revert(model: nn.Module) -> None:
-    drop_attrs(model, _MARK, _W4)
+    drop_attrs(model, _MARK, _W4, _W4_8)
 
 
 def marked(conv) -> bool:
@@ -132,8 +134,40 @@ def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
     return cached_weight(conv, _W4, dtype, make)
 
 
-def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """conv(2x nearest upsample of x) through the phase kernels; the conv's bias added unless bias=False."""
+def fp8_ready(conv: nn.Conv2d, device: torch.device) -> bool:
+    """The conv's phase convs can run in e4m3 here: the TMA conv kernel is available (sm_90) and has a measured tile
+    for its channels (kernels/tma_conv.tuned_upconv_config)."""
+    from vaeopt.kernels import tma_conv
+
+    return (marked(conv) and tma_conv.available(torch.device(device))
+            and tma_conv.tuned_upconv_config(conv.in_channels, conv.out_channels) is not None)
+
+
+def _fp8_phase(conv: nn.Conv2d, x: torch.Tensor):
+    """The conv's four e4m3 phase kernels when FP8 level 3 marked it and x suits the e4m3 path, else None."""
+    if not getattr(conv, _FP8, False) or x.dim() != 4 or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    if not x.is_contiguous(memory_format=torch.channels_last) or not fp8_ready(conv, x.device):
+        return None
+    from vaeopt.kernels.upconv import phase_weights_e4m3
+
+    return cached_weight(conv, _W4_8, "e4m3", lambda: phase_weights_e4m3(conv.weight))
+
+
+def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False) -> torch.Tensor:
+    """conv(2x nearest upsample of x) through the phase kernels; the conv's bias added unless bias=False.
+
+    fp8=True (the whole-image decode's Upsample2D forward): when FP8 level 3 marked the conv, x is quantized to
+    e4m3 per sample (kernels/act_quant.py) and the phases run on the e4m3 TMA conv kernel, written straight into
+    the upsampled output (kernels/upconv.upconv2x_e4m3). Tiled decodes keep bf16 (a tile's scale would differ from
+    the whole image's)."""
+    pws = _fp8_phase(conv, x) if fp8 else None
+    if pws is not None:
+        from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
+        from vaeopt.kernels.upconv import upconv2x_e4m3
+
+        x8, s = quantize_e4m3_per_sample(x)
+        return upconv2x_e4m3(x8, s, pws, conv.bias if bias else None, out_dtype=x.dtype)
     from vaeopt.kernels.upconv import upconv2x
 
     return upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None)
