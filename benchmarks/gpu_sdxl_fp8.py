@@ -144,7 +144,7 @@ def decodes() -> list:
                                 ("fp8 512-ch inputs only", {"fp8": "on", "gate_db": 0.0, "wide": 512}),
                                 ("fp8 >=256-ch inputs only", {"fp8": "on", "gate_db": 0.0, "wide": 256})):
                 wide = opts.pop("wide", 0)
-                triton_conv.fp8_candidates = (lambda m, w=wide: [(n, c) for n, c in all_cands(m)
+                triton_conv.fp8_candidates = (lambda m, d=None, w=wide: [(n, c) for n, c in all_cands(m, d)
                                                                  if c.in_channels >= w and c.out_channels >= w])
                 t0 = time.perf_counter()
                 pipe = make_pipe(fam, **opts)

@@ -9,7 +9,10 @@ Variants (one pipeline each, one process, interleaved rounds, CUDA events around
   pointer      --stack-conv3d off with the TMA kernel disabled (the pointer kernel)
   bf16         default options (image workloads)
   fp8_pointer  --fp8 on --fp8-gate G, the e4m3 convs on the pointer kernel
-  fp8_tma      the same on the TMA kernel
+  fp8_tma      the same on the TMA kernel (image decoders: the upsampler convs too, as e4m3 phase convs)
+  fp8_noup     fp8_tma with the upsampler convs kept in bf16 (image decoders)
+  fp8_all      fp8_tma with the 128-channel resnet convs too (IMAGE_FP8_MIN_CH = 0)
+--profile: afterwards, a torch.profiler kernel table of 3 eager (ungraphed) decodes per variant.
 PSNR of each variant's output against the first variant's.
 """
 import argparse
@@ -27,6 +30,7 @@ from _common import make_pipe, out_dir, run_meta  # noqa: E402
 
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.kernels import tma_conv  # noqa: E402
+from vaeopt.stages import triton_conv  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--workload", default="wan21-480p")
@@ -35,10 +39,12 @@ ap.add_argument("--rounds", type=int, default=5)
 ap.add_argument("--chunk", type=int, default=None)
 ap.add_argument("--fp8-gate", type=float, default=30.0)
 ap.add_argument("--graphs", action="store_true", help="image workloads: decode through the captured CUDA graph")
+ap.add_argument("--profile", action="store_true")
 args = ap.parse_args()
 
 OPTS = {"stacked": {}, "bf16": {}, "tma": {"stack_conv3d": "off"}, "pointer": {"stack_conv3d": "off"},
-        "fp8_pointer": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_tma": {"fp8": "on", "gate_db": args.fp8_gate}}
+        "fp8_pointer": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_tma": {"fp8": "on", "gate_db": args.fp8_gate},
+        "fp8_noup": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_all": {"fp8": "on", "gate_db": args.fp8_gate}}
 calls = {"tma": 0}
 _orig = tma_conv.conv_tma_checked  # what conv_igemm's dispatch calls
 
@@ -55,7 +61,13 @@ extra = {"chunk": args.chunk} if args.chunk else {}
 pipes, res = {}, {}
 for name in args.variants.split(","):
     tma_conv.ENABLED = "pointer" not in name
+    ups, min_ch = triton_conv.fp8_upsampler_candidates, triton_conv.IMAGE_FP8_MIN_CH
+    if name == "fp8_noup":
+        triton_conv.fp8_upsampler_candidates = lambda m, d: []
+    if name == "fp8_all":
+        triton_conv.IMAGE_FP8_MIN_CH = 0
     p = make_pipe(fam, **extra, **OPTS[name])
+    triton_conv.fp8_upsampler_candidates, triton_conv.IMAGE_FP8_MIN_CH = ups, min_ch
     if args.graphs and not p.family.is_video:
         p.enable_graphs("gpu_tma_decode --graphs")
     pipes[name] = (p, p.plan(shape))
@@ -89,6 +101,15 @@ with torch.inference_mode():
             torch.cuda.synchronize()
             del y
             res[name]["ms"].append(a.elapsed_time(b))
+    if args.profile:
+        from gpu_profile import profile
+
+        for name in pipes:
+            p, plan = pipes[name]
+            tma_conv.ENABLED = "pointer" not in name
+            fn = (lambda p=p, plan=plan: p._decode_video(z, plan, None)) if p.family.is_video else (
+                lambda p=p: p._decode_whole_raw(z))
+            res[name]["profile"] = profile(fn, n=3, top=30)
 first = next(iter(outs))
 for name, r in res.items():
     r["median_ms"] = statistics.median(r["ms"])
@@ -102,3 +123,10 @@ for name, r in res.items():
     print(f"{name:12s} median {r['median_ms']:7.1f} ms  range {min(r['ms']):.1f}-{max(r['ms']):.1f}  "
           f"tma calls/decode {r['tma_calls_per_decode']:3d}  peak {r['peak_gib']:.2f} GiB  "
           f"PSNR vs {first} {r[f'psnr_vs_{first}_db']:.1f} dB")
+if args.profile:
+    for name, r in res.items():
+        pr = r["profile"]
+        print(f"\n## {name}: {pr['total_ms']:.2f} ms of kernels; " + ", ".join(
+            f"{k} {v:.2f}" for k, v in pr["by_category_ms"].items()))
+        for k, v in pr["top_kernels_ms"][:14]:
+            print(f"  {v:6.3f}  {k}")

@@ -136,7 +136,7 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     # line (on two candidates: every probe of the search runs the interpreted e4m3 conv)
     triton_conv.revert(vae)
     two = triton_conv.fp8_candidates(vae)[-2:]
-    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m: two)
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: two)
     r2 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z)
     assert r2.status == "fallback" and f"{r2.data['probe_db']:.1f} dB" in r2.detail and "< gate 99" in r2.detail
     assert not any(getattr(m, "_vaeopt_fp8conv", False) for m in vae.modules())
@@ -162,7 +162,7 @@ def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
     vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
     cands = triton_conv.fp8_candidates(vae)[-3:]  # three full-resolution convs (fast under the interpreter)
-    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m: cands)
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: cands)
     bad_name, bad = cands[1]
     blk = next(b for n, b in vae.decoder.named_modules() if f"decoder.{n}.conv1" == bad_name or
                f"decoder.{n}.conv2" == bad_name)
@@ -217,7 +217,7 @@ def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
         model.decoder.mid_block.resnets)
     assert all(n.endswith((".conv1", ".conv2")) and ".resnets." in n for n in names)
     cands = cands[::3]  # every third (each block kind stays covered): the interpreted e4m3 convs dominate the time
-    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m: cands)
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: cands)
     r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z)
     assert r.status == "applied" and r.data["layers"] == len(cands), r.line()
     assert "GroupNorm kernel" in r.detail and "Conv2d" in r.detail
@@ -230,7 +230,7 @@ def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
         out = model.decode(z).sample.float()
     assert calls == [torch.float8_e4m3fn] * len(cands)  # every marked conv ran on e4m3, nothing else did
     assert abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
-    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m: cands[-1:])  # one layer: the interpreter is slow
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: cands[-1:])  # one layer: the interpreter is slow
     r2 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z)
     assert r2.status == "fallback" and "< gate 99" in r2.detail
     triton_conv.revert(model)
@@ -251,3 +251,61 @@ def test_fp8_pack_cache_accepts_inference_tensors(samples_dir):
         pw = triton_conv.packed_fp8(conv)
         assert triton_conv.packed_fp8(conv) is pw  # cached
     assert pw.w.dtype == torch.float8_e4m3fn and pw.cout == 8
+
+
+def test_fp8_upsampler_convs_join_the_gate(samples_dir, monkeypatch):
+    """Where the TMA kernel has a tile (sm_90; faked here, the interpreter runs it), the upsampler convs that run as
+    phase convs become FP8 level-3 candidates: the stage line names them, the gate's probe includes them, and the
+    decode runs them as e4m3 phase convs; on CPU (no TMA) they are never candidates."""
+    import importlib
+
+    from vaeopt.fidelity import psnr
+    from vaeopt.kernels import tma_conv
+    from vaeopt.stages import upsample_conv
+
+    model, z = _tiny_kl_fused(samples_dir)
+    with torch.no_grad():
+        ref = model.decode(z).sample.float()
+    assert upsample_conv.apply(model, device=torch.device("cpu"), force=True).status == "applied"
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH", 0)
+    monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH_TMA", 0)
+    assert triton_conv.fp8_upsampler_candidates(model, torch.device("cpu")) == []  # no TMA on CPU
+    monkeypatch.setattr(tma_conv, "available", lambda d: True)
+    # big tiles: few interpreted programs
+    monkeypatch.setattr(tma_conv, "tuned_upconv_config", lambda ci, co: tma_conv.TmaConfig(8, 8, 32, co, 0, 4, 1))
+    ups = triton_conv.fp8_upsampler_candidates(model, torch.device("cpu"))
+    assert [n for n, _ in ups] == [f"decoder.up_blocks.{i}.upsamplers.0.conv" for i in range(len(ups))]
+    assert len(ups) == sum(b.upsamplers is not None for b in model.decoder.up_blocks)
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: [])  # the upsamplers alone: the interpreter is slow
+    upconv = importlib.import_module("vaeopt.kernels.upconv")
+    calls = []
+    real = upconv.upconv2x_e4m3
+    monkeypatch.setattr(upconv, "upconv2x_e4m3", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z)
+    assert r.status == "applied" and r.data["layers"] == r.data["upsampler_layers"] == len(ups), r.line()
+    assert r.detail.startswith(f"{len(ups)} upsampler convs as 2x2 phase convs in e4m3"), r.detail
+    calls.clear()
+    with torch.no_grad():
+        out = model.decode(z).sample.float()
+    assert len(calls) == len(ups)
+    assert abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
+    triton_conv.revert(model)
+    upsample_conv.revert(model)
+
+
+def test_image_fp8_channel_policy_follows_the_kernel(samples_dir, monkeypatch):
+    """The narrowest e4m3 resnet conv is the one measured to pay on the kernel this device runs: >= 256 channels on
+    the pointer kernel, >= 128 where the TMA kernel runs (sm_90)."""
+    from vaeopt.kernels import tma_conv
+
+    model, _ = _tiny_kl_fused(samples_dir)  # 32-128 channels wide
+    cpu = torch.device("cpu")
+    assert triton_conv.image_min_channels(cpu) == triton_conv.IMAGE_FP8_MIN_CH == 256
+    assert triton_conv.fp8_candidates(model, cpu) == []
+    monkeypatch.setattr(tma_conv, "available", lambda d: True)
+    assert triton_conv.image_min_channels(cpu) == triton_conv.IMAGE_FP8_MIN_CH_TMA == 128
+    wide = triton_conv.fp8_candidates(model, cpu)
+    assert wide and all(min(c.in_channels, c.out_channels) >= 128 for _, c in wide)
+    monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH_TMA", 0)
+    assert len(triton_conv.fp8_candidates(model, cpu)) > len(wide)  # the narrower convs exist and were left out

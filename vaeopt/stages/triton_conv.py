@@ -133,6 +133,10 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
 # On sm_90, conv_igemm runs these e4m3 layers on the TMA variant of the kernel (kernels/tma_conv.py), 11-37% faster
 # per call (h200_tma_conv_2026-11-21b.json): wan21-480p with all 28 in e4m3 505.5 -> 452.7 ms, sdxl-1024 (graphs)
 # 19.0 -> 17.4 ms against 18.1 in bf16 (h200_tma_decode_*_2026-11-21.json, docs/perf-notes.md E20).
+# Image decoders' upsampler convs (sm_90 only) can join as e4m3 2x2 phase convs in one TMA launch, their input
+# quantized per sample by kernels/act_quant.py (stages/upsample_conv.run): per call 0.87 -> 0.58 + 0.09 ms (512 ch
+# @256²), 1.12 -> 0.79 + 0.18 (256 ch @512²), but 0.25 -> 0.22 + 0.07 at 512 ch @128² (h200_upconv_fp8_2026-11-21b).
+# They are the most sensitive layers on the random-weight SDXL model (37.5 / 38.2 dB alone), so the gate decides.
 
 
 def fp8_available(device: torch.device) -> tuple[bool, str]:
@@ -145,8 +149,13 @@ def fp8_available(device: torch.device) -> tuple[bool, str]:
 # Image decoders: where (GroupNorm e4m3 + e4m3 conv) measured faster than (GroupNorm bf16 + cuDNN bf16), H200,
 # benchmarks/results/h200_sdxl_fp8_2026-11-21.json: 512 ch @128-256² and 512->256 / 256 ch @512² win (0.02-0.08 ms
 # each), 128-ch layers at 1024² lose (cuDNN 720 TFLOP/s there, and the norm's max/min pass costs 0.1-0.3 ms). Whole
-# sdxl-1024 decode: all 28 resnet convs 21.43 ms, the 22 with >= 256 channels 20.76 ms, bf16 21.24 ms.
-IMAGE_FP8_MIN_CH = 256
+# sdxl-1024 decode: all 28 resnet convs 21.43 ms, the 22 with >= 256 channels 20.76 ms, bf16 21.24 ms. That was the
+# pointer kernel. On sm_90 the TMA kernel (0.409 vs cuDNN's 0.446 ms at 128 ch @1024²) and the cheaper e4m3 stats
+# pass (one max|x - k| instead of max and min: 2.41 -> 1.93 ms of stats kernels per decode) make the 128-ch layers
+# pay too: all 28 in e4m3 16.0 ms vs the 22 wider ones 16.4 ms, bf16 18.6 (CUDA graphs, one process,
+# h200_tma_decode_sdxl-1024-graphs_2026-11-21f.json; perf-notes E21).
+IMAGE_FP8_MIN_CH = 256  # pointer kernel (sm_89, sm_120, or sm_90 without TMA descriptors)
+IMAGE_FP8_MIN_CH_TMA = 128  # TMA kernel (sm_90)
 
 
 def _is_wan(model: nn.Module) -> bool:
@@ -160,12 +169,21 @@ def _conv2d_fits(m: nn.Module) -> bool:
             and m.groups == 1 and tuple(m.padding) == (1, 1))
 
 
-def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def image_min_channels(device: torch.device | None) -> int:
+    """The narrowest AutoencoderKL resnet conv (min of Cin, Cout) that measured faster in e4m3 on this device."""
+    from vaeopt.kernels import tma_conv
+
+    return IMAGE_FP8_MIN_CH_TMA if device is not None and tma_conv.available(torch.device(device)) else IMAGE_FP8_MIN_CH
+
+
+def fp8_candidates(model: nn.Module, device: torch.device | None = None) -> list[tuple[str, nn.Module]]:
     """The decoder's residual-block convs fed by a norm + SiLU (conv1, conv2), where the fp8 input can be written by
     the norm kernel: Wan's 3x3x3 causal convs (RMS norm, vaeopt.video's chunk decoder) and AutoencoderKL's 3x3
-    Conv2d in the resnets that stages/fused_epilogues runs (GroupNorm). conv_in / conv_out / shortcuts / upsampler
-    and time convs stay in bf16 (their inputs come from no norm kernel)."""
+    Conv2d in the resnets that stages/fused_epilogues runs (GroupNorm), as wide as `image_min_channels(device)`.
+    conv_in / conv_out / shortcuts / time convs stay in bf16 (their inputs come from no norm kernel); upsampler
+    convs are `fp8_upsampler_candidates`."""
     out = []
+    min_ch = image_min_channels(device)
     dec = getattr(model, "decoder", None)
     if dec is None:
         return out
@@ -179,8 +197,27 @@ def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if id(m) in fused:
             for cname in ("conv1", "conv2"):
                 c = getattr(m, cname)
-                if _conv2d_fits(c) and min(c.in_channels, c.out_channels) >= IMAGE_FP8_MIN_CH:
+                if _conv2d_fits(c) and min(c.in_channels, c.out_channels) >= min_ch:
                     out.append((f"decoder.{name}.{cname}", c))
+    return out
+
+
+def fp8_upsampler_candidates(model: nn.Module, device: torch.device) -> list[tuple[str, nn.Module]]:
+    """AutoencoderKL's upsampler convs that run as 2x2 phase convs (stages/upsample_conv) and can run them in e4m3
+    here: the TMA conv kernel with a measured tile (sm_90), >= IMAGE_FP8_MIN_CH_TMA channels. Their input, a residual
+    sum that no norm writes, is quantized per sample by kernels/act_quant.py (upsample_conv.run)."""
+    dec = getattr(model, "decoder", None)
+    if dec is None or _is_wan(model):
+        return []
+    from vaeopt.stages import upsample_conv
+
+    ups = {id(u) for u in (getattr(model, "_vaeopt_fused_epilogues", None) or {}).get("upsamplers", [])}
+    out = []
+    for name, m in dec.named_modules():
+        c = getattr(m, "conv", None) if id(m) in ups else None
+        if (c is not None and _conv2d_fits(c) and min(c.in_channels, c.out_channels) >= image_min_channels(device)
+                and upsample_conv.fp8_ready(c, device)):
+            out.append((f"decoder.{name}.conv", c))
     return out
 
 
@@ -249,10 +286,12 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     if not fused:
         return StageResult.skipped(name, f"needs the fused path (fused_norms + fused_epilogues): the {norm} kernel "
                                          "writes the convs' e4m3 inputs")
-    cands = fp8_candidates(model)
+    cands = fp8_candidates(model, torch.device(device))
+    ups = [] if wan else fp8_upsampler_candidates(model, torch.device(device))
+    cands = cands + ups
     if not cands:
-        why = "" if wan else (f" with >= {IMAGE_FP8_MIN_CH} channels (narrower ones measured slower in e4m3 than "
-                              "cuDNN bf16, H200)")
+        why = "" if wan else (f" with >= {image_min_channels(device)} channels (narrower ones measured slower in "
+                              "e4m3 than cuDNN bf16, H200)")
         return StageResult.skipped(name, f"no residual-block 3x3 convs fed by a fused norm{why} in this decoder")
     if probe is None:
         g = torch.Generator().manual_seed(0)
@@ -306,11 +345,13 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
                           for n in kept[-3:][::-1])
         note = (f"; all {len(cands)} in fp8 measured {stats['all_fp8_db']:.1f} dB, so {len(kept)} most sensitive "
                 f"kept in {dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
-    chans = sorted({m.out_channels for _, m in chosen})
+    up_ids = {id(m) for _, m in ups}
+    n_up = sum(id(m) in up_ids for _, m in chosen)
+    stats["upsampler_layers"] = n_up
     from vaeopt.kernels import tma_conv
 
-    n_tma = sum(tma_conv.available(torch.device(device)) and tma_conv.tuned_config(
-        m.in_channels, m.out_channels, 1 << 30, True) is not None for _, m in chosen)
+    n_tma = sum(id(m) in up_ids or (tma_conv.available(torch.device(device)) and tma_conv.tuned_config(
+        m.in_channels, m.out_channels, 1 << 30, True) is not None) for _, m in chosen)
     stats["tma_layers"] = n_tma
     if n_tma:
         note += (f"; {n_tma} of the {len(chosen)} e4m3 convs through TMA boxes (kernels/tma_conv.py, tiles "
@@ -318,7 +359,11 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     what = ("Conv3d", "the RMS-norm kernel (static scales)") if wan else (
         "Conv2d", "the GroupNorm kernel (per-sample scales from the group max/min; whole-image decodes, tiled ones "
                   "keep their convs)")
-    return StageResult(name, "applied", f"{len(chosen)} residual-block {what[0]} ({'/'.join(map(str, chans))} ch) on "
-                                        f"the e4m3 implicit-GEMM kernel, inputs quantized by {what[1]}; probe "
+    res_chans = sorted({m.out_channels for _, m in chosen if id(m) not in up_ids})
+    ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in e4m3 (inputs quantized per sample by an amax "
+               "pass, kernels/act_quant.py)" if n_up else "")
+    res_txt = (f"{len(chosen) - n_up} residual-block {what[0]} ({'/'.join(map(str, res_chans))} ch) on the e4m3 "
+               f"implicit-GEMM kernel, inputs quantized by {what[1]}{ups_txt}" if res_chans else ups_txt[2:])
+    return StageResult(name, "applied", f"{res_txt}; probe "
                                         f"{p8:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path {pb:.1f} dB){note}",
                        stats)
