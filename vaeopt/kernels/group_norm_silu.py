@@ -222,7 +222,7 @@ def _finalize_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_CG: tl.constexpr,
     XB: tl.constexpr,
-    BOUND: tl.constexpr = False,  # partials carry group max/min (planes 3, 4): write per-channel output bounds
+    BOUND: tl.constexpr = False,  # partials carry group max/min bounds (planes 3, 4): write per-channel output bounds
     SILU: tl.constexpr = False,
 ):
     ng = tl.program_id(0) * BLOCK_NG + tl.arange(0, BLOCK_NG)  # (n, group) pairs of this program

@@ -155,8 +155,8 @@ def _fp8_weights(conv, x: torch.Tensor):
 
 def _norm_conv(norm, conv, x: torch.Tensor, x_bias) -> torch.Tensor:
     """conv(silu(group_norm(x + x_bias))) without conv's bias. For an fp8-marked conv the norm kernel writes e4m3
-    with a per-sample scale derived from the group max/min, and the conv is the e4m3 implicit-GEMM kernel (fp32
-    accumulation, output in x's dtype); otherwise the bf16 norm kernel and cuDNN."""
+    with a per-sample scale derived from bounds of the group max/min, and the conv is the e4m3 implicit-GEMM kernel
+    (fp32 accumulation, output in x's dtype); otherwise the bf16 norm kernel and cuDNN."""
     pw = _fp8_weights(conv, x)
     if pw is not None:
         from vaeopt.kernels.conv import conv_igemm

@@ -357,8 +357,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         note += (f"; {n_tma} of the {len(chosen)} e4m3 convs through TMA boxes (kernels/tma_conv.py, tiles "
                  "measured on sm_90)")
     what = ("Conv3d", "the RMS-norm kernel (static scales)") if wan else (
-        "Conv2d", "the GroupNorm kernel (per-sample scales from the group max/min; whole-image decodes, tiled ones "
-                  "keep their convs)")
+        "Conv2d", "the GroupNorm kernel (per-sample scales from bounds of the group max/min; whole-image decodes, "
+                  "tiled ones keep their convs)")
     res_chans = sorted({m.out_channels for _, m in chosen if id(m) not in up_ids})
     ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in e4m3 (inputs quantized per sample by an amax "
                "pass, kernels/act_quant.py)" if n_up else "")

@@ -30,7 +30,7 @@ from vaeopt.stages import StageResult, cached_weight, drop_attrs
 NAME = "upsample_conv"
 _MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
 _W4 = "_vaeopt_upconv_w4"  # on the nn.Conv2d: (weight key, dtype) -> phase kernels
-_W4_8 = "_vaeopt_upconv_w4_e4m3"  # on the nn.Conv2d: (weight key) -> the four e4m3 phase PackedWeights
+_W4_8 = "_vaeopt_upconv_w4_e4m3"  # on the nn.Conv2d: (weight key) -> the e4m3 phase kernels (one PackedWeight)
 _FP8 = "_vaeopt_fp8conv"  # set on the conv by FP8 level 3 (stages/triton_conv.apply_fp8)
 
 
@@ -144,7 +144,7 @@ def fp8_ready(conv: nn.Conv2d, device: torch.device) -> bool:
 
 
 def _fp8_phase(conv: nn.Conv2d, x: torch.Tensor):
-    """The conv's four e4m3 phase kernels when FP8 level 3 marked it and x suits the e4m3 path, else None."""
+    """The conv's e4m3 phase kernels when FP8 level 3 marked it and x suits the e4m3 path, else None."""
     if not getattr(conv, _FP8, False) or x.dim() != 4 or not x.is_floating_point() or x.dtype == torch.float64:
         return None
     if not x.is_contiguous(memory_format=torch.channels_last) or not fp8_ready(conv, x.device):
