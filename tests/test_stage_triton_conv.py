@@ -285,6 +285,7 @@ def test_fp8_upsampler_convs_join_the_gate(samples_dir, monkeypatch):
     r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z)
     assert r.status == "applied" and r.data["layers"] == r.data["upsampler_layers"] == len(ups), r.line()
     assert r.detail.startswith(f"{len(ups)} upsampler convs as 2x2 phase convs in e4m3"), r.detail
+    assert r.data["gate_s"] > 0 and f"gate probes {r.data['gate_s']:.1f} s" in r.detail  # the setup cost, measured
     calls.clear()
     with torch.no_grad():
         out = model.decode(z).sample.float()

@@ -15,6 +15,8 @@ e4m3 kernel only under FP8 level 3 (`apply_fp8` below, run by stages/fused_epilo
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -308,6 +310,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
             setattr(m, _MARK8, id(m) in ids)
 
     mark([])
+    t0 = time.perf_counter()
     ref, base = _references(model, probe, dtype)  # once: every probe below is compared with the same decodes
     pb = psnr(base, ref)
     mark(cands)
@@ -353,6 +356,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     n_tma = sum(id(m) in up_ids or (tma_conv.available(torch.device(device)) and tma_conv.tuned_config(
         m.in_channels, m.out_channels, 1 << 30, True) is not None) for _, m in chosen)
     stats["tma_layers"] = n_tma
+    stats["gate_s"] = time.perf_counter() - t0
+    note += f"; gate probes {stats['gate_s']:.1f} s (first use in a process includes the e4m3 kernels' compiles)"
     if n_tma:
         note += (f"; {n_tma} of the {len(chosen)} e4m3 convs through TMA boxes (kernels/tma_conv.py, tiles "
                  "measured on sm_90)")
