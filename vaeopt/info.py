@@ -39,7 +39,8 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
                 "stacked_conv3d": "Wan 2.1's 96/384-ch causal Conv3d as a Conv2d over time-stacked channels "
                                   "(auto on sm_90, where measured)",
                 "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90); "
-                               "FP8 level 3's e4m3 convs (TMA boxes on sm_90)",
+                               "FP8 level 3's e4m3 convs (TMA boxes on sm_90, where image decoders' upsampler "
+                               "convs and 128-ch convs join them)",
                 "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
                 "graphs": "capture + replay for repeated same-shape decodes",
                 "cudnn_autotune": "cuDNN engine configs timed per new conv shape (auto from "
