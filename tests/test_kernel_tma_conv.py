@@ -5,23 +5,13 @@ gpu, on an sm_90 GPU, including conv_igemm's dispatch of e4m3 layers to it."""
 import pytest
 import torch
 
-from test_kernel_conv import _case, _rel  # the same random layers and error measure as the pointer kernel's tests
-from vaeopt.kernels import triton_available
+# the same random layers and error measure as the pointer kernel's tests, and its backend fixture (autouse: the
+# interpreter on CPU, the GPU for gpu tests)
+from test_kernel_conv import _backend, _case, _rel  # noqa: F401
 
 K = pytest.importorskip("vaeopt.kernels.conv")
 TC = pytest.importorskip("vaeopt.kernels.tma_conv")
-
-
-@pytest.fixture(autouse=True)
-def _backend(request):
-    dev = "cuda" if "gpu" in request.keywords else "cpu"
-    ok, why = triton_available(dev)
-    if not ok:
-        pytest.skip(why)
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no host-side tensor descriptors")
+pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host-side tensor descriptors")
 
 
 @pytest.mark.parametrize("shape,cfg", [

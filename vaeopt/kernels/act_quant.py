@@ -55,9 +55,9 @@ def quantize_e4m3_per_sample(x: torch.Tensor, *, block: int | None = None) -> tu
         raise ValueError("quantize_e4m3_per_sample: x must be dense with the batch outermost "
                          "(contiguous or channels_last)")
     q = torch.empty_like(x, dtype=E4M3)
-    scale = torch.full((N,), 1e-12 / E4M3_MAX, dtype=torch.float32, device=x.device)
+    scale = torch.empty(N, dtype=torch.float32, device=x.device)  # written by the cast pass
     if x.numel() == 0:
-        return q, scale
+        return q, scale.fill_(1e-12 / E4M3_MAX)
     blk = block or (8192 if x.is_cuda else 1024)
     amax = torch.zeros(N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(L, blk), N)

@@ -253,6 +253,16 @@ class ConvArgs:
         return yd.view(self.N, self.T, self.H, self.W, -1).permute(0, 4, 1, 2, 3)
 
 
+def per_sample_scales(who: str, x_scale: torch.Tensor, N: int, device: torch.device) -> torch.Tensor:
+    """An activation scale tensor of 1 or N values on `device` -> N fp32 values, one per sample (read by the
+    kernels from the device: no host sync)."""
+    if x_scale.numel() not in (1, N) or x_scale.device != device:
+        raise ValueError(f"{who}: x_scale must hold 1 or {N} values on {device}, got "
+                         f"{tuple(x_scale.shape)} on {x_scale.device}")
+    xs = x_scale.reshape(-1).float()
+    return xs.expand(N).contiguous() if xs.numel() == 1 and N > 1 else xs
+
+
 def check_args(who: str, x: torch.Tensor, pw: PackedWeight, padding: tuple[int, int],
                x_scale: torch.Tensor | float | None, out_dtype: torch.dtype | None) -> ConvArgs:
     """Validate a conv_igemm / conv_tma call (layout, channels, 'same' padding, frames, fp8 pairing, scales)."""
@@ -276,12 +286,7 @@ def check_args(who: str, x: torch.Tensor, pw: PackedWeight, padding: tuple[int, 
         raise ValueError(f"{who}: x is {x.dtype}, weights {pw.w.dtype}")
     xs_t, xs_f = None, 1.0
     if fp8 and isinstance(x_scale, torch.Tensor):
-        if x_scale.numel() not in (1, N) or x_scale.device != x.device:
-            raise ValueError(f"{who}: x_scale must hold 1 or {N} values on {x.device}, got "
-                             f"{tuple(x_scale.shape)} on {x_scale.device}")
-        xs_t = x_scale.reshape(-1).float()
-        if xs_t.numel() == 1 and N > 1:
-            xs_t = xs_t.expand(N).contiguous()
+        xs_t = per_sample_scales(who, x_scale, N, x.device)
     elif fp8:
         xs_f = float(x_scale or 1.0)
     return ConvArgs(N, Tin, T, H, W, fp8, out_dtype or (torch.bfloat16 if fp8 else x.dtype), xs_t, xs_f, x.ndim == 5)

@@ -232,6 +232,45 @@ def conv_tma(
     return conv_tma_checked(x, pw, bias, padding, a, cfg)
 
 
+def _check_k(who: str, C: int, cfg: TmaConfig) -> None:
+    """A K step never straddles two taps: Cin is a multiple of BK, or exactly BK + BK1."""
+    if cfg.bk1 and cfg.bk + cfg.bk1 != C:
+        raise ValueError(f"{who}: config splits Cin as {cfg.bk} + {cfg.bk1}, the layer has {C}")
+    if not cfg.bk1 and C % cfg.bk:
+        raise ValueError(f"{who}: Cin {C} is not a multiple of BK {cfg.bk}")
+
+
+def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, a: ConvArgs,
+            cfg: TmaConfig, yv: torch.Tensor, y_box: list[int], frames: int, T: int, CO: int, pads: tuple[int, int],
+            phases: bool) -> None:
+    """Encode the descriptors and launch _tma_conv_kernel over `frames` output frames (N*T, or N*4 phase frames).
+    xd: the input as (frames_in, H, W, C); yv: the output view the store descriptor covers, y_box its box without
+    the column width. Unused descriptors are passed as None (constexpr): each descriptor argument costs host time
+    at every launch."""
+    bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
+    kt, kh, kw = pw.kernel
+    b = bias.detach().float().contiguous() if bias is not None else None
+    x_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk])
+    x1_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk1]) if bk1 else None
+    w0_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk])
+    w1_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk]) if bn1 else None
+    w01_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk1]) if bk1 else None
+    w11_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk1]) if bk1 and bn1 else None
+    y0_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn0])
+    y1_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn1]) if bn1 else None
+    n_tiles = triton.cdiv(CO, cfg.n_width())
+    grid = (frames * triton.cdiv(a.H, bh) * triton.cdiv(a.W, bw) * n_tiles,)
+    _tma_conv_kernel[grid](
+        x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc,
+        b, pw.scale if a.fp8 else None, a.xs_t, a.xs_f,
+        T, a.H, a.W, pw.cin, CO, n_tiles,
+        KT=kt, KH=kh, KW=kw, PH=pads[0], PW=pads[1], BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
+        HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
+        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, PHASES=phases,
+        num_warps=cfg.num_warps,
+    )
+
+
 def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | None, a: ConvArgs,
                        cfg: TmaConfig) -> torch.Tensor:
     """conv3x3(2x nearest upsample of x) as its four 2x2 phase convs in one launch (kernels/upconv.py explains the
@@ -240,43 +279,16 @@ def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | 
     computes one phase of one output tile, with top/left padding (1 - a, 1 - b), and stores it through a descriptor
     of the output seen as (N, H, 2, W, 2 * Cout): no phase-stacked buffer, no interleave pass. Cout must be a
     multiple of the config's column tile, so that a store box never reaches into the other column phase.
-    Returns (N, 2H, 2W, Cout) dense (NHWC) in a.odt."""
+    x and pw4 were checked by the caller (upconv.upconv2x_e4m3). Returns (N, 2H, 2W, Cout) dense (NHWC) in a.odt."""
     N, H, W = a.N, a.H, a.W
-    kt, kh, kw = pw4.kernel
-    CO, C = pw4.cout // 4, pw4.cin
-    if (kt, kh, kw) != (1, 2, 2) or pw4.cout % 4 or not pw4.kmajor:
-        raise ValueError(f"upconv_tma: expected K-major (4*Cout, Cin, 2, 2) phase kernels, got {pw4.kernel} "
-                         f"x {pw4.cout}")
+    CO = pw4.cout // 4
     if CO % cfg.n_width():
         raise ValueError(f"upconv_tma: Cout {CO} is not a multiple of the config's column tile {cfg.n_width()}")
-    if (cfg.bk1 and cfg.bk + cfg.bk1 != C) or (not cfg.bk1 and C % cfg.bk):
-        raise ValueError(f"upconv_tma: Cin {C} does not fit the config's K step ({cfg.bk} + {cfg.bk1})")
+    _check_k("upconv_tma", pw4.cin, cfg)
     y = torch.empty((N, 2 * H, 2 * W, CO), device=x.device, dtype=a.odt)
-    if y.numel() == 0:
-        return y
-    y5 = y.view(N, H, 2, W, 2 * CO)
-    xd = x.permute(0, 2, 3, 1)
-    b = bias.detach().float().contiguous() if bias is not None else None
-    bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
-    x_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk])
-    x1_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk1]) if bk1 else None
-    w0_desc = TensorDescriptor.from_tensor(pw4.w, [bn0, bk])
-    w1_desc = TensorDescriptor.from_tensor(pw4.w, [bn1, bk]) if bn1 else None
-    w01_desc = TensorDescriptor.from_tensor(pw4.w, [bn0, bk1]) if bk1 else None
-    w11_desc = TensorDescriptor.from_tensor(pw4.w, [bn1, bk1]) if bk1 and bn1 else None
-    y0_desc = TensorDescriptor(y5, list(y5.shape), list(y5.stride()), [1, bh, 1, bw, bn0])
-    y1_desc = TensorDescriptor(y5, list(y5.shape), list(y5.stride()), [1, bh, 1, bw, bn1]) if bn1 else None
-    n_tiles = CO // cfg.n_width()
-    grid = (N * 4 * triton.cdiv(H, bh) * triton.cdiv(W, bw) * n_tiles,)
-    _tma_conv_kernel[grid](
-        x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc,
-        b, pw4.scale if a.fp8 else None, a.xs_t, a.xs_f,
-        1, H, W, C, CO, n_tiles,
-        KT=1, KH=2, KW=2, PH=1, PW=1, BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
-        HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
-        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, PHASES=True,
-        num_warps=cfg.num_warps,
-    )
+    if y.numel():
+        _launch(x, x.permute(0, 2, 3, 1), pw4, bias, a, cfg, y.view(N, H, 2, W, 2 * CO), [1, cfg.bh, 1, cfg.bw],
+                N * 4, 1, CO, (1, 1), True)
     return y
 
 
@@ -288,43 +300,14 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
     padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. yd: an
     (N*T, H, W, Cout) view to store into instead of a new tensor, any strides TMA takes (last dim dense, the others
     multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_e4m3); returns None then."""
-    N, Tin, T, H, W, fp8 = a.N, a.Tin, a.T, a.H, a.W, a.fp8
-    kt, kh, kw = pw.kernel
-    ph, pwd = padding
-    CO, C = pw.cout, pw.cin
-    if cfg.bk1 and cfg.bk + cfg.bk1 != C:
-        raise ValueError(f"conv_tma: config splits Cin as {cfg.bk} + {cfg.bk1}, the layer has {C}")
-    if not cfg.bk1 and C % cfg.bk:
-        raise ValueError(f"conv_tma: Cin {C} is not a multiple of BK {cfg.bk}")
+    N, Tin, T, H, W = a.N, a.Tin, a.T, a.H, a.W
+    _check_k("conv_tma", pw.cin, cfg)
     if yd is None:
-        yd = torch.empty((N * T, H, W, CO), device=x.device, dtype=a.odt)
+        yd = torch.empty((N * T, H, W, pw.cout), device=x.device, dtype=a.odt)
         y = a.output_view(yd)
     else:
         y = None
-    if yd.numel() == 0:
-        return y
-    xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, C)
-    xs_t, xs_f = a.xs_t, a.xs_f
-    b = bias.detach().float().contiguous() if bias is not None else None
-    bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
-    x_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk])
-    w0_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk])
-    # unused descriptors are passed as None (constexpr): each descriptor argument costs host time at every launch
-    w1_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk]) if bn1 else None
-    x1_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, bh, bw, bk1]) if bk1 else None
-    w01_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk1]) if bk1 else None
-    w11_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk1]) if bk1 and bn1 else None
-    y0_desc = TensorDescriptor(yd, list(yd.shape), list(yd.stride()), [1, bh, bw, bn0])
-    y1_desc = TensorDescriptor(yd, list(yd.shape), list(yd.stride()), [1, bh, bw, bn1]) if bn1 else None
-    n_tiles = triton.cdiv(CO, cfg.n_width())
-    grid = (N * T * triton.cdiv(H, bh) * triton.cdiv(W, bw) * n_tiles,)
-    _tma_conv_kernel[grid](
-        x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc,
-        b, pw.scale if fp8 else None, xs_t, xs_f,
-        T, H, W, C, CO, n_tiles,
-        KT=kt, KH=kh, KW=kw, PH=ph, PW=pwd, BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
-        HAS_BIAS=b is not None, HAS_SCALE=fp8, XS_PTR=xs_t is not None, NUM_STAGES=cfg.num_stages,
-        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps,
-    )
+    if yd.numel():
+        xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, pw.cin)
+        _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False)
     return y

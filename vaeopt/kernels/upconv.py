@@ -83,7 +83,7 @@ def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
     merged: the four phases in one launch (tma_conv.upconv_tma_checked); else four launches, one per phase. Needs
     TMA descriptors (sm_90 on a GPU; the interpreter on CPU) and a tile config for the channel counts
     (tma_conv.tuned_upconv_config unless `config` is given)."""
-    from vaeopt.kernels.conv import E4M3, ConvArgs
+    from vaeopt.kernels.conv import E4M3, ConvArgs, per_sample_scales
     from vaeopt.kernels.tma_conv import conv_tma_checked, tuned_upconv_config, upconv_tma_checked
 
     if x8.dim() != 4 or x8.dtype != E4M3 or not x8.is_contiguous(memory_format=torch.channels_last):
@@ -95,13 +95,12 @@ def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
         raise ValueError("upconv2x_e4m3: pw4 must be the e4m3 K-major 2x2 phase kernels of a "
                          f"{C}-channel input (phase_weights_e4m3)")
     CO = pw4.cout // 4
-    if not isinstance(x_scale, torch.Tensor) or x_scale.numel() not in (1, N) or x_scale.device != x8.device:
+    if not isinstance(x_scale, torch.Tensor):
         raise ValueError(f"upconv2x_e4m3: x_scale must be a tensor of 1 or {N} scales on {x8.device}")
+    xs = per_sample_scales("upconv2x_e4m3", x_scale, N, x8.device)
     cfg = config or tuned_upconv_config(C, CO)
     if cfg is None:
         raise ValueError(f"upconv2x_e4m3: no TMA tile for {C}->{CO} channels")
-    xs = x_scale.reshape(-1).float()
-    xs = xs.expand(N).contiguous() if xs.numel() != N else xs
     args = ConvArgs(N, 1, 1, H, W, True, out_dtype, xs, 1.0, False)
     if merged:
         return upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)

@@ -214,10 +214,11 @@ def fp8_upsampler_candidates(model: nn.Module, device: torch.device) -> list[tup
     from vaeopt.stages import upsample_conv
 
     ups = {id(u) for u in (getattr(model, "_vaeopt_fused_epilogues", None) or {}).get("upsamplers", [])}
+    min_ch = image_min_channels(device)
     out = []
     for name, m in dec.named_modules():
         c = getattr(m, "conv", None) if id(m) in ups else None
-        if (c is not None and _conv2d_fits(c) and min(c.in_channels, c.out_channels) >= image_min_channels(device)
+        if (c is not None and _conv2d_fits(c) and min(c.in_channels, c.out_channels) >= min_ch
                 and upsample_conv.fp8_ready(c, device)):
             out.append((f"decoder.{name}.conv", c))
     return out
