@@ -253,3 +253,61 @@ def test_out_odd_strides_dtype_and_errors(device):
         rms_norm_silu(x, gamma, bias, x_bias=torch.zeros(23, device=device))
     with pytest.raises(ValueError):
         rms_norm_silu(x, gamma, bias, out=torch.empty(shape, device=device, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cl", "cf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_residual_folded_equals_epilogue_then_norm(device, layout, dtype, in_place):
+    """norm(residual + rb + h + b) in one pass (rms_norm_silu(residual=...)) gives the same bits as the two passes it
+    replaces, epilogue.bias_residual then the norm: the block output it stores (sum_out, also in place over h) and
+    the normalized output. Channels-first layouts take the two-pass form inside the call: same numbers."""
+    _need(device)
+    from vaeopt.kernels.epilogue import bias_residual
+    from vaeopt.kernels.rms_norm_silu import rms_norm_silu
+
+    shape = (1, 96, 3, 5, 7)
+    h, gamma, beta = _inputs(shape, dtype, device)
+    r, _, rb = _inputs(shape, dtype, device, seed=1)
+    b = torch.randn(96, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    h, r = _layout(h, layout), _layout(r, layout)
+    u_ref = bias_residual(h, b, r, residual_bias=rb)
+    y_ref = rms_norm_silu(u_ref, gamma, beta)
+    hh = h.clone()
+    u = hh if in_place else torch.empty_like(h)
+    y = rms_norm_silu(hh, gamma, beta, x_bias=b, residual=r, residual_bias=rb, sum_out=u)
+    assert torch.equal(u, u_ref) and torch.equal(y, y_ref)
+    assert in_place or torch.equal(hh, h)  # h untouched unless it is sum_out
+    y2 = rms_norm_silu(h, gamma, beta, x_bias=b, residual=r, residual_bias=rb)  # no sum stored
+    assert torch.equal(y2, y_ref)
+    with pytest.raises(ValueError, match="need a residual"):
+        rms_norm_silu(h, gamma, beta, sum_out=u)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_residual_folded_into_tap_stack(k):
+    """The time-stacked norm (taps=3, cache_out) with the block's residual folded in: stack, history and stored sum
+    equal those of bias_residual followed by the unfused taps=3 call."""
+    _need("cpu")
+    from vaeopt.kernels.epilogue import bias_residual
+    from vaeopt.kernels.rms_norm_silu import rms_norm_silu
+
+    N, C, H, W = 1, 48, 4, 6
+    h, gamma, beta = _inputs((N, C, k, H, W), torch.bfloat16, "cpu")
+    r, _, rb = _inputs((N, C, k, H, W), torch.bfloat16, "cpu", seed=1)
+    h, r = _layout(h, "cl"), _layout(r, "cl")
+    b = torch.randn(C, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def bufs():
+        S = torch.full((N * k, 3 * C, H, W), 7.0, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        cache = torch.full((N, C, 2, H, W), 5.0, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+        return S, cache
+
+    u_ref = bias_residual(h, b, r, residual_bias=rb)
+    S_ref, c_ref = bufs()
+    rms_norm_silu(u_ref, gamma, beta, out=S_ref, taps=3, cache_out=c_ref)
+    S, cache = bufs()
+    u = torch.empty_like(h)
+    rms_norm_silu(h, gamma, beta, x_bias=b, out=S, taps=3, cache_out=cache, residual=r, residual_bias=rb, sum_out=u)
+    assert torch.equal(u, u_ref) and torch.equal(S, S_ref) and torch.equal(cache, c_ref)

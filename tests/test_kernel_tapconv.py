@@ -105,3 +105,31 @@ def test_tap_weights_layout_and_errors():
         T.tap_sum(torch.zeros(1, 81, 4, 3, 3), 3, (3, 3, 3), None, torch.zeros(1, 3, 2, 3, 3), impl="cuda")
     with pytest.raises(ValueError, match="tap_sum"):
         T.tap_sum(torch.zeros(1, 81, 4, 3, 3), 3, (3, 3, 3), None, torch.zeros(1, 3, 3, 3, 3))
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_residual_folded_equals_the_materialized_block_output(impl):
+    """rms_norm_taps(residual=...) normalizes the last block's output (r + rb) + (h + b) without storing it: the
+    partial sums equal those of bias_residual followed by the plain call, bit for bit (bf16)."""
+    _need("cpu")
+    from vaeopt.kernels.epilogue import bias_residual
+
+    N, C, k, H, W, co, hist = 1, 96, 2, 4, 9, 3, 2
+    h, gamma, beta, b, w, _, _ = _case("cpu", torch.bfloat16, N, C, k, H, W, co, hist, seed=3)
+    r = torch.randn(N, C, k, H, W, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    r = r.contiguous(memory_format=torch.channels_last_3d)
+    rb = 0.1 * torch.randn(C, generator=torch.Generator().manual_seed(5))
+    wt, nt = T.tap_weights(w), co * 27
+
+    def planar(x, **kw):
+        y = torch.zeros(N, nt, hist + k, H, W, dtype=torch.bfloat16)
+        T.rms_norm_taps(x, gamma, beta, 1e-12, C**0.5, wt, nt, y, hist, impl=impl, **kw)
+        return y
+
+    if impl == "triton":  # the stored block output, as the epilogue kernel writes it
+        u = bias_residual(h, b.to(h.dtype), r, residual_bias=rb)
+    else:  # torch rounds to bf16 to nearest even (the CPU interpreter's kernels truncate)
+        u = ((r.float() + rb.view(1, C, 1, 1, 1)) + (h.float() + b.to(h.dtype).float().view(1, C, 1, 1, 1))).to(h.dtype)
+    assert torch.equal(planar(h, x_bias=b.to(h.dtype), residual=r, residual_bias=rb), planar(u))
+    with pytest.raises(ValueError, match="residual"):
+        planar(h, residual=r.contiguous())

@@ -107,6 +107,16 @@ def _structure(vae):
     return len(blocks), shortcuts, sum(r.mode == "upsample3d" for r in rs), sum(r.mode == "upsample2d" for r in rs)
 
 
+def _deferred(vae):
+    """Residual-block outputs per call that the next norm forms itself (channels-last): each block followed by
+    another block of its up block, and the last up block's last one when the head's norm reads it."""
+    ubs = vae.decoder.up_blocks
+    last = ubs[-1]
+    head = getattr(last, "upsampler", None) is None and getattr(last, "upsamplers", None) is None \
+        and getattr(last, "avg_shortcut", None) is None
+    return sum(len(ub.resnets) - 1 for ub in ubs) + head
+
+
 @pytest.mark.parametrize("layout", ["cf", "cl"])
 def test_wan21_fused_equals_diffusers(fused21, z21, ref21, layout):
     vae = fused21[layout]
@@ -117,7 +127,11 @@ def test_wan21_fused_equals_diffusers(fused21, z21, ref21, layout):
         err = (out - ref21).abs().max().item()
         assert err <= 1e-4, (layout, chunk, err)
         steps = len(video.chunk_schedule(z21.shape[2], chunk))
-        assert st["fused_blocks"] == st["epilogue"] == n_blocks * steps  # every block took the fused path
+        # every block took the fused path, its output formed once: by its epilogue or, on channels-last, by the next
+        # norm (the head's only where conv outputs are channels-last: CPU's conv3d returns channels-first ones)
+        deferred = (_deferred(vae) - 1) * steps if layout == "cl" else 0
+        assert st.get("residual_in_norm", 0) == deferred
+        assert st["fused_blocks"] == st["epilogue"] + deferred == n_blocks * steps
         assert st["norm_kernel"] == (2 * n_blocks + 1) * steps  # + the head's norm_out
         assert st["upsample_fused"] == n_up2 * steps  # upsample2d: the last block's epilogue writes 2x
         # upsample3d: time_conv + its bias + interleave + 2x in one kernel whenever time_conv runs; the first
@@ -168,6 +182,15 @@ def test_counts_are_real(fused21, z21, ref21, monkeypatch):
             calls[f"{kind}_{'nobias' if b is None else 'bias'}"] += 1
         return f
 
+    conv3d = F.conv3d
+
+    def conv3d_cl(x, *a, **k):  # as cuDNN does (CPU's conv3d returns channels-first): channels-last in and out,
+        y = conv3d(x, *a, **k)  # so the next norm forms each block output in its one pass (no bias_residual call)
+        cl = x.dim() == 5 and x.permute(0, 2, 3, 4, 1).is_contiguous()
+        return y.contiguous(memory_format=torch.channels_last_3d) if cl else y
+
+    monkeypatch.setattr(F, "conv3d", conv3d_cl)
+
     spy((epi, "bias_residual"), epi.bias_residual, c_br)
     spy((rms, "rms_norm_silu"), rms.rms_norm_silu, c_rms)
     spy((F, "conv3d"), F.conv3d, c_conv("conv3d"))
@@ -188,6 +211,8 @@ def test_counts_are_real(fused21, z21, ref21, monkeypatch):
     # + one epilogue (proj's bias + residual) per chunked attention
     assert st["attention_chunked"] == n_attn * steps
     assert calls["br"] == st["epilogue"] + st["interleave_upsample"] + st["upsample_kernel"] + st["attention_chunked"]
+    # every block's output formed once: by its epilogue, or in the next norm's pass (also the head's)
+    assert st["residual_in_norm"] == _deferred(vae) * steps and st["fused_blocks"] == st["epilogue"] + _deferred(vae) * steps
     assert calls["br_up"] == st["upsample_fused"] + st["interleave_upsample"] + st["upsample_kernel"]
     assert calls["conv3d_nobias"] + calls["conv2d_nobias"] == st["bias_folded"]
     assert calls["conv3d_bias"] == steps  # post_quant_conv keeps its bias (conv_out's is added by the tap sum)
@@ -217,7 +242,8 @@ def test_wan22_fused_batch2_channels_last():
         steps = len(video.chunk_schedule(5, chunk))
         assert st["fused_blocks"] == n_blocks * steps
         # + one (x + conv bias) + DupUp3D epilogue per upsampling residual up block
-        assert st["epilogue"] == (n_blocks + n_up3 + n_up2) * steps
+        assert st["epilogue"] + st["residual_in_norm"] == (n_blocks + n_up3 + n_up2) * steps
+        assert st["residual_in_norm"] == _deferred(vae) * steps  # (its 12-channel head stages through the norm)
         assert st["upsample_fused"] == n_up2 * steps
 
 

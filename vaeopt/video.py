@@ -307,6 +307,17 @@ class _Stacked(NamedTuple):
     k: int
 
 
+class _Pending(NamedTuple):
+    """A residual block's output not yet written: (r + rb) + (h + b). The next kernel that reads it (the next
+    block's first norm, or the head's norm) forms it in registers (rms_norm_silu / rms_norm_taps `residual=`), so the
+    block's epilogue pass and one read of its output go away."""
+
+    h: Tensor
+    b: Tensor | None
+    r: Tensor
+    rb: Tensor | None
+
+
 class _ChunkDecoder:
     """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches.
 
@@ -322,6 +333,8 @@ class _ChunkDecoder:
     # the staged input's edge rows, turn it off)
     STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (subclasses that crop or exchange
     # the staged 5-D input -- spatial tiles, bands -- turn it off)
+    DEFER = True  # a residual block followed by another one (or by the head) leaves its output _Pending: the next
+    # norm adds the residual itself (no epilogue pass, one read less)
 
     def __init__(self, vae, channels_last: bool, fused: bool | None = None):
         self.vae = vae
@@ -359,7 +372,7 @@ class _ChunkDecoder:
         """z: (N, z_dim, k, h, w) raw latents of the next k frames -> decoder output (N, C_out, f, H, W), unclamped,
         before unpatchify; f = 1 + 4(k-1) on the first call, 4k after."""
         n = len(self.dec.up_blocks)
-        box, xb = self.front(z, n)
+        box, xb = self.front(z, n, defer_last=True)
         return self.back(box, xb, n)
 
     # A call can also run in two parts, front(z, s) then back(box, xb, s), with the activation between them (the
@@ -368,9 +381,11 @@ class _ChunkDecoder:
     # Activations are handed to the next block in a one-element list that the block empties (`box.pop()`), so that no
     # caller keeps a block's input alive while the block runs (a full activation less at the peak). `xb` is a bias
     # still owed to the activation in the box (its conv ran without it: the consumer folds it in).
-    def front(self, z: Tensor, stop: int) -> tuple[list[Tensor], Tensor | None]:
+    def front(self, z: Tensor, stop: int, defer_last: bool = False) -> tuple[list[Tensor], Tensor | None]:
         """post_quant_conv, conv_in, the mid-block and up_blocks[:stop] on the next k latent frames -> ([activation],
-        owed bias or None). Does not end the call: back() does (a caller running only the front sets `first`)."""
+        owed bias or None). Does not end the call: back() does (a caller running only the front sets `first`).
+        defer_last (step(), which hands the box straight to back()): with every up block run here, the activation
+        may be a _Pending block output for the head's norm."""
         with torch.no_grad():
             self.kern = self._kernels_on(z)
             x = self._conv(self.vae.post_quant_conv, z.contiguous(memory_format=self.mf))
@@ -388,8 +403,10 @@ class _ChunkDecoder:
                     box = [self._attention(attn, box.pop())]
                 box = [self._block(res, box, None)]
             xb = None
-            for ub in self.dec.up_blocks[:stop]:
-                x, xb = self._upblock(ub, box, xb)
+            ubs = self.dec.up_blocks[:stop]
+            defer_last = defer_last and stop >= len(self.dec.up_blocks) and self._head_k() is not None
+            for i, ub in enumerate(ubs):
+                x, xb = self._upblock(ub, box, xb, defer_last=defer_last and i == len(ubs) - 1)
                 box = [x]
                 del x
         return box, xb
@@ -398,15 +415,18 @@ class _ChunkDecoder:
         """up_blocks[start:], norm_out and conv_out on the activation in `box` (emptied), which owes the bias `xb`
         -> decoder output, as step(). Ends the call."""
         with torch.no_grad():
-            self.kern = self._kernels_on(box[0])
-            for ub in self.dec.up_blocks[start:]:
-                x, xb = self._upblock(ub, box, xb)
+            b0 = box[0].h if isinstance(box[0], _Pending) else box[0]
+            self.kern = self._kernels_on(b0)
+            conv_out, norm_out, act = self.dec.conv_out, self.dec.norm_out, self.dec.nonlinearity
+            p = self._head_k()
+            ubs = self.dec.up_blocks[start:]
+            for i, ub in enumerate(ubs):
+                x, xb = self._upblock(ub, box, xb, defer_last=p is not None and i == len(ubs) - 1)
                 box = [x]
                 del x
-            conv_out, norm_out, act = self.dec.conv_out, self.dec.norm_out, self.dec.nonlinearity
-            p = _rms_params(norm_out, act) if self.kern else None
-            if p is not None and self._plain(conv_out) and self._hist(conv_out):
-                if self._taps_ok(conv_out, box[0]):
+            if p is not None:
+                src = box[0].h if isinstance(box[0], _Pending) else box[0]
+                if self._taps_ok(conv_out, src):
                     y = self._conv_taps(conv_out, box.pop(), p, xb)
                 else:
                     y = self._run(conv_out, self._stage_k(conv_out, box.pop(), p, xb))
@@ -414,6 +434,12 @@ class _ChunkDecoder:
                 y = self._run(conv_out, self._stage(conv_out, self._materialize(box.pop(), xb), norm_out, act))
         self.first = False
         return y
+
+    def _head_k(self):
+        """norm_out's kernel parameters when the head (norm_out + SiLU + conv_out) runs on the kernels, else None."""
+        conv_out = self.dec.conv_out
+        p = _rms_params(self.dec.norm_out, self.dec.nonlinearity) if self.kern else None
+        return p if p is not None and self._plain(conv_out) and self._hist(conv_out) else None
 
     # -- mid-block attention ---------------------------------------------------------------------------------
     def _attn_fusable(self, blk, x: Tensor) -> bool:
@@ -577,8 +603,10 @@ class _ChunkDecoder:
         h = x if isinstance(blk.conv_shortcut, nn.Identity) else self._conv(blk.conv_shortcut, x)
         return y.add_(h)
 
-    def _upblock(self, ub, box: list[Tensor], xb: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """-> (output, bias it still owes or None)."""
+    def _upblock(self, ub, box: list[Tensor], xb: Tensor | None,
+                 defer_last: bool = False) -> tuple[Tensor | _Pending, Tensor | None]:
+        """-> (output, bias it still owes or None). defer_last: the caller's next kernel takes a _Pending output
+        (the head's norm), so the last residual block may leave it unwritten."""
         wan = _wan()
         residual = isinstance(ub, wan.WanResidualUpBlock)
         resampler = ub.upsampler if residual else (ub.upsamplers[0] if ub.upsamplers is not None else None)
@@ -590,12 +618,15 @@ class _ChunkDecoder:
         fuse_up = self.kern and resampler is not None and self._up_fusable(resampler)
         last = len(ub.resnets) - 1
         x = None
-        for i, res in enumerate(ub.resnets):
-            p = self._res_fusable(res) if self.kern else None
+        ps = [self._res_fusable(res) if self.kern else None for res in ub.resnets]
+        for i, (res, p) in enumerate(zip(ub.resnets, ps)):
             if i == last and fuse_up and p is not None:  # its epilogue writes what the resampler needs
                 x, xb = self._resample_fused(resampler, self._res_parts(res, box, xb, p))
                 break
-            box, xb = [self._block(res, box, xb)], None
+            # the next block's norm1 (or the head's norm) can add this block's residual itself
+            nxt = ps[i + 1] is not None if i < last else (defer_last and resampler is None and not dup)
+            defer = self.DEFER and nxt and self.mf is torch.channels_last_3d  # (channels-first: no one-pass kernel)
+            box, xb = [self._block(res, box, xb, defer=defer)], None
         if x is None:
             x = box.pop()
             if resampler is not None:
@@ -612,8 +643,11 @@ class _ChunkDecoder:
         return x, xb
 
     # -- the fused kernel path ------------------------------------------------------------------------------------
-    def _materialize(self, x: Tensor, xb: Tensor | None) -> Tensor:
-        """x + xb for a consumer that cannot fold the bias (the same pass cuDNN's bias add would have made)."""
+    def _materialize(self, x: Tensor | _Pending, xb: Tensor | None) -> Tensor:
+        """x + xb for a consumer that cannot fold the bias (the same pass cuDNN's bias add would have made); a
+        _Pending block output is written by its epilogue."""
+        if isinstance(x, _Pending):
+            return self._epilogue(*x)
         if xb is None:
             return x
         self.stats["bias_materialized"] += 1
@@ -636,22 +670,26 @@ class _ChunkDecoder:
             return None
         return p1, p2
 
-    def _block(self, blk, box: list[Tensor], xb: Tensor | None) -> Tensor:
+    def _block(self, blk, box: list[Tensor], xb: Tensor | None, defer: bool = False) -> Tensor | _Pending:
         p = self._res_fusable(blk) if self.kern else None
         if p is None:
             return self._resblock(blk, [self._materialize(box.pop(), xb)])
         h, b, r, rb = self._res_parts(blk, box, xb, p)
+        if defer:  # the consumer counts it: as "residual_in_norm" where a norm forms it, else as an "epilogue"
+            return _Pending(h, b, r, rb)
         return self._epilogue(h, b, r, rb)
 
     def _norm_k(self, p, x: Tensor, out: Tensor | None = None, xb: Tensor | None = None,
-                out_scale: float | None = None) -> Tensor:
+                out_scale: float | None = None, res: _Pending | None = None) -> Tensor:
+        """rms_norm_silu(x + xb); with `res` (x is res.h), of the block output res, which it also writes over h."""
         self.stats["norm_kernel"] += 1
         if x.is_meta:  # dry run (estimate_chunk_bytes): only the result's storage
             return out if out is not None else _meta_result(x, tuple(x.shape))
         from vaeopt.kernels.rms_norm_silu import rms_norm_silu
 
         gamma, bias, scale, eps = p
-        return rms_norm_silu(x, gamma, bias, eps, True, scale=scale, x_bias=xb, out=out, out_scale=out_scale)
+        kw = dict(residual=res.r, residual_bias=res.rb, sum_out=x) if res is not None else {}
+        return rms_norm_silu(x, gamma, bias, eps, True, scale=scale, x_bias=xb, out=out, out_scale=out_scale, **kw)
 
     @staticmethod
     def _br(h: Tensor, bias=None, r=None, rb=None, *, upsample2x=False, groups=1, out=None) -> Tensor:
@@ -666,15 +704,20 @@ class _ChunkDecoder:
 
         return bias_residual(h, bias, r, upsample2x=upsample2x, residual_bias=rb, groups=groups, out=out)
 
-    def _stage_k(self, conv, src: Tensor, p, xb: Tensor | None) -> Tensor | _Stacked:
+    def _stage_k(self, conv, src: Tensor | _Pending, p, xb: Tensor | None) -> Tensor | _Stacked:
         """[history | rms_norm_silu(src + xb)] for a plain causal conv, the kernel writing into the buffer. For a
         conv the triton_conv stage put on fp8, the buffer (and so the conv's history) is e4m3 with a static scale;
-        for a conv stacked_conv3d marked, the time-stacked Conv2d input (_Stacked)."""
+        for a conv stacked_conv3d marked, the time-stacked Conv2d input (_Stacked). A _Pending src (owing no xb):
+        the kernel forms the block output and also writes it over src.h, which the caller keeps as that output."""
+        res = None
+        if isinstance(src, _Pending):
+            res, src, xb = src, src.h, src.b
+            self.stats["residual_in_norm"] += 1
         hist = self._hist(conv)
         N, C, k, H, W = src.shape
         s8 = self._fp8_scale(conv, p, src)
         if s8 is None and self._stackable(conv, src):
-            return self._stage_stacked(conv, src, p, xb)
+            return self._stage_stacked(conv, src, p, xb, res)
         dt = src.dtype if s8 is None else _E4M3
         buf = torch.empty((N, C, hist + k, H, W), dtype=dt, device=src.device, memory_format=self.mf)
         cache = self.cache.get(conv)
@@ -682,7 +725,7 @@ class _ChunkDecoder:
             buf[:, :, :hist].zero_()
         else:
             buf[:, :, :hist].copy_(cache)
-        self._norm_k(p, src, buf[:, :, hist:], xb, out_scale=s8)
+        self._norm_k(p, src, buf[:, :, hist:], xb, out_scale=s8, res=res)
         return buf
 
     def _stackable(self, conv, src: Tensor) -> bool:
@@ -691,7 +734,7 @@ class _ChunkDecoder:
         return (self.STACK and marked(conv) and self.mf is torch.channels_last_3d and self._hist(conv) == 2
                 and conv.kernel_size[0] == 3 and src.dtype == conv.weight.dtype)
 
-    def _stage_stacked(self, conv, src: Tensor, p, xb: Tensor | None) -> _Stacked:
+    def _stage_stacked(self, conv, src: Tensor, p, xb: Tensor | None, res: _Pending | None = None) -> _Stacked:
         """The conv's input as (N*k, 3C, H, W) channels_last: frame n*k + t holds stream frames t, t+1, t+2 of
         [history (2) | rms_norm_silu(src + xb) (k)] in channel blocks 0, 1, 2. The history goes into the blocks of
         output frames 0 and 1, the kernel writes every new frame into its (up to) three places."""
@@ -712,7 +755,8 @@ class _ChunkDecoder:
 
             gamma, bias, scale, eps = p
             # the kernel also writes the stream's last two frames into the history (cache_out)
-            rms_norm_silu(src, gamma, bias, eps, True, scale=scale, x_bias=xb, out=S, taps=3, cache_out=cache)
+            kw = dict(residual=res.r, residual_bias=res.rb, sum_out=src) if res is not None else {}
+            rms_norm_silu(src, gamma, bias, eps, True, scale=scale, x_bias=xb, out=S, taps=3, cache_out=cache, **kw)
         return _Stacked(S, N, k)
 
     def _run_stacked(self, conv, st: _Stacked, bias: bool) -> Tensor:
@@ -746,6 +790,14 @@ class _ChunkDecoder:
         (kernels/tapconv): one kernel normalizes and multiplies every pixel by the (C, 27*Co) tap matrix into the
         planar Y, whose first two frames are the cached Y of the last two frames (so the history is kept as Y, not
         as the conv's input), one kernel sums the taps. -> (N, Co, k, H, W)."""
+        res = None
+        if isinstance(src, _Pending):  # the last block's output, formed by the kernel and never written
+            res, src, xb = src, src.h, src.b
+            if not src.is_meta and not (src.permute(0, 2, 3, 4, 1).is_contiguous()
+                                        and res.r.permute(0, 2, 3, 4, 1).is_contiguous()):
+                src, xb, res = self._epilogue(*res), None, None
+            else:
+                self.stats["residual_in_norm"] += 1
         N, C, k, H, W = src.shape
         co, hist = conv.out_channels, 2
         nt = 27 * co
@@ -765,8 +817,9 @@ class _ChunkDecoder:
 
             gamma, beta, scale, eps = p
             wt = _tap_matrix(conv, src.dtype)
-            tapconv.rms_norm_taps(src, gamma, beta, eps, scale, wt, nt, Y, hist, x_bias=xb)
-            del src
+            kw = dict(residual=res.r, residual_bias=res.rb) if res is not None else {}
+            tapconv.rms_norm_taps(src, gamma, beta, eps, scale, wt, nt, Y, hist, x_bias=xb, **kw)
+            del src, res
             tapconv.tap_sum(Y, co, (3, 3, 3), conv.bias, y)
         self._update(conv, Y, fmt=torch.contiguous_format)
         return y
@@ -800,6 +853,8 @@ class _ChunkDecoder:
         (p1, p2), c1, c2, sc = p, blk.conv1, blk.conv2, blk.conv_shortcut
         self.stats["fused_blocks"] += 1
         b = self._stage_k(c1, x, p1, xb)
+        if isinstance(x, _Pending):  # norm1 wrote the previous block's output over its h: that is this input
+            x = x.h
         y = self._run(c1, b, bias=False)
         del b
         b = self._stage_k(c2, y, p2, c1.bias)

@@ -144,6 +144,14 @@ def _rms_cl_kernel(
     HW=1,
     c_ptr=None,  # TAPS with CACHE: [N, TAPS-1, HW, C] the stream's last TAPS-1 frames (the conv's next history)
     CACHE: tl.constexpr = False,
+    RES: tl.constexpr = False,  # x is a residual block's conv output h: normalize u = (r + rb) + (h + xb), rounded
+    r_ptr=None,  # RES: [N, S, C] the residual r (sample n at r_ptr + n*stride_rn)
+    rb_ptr=None,  # RES with HAS_RB: [C] the residual's bias
+    u_ptr=None,  # RES with STORE_U: [N, S, C] where u is stored (may be x itself)
+    stride_rn=0,
+    stride_un=0,
+    HAS_RB: tl.constexpr = False,
+    STORE_U: tl.constexpr = False,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
@@ -158,6 +166,16 @@ def _rms_cl_kernel(
         x = tl.load(x_ptr + xo[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
         if HAS_XB:
             x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if RES:  # the block's output, as epilogue.bias_residual computes and rounds it: (r + rb) + (h + b)
+            ro = n.to(tl.int64) * stride_rn + s.to(tl.int64) * C
+            rr = tl.load(r_ptr + ro[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_RB:
+                rr += tl.load(rb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+            u = (rr + x).to(x_ptr.dtype.element_ty)
+            if STORE_U:
+                uo = n.to(tl.int64) * stride_un + s.to(tl.int64) * C
+                tl.store(u_ptr + uo[:, None] + cc[None, :], u, mask=m)
+            x = u.to(tl.float32)
         inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)  # [BLOCK_R]
         g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
         y = x * inv[:, None] * g[None, :]
@@ -233,7 +251,37 @@ def _affine_args(x: torch.Tensor, gamma, bias, x_bias):
     return g, b, has_bias, _vec("x_bias", x_bias, C, x.device)
 
 
-def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_warps, cache_out=None) -> torch.Tensor:
+def _res_kwargs(x: torch.Tensor, residual, residual_bias, sum_out, max_block_c: int = 1024) -> dict | None:
+    """The cl kernel's arguments for a residual folded into the norm (see rms_norm_silu's `residual`), or None when
+    the kernel cannot address these tensors (then the caller forms the sum first)."""
+    C = x.shape[1]
+    lx, lr = flat_layout(x), flat_layout(residual)
+    if lx is None or lx[0] != "cl" or lr is None or lr[0] != "cl" or tuple(residual.shape) != tuple(x.shape):
+        return None
+    if triton.next_power_of_2(C) > max_block_c or residual.device != x.device:
+        return None
+    stride_un = 0
+    if sum_out is not None:
+        lu = flat_layout(sum_out)
+        if (lu is None or lu[0] != "cl" or tuple(sum_out.shape) != tuple(x.shape) or sum_out.dtype != x.dtype
+                or sum_out.device != x.device):
+            return None
+        stride_un = lu[2]
+    rb = _vec("residual_bias", residual_bias, C, x.device)
+    return dict(RES=True, r_ptr=residual, rb_ptr=rb if rb is not None else residual, u_ptr=sum_out if sum_out is not
+                None else residual, stride_rn=lr[2], stride_un=stride_un, HAS_RB=rb is not None,
+                STORE_U=sum_out is not None)
+
+
+def _residual_first(x, x_bias, residual, residual_bias, sum_out):
+    """u = (residual + residual_bias) + (x + x_bias) as a tensor (into sum_out if given): the unfused form."""
+    from vaeopt.kernels.epilogue import bias_residual
+
+    return bias_residual(x, x_bias, residual, residual_bias=residual_bias, out=sum_out)
+
+
+def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_warps, cache_out=None,
+              res: dict | None = None) -> torch.Tensor:
     if x.dim() != 5 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"rms_norm_silu(taps=): x must be a (N, C, K, H, W) float tensor, got {tuple(x.shape)}")
     lay = flat_layout(x)
@@ -267,7 +315,7 @@ def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_war
         float(C) ** 0.5 if scale is None else float(scale), float(eps), 1.0,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=True, HAS_BIAS=has_bias, HAS_XB=xb is not None, SILU=silu,
         TAPS=taps, K=K, HW=H * W, c_ptr=cache_out if cache_out is not None else out, CACHE=cache_out is not None,
-        num_warps=nw,
+        num_warps=nw, **(res or {}),
     )  # fmt: skip
     return out
 
@@ -317,6 +365,9 @@ def rms_norm_silu(
     out_scale: float | None = None,
     taps: int = 0,
     cache_out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    residual_bias: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(F.normalize(x + x_bias, dim=1, eps) * scale * gamma + bias) for x (N, C, *spatial), fp32/bf16/fp16, fp32
     math.
@@ -336,9 +387,22 @@ def rms_norm_silu(
     cache_out (taps only): the conv's (N, C, k-1, H, W) dense channels_last_3d history, whose slots the kernel fills
     with the last frames of x (slot s <- frame K - (k-1) + s; with K < k-1 the caller shifts the older slots first):
     the next call's history without reading it back from the stack.
+    residual (x's shape): x is a residual block's conv output h, and what is normalized is the block's output
+    u = (residual + residual_bias) + (x + x_bias), formed in fp32 and rounded to x's dtype exactly as
+    epilogue.bias_residual writes it; sum_out (x's shape and dtype; x itself for in place, or None) receives u. One
+    pass instead of the epilogue's and the norm's: the norm does not read u back. Channels-last one-pass layouts run
+    it in the kernel; any other layout forms u first (the same numbers, two passes).
     """
+    res = None
+    if residual is not None:
+        res = _res_kwargs(x, residual, residual_bias, sum_out, max_block_c) if x.dtype in SUPPORTED_DTYPES else None
+        if res is None:
+            x = _residual_first(x, x_bias, residual, residual_bias, sum_out)
+            x_bias = None
+    elif residual_bias is not None or sum_out is not None:
+        raise ValueError("rms_norm_silu: residual_bias / sum_out need a residual")
     if taps:
-        return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps, cache_out)
+        return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps, cache_out, res)
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"rms_norm_silu: dtype {x.dtype} not supported")
     if x.dim() < 2:
@@ -393,7 +457,7 @@ def rms_norm_silu(
         _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
             x, y, g, b, xbp, R, S, C, stride_n, ys[0], scale, float(eps), out_mul,
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
-            SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu", num_warps=nw,
+            SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu", num_warps=nw, **(res or {}),
         )  # fmt: skip
     if out is not None and y is not out:  # an `out` whose strides the kernels cannot address directly
         out.copy_(y)

@@ -69,28 +69,43 @@ def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
 
 def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale: float, wt: torch.Tensor, nt: int,
                   y: torch.Tensor, hist: int, *, x_bias: torch.Tensor | None = None, silu: bool = True,
-                  impl: str | None = None) -> None:
+                  impl: str | None = None, residual: torch.Tensor | None = None,
+                  residual_bias: torch.Tensor | None = None) -> None:
     """y[:, :, hist:] <- planar GEMM of silu(rms_norm(x + x_bias)) with the tap matrix `wt` (tap_weights).
 
     x: (N, C, k, H, W) dense channels_last_3d (or (N, C, H, W) channels_last, k = 1). y: (N, nt, hist + k, H, W)
-    contiguous. gamma/bias/x_bias/eps/scale: as rms_norm_silu. impl: see _use_triton."""
-    from vaeopt.kernels.rms_norm_silu import _affine_args
+    contiguous. gamma/bias/x_bias/eps/scale: as rms_norm_silu. impl: see _use_triton.
+    residual (x's shape and layout): x is the last residual block's conv output h, and the input of the norm is
+    that block's output u = (residual + residual_bias) + (x + x_bias), rounded to x's dtype as
+    epilogue.bias_residual would store it. u itself is never written (nothing after the head reads it)."""
+    from vaeopt.kernels.rms_norm_silu import _affine_args, _vec
 
     if x.dim() == 4:
         x = x.unsqueeze(2)
+        residual = residual.unsqueeze(2) if residual is not None else None
     N, C, k, H, W = x.shape
     if not x.permute(0, 2, 3, 4, 1).is_contiguous():
         raise ValueError("rms_norm_taps: x must be dense channels-last")
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.device != x.device
+                                 or not residual.permute(0, 2, 3, 4, 1).is_contiguous()):
+        raise ValueError(f"rms_norm_taps: residual must be a dense channels-last {tuple(x.shape)} tensor on "
+                         f"{x.device}")
+    if residual is None and residual_bias is not None:
+        raise ValueError("rms_norm_taps: residual_bias needs a residual")
     if tuple(y.shape) != (N, nt, hist + k, H, W) or not y.is_contiguous():
         raise ValueError(f"rms_norm_taps: y {tuple(y.shape)} for x {tuple(x.shape)}, {nt} columns, {hist} history")
     if wt.shape[0] < C or wt.shape[1] < nt:
         raise ValueError(f"rms_norm_taps: tap matrix {tuple(wt.shape)} for {C} channels, {nt} columns")
     g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
+    rb = _vec("residual_bias", residual_bias, C, x.device)
     R = N * k * H * W
     if R == 0:
         return
     if not _use_triton(x, impl):  # the kernel's math in torch: fp32 norm, input rounded once, fp32 GEMM
         a = x.float() if xb is None else x.float() + xb.float().view(1, C, 1, 1, 1)
+        if residual is not None:  # the block's output, as bias_residual rounds it
+            r = residual.float() if rb is None else residual.float() + rb.float().view(1, C, 1, 1, 1)
+            a = (r + a).to(x.dtype).float()
         a = a * (float(scale) / a.norm(dim=1, keepdim=True).clamp_min(eps)) * g.float().view(1, C, 1, 1, 1)
         if has_bias:
             a = a + b.float().view(1, C, 1, 1, 1)
@@ -109,7 +124,9 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
         x, g, b if has_bias else g, xb if xb is not None else g, wt, y,
         R, k * H * W, C, nt, nt * (hist + k) * H * W, (hist + k) * H * W, hist * H * W, float(scale), float(eps),
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, BLOCK_N=BLOCK_N, NT_PAD=wt.shape[1], HAS_BIAS=has_bias,
-        HAS_XB=xb is not None, SILU=bool(silu), IEEE=ieee, num_warps=nw)
+        HAS_XB=xb is not None, SILU=bool(silu), IEEE=ieee, num_warps=nw,
+        r_ptr=residual if residual is not None else x, rb_ptr=rb if rb is not None else g, RES=residual is not None,
+        HAS_RB=rb is not None)
 
 
 def tap_sum(y: torch.Tensor, co: int, kernel: tuple[int, int, int], bias: torch.Tensor | None,
@@ -188,6 +205,10 @@ if triton is not None:
         HAS_XB: tl.constexpr,
         SILU: tl.constexpr,
         IEEE: tl.constexpr,
+        r_ptr=None,  # RES: [R, C] the residual, dense like x
+        rb_ptr=None,  # RES with HAS_RB: [C] its bias
+        RES: tl.constexpr = False,
+        HAS_RB: tl.constexpr = False,
     ):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < R
@@ -197,6 +218,11 @@ if triton is not None:
         x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
         if HAS_XB:
             x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if RES:  # the block's output (r + rb) + (h + b), rounded as epilogue.bias_residual stores it
+            rr = tl.load(r_ptr + r.to(tl.int64)[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_RB:
+                rr += tl.load(rb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+            x = (rr + x).to(x_ptr.dtype.element_ty).to(tl.float32)
         inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)
         g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
         a = x * inv[:, None] * g[None, :]
