@@ -91,8 +91,11 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
         assert d["shortcut_bias_folded"] == st["shortcuts"] == 1
         assert d["upsample_fused"] == d["upsamplers"] == len(st["up_blocks"]) == 3
         assert d["attention_chunked"] == len(st["attns"]) == 1 and d["head_dims"] == [64]
+        assert d["head_taps"] == 3
         assert r.detail == ("folded 14 conv biases into GroupNorm, 14 residual epilogues (3 with fused 2x upsample, "
-                            "1 shortcut biases folded), chunked attention for head_dim 64 (1 block)")
+                            "1 shortcut biases folded), chunked attention for head_dim 64 (1 block), the head "
+                            "(conv_norm_out + conv_out, 3 channels) as one GroupNorm+GEMM kernel and a tap sum "
+                            "(whole-image decodes)")
         assert {k: v for k, v in model.state_dict().items()}.keys() == keys.keys()
         assert all(model.state_dict()[k] is not None and model.state_dict()[k].data_ptr() == v.data_ptr()
                    for k, v in keys.items()), "parameters untouched"
@@ -100,11 +103,20 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
         epi = _spy(monkeypatch, "vaeopt.kernels.epilogue", "bias_residual")
         gn = _spy(monkeypatch, "vaeopt.kernels.group_norm_silu", "group_norm_silu")
         up = _spy(monkeypatch, "vaeopt.kernels.epilogue", "upsample_nearest2x")
-        interp = []
-        real_interp = F.interpolate
+        taps = _spy(monkeypatch, "vaeopt.kernels.tapconv", "group_norm_taps")
+        tsum = _spy(monkeypatch, "vaeopt.kernels.tapconv", "tap_sum")
+        interp, head_conv = [], []
+        real_interp, real_conv = F.interpolate, F.conv2d
         monkeypatch.setattr(F, "interpolate", lambda *a, **k: interp.append(1) or real_interp(*a, **k))
+        monkeypatch.setattr(F, "conv2d", lambda x, w, *a, **k: head_conv.append(w is model.decoder.conv_out.weight)
+                            or real_conv(x, w, *a, **k))
         out = _decode(model, z)
         torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
+        # the head: on channels-last activations (here also reached from channels-first latents: the upsamplers'
+        # phase convs return channels-last) the norm+GEMM kernel and the tap sum, once each, and no conv_out conv
+        assert len(taps) == len(tsum) and len(taps) + sum(head_conv) == 1 and (layout == "cf" or len(taps) == 1)
+        assert not any(k in m.__dict__ for m in (model.decoder.conv_norm_out, model.decoder.conv_out)
+                       for k in ("forward", fused_epilogues._HEAD)), "stock modules outside the decoder call"
         assert out.is_contiguous(memory_format=mf) or layout == "cf"
         # what ran: one epilogue per resnet + the attention's; 3 of them wrote the upsampled output; no interpolate.
         # (On CUDA the chunked attention is for bf16/fp16 only: the fp32 decode keeps SDPA.)
@@ -119,6 +131,7 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
             fp32_weights = {k: v.clone() for k, v in model.state_dict().items()}  # bf16 round trip is lossy
             fused16 = _decode(model.to(torch.bfloat16), z.to(torch.bfloat16))
             assert proc.calls == 1 and len(epi) == 2 * n_res + 1
+            assert len(taps) == len(tsum) and (layout == "cf" or len(taps) == 2)
             fused_epilogues.revert(model)
             fused_norms.revert(model)
             stock16 = _decode(model, z.to(torch.bfloat16))
@@ -199,3 +212,35 @@ def test_fallback_and_skip_without_triton_backend(monkeypatch, small_kl):
     assert epi == [] and model.decoder.mid_block.attentions[0].processor.calls == 0
     fused_epilogues.revert(model)
     fused_norms.revert(model)
+
+
+def test_head_taps_only_inside_the_decoder_forward(small_kl, monkeypatch):
+    """conv_norm_out / conv_out called by anyone but the decoder's own forward (the tiler, a user) give the stock
+    results: the norm returns the normalized tensor, not its input, and nothing stays armed. A hook on the decoder
+    itself (the channels_last stage's input relayout is one) keeps the tap head."""
+    _need("cpu")
+    model = small_kl.to(memory_format=torch.channels_last)
+    try:
+        _apply_both(model)
+        dec = model.decoder
+        taps = _spy(monkeypatch, "vaeopt.kernels.tapconv", "group_norm_taps")
+        h = dec.register_forward_pre_hook(lambda m, a: (a[0].contiguous(memory_format=torch.channels_last),))
+        try:
+            _decode(model, torch.randn(1, 4, 4, 4))
+        finally:
+            h.remove()
+        assert len(taps) == 1
+        x = torch.randn(1, 32, 6, 10).contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            y = dec.conv_norm_out(x)
+            torch.testing.assert_close(y, F.silu(F.group_norm(x, 8, dec.conv_norm_out.weight,
+                                                               dec.conv_norm_out.bias, 1e-6)), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(dec.conv_out(y), F.conv2d(y, dec.conv_out.weight, dec.conv_out.bias,
+                                                                 padding=1), atol=1e-5, rtol=1e-5)
+        assert fused_epilogues._HEAD not in dec.conv_out.__dict__
+    finally:
+        fused_epilogues.revert(model)
+        fused_norms.revert(model)
+        model.to(memory_format=torch.contiguous_format)
+    assert not any(k in m.__dict__ for m in (dec, dec.conv_norm_out, dec.conv_out)
+                   for k in ("forward", fused_epilogues._HEAD, "_vaeopt_tap_matrix"))

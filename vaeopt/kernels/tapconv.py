@@ -129,6 +129,46 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
         HAS_RB=rb is not None)
 
 
+def group_norm_taps(x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    wt: torch.Tensor, nt: int, y: torch.Tensor, hist: int = 0, *, silu: bool = True,
+                    impl: str | None = None) -> None:
+    """y[:, :, hist:] <- planar GEMM of silu((x - mean) * scale + bias) with the tap matrix `wt`: an image
+    decoder's head (GroupNorm + SiLU + conv_out) with the statistics given, as group_norm_finalize returns them
+    (mean, scale = rstd * weight: float32 (N, C)). x: (N, C, H, W) dense channels_last (or (N, C, k, H, W)
+    channels_last_3d); y as rms_norm_taps. The normalized activation is never written."""
+    if x.dim() == 4:
+        x = x.unsqueeze(2)
+    N, C, k, H, W = x.shape
+    if not x.permute(0, 2, 3, 4, 1).is_contiguous():
+        raise ValueError("group_norm_taps: x must be dense channels-last")
+    if tuple(y.shape) != (N, nt, hist + k, H, W) or not y.is_contiguous():
+        raise ValueError(f"group_norm_taps: y {tuple(y.shape)} for x {tuple(x.shape)}, {nt} columns, {hist} history")
+    if wt.shape[0] < C or wt.shape[1] < nt:
+        raise ValueError(f"group_norm_taps: tap matrix {tuple(wt.shape)} for {C} channels, {nt} columns")
+    mean, scale = (v.reshape(N, C).float().contiguous() for v in (mean, scale))
+    b = bias.reshape(C) if bias is not None else None
+    R = N * k * H * W
+    if R == 0:
+        return
+    if not _use_triton(x, impl):  # the kernel's math in torch
+        a = (x.float() - mean.view(N, C, 1, 1, 1)) * scale.view(N, C, 1, 1, 1)
+        if b is not None:
+            a = a + b.float().view(1, C, 1, 1, 1)
+        if silu:
+            a = torch.nn.functional.silu(a)
+        y[:, :, hist:] = torch.einsum("nckhw,cj->njkhw", a.to(x.dtype).float(), wt[:C, :nt].float()).to(y.dtype)
+        return
+    import triton
+
+    ieee = x.dtype == torch.float32 or not x.is_cuda
+    _rms_taps_kernel[(triton.cdiv(R, 64 if x.is_cuda else 1024),)](
+        x, mean, b if b is not None else mean, mean, wt, y,
+        R, k * H * W, C, nt, nt * (hist + k) * H * W, (hist + k) * H * W, hist * H * W, 1.0, 1.0,
+        BLOCK_R=64 if x.is_cuda else 1024, BLOCK_C=wt.shape[0], BLOCK_N=32, NT_PAD=wt.shape[1],
+        HAS_BIAS=b is not None, HAS_XB=False, SILU=bool(silu), IEEE=ieee, num_warps=4,
+        GN=True, mean_ptr=mean, sc_ptr=scale)
+
+
 def tap_sum(y: torch.Tensor, co: int, kernel: tuple[int, int, int], bias: torch.Tensor | None,
             out: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """out (N, co, k, H, W) [any strides] <- bias + sum over taps of the planar GEMM output y (N, kt*kh*kw*co,
@@ -209,6 +249,9 @@ if triton is not None:
         rb_ptr=None,  # RES with HAS_RB: [C] its bias
         RES: tl.constexpr = False,
         HAS_RB: tl.constexpr = False,
+        GN: tl.constexpr = False,  # GroupNorm with given statistics instead of the RMS norm:
+        mean_ptr=None,  # [N, C] float32: the mean of channel c's group in sample n
+        sc_ptr=None,  # [N, C] float32: rstd * weight[c]
     ):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < R
@@ -223,9 +266,13 @@ if triton is not None:
             if HAS_RB:
                 rr += tl.load(rb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
             x = (rr + x).to(x_ptr.dtype.element_ty).to(tl.float32)
-        inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)
-        g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-        a = x * inv[:, None] * g[None, :]
+        if GN:  # (x - mean) * rstd * weight, as group_norm_apply
+            so = (r // KHW).to(tl.int64)[:, None] * C + cc[None, :]
+            a = (x - tl.load(mean_ptr + so, mask=m, other=0.0)) * tl.load(sc_ptr + so, mask=m, other=0.0)
+        else:
+            inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)
+            g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
+            a = x * inv[:, None] * g[None, :]
         if HAS_BIAS:
             a += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
         if SILU:
@@ -300,4 +347,5 @@ if triton is not None:
         tl.store(dst, acc.to(o_ptr.dtype.element_ty), mask=pm[:, None] & om[None, :])
 
 
-__all__ = ["tap_weights", "rms_norm_taps", "tap_sum", "conv_taps_reference", "fits", "block_c", "MAX_TAP_COLUMNS"]
+__all__ = ["tap_weights", "rms_norm_taps", "group_norm_taps", "tap_sum", "conv_taps_reference", "fits", "block_c",
+           "MAX_TAP_COLUMNS"]
