@@ -33,8 +33,9 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
         except ImportError as e:
             ok, why = False, f"not importable ({e})"
         what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
-                "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues, chunked attention; "
-                                   "Wan's 3-channel conv_out as a norm+GEMM kernel and a tap sum",
+                "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues (Wan: summed by the "
+                                   "next norm), chunked attention; the 3-channel conv_out as a norm+GEMM kernel and "
+                                   "a tap sum",
                 "upsample_conv": "upsample + 3x3 conv as four 2x2 phase convs on the low-res input (4/9 FLOPs)",
                 "stacked_conv3d": "Wan 2.1's 96/384-ch causal Conv3d as a Conv2d over time-stacked channels "
                                   "(auto on sm_90, where measured)",
