@@ -230,6 +230,13 @@ def test_head_taps_only_inside_the_decoder_forward(small_kl, monkeypatch):
         finally:
             h.remove()
         assert len(taps) == 1
+        # a sample too large for the statistics kernels' int32 offsets (128 ch at 4096²: lowered here) keeps the
+        # stock head, as the stock fused norm hands over to torch's GroupNorm there
+        z = torch.randn(1, 4, 4, 4)
+        ref = _decode(model, z)
+        monkeypatch.setattr(fused_epilogues, "HEAD_MAX_SAMPLE", 32 * 32 * 32)
+        torch.testing.assert_close(_decode(model, z), ref, atol=1e-4, rtol=1e-4)
+        assert len(taps) == 2
         x = torch.randn(1, 32, 6, 10).contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
             y = dec.conv_norm_out(x)

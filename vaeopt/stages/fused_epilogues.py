@@ -226,6 +226,8 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
 
 _HEAD = "_vaeopt_head"  # conv_out attribute during a decoder call: (weakref to x, mean, scale, norm)
 HEAD_TAPS = True  # (benchmarks/gpu_head.py turns it off to time the stock head in the same process)
+HEAD_MAX_SAMPLE = 2**31  # elements per sample: the statistics kernels address a sample with int32 offsets (above
+# it, e.g. 128 ch at 4096², the stock fused norm hands over to torch's GroupNorm, and so does the head)
 
 
 def _head_static_ok(dec) -> bool:
@@ -258,9 +260,9 @@ def _head_norm(norm, conv, x, *args, **kwargs):
     """conv_norm_out within the decoder call: the GroupNorm statistics of x for conv_out, and x itself."""
     from vaeopt.kernels.tapconv import SUPPORTED_DTYPES
 
-    if (args or kwargs or x.dim() != 4 or x.numel() == 0 or x.dtype not in SUPPORTED_DTYPES
-            or conv.weight.dtype != x.dtype or not x.is_contiguous(memory_format=torch.channels_last)
-            or not _use_kernel(x)):
+    if (args or kwargs or x.dim() != 4 or x.numel() == 0 or x[0].numel() >= HEAD_MAX_SAMPLE
+            or x.dtype not in SUPPORTED_DTYPES or conv.weight.dtype != x.dtype
+            or not x.is_contiguous(memory_format=torch.channels_last) or not _use_kernel(x)):
         return type(norm).forward(norm, x, *args, **kwargs)
     from vaeopt.kernels.group_norm_silu import group_norm_finalize, group_norm_partials
 
