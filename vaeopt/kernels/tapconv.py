@@ -67,6 +67,47 @@ def _use_triton(t: torch.Tensor, impl: str | None) -> bool:
     return impl == "triton" or (impl is None and t.is_cuda)
 
 
+def _checked(who: str, x: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, nt: int, hist: int) -> torch.Tensor:
+    """x as (N, C, k, H, W), after the checks both norm+GEMM entry points share."""
+    if x.dim() == 4:
+        x = x.unsqueeze(2)
+    N, C, k, H, W = x.shape
+    if not x.permute(0, 2, 3, 4, 1).is_contiguous():
+        raise ValueError(f"{who}: x must be dense channels-last")
+    if tuple(y.shape) != (N, nt, hist + k, H, W) or not y.is_contiguous():
+        raise ValueError(f"{who}: y {tuple(y.shape)} for x {tuple(x.shape)}, {nt} columns, {hist} history")
+    if wt.shape[0] < C or wt.shape[1] < nt:
+        raise ValueError(f"{who}: tap matrix {tuple(wt.shape)} for {C} channels, {nt} columns")
+    return x
+
+
+def _taps_torch(a: torch.Tensor, b, silu: bool, x: torch.Tensor, wt: torch.Tensor, nt: int, y: torch.Tensor,
+                hist: int) -> None:
+    """The kernel's tail in torch: + bias, SiLU, the input rounded once to x's dtype, fp32 GEMM into y's frames."""
+    C = x.shape[1]
+    if b is not None:
+        a = a + b.float().view(1, C, 1, 1, 1)
+    if silu:
+        a = torch.nn.functional.silu(a)
+    y[:, :, hist:] = torch.einsum("nckhw,cj->njkhw", a.to(x.dtype).float(), wt[:C, :nt].float()).to(y.dtype)
+
+
+def _taps_launch(x, y, wt, nt, hist, g, b, xb, scale, eps, silu, **flags) -> None:
+    """_rms_taps_kernel over the pixels of x (N, C, k, H, W); g/b/xb: gamma / bias / input bias pointers (None:
+    absent) or, with GN=True, the statistics in `flags`."""
+    import triton
+
+    N, C, k, H, W = x.shape
+    R = N * k * H * W
+    BLOCK_R = 64 if x.is_cuda else 1024  # CPU: few interpreted programs
+    ieee = x.dtype == torch.float32 or not x.is_cuda  # fp32 inputs, or the interpreter (its bf16 dot upcasts)
+    _rms_taps_kernel[(triton.cdiv(R, BLOCK_R),)](
+        x, g, b if b is not None else g, xb if xb is not None else g, wt, y,
+        R, k * H * W, C, nt, nt * (hist + k) * H * W, (hist + k) * H * W, hist * H * W, float(scale), float(eps),
+        BLOCK_R=BLOCK_R, BLOCK_C=wt.shape[0], BLOCK_N=32, NT_PAD=wt.shape[1], HAS_BIAS=b is not None,
+        HAS_XB=xb is not None, SILU=bool(silu), IEEE=ieee, num_warps=4, **flags)
+
+
 def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale: float, wt: torch.Tensor, nt: int,
                   y: torch.Tensor, hist: int, *, x_bias: torch.Tensor | None = None, silu: bool = True,
                   impl: str | None = None, residual: torch.Tensor | None = None,
@@ -80,26 +121,20 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
     epilogue.bias_residual would store it. u itself is never written (nothing after the head reads it)."""
     from vaeopt.kernels.rms_norm_silu import _affine_args, _vec
 
-    if x.dim() == 4:
-        x = x.unsqueeze(2)
-        residual = residual.unsqueeze(2) if residual is not None else None
+    if residual is not None and x.dim() == 4:
+        residual = residual.unsqueeze(2)
+    x = _checked("rms_norm_taps", x, y, wt, nt, hist)
     N, C, k, H, W = x.shape
-    if not x.permute(0, 2, 3, 4, 1).is_contiguous():
-        raise ValueError("rms_norm_taps: x must be dense channels-last")
     if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.device != x.device
                                  or not residual.permute(0, 2, 3, 4, 1).is_contiguous()):
         raise ValueError(f"rms_norm_taps: residual must be a dense channels-last {tuple(x.shape)} tensor on "
                          f"{x.device}")
     if residual is None and residual_bias is not None:
         raise ValueError("rms_norm_taps: residual_bias needs a residual")
-    if tuple(y.shape) != (N, nt, hist + k, H, W) or not y.is_contiguous():
-        raise ValueError(f"rms_norm_taps: y {tuple(y.shape)} for x {tuple(x.shape)}, {nt} columns, {hist} history")
-    if wt.shape[0] < C or wt.shape[1] < nt:
-        raise ValueError(f"rms_norm_taps: tap matrix {tuple(wt.shape)} for {C} channels, {nt} columns")
     g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
+    b = b if has_bias else None
     rb = _vec("residual_bias", residual_bias, C, x.device)
-    R = N * k * H * W
-    if R == 0:
+    if N * k * H * W == 0:
         return
     if not _use_triton(x, impl):  # the kernel's math in torch: fp32 norm, input rounded once, fp32 GEMM
         a = x.float() if xb is None else x.float() + xb.float().view(1, C, 1, 1, 1)
@@ -107,26 +142,10 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
             r = residual.float() if rb is None else residual.float() + rb.float().view(1, C, 1, 1, 1)
             a = (r + a).to(x.dtype).float()
         a = a * (float(scale) / a.norm(dim=1, keepdim=True).clamp_min(eps)) * g.float().view(1, C, 1, 1, 1)
-        if has_bias:
-            a = a + b.float().view(1, C, 1, 1, 1)
-        if silu:
-            a = torch.nn.functional.silu(a)
-        y[:, :, hist:] = torch.einsum("nckhw,cj->njkhw", a.to(x.dtype).float(), wt[:C, :nt].float()).to(y.dtype)
+        _taps_torch(a, b, silu, x, wt, nt, y, hist)
         return
-    import triton
-
-    BLOCK_C = wt.shape[0]
-    BLOCK_R = 64 if x.is_cuda else 1024  # CPU: few interpreted programs
-    BLOCK_N = 32
-    nw = 4
-    ieee = x.dtype == torch.float32 or not x.is_cuda
-    _rms_taps_kernel[(triton.cdiv(R, BLOCK_R),)](
-        x, g, b if has_bias else g, xb if xb is not None else g, wt, y,
-        R, k * H * W, C, nt, nt * (hist + k) * H * W, (hist + k) * H * W, hist * H * W, float(scale), float(eps),
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, BLOCK_N=BLOCK_N, NT_PAD=wt.shape[1], HAS_BIAS=has_bias,
-        HAS_XB=xb is not None, SILU=bool(silu), IEEE=ieee, num_warps=nw,
-        r_ptr=residual if residual is not None else x, rb_ptr=rb if rb is not None else g, RES=residual is not None,
-        HAS_RB=rb is not None)
+    _taps_launch(x, y, wt, nt, hist, g, b, xb, scale, eps, silu, r_ptr=residual if residual is not None else x,
+                 rb_ptr=rb if rb is not None else g, RES=residual is not None, HAS_RB=rb is not None)
 
 
 def group_norm_taps(x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -136,37 +155,17 @@ def group_norm_taps(x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bi
     decoder's head (GroupNorm + SiLU + conv_out) with the statistics given, as group_norm_finalize returns them
     (mean, scale = rstd * weight: float32 (N, C)). x: (N, C, H, W) dense channels_last (or (N, C, k, H, W)
     channels_last_3d); y as rms_norm_taps. The normalized activation is never written."""
-    if x.dim() == 4:
-        x = x.unsqueeze(2)
+    x = _checked("group_norm_taps", x, y, wt, nt, hist)
     N, C, k, H, W = x.shape
-    if not x.permute(0, 2, 3, 4, 1).is_contiguous():
-        raise ValueError("group_norm_taps: x must be dense channels-last")
-    if tuple(y.shape) != (N, nt, hist + k, H, W) or not y.is_contiguous():
-        raise ValueError(f"group_norm_taps: y {tuple(y.shape)} for x {tuple(x.shape)}, {nt} columns, {hist} history")
-    if wt.shape[0] < C or wt.shape[1] < nt:
-        raise ValueError(f"group_norm_taps: tap matrix {tuple(wt.shape)} for {C} channels, {nt} columns")
     mean, scale = (v.reshape(N, C).float().contiguous() for v in (mean, scale))
     b = bias.reshape(C) if bias is not None else None
-    R = N * k * H * W
-    if R == 0:
+    if N * k * H * W == 0:
         return
     if not _use_triton(x, impl):  # the kernel's math in torch
         a = (x.float() - mean.view(N, C, 1, 1, 1)) * scale.view(N, C, 1, 1, 1)
-        if b is not None:
-            a = a + b.float().view(1, C, 1, 1, 1)
-        if silu:
-            a = torch.nn.functional.silu(a)
-        y[:, :, hist:] = torch.einsum("nckhw,cj->njkhw", a.to(x.dtype).float(), wt[:C, :nt].float()).to(y.dtype)
+        _taps_torch(a, b, silu, x, wt, nt, y, hist)
         return
-    import triton
-
-    ieee = x.dtype == torch.float32 or not x.is_cuda
-    _rms_taps_kernel[(triton.cdiv(R, 64 if x.is_cuda else 1024),)](
-        x, mean, b if b is not None else mean, mean, wt, y,
-        R, k * H * W, C, nt, nt * (hist + k) * H * W, (hist + k) * H * W, hist * H * W, 1.0, 1.0,
-        BLOCK_R=64 if x.is_cuda else 1024, BLOCK_C=wt.shape[0], BLOCK_N=32, NT_PAD=wt.shape[1],
-        HAS_BIAS=b is not None, HAS_XB=False, SILU=bool(silu), IEEE=ieee, num_warps=4,
-        GN=True, mean_ptr=mean, sc_ptr=scale)
+    _taps_launch(x, y, wt, nt, hist, mean, b, None, 1.0, 1.0, silu, GN=True, mean_ptr=mean, sc_ptr=scale)
 
 
 def tap_sum(y: torch.Tensor, co: int, kernel: tuple[int, int, int], bias: torch.Tensor | None,
