@@ -135,6 +135,7 @@ def main():
     ap.add_argument("--only-tiled", action="store_true")
     ap.add_argument("--only-vaeopt", action="store_true", help="skip the diffusers-bf16 variant")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per variant")
+    ap.add_argument("--fp8-gate", type=float, nargs="*", default=[], help="also profile the FP8 path at these gates")
     args = ap.parse_args()
     fam, shape = WORKLOADS[args.workload]
     z = torch.randn(shape)
@@ -143,6 +144,8 @@ def main():
         "diffusers-bf16": dict(channels_last="off", triton="off", attention="off"),
         "vaeopt": dict(),
     }
+    for g in args.fp8_gate:
+        variants[f"vaeopt-fp8-gate{g:g}"] = dict(fp8="on", gate_db=g)
     if args.only_tiled:
         variants = {}
     elif args.only_vaeopt:
