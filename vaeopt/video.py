@@ -335,8 +335,6 @@ class _ChunkDecoder:
     # the staged 5-D input -- spatial tiles, bands -- turn it off)
     DEFER = True  # a residual block followed by another one (or by the head) leaves its output _Pending: the next
     # norm adds the residual itself (no epilogue pass, one read less)
-    STACK_SPLIT: int | None = None  # bias-free stacked convs as cuDNN calls of at most this many frames, each storing
-    # into its slice of one output (experiment E23; None: one call)
 
     def __init__(self, vae, channels_last: bool, fused: bool | None = None):
         self.vae = vae
@@ -771,20 +769,8 @@ class _ChunkDecoder:
         else:
             from vaeopt.stages.stacked_conv3d import stacked_weight
 
-            w = stacked_weight(conv, S.dtype)
-            pad = (conv._padding[2], conv._padding[0])
-            g = self.STACK_SPLIT
-            if g and not bias and S.is_cuda and S.shape[0] > g:
-                y4 = torch.empty((S.shape[0], Co, H, W), dtype=S.dtype, device=S.device,
-                                 memory_format=torch.channels_last)
-                flags = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-                         torch.backends.cudnn.allow_tf32)
-                for i in range(0, S.shape[0], g):
-                    torch.ops.aten.cudnn_convolution.out(S[i:i + g], w, list(pad), [1, 1], [1, 1], 1, *flags,
-                                                         out=y4[i:i + g])
-                self.stats["stacked_split"] += 1
-            else:
-                y4 = F.conv2d(S, w, conv.bias if bias else None, 1, pad)
+            y4 = F.conv2d(S, stacked_weight(conv, S.dtype), conv.bias if bias else None, 1,
+                          (conv._padding[2], conv._padding[0]))
             y = y4.permute(0, 2, 3, 1).reshape(N, k, H, W, Co)
         self.stats["stacked_conv"] += 1  # (its history was written by the norm kernel: _stage_stacked)
         return y.permute(0, 4, 1, 2, 3)
