@@ -9,8 +9,10 @@ Measured (one process per setting; torch keeps its choice per conv shape for the
   planner row 616.4 -> 604.9 ms; gpu_repeat.py, 10 decodes x 2 processes per setting on one H200: 600.5 / 601.1 ->
   597.2 / 592.6 ms (h200_repeat_wan21-480p*_2026-11-21*.json). sdxl-1024 (h200_sdxl-1024_2026-11-21c /
   -autotune): no gain (18.8 / 19.1 ms).
-The tuned choices use more workspace: the wan21-480p planner row's peak went 6.81 -> 10.05 GiB (+48%), the fp32
-reference's 8.5 -> 41 GiB. So `auto` also wants that headroom under the planner's VRAM budget.
+Tuning allocates the trial configs' workspaces on the first decode of each shape: the wan21-480p planner row's peak,
+which includes that warm-up, went 6.81 -> 10.05 GiB (+48%), the fp32 reference's 8.5 -> 41 GiB. Steady decodes after
+it peak as untuned ones do (6.62 GiB in every mode, h200_targeted_tune_2026-11-21.json). So `auto` also wants that
+transient headroom under the planner's VRAM budget.
 The heuristic's misses are specific shapes: the time-stacked 96-channel conv (tile 128x128x64 where 128x128x32 is
 faster), the upsamplers' 2x2 phase convs (1.69 -> 1.12 ms on the H100), the 384-channel Conv3d.
 
@@ -28,7 +30,7 @@ from vaeopt.stages import StageResult
 NAME = "cudnn_autotune"
 LIMIT = 10  # engine configs timed per new conv shape (torch's default benchmark_limit)
 TUNE_S, GAIN = 1.7, 0.02  # measured at wan21-480p on an H100: one-time cost, fraction saved per decode after it
-PEAK_GROWTH = 1.48  # peak memory with tuned convs / without: 10.05 / 6.81 GiB (H200 ladder above)
+PEAK_GROWTH = 1.48  # first-decode peak while tuning / untuned: 10.05 / 6.81 GiB (H200 ladder above)
 MIN_REPEATS = 128  # ~TUNE_S / (GAIN x 0.62 s): break-even at wan21-480p (~140 decodes), rounded to a power of 2
 
 
@@ -54,8 +56,9 @@ def decide(mode: str, device: torch.device, repeats: int, est_bytes: int | None 
     if torch.backends.cudnn.benchmark:
         return True, "torch.backends.cudnn.benchmark was already on in this process"
     if est_bytes and budget_bytes and est_bytes * PEAK_GROWTH > budget_bytes:
-        return False, (f"the plan needs {est_bytes / 2**30:.1f} of {budget_bytes / 2**30:.1f} GiB; tuned convs "
-                       f"took {PEAK_GROWTH - 1:.0%} more peak memory at wan21-480p (H200; their workspaces)")
+        return False, (f"the plan needs {est_bytes / 2**30:.1f} of {budget_bytes / 2**30:.1f} GiB; tuning took "
+                       f"{PEAK_GROWTH - 1:.0%} more peak memory on the first wan21-480p decode (H200; the trial "
+                       "configs' workspaces)")
     if repeats < MIN_REPEATS:
         return False, (f"{repeats} decode(s) of this shape: tuning cost +{TUNE_S:g} s on the first wan21-480p decode "
                        f"and saved ~{GAIN:.0%} per decode after it (H100), so it pays from ~{MIN_REPEATS} "
