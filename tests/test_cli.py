@@ -146,3 +146,114 @@ def test_unexpected_error_is_one_line(tmp_path, samples_dir, monkeypatch):
     r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors")
     assert r.exit_code == 1 and "unexpected KeyError" in r.output and "VAEOPT_DEBUG" in r.output
     assert "Traceback" not in r.output
+
+
+# --- found by a hostile-input review (real files, not ours) ------------------------------------------------------
+
+
+def test_nonfinite_decode_is_refused_and_nothing_written(tmp_path, samples_dir):
+    """Finite latents that overflow in the decoder (the fp16-SDXL case): the NaN output would become a black PNG
+    or black MP4 frames reported as written. Refused, for images and the streaming MP4 path, and no file left."""
+    torch.save(torch.full((1, 4, 8, 8), 3e38), tmp_path / "img.pt")
+    r = run("decode", tmp_path / "img.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", tmp_path / "i.png")
+    assert r.exit_code == 2 and "non-finite" in r.output and "nothing was written" in r.output, r.output
+    torch.save(torch.full((1, 16, 2, 8, 8), 3e38), tmp_path / "vid.pt")
+    r = run("decode", tmp_path / "vid.pt", "-m", samples_dir / "tiny_wan_video.safetensors", "-o", tmp_path / "v.mp4")
+    assert r.exit_code == 2 and "non-finite" in r.output and "nothing was written" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img.pt", "vid.pt"]  # no output, no hidden temp file
+
+
+def test_brackets_in_names_are_not_markup(tmp_path, samples_dir):
+    """rich markup: '[noise_mask]' in a message vanished and a path reading 'a[/]b' crashed the error printer."""
+    (tmp_path / "a[").mkdir()
+    p = tmp_path / "a[" / "]b[x].pt"  # the path's text contains "[/]", rich's closing tag
+    torch.save(torch.randn(1, 16, 8, 8), p)
+    r = run("decode", p, "-m", samples_dir / "tiny_kl_image.safetensors")
+    assert r.exit_code == 2 and "a[/]b[x].pt" in r.output and "16 latent channels" in r.output, r.output
+
+
+def test_overwrite_never_replaces_inputs_or_the_model(tmp_path, samples_dir):
+    from safetensors.torch import save_file
+
+    model = tmp_path / "vae.safetensors"
+    model.write_bytes((samples_dir / "tiny_kl_image.safetensors").read_bytes())
+    save_file({"z": torch.randn(1, 4, 8, 8)}, str(tmp_path / "lat.safetensors"))
+    before = {p: p.read_bytes() for p in (model, tmp_path / "lat.safetensors")}
+    r = run("decode", tmp_path / "lat.safetensors", "-m", model, "-o", model, "--overwrite")
+    assert r.exit_code == 2 and "would overwrite the model" in r.output, r.output
+    r = run("decode", tmp_path / "lat.safetensors", "-m", model, "-o", tmp_path / "lat.safetensors", "--overwrite")
+    assert r.exit_code == 2 and "an input latent file" in r.output, r.output
+    assert all(p.read_bytes() == b for p, b in before.items())
+    r = run("decode", tmp_path / "lat.safetensors", "-m", model, "-o", tmp_path / "out.safetensors")
+    assert r.exit_code == 0, r.output  # any other output is fine
+
+
+def test_overwrite_frames_folder_and_kind_mismatch(tmp_path, samples_dir):
+    """--overwrite of a PNG-frames folder replaced it (it failed after the decode: a non-empty folder cannot be
+    renamed over); a file where a folder goes, or the reverse, is refused before decoding; a video to '.png' says
+    what to use instead of silently making a folder named 'clip.png'."""
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
+    torch.save(z, tmp_path / "clip.pt")
+    model = samples_dir / "tiny_wan_video.safetensors"
+    for _ in range(2):
+        r = run("decode", tmp_path / "clip.pt", "-m", model, "--latent-space", "raw", "-o", tmp_path / "frames",
+                "--overwrite")
+        assert r.exit_code == 0, r.output
+        assert len(list((tmp_path / "frames").glob("*.png"))) == 5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftover old/partial folders
+    r = run("decode", tmp_path / "clip.pt", "-m", model, "-o", tmp_path / "clip.png")
+    assert r.exit_code == 2 and ".mp4" in r.output and not (tmp_path / "clip.png").exists(), r.output
+    (tmp_path / "v.mp4").mkdir()
+    r = run("decode", tmp_path / "clip.pt", "-m", model, "-o", tmp_path / "v.mp4", "--overwrite")
+    assert r.exit_code == 2 and "is a folder" in r.output, r.output
+
+
+def test_bad_manifest_device_and_fps_are_user_errors(tmp_path, samples_dir):
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    for bad in ([1, 2], {"files": ["l.pt"]}, {"files": {"l.pt": "vae.safetensors"}}):
+        (tmp_path / "vaeopt.json").write_text(json.dumps(bad))
+        r = run("decode", tmp_path / "l.pt", "-m", model)
+        assert r.exit_code == 2 and "manifest must look like" in r.output and "bug" not in r.output, r.output
+    (tmp_path / "vaeopt.json").unlink()
+    r = run("decode", tmp_path / "l.pt", "-m", model, "--device", "tpu")
+    assert r.exit_code == 2 and "expected cpu, cuda or cuda:N" in r.output, r.output
+    r = run("decode", tmp_path / "l.pt", "-m", model, "--fps", "0")
+    assert r.exit_code == 2 and "--fps must be positive" in r.output, r.output
+
+
+def test_files_naming_different_models_are_refused(tmp_path, samples_dir):
+    """Without --model, the model came from the first file's manifest only: a second file meant for another VAE was
+    decoded with the wrong one (or failed with a shape error that did not say why)."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        torch.save(torch.randn(1, 4, 8, 8), tmp_path / name / "l.pt")
+        (tmp_path / name / "vaeopt.json").write_text(json.dumps({"files": {"l.pt": {"model": f"{name}.safetensors"}}}))
+    r = run("decode", tmp_path / "a" / "l.pt", tmp_path / "b" / "l.pt", "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "different models" in r.output, r.output
+
+
+def test_sigterm_unwinds_like_ctrl_c(tmp_path, samples_dir):
+    """kill / docker stop: Python's default SIGTERM exit skips every cleanup, leaving hidden .partial outputs."""
+    import signal
+
+    from vaeopt import api
+
+    def killed(*a, **k):
+        tmp = tmp_path / ".o.png.1.partial.png"
+        with __import__("vaeopt.outputs", fromlist=["atomic_path"]).atomic_path(tmp_path / "o.png") as t:
+            t.write_bytes(b"half")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return tmp
+
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        api_run = api.run_jobs
+        api.run_jobs = killed
+        r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", tmp_path / "o.png")
+    finally:
+        api.run_jobs = api_run
+        signal.signal(signal.SIGTERM, old)
+    assert r.exit_code == 130 and "interrupted" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.pt"]

@@ -171,13 +171,27 @@ def test_float8_latents_are_upcast(tmp_path):
 
 
 def test_dict_with_non_latent_tensors_keeps_the_latents(tmp_path):
-    """A saved ComfyUI-style LATENT dict with extra small tensors (an index vector, a scalar): the latents are
-    decoded and the skipped tensors are named in a note, instead of failing on the first one that cannot be latents."""
-    p = tmp_path / "comfy.pt"
-    torch.save({"samples": torch.randn(2, 4, 8, 8), "batch_index": torch.arange(2), "scale": torch.tensor(1.0)}, p)
+    """A dict with extra small tensors (an index vector, a scalar): the latents are decoded and the skipped tensors
+    are named in a note, instead of failing on the first one that cannot be latents."""
+    p = tmp_path / "d.pt"
+    torch.save({"z": torch.randn(2, 4, 8, 8), "batch_index": torch.arange(2), "scale": torch.tensor(1.0)}, p)
     lf = lat.read_latents(p)
-    assert [e.name for e in lf.entries] == ["samples"]
+    assert [e.name for e in lf.entries] == ["z"] and lf.default_space == "scaled"
     assert any("skipped 2 tensor(s)" in n and "batch_index (2,)" in n for n in lf.notes), lf.notes
     only_small = tmp_path / "small.pt"
     torch.save({"a": torch.arange(3)}, only_small)
     assert [e.name for e in lat.read_latents(only_small).entries] == ["a"]  # nothing else: validate() says why
+
+
+def test_comfyui_latent_dict_is_raw_and_only_samples_decode(tmp_path):
+    """torch.save of a ComfyUI LATENT ({"samples": raw VAE latents, "noise_mask": (N,1,H,W), "batch_index"}): raw by
+    default (ComfyUI never scales them), only 'samples' decoded -- a 4-D 1-channel mask used to fail validation --
+    with a note naming what was left out; --key and --latent-space still override."""
+    p = tmp_path / "comfy.pt"
+    z = torch.randn(2, 4, 8, 8)
+    torch.save({"samples": z, "noise_mask": torch.ones(2, 1, 8, 8), "batch_index": [0, 1]}, p)
+    lf = lat.read_latents(p)
+    assert [e.name for e in lf.entries] == ["samples"] and torch.equal(lf.entries[0].tensor, z)
+    assert lf.default_space == "raw" and lf.format == "comfyui-dict"
+    assert any("ComfyUI LATENT" in n and "noise_mask" in n for n in lf.notes), lf.notes
+    assert [e.name for e in lat.read_latents(p, key="noise_mask").entries] == ["noise_mask"]

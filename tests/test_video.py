@@ -175,6 +175,24 @@ def test_iterator_groups_and_bounded_host_buffers(wan21, latents, refs):
         next(video.iter_decode_video(wan21, z.expand(2, -1, -1, -1, -1), 1))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_uint8_stream_refuses_nonfinite_frames(wan21, latents, device):
+    """uint8 frames would turn NaN/Inf into black pixels: the stream raises DecodeError at the first bad group (on
+    CUDA the flag is copied with the frames on the copy stream, so no extra sync), after the good ones."""
+    from vaeopt.errors import DecodeError
+
+    vae = wan21.to(device)
+    z = latents["bunny"].to(device).clone()
+    z[:, :, 3:] = 3e38  # finite latents, non-finite decode from the frame group that sees them
+    got = []
+    with pytest.raises(DecodeError, match=r"non-finite values \(NaN/Inf\) in output frames"):
+        for g in video.iter_decode_video(vae, z, 1):
+            got.append(g.shape[0])
+    assert got and got[0] == 1  # the groups before the bad one were handed out
+    assert len(list(video.iter_decode_video(vae, latents["bunny"].to(device), 2))) == 3  # a good clip: no error
+    wan21.to("cpu")
+
+
 def test_estimate_chunk_bytes(wan21):
     small = [video.estimate_chunk_bytes(wan21, (1, 16, 9, 6, 8), k, torch.float32) for k in (1, 2, 4)]
     assert 0 < small[0] < small[1] < small[2]

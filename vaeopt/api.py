@@ -13,19 +13,27 @@ import torch
 
 from vaeopt import latents as lat
 from vaeopt import outputs, video_graphs
-from vaeopt.errors import VaeoptError
+from vaeopt.errors import DecodeError, VaeoptError
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import DecodeStats, Options, Pipeline
 
 USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
 
 
-def resolve_model(model: str | Path | None, latent_file: lat.LatentFile | None = None) -> tuple[Path, str]:
-    """Which checkpoint to use, and why: --model, the manifest beside the latents, $VAEOPT_MODEL, the user config."""
+def resolve_model(model: str | Path | None, latent_files: lat.LatentFile | list[lat.LatentFile] | None = None
+                  ) -> tuple[Path, str]:
+    """Which checkpoint to use, and why: --model, the manifest beside the latents, $VAEOPT_MODEL, the user config.
+    One run decodes with one model: latent files whose manifests name different models are refused."""
     if model:
         return Path(model), "--model"
-    if latent_file is not None and latent_file.manifest.get("model"):
-        return Path(latent_file.manifest["model"]), f"{lat.MANIFEST} beside the latents"
+    files = [latent_files] if isinstance(latent_files, lat.LatentFile) else list(latent_files or [])
+    named = {str(f.manifest["model"]): f for f in files if f.manifest.get("model")}
+    if len(named) > 1:
+        pairs = "; ".join(f"{f.path.name} -> {m}" for m, f in list(named.items())[:3])
+        raise VaeoptError(f"the latent files name different models in their {lat.MANIFEST} ({pairs}): one run decodes "
+                          "with one model; decode them in separate runs, or pass --model")
+    if named:
+        return Path(next(iter(named))), f"{lat.MANIFEST} beside the latents"
     if os.environ.get("VAEOPT_MODEL"):
         return Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL"
     if USER_CONFIG.is_file():
@@ -110,7 +118,8 @@ def output_kind(path: Path, is_video: bool) -> str:
     s = path.suffix.lower()
     if s in outputs.IMAGE_SUFFIXES:
         if is_video:
-            return "frames"
+            raise VaeoptError(f"{path}: a video VAE decodes clips: use an .mp4 output, or a folder path (e.g. "
+                              f"{path.with_suffix('')}/) for one PNG per frame")
         return "png"
     if s in outputs.VIDEO_SUFFIXES:
         if not is_video:
@@ -152,11 +161,33 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     dupes = {p for p in all_paths if all_paths.count(p) > 1}
     if dupes:
         raise VaeoptError(f"two inputs would write the same output {sorted(dupes)[0]}: pass -o a folder")
-    outputs.check_writable(all_paths, overwrite)
+    inputs = {lf.path.resolve() for lf in latent_files}
+    model = loaded.path.resolve() if loaded.path is not None else None
+    for p in all_paths:
+        r = p.resolve()
+        if r in inputs or (model is not None and (r == model or (model in r.parents and r.exists()))):
+            raise VaeoptError(f"{p}: would overwrite {'the model' if r not in inputs else 'an input latent file'}"
+                              " (even --overwrite does not replace inputs); choose another -o")
+    outputs.check_writable(all_paths, overwrite, folders={p for j in jobs if j.kind == "frames" for p in j.outputs})
     return jobs
 
 
+NONFINITE_HINT = ("fp16 overflow? try --dtype bf16 or fp32; or the latents are far outside the VAE's range: check "
+                  "--latent-space")
+
+
+def check_finite(decoded: torch.Tensor, job: DecodeJob) -> None:
+    """A decode that produced NaN/Inf (fp16 overflow, broken weights, extreme latents) would be written as a black
+    image and reported as done: refuse it instead."""
+    bad = int((~torch.isfinite(decoded)).sum())
+    if bad:
+        where = f"{job.source}" + (f" [{job.entry}]" if job.entry else "")
+        raise DecodeError(f"{where}: the decoder produced {bad} non-finite values (NaN/Inf) of {decoded.numel()}; "
+                          f"nothing was written ({NONFINITE_HINT})")
+
+
 def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[Path]:
+    check_finite(decoded, job)
     written = []
     if job.kind == "safetensors":
         outputs.write_tensor(job.outputs[0], decoded, {"source": str(job.source), "range": "[-1,1]"})
@@ -174,7 +205,10 @@ def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[
 
 
 def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
-             progress: Callable[[str, int, int], None] | None = None) -> list[DecodeResult]:
+             progress: Callable[[str, int, int], None] | None = None,
+             on_result: Callable[[DecodeResult], None] | None = None) -> list[DecodeResult]:
+    """Decode and write every job; `on_result` sees each result as soon as its outputs are on disk, so that a later
+    failure or Ctrl-C does not hide what was already written."""
     shapes = [tuple(j.z_raw.shape) for j in jobs]
     results = []
     graphs_logged = False
@@ -211,6 +245,9 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
                     done += frames.shape[0]
                     if cb:
                         cb(done, total)
+            except DecodeError as e:  # NaN/Inf frames (checked on the device as they are decoded)
+                writer.abort()
+                raise DecodeError(f"{job.source}: {e}; nothing was written ({NONFINITE_HINT})") from None
             except BaseException:
                 writer.abort()
                 raise
@@ -218,10 +255,14 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
             peak = torch.cuda.max_memory_allocated(pipe.device) if pipe.device.type == "cuda" else None
             results.append(DecodeResult(job, time.perf_counter() - t0, peak, [job.outputs[0]], plan.to_dict(),
                                         vstats.retries))
+            if on_result:
+                on_result(results[-1])
             continue
         decoded, stats = pipe.decode(job.z_raw, plan, progress=cb)
         written = write_job(job, decoded, fps)
         results.append(DecodeResult(job, stats.seconds, stats.peak_bytes, written, plan.to_dict(), stats.retries))
+        if on_result:
+            on_result(results[-1])
     if vg is not None:
         video_graphs.report_to(pipe, vg)  # the measured outcome, after the decodes
     if pipe.graphed is not None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vaeopt import __version__
@@ -28,7 +31,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True, highlight=False, soft_wrap=True)  # long paths: let the terminal wrap
-out_console = Console(highlight=False)
+# piped or logged (not a terminal): rich would assume 80 columns and cut the benchmark table's cells to "11…"
+out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def _version_cb(value: bool):
@@ -43,15 +47,24 @@ def main(version: bool = typer.Option(False, "--version", callback=_version_cb, 
     pass
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def clean_errors(fn):
     """User errors -> one red line and exit code 2; Ctrl-C -> exit 130; no tracebacks for either."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        # kill / docker stop / a closed terminal: unwind like Ctrl-C, so that the temporary outputs are removed
+        # (Python's default SIGTERM/SIGHUP handling exits without running any cleanup)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            with contextlib.suppress(ValueError, OSError, AttributeError):  # not the main thread / no SIGHUP
+                signal.signal(sig, _raise_interrupt)
         try:
             return fn(*a, **kw)
         except VaeoptError as e:
-            console.print(f"[bold red]error:[/] {e}")
+            console.print(f"[bold red]error:[/] {escape(str(e))}")  # paths/keys like `[x]` are not markup
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted — no partial output was left behind[/]")
@@ -64,9 +77,9 @@ def clean_errors(fn):
         except Exception as e:  # a bug, not bad input: one line, the traceback only on request
             if os.environ.get("VAEOPT_DEBUG"):
                 raise
-            console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                          " — this is a vaeopt bug; rerun with VAEOPT_DEBUG=1 for the traceback and report it",
-                          markup=False)
+            first = str(e).splitlines()[0][:300] if str(e) else ""
+            console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {escape(first)}"
+                          " — this is a vaeopt bug; rerun with VAEOPT_DEBUG=1 for the traceback and report it")
             raise typer.Exit(1)
 
     return wrapper
@@ -169,6 +182,8 @@ def decode(
 
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
+    if not fps > 0:
+        raise VaeoptError(f"--fps must be positive, got {fps}")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
                    upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
@@ -188,18 +203,20 @@ def decode(
                           markup=False)
         for n in f.notes:
             _log(n)
-    model_path, why = api.resolve_model(model, files[0])
+    model_path, why = api.resolve_model(model, files)
     t0 = time.perf_counter()
     import diffusers  # noqa: F401  (a few seconds on first import; timed apart from reading the checkpoint)
 
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
     loaded = load_vae(model_path, family=family, config=config)
-    console.print(f"[bold]load[/] {model_path} ({why}) in {time.perf_counter() - t0:.2f} s "
+    console.print(f"[bold]load[/] {escape(str(model_path))} ({escape(why)}) in {time.perf_counter() - t0:.2f} s "
                   f"(+{t_import:.1f} s importing diffusers): "
                   f"{loaded.family.title} [{loaded.family.cls_name}], layout {loaded.layout}", highlight=False)
     for n in loaded.notes:
         _log(n)
+    if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
+        _log(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite)
     console.print("[bold]optimize[/]")
     pipe = Pipeline(loaded, opts, log=_log)
@@ -213,13 +230,15 @@ def decode(
                 tasks[name] = prog.add_task(name, total=total)
             prog.update(tasks[name], completed=done, total=total)
 
-        results = api.run_jobs(pipe, jobs, fps=fps, progress=progress)
-    for r in results:
-        peak = f", peak VRAM {r.peak_bytes / 2**30:.2f} GiB" if r.peak_bytes else ""
-        for p in r.written:
-            console.print(f"[bold green]wrote[/] {p}  ({r.seconds:.2f} s decode{peak})", highlight=False)
-        for msg in r.retries:
-            _log("↩ " + msg)
+        def report(r):  # as each output lands, not after the last one: an error or Ctrl-C later keeps these lines
+            peak = f", peak VRAM {r.peak_bytes / 2**30:.2f} GiB" if r.peak_bytes else ""
+            for p in r.written:
+                console.print(f"[bold green]wrote[/] {escape(str(p))}  ({r.seconds:.2f} s decode{peak})",
+                              highlight=False)
+            for msg in r.retries:
+                _log("↩ " + msg)
+
+        results = api.run_jobs(pipe, jobs, fps=fps, progress=progress, on_result=report)
     if as_json:
         out_console.print_json(json.dumps({
             "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,
@@ -280,10 +299,10 @@ def benchmark(
 
         with atomic_path(json_out) as tmp:
             tmp.write_text(json.dumps(result, indent=1))
-        console.print(f"[bold green]wrote[/] {json_out}")
+        console.print(f"[bold green]wrote[/] {escape(str(json_out))}")
     if plot_out:
         bm.plot(result, plot_out)
-        console.print(f"[bold green]wrote[/] {plot_out}")
+        console.print(f"[bold green]wrote[/] {escape(str(plot_out))}")
 
 
 def torch_device_name(dev) -> str:
@@ -378,7 +397,7 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
         raise VaeoptError(str(e).splitlines()[0]) from None
     for r in summary or []:
         for p in r["written"]:
-            console.print(f"[bold green]wrote[/] {p}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
+            console.print(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
                           highlight=False)
     if as_json:
         out_console.print_json(json.dumps({"distributed": gpus, "outputs": summary}, default=str))

@@ -1278,7 +1278,7 @@ def decode_files_distributed(
     err = None
     try:
         files = [lat.read_latents(Path(p), key) for p in latents]
-        model_path, _why = api.resolve_model(model, files[0])
+        model_path, _why = api.resolve_model(model, files)
         loaded = load_vae(model_path, family=family, config=config)
         jobs = api.plan_jobs(files, loaded, Path(output) if output is not None else None, latent_space, overwrite)
         opts = Options(**{**(options.__dict__ if options is not None else {}), "device": str(dev)})

@@ -17,3 +17,7 @@ class LatentError(VaeoptError):
 
 class OutputError(VaeoptError):
     """The output cannot be written."""
+
+
+class DecodeError(VaeoptError):
+    """The decode ran but its result is unusable (NaN/Inf output): nothing is written."""

@@ -79,8 +79,8 @@ def sdpa_backends() -> dict[str, bool]:
                      ("math", "math_sdp_enabled"), ("cudnn", "cudnn_sdp_enabled")):
         f = getattr(b, fn, None)
         out[name] = bool(f()) if f is not None else False
-    if not torch.cuda.is_available():
-        out = {k: (k == "math") for k in out}  # on CPU SDPA runs its CPU kernels
+    if not torch.cuda.is_available():  # on CPU, SDPA has a flash kernel and the math path (same global switches)
+        out = {k: (v and k in ("flash", "math")) for k, v in out.items()}
     return out
 
 
@@ -111,7 +111,14 @@ def machine_info() -> MachineInfo:
 def resolve_device(device: str | None) -> torch.device:
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        from vaeopt.errors import VaeoptError
+
+        raise VaeoptError(f"--device {device}: expected cpu, cuda or cuda:N")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             from vaeopt.errors import VaeoptError

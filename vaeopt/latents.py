@@ -39,7 +39,7 @@ class LatentEntry:
 @dataclass
 class LatentFile:
     path: Path
-    format: str  # "pt", "safetensors", "comfyui-latent", "npy"
+    format: str  # "pt", "comfyui-dict", "safetensors", "comfyui-latent", "npy"
     entries: list[LatentEntry]
     default_space: str  # "scaled" or "raw"
     notes: list[str] = field(default_factory=list)
@@ -55,7 +55,12 @@ def read_manifest(path: Path) -> dict:
         data = json.loads(mpath.read_text())
     except (OSError, ValueError) as e:
         raise LatentError(f"{mpath}: unreadable manifest ({e})") from e
-    hint = dict(data.get("files", {}).get(path.name, {}))
+    files = data.get("files", {}) if isinstance(data, dict) else None
+    hint = files.get(path.name, {}) if isinstance(files, dict) else None
+    if not isinstance(hint, dict) or not isinstance(hint.get("model", ""), str):
+        raise LatentError(f"{mpath}: manifest must look like {{\"files\": {{\"{path.name}\": {{\"model\": \"vae.safetensors\", "
+                          f"\"latent_space\": \"scaled\"}}}}}}")
+    hint = dict(hint)
     if "model" in hint:
         hint["model"] = str((mpath.parent / hint["model"]).resolve())
     return hint
@@ -96,14 +101,26 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
             with open(path, "rb") as fh:
                 raw_pickle = fh.read(1) == b"\x80"  # a bare pickle stream, not torch's zip container
             if not code and not raw_pickle:  # garbage, not code
-                raise LatentError(f"{path}: not a readable torch file ({msg.splitlines()[0][:160]})") from e
+                raise LatentError(f"{path}: not a readable torch file: corrupt or truncated? "
+                                  f"({msg.splitlines()[0][:160]})") from e
             what = next((ln.strip() for ln in msg.splitlines() if "GLOBAL" in ln or "nsupported" in ln), "")
             raise LatentError(
                 f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): {what[:160]}"
             ) from e
         except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-            raise LatentError(f"{path}: not a readable torch file ({str(e).splitlines()[0][:160]})") from e
+            raise LatentError(f"{path}: not a readable torch file: corrupt or truncated? "
+                              f"({str(e).splitlines()[0][:160]})") from e
         _collect(obj, "", entries)
+        if isinstance(obj, dict) and isinstance(obj.get("samples"), torch.Tensor) and obj["samples"].ndim >= 4:
+            # a ComfyUI LATENT dict saved with torch.save: {"samples": raw VAE latents, "noise_mask", "batch_index"}
+            fmt = "comfyui-dict"
+            default_space = "raw"
+            others = [e.name for e in entries if e.name != "samples"]
+            if key is None:
+                entries = [e for e in entries if e.name == "samples"]
+            notes.append("a ComfyUI LATENT dict ('samples'): raw VAE latents, as ComfyUI keeps them (--latent-space "
+                         "scaled if these were scaled)" + (f"; not decoded: {', '.join(others)}"
+                                                         if others and key is None else ""))
     elif suffix in (".safetensors", ".latent"):
         from safetensors import SafetensorError, safe_open
 

@@ -767,7 +767,7 @@ def _choose_family(a: _Analysis, family, explicit, meta_cfg, metadata, other_key
         if a.latent == 4:
             notes.append(
                 "family sd15 assumed: SD 1.x, SD 2.x and SDXL VAEs have identical shapes and nothing in the metadata "
-                "or file name tells them apart (sd15's scaling_factor 0.18215 is also right for SD 2.x); for an SDXL "
+                "or file name tells them apart (sd15's scaling_factor 0.18215 is also SD 2.x's); for an SDXL "
                 "VAE pass family='sdxl' (--family sdxl)"
             )
             return get_family("sd15")
@@ -906,6 +906,10 @@ def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label
         if source == "the checkpoint's config metadata" or (source == "family default" and not standard):
             # (a model with the family's own widths uses the family's group count: nothing worth a note)
             _norm_groups(cfg, list(cfg.get("block_out_channels", [])), source, notes)
+    for k in ("scaling_factor", "shift_factor"):  # what unscales "scaled" latents: say where it came from
+        if k in meta_use and _norm(meta_use[k]) != _norm(spec.config.get(k)):
+            notes.append(f"{k} {meta_use[k]} from the checkpoint's config metadata ({spec.name}'s default is "
+                         f"{spec.config.get(k)})")
     if explicit:
         xc = explicit.get("_class_name")
         if xc and xc != a.cls_name:

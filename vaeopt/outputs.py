@@ -46,7 +46,17 @@ def atomic_path(path: Path) -> Iterator[Path]:
     tmp = parent / f".{path.name}.{os.getpid()}.partial{path.suffix}"
     try:
         yield tmp
-        os.replace(tmp, path)
+        if tmp.is_dir() and path.is_dir():  # --overwrite of a frames folder: os.replace cannot replace a non-empty one
+            old = parent / f".{path.name}.{os.getpid()}.old"
+            os.replace(path, old)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old, path)  # put the previous output back
+                raise
+            _remove(old)
+        else:
+            os.replace(tmp, path)
     except OSError as e:
         _remove(tmp)
         raise _os_error(path, e) from e
@@ -65,11 +75,16 @@ def _remove(p: Path) -> None:
         pass
 
 
-def check_writable(paths: list[Path], overwrite: bool) -> None:
-    """Fail before decoding (not after minutes of work) if an output exists or its folder can't be written."""
+def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | frozenset = frozenset()) -> None:
+    """Fail before decoding (not after minutes of work) if an output exists or its folder can't be written.
+    folders: the outputs that are folders (PNG frames); --overwrite replaces a file with a file, a folder with a
+    folder."""
     for p in paths:
         if p.exists() and not overwrite:
             raise OutputError(f"{p}: already exists (pass --overwrite to replace it)")
+        if p.exists() and p.is_dir() != (p in folders):
+            what, want = ("a folder", "a file") if p.is_dir() else ("a file", "a folder of frames")
+            raise OutputError(f"{p}: is {what}; this output is {want}, so --overwrite cannot replace it")
         parent = p.parent
         probe = parent
         while not probe.exists():

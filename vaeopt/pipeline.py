@@ -401,7 +401,12 @@ class Pipeline:
         z = z_raw.to(self.device, self.dtype)
         with torch.inference_mode():
             if self.family.cls_name != "AutoencoderKLWan":
-                yield outputs.to_uint8_images(self._decode_video(z, plan, None))[0]
+                y = self._decode_video(z, plan, None)
+                if not bool(torch.isfinite(y).all()):  # uint8 would turn NaN/Inf into black pixels
+                    from vaeopt.errors import DecodeError
+
+                    raise DecodeError("the decoder produced non-finite values (NaN/Inf)")
+                yield outputs.to_uint8_images(y)[0]
                 return
             info: dict = {}
             yield from video.iter_decode_video(self.model, z, **self._video_kwargs(plan, info))

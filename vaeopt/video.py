@@ -73,7 +73,7 @@ import torch.utils._python_dispatch
 import torch.utils._pytree
 from torch import Tensor, nn
 
-from vaeopt.errors import CheckpointError, LatentError, VaeoptError
+from vaeopt.errors import CheckpointError, DecodeError, LatentError, VaeoptError
 
 __all__ = [
     "chunk_schedule",
@@ -1195,10 +1195,17 @@ def iter_decode_video(
     overlap = cuda and copy_stream
     side = torch.cuda.Stream(device=z.device) if overlap else None
     slots: _HostSlots | None = None
-    pending: tuple[Tensor, torch.cuda.Event, Tensor] | None = None  # (host view, copy done, device source)
+    # (host view, copy done, device source, host copy of the chunk's "has NaN/Inf" flag, its first frame)
+    pending: tuple[Tensor, torch.cuda.Event, Tensor, Tensor | None, int] | None = None
+    check = output == "uint8"  # uint8 frames would turn NaN/Inf into black pixels: raise DecodeError instead
+
+    def _check(bad, f0: int, f: int) -> None:
+        if bad is not None and bool(bad):
+            raise DecodeError(f"the decoder produced non-finite values (NaN/Inf) in output frames {f0}-{f0 + f - 1}")
 
     for f0, y in _raw(vae, z, sched, channels_last, fused, tile, tiling, graphs):
         N, C, f, H, W = _final_shape(y, p)
+        bad = torch.isfinite(y).all().logical_not() if check else None  # on the device, no sync here
         shape = (f, H, W, C) if output == "uint8" else (N, C, f, H, W)
         dtype = torch.uint8 if output == "uint8" else y.dtype
         if reuse_buffers and slots is None:
@@ -1210,6 +1217,7 @@ def iter_decode_video(
         else:
             finish = _finish_float
         if not cuda:  # finish straight into the host buffer
+            _check(bad, f0, f)
             host = host_buf()
             finish(y, p, host)
             del y
@@ -1223,6 +1231,7 @@ def iter_decode_video(
             host = host_buf()
             host.copy_(dev)  # blocking: waits for this chunk's compute
             del dev
+            _check(bad, f0, f)
             yield host
             del host
             continue
@@ -1231,25 +1240,33 @@ def iter_decode_video(
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(z.device))
         side.wait_event(ready)
+        bad_host = torch.empty((), dtype=torch.bool, pin_memory=True) if check else None
         with torch.cuda.stream(side):
             host.copy_(dev, non_blocking=True)
+            if check:
+                bad_host.copy_(bad, non_blocking=True)  # read once `done` has passed: no extra sync
             done = torch.cuda.Event()
             done.record(side)
         dev.record_stream(side)  # should the caller stop early and drop `dev` mid-copy, its memory waits for `side`
+        if check:
+            bad.record_stream(side)
+        del bad
         if pending is not None:
-            p_host, p_done, p_dev = pending
+            p_host, p_done, p_dev, p_bad, p_f0 = pending
             pending = None
             p_done.synchronize()  # the copy finished; only now may the allocator reuse p_dev's memory
             del p_dev
+            _check(p_bad, p_f0, p_host.shape[0] if check else 0)
             yield p_host
             del p_host
-        pending = (host, done, dev)
+        pending = (host, done, dev, bad_host, f0)
         del host, dev
     if pending is not None:
-        p_host, p_done, p_dev = pending
+        p_host, p_done, p_dev, p_bad, p_f0 = pending
         pending = None
         p_done.synchronize()
         del p_dev
+        _check(p_bad, p_f0, p_host.shape[0] if check else 0)
         yield p_host
 
 
