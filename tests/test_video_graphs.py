@@ -256,7 +256,7 @@ def _cli(tmp_path, samples_dir, z21, name, *extra):
 
 
 def test_cli_stage_line_on_cpu(tmp_path, samples_dir, z21):
-    _, stage, _ = _cli(tmp_path, samples_dir, z21, "cpu", "--chunk", "1")
+    _, stage, _ = _cli(tmp_path, samples_dir, z21, "cpu", "--chunk", "1", "--device", "cpu")  # (GPU machines too)
     assert stage["status"] == "skipped" and stage["detail"] == "no CUDA device: CUDA graphs need a GPU"
 
 
