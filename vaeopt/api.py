@@ -179,7 +179,8 @@ NONFINITE_HINT = ("fp16 overflow? try --dtype bf16 or fp32; or the latents are f
 def check_finite(decoded: torch.Tensor, job: DecodeJob) -> None:
     """A decode that produced NaN/Inf (fp16 overflow, broken weights, extreme latents) would be written as a black
     image and reported as done: refuse it instead."""
-    bad = int((~torch.isfinite(decoded)).sum())
+    flat = decoded.reshape(-1)  # (a view: decodes are contiguous) checked in pieces: no full-size bool temporary
+    bad = sum(int(part.numel() - torch.isfinite(part).sum()) for part in flat.split(1 << 24))
     if bad:
         where = f"{job.source}" + (f" [{job.entry}]" if job.entry else "")
         raise DecodeError(f"{where}: the decoder produced {bad} non-finite values (NaN/Inf) of {decoded.numel()}; "
