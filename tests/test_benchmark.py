@@ -99,3 +99,39 @@ def test_bad_arguments():
         r = runner.invoke(app, ["benchmark", "--family", "sdxl", "--shape", "1,4,8,8", "--peers", "bf16",
                                 "--cudnn-autotune"])
         assert r.exit_code == 2 and "--cudnn-autotune: no CUDA device" in r.output and "Traceback" not in r.output
+
+
+def test_bad_values_and_outputs_refused_before_measuring(tmp_path, samples_dir):
+    """Found in review: --repeats 0 crashed after the ladder ('no median for empty data'), a zero dimension reached
+    torch, --plot could overwrite the model checkpoint, and a --json folder failed only after the whole benchmark."""
+    model = samples_dir / "tiny_kl_image.safetensors"
+    base = ["benchmark", "--family", "sd15", "--shape", "1,4,8,8"]
+    for extra, msg in ((["--repeats", "0"], "--repeats must be at least 1"),
+                       (["--warmup", "-1"], "--warmup must be 0 or more")):
+        r = runner.invoke(app, base + extra)
+        assert r.exit_code == 2 and msg in r.output, r.output
+    r = runner.invoke(app, ["benchmark", "--family", "sd15", "--shape", "1,4,0,8"])
+    assert r.exit_code == 2 and "every dimension must be at least 1" in r.output, r.output
+    copy = tmp_path / "vae.safetensors"
+    copy.write_bytes(model.read_bytes())
+    r = runner.invoke(app, ["benchmark", str(copy), "--shape", "1,4,8,8", "--json", str(copy)])
+    assert r.exit_code == 2 and "would overwrite the model" in r.output, r.output
+    assert copy.read_bytes() == model.read_bytes()
+    r = runner.invoke(app, base + ["--json", str(tmp_path)])
+    assert r.exit_code == 2 and "is a folder" in r.output, r.output
+    r = runner.invoke(app, base + ["--json", str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.png.json")])
+    assert r.exit_code == 2 and "the chart is a PNG" in r.output, r.output
+    r = runner.invoke(app, base + ["--json", str(tmp_path / "x.png"), "--plot", str(tmp_path / "x.png")])
+    assert r.exit_code == 2 and "name the same file" in r.output, r.output
+
+
+def test_log_does_not_time_skipped_rows(result):
+    """The live log printed timings for ladder rows that the table then marked skipped (e.g. CUDA graphs on CPU)."""
+    data, out = result
+    skipped = [r["name"] for r in data["rows"] if r["kind"] == "ladder" and r["status"] == "skipped"]
+    logged = 0
+    for name in skipped:  # (rows skipped without running, e.g. "+ fp8" when not requested, have no log line)
+        lines = [ln for ln in out.splitlines() if ln.strip().startswith(name + ":")]
+        assert all("skipped" in ln and " ms" not in ln for ln in lines), (name, lines)
+        logged += bool(lines)
+    assert logged >= 3  # fused norms, epilogues, CUDA graphs ... on CPU

@@ -257,3 +257,14 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, samples_dir):
         signal.signal(signal.SIGTERM, old)
     assert r.exit_code == 130 and "interrupted" in r.output, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["l.pt"]
+
+
+def test_config_with_unusable_scaling_factor_is_refused(tmp_path, samples_dir):
+    """scaling_factor 0 was logged as used while unscale() divided by 1.0; a string reached float() as a 'bug'."""
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    for v in ("0", '"abc"', "-0.5", "NaN"):
+        (tmp_path / "c.json").write_text('{"scaling_factor": %s}' % v)
+        r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "--config",
+                tmp_path / "c.json", "-o", tmp_path / "o.png")
+        assert r.exit_code == 2 and "is not a positive finite number" in r.output, (v, r.output)
+    assert not (tmp_path / "o.png").exists()

@@ -52,6 +52,12 @@ def resolve_model(model: str | Path | None, latent_files: lat.LatentFile | list[
 def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: str = "scaled",
            options: Options | None = None, log: Callable[[str], None] | None = None) -> torch.Tensor:
     """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W)."""
+    if isinstance(vae, torch.nn.Module):
+        raise VaeoptError(f"vaeopt.decode takes a checkpoint path or vaeopt.load_vae(...), not a "
+                          f"{type(vae).__name__} module: for pipe.vae use vaeopt.optimize(pipe.vae), then "
+                          "pipe.vae.decode(...)")
+    if not isinstance(latents, torch.Tensor):
+        raise VaeoptError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
     loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
     pipe = Pipeline(loaded, options, log=log)
     entry = lat.LatentEntry("", latents)
@@ -61,13 +67,19 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     out, _ = pipe.decode(z, plan)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
+    bad = _count_nonfinite(out)
+    if bad:  # as the CLI does: NaN/Inf images are not a result
+        raise DecodeError(f"the decoder produced {bad} non-finite values (NaN/Inf) of {out.numel()} "
+                          f"({NONFINITE_HINT})")
     return out
 
 
 def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
              triton: str = "auto", attention: str = "auto", log: Callable[[str], None] | None = print) -> torch.nn.Module:
     """Optimize a diffusers VAE in place (e.g. ``pipe.vae``) and return it; ``vae.decode(...)`` keeps its signature
-    and output structure. Tiling/graphs are decode-time choices, so they are not applied here."""
+    and output structure. Tiling/graphs are decode-time choices, so they are not applied here. dtype "auto" keeps the
+    model's dtype. The Triton kernels run where no gradient is needed (no_grad / inference_mode, as diffusers
+    pipelines decode); with autograd on for the input or the weights the torch ops run, so gradients stay right."""
     from vaeopt.families import FamilySpec, get_family
     from vaeopt.loading import LoadedVAE
 
@@ -77,11 +89,13 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
                 "AutoencoderTiny": "taesd"}.get(cls, "sdxl")
     base = get_family(fam_name)
     spec = FamilySpec(base.name, base.title, {"_class_name": cls, **cfg})
-    if device is None:
-        try:
-            device = str(next(vae.parameters()).device)
-        except StopIteration:
-            device = None
+    first = next(vae.parameters(), None)
+    if device is None and first is not None:
+        device = str(first.device)
+    if dtype == "auto" and first is not None:
+        # keep the caller's precision: pipelines hand `vae.decode` latents in their own dtype (an fp16 pipeline's
+        # latents into a bf16/fp32 VAE raise "Input type (Half) and bias type ... should be the same")
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(first.dtype, "auto")
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
     # diffusers' own Wan decode (what vae.decode runs) does not go through vaeopt.video's chunk decoder, which is
     # where the phase upsample convs and the time-stacked Conv3d run: leave them off rather than mark unused layers
@@ -176,11 +190,16 @@ NONFINITE_HINT = ("fp16 overflow? try --dtype bf16 or fp32; or the latents are f
                   "--latent-space")
 
 
+def _count_nonfinite(t: torch.Tensor) -> int:
+    """NaN/Inf elements of t, counted in pieces (no full-size bool temporary for a long decode)."""
+    flat = t.reshape(-1)
+    return sum(int(part.numel() - torch.isfinite(part).sum()) for part in flat.split(1 << 24))
+
+
 def check_finite(decoded: torch.Tensor, job: DecodeJob) -> None:
     """A decode that produced NaN/Inf (fp16 overflow, broken weights, extreme latents) would be written as a black
     image and reported as done: refuse it instead."""
-    flat = decoded.reshape(-1)  # (a view: decodes are contiguous) checked in pieces: no full-size bool temporary
-    bad = sum(int(part.numel() - torch.isfinite(part).sum()) for part in flat.split(1 << 24))
+    bad = _count_nonfinite(decoded)
     if bad:
         where = f"{job.source}" + (f" [{job.entry}]" if job.entry else "")
         raise DecodeError(f"{where}: the decoder produced {bad} non-finite values (NaN/Inf) of {decoded.numel()}; "

@@ -158,7 +158,7 @@ class Bench:
             row.psnr_db, row.max_abs = f["psnr_db"], f["max_abs"]
         return row
 
-    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]]) -> Row:
+    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]], log_row: bool = True) -> Row:
         row = Row(name, kind)
         self.log(f"{name} ...")
         try:
@@ -180,7 +180,8 @@ class Bench:
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.log(f"  {_fmt_row(row)}")
+        if log_row:
+            self.log(f"  {_fmt_row(row)}")
         return row
 
 
@@ -339,7 +340,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         make = _ladder_fn(b, dict(acc), tuned)
         if ladder_hook is not None:
             make = ladder_hook(name, make)
-        r = b.run(name, "ladder", make)
+        r = b.run(name, "ladder", make, log_row=False)  # logged below, once it is known whether the stage ran
         plan = next((s for s in r.stages if s["name"] == "plan"), None)
         if name == "+ planner (tile/chunk)" and plan and (plan["detail"].startswith("whole decode")
                                                          or plan["detail"].startswith("chunk 1 ")):
@@ -354,6 +355,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
                 r.status, r.reason = "skipped", f"no {key} stage for {spec.name}: nothing to apply"
             elif line["status"] in ("skipped", "fallback"):
                 r.status, r.reason = line["status"], line["detail"]  # the stage did not run: no row of its own
+        log(f"  {_fmt_row(r)}")
         rows.append(r)
     _speedups(rows, dtype)
     mi = machine_info()

@@ -278,6 +278,11 @@ def benchmark(
     from vaeopt import benchmark as bm
     from vaeopt.hw import resolve_device, resolve_dtype
 
+    if repeats < 1:
+        raise VaeoptError(f"--repeats must be at least 1, got {repeats}")
+    if warmup < 0:
+        raise VaeoptError(f"--warmup must be 0 or more, got {warmup}")
+    _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     spec, sd, shp, wl, notes = _bench_inputs(model, family, workload, shape)
@@ -303,6 +308,27 @@ def benchmark(
     if plot_out:
         bm.plot(result, plot_out)
         console.print(f"[bold green]wrote[/] {escape(str(plot_out))}")
+
+
+def _log_stderr(msg: str) -> None:
+    """The ranks' log lines (module level: spawned ranks get it pickled)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _check_bench_outputs(model, json_out, plot_out) -> None:
+    from vaeopt.outputs import check_writable
+
+    outs = [p for p in (json_out, plot_out) if p is not None]
+    if plot_out is not None and plot_out.suffix.lower() != ".png":
+        raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")
+    if json_out is not None and plot_out is not None and json_out.resolve() == plot_out.resolve():
+        raise VaeoptError(f"--json and --plot name the same file {json_out}")
+    for p in outs:
+        if model is not None and p.resolve() == Path(model).resolve():
+            raise VaeoptError(f"{p}: would overwrite the model being benchmarked; choose another path")
+        if p.is_dir():
+            raise VaeoptError(f"{p}: is a folder; give a file name")
+    check_writable(outs, overwrite=True)
 
 
 def torch_device_name(dev) -> str:
@@ -332,6 +358,8 @@ def _bench_inputs(model, family, workload, shape):
             raise VaeoptError(f"--shape '{shape}': expected integers like 1,4,128,128") from None
     if not workload and not shape:
         raise VaeoptError("name a --workload or a --shape")
+    if any(d < 1 for d in shp):
+        raise VaeoptError(f"--shape {','.join(map(str, shp))}: every dimension must be at least 1")
     if model is not None:
         from vaeopt.loading import load_vae
 
@@ -387,19 +415,21 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
     if gpus > n_cuda and "WORLD_SIZE" not in os.environ:  # under torchrun the ranks exist already (gloo on CPU)
         raise VaeoptError(f"--gpus {gpus}: only {n_cuda} CUDA GPU(s) visible" + (
             " (on CPU: torchrun --nproc-per-node N -m vaeopt decode ... --gpus N runs the same code on gloo)" if not n_cuda else ""))
-    console.print(f"[bold]distributed[/] {gpus} ranks (NCCL), {len(latents)} input file(s)")
+    console.print(f"[bold]distributed[/] {gpus} ranks ({'NCCL' if n_cuda >= gpus else 'gloo, CPU'}), "
+                  f"{len(latents)} input file(s)")
     try:
         summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
                          str(model) if model else None,
                          kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
-                                     overwrite=overwrite, options=opts, fps=fps, log=print))
+                                     overwrite=overwrite, options=opts, fps=fps,
+                                     log=_log_stderr))  # stdout: --json only
     except DistributedError as e:
         raise VaeoptError(str(e).splitlines()[0]) from None
     for r in summary or []:
         for p in r["written"]:
             console.print(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
                           highlight=False)
-    if as_json:
+    if as_json and summary is not None:  # under torchrun only rank 0 has the summary: one JSON document
         out_console.print_json(json.dumps({"distributed": gpus, "outputs": summary}, default=str))
 
 

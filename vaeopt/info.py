@@ -42,7 +42,7 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
                 "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90); "
                                "FP8 level 3's e4m3 convs (TMA boxes on sm_90, where image decoders' upsampler "
                                "convs and 128-ch convs join them)",
-                "channels_last": "NHWC / NDHWC convs and activations (with fused norms)",
+                "channels_last": "NHWC / NDHWC convs and activations (GPU: with the fused norms; CPU: alone)",
                 "graphs": "capture + replay for repeated same-shape decodes",
                 "cudnn_autotune": "cuDNN engine configs timed per new conv shape (auto from "
                                   "many same-shape decodes; --cudnn-autotune on)"}[name]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 import pickle
 import re
 import struct
@@ -698,6 +699,8 @@ def _structure(a: _Analysis) -> str:
 def _scaling_match(cfg: dict, a: _Analysis) -> str | None:
     if not isinstance(cfg, dict) or cfg.get("scaling_factor") is None or a.cls_name == "AutoencoderTiny":
         return None
+    if isinstance(cfg["scaling_factor"], bool) or not isinstance(cfg["scaling_factor"], int | float):
+        return None  # not a number: _build_spec refuses it with a clear message
     hits = []
     for name in family_names():
         spec = get_family(name)
@@ -906,7 +909,7 @@ def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label
         if source == "the checkpoint's config metadata" or (source == "family default" and not standard):
             # (a model with the family's own widths uses the family's group count: nothing worth a note)
             _norm_groups(cfg, list(cfg.get("block_out_channels", [])), source, notes)
-    for k in ("scaling_factor", "shift_factor"):  # what unscales "scaled" latents: say where it came from
+    for k in ("scaling_factor", "shift_factor"):  # say where the factor in use came from
         if k in meta_use and _norm(meta_use[k]) != _norm(spec.config.get(k)):
             notes.append(f"{k} {meta_use[k]} from the checkpoint's config metadata ({spec.name}'s default is "
                          f"{spec.config.get(k)})")
@@ -924,6 +927,12 @@ def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label
         cfg.update(use)
         if "norm_num_groups" in use:
             notes.append(f"norm_num_groups {use['norm_num_groups']} from the given config")
+    for k in ("scaling_factor", "shift_factor"):  # what unscales "scaled" latents: usable numbers only
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+                              or (k == "scaling_factor" and v <= 0)):
+            raise CheckpointError(f"{label}: {k} {v!r} in the config is not a "
+                                  f"{'positive ' if k == 'scaling_factor' else ''}finite number")
     cfg["_class_name"] = a.cls_name
     return FamilySpec(spec.name, spec.title, cfg)
 

@@ -60,8 +60,8 @@ class Options:
             raise VaeoptError(f"--tile {self.tile}: tiles must be at least 8 latent pixels")
         if self.chunk is not None and self.chunk < 1:
             raise VaeoptError(f"--chunk {self.chunk}: must be at least 1 latent frame")
-        if self.vram_budget_gb is not None and self.vram_budget_gb <= 0:
-            raise VaeoptError("--vram-budget must be positive")
+        if self.vram_budget_gb is not None and not (0 < self.vram_budget_gb < float("inf")):
+            raise VaeoptError(f"--vram-budget must be a positive number of GB, got {self.vram_budget_gb}")
         if self.tile is not None and self.tiling == "off":
             raise VaeoptError("--tile conflicts with --tiling off")
 
@@ -100,7 +100,9 @@ class Pipeline:
     def _prepare(self) -> None:
         o = self.opts
         fam = self.family
-        if self.dtype == torch.float16 and fam.name == "sdxl":
+        if self.dtype == torch.float16 and fam.name == "sdxl" and self.loaded.layout != "in-memory":
+            # (not for optimize(pipe.vae): its family is a guess, and a diffusers pipeline upcasts the VAE itself
+            # where its config says force_upcast)
             self.dtype = torch.float32
             self.log("! fp16 overflows in the SDXL VAE (NaN outputs): using fp32 (or pick --dtype bf16)")
         t0 = time.perf_counter()
@@ -115,6 +117,9 @@ class Pipeline:
         self._record(StageResult("precision", "applied",
                                  f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
                                  f"({time.perf_counter() - t0:.2f} s to move weights)"))
+        if self.device.type == "cpu" and self.dtype in (torch.float16, torch.bfloat16):
+            self.log("! half precision on the CPU: torch's CPU convs are much slower in fp16/bf16 than in fp32 "
+                     "(--dtype fp32, the CPU default)")
 
         # fp8: level 3 (e4m3 implicit-GEMM convs fed by the fused norms) where it can run, else levels 1-2
         conv8 = o.fp8 != "off" and self._level3_family()
@@ -131,9 +136,14 @@ class Pipeline:
         # fused norms decide whether channels_last pays
         fused_ok, fused_why = self._fused_available()
         want_fused = o.triton == "on" or (o.triton == "auto" and fused_ok)
-        cl_ok, cl_why = self._stage("channels_last").available(self.device)
+        cl_mod = self._stage("channels_last")
+        cl_ok, cl_why = cl_mod.available(self.device)
         if o.channels_last == "off":
             self._record(StageResult.skipped("channels_last", "off"))
+        elif cl_ok and o.channels_last == "auto" and cl_mod.alone_pays(self.device) and not want_fused:
+            r = cl_mod.apply(self.model)
+            r.detail += f" (CPU: {cl_mod.CPU_MEASURED})"
+            self._record(r)
         elif o.channels_last == "on" or (cl_ok and want_fused and fam.cls_name != "AutoencoderTiny"):
             self._record(self._stage("channels_last").apply(self.model))
         elif not cl_ok:

@@ -270,7 +270,7 @@ def _phase_ok(conv2d, up, x: Tensor) -> bool:
     conv2d (a stock 3x3, padding-1 conv) for x's dtype and device."""
     from vaeopt.stages.upsample_conv import applies
 
-    return applies(conv2d, x.dtype, x.device) and (up is None or _is_2x_nearest(up))
+    return applies(conv2d, x.dtype, x.device, x) and (up is None or _is_2x_nearest(up))
 
 
 def _frames_up_conv(conv2d, up, x2: Tensor, phase: bool = False) -> Tensor:

@@ -45,6 +45,14 @@ def unmeasured_gpu(device, measured_sm: tuple, kept: str, flag: str) -> str | No
     return f"measured only on {where} (H200); {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
 
 
+def needs_autograd(x, *params) -> bool:
+    """Grad mode is on and x or one of the weights needs a gradient. Our kernels (and weights derived once, e.g. phase
+    or tap matrices) have no backward: such calls take the torch ops, or autograd would silently drop gradients."""
+    import torch
+
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *params))
+
+
 def weight_version(w) -> tuple:
     """Identifies a weight version for derived-weight caches. Inference tensors (a model moved under
     torch.inference_mode) have no version counter: an in-place edit of one inside inference mode is not seen

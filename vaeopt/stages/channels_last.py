@@ -1,8 +1,9 @@
 """channels_last / channels_last_3d: decoder conv weights and activations in NHWC / NDHWC.
 
-Only pays together with NHWC-native norm kernels (fused_norms): aten GroupNorm relayouts NHWC inputs, which made a
-channels_last SDXL decode slower in eager mode (84.5 -> 127.6 ms on an H200, shared/ANCHORS.md). The pipeline
-applies this stage only when the fused norms are applied too, unless forced.
+On the GPU it only pays together with NHWC-native norm kernels (fused_norms): aten's CUDA GroupNorm relayouts NHWC
+inputs, which made a channels_last SDXL decode slower in eager mode (84.5 -> 127.6 ms on an H200,
+shared/ANCHORS.md). So there the pipeline applies it only with the fused norms, unless forced. On the CPU, aten's
+convs and norms take NHWC natively, and it pays alone (CPU_MEASURED).
 """
 
 from __future__ import annotations
@@ -15,10 +16,19 @@ from vaeopt.stages import StageResult
 NAME = "channels_last"
 
 
+# `vaeopt benchmark` on a 2-core CPU (torch 2.13, fp32), "vaeopt plain" -> "+ channels_last" rows:
+# benchmarks/results/cpu_channels_last_tiny-{kl,wan}_2026-11-21.json
+CPU_MEASURED = ("1.4x faster on a 2-core CPU: tiny KL at 512² 2672 -> 1861 ms, tiny Wan 2.1 at 9x256² "
+                "4363 -> 3019 ms")
+
+
 def available(device: torch.device) -> tuple[bool, str]:
-    if device.type != "cuda":
-        return False, "CPU decode: NHWC convs are not faster on CPU"
     return True, ""
+
+
+def alone_pays(device: torch.device) -> bool:
+    """Without the fused norms: on the CPU (aten's NHWC convs and norms), not on CUDA (aten GroupNorm relayouts)."""
+    return device.type == "cpu"
 
 
 def _decoder_parts(model: nn.Module) -> list[nn.Module]:

@@ -63,10 +63,10 @@ def available(device: torch.device | str | None = None) -> tuple[bool, str]:
     return triton_available(device)
 
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def _use_kernel(x: torch.Tensor, *params) -> bool:
     from vaeopt.stages.fused_norms import _use_kernel as use
 
-    return use(x)
+    return use(x, *params)
 
 
 def _no_hooks(m: nn.Module) -> bool:
@@ -114,7 +114,7 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
         or kwargs
         or temb is not None
         or x.dim() != 4
-        or not _use_kernel(x)
+        or not _use_kernel(x, *self.parameters())
         or (self.dropout.training and self.dropout.p > 0)
         or not _resnet_static_ok(self)
     ):
@@ -184,7 +184,7 @@ def _phase_upsampler(u, x: torch.Tensor) -> bool:
     """u's conv runs as 2x2 phase convs on u's low-resolution input (stages/upsample_conv marked it)."""
     from vaeopt.stages.upsample_conv import applies
 
-    return u.use_conv and u.name == "conv" and applies(u.conv, x.dtype, x.device)
+    return u.use_conv and u.name == "conv" and applies(u.conv, x.dtype, x.device, x)
 
 
 def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:
@@ -208,7 +208,7 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
             from vaeopt.stages.upsample_conv import run
 
             return run(self.conv, hidden_states, fp8=True)  # e4m3 phase convs if FP8 level 3 marked the conv
-        if output_size is None and _use_kernel(hidden_states):
+        if output_size is None and _use_kernel(hidden_states, *self.parameters()):
             from vaeopt.kernels.epilogue import upsample_nearest2x
 
             return _upsample_tail(self, upsample_nearest2x(hidden_states))
@@ -262,7 +262,8 @@ def _head_norm(norm, conv, x, *args, **kwargs):
 
     if (args or kwargs or x.dim() != 4 or x.numel() == 0 or x[0].numel() >= HEAD_MAX_SAMPLE
             or x.dtype not in SUPPORTED_DTYPES or conv.weight.dtype != x.dtype
-            or not x.is_contiguous(memory_format=torch.channels_last) or not _use_kernel(x)):
+            or not x.is_contiguous(memory_format=torch.channels_last)
+            or not _use_kernel(x, norm.weight, norm.bias, conv.weight, conv.bias)):
         return type(norm).forward(norm, x, *args, **kwargs)
     from vaeopt.kernels.group_norm_silu import group_norm_finalize, group_norm_partials
 
@@ -411,7 +412,7 @@ def _make_processor_class():
                 and type(proj) is nn.Linear
                 and _no_hooks(proj)
                 and not (drop.training and getattr(drop, "p", 0) > 0)
-                and _use_kernel(hidden_states)
+                and _use_kernel(hidden_states, proj.weight, proj.bias)
             )
             if epilogue:
                 from vaeopt.kernels.epilogue import bias_residual

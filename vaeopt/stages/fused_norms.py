@@ -27,7 +27,13 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MARK = "_vaeopt_fused_norms"  # model attribute: [(parent, attr, original module), ...] for revert
 
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def _use_kernel(x: torch.Tensor, *params) -> bool:
+    """`params`: the weights the kernel reads. The kernels have no backward: under grad mode, a tensor that needs a
+    gradient takes the torch ops (else autograd would silently return no gradient for it)."""
+    from vaeopt.stages import needs_autograd
+
+    if needs_autograd(x, *params):
+        return False
     if x.dtype not in _KERNEL_DTYPES or torch.is_autocast_enabled(x.device.type):
         return False  # autocast runs GroupNorm in fp32 with an fp32 output: leave those semantics to torch
     if torch.compiler.is_compiling():
@@ -48,7 +54,7 @@ class FusedGroupNormSiLU(nn.Module):
         self.silu = silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernel(x):
+        if _use_kernel(x, self.weight, self.bias):
             from vaeopt.kernels.group_norm_silu import group_norm_silu
 
             return group_norm_silu(x, self.num_groups, self.weight, self.bias, self.eps, self.silu)
@@ -72,7 +78,7 @@ class FusedRMSNormSiLU(nn.Module):
         self.silu = silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernel(x):
+        if _use_kernel(x, self.gamma, self.bias):
             from vaeopt.kernels.rms_norm_silu import rms_norm_silu
 
             return rms_norm_silu(x, self.gamma, self.bias, self.eps, self.silu, scale=self.scale)

@@ -113,10 +113,14 @@ def marked(conv) -> bool:
     return bool(getattr(conv, _MARK, False)) and _conv3x3(conv)
 
 
-def applies(conv, dtype: torch.dtype, device: torch.device) -> bool:
+def applies(conv, dtype: torch.dtype, device: torch.device, x: torch.Tensor | None = None) -> bool:
     """conv is marked and activations of this dtype / device can run through its phase kernels (the weights'
-    own; anything else, e.g. autocast or a dry run on meta, takes the plain composition)."""
-    return marked(conv) and dtype == conv.weight.dtype and device == conv.weight.device
+    own; anything else, e.g. autocast or a dry run on meta, takes the plain composition). With x: not when autograd
+    needs gradients of x or of the weights (the phase kernels are derived once, without a backward)."""
+    from vaeopt.stages import needs_autograd
+
+    return (marked(conv) and dtype == conv.weight.dtype and device == conv.weight.device
+            and not needs_autograd(x, conv.weight, conv.bias))
 
 
 def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
