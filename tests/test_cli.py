@@ -38,6 +38,9 @@ def test_info_json_without_gpu():
     if not torch.cuda.is_available():
         assert stages["fp8"]["runs"] is False and "no CUDA GPU" in stages["fp8"]["why"]
         assert stages["graphs"]["runs"] is False
+        # as `decode` decides on the CPU (the tests run with TRITON_INTERPRET=1, where the kernels could run)
+        assert stages["fused_norms"]["runs"] is False and "interpreter" in stages["fused_norms"]["why"]
+        assert stages["channels_last"]["runs"] is True
 
 
 def test_decode_bundled_sample_short_form(tmp_path, samples_dir):

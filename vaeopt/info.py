@@ -32,6 +32,9 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
             ok, why = mod.available(dev)
         except ImportError as e:
             ok, why = False, f"not importable ({e})"
+        if ok and not g and name in ("fused_norms", "fused_epilogues"):  # as the pipeline decides on the CPU
+            ok, why = False, ("CPU decode: the Triton kernels would run only through the interpreter (--triton on "
+                              "forces it)")
         what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
                 "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues (Wan: summed by the "
                                    "next norm), chunked attention; the 3-channel conv_out as a norm+GEMM kernel and "
