@@ -14,20 +14,19 @@ import torch
 from vaeopt import latents as lat
 from vaeopt import outputs, video_graphs
 from vaeopt.errors import DecodeError, VaeoptError
+from vaeopt.fidelity import count_nonfinite
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import DecodeStats, Options, Pipeline
 
 USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
 
 
-def resolve_model(model: str | Path | None, latent_files: lat.LatentFile | list[lat.LatentFile] | None = None
-                  ) -> tuple[Path, str]:
+def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] | None = None) -> tuple[Path, str]:
     """Which checkpoint to use, and why: --model, the manifest beside the latents, $VAEOPT_MODEL, the user config.
     One run decodes with one model: latent files whose manifests name different models are refused."""
     if model:
         return Path(model), "--model"
-    files = [latent_files] if isinstance(latent_files, lat.LatentFile) else list(latent_files or [])
-    named = {str(f.manifest["model"]): f for f in files if f.manifest.get("model")}
+    named = {str(f.manifest["model"]): f for f in latent_files or [] if f.manifest.get("model")}
     if len(named) > 1:
         pairs = "; ".join(f"{f.path.name} -> {m}" for m, f in list(named.items())[:3])
         raise VaeoptError(f"the latent files name different models in their {lat.MANIFEST} ({pairs}): one run decodes "
@@ -67,7 +66,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     out, _ = pipe.decode(z, plan)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
-    bad = _count_nonfinite(out)
+    bad = count_nonfinite(out)
     if bad:  # as the CLI does: NaN/Inf images are not a result
         raise DecodeError(f"the decoder produced {bad} non-finite values (NaN/Inf) of {out.numel()} "
                           f"({NONFINITE_HINT})")
@@ -190,16 +189,10 @@ NONFINITE_HINT = ("fp16 overflow? try --dtype bf16 or fp32; or the latents are f
                   "--latent-space")
 
 
-def _count_nonfinite(t: torch.Tensor) -> int:
-    """NaN/Inf elements of t, counted in pieces (no full-size bool temporary for a long decode)."""
-    flat = t.reshape(-1)
-    return sum(int(part.numel() - torch.isfinite(part).sum()) for part in flat.split(1 << 24))
-
-
 def check_finite(decoded: torch.Tensor, job: DecodeJob) -> None:
     """A decode that produced NaN/Inf (fp16 overflow, broken weights, extreme latents) would be written as a black
     image and reported as done: refuse it instead."""
-    bad = _count_nonfinite(decoded)
+    bad = count_nonfinite(decoded)
     if bad:
         where = f"{job.source}" + (f" [{job.entry}]" if job.entry else "")
         raise DecodeError(f"{where}: the decoder produced {bad} non-finite values (NaN/Inf) of {decoded.numel()}; "

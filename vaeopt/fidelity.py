@@ -10,6 +10,11 @@ import torch
 PSNR_CAP = 200.0  # identical outputs report 200 dB (keeps JSON numeric; real differences stay far below)
 
 
+def count_nonfinite(t: torch.Tensor) -> int:
+    """NaN/Inf elements of t, counted in pieces (no full-size bool temporary for a long decode)."""
+    return sum(int(part.numel() - torch.isfinite(part).sum()) for part in t.reshape(-1).split(1 << 24))
+
+
 def psnr(x: torch.Tensor, ref: torch.Tensor, data_range: float = 2.0) -> float:
     """PSNR in dB of x against ref, both in [-1, 1] (data range 2), capped at PSNR_CAP."""
     mse = torch.mean((x.detach().double().cpu() - ref.detach().double().cpu()) ** 2).item()

@@ -17,6 +17,7 @@ import torch
 
 from vaeopt import planner
 from vaeopt.errors import VaeoptError
+from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE
 from vaeopt.stages import StageResult
@@ -137,17 +138,14 @@ class Pipeline:
         fused_ok, fused_why = self._fused_available()
         want_fused = o.triton == "on" or (o.triton == "auto" and fused_ok)
         cl_mod = self._stage("channels_last")
-        cl_ok, cl_why = cl_mod.available(self.device)
         if o.channels_last == "off":
             self._record(StageResult.skipped("channels_last", "off"))
-        elif cl_ok and o.channels_last == "auto" and cl_mod.alone_pays(self.device) and not want_fused:
+        elif o.channels_last == "auto" and cl_mod.alone_pays(self.device) and not want_fused:
             r = cl_mod.apply(self.model)
             r.detail += f" (CPU: {cl_mod.CPU_MEASURED})"
             self._record(r)
-        elif o.channels_last == "on" or (cl_ok and want_fused and fam.cls_name != "AutoencoderTiny"):
-            self._record(self._stage("channels_last").apply(self.model))
-        elif not cl_ok:
-            self._record(StageResult.skipped("channels_last", cl_why))
+        elif o.channels_last == "on" or (want_fused and fam.cls_name != "AutoencoderTiny"):
+            self._record(cl_mod.apply(self.model))
         elif fam.cls_name == "AutoencoderTiny":
             self._record(StageResult.skipped("channels_last", "TAESD is too small to gain from NHWC"))
         else:
@@ -412,7 +410,7 @@ class Pipeline:
         with torch.inference_mode():
             if self.family.cls_name != "AutoencoderKLWan":
                 y = self._decode_video(z, plan, None)
-                if not bool(torch.isfinite(y).all()):  # uint8 would turn NaN/Inf into black pixels
+                if count_nonfinite(y):  # uint8 would turn NaN/Inf into black pixels
                     from vaeopt.errors import DecodeError
 
                     raise DecodeError("the decoder produced non-finite values (NaN/Inf)")

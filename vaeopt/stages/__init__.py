@@ -47,10 +47,17 @@ def unmeasured_gpu(device, measured_sm: tuple, kept: str, flag: str) -> str | No
 
 def needs_autograd(x, *params) -> bool:
     """Grad mode is on and x or one of the weights needs a gradient. Our kernels (and weights derived once, e.g. phase
-    or tap matrices) have no backward: such calls take the torch ops, or autograd would silently drop gradients."""
+    or tap matrices) have no backward: such calls take the torch ops, or autograd would silently drop gradients.
+    params: tensors (None allowed) or modules, whose parameters are looked at only when grad mode is on."""
     import torch
 
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *params))
+    if not torch.is_grad_enabled():
+        return False
+    for t in (x, *params):
+        ts = t.parameters() if isinstance(t, torch.nn.Module) else (t,)
+        if any(isinstance(p, torch.Tensor) and p.requires_grad for p in ts):
+            return True
+    return False
 
 
 def weight_version(w) -> tuple:

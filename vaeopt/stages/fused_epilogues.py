@@ -114,7 +114,7 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
         or kwargs
         or temb is not None
         or x.dim() != 4
-        or not _use_kernel(x, *self.parameters())
+        or not _use_kernel(x, self)
         or (self.dropout.training and self.dropout.p > 0)
         or not _resnet_static_ok(self)
     ):
@@ -208,7 +208,7 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
             from vaeopt.stages.upsample_conv import run
 
             return run(self.conv, hidden_states, fp8=True)  # e4m3 phase convs if FP8 level 3 marked the conv
-        if output_size is None and _use_kernel(hidden_states, *self.parameters()):
+        if output_size is None and _use_kernel(hidden_states, self):
             from vaeopt.kernels.epilogue import upsample_nearest2x
 
             return _upsample_tail(self, upsample_nearest2x(hidden_states))
