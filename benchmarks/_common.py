@@ -84,3 +84,22 @@ def no_tf32() -> None:
     """fp32 references without TF32 (cuDNN's default would put ~1e-3 relative error into them)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+def interleaved_graph_ms(pipes: dict, z, rounds: int, before=None) -> dict:
+    """CUDA-graph replays of each pipeline (already captured for z) in interleaved rounds, alternating the order;
+    -> {name: [ms per replay]} (CUDA events). before(name), if given, runs ahead of each replay."""
+    ms = {name: [] for name in pipes}
+    with torch.inference_mode():
+        for i in range(rounds):
+            for name, p in (pipes.items() if i % 2 else reversed(pipes.items())):
+                if before is not None:
+                    before(name)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                y = p.graphed(z)
+                b.record()
+                torch.cuda.synchronize()
+                del y
+                ms[name].append(a.elapsed_time(b))
+    return ms

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import event_ms, make_pipe, no_tf32, out_dir, run_meta  # noqa: E402
+from _common import event_ms, interleaved_graph_ms, make_pipe, no_tf32, out_dir, run_meta  # noqa: E402
 
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.kernels import tapconv  # noqa: E402
@@ -107,16 +107,9 @@ for wl in args.workloads.split(","):
         r["taps_vs_stock_max_abs"] = (outs["taps"] - outs["stock"]).abs().max().item()
         del outs, ref
         zz = z.to(dev, torch.bfloat16)
-        for i in range(args.rounds):
-            for name, p in (pipes.items() if i % 2 else reversed(pipes.items())):
-                fused_epilogues.HEAD_TAPS = name == "taps"
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                y = p.graphed(zz)
-                b.record()
-                torch.cuda.synchronize()
-                del y
-                r[name]["ms"].append(a.elapsed_time(b))
+        for name, ms in interleaved_graph_ms(pipes, zz, args.rounds,
+                                             before=lambda n: setattr(fused_epilogues, "HEAD_TAPS", n == "taps")).items():
+            r[name]["ms"] = ms
     fused_epilogues.HEAD_TAPS = True
     for name in pipes:
         r[name]["median_ms"] = statistics.median(r[name]["ms"])

@@ -110,6 +110,32 @@ def test_split_reduction_is_exact_and_cancellation_free(device, layout):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unroll", [2, 4])
+def test_stats_row_blocks_per_iteration(device, unroll, monkeypatch):
+    """The channels-last stats kernel loading several row blocks per loop iteration (its CUDA launch at C >= 256,
+    perf-notes E24): exact sums with a ragged last block, partials shaped as group_norm_partials_shape says, and
+    the e4m3 path's bounds still bound the output."""
+    _need(device)
+    import importlib
+
+    gns = importlib.import_module("vaeopt.kernels.group_norm_silu")
+    monkeypatch.setattr(gns, "_stats_cl_defaults", lambda C, dev: (64, 4, 3, unroll))
+    x, w, b = _inputs((2, 16, 9, 11), torch.float32, device, seed=3, offset=100.0, spread=1.0)  # 99 rows: ragged
+    x = _layout(x, "cl")
+    y = gns.group_norm_silu(x, 4, w, b, 1e-6)
+    torch.testing.assert_close(y.double(), _ref64(x, 4, w, b), atol=5e-4, rtol=1e-4)
+    part = gns.group_norm_partials(x, 4)
+    assert tuple(part.shape) == gns.group_norm_partials_shape(x, 4) and part.shape[2] > 1  # several chunks
+    n, mean, _ = gns.merge_partials(part)
+    assert torch.equal(n, torch.full_like(n, 99 * 4))
+    torch.testing.assert_close(mean, x.double().reshape(2, 4, -1).mean(-1).reshape(-1), atol=1e-5, rtol=0)
+    if gns.E4M3 is not None:
+        y8, scale = gns.group_norm_silu_e4m3(x, 4, w, b, 1e-6)
+        deq = y8.float() * scale.view(-1, 1, 1, 1)
+        assert (deq - y).abs().max() <= 0.07 * y.abs().max()  # e4m3 steps, no saturation from a wrong bound
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["cf", "cl"])
 def test_group_norm_only_and_no_affine(device, layout):
     _need(device)
