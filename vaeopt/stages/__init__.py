@@ -45,6 +45,22 @@ def unmeasured_gpu(device, measured_sm: tuple, kept: str, flag: str) -> str | No
     return f"measured only on {where} (H200); {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
 
 
+class BoundForward:
+    """`module.forward = BoundForward(fn, module)`: what types.MethodType(fn, module) does, but it pickles, so that
+    torch.save of a whole optimized model works (a bound method pickles as a lookup of fn's name on the module,
+    which fails). fn must be a module-level function; `__func__` / `__self__` as on a bound method."""
+
+    def __init__(self, func: Callable, module) -> None:
+        self.__func__ = func
+        self.__self__ = module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<vaeopt forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
+
+
 def needs_autograd(x, *params) -> bool:
     """Grad mode is on and x or one of the weights needs a gradient. Our kernels (and weights derived once, e.g. phase
     or tap matrices) have no backward: such calls take the torch ops, or autograd would silently drop gradients.

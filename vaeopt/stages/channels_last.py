@@ -43,6 +43,11 @@ def _to_layout(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _relayout_input(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of the decoder's first part (a module-level function, so an optimized model pickles)."""
+    return (_to_layout(args[0]),) + tuple(args[1:])
+
+
 def apply(model: nn.Module, **_) -> StageResult:
     n2 = n3 = 0
     for part in _decoder_parts(model):
@@ -58,7 +63,7 @@ def apply(model: nn.Module, **_) -> StageResult:
             n3 += isinstance(m, nn.Conv3d)
     # The decoder's input arrives NCHW from the caller: relayout once at the entry.
     first = _decoder_parts(model)[0]
-    handle = first.register_forward_pre_hook(lambda mod, args: (_to_layout(args[0]),) + tuple(args[1:]))
+    handle = first.register_forward_pre_hook(_relayout_input)
     model._vaeopt_cl_hook = handle
     parts = []
     if n2:

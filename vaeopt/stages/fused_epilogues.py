@@ -41,7 +41,6 @@ place) and otherwise runs the stock diffusers forward: on CPU without TRITON_INT
 from __future__ import annotations
 
 import math
-import types
 import weakref
 
 import torch
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import _interpret, triton_available
-from vaeopt.stages import StageResult
+from vaeopt.stages import BoundForward, StageResult
 
 NAME = "fused_epilogues"
 _MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
@@ -524,14 +523,14 @@ def apply(
 
     record = {"resnets": [], "upsamplers": [], "attns": [], "head": None}
     if head:
-        decoder.forward = types.MethodType(_decoder_forward, decoder)
+        decoder.forward = BoundForward(_decoder_forward, decoder)
         record["head"] = decoder
     for m in resnets:
         m.__dict__[_STATE] = fused_up.get(id(m))  # plain attribute: nn.Module.__setattr__ would adopt the module
-        m.forward = types.MethodType(_resnet_forward, m)
+        m.forward = BoundForward(_resnet_forward, m)
         record["resnets"].append(m)
     for u in upsamplers:
-        u.forward = types.MethodType(_upsample_forward, u)
+        u.forward = BoundForward(_upsample_forward, u)
         record["upsamplers"].append(u)
     cls = chunked_processor_class()
     for a in attns:
