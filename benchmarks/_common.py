@@ -103,3 +103,34 @@ def interleaved_graph_ms(pipes: dict, z, rounds: int, before=None) -> dict:
                 del y
                 ms[name].append(a.elapsed_time(b))
     return ms
+
+
+def graph_ms(fn, n: int = 20, reps: int = 15) -> float:
+    """GPU time of one fn() in ms: n calls captured in one CUDA graph, median replay / n. For kernels of ~10-200 us,
+    where timing eager launches times the host."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    return event_ms(g.replay, reps=reps) / n
+
+
+def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str):
+    """-> (pipeline, first output): the family's model with diffusers' default init (seed 0, as `vaeopt benchmark`),
+    bf16 on CUDA, FP8 level 3 at fp8_gate dB if given, its CUDA graph captured for z (so module-level launch settings
+    in force now are the ones baked into the graph)."""
+    from vaeopt.loading import load_vae
+    from vaeopt.pipeline import Options, Pipeline
+
+    torch.manual_seed(0)
+    o = dict(device="cuda", dtype="bf16", graphs="off", tiling="off")
+    if fp8_gate is not None:
+        o.update(fp8="on", gate_db=float(fp8_gate))
+    p = Pipeline(load_vae(None, family=fam), Options(**o))
+    p.enable_graphs(reason)
+    with torch.inference_mode():
+        y = p.graphed(z)
+    torch.cuda.synchronize()
+    return p, y

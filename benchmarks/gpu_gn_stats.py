@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import event_ms, interleaved_graph_ms, out_dir, run_meta  # noqa: E402
+from _common import graph_ms, graphed_pipe, interleaved_graph_ms, out_dir, run_meta  # noqa: E402
 
 from vaeopt.kernels import flat_layout  # noqa: E402
 import importlib  # noqa: E402
@@ -41,16 +41,6 @@ CONFIGS = list(itertools.product((2048, 4096, 8192), (4, 8), (2, 4, 8, 16), (1, 
 CONFIGS = [(t, w, p, u) for t, w, p, u in CONFIGS]
 
 
-def graph_ms(fn, n=20, reps=15):
-    """GPU time of one fn() in ms: n calls captured in a CUDA graph, median replay / n (the kernels are ~10-200 us:
-    timing eager launches would time the host)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    return event_ms(g.replay, reps=reps) / n
 
 
 def launch(x, cfg, minmax):
@@ -145,8 +135,6 @@ meta = run_meta("python3 benchmarks/gpu_gn_stats.py " + " ".join(sys.argv[1:]))
 (out_dir() / "gn_stats.json").write_text(json.dumps({**meta, **res}, indent=1))  # the sweep, in case a decode fails
 if not args.no_decode:
     from vaeopt.benchmark import WORKLOADS
-    from vaeopt.loading import load_vae
-    from vaeopt.pipeline import Options, Pipeline
 
     fam, shape = WORKLOADS["sdxl-1024"]
     z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -155,17 +143,9 @@ if not args.no_decode:
     for mode in ("bf16", "fp8-gate30"):
         pipes, r, outs = {}, {}, {}
         for name in ("default", "tuned"):
-            gns._stats_cl_defaults = tuned_defaults if name == "tuned" else old_defaults
-            torch.manual_seed(0)
-            o = dict(device="cuda", dtype="bf16", graphs="off", tiling="off")
-            if mode != "bf16":
-                o.update(fp8="on", gate_db=30.0)
-            p = Pipeline(load_vae(None, family=fam), Options(**o))
-            p.enable_graphs("gpu_gn_stats")
-            with torch.inference_mode():
-                outs[name] = p.graphed(zz).float()  # the capture, under this name's stats configs
-            torch.cuda.synchronize()
-            pipes[name] = p
+            gns._stats_cl_defaults = tuned_defaults if name == "tuned" else old_defaults  # captured under these
+            pipes[name], y = graphed_pipe(fam, zz, None if mode == "bf16" else 30.0, "gpu_gn_stats")
+            outs[name] = y.float()
             r[name] = {"ms": []}
         r["max_abs_tuned_vs_default"] = (outs["tuned"] - outs["default"]).abs().max().item()
         mse = ((outs["tuned"].clamp(-1, 1) - outs["default"].clamp(-1, 1)) ** 2).mean().item()
