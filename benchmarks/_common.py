@@ -134,3 +134,40 @@ def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str):
         y = p.graphed(z)
     torch.cuda.synchronize()
     return p, y
+
+
+def interleaved_ms(fn, settings, rounds: int, apply) -> dict:
+    """fn() timed (CUDA events) under each setting in turn, `rounds` times, the order alternating each round;
+    apply(setting) switches to it. -> {setting: [ms per call]}."""
+    ms = {s: [] for s in settings}
+    for i in range(rounds):
+        for s in (settings if i % 2 else settings[::-1]):
+            apply(s)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            y = fn()
+            b.record()
+            torch.cuda.synchronize()
+            del y
+            ms[s].append(a.elapsed_time(b))
+    return ms
+
+
+def wan_norm_inputs(C: int, H: int, W: int, taps: int, k: int, g, device="cuda"):
+    """Inputs of one Wan RMS-norm call of the chunk decoder (bf16, channels_last_3d): (h, r, kw). h: a conv output
+    of k frames, r: a residual, kw: rms_norm_silu's output arguments - the time-stacked conv input with `taps` and
+    the next history (taps=3), or the frames after the 2-frame history in a conv buffer (taps=0)."""
+    def mk():
+        return torch.randn(1, C, k, H, W, generator=g).to(device, torch.bfloat16).contiguous(
+            memory_format=torch.channels_last_3d)
+
+    h, r = mk(), mk()
+    if taps:
+        out = torch.empty(k, taps * C, H, W, device=device, dtype=torch.bfloat16).contiguous(
+            memory_format=torch.channels_last)
+        cache = torch.empty(1, C, taps - 1, H, W, device=device, dtype=torch.bfloat16).contiguous(
+            memory_format=torch.channels_last_3d)
+        return h, r, dict(out=out, taps=taps, cache_out=cache)
+    buf = torch.empty(1, C, k + 2, H, W, device=device, dtype=torch.bfloat16).contiguous(
+        memory_format=torch.channels_last_3d)
+    return h, r, dict(out=buf[:, :, 2:])

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import event_ms, make_pipe, out_dir, run_meta  # noqa: E402
+from _common import event_ms, make_pipe, out_dir, run_meta, wan_norm_inputs  # noqa: E402
 
 from vaeopt import video  # noqa: E402
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
@@ -38,22 +38,9 @@ def per_call():
     rows = {}
     g = torch.Generator().manual_seed(0)
     for name, C, H, W, taps in (("96ch-480p-stacked", 96, 480, 832, 3), ("192ch-240x416-buffer", 192, 240, 416, 0)):
-        k = 12
-        mk = lambda: torch.randn(1, C, k, H, W, generator=g).to(dev, torch.bfloat16).contiguous(  # noqa: E731
-            memory_format=torch.channels_last_3d)
-        h, r = mk(), mk()
+        h, r, kw = wan_norm_inputs(C, H, W, taps, 12, g)
         gamma, beta = torch.ones(C, device=dev), torch.zeros(C, device=dev)
         b, rb = torch.randn(C, device=dev), torch.randn(C, device=dev)
-        if taps:
-            out = torch.empty(k, 3 * C, H, W, device=dev, dtype=torch.bfloat16).contiguous(
-                memory_format=torch.channels_last)
-            cache = torch.empty(1, C, 2, H, W, device=dev, dtype=torch.bfloat16).contiguous(
-                memory_format=torch.channels_last_3d)
-            kw = dict(out=out, taps=3, cache_out=cache)
-        else:
-            buf = torch.empty(1, C, k + 2, H, W, device=dev, dtype=torch.bfloat16).contiguous(
-                memory_format=torch.channels_last_3d)
-            kw = dict(out=buf[:, :, 2:])
         u = torch.empty_like(h)
 
         def two():

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from vaeopt.kernels import default_tile, flat_layout, n_programs_target, new_like
 from vaeopt.kernels.fp8_quant import E4M3
-from vaeopt.kernels.rms_norm_silu import _sat_e4m3
+from vaeopt.kernels.rms_norm_silu import _sat_e4m3, _silu, silu_mode
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
@@ -349,6 +349,7 @@ def _apply_cl_kernel(
     EXACT8: tl.constexpr = False,  # round to the e4m3 grid before the cast (the CPU interpreter's cast misrounds)
     amax_ptr=None,  # [N] fp32 (PRE_AMAX): the largest per-channel bound of each sample, computed once
     PRE_AMAX: tl.constexpr = False,
+    SILU_MODE: tl.constexpr = 0,  # see rms_norm_silu._silu
 ):
     t = n_tiles - 1 - tl.program_id(0)  # reverse of the stats order (see _apply_cf_kernel)
     n = t // n_s_blocks
@@ -364,7 +365,7 @@ def _apply_cl_kernel(
     x = tl.load(x_ptr + n.to(tl.int64) * stride_xn + off, mask=m, other=0.0).to(tl.float32)
     y = (x - mu[None, :]) * a[None, :] + b[None, :]
     if SILU:
-        y = y / (1.0 + tl.exp(-y))  # SiLU (exp -> inf gives the right limit, -0)
+        y = _silu(y, SILU_MODE)
     if OUT8:
         if PRE_AMAX:
             amax = tl.maximum(tl.load(amax_ptr + n), 1e-12)
@@ -678,7 +679,8 @@ def _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, n
         _apply_cl_kernel[(n_tiles,)](
             x, y, mean, a, b, S, C, stride_n, n_s_blocks, n_tiles,
             BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, SILU=silu, bound_ptr=bound if out8 else None,
-            s_ptr=scale if out8 else None, OUT8=out8, EXACT8=out8 and dev.type == "cpu", num_warps=nw,
+            s_ptr=scale if out8 else None, OUT8=out8, EXACT8=out8 and dev.type == "cpu",
+            SILU_MODE=silu_mode(y.dtype, dev), num_warps=nw,
         )  # fmt: skip
     return (y, scale) if out8 else y
 
