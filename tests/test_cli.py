@@ -193,8 +193,8 @@ def test_overwrite_never_replaces_inputs_or_the_model(tmp_path, samples_dir):
 
 def test_overwrite_frames_folder_and_kind_mismatch(tmp_path, samples_dir):
     """--overwrite of a PNG-frames folder replaced it (it failed after the decode: a non-empty folder cannot be
-    renamed over); a file where a folder goes, or the reverse, is refused before decoding; a video to '.png' says
-    what to use instead of silently making a folder named 'clip.png'."""
+    renamed over); a file where a folder goes, or a folder holding other files, is refused before decoding; a video
+    to '.png' says what to use instead of silently making a folder named 'clip.png'."""
     z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
     torch.save(z, tmp_path / "clip.pt")
     model = samples_dir / "tiny_wan_video.safetensors"
@@ -206,9 +206,15 @@ def test_overwrite_frames_folder_and_kind_mismatch(tmp_path, samples_dir):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftover old/partial folders
     r = run("decode", tmp_path / "clip.pt", "-m", model, "-o", tmp_path / "clip.png")
     assert r.exit_code == 2 and ".mp4" in r.output and not (tmp_path / "clip.png").exists(), r.output
+    # an existing folder is a folder output whatever its name; --overwrite replaces only a folder of frames
     (tmp_path / "v.mp4").mkdir()
+    (tmp_path / "v.mp4" / "keep.txt").write_text("mine")
     r = run("decode", tmp_path / "clip.pt", "-m", model, "-o", tmp_path / "v.mp4", "--overwrite")
-    assert r.exit_code == 2 and "is a folder" in r.output, r.output
+    assert r.exit_code == 2 and "holds files other than PNG frames (e.g. keep.txt)" in r.output, r.output
+    assert [p.name for p in (tmp_path / "v.mp4").iterdir()] == ["keep.txt"]
+    (tmp_path / "f").write_text("a file")
+    r = run("decode", tmp_path / "clip.pt", "-m", model, "-o", tmp_path / "f", "--overwrite")
+    assert r.exit_code == 2 and "is a file; this output is a folder of frames" in r.output, r.output
 
 
 def test_bad_manifest_device_and_fps_are_user_errors(tmp_path, samples_dir):
@@ -271,3 +277,39 @@ def test_config_with_unusable_scaling_factor_is_refused(tmp_path, samples_dir):
                 tmp_path / "c.json", "-o", tmp_path / "o.png")
         assert r.exit_code == 2 and "is not a positive finite number" in r.output, (v, r.output)
     assert not (tmp_path / "o.png").exists()
+
+
+def test_trailing_slash_output_is_a_folder(tmp_path, samples_dir):
+    """`-o renders/2024.06.01/` was refused (unknown output type '.01') and `-o renders/run.safetensors/` wrote a
+    file: typer's Path dropped the '/'. A trailing '/' means a folder whatever the name looks like, and is made if
+    missing; a file in its place is refused and left alone."""
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    for name in ("2024.06.01", "run.safetensors"):
+        r = run("decode", tmp_path / "l.pt", "-m", model, "-o", f"{tmp_path / 'renders' / name}/")
+        assert r.exit_code == 0, r.output
+        assert [p.name for p in (tmp_path / "renders" / name).iterdir()] == ["l.png"]
+    (tmp_path / "afile").write_text("x")
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", f"{tmp_path / 'afile'}/")
+    assert r.exit_code == 2 and "asks for a folder" in r.output and "is a file" in r.output, r.output
+    assert (tmp_path / "afile").read_text() == "x"
+    # video: the folder is the PNG-frames folder (made empty by the CLI, so not "already exists")
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
+    torch.save(z, tmp_path / "clip.pt")
+    r = run("decode", tmp_path / "clip.pt", "-m", samples_dir / "tiny_wan_video.safetensors", "--latent-space", "raw",
+            "-o", f"{tmp_path / 'clips' / 'v1.0'}/")
+    assert r.exit_code == 0, r.output
+    assert len(list((tmp_path / "clips" / "v1.0").glob("frame_*.png"))) == 5
+
+
+def test_output_kind_existing_folder_wins_over_suffix(tmp_path):
+    from vaeopt import api
+
+    (tmp_path / "x.png").mkdir()
+    (tmp_path / "v1.5").mkdir()
+    assert api.output_kind(tmp_path / "x.png", is_video=False) == "png-dir"
+    assert api.output_kind(tmp_path / "x.png", is_video=True) == "frames"
+    assert api.output_kind(tmp_path / "v1.5", is_video=False) == "png-dir"
+    assert api.output_kind(tmp_path / "y.png", is_video=False) == "png"
+    with pytest.raises(Exception, match="unknown output type '.5'"):
+        api.output_kind(tmp_path / "w1.5", is_video=False)

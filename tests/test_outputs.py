@@ -94,6 +94,20 @@ def test_existing_and_unwritable(tmp_path):
         ro.chmod(0o700)
 
 
+def test_frames_folder_checks(tmp_path):
+    """An empty folder takes frames without --overwrite; --overwrite replaces only a folder of frames."""
+    d = tmp_path / "clip"
+    d.mkdir()
+    outputs.check_writable([d], overwrite=False, folders={d})
+    outputs.write_frames_dir(d, [torch.zeros(2, 4, 4, 3, dtype=torch.uint8)])
+    with pytest.raises(OutputError, match="already exists"):
+        outputs.check_writable([d], overwrite=False, folders={d})
+    outputs.check_writable([d], overwrite=True, folders={d})
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match=r"holds files other than PNG frames \(e.g. notes.txt\)"):
+        outputs.check_writable([d], overwrite=True, folders={d})
+
+
 def test_tensor_output(tmp_path):
     from safetensors.torch import load_file
 

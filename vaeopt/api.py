@@ -129,6 +129,8 @@ class DecodeResult:
 
 def output_kind(path: Path, is_video: bool) -> str:
     s = path.suffix.lower()
+    if path.is_dir():  # an existing folder is a folder, whatever its name ends with ("renders/2024.06.01", "x.png")
+        return "frames" if is_video else "png-dir"
     if s in outputs.IMAGE_SUFFIXES:
         if is_video:
             raise VaeoptError(f"{path}: a video VAE decodes clips: use an .mp4 output, or a folder path (e.g. "
@@ -140,7 +142,7 @@ def output_kind(path: Path, is_video: bool) -> str:
         return "mp4"
     if s in outputs.TENSOR_SUFFIXES:
         return "safetensors"
-    if s == "" or path.is_dir():
+    if s == "":
         return "frames" if is_video else "png-dir"
     raise VaeoptError(f"{path}: unknown output type '{s}' (use .png, .mp4, .safetensors, or a folder for frames)")
 

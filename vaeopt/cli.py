@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from vaeopt import __version__
-from vaeopt.errors import VaeoptError
+from vaeopt.errors import OutputError, VaeoptError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")  # its per-call dtype warnings are noise here
@@ -136,9 +136,10 @@ def decode(
     model: Optional[Path] = typer.Option(None, "--model", "-m",
                                          help="VAE checkpoint (.safetensors/.ckpt/.pt or diffusers folder). "
                                               "Default: vaeopt.json beside the latents, $VAEOPT_MODEL, or the user config."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
-                                          help="out.png | out.mp4 | folder/ (PNG frames) | out.safetensors (raw). "
-                                               "Default: beside the input."),
+    output: Optional[str] = typer.Option(None, "--output", "-o",
+                                         help="out.png | out.mp4 | folder/ (PNG frames) | out.safetensors (raw); a "
+                                              "trailing / always means a folder (made if missing). "
+                                              "Default: beside the input."),
     family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
     config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
     key: Optional[str] = typer.Option(None, "--key", help="Decode only this tensor of a dict-of-tensors file."),
@@ -189,7 +190,10 @@ def decode(
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
                    vram_budget_gb=vram_budget)
     opts.validate()
+    output, out_folder = _output_arg(output)
     if gpus is not None:
+        if out_folder:
+            _make_output_folder(output)
         _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
                             as_json)
         return
@@ -217,6 +221,8 @@ def decode(
         _log(n)
     if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
         _log(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
+    if out_folder:
+        _make_output_folder(output)
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite)
     console.print("[bold]optimize[/]")
     pipe = Pipeline(loaded, opts, log=_log)
@@ -248,6 +254,26 @@ def decode(
                          "written": [str(p) for p in r.written], "seconds": r.seconds, "peak_bytes": r.peak_bytes,
                          "plan": r.plan, "retries": r.retries} for r in results],
         }))
+
+
+def _output_arg(output: str | None) -> tuple[Path | None, bool]:
+    """-o as typed -> (path, is a folder). A trailing separator means a folder whatever the name looks like
+    ("renders/2024.06.01/", "renders/run.safetensors/"); Path() drops it, so it is read from the text."""
+    if output is None:
+        return None, False
+    path = Path(output)
+    folder = output.endswith(("/", os.sep))
+    if folder and path.exists() and not path.is_dir():
+        raise OutputError(f"-o {output}: the trailing '/' asks for a folder, but {path} is a file; choose another "
+                          "-o (nothing was written)")
+    return path, folder
+
+
+def _make_output_folder(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{path}/: cannot create the output folder ({e.strerror or e})") from None
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import queue
+import re
 import shutil
 import threading
 from fractions import Fraction
@@ -78,13 +79,20 @@ def _remove(p: Path) -> None:
 def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | frozenset = frozenset()) -> None:
     """Fail before decoding (not after minutes of work) if an output exists or its folder can't be written.
     folders: the outputs that are folders (PNG frames); --overwrite replaces a file with a file, a folder with a
-    folder."""
+    folder, and only a folder of frames (an existing folder is a folder output whatever its name, so `-o renders`
+    may name one that holds other files). An empty folder where a frames folder goes is used as it is (nothing in it
+    to lose: e.g. `-o clip/`, which the CLI makes before planning)."""
     for p in paths:
-        if p.exists() and not overwrite:
+        empty_folder = p in folders and p.is_dir() and not any(p.iterdir())
+        if p.exists() and not overwrite and not empty_folder:
             raise OutputError(f"{p}: already exists (pass --overwrite to replace it)")
         if p.exists() and p.is_dir() != (p in folders):
             what, want = ("a folder", "a file") if p.is_dir() else ("a file", "a folder of frames")
             raise OutputError(f"{p}: is {what}; this output is {want}, so --overwrite cannot replace it")
+        other = next((q.name for q in p.iterdir() if not _FRAME_NAME.fullmatch(q.name)), None) if p.is_dir() else None
+        if other is not None:
+            raise OutputError(f"{p}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
+                              "folder of frames: choose another -o")
         parent = p.parent
         probe = parent
         while not probe.exists():
@@ -93,6 +101,9 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
             raise OutputError(f"{p}: {probe} is a file, not a folder")
         if not os.access(probe, os.W_OK):
             raise OutputError(f"{p}: folder {probe} is not writable")
+
+
+_FRAME_NAME = re.compile(r"frame_\d+\.png")  # what write_frames_dir writes
 
 
 def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
