@@ -296,6 +296,59 @@ def test_taesd_original_decoder_only(fam, name, models, tmp_path):
     assert all(torch.isfinite(p).all() for p in r.model.encoder.parameters())
 
 
+def upstream_taesd_decoder(latent: int, stages: list[tuple[int, int]], pool: bool = False) -> dict:
+    """A decoder state dict in the key layout of madebyollin/taesd's taesd.py (random tiny tensors): Clamp, conv,
+    ReLU, then per stage (width, blocks): the blocks (`.pool` GroupNorm branches in the first stage with pool=True,
+    as TAEF2's use_midblock_gn), Upsample and a bias-free conv to the next width; the last conv to RGB."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
+    sd = {"1.weight": r(stages[0][0], latent, 3, 3), "1.bias": r(stages[0][0])}
+    i = 3
+    for s, (w, n) in enumerate(stages):
+        for _ in range(n):
+            for j in (0, 2, 4):
+                sd[f"{i}.conv.{j}.weight"], sd[f"{i}.conv.{j}.bias"] = r(w, w, 3, 3), r(w)
+            if pool and s == 0:
+                sd.update({f"{i}.pool.0.weight": r(4 * w, w, 1, 1), f"{i}.pool.1.weight": r(4 * w),
+                           f"{i}.pool.1.bias": r(4 * w), f"{i}.pool.3.weight": r(w, 4 * w, 1, 1)})
+            i += 1
+        if s < len(stages) - 1:
+            sd[f"{i + 1}.weight"] = r(stages[s + 1][0], w, 3, 3)  # after the (parameter-free) Upsample at i
+            i += 2
+    sd[f"{i}.weight"], sd[f"{i}.bias"] = r(3, stages[-1][0], 3, 3), r(3)
+    return sd
+
+
+TAEF2_REAL = Path("/tmp/taef2_decoder.pth")  # madebyollin/taesd's taef2_decoder.pth, where a machine has it
+
+
+def test_taesd_variants_autoencodertiny_cannot_build(tmp_path):
+    """TAEF2 (GroupNorm pooling blocks) and TAESana (32x, widths 256 -> 128 -> 64) said 'decoder weights do not fit
+    AutoencoderTiny ... or a damaged file' with a list of renamed keys: now named, with the reason."""
+    plain = upstream_taesd_decoder(4, [(8, 3), (8, 3), (8, 3), (8, 1)])
+    torch.save(plain, tmp_path / "taesd_decoder.pth")  # the helper's layout is upstream's: this one loads
+    assert load_vae(tmp_path / "taesd_decoder.pth").layout == "taesd-original"
+    torch.save(upstream_taesd_decoder(32, [(8, 3), (8, 3), (8, 3), (8, 1)], pool=True), tmp_path / "taef2.pth")
+    with pytest.raises(CheckpointError, match=r"taef2.pth: a TAESD-family decoder with GroupNorm pooling blocks "
+                                              r"\(TAEF2, for FLUX.2; 3 blocks .*AutoencoderTiny has no such layers.*"
+                                              r"file itself looks fine"):
+        load_vae(tmp_path / "taef2.pth")
+    sana = upstream_taesd_decoder(32, [(16, 3), (8, 3), (4, 3), (4, 3), (4, 3), (4, 1)])
+    _save_st(tmp_path / "taesana_decoder.safetensors", sana)
+    with pytest.raises(CheckpointError, match=r"width changes between stages \(TAESana, for Sana's 32x DC-AE; widths "
+                                              r"16 -> 8 -> 4\): diffusers' AutoencoderTiny keeps one width"):
+        load_vae(tmp_path / "taesana_decoder.safetensors")
+    comfy = {f"taesd_decoder.{k}": v for k, v in upstream_taesd_decoder(32, [(8, 1), (8, 1)], pool=True).items()}
+    with pytest.raises(CheckpointError, match="TAEF2"):  # ComfyUI's combined layout too
+        load_vae(_save_st(tmp_path / "taef2_comfy.safetensors", comfy))
+
+
+@pytest.mark.skipif(not TAEF2_REAL.is_file(), reason=f"no {TAEF2_REAL}")
+def test_taef2_real_file():
+    with pytest.raises(CheckpointError, match=r"GroupNorm pooling blocks \(TAEF2, for FLUX.2; 3 blocks"):
+        load_vae(TAEF2_REAL)
+
+
 def test_sharded_diffusers_dir(models, tmp_path):
     model, _ = models["sd3"]
     model.save_pretrained(tmp_path / "sd3-vae", max_shard_size="1MB")

@@ -416,6 +416,32 @@ def _convert_taesd_original(sd: dict[str, Tensor], part: str) -> dict[str, Tenso
     return out
 
 
+def _refuse_unbuildable_taesd(sd: dict[str, Tensor], label: str) -> None:
+    """Original TAESD-family decoders (Sequential-index keys) that AutoencoderTiny cannot build: say which and why,
+    instead of a list of keys that do not fit."""
+    pooled = sorted({int(k.split(".", 1)[0]) for k in sd if re.match(r"^\d+\.pool\.", k)})
+    if pooled:
+        raise CheckpointError(
+            f"{label}: a TAESD-family decoder with GroupNorm pooling blocks (TAEF2, for FLUX.2; {len(pooled)} blocks "
+            f"have a .pool branch, e.g. {pooled[0]}.pool.*): diffusers' AutoencoderTiny has no such layers, so vaeopt "
+            "cannot run it; the file itself looks fine"
+        )
+    convs = sorted((int(k.split(".", 1)[0]), v.shape) for k, v in sd.items()
+                   if re.fullmatch(r"\d+\.weight", k) and v.ndim == 4)
+    if len(convs) < 3 or all(shape[0] == shape[1] for _, shape in convs[1:-1]):
+        return
+    widths = [int(convs[0][1][0])]  # the first conv, then the conv after each upsample
+    for _, shape in convs[1:-1]:
+        if int(shape[0]) != widths[-1]:
+            widths.append(int(shape[0]))
+    name = "TAESana, for Sana's 32x DC-AE; " if len(convs) - 2 == 5 else ""  # 5 upsamples: upstream's F32Decoder
+    raise CheckpointError(
+        f"{label}: a TAESD-family decoder whose width changes between stages ({name}widths "
+        f"{' -> '.join(map(str, widths))}): diffusers' AutoencoderTiny keeps one width throughout, so vaeopt cannot "
+        "run it; the file itself looks fine"
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Structure: class, diffusers state dict, widths
 # ----------------------------------------------------------------------------------------------------------------------
@@ -467,6 +493,7 @@ def _analyse(state_dict: dict[str, Tensor], label: str, notes: list[str], n_tota
     if prefix == "taesd_":  # ComfyUI-style combined TAESD: taesd_decoder.N / taesd_encoder.N
         dec = {k[len("taesd_decoder."):]: v for k, v in state_dict.items() if k.startswith("taesd_decoder.")}
         enc = {k[len("taesd_encoder."):]: v for k, v in state_dict.items() if k.startswith("taesd_encoder.")}
+        _refuse_unbuildable_taesd(dec, label)
         sd = {**_convert_taesd_original(dec, "decoder"), **_convert_taesd_original(enc, "encoder")}
         return _finish(sd, "taesd-original+taesd_decoder", notes, [], label)
     sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -477,6 +504,7 @@ def _analyse(state_dict: dict[str, Tensor], label: str, notes: list[str], n_tota
         notes.append(f"VAE taken from under the '{prefix}' prefix: {len(sub)} tensors{extra}")
 
     if all(_TAESD_INDEX.match(k) for k in sub):
+        _refuse_unbuildable_taesd(sub, label)
         return _finish(_convert_taesd_original(sub, "decoder"), "taesd-original" + suffix, notes, [], label)
 
     dkeys = [k for k in sub if k.startswith("decoder.")]
