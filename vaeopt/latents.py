@@ -188,6 +188,16 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path) -> torch.Tens
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         t = t.float()  # e.g. float8 latents: upcast (and so isfinite works)
     want = 5 if family.is_video else 4
+    cin = family.latent_channels
+    if family.name == "flux" and t.shape[-1:] == (4 * cin,) and (t.ndim == 2 or (t.ndim == 3 and t.shape[0] != cin)):
+        # (B, (H/16)*(W/16), 64): 2x2 patches of the 16 channels. The sequence does not say H and W (a square count
+        # can come from a non-square image: 1152x512 packs to 48*48), so unpacking would be a guess
+        raise LatentError(
+            f"{where}: shape {tuple(t.shape)} looks like packed FLUX latents (batch, sequence, {4 * cin}), as "
+            f"FluxPipeline(output_type=\"latent\") returns them; the image size is not stored in them, so vaeopt "
+            f"cannot unpack them: unpack with pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor) "
+            f"and save that (B, {cin}, H/8, W/8) tensor"
+        )
     if family.is_video and t.ndim == 4:
         # (C,T,H,W) one clip, or (N,C,H,W) single latent frames
         t = t.unsqueeze(0) if t.shape[0] == family.latent_channels else t.unsqueeze(2)
