@@ -28,6 +28,13 @@ def test_pt_tensor_and_dict(tmp_path):
         lat.read_latents(tmp_path / "b.pth", key="nope")
 
 
+def test_numpy_scalars_beside_the_latents(tmp_path):
+    t = torch.randn(1, 4, 8, 8)
+    torch.save({"latents": t, "seed": np.int64(42), "guidance": np.float32(7.5)}, tmp_path / "a.pt")
+    lf = lat.read_latents(tmp_path / "a.pt")
+    assert [e.name for e in lf.entries] == ["latents"] and torch.equal(lf.entries[0].tensor, t)
+
+
 def test_cuda_saved_file_loads_on_cpu(samples_dir):
     # saved from a CUDA device; must load with map_location="cpu"
     lf = lat.read_latents(samples_dir / "wan21_real_latents.pth")

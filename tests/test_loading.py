@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -526,6 +527,55 @@ def test_error_pickle_with_code(name, tmp_path):
     with pytest.raises(CheckpointError, match=rf"{name}: refusing to unpickle arbitrary objects \(weights_only=True\)"):
         load_vae(f)
     assert not marker.exists()
+
+
+class _TrainerState:  # a training script's own class, pickled into its checkpoint
+    pass
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_pickled_checkpoint_numpy_scalars_load(legacy, models, tmp_path):
+    """Old SD training checkpoints store a numpy global_step: data, not code. They were refused as 'more than
+    tensors'; numpy scalars and dtypes (only those) are now rebuilt, in zip and legacy pickles."""
+    import numpy as np
+
+    model, _ = models["taesd"]
+    f = tmp_path / "sd_numpy_step.ckpt"
+    torch.save({"state_dict": to_taesd_decoder(model.state_dict()), "global_step": np.int64(470000),
+                "epoch": np.float64(6.0), "half": np.float16(1), "flag": np.bool_(True), "dtype": np.dtype("float32")},
+               f, _use_new_zipfile_serialization=not legacy)
+    r = load_vae(f)
+    assert r.layout == "taesd-original"
+    assert_same_decoder(r, model)
+
+
+def test_pickled_checkpoint_names_the_refused_class(models, tmp_path, monkeypatch):
+    """torch's refusal reached the user as 'Weights only load failed': the class is named, a Lightning one with
+    what it means, and how to convert the file."""
+    import types
+
+    dec = to_taesd_decoder(models["taesd"][0].state_dict())
+    f = tmp_path / "trainer.ckpt"
+    torch.save({"state_dict": dec, "trainer": _TrainerState()}, f)
+    with pytest.raises(CheckpointError, match=r"trainer.ckpt: refusing to unpickle arbitrary objects \(weights_only="
+                                              r"True\): the file holds more than tensors \(it refers to [\w.]*"
+                                              r"_TrainerState\); to convert it, load it with torch.load in an "
+                                              r"environment you trust and save its state_dict with "
+                                              r"safetensors.torch.save_file"):
+        load_vae(f)
+    import numpy as np
+
+    torch.save({"state_dict": dec, "arr": np.zeros(3)}, f)  # numpy scalars are allowed, not arrays
+    with pytest.raises(CheckpointError, match=r"it refers to numpy[\w.]*\._reconstruct"):
+        load_vae(f)
+    pl = types.ModuleType("pytorch_lightning")
+    pl.ModelCheckpoint = type("ModelCheckpoint", (), {"__module__": "pytorch_lightning"})
+    monkeypatch.setitem(sys.modules, "pytorch_lightning", pl)
+    f = tmp_path / "sd-v1-4-full-ema.ckpt"
+    torch.save({"state_dict": dec, "callbacks": {pl.ModelCheckpoint: {"best_model_score": 0.5}}}, f)
+    with pytest.raises(CheckpointError, match=r"\(it refers to pytorch_lightning.ModelCheckpoint, a PyTorch Lightning "
+                                              r"class: a training checkpoint, .*under 'state_dict'\)"):
+        load_vae(f)
 
 
 def test_error_unknown_checkpoints(tmp_path):

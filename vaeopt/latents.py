@@ -91,9 +91,11 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
     default_space = "scaled"
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
-        try:
-            with warnings.catch_warnings():  # torch's pickle-protocol warning would print before our error
-                warnings.simplefilter("ignore")
+        from vaeopt.loading import allow_numpy_scalars
+
+        try:  # numpy scalars (e.g. a saved seed) are data: allowed, as in checkpoints
+            with warnings.catch_warnings(), allow_numpy_scalars():
+                warnings.simplefilter("ignore")  # torch's pickle-protocol warning would print before our error
                 obj = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             msg = str(e)

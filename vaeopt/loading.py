@@ -10,6 +10,7 @@ checkpoint, then the file name; else a documented default (see docs/notes-loadin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -155,18 +156,54 @@ def _unwrap(obj, path: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def _read_torch(path: Path, kind: str, select_vae: bool = False) -> tuple[dict[str, Tensor], list[str]]:
-    """Tensors of a torch checkpoint (weights_only=True, never arbitrary pickles) and all its key names. Zip files are
-    memory-mapped, so that a full SD checkpoint's UNet is never read when only its VAE is wanted."""
+def refused_global(e: BaseException) -> str | None:
+    """The class or function a weights_only torch.load refused to rebuild, read from torch's message."""
+    m = re.search(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(e))
+    return (m[1] or m[2]) if m else None
+
+
+def allow_numpy_scalars():
+    """A context in which weights_only torch.load also rebuilds numpy scalars and dtypes (old training checkpoints
+    store a numpy `global_step`/`epoch`): plain data, not code. Exactly numpy's scalar reconstructor (under numpy 2's
+    and numpy 1's module names) and np.dtype with its bool/integer/float/complex dtype classes; nothing else."""
+    sg = getattr(torch.serialization, "safe_globals", None)  # torch 2.5+
     try:
-        with warnings.catch_warnings():
+        import numpy as np
+    except ImportError:
+        np = None
+    if sg is None or np is None:
+        return contextlib.nullcontext()
+    try:
+        from numpy._core.multiarray import scalar
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import scalar
+    if torch.__version__ >= (2, 6):  # (object, name) pairs: a numpy-1 file loads under numpy 2 and the reverse
+        scalars = [(scalar, "numpy._core.multiarray.scalar"), (scalar, "numpy.core.multiarray.scalar")]
+    else:
+        scalars = [scalar]
+    dtypes = {type(np.dtype(c)) for c in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]}
+    return sg([*scalars, np.dtype, *dtypes])
+
+
+def _read_torch(path: Path, kind: str, select_vae: bool = False) -> tuple[dict[str, Tensor], list[str]]:
+    """Tensors of a torch checkpoint (weights_only=True, never arbitrary pickles; numpy scalars allowed) and all its
+    key names. Zip files are memory-mapped, so that a full SD checkpoint's UNet is never read when only its VAE is
+    wanted."""
+    try:
+        with warnings.catch_warnings(), allow_numpy_scalars():
             warnings.simplefilter("ignore")
             obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=(kind == "torch-zip"))
     except pickle.UnpicklingError as e:
-        first = _short(e).split(". ")[0]
+        name = refused_global(e)
+        what = f"it refers to {name}" if name else _short(e).split(". ")[0]
+        hint = ""
+        if name and name.split(".")[0] in ("pytorch_lightning", "lightning"):
+            hint = (", a PyTorch Lightning class: a training checkpoint, whose callbacks/optimizer state are pickled "
+                    "objects; its weights are under 'state_dict'")
         raise CheckpointError(
             f"{path}: refusing to unpickle arbitrary objects (weights_only=True): the file holds more than tensors "
-            f"({first}); convert it to .safetensors in an environment you trust"
+            f"({what}{hint}); to convert it, load it with torch.load in an environment you trust and save its "
+            f"state_dict with safetensors.torch.save_file"
         ) from None
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read torch checkpoint, corrupt or truncated? ({_short(e)})") from None
