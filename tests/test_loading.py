@@ -382,6 +382,27 @@ def test_hunyuan_with_vae_prefix(models, tmp_path):
     assert_same_decoder(r, model)
 
 
+def test_hunyuan_original_vae_folder(models, tmp_path):
+    """HunyuanVideo's own ckpts/.../vae/: config.json for AutoencoderKLCausal3D beside pytorch_model.pt. The folder
+    was 'holds no model', and --config of that config.json 'is for AutoencoderKLCausal3D, but the weights are an
+    AutoencoderKLHunyuanVideo'. Its scaling_factor and widths are used; its block type names are not."""
+    model, cfg = models["hunyuanvideo"]
+    d = tmp_path / "hunyuan-video-t2v-720p" / "vae"
+    d.mkdir(parents=True)
+    torch.save({"state_dict": {f"vae.{k}": v for k, v in model.state_dict().items()}}, d / "pytorch_model.pt")
+    original = {"_class_name": "AutoencoderKLCausal3D", "_diffusers_version": "0.4.2", "scaling_factor": 0.5,
+                "block_out_channels": cfg["block_out_channels"], "norm_num_groups": 8, "layers_per_block": 1,
+                "latent_channels": 16, "down_block_types": ["DownEncoderBlockCausal3D"] * 4,
+                "up_block_types": ["UpDecoderBlockCausal3D"] * 4, "time_compression_ratio": 4, "sample_tsize": 64}
+    (d / "config.json").write_text(json.dumps(original))
+    for r in (load_vae(d), load_vae(d / "pytorch_model.pt", config=d / "config.json")):
+        assert r.family.name == "hunyuanvideo" and r.family.cls_name == "AutoencoderKLHunyuanVideo"
+        assert r.family.config["scaling_factor"] == 0.5 and r.family.config["norm_num_groups"] == 8
+        assert r.family.config["up_block_types"] == ["HunyuanVideoUpBlock3D"] * 4
+        assert any("AutoencoderKLCausal3D (the original HunyuanVideo VAE)" in n for n in r.notes), r.notes
+        assert_same_decoder(r, model)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # special cases
 # ----------------------------------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ _WEIGHT_NAMES = (
     "diffusion_pytorch_model.bf16.safetensors",
     "diffusion_pytorch_model.bin",
     "diffusion_pytorch_model.fp16.bin",
+    "pytorch_model.pt",  # HunyuanVideo's original vae/ folder (config.json for AutoencoderKLCausal3D beside it)
 )
 _INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 _NESTING_KEYS = ("state_dict", "model", "module", "model_state_dict", "net", "vae")
@@ -914,6 +915,24 @@ def _meta_config(metadata: dict | None, notes: list[str]) -> dict | None:
     return cfg if isinstance(cfg, dict) else None
 
 
+# original class names of configs shipped beside original weights -> the diffusers class that ports them
+_CLASS_ALIASES = {"AutoencoderKLCausal3D": "AutoencoderKLHunyuanVideo"}
+
+
+def _alias_config(cfg: dict | None, where: str, notes: list[str]) -> dict | None:
+    """HunyuanVideo's original vae/config.json (AutoencoderKLCausal3D) is read as diffusers' AutoencoderKLHunyuanVideo
+    config: the same parameters (scaling_factor, widths, ...), except its *_block_types, which name the original's
+    block classes and mean nothing to diffusers: dropped (the weights give the block types)."""
+    if not isinstance(cfg, dict) or cfg.get("_class_name") not in _CLASS_ALIASES:
+        return cfg
+    orig = cfg["_class_name"]
+    cfg = {k: v for k, v in cfg.items() if not k.endswith("_block_types")}
+    cfg["_class_name"] = _CLASS_ALIASES[orig]
+    notes.append(f"{where} is for {orig} (the original HunyuanVideo VAE): read as diffusers' {cfg['_class_name']}, "
+                 "without its block type names")
+    return cfg
+
+
 def _norm_groups(cfg: dict, widths: list[int], source: str, notes: list[str]) -> None:
     g = int(cfg.get("norm_num_groups") or 32)
     if source == "family default" and any(w % g for w in widths):
@@ -1023,8 +1042,8 @@ def _detect(
     a = _analyse(state_dict, label, notes, len(other_keys or ()))
     if is_dir:
         a.layout = "diffusers-dir" if a.layout == "diffusers" else f"{a.layout} (directory)"
-    explicit = _load_config_arg(config)
-    meta_cfg = _meta_config(metadata, notes)
+    explicit = _alias_config(_load_config_arg(config), "the given config", notes)
+    meta_cfg = _alias_config(_meta_config(metadata, notes), "the checkpoint's config", notes)
     if names is None:
         names = [Path(filename).name] if filename else []
     spec = _choose_family(a, family, explicit, meta_cfg, metadata, other_keys or list(state_dict), names, notes, label)
