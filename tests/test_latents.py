@@ -123,6 +123,22 @@ def test_packed_flux_latents_are_refused_not_guessed(tmp_path):
         lat.validate(lat.LatentEntry("", torch.randn(1, 8, 16)), SDXL, tmp_path / "f.pt")
 
 
+def test_channel_layout_hints_only_when_they_fit(tmp_path):
+    """'channels look last' was said of a (1,4,16,16) SD latent given to a 16-channel VAE (its last dim is 16 by
+    chance); it is said only when the last dim is the channel count and smaller than the others. Video latents
+    stored (N,T,C,H,W) are told the order to use."""
+    def msg(t, fam):
+        with pytest.raises(LatentError) as e:
+            lat.validate(lat.LatentEntry("", t), fam, tmp_path / "f.pt")
+        return str(e.value)
+
+    assert "channels look last" not in msg(torch.randn(1, 4, 16, 16), FLUX)
+    assert "channels look last" not in msg(torch.randn(1, 4, 16, 16), WAN)
+    assert "channels look last" in msg(torch.randn(1, 32, 32, 16), FLUX)
+    assert msg(torch.randn(1, 3, 16, 8, 8), WAN).endswith("takes 16 (looks like (N,T,C,H,W): save video latents as "
+                                                          "(N,C,T,H,W))")
+
+
 def test_nan_and_inf_named(tmp_path):
     t = torch.randn(1, 4, 8, 8)
     t[0, 0, 0, :3] = float("nan")

@@ -211,8 +211,10 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path) -> torch.Tens
     c = t.shape[1]
     if c != family.latent_channels:
         hint = ""
-        if t.shape[-1] == family.latent_channels:
+        if t.shape[-1] == cin and cin < min(t.shape[1:-1]):  # (N,H,W,C): C smaller than every other dim
             hint = " (channels look last: save latents channels-first)"
+        elif family.is_video and t.shape[2] == cin:
+            hint = " (looks like (N,T,C,H,W): save video latents as (N,C,T,H,W))"
         raise LatentError(
             f"{where}: {c} latent channels, but the {family.title} VAE takes {family.latent_channels}{hint}"
         )
