@@ -350,10 +350,12 @@ def test_taef2_real_file():
         load_vae(TAEF2_REAL)
 
 
-def test_sharded_diffusers_dir(models, tmp_path):
+@pytest.mark.parametrize("variant", [None, "fp16", "bf16"])  # the variants' index: ...safetensors.index.fp16.json
+def test_sharded_diffusers_dir(variant, models, tmp_path):
     model, _ = models["sd3"]
-    model.save_pretrained(tmp_path / "sd3-vae", max_shard_size="1MB")
-    assert (tmp_path / "sd3-vae" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    model.save_pretrained(tmp_path / "sd3-vae", max_shard_size="1MB", variant=variant)
+    index = "diffusion_pytorch_model.safetensors.index" + (f".{variant}" if variant else "") + ".json"
+    assert (tmp_path / "sd3-vae" / index).is_file()
     r = load_vae(tmp_path / "sd3-vae")
     assert (r.family.name, r.layout) == ("sd3", "diffusers-dir")
     assert_same_decoder(r, model)

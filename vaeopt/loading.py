@@ -53,7 +53,11 @@ _WEIGHT_NAMES = (
     "diffusion_pytorch_model.fp16.bin",
     "pytorch_model.pt",  # HunyuanVideo's original vae/ folder (config.json for AutoencoderKLCausal3D beside it)
 )
-_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+_INDEX_NAMES = (  # sharded weights: save_pretrained(max_shard_size=..., variant=None | "fp16" | "bf16")
+    "diffusion_pytorch_model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors.index.fp16.json",
+    "diffusion_pytorch_model.safetensors.index.bf16.json",
+)
 _NESTING_KEYS = ("state_dict", "model", "module", "model_state_dict", "net", "vae")
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -223,8 +227,8 @@ def _resolve_dir(path: Path) -> tuple[Path, list[Path]]:
     for d in (path, path / "vae"):
         if not (d / "config.json").is_file():
             continue
-        idx = d / _INDEX_NAME
-        if idx.is_file():
+        idx = next((d / n for n in _INDEX_NAMES if (d / n).is_file()), None)
+        if idx is not None:
             try:
                 shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
             except Exception as e:
