@@ -1,5 +1,7 @@
 """Latent files: every format, scaled vs raw, validation errors."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -192,6 +194,28 @@ def test_pickle_that_runs_code_is_refused(tmp_path, recwarn):
     assert not os.path.exists("/tmp/vaeopt_pwned")
     # torch's "Detected pickle protocol" warning is not printed before our one-line error
     assert not [w for w in recwarn.list if "pickle" in str(w.message)], [str(w.message) for w in recwarn.list]
+
+
+def test_pickled_pipeline_output_named_with_what_to_save(tmp_path, monkeypatch):
+    """torch.save(pipe(..., output_type="latent")) pickles the output object: the message was cut at 160 characters
+    ('...was not an allowed global '). The class is named in full and the user told to save the tensor itself."""
+    import types
+
+    mod = types.ModuleType("diffusers.pipelines.vaeopt_test_output")  # stands in for diffusers' own output module
+    mod.StableDiffusionPipelineOutput = type("StableDiffusionPipelineOutput", (), {"__module__": mod.__name__})
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    for parent in ("diffusers", "diffusers.pipelines"):  # pickling imports the parents: not seconds of diffusers
+        if parent not in sys.modules:
+            monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    out = mod.StableDiffusionPipelineOutput()
+    out.images = torch.randn(1, 4, 8, 8)
+    torch.save(out, tmp_path / "out.pt")
+    with pytest.raises(LatentError, match=r"out.pt: refusing to unpickle arbitrary objects \(loaded with weights_only="
+                                          r"True\): it refers to diffusers\.pipelines\.vaeopt_test_output\."
+                                          r"StableDiffusionPipelineOutput, which is not a tensor; .*save the tensor "
+                                          r"itself, e\.g\. torch\.save\(out\.images, path\) for a pipeline called "
+                                          r"with output_type=\"latent\""):
+        lat.read_latents(tmp_path / "out.pt")
 
 
 def test_manifest_hints(samples_dir):

@@ -91,7 +91,7 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
     default_space = "scaled"
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
-        from vaeopt.loading import allow_numpy_scalars
+        from vaeopt.loading import allow_numpy_scalars, refused_global
 
         try:  # numpy scalars (e.g. a saved seed) are data: allowed, as in checkpoints
             with warnings.catch_warnings(), allow_numpy_scalars():
@@ -105,9 +105,20 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
             if not code and not raw_pickle:  # garbage, not code
                 raise LatentError(f"{path}: not a readable torch file: corrupt or truncated? "
                                   f"({msg.splitlines()[0][:160]})") from e
-            what = next((ln.strip() for ln in msg.splitlines() if "GLOBAL" in ln or "nsupported" in ln), "")
+            name = refused_global(e)
+            if name is None:
+                line = next((ln.strip() for ln in msg.splitlines() if "GLOBAL" in ln or "nsupported" in ln), "")
+                what = line.split(". ")[0] or "objects other than tensors"
+            else:
+                what = f"it refers to {name}"
+            if name and name.startswith("diffusers."):  # e.g. a pipeline's StableDiffusionPipelineOutput
+                advice = ("a diffusers output object: save the tensor itself, e.g. torch.save(out.images, path) for a "
+                          "pipeline called with output_type=\"latent\" (out.frames for video pipelines)")
+            else:
+                advice = "save the latents as a tensor or a dict of tensors"
             raise LatentError(
-                f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): {what[:160]}"
+                f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): {what}, which is "
+                f"not a tensor; {advice}"
             ) from e
         except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
             raise LatentError(f"{path}: not a readable torch file: corrupt or truncated? "
