@@ -446,6 +446,21 @@ def test_old_attention_names_and_conv_shapes(models, tmp_path):
     assert_same_decoder(r, model, latent_for("sd15"))
 
 
+def test_ema_copy_beside_the_plain_vae_is_named(models, tmp_path):
+    """vae-ft-mse-840000-ema-pruned.ckpt style: the VAE plus LitEma's copy (model_ema.<key without dots>). The EMA
+    copy was reported as 'ignored N non-VAE tensors'; the notes now say which set is used."""
+    model, cfg = models["sd15"]
+    ldm = to_ldm(model.state_dict())
+    ema = {f"model_ema.{k.replace('.', '')}": torch.zeros_like(v) for k, v in ldm.items()}
+    f = tmp_path / "vae-ft-mse-840000-ema-pruned.ckpt"
+    torch.save({"state_dict": {**ldm, **ema, "model_ema.decay": torch.tensor(0.9999)}, "global_step": 840001}, f)
+    r = load_vae(f, config={"norm_num_groups": 8})
+    assert (f"the checkpoint holds the VAE twice, plain and as an EMA copy (model_ema.*, {len(ema) + 1} tensors): "
+            "the plain weights are used, the EMA copy is ignored") in r.notes
+    assert not any(n.startswith("ignored") for n in r.notes), r.notes
+    assert_same_decoder(r, model)  # the plain set (the EMA copy here is zeros)
+
+
 @pytest.mark.parametrize("disk", [torch.float16, torch.bfloat16])
 def test_half_precision_on_disk(disk, models, tmp_path):
     model, cfg = models["flux"]
@@ -607,13 +622,19 @@ def test_error_unknown_checkpoints(tmp_path):
         {"model.diffusion_model.input_blocks.0.0.weight": torch.ones(4, 4, 3, 3),
          "model.diffusion_model.out.2.weight": torch.ones(4, 4, 3, 3)},
     )
-    with pytest.raises(CheckpointError, match=r"unet.safetensors: not a recognised VAE checkpoint: found 2 tensors, "
-                                              r"e\.g\. model\.diffusion_model.*; recognised families: sd15, sd2, sdxl"):
+    # the other parts of an SD checkpoint, without its VAE: said so, and what to pass instead
+    with pytest.raises(CheckpointError, match=r"unet.safetensors: this checkpoint has no VAE weights \(a UNet/text-"
+                                              r"encoder checkpoint\? 2 tensors, e\.g\. model\.diffusion_model\..*"
+                                              r"\) — pass the VAE file with --model"):
         load_vae(unet)
     te = tmp_path / "text_encoder.pt"
-    torch.save({"text_model.embeddings.token_embedding.weight": torch.ones(10, 4)}, te)
-    with pytest.raises(CheckpointError, match="text_encoder.pt: not a recognised VAE checkpoint: found 1 tensors"):
+    torch.save({"cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": torch.ones(10, 4)}, te)
+    with pytest.raises(CheckpointError, match="text_encoder.pt: this checkpoint has no VAE weights"):
         load_vae(te)
+    lora = _save_st(tmp_path / "lora.safetensors", {"lora_unet_down_blocks_0_proj_in.lora_down.weight": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"lora.safetensors: not a recognised VAE checkpoint: found 1 tensors, "
+                                              r"e\.g\. lora_unet.*; recognised families: sd15, sd2, sdxl"):
+        load_vae(lora)
     enc = {"0.weight": torch.ones(8, 3, 3, 3), "0.bias": torch.ones(8)}
     enc = _save_st(tmp_path / "taesd_encoder.safetensors", enc)
     with pytest.raises(CheckpointError, match="encoder weights only"):

@@ -517,11 +517,22 @@ def _unrecognised(label: str, keys, extra: str = "") -> CheckpointError:
     )
 
 
+# key prefixes of the other parts of a diffusion model (original, ComfyUI and diffusers layouts)
+_NOT_VAE = ("model.diffusion_model.", "diffusion_model.", "time_embedding.", "double_blocks.", "joint_blocks.",
+            "transformer_blocks.", "cond_stage_model.", "conditioner.", "text_model.", "text_encoders.")
+
+
 def _no_vae_error(label: str, keys: list[str]) -> CheckpointError:
     if any(k.startswith(("encoder.", "taesd_encoder.")) for k in keys) or (
         keys and all(_TAESD_INDEX.match(k) for k in keys) and "0.weight" in keys
     ):
         return CheckpointError(f"{label}: encoder weights only (no decoder): nothing to decode with")
+    other = next((k for k in keys if k.startswith(_NOT_VAE)), None)
+    if other is not None:
+        return CheckpointError(
+            f"{label}: this checkpoint has no VAE weights (a UNet/text-encoder checkpoint? {len(keys)} tensors, e.g. "
+            f"{other}; none under first_stage_model./vae./decoder.) — pass the VAE file with --model"
+        )
     return _unrecognised(label, keys)
 
 
@@ -564,8 +575,15 @@ def _analyse(state_dict: dict[str, Tensor], label: str, notes: list[str], n_tota
     roots = _VAE_ROOTS + (("conv1.", "conv2.") if style == "wan-original" else ())
     dropped = [k for k in sub if not k.startswith(roots)]
     if dropped:
-        notes.append(f"ignored {len(dropped)} non-VAE tensors, e.g. {', '.join(dropped[:3])}")
         sub = {k: v for k, v in sub.items() if k.startswith(roots)}
+        ema = [k for k in dropped if k.startswith("model_ema.")]
+        if any(re.match(r"model_ema\.(encoder|decoder|quant_conv|post_quant_conv)", k) for k in ema):
+            # LDM's LitEma keeps a second copy of the VAE (names without dots), e.g. vae-ft-mse-840000-ema-pruned.ckpt
+            notes.append(f"the checkpoint holds the VAE twice, plain and as an EMA copy (model_ema.*, {len(ema)} "
+                         "tensors): the plain weights are used, the EMA copy is ignored")
+            dropped = [k for k in dropped if not k.startswith("model_ema.")]
+        if dropped:
+            notes.append(f"ignored {len(dropped)} non-VAE tensors, e.g. {', '.join(dropped[:3])}")
 
     unused: list[str] = []
     if style == "ldm":
