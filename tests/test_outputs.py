@@ -116,6 +116,21 @@ def test_tensor_output(tmp_path):
     assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["sample"], x)
 
 
+def test_safetensors_output_is_clamped_like_the_others(tmp_path):
+    """Image decodes went to .safetensors unclamped (PNG and video are clamped) under metadata saying [-1,1]."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from vaeopt import api
+
+    job = api.DecodeJob(Path("l.pt"), "", torch.zeros(1, 4, 2, 2), [tmp_path / "o.safetensors"], "safetensors")
+    api.write_job(job, torch.tensor([-3.0, -1.0, 0.5, 1.0, 1.03]).view(1, 1, 1, 5))
+    with safe_open(str(tmp_path / "o.safetensors"), framework="pt") as f:
+        assert f.get_tensor("sample").flatten().tolist() == [-1.0, -1.0, 0.5, 1.0, 1.0]
+        assert f.metadata()["range"] == "[-1,1]"
+
+
 def test_names():
     from pathlib import Path
 

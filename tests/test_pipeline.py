@@ -23,7 +23,8 @@ def test_plain_decode_equals_diffusers_on_trained_sample(samples_dir):
     plain = Options(device="cpu", channels_last="off", triton="off", attention="off", graphs="off", tiling="off")
     out = vaeopt.decode(lat, loaded, latent_space="scaled", options=plain)
     assert out.shape == ref.shape == (1, 3, 512, 512)
-    assert torch.equal(out, ref.float())
+    assert ref.max() > 1  # a few pixels overshoot: decode() returns [-1, 1], as for video
+    assert torch.equal(out, ref.float().clamp(-1, 1))
 
 
 def test_plain_video_decode_equals_diffusers(samples_dir):

@@ -70,7 +70,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     if bad:  # as the CLI does: NaN/Inf images are not a result
         raise DecodeError(f"the decoder produced {bad} non-finite values (NaN/Inf) of {out.numel()} "
                           f"({NONFINITE_HINT})")
-    return out
+    return out.clamp(-1, 1)  # images as video: the decoder's own range (after the check: clamp turns Inf into 1)
 
 
 def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
@@ -204,8 +204,8 @@ def check_finite(decoded: torch.Tensor, job: DecodeJob) -> None:
 def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[Path]:
     check_finite(decoded, job)
     written = []
-    if job.kind == "safetensors":
-        outputs.write_tensor(job.outputs[0], decoded, {"source": str(job.source), "range": "[-1,1]"})
+    if job.kind == "safetensors":  # clamped as video decodes are: what the metadata says
+        outputs.write_tensor(job.outputs[0], decoded.clamp(-1, 1), {"source": str(job.source), "range": "[-1,1]"})
         return [job.outputs[0]]
     imgs = outputs.to_uint8_images(decoded)
     for i, path in enumerate(job.outputs):
