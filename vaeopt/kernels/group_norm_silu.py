@@ -42,7 +42,7 @@ from vaeopt.kernels.rms_norm_silu import _sat_e4m3, _silu, silu_mode
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
-# (benchmarks/gpu_gn_apply.py, perf-notes E24): per sdxl-1024 decode 1.86 -> 1.83 ms (bf16 out) and 2.10 -> 1.86 ms
+# (benchmarks/gpu_gn_apply.py, perf-notes E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
 # (e4m3 out) against the shared (4096, 4).
 APPLY_CL_CUDA = (8192, 4)
 
@@ -471,10 +471,9 @@ def _stats_cl_defaults(C: int, dev: torch.device) -> tuple[int, int, int, int]:
 
     On CUDA, measured on an H200 at SDXL's decoder shapes (benchmarks/gpu_gn_stats.py, perf-notes E24): with the
     shared defaults (4096-element tiles, 8 programs per SM, one row block per iteration) the kernel read 0.9-3.6
-    TB/s, against a 4.2 TB/s copy. Each program holds two (three with MINMAX) fp32 accumulators per tile element,
-    so few programs fit an SM and few loads are in flight. Wider rows (C >= 256): 8192-element tiles, 2 programs
-    per SM, 4 row blocks loaded per iteration into the same accumulators. C <= 128: 2048-element tiles, 8 warps,
-    4 programs per SM. The stats kernels of an sdxl-1024 decode: 1.70 -> 1.26 ms (bf16), 2.05 -> 1.30 ms (e4m3)."""
+    TB/s, against a 4.2 TB/s copy: too few loads in flight per warp (not occupancy: the faster launches use more
+    registers). Wider rows (C >= 256): 8192-element tiles, 2 programs per SM, 4 row blocks loaded per iteration
+    into the same accumulators. C <= 128: 2048-element tiles, 8 warps, 4 programs per SM. The stats kernels of an sdxl-1024 decode: 1.70 -> 1.26 ms (bf16), 2.05 -> 1.30 ms (e4m3)."""
     tile = default_tile(dev)
     if dev.type != "cuda":
         return tile, _warps(tile), n_programs_target(dev), 1
