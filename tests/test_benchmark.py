@@ -101,6 +101,30 @@ def test_bad_arguments():
         assert r.exit_code == 2 and "--cudnn-autotune: no CUDA device" in r.output and "Traceback" not in r.output
 
 
+def test_model_alone_gets_a_default_shape(samples_dir):
+    """`vaeopt benchmark model.safetensors` (the README's form) used to fail with "name a --workload or a --shape".
+    Now: the family's standard workload on a GPU, a small latent on the CPU, said in the log."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vaeopt import benchmark as bm
+    from vaeopt.cli import _bench_inputs
+    from vaeopt.families import get_family
+
+    spec, _, shp, wl, notes = _bench_inputs(samples_dir / "tiny_kl_image.safetensors", None, None, None,
+                                            torch.device("cpu"))
+    assert shp == (1, 4, 32, 32) and wl is None
+    assert any("no --workload/--shape: latent (1, 4, 32, 32), a small CPU default" in n for n in notes)
+    gpu = SimpleNamespace(type="cuda")
+    assert bm.default_shape(get_family("sdxl"), gpu)[:2] == ((1, 4, 128, 128), "sdxl-1024")
+    assert bm.default_shape(get_family("wan22"), gpu)[:2] == ((1, 48, 31, 44, 80), "wan22-720p")
+    assert bm.default_shape(get_family("sd3"), gpu) == ((1, 16, 128, 128), None, "the GPU default")
+    assert bm.default_shape(get_family("wan21"), torch.device("cpu"))[0] == (1, 16, 3, 16, 16)
+    r = runner.invoke(app, ["benchmark"])
+    assert r.exit_code != 0 and "give a checkpoint, --family or --workload" in r.output
+
+
 def test_bad_values_and_outputs_refused_before_measuring(tmp_path, samples_dir):
     """Found in review: --repeats 0 crashed after the ladder ('no median for empty data'), a zero dimension reached
     torch, --plot could overwrite the model checkpoint, and a --json folder failed only after the whole benchmark."""

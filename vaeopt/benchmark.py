@@ -35,6 +35,20 @@ WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
     "taesd-1024": ("taesd", (1, 4, 128, 128)),
 }
 
+
+def default_shape(spec, device) -> tuple[tuple[int, ...], str | None, str]:
+    """The latent shape `vaeopt benchmark model.safetensors` measures when given none -> (shape, workload, why): on a
+    GPU the family's standard workload (its first in WORKLOADS), else a 128x128 latent (21 latent frames of 60x104
+    for video, wan21-480p's); on the CPU a small one (32x32; 3 frames of 16x16), since every row decodes repeatedly."""
+    C = spec.latent_channels
+    if getattr(device, "type", "cpu") == "cuda":
+        wl = next((w for w, (fam, shp) in WORKLOADS.items() if fam == spec.name and shp[1] == C), None)
+        if wl is not None:
+            return WORKLOADS[wl][1], wl, f"the {wl} workload"
+        return ((1, C, 21, 60, 104) if spec.is_video else (1, C, 128, 128)), None, "the GPU default"
+    return ((1, C, 3, 16, 16) if spec.is_video else (1, C, 32, 32)), None, "a small CPU default"
+
+
 PEERS = ("fp32", "bf16", "tiling", "compile")
 
 

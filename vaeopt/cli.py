@@ -311,7 +311,7 @@ def benchmark(
     _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    spec, sd, shp, wl, notes = _bench_inputs(model, family, workload, shape)
+    spec, sd, shp, wl, notes = _bench_inputs(model, family, workload, shape, dev)
     for n in notes:
         _log(n)
     peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
@@ -363,14 +363,14 @@ def torch_device_name(dev) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
 
 
-def _bench_inputs(model, family, workload, shape):
+def _bench_inputs(model, family, workload, shape, dev):
     import torch
 
     from vaeopt import benchmark as bm
     from vaeopt.families import build_model, get_family
 
     notes = []
-    wl = None
+    wl = shp = None
     if workload:
         if workload not in bm.WORKLOADS:
             raise VaeoptError(f"unknown workload '{workload}' (known: {', '.join(bm.WORKLOADS)})")
@@ -382,9 +382,7 @@ def _bench_inputs(model, family, workload, shape):
             shp = tuple(int(s) for s in shape.replace("x", ",").split(","))
         except ValueError:
             raise VaeoptError(f"--shape '{shape}': expected integers like 1,4,128,128") from None
-    if not workload and not shape:
-        raise VaeoptError("name a --workload or a --shape")
-    if any(d < 1 for d in shp):
+    if shp is not None and any(d < 1 for d in shp):
         raise VaeoptError(f"--shape {','.join(map(str, shp))}: every dimension must be at least 1")
     if model is not None:
         from vaeopt.loading import load_vae
@@ -398,7 +396,10 @@ def _bench_inputs(model, family, workload, shape):
         sd = build_model(spec).state_dict()
         notes.append(f"{spec.title}: full-size architecture with random weights (timing equals real weights)")
     else:
-        raise VaeoptError("give a checkpoint or --family")
+        raise VaeoptError("give a checkpoint, --family or --workload")
+    if shp is None:
+        shp, wl, why = bm.default_shape(spec, dev)
+        notes.append(f"no --workload/--shape: latent {shp}, {why} (--shape N,C,[T,]H,W for another)")
     want = 5 if spec.is_video else 4
     if len(shp) != want or shp[1] != spec.latent_channels:
         raise VaeoptError(f"latent shape {shp} does not fit {spec.title}: expected {want} dims with "
