@@ -161,7 +161,9 @@ def decode(
     stack_conv3d: str = typer.Option("auto", "--stack-conv3d", help="Wan's causal Conv3d as one Conv2d over "
                                                                     "time-stacked channels: auto | on | off"),
     conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
-                                                                  "faster than cuDNN (Wan's 96-ch Conv3d): auto | on | off"),
+                                                                  "faster than cuDNN: Wan's 96-ch Conv3d with "
+                                                                  "--stack-conv3d off, and the e4m3 convs of --fp8: "
+                                                                  "auto | on | off"),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
     cudnn_autotune: str = typer.Option("auto", "--cudnn-autotune", help="Time cuDNN's engine configs per new conv "
                                        "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
