@@ -123,6 +123,13 @@ def test_model_alone_gets_a_default_shape(samples_dir):
     assert bm.default_shape(get_family("wan21"), torch.device("cpu"))[0] == (1, 16, 3, 16, 16)
     r = runner.invoke(app, ["benchmark"])
     assert r.exit_code != 0 and "give a checkpoint, --family or --workload" in r.output
+    # a workload's shape with another family's model, or --shape with --workload: not labelled as that workload
+    _, _, shp, wl, notes = _bench_inputs(samples_dir / "tiny_kl_image.safetensors", None, "sdxl-1024", None,
+                                         torch.device("cpu"))
+    assert shp == (1, 4, 128, 128) and wl is None and any("not the sdxl-1024 workload: the model is" in n
+                                                         for n in notes)
+    _, _, shp, wl, _ = _bench_inputs(None, None, "sdxl-1024", "1,4,16,16", torch.device("cpu"))
+    assert shp == (1, 4, 16, 16) and wl is None
 
 
 def test_bad_values_and_outputs_refused_before_measuring(tmp_path, samples_dir):

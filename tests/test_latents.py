@@ -114,13 +114,14 @@ def test_validation_errors(tensor, fam, match, tmp_path):
 def test_packed_flux_latents_are_refused_not_guessed(tmp_path):
     """FluxPipeline(output_type="latent") returns (B, seq, 64): the image size is not in them (1152x512 packs to a
     square 48*48 sequence), so they are refused with how to unpack them, never reshaped by a guess."""
-    for shape in ((1, 48 * 48, 64), (2, 256, 64), (256, 64)):
+    for shape in ((1, 48 * 48, 64), (2, 256, 64), (256, 64), (16, 4096, 64), (16, 1024, 64)):  # a batch of 16 too
         with pytest.raises(LatentError, match=r"looks like packed FLUX latents.*image size is not stored.*"
                                               r"pipe\._unpack_latents\(latents, height, width, pipe\.vae_scale_factor\)"
                                               r" and save that \(B, 16, H/8, W/8\) tensor"):
             lat.validate(lat.LatentEntry("", torch.randn(shape)), FLUX, tmp_path / "f.pt")
-    # an unbatched (C, H, W) latent 64 wide is not packed
+    # an unbatched (C, H, W) latent 64 wide is not packed (nor a 4:1 one)
     assert lat.validate(lat.LatentEntry("", torch.randn(16, 8, 64)), FLUX, tmp_path / "f.pt").shape == (1, 16, 8, 64)
+    assert lat.validate(lat.LatentEntry("", torch.randn(16, 256, 64)), FLUX, tmp_path / "f.pt").shape[2:] == (256, 64)
     with pytest.raises(LatentError, match="1 latent channels"):  # other families: not FLUX's packing
         lat.validate(lat.LatentEntry("", torch.randn(1, 8, 16)), SDXL, tmp_path / "f.pt")
 

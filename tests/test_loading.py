@@ -3,6 +3,7 @@ trained sample checkpoints. CPU only, no network."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import sys
@@ -342,6 +343,12 @@ def test_taesd_variants_autoencodertiny_cannot_build(tmp_path):
     comfy = {f"taesd_decoder.{k}": v for k, v in upstream_taesd_decoder(32, [(8, 1), (8, 1)], pool=True).items()}
     with pytest.raises(CheckpointError, match="TAEF2"):  # ComfyUI's combined layout too
         load_vae(_save_st(tmp_path / "taef2_comfy.safetensors", comfy))
+    # madebyollin/taef2's taef2.safetensors: diffusers' names (decoder.layers.N, N = upstream index - 1: no Clamp)
+    named = {f"decoder.layers.{int(k.split('.', 1)[0]) - 1}.{k.split('.', 1)[1]}": v
+             for k, v in upstream_taesd_decoder(32, [(8, 3), (8, 1)], pool=True).items()}
+    with pytest.raises(CheckpointError, match=r"TAEF2, for FLUX.2; 3 blocks have a .pool branch, e.g. "
+                                              r"decoder.layers.2.pool"):
+        load_vae(_save_st(tmp_path / "taef2.safetensors", named))
 
 
 @pytest.mark.skipif(not TAEF2_REAL.is_file(), reason=f"no {TAEF2_REAL}")
@@ -359,6 +366,14 @@ def test_sharded_diffusers_dir(variant, models, tmp_path):
     r = load_vae(tmp_path / "sd3-vae")
     assert (r.family.name, r.layout) == ("sd3", "diffusers-dir")
     assert_same_decoder(r, model)
+    if variant:  # beside a plain single file, the plain weights win, as in diffusers (variant=None)
+        plain = copy.deepcopy(model)
+        with torch.no_grad():
+            plain.decoder.conv_in.bias.add_(1.0)
+        plain.save_pretrained(tmp_path / "sd3-vae")
+        assert (tmp_path / "sd3-vae" / "diffusion_pytorch_model.safetensors").is_file()
+        got = load_vae(tmp_path / "sd3-vae").model.decoder.conv_in.bias
+        assert torch.equal(got.float(), plain.decoder.conv_in.bias.float())
 
 
 def test_comfyui_combined_taesd(models, tmp_path):

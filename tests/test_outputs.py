@@ -103,6 +103,8 @@ def test_frames_folder_checks(tmp_path):
     with pytest.raises(OutputError, match="already exists"):
         outputs.check_writable([d], overwrite=False, folders={d})
     outputs.check_writable([d], overwrite=True, folders={d})
+    (d / ".DS_Store").write_bytes(b"\0")  # a file browser's, from looking at the frames: still replaceable
+    outputs.check_writable([d], overwrite=True, folders={d})
     (d / "notes.txt").write_text("mine")
     with pytest.raises(OutputError, match=r"holds files other than PNG frames \(e.g. notes.txt\)"):
         outputs.check_writable([d], overwrite=True, folders={d})

@@ -402,6 +402,9 @@ def _bench_inputs(model, family, workload, shape, dev):
     if shp is None:
         shp, wl, why = bm.default_shape(spec, dev)
         notes.append(f"no --workload/--shape: latent {shp}, {why} (--shape N,C,[T,]H,W for another)")
+    if wl is not None and (shape or bm.WORKLOADS[wl][0] != spec.name):
+        notes.append(f"not the {wl} workload: " + ("--shape given" if shape else f"the model is {spec.title}"))
+        wl = None  # the JSON and the table name what was measured
     want = 5 if spec.is_video else 4
     if len(shp) != want or shp[1] != spec.latent_channels:
         raise VaeoptError(f"latent shape {shp} does not fit {spec.title}: expected {want} dims with "

@@ -202,7 +202,9 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path) -> torch.Tens
         t = t.float()  # e.g. float8 latents: upcast (and so isfinite works)
     want = 5 if family.is_video else 4
     cin = family.latent_channels
-    if family.name == "flux" and t.shape[-1:] == (4 * cin,) and (t.ndim == 2 or (t.ndim == 3 and t.shape[0] != cin)):
+    packed = t.shape[-1:] == (4 * cin,) and (t.ndim == 2 or (t.ndim == 3 and (
+        t.shape[0] != cin or t.shape[1] >= 16 * t.shape[2])))  # a batch of 16: no real (C, H, W) latent is 16:1
+    if family.name == "flux" and packed:
         # (B, (H/16)*(W/16), 64): 2x2 patches of the 16 channels. The sequence does not say H and W (a square count
         # can come from a non-square image: 1152x512 packs to 48*48), so unpacking would be a guess
         raise LatentError(

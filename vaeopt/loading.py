@@ -45,18 +45,19 @@ class LoadedVAE:
 # Reading files
 # ----------------------------------------------------------------------------------------------------------------------
 
-_WEIGHT_NAMES = (
-    "diffusion_pytorch_model.safetensors",
-    "diffusion_pytorch_model.fp16.safetensors",
-    "diffusion_pytorch_model.bf16.safetensors",
-    "diffusion_pytorch_model.bin",
-    "diffusion_pytorch_model.fp16.bin",
-    "pytorch_model.pt",  # HunyuanVideo's original vae/ folder (config.json for AutoencoderKLCausal3D beside it)
-)
-_INDEX_NAMES = (  # sharded weights: save_pretrained(max_shard_size=..., variant=None | "fp16" | "bf16")
+# The weights of a diffusers model folder, in diffusers' order of precedence (variant=None first, sharded or not; then
+# the fp16/bf16 variants; then HunyuanVideo's original vae/ folder, whose config.json is for AutoencoderKLCausal3D).
+# An ".index...json" entry names a shard index (save_pretrained(max_shard_size=...)).
+_DIR_WEIGHTS = (
     "diffusion_pytorch_model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.bin",
     "diffusion_pytorch_model.safetensors.index.fp16.json",
+    "diffusion_pytorch_model.fp16.safetensors",
     "diffusion_pytorch_model.safetensors.index.bf16.json",
+    "diffusion_pytorch_model.bf16.safetensors",
+    "diffusion_pytorch_model.fp16.bin",
+    "pytorch_model.pt",
 )
 _NESTING_KEYS = ("state_dict", "model", "module", "model_state_dict", "net", "vae")
 _MAX_HEADER = 100 * 1024 * 1024
@@ -227,16 +228,16 @@ def _resolve_dir(path: Path) -> tuple[Path, list[Path]]:
     for d in (path, path / "vae"):
         if not (d / "config.json").is_file():
             continue
-        idx = next((d / n for n in _INDEX_NAMES if (d / n).is_file()), None)
-        if idx is not None:
+        name = next((n for n in _DIR_WEIGHTS if (d / n).is_file()), None)
+        if name is not None and ".index." in name:
+            idx = d / name
             try:
                 shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
             except Exception as e:
                 raise CheckpointError(f"{idx}: unreadable shard index ({_short(e)})") from None
             return d, [d / s for s in shards]
-        for name in _WEIGHT_NAMES:
-            if (d / name).is_file():
-                return d, [d / name]
+        if name is not None:
+            return d, [d / name]
     if (path / "model_index.json").is_file():
         raise CheckpointError(
             f"{path}: pipeline directory without a usable vae/ folder (need vae/config.json and weights)"
@@ -459,14 +460,15 @@ def _convert_taesd_original(sd: dict[str, Tensor], part: str) -> dict[str, Tenso
 
 
 def _refuse_unbuildable_taesd(sd: dict[str, Tensor], label: str) -> None:
-    """Original TAESD-family decoders (Sequential-index keys) that AutoencoderTiny cannot build: say which and why,
-    instead of a list of keys that do not fit."""
-    pooled = sorted({int(k.split(".", 1)[0]) for k in sd if re.match(r"^\d+\.pool\.", k)})
-    if pooled:
+    """TAESD-family decoders that AutoencoderTiny cannot build (original Sequential-index keys; the pooled kind also
+    under diffusers' decoder.layers.N names): say which and why, instead of a list of keys that do not fit."""
+    pooled = sorted(k for k in sd if re.match(r"^(?:decoder\.layers\.)?\d+\.pool\.", k))
+    if pooled:  # taef2_decoder.pth (Sequential indices), or taef2.safetensors (diffusers' decoder.layers.N names)
+        blocks = {k.rsplit(".pool.", 1)[0] for k in pooled}
         raise CheckpointError(
-            f"{label}: a TAESD-family decoder with GroupNorm pooling blocks (TAEF2, for FLUX.2; {len(pooled)} blocks "
-            f"have a .pool branch, e.g. {pooled[0]}.pool.*): diffusers' AutoencoderTiny has no such layers, so vaeopt "
-            "cannot run it; the file itself looks fine"
+            f"{label}: a TAESD-family decoder with GroupNorm pooling blocks (TAEF2, for FLUX.2; {len(blocks)} blocks "
+            f"have a .pool branch, e.g. {min(blocks)}.pool.*): diffusers' AutoencoderTiny has no such layers, so "
+            "vaeopt cannot run it; the file itself looks fine"
         )
     convs = sorted((int(k.split(".", 1)[0]), v.shape) for k, v in sd.items()
                    if re.fullmatch(r"\d+\.weight", k) and v.ndim == 4)
@@ -562,6 +564,7 @@ def _analyse(state_dict: dict[str, Tensor], label: str, notes: list[str], n_tota
 
     dkeys = [k for k in sub if k.startswith("decoder.")]
     if any(k.startswith("decoder.layers.") for k in dkeys):
+        _refuse_unbuildable_taesd(sub, label)  # TAEF2 under diffusers' AutoencoderTiny names
         style = "diffusers"
     elif any(k.startswith(("decoder.middle.", "decoder.upsamples.", "decoder.head.")) for k in dkeys):
         style = "wan-original"

@@ -89,7 +89,8 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
         if p.exists() and p.is_dir() != (p in folders):
             what, want = ("a folder", "a file") if p.is_dir() else ("a file", "a folder of frames")
             raise OutputError(f"{p}: is {what}; this output is {want}, so --overwrite cannot replace it")
-        other = next((q.name for q in p.iterdir() if not _FRAME_NAME.fullmatch(q.name)), None) if p.is_dir() else None
+        other = next((q.name for q in p.iterdir() if not _FRAME_NAME.fullmatch(q.name) and q.name not in _OS_FILES),
+                     None) if p.is_dir() else None
         if other is not None:
             raise OutputError(f"{p}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
                               "folder of frames: choose another -o")
@@ -104,6 +105,7 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
 
 
 _FRAME_NAME = re.compile(r"frame_\d+\.png")  # what write_frames_dir writes
+_OS_FILES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # a file browser's, in a folder it has shown
 
 
 def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
