@@ -135,8 +135,29 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     up = up if up is not None and _no_hooks(self) and not _phase_upsampler(up, x) else None
     out = bias_residual(h, c2.bias, res, self.output_scale_factor, upsample2x=up is not None, residual_bias=rb)
     if up is not None:
-        setattr(up, _PENDING, weakref.ref(out))
+        setattr(up, _PENDING, _PendingRef(out))
     return out
+
+
+class _PendingRef:
+    """The upsampler's note of the tensor its resnet already upsampled: a weak reference, called like one. It pickles
+    as no note (a saved model has no tensor in flight), so torch.save works even after a decode stopped between the
+    resnet and its upsampler."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
+
+    def __call__(self):
+        return self.ref()
+
+    def __reduce__(self):
+        return _no_pending, ()
+
+
+def _no_pending() -> None:
+    return None
 
 
 def _fp8_weights(conv, x: torch.Tensor):
