@@ -293,6 +293,9 @@ def test_trailing_slash_output_is_a_folder(tmp_path, samples_dir):
     r = run("decode", tmp_path / "l.pt", "-m", model, "-o", f"{tmp_path / 'afile'}/")
     assert r.exit_code == 2 and "asks for a folder" in r.output and "is a file" in r.output, r.output
     assert (tmp_path / "afile").read_text() == "x"
+    torch.save(torch.randn(1, 16, 8, 8), tmp_path / "bad.pt")  # refused at planning: no empty folder left behind
+    r = run("decode", tmp_path / "bad.pt", "-m", model, "-o", f"{tmp_path / 'never' / 'v2.0'}/")
+    assert r.exit_code == 2 and "latent channels" in r.output and not (tmp_path / "never").exists(), r.output
     # video: the folder is the PNG-frames folder (made empty by the CLI, so not "already exists")
     z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
     torch.save(z, tmp_path / "clip.pt")

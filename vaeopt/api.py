@@ -148,7 +148,9 @@ def output_kind(path: Path, is_video: bool) -> str:
 
 
 def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path | None, latent_space: str | None,
-              overwrite: bool) -> list[DecodeJob]:
+              overwrite: bool, out_is_folder: bool = False) -> list[DecodeJob]:
+    """The decode jobs and their output paths, checked (shapes, duplicates, inputs, writability) before any work.
+    out_is_folder: `out` is a folder whatever its name (typed with a trailing '/'), even if it does not exist yet."""
     fam = loaded.family
     jobs: list[DecodeJob] = []
     multi = sum(len(f.entries) for f in latent_files) > 1
@@ -162,11 +164,15 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
                 base = outputs.default_output(lf.path, fam.is_video, e.name if len(lf.entries) > 1 else "")
             elif multi:
                 stem = lf.path.stem + (f"_{e.name}" if e.name and len(lf.entries) > 1 else "")
-                base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if (out.suffix == "" or out.is_dir()) \
+                folder = out_is_folder or out.suffix == "" or out.is_dir()
+                base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if folder \
                     else out.with_name(f"{out.stem}_{stem}{out.suffix}")
             else:
                 base = out
-            kind = output_kind(base, fam.is_video)
+            if out_is_folder and base == out:
+                kind = "frames" if fam.is_video else "png-dir"
+            else:
+                kind = output_kind(base, fam.is_video)
             if kind == "png-dir":
                 base = base / (lf.path.stem + ".png")
                 kind = "png"

@@ -223,9 +223,9 @@ def decode(
         _log(n)
     if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
         _log(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
-    if out_folder:
+    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder)
+    if out_folder:  # after planning: a refused input leaves no empty folder behind
         _make_output_folder(output)
-    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite)
     console.print("[bold]optimize[/]")
     pipe = Pipeline(loaded, opts, log=_log)
     console.print("[bold]decode[/]")
