@@ -66,10 +66,9 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     out, _ = pipe.decode(z, plan)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
-    bad = count_nonfinite(out)
+    bad = _nonfinite(out)
     if bad:  # as the CLI does: NaN/Inf images are not a result
-        raise DecodeError(f"the decoder produced {bad} non-finite values (NaN/Inf) of {out.numel()} "
-                          f"({NONFINITE_HINT})")
+        raise DecodeError(f"{bad} ({NONFINITE_HINT})")
     return out.clamp(-1, 1)  # images as video: the decoder's own range (after the check: clamp turns Inf into 1)
 
 
@@ -197,14 +196,19 @@ NONFINITE_HINT = ("fp16 overflow? try --dtype bf16 or fp32; or the latents are f
                   "--latent-space")
 
 
+def _nonfinite(decoded: torch.Tensor) -> str | None:
+    """What is wrong with a decode that produced NaN/Inf, or None when it is finite."""
+    bad = count_nonfinite(decoded)
+    return f"the decoder produced {bad} non-finite values (NaN/Inf) of {decoded.numel()}" if bad else None
+
+
 def check_finite(decoded: torch.Tensor, job: DecodeJob) -> None:
     """A decode that produced NaN/Inf (fp16 overflow, broken weights, extreme latents) would be written as a black
     image and reported as done: refuse it instead."""
-    bad = count_nonfinite(decoded)
+    bad = _nonfinite(decoded)
     if bad:
         where = f"{job.source}" + (f" [{job.entry}]" if job.entry else "")
-        raise DecodeError(f"{where}: the decoder produced {bad} non-finite values (NaN/Inf) of {decoded.numel()}; "
-                          f"nothing was written ({NONFINITE_HINT})")
+        raise DecodeError(f"{where}: {bad}; nothing was written ({NONFINITE_HINT})")
 
 
 def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[Path]:
