@@ -200,3 +200,89 @@ def test_gpu_chunked_attention_bf16():
     err = (chunked_attention(q, k, v, chunk=1024).float() - ref).abs().max().item()
     err_sdpa = (F.scaled_dot_product_attention(q, k, v).float() - ref).abs().max().item()
     assert err <= 2 * err_sdpa + 1e-2, (err, err_sdpa)
+
+
+# --- the residual epilogue that also takes the next GroupNorm's statistics ----------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rlayout", ["cl", "cf"])
+@pytest.mark.parametrize("shape,groups", [((2, 32, 9, 11), 8), ((1, 24, 6, 5), 4), ((1, 12, 3, 3), 3)])
+def test_bias_residual_stats_groups(device, dtype, rlayout, shape, groups, monkeypatch):
+    """The output is bitwise the plain epilogue's; the noted partials are the stats kernel's moments of that output
+    (exact merge in float64), their max/min bounds hold, and the norm that reads the noted partials gives the plain
+    norm's result. Small programs (several chunks, a ragged last one) via the interpreter's one-program launch knobs."""
+    _need(device)
+    import importlib
+
+    from vaeopt.kernels import epilogue
+
+    gn = importlib.import_module("vaeopt.kernels.group_norm_silu")
+
+    h, b, r, rb = _data(shape, dtype, device, 11)
+    h, r = _cl(h), _lay(r, rlayout)
+    r = r * 3 + 5  # a mean far from 0: the shifted sums must not cancel
+    monkeypatch.setattr(epilogue, "STATS_MIN_NUMEL_CUDA", 0)  # small tensors take the stats epilogue on a GPU too
+    # several chunks per sample, a ragged last one: small launches (interpreter: the stats defaults; GPU: its own)
+    monkeypatch.setattr(gn, "_stats_cl_defaults", lambda C, dev: (4 * 32, 4, 3, 2))
+    monkeypatch.setattr(epilogue, "_epi_stats_launch", lambda C, dev: (4 * 32, 4, 1, 2))
+    plain = epilogue.bias_residual(h, b, r, 1.5, residual_bias=rb)
+    y = epilogue.bias_residual(h, b, r, 1.5, residual_bias=rb, stats_groups=groups)
+    assert torch.equal(y, plain) and _same_format(y, plain)
+    part = gn.noted_partials(y, groups)
+    assert part is not None and part.shape[0] == 5 and part.shape[2] > 1
+    n, mean, m2 = gn.merge_partials(part[:3])
+    N, C = shape[:2]
+    ref = y.double().reshape(N, groups, -1)  # (n, g) rows: the group's channels, all pixels (logical NCHW order)
+    assert torch.equal(n.cpu(), torch.full((N * groups,), float(ref.shape[-1]), dtype=torch.float64))
+    torch.testing.assert_close(mean.cpu(), ref.mean(-1).reshape(-1).cpu(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m2.cpu(), (ref.var(-1, unbiased=False) * ref.shape[-1]).reshape(-1).cpu(),
+                               rtol=1e-5, atol=1e-5)
+    hi = part[3].max(dim=1).values.double().cpu()
+    lo = part[4].min(dim=1).values.double().cpu()
+    assert (hi >= ref.amax(-1).reshape(-1).cpu() - 1e-6).all() and (lo <= ref.amin(-1).reshape(-1).cpu() + 1e-6).all()
+    w = torch.randn(C, device=device)
+    bb = torch.randn(C, device=device)
+    got = gn.group_norm_silu(y, groups, w, bb)
+    monkeypatch.setattr(gn, "USE_NOTED", False)
+    want = gn.group_norm_silu(y, groups, w, bb)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    monkeypatch.setattr(gn, "USE_NOTED", True)  # the e4m3 norm takes the max/min bounds from the note too
+    q, sc = gn.group_norm_silu_e4m3(y, groups, w, bb)
+    deq = q.float() * sc.reshape(-1, 1, 1, 1)
+    assert (deq - want.float()).abs().max() <= 0.07 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_noted_partials_are_dropped_when_stale_or_elsewhere(device, monkeypatch):
+    """The note holds only for the very data: a view that sees each sample the same way (attention's (N, C, H*W))
+    uses it; an in-place write, another group count, a slice, or a channels-first result never do. An
+    upsampling epilogue writes no note."""
+    _need(device)
+    import importlib
+
+    from vaeopt.kernels import epilogue
+
+    gn = importlib.import_module("vaeopt.kernels.group_norm_silu")
+
+    monkeypatch.setattr(epilogue, "STATS_MIN_NUMEL_CUDA", 0)
+    calls = []
+    real = gn._launch_stats
+    monkeypatch.setattr(gn, "_launch_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, b, r, _ = _data((1, 16, 4, 6), torch.float32, device, 3)
+    y = epilogue.bias_residual(_cl(h), b, _cl(r), stats_groups=4)
+    flat = y.flatten(2)  # (N, C, H*W) view, still a per-sample [S, C] block
+    assert gn.noted_partials(flat, 4) is not None
+    assert gn.noted_partials(y, 2) is None  # another group count
+    assert gn.noted_partials(y[:, :, 1:], 4) is None  # a slice sees other data
+    gn.group_norm_silu(y, 4, None, None)
+    assert calls == []  # the noted partials were used
+    y.mul_(2.0)  # written since: the note is stale
+    assert gn.noted_partials(y, 4) is None
+    torch.testing.assert_close(gn.group_norm_silu(y, 4, None, None), gn.group_norm_silu_reference(y, 4, None, None),
+                               rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
+    assert gn.noted_partials(epilogue.bias_residual(h.contiguous(), b, r, stats_groups=4), 4) is None  # NCHW
+    assert gn.noted_partials(epilogue.bias_residual(_cl(h), b, _cl(r), upsample2x=True, stats_groups=4), 4) is None

@@ -160,6 +160,36 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
         model.to(memory_format=torch.contiguous_format).cpu().float()
 
 
+def test_epilogues_take_the_next_norms_statistics(small_kl, monkeypatch):
+    """Channels-last decode: each residual epilogue whose output a GroupNorm reads next takes that norm's statistics
+    (the mid-block attention's norm, the next resnet's norm1, the head's norm), so 12 of the small decoder's stats
+    passes do not run; the decoded image matches the decode with every stats pass run."""
+    _need("cpu")
+    gn_mod = importlib.import_module("vaeopt.kernels.group_norm_silu")
+    from vaeopt.stages import upsample_conv
+
+    model = small_kl.to(memory_format=torch.channels_last)
+    z = torch.randn(1, 4, 8, 8).contiguous(memory_format=torch.channels_last)
+    try:
+        _apply_both(model)
+        assert upsample_conv.apply(model, force=True).status == "applied"  # the pipeline's order: after
+        stats = _spy(monkeypatch, "vaeopt.kernels.group_norm_silu", "_launch_stats")
+        noted = _decode(model, z)
+        n_noted = len(stats)
+        monkeypatch.setattr(fused_epilogues, "NOTE_STATS", False)
+        full = _decode(model, z)
+        # 30 norms: 14 resnets x 2, the attention's, the head's; 12 read a residual epilogue's output and 3 an
+        # upsampler's phase interleave: only the mid-block's first norm (after conv_in) and the 14 norm2s (after a
+        # conv) run their stats pass
+        assert len(stats) - n_noted == 30 and n_noted == 30 - 12 - 3
+        torch.testing.assert_close(noted, full, atol=1e-5, rtol=1e-5)
+    finally:
+        upsample_conv.revert(model)
+        fused_epilogues.revert(model)
+        fused_norms.revert(model)
+        model.to(memory_format=torch.contiguous_format)
+
+
 def test_upsample_output_size_and_foreign_inputs(small_kl):
     """The fused resnet + upsampler pair, called as the up-block calls them and otherwise: an output_size other than
     2x, a tensor the resnet did not produce, and a resnet that fell back all give stock results."""

@@ -84,6 +84,30 @@ def test_interleave_kernel_equals_torch_copies(dtype):
             torch.testing.assert_close(y, ref, atol=0, rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interleave_takes_the_next_norms_statistics(dtype, monkeypatch):
+    """stats_groups: the same output as the plain interleave kernel, and the noted partials are the output's moments
+    per (sample, group) with max/min bounds that hold (several chunks per sample, a ragged last one)."""
+    _need_triton()
+    gn = importlib.import_module("vaeopt.kernels.group_norm_silu")
+    monkeypatch.setattr(gn, "_stats_cl_defaults", lambda C, dev: (4 * 8, 4, 3, 2))
+    g = torch.Generator().manual_seed(2)
+    p = (torch.randn(2, 4 * 8, 4, 6, generator=g) * 2 + 3).to(dtype).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(8, generator=g).to(dtype)
+    y = interleave_phases(p, b, stats_groups=4)
+    assert torch.equal(y, interleave_phases(p, b))
+    part = gn.noted_partials(y, 4)
+    assert part is not None and part.shape == (5, 8, part.shape[2]) and part.shape[2] > 1
+    n, mean, m2 = gn.merge_partials(part[:3])
+    ref = y.double().reshape(2, 4, -1)
+    assert torch.equal(n, torch.full((8,), float(ref.shape[-1]), dtype=torch.float64))
+    torch.testing.assert_close(mean, ref.mean(-1).reshape(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m2, (ref.var(-1, unbiased=False) * ref.shape[-1]).reshape(-1), rtol=1e-5, atol=1e-5)
+    assert (part[3].amax(1).double() >= ref.amax(-1).reshape(-1) - 1e-6).all()
+    assert (part[4].amin(1).double() <= ref.amin(-1).reshape(-1) + 1e-6).all()
+    assert gn.noted_partials(interleave_phases(p.contiguous(), b, stats_groups=4), 4) is None  # torch copies: none
+
+
 # ---- the image decoder ------------------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from vaeopt.kernels import default_tile, flat_layout
+from vaeopt.kernels.group_norm_silu import _accumulate_shifted, _cl_store_partials, _first_block_shift
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -155,6 +156,93 @@ def _epi_cl_kernel(
     y = _combine(h, b[None, :], res, rbv[None, :], scale, SCALE)
     yo = (n * G + g).to(tl.int64) * stride_yn + s.to(tl.int64)[:, None] * CG + cl[None, :]
     tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _epi_rows(h_row, r_row, rows, cols, m, b, rbv, scale, C, rsc, rss, HAS_R: tl.constexpr, SCALE: tl.constexpr,
+              R_LIKE_H: tl.constexpr):
+    """The combined fp32 values of rows `rows` (relative to h_row / r_row, a dense [S, C] h) and channels `cols`."""
+    off = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    h = tl.load(h_row + off, mask=m, other=0.0).to(tl.float32)
+    res = tl.zeros_like(h)
+    if HAS_R:
+        if R_LIKE_H:
+            res = tl.load(r_row + off, mask=m, other=0.0).to(tl.float32)
+        else:
+            ro = rows.to(tl.int64)[:, None] * rss + cols.to(tl.int64)[None, :] * rsc
+            res = tl.load(r_row + ro, mask=m, other=0.0).to(tl.float32)
+    return _combine(h, b[None, :], res, rbv[None, :], scale, SCALE)
+
+
+@triton.jit
+def _epi_cl_stats_kernel(
+    h_ptr,  # [N, S, C]: sample n at h_ptr + n*stride_hn, contiguous [S, C] inside
+    b_ptr,
+    r_ptr,  # residual, element (n, c, s) at n*rsn + c*rsc + s*rss
+    rb_ptr,
+    y_ptr,  # [N, S, C] dense
+    part_ptr,  # [5, N*G, n_chunks] fp32 out: the next GroupNorm's partials of y (group_norm_silu's stats kernel)
+    S,
+    C,
+    stride_hn,
+    rsn,
+    rsc,
+    rss,
+    scale,
+    G,  # the norm's groups
+    CG,  # its channels per group
+    n_chunks,
+    iters,  # row blocks (of UNROLL x BLOCK_S rows) per program
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    CG_POW2: tl.constexpr,
+    UNROLL: tl.constexpr,
+    HAS_B: tl.constexpr,
+    HAS_R: tl.constexpr,
+    HAS_RB: tl.constexpr,
+    SCALE: tl.constexpr,
+    R_LIKE_H: tl.constexpr,
+):
+    # The stats kernel's chunking (program = chunk of rows of one sample, all channels) with the epilogue's math:
+    # each value is stored once and its rounded copy summed around a per-channel shift, as the stats kernel does.
+    chunk = tl.program_id(0)
+    n = tl.program_id(1)
+    s_start = chunk.to(tl.int64) * iters * (BLOCK_S * UNROLL)
+    lim = S - s_start
+    rows = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_C)
+    cm = cols < C
+    h_row = h_ptr + n.to(tl.int64) * stride_hn + s_start * C
+    y_row = y_ptr + n.to(tl.int64) * S * C + s_start * C
+    if R_LIKE_H:
+        r_row = r_ptr + n.to(tl.int64) * rsn + s_start * C
+    else:
+        r_row = r_ptr + n.to(tl.int64) * rsn + s_start * rss
+    b = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    rbv = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if HAS_RB:
+        rbv = tl.load(rb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+
+    m0 = (rows < lim)[:, None] & cm[None, :]  # the shift: mean of the first row block (read again below, from L2)
+    y0 = _epi_rows(h_row, r_row, rows, cols, m0, b, rbv, scale, C, rsc, rss, HAS_R, SCALE, R_LIKE_H)
+    k = _first_block_shift(y0.to(y_ptr.dtype.element_ty).to(tl.float32), m0, lim, BLOCK_S)
+    s1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    am = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for it in range(iters):
+        for u in tl.static_range(UNROLL):
+            r = (it * UNROLL + u) * BLOCK_S + rows
+            m = (r < lim)[:, None] & cm[None, :]
+            y = _epi_rows(h_row, r_row, r, cols, m, b, rbv, scale, C, rsc, rss, HAS_R, SCALE, R_LIKE_H)
+            yq = y.to(y_ptr.dtype.element_ty)
+            tl.store(y_row + r.to(tl.int64)[:, None] * C + cols[None, :], yq, mask=m)
+            s1, s2, am = _accumulate_shifted(yq.to(tl.float32), m, k, s1, s2, am)
+    cnt = tl.minimum(lim, iters * BLOCK_S * UNROLL).to(tl.float32)
+    _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG, cols, cm,
+                       BLOCK_G, CG_POW2, True)
 
 
 @triton.jit
@@ -388,6 +476,7 @@ def bias_residual(
     groups: int = 1,
     tile: int | None = None,
     num_warps: int | None = None,
+    stats_groups: int | None = None,
 ) -> torch.Tensor:
     """((residual + residual_bias[c]) + (h + bias[c])) / scale for h of shape (N, C, *spatial), in h's layout.
 
@@ -401,6 +490,10 @@ def bias_residual(
     each of its samples is laid out like the result (h's layout kind; channels-first: any channel stride), e.g. a
     frame range of a larger NDHWC / NCDHW buffer; otherwise the result is copied in.
     `tile` (elements per program) and `num_warps` are tuning knobs.
+    stats_groups=G: the result goes to a GroupNorm of G groups next. Where h is channels-last (no upsample2x, groups,
+    out), the same pass also takes that norm's statistics of the result (rounded, as the norm reads it) and notes
+    them on the result (`group_norm_silu.attach_partials`): the norm then skips its statistics pass, one full read.
+    Elsewhere the result carries no note and the norm reads it as usual.
     """
     if h.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"bias_residual: dtype {h.dtype} not supported")
@@ -456,9 +549,13 @@ def bias_residual(
                  SCALE=float(scale) != 1.0, R_LIKE_H=like)
     args = (h, bias if bias is not None else dummy, residual if residual is not None else dummy,
             residual_bias if residual_bias is not None else dummy, y)
+    sc = float(scale)
+    if stats_groups and not upsample2x and kind == "cl" and G == 1 and out is None and C <= 8192 \
+            and C % int(stats_groups) == 0 and h[0].numel() < 2**31 and stats_pay(h[0].numel(), h.device):
+        _launch_stats_epilogue(args, flags, N, C, S, stride_hn, rs, sc, int(stats_groups))
+        return y
     tile = tile or default_tile(h.device)
     nw = num_warps or (4 if tile <= 4096 else 8)
-    sc = float(scale)
 
     if not upsample2x and kind == "cf":
         BS = min(triton.next_power_of_2(S), max(1024, tile // 4))
@@ -492,6 +589,36 @@ def bias_residual(
         out.copy_(y)
         return out
     return y
+
+
+def _epi_stats_launch(C: int, dev: torch.device) -> tuple[int, int, int, int]:
+    """(tile, warps, programs per SM, row blocks per iteration) of the epilogue that also takes GroupNorm statistics,
+    on CUDA. Measured on an H100 at SDXL's shapes (benchmarks/gpu_epi_stats.py, perf-notes E26): the stats kernel's
+    own launch (8192-element tiles, 2 programs per SM, 4 row blocks per iteration) made it 1.1-3.2x slower."""
+    return (4096, 4, 4, 1) if C <= 128 else (4096, 4, 4, 2)
+
+
+STATS_MIN_NUMEL_CUDA = 1 << 24
+
+
+def stats_pay(numel: int, dev: torch.device) -> bool:
+    """Whether taking a norm's statistics in an epilogue pays for a sample of numel elements: on CUDA from 2^24
+    (H100, E26: at 512 ch @128², 8.4M elements, the chunked launch lost 5 us to the plain epilogue + stats pass; from
+    512 ch @256² on it gained). Always on the CPU interpreter, where the tests run it on small tensors."""
+    return dev.type != "cuda" or numel >= STATS_MIN_NUMEL_CUDA
+
+
+def _launch_stats_epilogue(args, flags, N: int, C: int, S: int, stride_hn: int, rs, sc: float, G: int) -> None:
+    """bias_residual's channels-last pass that also writes the partials of the next GroupNorm (G groups) and notes
+    them on its output (args[-1])."""
+    from vaeopt.kernels.group_norm_silu import attach_partials, producer_partials
+
+    h, y = args[0], args[-1]
+    g, part, kw = producer_partials(N, C, G, S, h.device, _epi_stats_launch(C, h.device))
+    _epi_cl_stats_kernel[(g["n_chunks"], N)](
+        *args, part, S, C, stride_hn, *rs, sc, G, C // G, g["n_chunks"], g["iters"], **kw, **flags,
+    )  # fmt: skip
+    attach_partials(y, G, part)
 
 
 def upsample_nearest2x(x: torch.Tensor, **kw) -> torch.Tensor:

@@ -151,8 +151,8 @@ def _stats_cl_kernel(
     # Whole rows are contiguous in memory: loads stay coalesced/vectorized whatever the group size.
     s1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     s2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
-    if MINMAX:  # running elementwise max |x - k| (reducing every row block instead measured 1.3-2.9x slower, H200)
-        am = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    # running elementwise max |x - k| when MINMAX (reducing every row block instead measured 1.3-2.9x slower, H200)
+    am = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     for it in range(iters):
         for u in tl.static_range(UNROLL):
             r = (it * UNROLL + u) * BLOCK_S + rows
@@ -166,6 +166,17 @@ def _stats_cl_kernel(
             if MINMAX:  # one op on the shifted value the sums already need (masked rows are 0)
                 am = tl.maximum(am, tl.abs(d))
     cnt = tl.minimum(lim, iters * BLOCK_S * UNROLL).to(tl.float32)  # rows seen; same for every channel
+    _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG,
+                       cols, cm, BLOCK_G, CG_POW2, MINMAX)
+
+
+@triton.jit
+def _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, N, G, CG, cols, cm, BLOCK_G: tl.constexpr,
+                       CG_POW2: tl.constexpr, MINMAX: tl.constexpr):
+    """Store one chunk's partials of sample n from its running [rows, BLOCK_C] tiles of shifted sums (s1: x - k,
+    s2: (x - k)^2, am: max |x - k|; k: the per-channel shift, cnt: rows seen): planes count, mean, M2 (and the
+    max / min bounds when MINMAX) of each group, at [plane, n * G + g, chunk]. Shared by the stats kernel and the
+    residual epilogue that takes the next norm's statistics on its way (kernels/epilogue.py)."""
     t1 = tl.sum(s1, axis=0)
     t2 = tl.sum(s2, axis=0)
     mean_c = k + t1 / cnt  # [BLOCK_C]
@@ -186,7 +197,7 @@ def _stats_cl_kernel(
 
     gm = ga < G
     out = part_ptr + (n * G + ga) * n_chunks + chunk
-    plane = n_chunks * G * tl.num_programs(1)
+    plane = n_chunks * G * N
     tl.store(out, tl.zeros([BLOCK_G], dtype=tl.float32) + cnt * CG, mask=gm)
     tl.store(out + plane, mean_g, mask=gm)
     tl.store(out + 2 * plane, m2_g, mask=gm)
@@ -207,6 +218,20 @@ def _stats_cl_kernel(
             lo_g = tl.min(tl.where(oh, lo_c[None, :], float("inf")), axis=1)
         tl.store(out + 3 * plane, hi_g, mask=gm)
         tl.store(out + 4 * plane, lo_g, mask=gm)
+
+
+@triton.jit
+def _first_block_shift(y0, m0, lim, BLOCK_S: tl.constexpr):
+    """The per-channel shift of a chunk's sums: the mean of its first row block y0 (masked by m0), as the stats
+    kernel takes it (for the kernels that write a norm's input and take its statistics on the way)."""
+    return tl.sum(tl.where(m0, y0, 0.0), axis=0) / tl.minimum(lim, BLOCK_S).to(tl.float32)
+
+
+@triton.jit
+def _accumulate_shifted(y, m, k, s1, s2, am):
+    """One row block y (fp32, masked by m) into the running shifted sums, squares and max |y - k|."""
+    d = tl.where(m, y - k[None, :], 0.0)
+    return s1 + d, s2 + d * d, tl.maximum(am, tl.abs(d))
 
 
 @triton.jit
@@ -526,6 +551,68 @@ def _launch_stats(x, G, x_bias, tile, target_programs, num_warps, out=None, minm
     return x, kind, S, stride_n, part
 
 
+# --- statistics taken by the kernel that wrote the tensor ------------------------------------------------------
+# A kernel that writes a norm's input (the resnet's residual epilogue, kernels/epilogue.bias_residual(stats_groups=))
+# can take the norm's statistics on its way, at no extra read. It notes the partials on the tensor it returns; the
+# norm of exactly that data (the tensor, or a view of it with the same per-sample [S, C] layout, e.g. attention's
+# (N, C, H*W)) skips its stats pass, as long as nothing wrote to the tensor since (its version counter).
+
+_PARTS = "_vaeopt_gn_parts"
+USE_NOTED = True  # (benchmarks switch it off to time the stats pass in the same process)
+
+
+def _signature(x: torch.Tensor):
+    lay = flat_layout(x)
+    if lay is None:
+        return None
+    kind, S, stride_n = lay
+    return x.data_ptr(), x.device, tuple(x.shape[:2]), kind, S, stride_n if x.shape[0] > 1 else None
+
+
+def _version(t: torch.Tensor):
+    """t's version counter, or None for an inference tensor (inference mode keeps none)."""
+    return None if t.is_inference() else t._version
+
+
+def attach_partials(t: torch.Tensor, num_groups: int, part: torch.Tensor) -> None:
+    """Note on t the partials (5, N*G, chunks) -- count, mean, M2, max and min bounds, as the channels-last stats
+    kernel writes them with MINMAX -- of t's GroupNorm statistics with num_groups groups. The note sits on the
+    tensor that owns t's storage (t itself, or its view base), where any view of the same data finds it."""
+    root = t if t._base is None else t._base
+    root.__dict__[_PARTS] = (int(num_groups), part, _version(t), _signature(t))
+
+
+def noted_partials(x: torch.Tensor, num_groups: int) -> torch.Tensor | None:
+    """The partials noted on x (or on the tensor x is a view of, when x sees the same data the same way per sample)
+    for num_groups groups, if x has not been written since; else None. Inference tensors keep no version counter:
+    their note holds for as long as the tensor lives (the decoders' forwards never write an activation in place)."""
+    if not USE_NOTED:
+        return None
+    rec = (x if x._base is None else x._base).__dict__.get(_PARTS)
+    if rec is None or rec[0] != int(num_groups) or rec[2] != _version(x):
+        return None
+    return rec[1] if rec[3] is not None and _signature(x) == rec[3] else None
+
+
+def producer_partials(N: int, C: int, G: int, S: int, dev: torch.device,
+                      cuda_launch: tuple[int, int, int, int]) -> tuple[dict, torch.Tensor, dict]:
+    """Geometry, partials buffer (5, N*G, chunks) and the common constexprs of a kernel that writes a dense
+    channels-last (N, S, C) norm input and takes the norm's statistics on the way, chunked as the stats kernel is.
+    cuda_launch: (tile, warps, programs per SM, row blocks per iteration) on CUDA; the CPU interpreter takes the stats
+    kernel's defaults. -> (geometry with "num_warps", partials, constexpr kwargs)."""
+    if dev.type == "cuda":
+        tile, nw, per_sm, unroll = cuda_launch
+        target = per_sm * (n_programs_target(dev) // 8)  # SMs
+    else:
+        tile, nw, target, unroll = _stats_cl_defaults(C, dev)
+    g = _stats_geometry(N, C, G, "cl", S, tile, target, unroll)
+    part = torch.empty((5, N * G, g["n_chunks"]), device=dev, dtype=torch.float32)
+    CG = C // G
+    kw = dict(BLOCK_S=g["BLOCK_S"], BLOCK_C=g["BLOCK_C"], BLOCK_G=triton.next_power_of_2(G),
+              CG_POW2=CG if CG & (CG - 1) == 0 else 0, UNROLL=g["UNROLL"], num_warps=nw)
+    return g, part, kw
+
+
 def _stats_params(kind: str, C: int, dev: torch.device, tile: int | None, num_warps: int | None,
                   target: int | None) -> tuple[int, int, int, int]:
     """(tile, num_warps, target programs, unroll) of a stats launch: the caller's where given, else the defaults."""
@@ -635,7 +722,11 @@ def _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, n
         y = group_norm_silu_reference(x, G, weight, bias, eps, silu, x_bias)
         return y.contiguous(memory_format=torch.channels_last) if x.dim() == 4 and not x.is_contiguous() \
             and x.is_contiguous(memory_format=torch.channels_last) else y
-    x, kind, S, stride_n, part = _launch_stats(x, G, x_bias, tile, target_programs, num_warps, minmax=out8)
+    part = noted_partials(x, G) if x_bias is None else None
+    if part is not None:  # taken by the kernel that wrote x (a dense channels-last tensor)
+        kind, S, stride_n = flat_layout(x)
+    else:
+        x, kind, S, stride_n, part = _launch_stats(x, G, x_bias, tile, target_programs, num_warps, minmax=out8)
     CG = C // G
     dev = x.device
     w = weight if weight is not None else torch.ones(C, device=dev, dtype=torch.float32)
@@ -738,6 +829,9 @@ def group_norm_partials(
         raise ValueError(f"group_norm_partials: x_bias has {x_bias.numel()} values for {C} channels")
     if x.numel() == 0:
         return torch.zeros((3, N * G, 0), device=x.device, dtype=torch.float32)
+    noted = noted_partials(x, G) if x_bias is None and out is None else None
+    if noted is not None:
+        return noted[:3]
     return _launch_stats(x, G, x_bias, tile, target_programs, num_warps, out=out)[4]
 
 
@@ -885,5 +979,7 @@ __all__ = [
     "merge_partials",
     "group_norm_finalize",
     "group_norm_apply",
+    "attach_partials",
+    "noted_partials",
     "SUPPORTED_DTYPES",
 ]

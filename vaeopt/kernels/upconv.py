@@ -46,13 +46,14 @@ def upconv2x_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     return F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), w, bias, padding=1)
 
 
-def upconv2x(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def upconv2x(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None = None,
+             stats_groups: int | None = None) -> torch.Tensor:
     """conv3x3(2x nearest upsample of x) for x (N, Cin, H, W), given w4 = phase_weights(w): (N, Cout, 2H, 2W) in
-    x's memory format (channels_last stays channels_last)."""
+    x's memory format (channels_last stays channels_last). stats_groups: see interleave_phases."""
     if x.dim() != 4 or w4.dim() != 4 or tuple(w4.shape[-2:]) != (2, 2) or w4.shape[0] % 4:
         raise ValueError(f"upconv2x: x {tuple(x.shape)}, w4 {tuple(w4.shape)}")
     p = F.conv2d(x, w4, None, padding=1)  # (N, 4*Cout, H+1, W+1)
-    return interleave_phases(p, bias)
+    return interleave_phases(p, bias, stats_groups)
 
 
 def phase_weights_e4m3(w: torch.Tensor):
@@ -112,14 +113,21 @@ def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
     return y.permute(0, 3, 1, 2)
 
 
-def interleave_phases(p: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def interleave_phases(p: torch.Tensor, bias: torch.Tensor | None = None,
+                      stats_groups: int | None = None) -> torch.Tensor:
     """(N, 4*C, H+1, W+1) phase-stacked conv output -> (N, C, 2H, 2W): out[2i+a, 2j+b] = p[phase 2a+b][i+a, j+b]
-    (+ bias[c])."""
+    (+ bias[c]). stats_groups=G: a GroupNorm of G groups reads the result next; on the channels-last kernel path the
+    same pass takes its statistics and notes them on the result (as epilogue.bias_residual(stats_groups=))."""
     N, C4, H1, W1 = p.shape
     C, H, W = C4 // 4, H1 - 1, W1 - 1
     lay = flat_layout(p)
     if lay is not None and lay[0] == "cl" and p.dtype in (torch.float32, torch.bfloat16, torch.float16) \
             and triton_available(p)[0] and not torch.compiler.is_compiling() and p.numel() > 0:
+        from vaeopt.kernels.epilogue import stats_pay
+
+        if stats_groups and C % int(stats_groups) == 0 and C <= 8192 and 4 * H * W * C < 2**31 \
+                and stats_pay(4 * H * W * C, p.device):
+            return _interleave_cl_stats(p, lay[2], bias, C, H, W, int(stats_groups))
         return _interleave_cl(p, lay[2], bias, C, H, W)
     cl = lay is not None and lay[0] == "cl" and C > 1
     y = torch.empty((N, C, 2 * H, 2 * W), dtype=p.dtype, device=p.device,
@@ -153,6 +161,26 @@ def _interleave_cl(p: torch.Tensor, stride_pn: int, bias, C: int, H: int, W: int
     return y
 
 
+def _interleave_cl_stats(p: torch.Tensor, stride_pn: int, bias, C: int, H: int, W: int, G: int) -> torch.Tensor:
+    """_interleave_cl that also writes the next GroupNorm's partials (G groups) and notes them on its output: chunks of
+    output pixels per program, 8 programs per SM (the best of 4 launches at SDXL's upsamplers on an H100, E26)."""
+    from vaeopt.kernels.group_norm_silu import attach_partials, producer_partials
+
+    N = p.shape[0]
+    y = torch.empty((N, 2 * H, 2 * W, C), dtype=p.dtype, device=p.device).permute(0, 3, 1, 2)
+    if bias is not None:
+        if bias.shape != (C,):
+            raise ValueError(f"interleave_phases: bias {tuple(bias.shape)} for {C} channels")
+        bias = bias.contiguous()
+    g, part, kw = producer_partials(N, C, G, 4 * H * W, p.device, (4096, 4, 8, 1))
+    _interleave_stats_kernel[(g["n_chunks"], N)](
+        p, bias if bias is not None else p, y, part, H, W, stride_pn, G, C // G, g["n_chunks"], g["iters"],
+        C=C, HAS_B=bias is not None, **kw,
+    )  # fmt: skip
+    attach_partials(y, G, part)
+    return y
+
+
 try:
     import triton
     import triton.language as tl
@@ -160,6 +188,7 @@ except Exception:  # pragma: no cover - no triton: the torch path above
     triton = None
 
 if triton is not None:
+    from vaeopt.kernels.group_norm_silu import _accumulate_shifted, _cl_store_partials, _first_block_shift
 
     @triton.jit
     def _interleave_kernel(
@@ -195,3 +224,70 @@ if triton is not None:
             v = (v.to(tl.float32) + tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :])
         dst = (row.to(tl.int64) * (2 * W) + wo.to(tl.int64)[:, None]) * C + c[None, :]
         tl.store(y_ptr + dst, v.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _interleave_vals(p_row, s, c, m, W, C: tl.constexpr, b, HAS_B: tl.constexpr):
+        """Output pixels s (flattened over (2H, 2W)) of one sample, channels c: the phase values (+ bias), fp32."""
+        oy = s // (2 * W)
+        ox = s - oy * (2 * W)
+        i = oy // 2
+        a = oy - 2 * i
+        j = ox // 2
+        bb = ox - 2 * j
+        src = ((i + a).to(tl.int64) * (W + 1) + (j + bb).to(tl.int64)) * (4 * C) + (2 * a + bb) * C
+        v = tl.load(p_row + src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            v = v + b[None, :]
+        return v
+
+    @triton.jit
+    def _interleave_stats_kernel(
+        p_ptr,  # [N, H+1, W+1, 4*C]: sample n at n*stride_pn, dense inside
+        b_ptr,
+        y_ptr,  # [N, 2H, 2W, C] dense
+        part_ptr,  # [5, N*G, n_chunks] fp32 out: the next GroupNorm's partials of y
+        H,
+        W,
+        stride_pn,
+        G,
+        CG,
+        n_chunks,
+        iters,
+        C: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        CG_POW2: tl.constexpr,
+        UNROLL: tl.constexpr,
+        HAS_B: tl.constexpr,
+    ):
+        chunk = tl.program_id(0)
+        n = tl.program_id(1)
+        S = 4 * H * W
+        s_start = chunk * iters * (BLOCK_S * UNROLL)
+        lim = S - s_start
+        rows = tl.arange(0, BLOCK_S)
+        c = tl.arange(0, BLOCK_C)
+        cm = c < C
+        p_row = p_ptr + n.to(tl.int64) * stride_pn
+        y_row = y_ptr + n.to(tl.int64) * S * C
+        b = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if HAS_B:
+            b = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        m0 = (rows < lim)[:, None] & cm[None, :]  # the shift: mean of the first row block (see the stats kernel)
+        y0 = _interleave_vals(p_row, s_start + rows, c, m0, W, C, b, HAS_B)
+        k = _first_block_shift(y0.to(y_ptr.dtype.element_ty).to(tl.float32), m0, lim, BLOCK_S)
+        s1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+        s2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+        am = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+        for it in range(iters):
+            for u in tl.static_range(UNROLL):
+                r = (it * UNROLL + u) * BLOCK_S + rows
+                m = (r < lim)[:, None] & cm[None, :]
+                s = s_start + r
+                yq = _interleave_vals(p_row, s, c, m, W, C, b, HAS_B).to(y_ptr.dtype.element_ty)
+                tl.store(y_row + s.to(tl.int64)[:, None] * C + c[None, :], yq, mask=m)
+                s1, s2, am = _accumulate_shifted(yq.to(tl.float32), m, k, s1, s2, am)
+        cnt = tl.minimum(lim, iters * BLOCK_S * UNROLL).to(tl.float32)
+        _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG, c, cm,
+                           BLOCK_G, CG_POW2, True)

@@ -54,8 +54,14 @@ NAME = "fused_epilogues"
 _MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
 _PENDING = "_vaeopt_upsampled"  # Upsample2D attribute: weakref to the tensor its resnet already upsampled
 _STATE = "_vaeopt_epi"  # ResnetBlock2D attribute: the Upsample2D whose interpolate it performs, or None
+_NEXT_G = "_vaeopt_next_groups"  # Upsample2D attribute: groups of the GroupNorm that reads its output next
 MAX_SCORE_BYTES = 512 << 20
 MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN attention stop at 256)
+# The residual epilogues of resnets and attention also take the statistics of the GroupNorm that reads their output
+# next (the next block's norm1, the mid-block attention's norm, the head's norm), which then skips its own stats pass
+# (kernels/group_norm_silu.noted_partials). Not for a resnet whose output goes to its up-block's upsampler; the
+# upsampler's phase-conv interleave does the same for the next up-block's first norm.
+NOTE_STATS = True
 
 
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -131,9 +137,12 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     else:
         res = sc(x)
     up = self.__dict__.get(_STATE)
+    # the next norm's statistics come from this epilogue unless the output goes to the block's upsampler
+    stats = self.norm1.num_groups if NOTE_STATS and up is None else None
     # a hook on this block must see its real output; an upsampler on phase convs wants the low-resolution one
     up = up if up is not None and _no_hooks(self) and not _phase_upsampler(up, x) else None
-    out = bias_residual(h, c2.bias, res, self.output_scale_factor, upsample2x=up is not None, residual_bias=rb)
+    out = bias_residual(h, c2.bias, res, self.output_scale_factor, upsample2x=up is not None, residual_bias=rb,
+                        stats_groups=stats)
     if up is not None:
         setattr(up, _PENDING, _PendingRef(out))
     return out
@@ -227,7 +236,9 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
         if output_size is None and _phase_upsampler(self, hidden_states):
             from vaeopt.stages.upsample_conv import run
 
-            return run(self.conv, hidden_states, fp8=True)  # e4m3 phase convs if FP8 level 3 marked the conv
+            # e4m3 phase convs if FP8 level 3 marked the conv
+            return run(self.conv, hidden_states, fp8=True,
+                       stats_groups=self.__dict__.get(_NEXT_G) if NOTE_STATS else None)
         if output_size is None and _use_kernel(hidden_states, self):
             from vaeopt.kernels.epilogue import upsample_nearest2x
 
@@ -439,8 +450,9 @@ def _make_processor_class():
 
                 h = F.linear(hidden_states, proj.weight)  # bias goes into the epilogue
                 h = h.transpose(-1, -2).reshape(batch_size, channel, height, width)
+                stats = attn.group_norm.num_groups if NOTE_STATS and attn.group_norm is not None else None
                 return bias_residual(h, proj.bias, residual if attn.residual_connection else None,
-                                     attn.rescale_output_factor)
+                                     attn.rescale_output_factor, stats_groups=stats)
             hidden_states = drop(proj(hidden_states))
             if input_ndim == 4:
                 hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
@@ -539,6 +551,11 @@ def apply(
                     attns.append(m)
 
     head = _same_forward(decoder, K["Decoder"]) and _head_static_ok(decoder)
+    # stock Decoder: an up-block's upsampler output goes to the next up-block's first resnet
+    blocks = list(decoder.up_blocks) if _same_forward(decoder, K["Decoder"]) else []
+    nxt = {id(b.upsamplers[0]): blocks[i + 1].resnets[0] for i, b in enumerate(blocks[:-1])
+           if _same_forward(b, K["UpDecoderBlock2D"]) and b.upsamplers is not None and len(b.upsamplers) == 1
+           and _same_forward(blocks[i + 1], K["UpDecoderBlock2D"])}
     if not (resnets or upsamplers or attns or head):
         return StageResult.skipped(NAME, f"nothing to fuse in {type(model).__name__}'s decoder")
 
@@ -552,6 +569,8 @@ def apply(
         record["resnets"].append(m)
     for u in upsamplers:
         u.forward = BoundForward(_upsample_forward, u)
+        if id(nxt.get(id(u))) in rset:  # stock Decoder: the next up-block's first resnet reads the output
+            u.__dict__[_NEXT_G] = nxt[id(u)].norm1.num_groups
         record["upsamplers"].append(u)
     cls = chunked_processor_class()
     for a in attns:
@@ -639,6 +658,7 @@ def revert(model: nn.Module) -> None:
     for u in record["upsamplers"]:
         u.__dict__.pop("forward", None)
         u.__dict__.pop(_PENDING, None)
+        u.__dict__.pop(_NEXT_G, None)
     for a, proc in record["attns"]:
         a.set_processor(proc)
     dec = record.get("head")
