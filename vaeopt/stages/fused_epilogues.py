@@ -10,7 +10,8 @@ Per decoder `ResnetBlock2D` (AutoencoderKL; temb-free, no up/down-sampling insid
     conv2 (+ bias kernel)                           conv2 without bias
     [conv_shortcut (+ bias kernel)]                 [conv_shortcut without bias]
     (input + hidden) / output_scale_factor          one bias_residual kernel: conv2.bias, residual, shortcut
-                                                    bias, scale
+                                                    bias, scale; it also takes the statistics of the norm that
+                                                    reads its output next (that norm skips its stats pass)
     [Upsample2D: F.interpolate nearest 2x]          [same kernel writes the 2x-upsampled output directly]
 
 The upsample is fused for the last resnet of a stock `UpDecoderBlock2D` whose single upsampler is a stock
