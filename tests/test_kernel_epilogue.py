@@ -286,3 +286,17 @@ def test_noted_partials_are_dropped_when_stale_or_elsewhere(device, monkeypatch)
     assert len(calls) == 1
     assert gn.noted_partials(epilogue.bias_residual(h.contiguous(), b, r, stats_groups=4), 4) is None  # NCHW
     assert gn.noted_partials(epilogue.bias_residual(_cl(h), b, _cl(r), upsample2x=True, stats_groups=4), 4) is None
+    y = epilogue.bias_residual(_cl(h), b, _cl(r), stats_groups=4)
+    assert gn.noted_partials(y[:, :, :2], 4) is None  # same data pointer, fewer rows
+    epilogue.bias_residual(_cl(r), out=y)  # a kernel writing into it through out= drops the note
+    assert gn.noted_partials(y, 4) is None
+    with torch.inference_mode():  # no version counter: the note holds while the tensor does, and out= still drops it
+        hi, bi, ri = h.clone(), b.clone(), r.clone()
+        yi = epilogue.bias_residual(_cl(hi), bi, _cl(ri), stats_groups=4)
+        assert gn.noted_partials(yi, 4) is not None
+        epilogue.bias_residual(_cl(ri), out=yi)
+        assert gn.noted_partials(yi, 4) is None
+    one = epilogue.bias_residual(_cl(h[:, :1]), stats_groups=1)  # C == 1 reads as channels-first: no note, so the
+    assert gn.noted_partials(one, 1) is None  # e4m3 norm (channels-last only) refuses it as before
+    with pytest.raises(ValueError, match="channels-last"):
+        gn.group_norm_silu_e4m3(one, 1, None, None)

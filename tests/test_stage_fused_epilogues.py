@@ -183,6 +183,25 @@ def test_epilogues_take_the_next_norms_statistics(small_kl, monkeypatch):
         # conv) run their stats pass
         assert len(stats) - n_noted == 30 and n_noted == 30 - 12 - 3
         torch.testing.assert_close(noted, full, atol=1e-5, rtol=1e-5)
+        # a foreign hook inside the decoder could change an activation in place, unseen in inference mode (no
+        # version counter): then no note is taken for the call, and an in-place edit is honoured
+        monkeypatch.setattr(fused_epilogues, "NOTE_STATS", True)
+        blk = model.decoder.up_blocks[1].resnets[0]
+        handle = blk.register_forward_hook(lambda m, a, out: out.mul_(0.5))
+        try:
+            n0 = len(stats)
+            with torch.inference_mode():
+                hooked = model.decode(z).sample.float()
+            assert len(stats) - n0 == 30
+        finally:
+            handle.remove()
+        monkeypatch.setattr(fused_epilogues, "NOTE_STATS", False)
+        handle = blk.register_forward_hook(lambda m, a, out: out.mul_(0.5))
+        try:
+            with torch.inference_mode():
+                torch.testing.assert_close(hooked, model.decode(z).sample.float(), atol=1e-5, rtol=1e-5)
+        finally:
+            handle.remove()
     finally:
         upsample_conv.revert(model)
         fused_epilogues.revert(model)

@@ -525,6 +525,10 @@ def bias_residual(
             raise ValueError(f"bias_residual: out has shape {tuple(out.shape)}, the result {shape}")
         if out.dtype not in SUPPORTED_DTYPES or out.device != h.device:
             raise ValueError(f"bias_residual: out must be a float tensor on {h.device} ({out.dtype}, {out.device})")
+    if out is not None:
+        from vaeopt.kernels.group_norm_silu import drop_partials
+
+        drop_partials(out)  # its data changes here: a note of its statistics would be stale
     ys = _out_strides(out, kind) if out is not None else None
     y = out if ys is not None else _dense(shape, kind, h)
     if ys is None:

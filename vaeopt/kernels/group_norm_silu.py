@@ -578,8 +578,17 @@ def attach_partials(t: torch.Tensor, num_groups: int, part: torch.Tensor) -> Non
     """Note on t the partials (5, N*G, chunks) -- count, mean, M2, max and min bounds, as the channels-last stats
     kernel writes them with MINMAX -- of t's GroupNorm statistics with num_groups groups. The note sits on the
     tensor that owns t's storage (t itself, or its view base), where any view of the same data finds it."""
+    sig = _signature(t)
+    if sig is None or sig[3] != "cl":  # the partials' format and the e4m3 norm need a channels-last tensor
+        return
     root = t if t._base is None else t._base
-    root.__dict__[_PARTS] = (int(num_groups), part, _version(t), _signature(t))
+    root.__dict__[_PARTS] = (int(num_groups), part, _version(t), sig)
+
+
+def drop_partials(t: torch.Tensor) -> None:
+    """Forget any note on t's storage (a kernel is about to write into it through an `out=` argument). Writes that
+    bypass the version counter otherwise (`.data`, inference tensors) are the caller's to avoid."""
+    (t if t._base is None else t._base).__dict__.pop(_PARTS, None)
 
 
 def noted_partials(x: torch.Tensor, num_groups: int) -> torch.Tensor | None:
@@ -723,9 +732,9 @@ def _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, n
         return y.contiguous(memory_format=torch.channels_last) if x.dim() == 4 and not x.is_contiguous() \
             and x.is_contiguous(memory_format=torch.channels_last) else y
     part = noted_partials(x, G) if x_bias is None else None
-    if part is not None:  # taken by the kernel that wrote x (a dense channels-last tensor)
+    if part is not None:  # taken by the kernel that wrote x (a dense channels-last tensor: attach_partials)
         kind, S, stride_n = flat_layout(x)
-    else:
+    if part is None or kind != "cl":
         x, kind, S, stride_n, part = _launch_stats(x, G, x_bias, tile, target_programs, num_warps, minmax=out8)
     CG = C // G
     dev = x.device
@@ -830,8 +839,8 @@ def group_norm_partials(
     if x.numel() == 0:
         return torch.zeros((3, N * G, 0), device=x.device, dtype=torch.float32)
     noted = noted_partials(x, G) if x_bias is None and out is None else None
-    if noted is not None:
-        return noted[:3]
+    if noted is not None:  # (a copy: the caller may change it; its chunk count is the note's, not the shape helper's)
+        return noted[:3].clone()
     return _launch_stats(x, G, x_bias, tile, target_programs, num_warps, out=out)[4]
 
 
@@ -980,6 +989,7 @@ __all__ = [
     "group_norm_finalize",
     "group_norm_apply",
     "attach_partials",
+    "drop_partials",
     "noted_partials",
     "SUPPORTED_DTYPES",
 ]

@@ -61,6 +61,10 @@ def _storage_post_hook(mod, args, out):
     mod.weight = None  # drop the dequantized copy right away
 
 
+# neither hook touches an activation (fused_epilogues' statistics notes stay valid under them)
+_storage_pre_hook.vaeopt_keeps_activations = _storage_post_hook.vaeopt_keeps_activations = True
+
+
 def attach_storage(conv: nn.Module) -> None:
     """e4m3 weight storage on any conv module, subclasses included (Wan's causal conv keeps its own forward):
     the weight parameter becomes fp8 buffers, dequantized by a pre-hook for each call."""

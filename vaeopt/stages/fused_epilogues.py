@@ -41,6 +41,7 @@ place) and otherwise runs the stock diffusers forward: on CPU without TRITON_INT
 
 from __future__ import annotations
 
+import contextvars
 import math
 import weakref
 
@@ -55,14 +56,36 @@ NAME = "fused_epilogues"
 _MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
 _PENDING = "_vaeopt_upsampled"  # Upsample2D attribute: weakref to the tensor its resnet already upsampled
 _STATE = "_vaeopt_epi"  # ResnetBlock2D attribute: the Upsample2D whose interpolate it performs, or None
-_NEXT_G = "_vaeopt_next_groups"  # Upsample2D attribute: groups of the GroupNorm that reads its output next
+_NEXT_G = "_vaeopt_next_groups"  # ResnetBlock2D / Attention / Upsample2D attribute: groups of the GroupNorm that
+# reads the module's output next in the stock Decoder (set by apply where that is known from the structure)
 MAX_SCORE_BYTES = 512 << 20
 MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN attention stop at 256)
 # The residual epilogues of resnets and attention also take the statistics of the GroupNorm that reads their output
 # next (the next block's norm1, the mid-block attention's norm, the head's norm), which then skips its own stats pass
-# (kernels/group_norm_silu.noted_partials). Not for a resnet whose output goes to its up-block's upsampler; the
-# upsampler's phase-conv interleave does the same for the next up-block's first norm.
+# (kernels/group_norm_silu.noted_partials); so does an upsampler's phase-conv interleave for the next up-block's
+# first norm. Where a norm reads next comes from the stock Decoder's structure (_norm_readers).
 NOTE_STATS = True
+# on for the length of a patched Decoder call without foreign hooks (a hook could change an activation in place, which
+# an inference tensor's missing version counter would not show); off outside it, e.g. for the tiler's own calls
+_NOTES_ON = contextvars.ContextVar("vaeopt_gn_notes", default=False)
+
+
+def _next_groups(m) -> int | None:
+    """Groups of the GroupNorm that reads m's output next, when this decoder call may note statistics."""
+    return m.__dict__.get(_NEXT_G) if _NOTES_ON.get() else None
+
+
+def _foreign_hooks(dec: nn.Module) -> bool:
+    """A hook inside the decoder (or a global one) that may touch activations. The decoder's own hooks see only its
+    input and output; fp8 weight storage's hooks say they keep activations."""
+    from torch.nn.modules import module as M
+
+    def foreign(hooks) -> bool:
+        return any(not getattr(h, "vaeopt_keeps_activations", False) for h in hooks.values())
+
+    if foreign(M._global_forward_hooks) or foreign(M._global_forward_pre_hooks):
+        return True
+    return any(foreign(m._forward_hooks) or foreign(m._forward_pre_hooks) for m in dec.modules() if m is not dec)
 
 
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -138,8 +161,7 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     else:
         res = sc(x)
     up = self.__dict__.get(_STATE)
-    # the next norm's statistics come from this epilogue unless the output goes to the block's upsampler
-    stats = self.norm1.num_groups if NOTE_STATS and up is None else None
+    stats = _next_groups(self)  # the next norm's statistics, taken by this epilogue
     # a hook on this block must see its real output; an upsampler on phase convs wants the low-resolution one
     up = up if up is not None and _no_hooks(self) and not _phase_upsampler(up, x) else None
     out = bias_residual(h, c2.bias, res, self.output_scale_factor, upsample2x=up is not None, residual_bias=rb,
@@ -238,8 +260,7 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
             from vaeopt.stages.upsample_conv import run
 
             # e4m3 phase convs if FP8 level 3 marked the conv
-            return run(self.conv, hidden_states, fp8=True,
-                       stats_groups=self.__dict__.get(_NEXT_G) if NOTE_STATS else None)
+            return run(self.conv, hidden_states, fp8=True, stats_groups=_next_groups(self))
         if output_size is None and _use_kernel(hidden_states, self):
             from vaeopt.kernels.epilogue import upsample_nearest2x
 
@@ -273,7 +294,16 @@ def _head_static_ok(dec) -> bool:
 
 
 def _decoder_forward(self, *args, **kwargs):
-    """diffusers' Decoder.forward, its head on the tap path for the length of the call (see above) when it can."""
+    """diffusers' Decoder.forward: statistics notes on for the call unless a foreign hook could see activations,
+    and the head on the tap path (see above) when it can."""
+    token = _NOTES_ON.set(NOTE_STATS and not _foreign_hooks(self))
+    try:
+        return _decoder_call(self, *args, **kwargs)
+    finally:
+        _NOTES_ON.reset(token)
+
+
+def _decoder_call(self, *args, **kwargs):
     # (hooks on the decoder itself see the same inputs and output: the channels_last stage's input relayout is one)
     if not (HEAD_TAPS and _head_static_ok(self)):
         return type(self).forward(self, *args, **kwargs)
@@ -451,7 +481,7 @@ def _make_processor_class():
 
                 h = F.linear(hidden_states, proj.weight)  # bias goes into the epilogue
                 h = h.transpose(-1, -2).reshape(batch_size, channel, height, width)
-                stats = attn.group_norm.num_groups if NOTE_STATS and attn.group_norm is not None else None
+                stats = _next_groups(attn)
                 return bias_residual(h, proj.bias, residual if attn.residual_connection else None,
                                      attn.rescale_output_factor, stats_groups=stats)
             hidden_states = drop(proj(hidden_states))
@@ -487,7 +517,12 @@ def _classes() -> dict:
         from diffusers.models.upsampling import Upsample2D
     except ImportError:
         AttnProcessor2_0 = UpDecoderBlock2D = Upsample2D = None
-    K.update(AttnProcessor2_0=AttnProcessor2_0, UpDecoderBlock2D=UpDecoderBlock2D, Upsample2D=Upsample2D)
+    try:
+        from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
+    except ImportError:
+        UNetMidBlock2D = None
+    K.update(AttnProcessor2_0=AttnProcessor2_0, UpDecoderBlock2D=UpDecoderBlock2D, Upsample2D=Upsample2D,
+             UNetMidBlock2D=UNetMidBlock2D)
     return K
 
 
@@ -552,16 +587,13 @@ def apply(
                     attns.append(m)
 
     head = _same_forward(decoder, K["Decoder"]) and _head_static_ok(decoder)
-    # stock Decoder: an up-block's upsampler output goes to the next up-block's first resnet
-    blocks = list(decoder.up_blocks) if _same_forward(decoder, K["Decoder"]) else []
-    nxt = {id(b.upsamplers[0]): blocks[i + 1].resnets[0] for i, b in enumerate(blocks[:-1])
-           if _same_forward(b, K["UpDecoderBlock2D"]) and b.upsamplers is not None and len(b.upsamplers) == 1
-           and _same_forward(blocks[i + 1], K["UpDecoderBlock2D"])}
+    patch_decoder = _same_forward(decoder, K["Decoder"])
+    readers = _norm_readers(decoder, K) if patch_decoder else {}
     if not (resnets or upsamplers or attns or head):
         return StageResult.skipped(NAME, f"nothing to fuse in {type(model).__name__}'s decoder")
 
     record = {"resnets": [], "upsamplers": [], "attns": [], "head": None}
-    if head:
+    if patch_decoder:  # the head taps and the statistics notes live for the length of its call
         decoder.forward = BoundForward(_decoder_forward, decoder)
         record["head"] = decoder
     for m in resnets:
@@ -570,13 +602,15 @@ def apply(
         record["resnets"].append(m)
     for u in upsamplers:
         u.forward = BoundForward(_upsample_forward, u)
-        if id(nxt.get(id(u))) in rset:  # stock Decoder: the next up-block's first resnet reads the output
-            u.__dict__[_NEXT_G] = nxt[id(u)].norm1.num_groups
         record["upsamplers"].append(u)
     cls = chunked_processor_class()
     for a in attns:
         record["attns"].append((a, a.processor))
         a.set_processor(cls(max_score_bytes=max_score_bytes, min_head_dim=min_head_dim, chunk=attention_chunk))
+    notes = [m for m in resnets + upsamplers + attns if id(m) in readers]
+    for m in notes:
+        m.__dict__[_NEXT_G] = readers[id(m)]
+    record["notes"] = notes
     setattr(model, _MARK, record)
 
     n = dict(
@@ -591,6 +625,36 @@ def apply(
         head_taps=decoder.conv_out.out_channels if head else 0,
     )
     return StageResult(NAME, "applied", _describe(n), dict(n, backend=why))
+
+
+def _norm_readers(decoder, K) -> dict[int, int]:
+    """id(module) -> groups of the fused GroupNorm that reads its output next, for the stock Decoder's data path:
+    mid-block resnets and attentions in turn, each up-block's resnets then its upsampler, then the head's norm. Only
+    where both sides run their stock forwards (the chain breaks at anything else)."""
+    from vaeopt.stages.fused_norms import FusedGroupNormSiLU
+
+    mid_cls = K.get("UNetMidBlock2D")
+    mid = decoder.mid_block
+    if mid is None or not _same_forward(mid, mid_cls):
+        return {}
+    seq = [mid.resnets[0]]
+    for a, r in zip(mid.attentions, mid.resnets[1:]):
+        seq += ([a] if a is not None else []) + [r]
+    for b in decoder.up_blocks:
+        if not _same_forward(b, K["UpDecoderBlock2D"]):
+            seq.append(None)
+            continue
+        seq += list(b.resnets) + [u for u in (b.upsamplers or [])]
+    seq.append(decoder.conv_norm_out)
+
+    def reads_with(m) -> int | None:  # the norm that reads m's input first
+        if m is None:
+            return None
+        norm = getattr(m, "norm1", None) if _same_forward(m, K["ResnetBlock2D"]) else \
+            getattr(m, "group_norm", None) if K["Attention"] is not None and isinstance(m, K["Attention"]) else m
+        return norm.num_groups if type(norm) is FusedGroupNormSiLU else None
+
+    return {id(p): g for p, c in zip(seq, seq[1:]) if p is not None and (g := reads_with(c)) is not None}
 
 
 def _describe(n: dict) -> str:
@@ -659,7 +723,8 @@ def revert(model: nn.Module) -> None:
     for u in record["upsamplers"]:
         u.__dict__.pop("forward", None)
         u.__dict__.pop(_PENDING, None)
-        u.__dict__.pop(_NEXT_G, None)
+    for m in record.get("notes", []):
+        m.__dict__.pop(_NEXT_G, None)
     for a, proc in record["attns"]:
         a.set_processor(proc)
     dec = record.get("head")
