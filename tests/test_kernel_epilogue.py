@@ -223,7 +223,7 @@ def test_bias_residual_stats_groups(device, dtype, rlayout, shape, groups, monke
     h, b, r, rb = _data(shape, dtype, device, 11)
     h, r = _cl(h), _lay(r, rlayout)
     r = r * 3 + 5  # a mean far from 0: the shifted sums must not cancel
-    monkeypatch.setattr(epilogue, "STATS_MIN_NUMEL_CUDA", 0)  # small tensors take the stats epilogue on a GPU too
+    monkeypatch.setattr(gn, "STATS_MIN_NUMEL_CUDA", 0)  # small tensors take the stats epilogue on a GPU too
     # several chunks per sample, a ragged last one: small launches (interpreter: the stats defaults; GPU: its own)
     monkeypatch.setattr(gn, "_stats_cl_defaults", lambda C, dev: (4 * 32, 4, 3, 2))
     monkeypatch.setattr(epilogue, "_epi_stats_launch", lambda C, dev: (4 * 32, 4, 1, 2))
@@ -267,7 +267,7 @@ def test_noted_partials_are_dropped_when_stale_or_elsewhere(device, monkeypatch)
 
     gn = importlib.import_module("vaeopt.kernels.group_norm_silu")
 
-    monkeypatch.setattr(epilogue, "STATS_MIN_NUMEL_CUDA", 0)
+    monkeypatch.setattr(gn, "STATS_MIN_NUMEL_CUDA", 0)
     calls = []
     real = gn._launch_stats
     monkeypatch.setattr(gn, "_launch_stats", lambda *a, **k: calls.append(1) or real(*a, **k))

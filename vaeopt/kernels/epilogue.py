@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from vaeopt.kernels import default_tile, flat_layout
-from vaeopt.kernels.group_norm_silu import _accumulate_shifted, _cl_store_partials, _first_block_shift
+from vaeopt.kernels.group_norm_silu import (_accumulate_shifted, _cl_store_partials, _first_block_shift,
+                                           attach_partials, drop_partials, producer_partials, producer_stats_ok)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -526,8 +527,6 @@ def bias_residual(
         if out.dtype not in SUPPORTED_DTYPES or out.device != h.device:
             raise ValueError(f"bias_residual: out must be a float tensor on {h.device} ({out.dtype}, {out.device})")
     if out is not None:
-        from vaeopt.kernels.group_norm_silu import drop_partials
-
         drop_partials(out)  # its data changes here: a note of its statistics would be stale
     ys = _out_strides(out, kind) if out is not None else None
     y = out if ys is not None else _dense(shape, kind, h)
@@ -554,8 +553,8 @@ def bias_residual(
     args = (h, bias if bias is not None else dummy, residual if residual is not None else dummy,
             residual_bias if residual_bias is not None else dummy, y)
     sc = float(scale)
-    if stats_groups and not upsample2x and kind == "cl" and G == 1 and out is None and C <= 8192 \
-            and C % int(stats_groups) == 0 and h[0].numel() < 2**31 and stats_pay(h[0].numel(), h.device):
+    if stats_groups and not upsample2x and kind == "cl" and G == 1 and out is None \
+            and producer_stats_ok(C, int(stats_groups), h[0].numel(), h.device):
         _launch_stats_epilogue(args, flags, N, C, S, stride_hn, rs, sc, int(stats_groups))
         return y
     tile = tile or default_tile(h.device)
@@ -602,21 +601,9 @@ def _epi_stats_launch(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     return (4096, 4, 4, 1) if C <= 128 else (4096, 4, 4, 2)
 
 
-STATS_MIN_NUMEL_CUDA = 1 << 24
-
-
-def stats_pay(numel: int, dev: torch.device) -> bool:
-    """Whether taking a norm's statistics in an epilogue pays for a sample of numel elements: on CUDA from 2^24
-    (H100, E26: at 512 ch @128², 8.4M elements, the chunked launch lost 5 us to the plain epilogue + stats pass; from
-    512 ch @256² on it gained). Always on the CPU interpreter, where the tests run it on small tensors."""
-    return dev.type != "cuda" or numel >= STATS_MIN_NUMEL_CUDA
-
-
 def _launch_stats_epilogue(args, flags, N: int, C: int, S: int, stride_hn: int, rs, sc: float, G: int) -> None:
     """bias_residual's channels-last pass that also writes the partials of the next GroupNorm (G groups) and notes
     them on its output (args[-1])."""
-    from vaeopt.kernels.group_norm_silu import attach_partials, producer_partials
-
     h, y = args[0], args[-1]
     g, part, kw = producer_partials(N, C, G, S, h.device, _epi_stats_launch(C, h.device))
     _epi_cl_stats_kernel[(g["n_chunks"], N)](

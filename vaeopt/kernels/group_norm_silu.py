@@ -603,6 +603,19 @@ def noted_partials(x: torch.Tensor, num_groups: int) -> torch.Tensor | None:
     return rec[1] if rec[3] is not None and _signature(x) == rec[3] else None
 
 
+STATS_MIN_NUMEL_CUDA = 1 << 24
+
+
+def producer_stats_ok(C: int, G: int, numel: int, dev: torch.device) -> bool:
+    """Whether a kernel writing a channels-last norm input of C channels and numel elements per sample should take
+    the norm's statistics (G groups) on its way: G divides C, one tile holds a row (C <= 8192), int32 in-sample
+    offsets, and it pays: on CUDA from 2^24 elements (H100, E26: at 512 ch @128², 8.4M elements, the chunked launch
+    lost 5 us to the plain pass + stats pass; from 512 ch @256² on it gained). Always on the CPU interpreter, where
+    the tests run it on small tensors."""
+    return (C % G == 0 and C <= 8192 and numel < 2**31
+            and (dev.type != "cuda" or numel >= STATS_MIN_NUMEL_CUDA))
+
+
 def producer_partials(N: int, C: int, G: int, S: int, dev: torch.device,
                       cuda_launch: tuple[int, int, int, int]) -> tuple[dict, torch.Tensor, dict]:
     """Geometry, partials buffer (5, N*G, chunks) and the common constexprs of a kernel that writes a dense
@@ -734,7 +747,7 @@ def _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, n
     part = noted_partials(x, G) if x_bias is None else None
     if part is not None:  # taken by the kernel that wrote x (a dense channels-last tensor: attach_partials)
         kind, S, stride_n = flat_layout(x)
-    if part is None or kind != "cl":
+    else:
         x, kind, S, stride_n, part = _launch_stats(x, G, x_bias, tile, target_programs, num_warps, minmax=out8)
     CG = C // G
     dev = x.device

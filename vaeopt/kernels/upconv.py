@@ -123,10 +123,9 @@ def interleave_phases(p: torch.Tensor, bias: torch.Tensor | None = None,
     lay = flat_layout(p)
     if lay is not None and lay[0] == "cl" and p.dtype in (torch.float32, torch.bfloat16, torch.float16) \
             and triton_available(p)[0] and not torch.compiler.is_compiling() and p.numel() > 0:
-        from vaeopt.kernels.epilogue import stats_pay
+        from vaeopt.kernels.group_norm_silu import producer_stats_ok
 
-        if stats_groups and C % int(stats_groups) == 0 and C <= 8192 and 4 * H * W * C < 2**31 \
-                and stats_pay(4 * H * W * C, p.device):
+        if stats_groups and producer_stats_ok(C, int(stats_groups), 4 * H * W * C, p.device):
             return _interleave_cl_stats(p, lay[2], bias, C, H, W, int(stats_groups))
         return _interleave_cl(p, lay[2], bias, C, H, W)
     cl = lay is not None and lay[0] == "cl" and C > 1

@@ -586,8 +586,8 @@ def apply(
                 if _head_dim(m) > min_head_dim:
                     attns.append(m)
 
-    head = _same_forward(decoder, K["Decoder"]) and _head_static_ok(decoder)
     patch_decoder = _same_forward(decoder, K["Decoder"])
+    head = patch_decoder and _head_static_ok(decoder)
     readers = _norm_readers(decoder, K) if patch_decoder else {}
     if not (resnets or upsamplers or attns or head):
         return StageResult.skipped(NAME, f"nothing to fuse in {type(model).__name__}'s decoder")
