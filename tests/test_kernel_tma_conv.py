@@ -154,3 +154,72 @@ def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
         out = video.decode_video(pipe.model, z, 1, graphs=pol, info={})
     assert pol.clips[-1]["status"] == "captured", pol.clips[-1]
     assert torch.equal(out, ref), (out.float() - ref.float()).abs().max().item()
+
+
+def _check_noted_stats(y, groups):
+    """The partials noted on y are its GroupNorm moments (exact float64 merge) and bounds; -> the partials."""
+    gn = pytest.importorskip("vaeopt.kernels.group_norm_silu")
+    part = gn.noted_partials(y, groups)
+    assert part is not None and part.shape[0] == 5 and part.shape[2] > 1
+    n, mean, m2 = gn.merge_partials(part[:3])
+    N, C = y.shape[:2]
+    ref = y.double().reshape(N, groups, -1)  # (n, g) rows: the group's channels, all pixels (logical NCHW order)
+    assert torch.equal(n, torch.full((N * groups,), float(ref.shape[-1]), dtype=torch.float64))
+    torch.testing.assert_close(mean, ref.mean(-1).reshape(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m2, (ref.var(-1, unbiased=False) * ref.shape[-1]).reshape(-1), rtol=1e-5, atol=1e-5)
+    assert (part[3].max(dim=1).values.double() >= ref.amax(-1).reshape(-1) - 1e-6).all()
+    assert (part[4].min(dim=1).values.double() <= ref.amin(-1).reshape(-1) + 1e-6).all()
+    return part
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("groups", [8, 4])
+def test_epilogue_takes_the_next_norms_statistics(fp8, groups, monkeypatch):
+    """stats_groups: the output is bitwise the plain launch's; the partials noted on it (one chunk per output tile,
+    tiles that overhang the 5x7 frame, two column tiles of whole groups, batch 2) are the moments and bounds of the
+    stored values, and the e4m3 norm that reads them gives the norm of the plain pass."""
+    gn = pytest.importorskip("vaeopt.kernels.group_norm_silu")
+    x, w, b = _case(2, 16, 32, 1, 5, 7, None, seed=3)
+    b = b * 4 + 3  # a mean far from 0: the shifted sums must not cancel
+    cfg = TC.TmaConfig(2, 4, 16, 16, 0, 4, 1)
+    if fp8:
+        xq, _ = K.quantize_activation(x)
+        pw, kw = K.pack_weight(w, K.E4M3), dict(x_scale=torch.tensor([0.05, 0.02]))
+    else:
+        xq, pw, kw = x, K.pack_weight(w, kmajor=True), {}
+    plain = TC.conv_tma(xq, pw, b, (1, 1), config=cfg, **kw)
+    assert gn.noted_partials(plain, groups) is None
+    y = TC.conv_tma(xq, pw, b, (1, 1), config=cfg, stats_groups=groups, **kw)
+    assert torch.equal(y, plain)
+    part = _check_noted_stats(y, groups)
+    assert part.shape[2] == 3 * 2  # ceil(5 / 2) x ceil(7 / 4) tiles per sample
+    wn, bn = torch.randn(32), torch.randn(32)
+    q, sc = gn.group_norm_silu_e4m3(y, groups, wn, bn)
+    monkeypatch.setattr(gn, "USE_NOTED", False)
+    q0, sc0 = gn.group_norm_silu_e4m3(y, groups, wn, bn)
+    want = gn.group_norm_silu(y, groups, wn, bn).float()
+    # the scales come from bounds of the group max / min, as loose as each chunking's shifts make them
+    assert (sc <= 2 * sc0).all() and (sc0 <= 2 * sc).all()
+    for qq, ss in ((q, sc), (q0, sc0)):
+        assert ((qq.float() * ss.view(-1, 1, 1, 1)) - want).abs().max() <= 0.07 * want.abs().max()
+
+
+def test_epilogue_statistics_only_where_they_hold():
+    """No note where the tile cannot take whole groups or the output is not a fresh 2D image: two accumulators
+    (Cout 48 = 32 + 16), groups that straddle a column tile, a group size that is not a power of two, a causal
+    Conv3d."""
+    gn = pytest.importorskip("vaeopt.kernels.group_norm_silu")
+    x, w, b = _case(1, 16, 48, 1, 4, 5, None)
+    pw = K.pack_weight(w, kmajor=True)
+    assert gn.noted_partials(TC.conv_tma(x, pw, b, (1, 1), config=TC.TmaConfig(2, 4, 16, 32, 16, 4, 1),
+                                         stats_groups=8), 8) is None
+    assert gn.noted_partials(TC.conv_tma(x, pw, b, (1, 1), config=TC.TmaConfig(2, 4, 16, 16, 0, 4, 1),
+                                         stats_groups=2), 2) is None  # 24 channels per group > 16-wide tiles
+    assert gn.noted_partials(TC.conv_tma(x, pw, b, (1, 1), config=TC.TmaConfig(2, 4, 16, 16, 0, 4, 1),
+                                         stats_groups=16), 16) is None  # 3 channels per group
+    y = TC.conv_tma(x, pw, b, (1, 1), config=TC.TmaConfig(2, 4, 16, 16, 0, 4, 1), stats_groups=12)
+    _check_noted_stats(y, 12)  # 4 channels per group: noted
+    x3, w3, b3 = _case(1, 16, 16, 2, 4, 5, 3)
+    y3 = TC.conv_tma(x3, K.pack_weight(w3, kmajor=True), b3, (1, 1), config=TC.TmaConfig(2, 4, 16, 16, 0, 4, 1),
+                     stats_groups=4)
+    assert gn.noted_partials(y3, 4) is None
