@@ -1,4 +1,5 @@
-"""The e4m3 TMA conv taking the next GroupNorm's statistics in its epilogue (perf-notes E27): per call, conv + the
+"""The e4m3 TMA conv taking the next GroupNorm's statistics in its epilogue (perf-notes E27; the kernel change ran at
+commit 1d98c9b and was reverted after this measurement: check that commit out to run it). Per call, conv + the
 e4m3 norm that reads its output, with and without the stats pass; then whole decodes (CUDA graphs, interleaved in one
 process, FP8 gate 30) with tma_conv.STATS on and off.
 

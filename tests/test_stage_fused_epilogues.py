@@ -209,43 +209,6 @@ def test_epilogues_take_the_next_norms_statistics(small_kl, monkeypatch):
         model.to(memory_format=torch.contiguous_format)
 
 
-def test_e4m3_conv1_takes_norm2s_statistics(small_kl, monkeypatch):
-    """FP8 level 3 on the TMA kernel (faked available: the interpreter runs it). A resnet whose conv1 is e4m3 adds
-    conv1's bias in that conv's epilogue and takes norm2's statistics there when notes are on (a decoder call): norm2
-    runs no stats pass. The output matches the notes-off block (conv1's bias folded into norm2 instead) to within
-    the e4m3 rounding of norm2's output, whose scale comes from other bounds."""
-    _need("cpu")
-    from vaeopt.kernels import tma_conv
-
-    model = small_kl.to(memory_format=torch.channels_last)
-    blk = model.decoder.up_blocks[-1].resnets[0]  # 64 -> 32 channels, with a shortcut conv
-    x = torch.randn(1, blk.in_channels, 8, 8).contiguous(memory_format=torch.channels_last)
-    monkeypatch.setattr(tma_conv, "available", lambda d: True)
-    monkeypatch.setattr(tma_conv, "tuned_config",
-                        lambda ci, co, w, fp8: tma_conv.TmaConfig(4, 8, 16, 16, 0, 4, 1) if fp8 else None)
-    try:
-        _apply_both(model)
-        for c in (blk.conv1, blk.conv2):
-            monkeypatch.setattr(c, "_vaeopt_fp8conv", True, raising=False)
-        stats = _spy(monkeypatch, "vaeopt.kernels.group_norm_silu", "_launch_stats")
-        igemm = _spy(monkeypatch, "vaeopt.kernels.conv", "conv_igemm")
-        with torch.no_grad():
-            token = fused_epilogues._NOTES_ON.set(True)
-            try:
-                noted = blk(x, None)
-            finally:
-                fused_epilogues._NOTES_ON.reset(token)
-            assert len(stats) == 1 and len(igemm) == 2  # norm1's pass only; both convs on the e4m3 kernel
-            assert igemm[0][1]["stats_groups"] == blk.norm2.num_groups
-            full = blk(x, None)  # outside a decoder call: no notes
-        assert len(stats) == 3
-        assert (noted - full).abs().max() <= 0.05 * full.abs().max()
-    finally:
-        fused_epilogues.revert(model)
-        fused_norms.revert(model)
-        model.to(memory_format=torch.contiguous_format)
-
-
 def test_upsample_output_size_and_foreign_inputs(small_kl):
     """The fused resnet + upsampler pair, called as the up-block calls them and otherwise: an output_size other than
     2x, a tensor the resnet did not produce, and a resnet that fell back all give stock results."""

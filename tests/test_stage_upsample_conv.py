@@ -383,26 +383,3 @@ def test_gpu_e4m3_phase_convs_on_the_measured_tile():
     finally:
         torch.backends.cudnn.allow_tf32 = prev
     assert (y.float() - ref).norm() / ref.norm() < 0.06
-
-
-@pytest.mark.parametrize("cfg_args", [(4, 4, 16, 16, 0, 4, 1, 0), (1, 8, 32, 16, 0, 4, 1, 0)])
-def test_e4m3_phase_convs_take_the_next_norms_statistics(cfg_args):
-    """stats_groups on the merged launch: the same output, and the partials noted on it (one chunk per phase tile)
-    are the moments and bounds of the whole upsampled output. One launch per phase notes nothing."""
-    _need_tma()
-    from test_kernel_tma_conv import _check_noted_stats
-
-    from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
-    from vaeopt.kernels.group_norm_silu import noted_partials
-    from vaeopt.kernels.tma_conv import TmaConfig
-    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
-
-    x, w, b = _e4m3_case()
-    x8, s = quantize_e4m3_per_sample(x)
-    pw4 = phase_weights_e4m3(w)
-    cfg = TmaConfig(*cfg_args)
-    plain = upconv2x_e4m3(x8, s, pw4, b, config=cfg)
-    y = upconv2x_e4m3(x8, s, pw4, b, config=cfg, stats_groups=12)
-    assert torch.equal(y, plain) and y.dtype == torch.bfloat16
-    _check_noted_stats(y, 12)
-    assert noted_partials(upconv2x_e4m3(x8, s, pw4, b, config=cfg, merged=False, stats_groups=12), 12) is None

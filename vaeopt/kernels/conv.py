@@ -301,7 +301,6 @@ def conv_igemm(
     x_scale: torch.Tensor | float | None = None,
     out_dtype: torch.dtype | None = None,
     config: Config | None = None,
-    stats_groups: int | None = None,
 ) -> torch.Tensor:
     """Stride-1, dilation-1, groups-1 convolution of channels-last x with packed weights.
 
@@ -309,15 +308,13 @@ def conv_igemm(
     channels_last (kt must be 1). padding: (ph, pw) zero padding of H and W. fp8: x in e4m3 with x_scale (a
     python float, or an fp32 device tensor of one value or one per sample, read by the kernel: no host sync, fit for
     CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8).
-    Returns the output in x's memory format (channels_last[_3d]). stats_groups=G: a GroupNorm of G groups reads the
-    output next; the TMA kernel (where it runs and can) takes its statistics on the way and notes them on the
-    output (tma_conv.conv_tma_checked); otherwise nothing is noted and the norm takes its own."""
+    Returns the output in x's memory format (channels_last[_3d])."""
     a = check_args("conv_igemm", x, pw, padding, x_scale, out_dtype)
-    if config is None and pw.kmajor:
-        from vaeopt.kernels import tma_conv  # available() is False off CUDA sm_90 (tests fake it for the interpreter)
+    if config is None and pw.kmajor and x.is_cuda:
+        from vaeopt.kernels import tma_conv
 
         if tma_conv.available(x.device) and (cfg := tma_conv.tuned_config(pw.cin, pw.cout, a.W, a.fp8)):
-            return tma_conv.conv_tma_checked(x, pw, bias, padding, a, cfg, stats_groups=stats_groups)
+            return tma_conv.conv_tma_checked(x, pw, bias, padding, a, cfg)
     N, T, H, W, CO, fp8 = a.N, a.T, a.H, a.W, pw.cout, a.fp8
     kt, kh, kw = pw.kernel
     ph, pwd = padding

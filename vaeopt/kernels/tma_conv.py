@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from vaeopt.kernels.conv import ConvArgs, PackedWeight, check_args
-from vaeopt.kernels.group_norm_silu import _cl_store_partials, attach_partials
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -38,8 +37,6 @@ except ImportError:  # pragma: no cover
 
 MEASURED_SM = ((9, 0),)
 ENABLED = True  # benchmarks switch it off to time the pointer kernel on the same process
-STATS_MAXNREG = 0  # experiment: cap registers of the stats variant (0: Triton's choice)
-STATS = True  # epilogues take the next GroupNorm's statistics where asked (benchmarks switch it off for A/B runs)
 
 
 def available(device: torch.device) -> bool:
@@ -51,40 +48,14 @@ def available(device: torch.device) -> bool:
 
 
 @triton.jit
-def _tile_stats(acc, n, h0, w0, H, W, y_dtype, part_ptr, smp, chunk, n_chunks, NS, G, CG,
-                BH: tl.constexpr, BW: tl.constexpr, BN: tl.constexpr, CG_POW2: tl.constexpr):
-    """The next GroupNorm's partials of this output tile (as group_norm_silu's stats kernel writes them, MINMAX): the
-    tile's pixels are one chunk of its sample, its BN channels (whole groups) rows [n / CG, (n + BN) / CG) of the
-    partials. The sums see the values as stored (rounded to y's dtype), shifted by the tile's per-channel mean."""
-    r = tl.arange(0, BH * BW)
-    valid = ((h0 + r // BW) < H) & ((w0 + r % BW) < W)  # the tile may overhang the frame
-    cnt = tl.sum(valid.to(tl.float32), axis=0)
-    # one [BM, BN] temporary at a time next to acc (the rounded values are formed again rather than kept: a 128x128
-    # fp32 tile is 64 registers per thread at 8 warps)
-    k = tl.sum(tl.where(valid[:, None], acc.to(y_dtype).to(tl.float32), 0.0), axis=0) / cnt
-    d = tl.where(valid[:, None], acc.to(y_dtype).to(tl.float32) - k[None, :], 0.0)
-    t1 = tl.reshape(tl.sum(d, axis=0), [1, BN])
-    t2 = tl.reshape(tl.sum(d * d, axis=0), [1, BN])
-    am = tl.reshape(tl.max(tl.abs(d), axis=0), [1, BN])
-    cols = tl.arange(0, BN)
-    # part_ptr shifted to this tile's first group: the helper's rows (smp * G + g) land on g0 + g
-    _cl_store_partials(t1, t2, am, k, cnt, part_ptr + (n // CG) * n_chunks, smp, chunk, n_chunks, NS, G,
-                       CG, cols, cols < BN, BN // CG, CG_POW2, True)
-
-
-@triton.jit
 def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.constexpr, BW: tl.constexpr,
                   BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PHASES: tl.constexpr, ph, pa,
-                  pb, STATS: tl.constexpr = False, H=0, W=0, part_ptr=None, smp=0, chunk=0, n_chunks=1, NS=1, G=1,
-                  CG=1, CG_POW2: tl.constexpr = 0):
+                  pb):
     cols = n + tl.arange(0, BN)
     if HAS_SCALE:  # phase ph's weight scales are rows [ph * co, (ph + 1) * co) of the packed weights
         acc = acc * (tl.load(s_ptr + ph * co + cols, mask=cols < co, other=0.0)[None, :] * xs)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols, mask=cols < co, other=0.0)[None, :]
-    if STATS:
-        _tile_stats(acc, n, h0, w0, H, W, y_desc.dtype, part_ptr, smp, chunk, n_chunks, NS, G, CG, BH, BW, BN,
-                    CG_POW2)
     if PHASES:  # y seen as (frames, H, 2, W, 2 * co): output pixel (2h + pa, 2w + pb)
         y_desc.store([f, h0, pa, w0, pb * co + n], tl.reshape(acc.to(y_desc.dtype), [1, BH, 1, BW, BN]))
     else:
@@ -128,11 +99,6 @@ def _tma_conv_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
     PHASES: tl.constexpr = False,  # the four 2x2 phase convs of a 2x upsample + 3x3 conv in one launch (see below)
-    STATS: tl.constexpr = False,  # also write the next GroupNorm's partials of the output (_tile_stats)
-    part_ptr=None,  # [5, NS * G, n_chunks] fp32 (STATS)
-    NS=1,  # samples (STATS)
-    G=1,  # groups (STATS)
-    CG_POW2: tl.constexpr = 0,  # channels per group (STATS: a power of two that divides BN0)
 ):
     pid = tl.program_id(0)
     # column tiles fastest: the programs that share an input box run together and meet it in L2
@@ -197,11 +163,8 @@ def _tma_conv_kernel(
         xs = tl.load(xs_ptr + smp)
     else:
         xs = x_scale
-    # STATS: the output tiles of one sample are its chunks (frames are samples: 2D convs only, see _launch)
-    n_chunks = nh * nw * (4 if PHASES else 1)
     _tma_epilogue(acc0, n0, CO, f, h0, w0, y0_desc, s_ptr, b_ptr, xs, BH, BW, BN0, HAS_SCALE, HAS_BIAS,
-                  PHASES, ph, pa, pb, STATS, H, W, part_ptr, smp, (pid // N_TILES) % n_chunks, n_chunks, NS, G,
-                  CG_POW2, CG_POW2)
+                  PHASES, ph, pa, pb)
     if BN1 > 0:
         _tma_epilogue(acc1, n0 + BN0, CO, f, h0, w0, y1_desc, s_ptr, b_ptr, xs, BH, BW, BN1, HAS_SCALE, HAS_BIAS,
                       PHASES, ph, pa, pb)
@@ -257,17 +220,16 @@ def conv_tma(
     x_scale: torch.Tensor | float | None = None,
     out_dtype: torch.dtype | None = None,
     config: TmaConfig | None = None,
-    stats_groups: int | None = None,
 ) -> torch.Tensor:
-    """The same contract as `conv.conv_igemm` (stride 1, 'same' spatial padding, no temporal padding, stats_groups),
-    through TMA boxes. pw must be packed K-major and Cin a multiple of the config's BK."""
+    """The same contract as `conv.conv_igemm` (stride 1, 'same' spatial padding, no temporal padding), through TMA
+    boxes. pw must be packed K-major and Cin a multiple of the config's BK."""
     a = check_args("conv_tma", x, pw, padding, x_scale, out_dtype)
     if not pw.kmajor:
         raise ValueError("conv_tma: weights must be packed K-major (pack_weight(..., kmajor=True))")
     cfg = config or tuned_config(pw.cin, pw.cout, a.W, a.fp8)
     if cfg is None:
         raise ValueError(f"conv_tma: no tile config for {pw.cin}->{pw.cout} channels (pass one)")
-    return conv_tma_checked(x, pw, bias, padding, a, cfg, stats_groups=stats_groups)
+    return conv_tma_checked(x, pw, bias, padding, a, cfg)
 
 
 def _check_k(who: str, C: int, cfg: TmaConfig) -> None:
@@ -278,26 +240,13 @@ def _check_k(who: str, C: int, cfg: TmaConfig) -> None:
         raise ValueError(f"{who}: Cin {C} is not a multiple of BK {cfg.bk}")
 
 
-def stats_ok(cfg: TmaConfig, a: ConvArgs, CO: int, G: int | None, numel: int, dev: torch.device) -> bool:
-    """Whether a launch can take the next GroupNorm's statistics (G groups) on its way: 2D convs (one frame per
-    sample), one accumulator whose width is whole power-of-two groups and divides Cout, and where the producer
-    rule of group_norm_silu says it pays (numel: output elements per sample)."""
-    from vaeopt.kernels.group_norm_silu import producer_stats_ok
-
-    if not STATS or not G or a.T != 1 or a.Tin != 1 or cfg.bn1 or CO % cfg.bn0 or CO % G:
-        return False
-    cg = CO // G
-    return cg & (cg - 1) == 0 and cfg.bn0 % cg == 0 and producer_stats_ok(CO, G, numel, dev)
-
-
 def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, a: ConvArgs,
             cfg: TmaConfig, yv: torch.Tensor, y_box: list[int], frames: int, T: int, CO: int, pads: tuple[int, int],
-            phases: bool, stats_groups: int | None = None) -> torch.Tensor | None:
+            phases: bool) -> None:
     """Encode the descriptors and launch _tma_conv_kernel over `frames` output frames (N*T, or N*4 phase frames).
     xd: the input as (frames_in, H, W, C); yv: the output view the store descriptor covers, y_box its box without
     the column width. Unused descriptors are passed as None (constexpr): each descriptor argument costs host time
-    at every launch. stats_groups (checked by the caller with stats_ok): also write the next GroupNorm's partials
-    (5, N * G, tiles per sample), returned."""
+    at every launch."""
     bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
     kt, kh, kw = pw.kernel
     b = bias.detach().float().contiguous() if bias is not None else None
@@ -311,10 +260,6 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
     y1_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn1]) if bn1 else None
     n_tiles = triton.cdiv(CO, cfg.n_width())
     grid = (frames * triton.cdiv(a.H, bh) * triton.cdiv(a.W, bw) * n_tiles,)
-    part = None
-    if stats_groups:
-        chunks = triton.cdiv(a.H, bh) * triton.cdiv(a.W, bw) * (4 if phases else 1)
-        part = torch.empty((5, a.N * stats_groups, chunks), device=x.device, dtype=torch.float32)
     _tma_conv_kernel[grid](
         x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc,
         b, pw.scale if a.fp8 else None, a.xs_t, a.xs_f,
@@ -322,24 +267,19 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
         KT=kt, KH=kh, KW=kw, PH=pads[0], PW=pads[1], BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
         HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
         DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, PHASES=phases,
-        STATS=part is not None, part_ptr=part, NS=a.N, G=stats_groups or 1,
-        CG_POW2=CO // stats_groups if part is not None else 0,
-        num_warps=cfg.num_warps, **({"maxnreg": STATS_MAXNREG} if part is not None and STATS_MAXNREG else {}),
+        num_warps=cfg.num_warps,
     )
-    return part
 
 
 def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | None, a: ConvArgs,
-                       cfg: TmaConfig, stats_groups: int | None = None) -> torch.Tensor:
+                       cfg: TmaConfig) -> torch.Tensor:
     """conv3x3(2x nearest upsample of x) as its four 2x2 phase convs in one launch (kernels/upconv.py explains the
     phases). x: (N, Cin, H, W) channels_last, pw4: the K-major packed phase kernels (4 * Cout, Cin, 2, 2), phase
     p = 2a + b in rows [p * Cout, (p + 1) * Cout); `a` describes x (N, H, W, scales; Tin = T = 1). Each program
     computes one phase of one output tile, with top/left padding (1 - a, 1 - b), and stores it through a descriptor
     of the output seen as (N, H, 2, W, 2 * Cout): no phase-stacked buffer, no interleave pass. Cout must be a
     multiple of the config's column tile, so that a store box never reaches into the other column phase.
-    x and pw4 were checked by the caller (upconv.upconv2x_e4m3). Returns (N, 2H, 2W, Cout) dense (NHWC) in a.odt.
-    stats_groups=G: a GroupNorm of G groups reads the output next; where stats_ok, the epilogue takes its partials
-    and notes them on the output's NCHW view (y.permute(0, 3, 1, 2), what the caller returns)."""
+    x and pw4 were checked by the caller (upconv.upconv2x_e4m3). Returns (N, 2H, 2W, Cout) dense (NHWC) in a.odt."""
     N, H, W = a.N, a.H, a.W
     CO = pw4.cout // 4
     if CO % cfg.n_width():
@@ -347,25 +287,19 @@ def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | 
     _check_k("upconv_tma", pw4.cin, cfg)
     y = torch.empty((N, 2 * H, 2 * W, CO), device=x.device, dtype=a.odt)
     if y.numel():
-        G = stats_groups if stats_ok(cfg, a, CO, stats_groups, 4 * H * W * CO, x.device) else None
-        part = _launch(x, x.permute(0, 2, 3, 1), pw4, bias, a, cfg, y.view(N, H, 2, W, 2 * CO),
-                       [1, cfg.bh, 1, cfg.bw], N * 4, 1, CO, (1, 1), True, G)
-        if part is not None:
-            attach_partials(y.permute(0, 3, 1, 2), G, part)
+        _launch(x, x.permute(0, 2, 3, 1), pw4, bias, a, cfg, y.view(N, H, 2, W, 2 * CO), [1, cfg.bh, 1, cfg.bw],
+                N * 4, 1, CO, (1, 1), True)
     return y
 
 
 def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, padding: tuple[int, int],
-                     a: ConvArgs, cfg: TmaConfig, yd: torch.Tensor | None = None,
-                     stats_groups: int | None = None) -> torch.Tensor | None:
+                     a: ConvArgs, cfg: TmaConfig, yd: torch.Tensor | None = None) -> torch.Tensor | None:
     """conv_tma after its arguments were checked (`a` from conv.check_args, pw K-major): what conv_igemm's dispatch
     calls, so that a dispatched call is validated once.
 
     padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. yd: an
     (N*T, H, W, Cout) view to store into instead of a new tensor, any strides TMA takes (last dim dense, the others
-    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_e4m3); returns None then.
-    stats_groups=G: a GroupNorm of G groups reads the (new) output next; where stats_ok, the epilogue takes its
-    partials and notes them on the returned tensor (group_norm_silu.attach_partials)."""
+    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_e4m3); returns None then."""
     N, Tin, T, H, W = a.N, a.Tin, a.T, a.H, a.W
     _check_k("conv_tma", pw.cin, cfg)
     if yd is None:
@@ -375,9 +309,5 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
         y = None
     if yd.numel():
         xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, pw.cin)
-        G = stats_groups if y is not None and x.ndim == 4 and stats_ok(cfg, a, pw.cout, stats_groups,
-                                                                        H * W * pw.cout, x.device) else None
-        part = _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False, G)
-        if part is not None:
-            attach_partials(y, G, part)
+        _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False)
     return y

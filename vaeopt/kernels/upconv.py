@@ -74,8 +74,7 @@ def _phase_slice(pw4, p: int):
 
 
 def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16, config=None, merged: bool = True,
-                  stats_groups: int | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, config=None, merged: bool = True) -> torch.Tensor:
     """conv3x3(2x nearest upsample of x) for an e4m3 x (N, Cin, H, W) channels_last with per-sample scales
     (x ≈ x8 * x_scale[n]) and pw4 = phase_weights_e4m3(w): (N, Cout, 2H, 2W) channels_last in out_dtype.
 
@@ -84,8 +83,7 @@ def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
     stored straight into its strided place out[:, 2i + a, 2j + b]: no phase-stacked buffer, no interleave pass.
     merged: the four phases in one launch (tma_conv.upconv_tma_checked); else four launches, one per phase. Needs
     TMA descriptors (sm_90 on a GPU; the interpreter on CPU) and a tile config for the channel counts
-    (tma_conv.tuned_upconv_config unless `config` is given). stats_groups=G: a GroupNorm of G groups reads the
-    output next; the merged launch takes its statistics where it can (tma_conv.upconv_tma_checked)."""
+    (tma_conv.tuned_upconv_config unless `config` is given)."""
     from vaeopt.kernels.conv import E4M3, ConvArgs, per_sample_scales
     from vaeopt.kernels.tma_conv import conv_tma_checked, tuned_upconv_config, upconv_tma_checked
 
@@ -106,7 +104,7 @@ def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
         raise ValueError(f"upconv2x_e4m3: no TMA tile for {C}->{CO} channels")
     args = ConvArgs(N, 1, 1, H, W, True, out_dtype, xs, 1.0, False)
     if merged:
-        return upconv_tma_checked(x8, pw4, bias, args, cfg, stats_groups).permute(0, 3, 1, 2)
+        return upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)
     y = torch.empty((N, 2 * H, 2 * W, CO), dtype=out_dtype, device=x8.device)
     y6 = y.view(N, H, 2, W, 2, CO)
     for p in range(4):

@@ -151,10 +151,8 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     from vaeopt.kernels.epilogue import bias_residual
 
     c1, c2, n1, n2, sc = self.conv1, self.conv2, self.norm1, self.norm2, self.conv_shortcut
-    # fused GroupNorm + SiLU, then conv1: without its bias (folded into norm2), or on the e4m3 kernel with it, taking
-    # norm2's statistics on the way where it can
-    h, own_bias = _norm_conv(n1, c1, x, None, stats_groups=n2.num_groups if _NOTES_ON.get() else None)
-    h, _ = _norm_conv(n2, c2, h, None if own_bias else c1.bias)  # conv2 without its bias
+    h = _norm_conv(n1, c1, x, None)  # fused GroupNorm + SiLU, conv1 without its bias
+    h = _norm_conv(n2, c2, h, c1.bias)  # conv1's bias folded into norm2, conv2 without its bias
     rb = None
     if sc is None:
         res = x
@@ -207,29 +205,24 @@ def _fp8_weights(conv, x: torch.Tensor):
     return packed_fp8(conv)
 
 
-def _norm_conv(norm, conv, x: torch.Tensor, x_bias, stats_groups: int | None = None) -> tuple[torch.Tensor, bool]:
-    """conv(silu(group_norm(x + x_bias))) -> (output, whether it includes conv's bias). cuDNN (after the bf16 norm
-    kernel) runs without the bias, which the caller folds into the next kernel. For an fp8-marked conv the norm
-    kernel writes e4m3 with a per-sample scale derived from bounds of the group max/min, and the conv is the e4m3
-    implicit-GEMM kernel (fp32 accumulation, output in x's dtype): when the caller names the groups of the norm that
-    reads the output next (stats_groups), that conv adds its bias in its epilogue and takes the norm's statistics
-    there (kernels/tma_conv, where the kernel can)."""
+def _norm_conv(norm, conv, x: torch.Tensor, x_bias) -> torch.Tensor:
+    """conv(silu(group_norm(x + x_bias))) without conv's bias. For an fp8-marked conv the norm kernel writes e4m3
+    with a per-sample scale derived from bounds of the group max/min, and the conv is the e4m3 implicit-GEMM kernel
+    (fp32 accumulation, output in x's dtype); otherwise the bf16 norm kernel and cuDNN."""
     pw = _fp8_weights(conv, x)
     if pw is not None:
         from vaeopt.kernels.conv import conv_igemm
         from vaeopt.kernels.group_norm_silu import group_norm_silu_e4m3
 
         h8, s = group_norm_silu_e4m3(x, norm.num_groups, norm.weight, norm.bias, norm.eps, True, x_bias=x_bias)
-        own = bool(stats_groups)
-        return conv_igemm(h8, pw, conv.bias if own else None, tuple(conv.padding), x_scale=s, out_dtype=x.dtype,
-                          stats_groups=stats_groups), own
+        return conv_igemm(h8, pw, None, tuple(conv.padding), x_scale=s, out_dtype=x.dtype)
     if x_bias is None:
         h = norm(x)
     else:
         from vaeopt.kernels.group_norm_silu import group_norm_silu
 
         h = group_norm_silu(x, norm.num_groups, norm.weight, norm.bias, norm.eps, True, x_bias=x_bias)
-    return _conv_nobias(conv, h), False
+    return _conv_nobias(conv, h)
 
 
 # --- Upsample2D --------------------------------------------------------------------------------------------------

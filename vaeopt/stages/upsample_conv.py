@@ -165,15 +165,15 @@ def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
     fp8=True (the whole-image decode's Upsample2D forward): when FP8 level 3 marked the conv, x is quantized to
     e4m3 per sample (kernels/act_quant.py) and the phases run on the e4m3 TMA conv kernel, written straight into
     the upsampled output (kernels/upconv.upconv2x_e4m3). Tiled decodes keep bf16 (a tile's scale would differ from
-    the whole image's). stats_groups: a GroupNorm of that many groups reads the output next; the e4m3 kernel's
-    epilogue or the bf16 path's interleave pass takes its statistics (kernels/upconv)."""
+    the whole image's). stats_groups: a GroupNorm of that many groups reads the output next; the bf16 path's
+    interleave pass takes its statistics (kernels/upconv.interleave_phases)."""
     pw4 = _fp8_phase(conv, x) if fp8 else None
     if pw4 is not None:
         from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
         from vaeopt.kernels.upconv import upconv2x_e4m3
 
         x8, s = quantize_e4m3_per_sample(x)
-        return upconv2x_e4m3(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype, stats_groups=stats_groups)
+        return upconv2x_e4m3(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
     from vaeopt.kernels.upconv import upconv2x
 
     return upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None, stats_groups)
