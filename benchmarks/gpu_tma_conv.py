@@ -30,13 +30,16 @@ sys.path.insert(0, str(HERE.parent))
 
 import triton  # noqa: E402
 
-from _common import event_ms, no_tf32, out_dir, run_meta  # noqa: E402
+from _common import event_ms, graph_ms, no_tf32, out_dir, run_meta  # noqa: E402
 from vaeopt.kernels import conv as K  # noqa: E402
 from vaeopt.kernels.tma_conv import TmaConfig, conv_tma  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--no-fp8", action="store_true")
+ap.add_argument("--fp8-only", action="store_true", help="skip the bf16 kernels' rows (cuDNN stays, as the reference)")
+ap.add_argument("--graph", action="store_true", help="time the sweep's configs as CUDA-graph replays (GPU time only; "
+                "event timing of single launches includes the host's descriptor setup when that is slower)")
 ap.add_argument("--budget-s", type=float, default=420.0)
 ap.add_argument("--shapes", default="", help="comma-separated row names (default: all)")
 ap.add_argument("--launch", action="store_true", help="only: host time per call of a tiny e4m3 conv, both kernels")
@@ -105,7 +108,8 @@ def time_tma(x, pw, xs, cfgs, ref_fast):
             y = conv_tma(x, pw, None, (1, 1), x_scale=xs, config=cfg)
             torch.cuda.synchronize()
             err = rel(y, ref_fast)
-            ms = event_ms(lambda: conv_tma(x, pw, None, (1, 1), x_scale=xs, config=cfg), 10, 2)
+            f = lambda: conv_tma(x, pw, None, (1, 1), x_scale=xs, config=cfg)  # noqa: E731
+            ms = graph_ms(f, n=10, reps=10) if args.graph else event_ms(f, 10, 2)
         except Exception as e:  # noqa: BLE001 (compile errors, shared memory limits)
             res.append({"cfg": str(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
@@ -175,10 +179,11 @@ for kind, shapes in (("video", VIDEO), ("image", IMAGE)):
             r["err_stack2d"] = rel(F.conv2d(xs4, ws, None, 1, 1).permute(1, 0, 2, 3).unsqueeze(0), ref)
             del xsk, xs4
         pw = K.pack_weight(w)
-        r["ms_igemm"] = event_ms(lambda: K.conv_igemm(x, pw, None, (1, 1)), 10, 2)
-        r["err_igemm"] = rel(K.conv_igemm(x, pw, None, (1, 1)), ref)
+        if not args.fp8_only:
+            r["ms_igemm"] = event_ms(lambda: K.conv_igemm(x, pw, None, (1, 1)), 10, 2)
+            r["err_igemm"] = rel(K.conv_igemm(x, pw, None, (1, 1)), ref)
         pwk = K.pack_weight(w, kmajor=True)
-        r["tma"], best = time_tma(x, pwk, None, sweep(c, W, False), ycud)
+        r["tma"], best = time_tma(x, pwk, None, sweep(c, W, False), ycud) if not args.fp8_only else ([], None)
         if best:
             r["ms_tma"], r["cfg_tma"] = best[0], str(best[1])
             r["err_tma"] = rel(conv_tma(x, pwk, None, (1, 1), config=best[1]), ref)

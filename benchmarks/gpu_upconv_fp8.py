@@ -25,13 +25,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import event_ms, no_tf32, out_dir, run_meta  # noqa: E402
+from _common import event_ms, graph_ms, no_tf32, out_dir, run_meta  # noqa: E402
 from vaeopt.kernels import upconv as U  # noqa: E402
 from vaeopt.kernels.act_quant import quantize_e4m3_per_sample  # noqa: E402
 from vaeopt.kernels.tma_conv import TmaConfig, tuned_upconv_config  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--budget-s", type=float, default=240.0)
+ap.add_argument("--graph", action="store_true", help="time the e4m3 configs as CUDA-graph replays (GPU time only)")
+ap.add_argument("--no-split", action="store_true", help="merged launches only")
 args = ap.parse_args()
 OUT = out_dir()
 dev = torch.device("cuda")
@@ -42,7 +44,8 @@ SHAPES = [("sdxl up0 512@128", 512, 512, 128, 128), ("sdxl up1 512@256", 512, 51
           ("sdxl up2 256@512", 256, 256, 512, 512)]
 CFGS = [TmaConfig(4, 32, 128, 128, 0, 8, 4), TmaConfig(2, 64, 128, 128, 0, 8, 4), TmaConfig(1, 128, 128, 128, 0, 8, 4),
         TmaConfig(8, 16, 128, 128, 0, 8, 4), TmaConfig(4, 32, 128, 256, 0, 8, 3), TmaConfig(4, 32, 64, 128, 0, 4, 4),
-        TmaConfig(2, 64, 128, 256, 0, 8, 3), TmaConfig(4, 64, 128, 128, 0, 8, 3)]
+        TmaConfig(2, 64, 128, 256, 0, 8, 3), TmaConfig(4, 64, 128, 128, 0, 8, 3), TmaConfig(1, 128, 128, 128, 0, 8, 3),
+        TmaConfig(2, 64, 128, 128, 0, 8, 3), TmaConfig(8, 16, 128, 128, 0, 8, 3)]
 
 
 def rel(a, r):
@@ -74,11 +77,12 @@ for name, ci, co, H, W in SHAPES:
         if key in row["configs"]:
             continue
         row["configs"][key] = {}
-        for merged in (True, False):
+        for merged in (True,) if args.no_split else (True, False):
             tag = "merged" if merged else "split"
             try:
                 y = U.upconv2x_e4m3(x8, s, pws, b, config=cfg, merged=merged)
-                ms = event_ms(lambda: U.upconv2x_e4m3(x8, s, pws, b, config=cfg, merged=merged))
+                f = lambda: U.upconv2x_e4m3(x8, s, pws, b, config=cfg, merged=merged)  # noqa: E731
+                ms = graph_ms(f, n=10, reps=10) if args.graph else event_ms(f)
                 e = rel(y, ref)
             except Exception as ex:  # a config that does not compile (shared memory, registers)
                 row["configs"][key][tag] = {"error": f"{type(ex).__name__}: {str(ex)[:160]}"}

@@ -95,10 +95,11 @@ def test_dispatch_only_on_measured_gpus(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_dispatch_and_match():
-    """On the GPU the e4m3 96- and 128-channel layers go to the TMA kernel (when sm_90) and match the pointer
-    kernel; bf16 with an explicit config matches cuDNN."""
+    """On the GPU the e4m3 96- and 128-channel layers go to the TMA kernel (when sm_90; the image layers' row tile
+    from 128 px width on, a 96 x 160 frame that no row tile covers exactly) and match the pointer kernel; bf16 with
+    an explicit config matches cuDNN."""
     dev = torch.device("cuda")
-    for shape in [(1, 96, 96, 4, 60, 104, 3), (1, 128, 128, 1, 64, 64, None)]:
+    for shape in [(1, 96, 96, 4, 60, 104, 3), (1, 128, 128, 1, 64, 64, None), (1, 256, 128, 1, 96, 160, None)]:
         x, w, b = _case(*shape, dtype=torch.bfloat16, device="cuda")
         xq, s = K.quantize_activation(x)
         pw = K.pack_weight(w, K.E4M3)
@@ -112,7 +113,7 @@ def test_gpu_dispatch_and_match():
         assert _rel(y, K.conv_reference(x, w, b, (1, 1))) < 0.08
         if torch.cuda.get_device_capability(dev) == (9, 0):
             cfg = TC.tuned_config(shape[1], shape[2], shape[5], True)
-            assert cfg is not None
+            assert cfg is not None and (cfg == TC.ROW_TILE) == (shape[1] != 96 and shape[5] >= 128)
             cfg16 = TC.TmaConfig(1, 128, 32, 64, 32, 4, 3) if shape[1] == 96 else TC.TmaConfig(1, 128, 64, 128, 0, 8, 3)
             y16 = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg16)
             assert _rel(y16, K.conv_reference(x, w, b, (1, 1))) < 1e-2

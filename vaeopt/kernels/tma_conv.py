@@ -185,9 +185,13 @@ class TmaConfig:
         return self.bn0 + self.bn1
 
 
+ROW_TILE = TmaConfig(1, 128, 128, 128, 0, 8, 3)  # the image decoders' e4m3 layers at >= 128 px width
+
+
 def tuned_config(cin: int, cout: int, w: int, fp8: bool) -> TmaConfig | None:
-    """The measured best tile for an e4m3 layer class on an H200, or None where the pointer kernel stays
-    (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/perf-notes.md E20). bf16: None everywhere: per call
+    """The measured best tile for an e4m3 layer class, or None where the pointer kernel stays: Wan's 96/192 ch from
+    H200 sweeps (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/perf-notes.md E20), the image decoders'
+    128-512 ch from CUDA-graph-timed sweeps on an H100 and an H200 (E27). bf16: None everywhere: per call
     the kernel trails cuDNN at >= 128 channels (460-570 vs 690-770 TFLOP/s), and Wan's 96-channel convs on it
     (unstacked) made the whole 480p decode slower than the time-stacked cuDNN path (644 vs 616 ms)."""
     if not fp8:
@@ -197,17 +201,20 @@ def tuned_config(cin: int, cout: int, w: int, fp8: bool) -> TmaConfig | None:
     if cin == cout == 192:
         return TmaConfig(1, 128, 64, 128, 64, 8, 3)
     if cin % 128 == 0 and cout % 128 == 0 and w >= 32:  # measured at Cin = Cout; the tile is the same for 512 -> 256
-        return TmaConfig(4, 32, 128, 128, 0, 8, 4)
+        # one 128-pixel row, 3 stages: 3-13% faster per call than 4 x 32 at 128-512 ch on an H100 and an H200 when
+        # timed as CUDA-graph replays (h{100,200}_tma_conv_2026-11-22g.json); decodes bitwise equal (E27)
+        return ROW_TILE if w >= 128 else TmaConfig(4, 32, 128, 128, 0, 8, 4)
     return None
 
 
 def tuned_upconv_config(cin: int, cout: int) -> TmaConfig | None:
-    """The measured tile for the merged e4m3 phase convs of an upsampler (upconv_tma_checked), H200
-    (benchmarks/results/h200_upconv_fp8_2026-11-21b.json): 8 x 16-pixel tiles, K steps of 128 channels, 128 output
-    channels per program was the fastest of 8 configs at all three SDXL shapes (512 ch @128² and @256², 256 ch
-    @512²). None where the channels do not fit it."""
+    """The measured tile for the merged e4m3 phase convs of an upsampler (upconv_tma_checked): the resnet convs' row
+    tile. Timed as CUDA-graph replays at the three SDXL shapes (512 ch @128² and @256², 256 ch @512²) it was the
+    fastest of 11 configs on an H100 (4-12% ahead of the 8 x 16 tile chosen before from event-timed launches) and on
+    an H200 but for 256 ch @512², 1% behind (h{100,200}_upconv_fp8_2026-11-22g.json). None where the channels do
+    not fit it."""
     if cin % 128 == 0 and cout % 128 == 0:
-        return TmaConfig(8, 16, 128, 128, 0, 8, 4)
+        return ROW_TILE
     return None
 
 
