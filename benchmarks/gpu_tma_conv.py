@@ -162,7 +162,7 @@ for kind, shapes in (("video", VIDEO), ("image", IMAGE)):
             fl = 2 * H * W * c * c * 9
         r = {"shape": name, "kind": kind, "C": c, "H": H, "W": W, "T": T if kind == "video" else 1, "flop": fl}
         ycud = cud()
-        r["ms_cudnn"], r["err_cudnn"] = event_ms(cud), rel(ycud, ref)
+        r["ms_cudnn"], r["err_cudnn"] = (graph_ms(cud, n=10, reps=10) if args.graph else event_ms(cud)), rel(ycud, ref)
         if kind == "video":
             ws = w.permute(0, 2, 1, 3, 4).reshape(c, 3 * c, 3, 3).contiguous(memory_format=torch.channels_last)
             xsk = torch.empty((T, H, W, 3 * c), device=dev, dtype=x.dtype)
