@@ -29,6 +29,8 @@ from vaeopt.kernels.conv import E4M3, conv_igemm, pack_weight  # noqa: E402
 from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3  # noqa: E402
 
 gns = importlib.import_module("vaeopt.kernels.group_norm_silu")
+if not hasattr(tma_conv, "_tile_stats"):  # the experiment was reverted: both variants would be the same code
+    sys.exit("gpu_conv_stats.py needs the experiment's code: git checkout 1d98c9b (see the docstring)")
 ap = argparse.ArgumentParser()
 ap.add_argument("--workloads", default="sdxl-1024,flux-1024")
 ap.add_argument("--rounds", type=int, default=15)

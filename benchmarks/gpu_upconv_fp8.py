@@ -2,7 +2,8 @@
 
     python3 benchmarks/gpu_upconv_fp8.py [--budget-s 240]   # sm_90; writes $OUT/upconv_fp8.json
 
-Per SDXL/FLUX upsampler shape (1024² decode), CUDA-event medians of
+Per SDXL/FLUX upsampler shape (1024² decode), CUDA-event medians (with --graph: the e4m3 configs as CUDA-graph
+replays, the bf16 / quant / total columns still event-timed, so compare within a column) of
   bf16:    cuDNN 2x2 conv with 4*Cout channels + the Triton interleave (bias added): today's path
   quant:   the per-sample e4m3 quantization of the input alone (kernels/act_quant.py: amax pass + cast pass)
   e4m3 <cfg>: the four phase convs on the TMA kernel, input already quantized, stored into the upsampled output:
@@ -70,7 +71,7 @@ for name, ci, co, H, W in SHAPES:
     pws = U.phase_weights_e4m3(w)
     row["configs"] = {}
     best = None
-    for cfg in [tuned_upconv_config(ci, co)] + CFGS:
+    for cfg in [tuned_upconv_config(ci, co, W)] + CFGS:
         if cfg is None or time.time() - t_start > args.budget_s:
             continue
         key = str(cfg)
@@ -91,7 +92,7 @@ for name, ci, co, H, W in SHAPES:
             if merged and (best is None or ms < best[1]):
                 best = (cfg, ms, e)
     row["e4m3_best_cfg"], row["e4m3_conv_ms"], row["e4m3_rel"] = str(best[0]), best[1], best[2]
-    tuned = row["configs"].get(str(tuned_upconv_config(ci, co)), {})
+    tuned = row["configs"].get(str(tuned_upconv_config(ci, co, W)), {})
     row["e4m3_tuned_ms"] = tuned.get("merged", {}).get("ms")
     row["e4m3_tuned_split_ms"] = tuned.get("split", {}).get("ms")
 
@@ -104,7 +105,8 @@ for name, ci, co, H, W in SHAPES:
     print(name, {k: v for k, v in row.items() if k != "configs"}, flush=True)
 
 meta = run_meta("python3 benchmarks/gpu_upconv_fp8.py " + " ".join(sys.argv[1:]))
-(OUT / "upconv_fp8.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+(OUT / "upconv_fp8.json").write_text(json.dumps({**meta, "timing": "graph" if args.graph else "event", "rows": rows},
+                                                indent=1))
 print(f"\n# {meta['gpu']}: upsampler phase convs, bf16 (cuDNN + interleave) vs e4m3 (TMA kernel), ms per call")
 print(f"{'shape':18s} {'bf16':>7s} {'quant':>7s} {'tuned split':>11s} {'tuned':>7s} {'best':>7s} {'total':>7s}  "
       "rel bf16 / e4m3")

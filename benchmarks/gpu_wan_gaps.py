@@ -60,7 +60,7 @@ for i, (a, b, name) in enumerate(kern):
         gaps.append((a - end, end, kern[i - 1][2] if i else "", name))
     busy += max(0.0, b - max(a, end))
     end = max(end, b)
-span = (kern[-1][1] - kern[0][0]) / 1e3
+span = (end - kern[0][0]) / 1e3  # to the latest kernel end
 cpu_ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev
                  if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "python_function"))
 

@@ -85,6 +85,15 @@ def test_dispatch_only_on_measured_gpus(monkeypatch):
     assert TC.tuned_config(96, 96, 832, False) is None  # bf16: cuDNN / the stacked path measured faster
     assert TC.tuned_config(192, 96, 416, True) is None
     assert TC.tuned_config(512, 256, 512, True) is not None  # SDXL's 512 -> 256 resnet conv
+    # 128-512 ch: one 128-px row where the width is a multiple of 128 (2D convs), else 4 x 32 (a row would overhang;
+    # Wan's causal Conv3d layers were not re-measured)
+    assert TC.tuned_config(128, 128, 1024, True) == TC.ROW_TILE
+    assert TC.tuned_config(128, 128, 160, True) not in (None, TC.ROW_TILE)
+    assert TC.tuned_config(384, 384, 256, True, video=True) not in (None, TC.ROW_TILE)
+    assert TC.tuned_upconv_config(256, 256, 512) == TC.ROW_TILE
+    assert TC.tuned_upconv_config(512, 512, 64) not in (None, TC.ROW_TILE)
+    assert TC.tuned_upconv_config(512, 512) not in (None, TC.ROW_TILE)  # width unknown
+    assert TC.tuned_upconv_config(256, 96, 512) is None
     called = []
     monkeypatch.setattr(TC, "conv_tma_checked", lambda *a, **k: called.append(1))
     x, w, b = _case(1, 16, 16, 1, 4, 4, None)
@@ -95,11 +104,12 @@ def test_dispatch_only_on_measured_gpus(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_dispatch_and_match():
-    """On the GPU the e4m3 96- and 128-channel layers go to the TMA kernel (when sm_90; the image layers' row tile
-    from 128 px width on, a 96 x 160 frame that no row tile covers exactly) and match the pointer kernel; bf16 with
-    an explicit config matches cuDNN."""
+    """On the GPU the e4m3 96- and 128-channel layers go to the TMA kernel (when sm_90; the row tile on a batch of
+    two 256-px-wide frames, 4 x 32 on 64- and 160-px ones) and match the pointer kernel; bf16 with an explicit config
+    matches cuDNN."""
     dev = torch.device("cuda")
-    for shape in [(1, 96, 96, 4, 60, 104, 3), (1, 128, 128, 1, 64, 64, None), (1, 256, 128, 1, 96, 160, None)]:
+    for shape in [(1, 96, 96, 4, 60, 104, 3), (1, 128, 128, 1, 64, 64, None), (1, 256, 128, 1, 96, 160, None),
+                  (2, 256, 128, 1, 40, 256, None)]:
         x, w, b = _case(*shape, dtype=torch.bfloat16, device="cuda")
         xq, s = K.quantize_activation(x)
         pw = K.pack_weight(w, K.E4M3)
@@ -113,7 +123,7 @@ def test_gpu_dispatch_and_match():
         assert _rel(y, K.conv_reference(x, w, b, (1, 1))) < 0.08
         if torch.cuda.get_device_capability(dev) == (9, 0):
             cfg = TC.tuned_config(shape[1], shape[2], shape[5], True)
-            assert cfg is not None and (cfg == TC.ROW_TILE) == (shape[1] != 96 and shape[5] >= 128)
+            assert cfg is not None and (cfg == TC.ROW_TILE) == (shape[1] != 96 and shape[5] % 128 == 0)
             cfg16 = TC.TmaConfig(1, 128, 32, 64, 32, 4, 3) if shape[1] == 96 else TC.TmaConfig(1, 128, 64, 128, 0, 8, 3)
             y16 = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg16)
             assert _rel(y16, K.conv_reference(x, w, b, (1, 1))) < 1e-2

@@ -273,7 +273,8 @@ def test_fp8_upsampler_convs_join_the_gate(samples_dir, monkeypatch):
     assert triton_conv.fp8_upsampler_candidates(model, torch.device("cpu")) == []  # no TMA on CPU
     monkeypatch.setattr(tma_conv, "available", lambda d: True)
     # big tiles: few interpreted programs
-    monkeypatch.setattr(tma_conv, "tuned_upconv_config", lambda ci, co: tma_conv.TmaConfig(8, 8, 32, co, 0, 4, 1))
+    monkeypatch.setattr(tma_conv, "tuned_upconv_config",
+                        lambda ci, co, w=None: tma_conv.TmaConfig(8, 8, 32, co, 0, 4, 1))
     ups = triton_conv.fp8_upsampler_candidates(model, torch.device("cpu"))
     assert [n for n, _ in ups] == [f"decoder.up_blocks.{i}.upsamplers.0.conv" for i in range(len(ups))]
     assert len(ups) == sum(b.upsamplers is not None for b in model.decoder.up_blocks)

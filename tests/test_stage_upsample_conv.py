@@ -348,7 +348,7 @@ def test_fp8_upsampler_runs_only_where_marked_and_whole_image(small_kl, monkeypa
             model.decode(z)
         assert calls == [], "no TMA here (CPU): marked convs stay on the plain phase convs"
         monkeypatch.setattr(tma_conv, "available", lambda d: True)
-        monkeypatch.setattr(tma_conv, "tuned_upconv_config", lambda ci, co: TmaConfig(8, 8, 32, co, 0, 4, 1))
+        monkeypatch.setattr(tma_conv, "tuned_upconv_config", lambda ci, co, w=None: TmaConfig(8, 8, 32, co, 0, 4, 1))
         x = torch.randn(1, convs[0].in_channels, 4, 4).contiguous(memory_format=torch.channels_last)
         upsample_conv.run(convs[0], x)  # default fp8=False: what the tiler calls
         assert calls == []

@@ -313,7 +313,7 @@ def conv_igemm(
     if config is None and pw.kmajor and x.is_cuda:
         from vaeopt.kernels import tma_conv
 
-        if tma_conv.available(x.device) and (cfg := tma_conv.tuned_config(pw.cin, pw.cout, a.W, a.fp8)):
+        if tma_conv.available(x.device) and (cfg := tma_conv.tuned_config(pw.cin, pw.cout, a.W, a.fp8, a.video)):
             return tma_conv.conv_tma_checked(x, pw, bias, padding, a, cfg)
     N, T, H, W, CO, fp8 = a.N, a.T, a.H, a.W, pw.cout, a.fp8
     kt, kh, kw = pw.kernel

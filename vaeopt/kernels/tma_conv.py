@@ -185,14 +185,19 @@ class TmaConfig:
         return self.bn0 + self.bn1
 
 
-ROW_TILE = TmaConfig(1, 128, 128, 128, 0, 8, 3)  # the image decoders' e4m3 layers at >= 128 px width
+ROW_TILE = TmaConfig(1, 128, 128, 128, 0, 8, 3)  # 2D e4m3 layers whose width is a multiple of 128 (E27)
+_TILE_4X32 = TmaConfig(4, 32, 128, 128, 0, 8, 4)  # E20's tile for 128-512 ch: Conv3d layers, other widths
+_TILE_8X16 = TmaConfig(8, 16, 128, 128, 0, 8, 4)  # E21's tile for the phase convs at other widths
 
 
-def tuned_config(cin: int, cout: int, w: int, fp8: bool) -> TmaConfig | None:
+def tuned_config(cin: int, cout: int, w: int, fp8: bool, video: bool = False) -> TmaConfig | None:
     """The measured best tile for an e4m3 layer class, or None where the pointer kernel stays: Wan's 96/192 ch from
-    H200 sweeps (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/perf-notes.md E20), the image decoders'
-    128-512 ch from CUDA-graph-timed sweeps on an H100 and an H200 (E27). bf16: None everywhere: per call
-    the kernel trails cuDNN at >= 128 channels (460-570 vs 690-770 TFLOP/s), and Wan's 96-channel convs on it
+    H200 sweeps (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/perf-notes.md E20); 128-512 ch: one
+    128-pixel row with 3 stages for 2D convs whose width w is a multiple of 128 (the image decoders' measured shapes:
+    3-13% faster per call than 4 x 32 on an H100 and an H200 as CUDA-graph replays, whole decodes bitwise equal and
+    faster, h{100,200}_tma_conv_2026-11-22g.json, h{100,200}_tma_tiles_2026-11-22.json, E27), else E20's 4 x 32
+    (video: causal Conv3d layers, not re-measured). bf16: None everywhere: per call the kernel trails cuDNN at >= 128
+    channels (460-570 vs 690-770 TFLOP/s; 13-19% behind as graph replays, E27), and Wan's 96-channel convs on it
     (unstacked) made the whole 480p decode slower than the time-stacked cuDNN path (644 vs 616 ms)."""
     if not fp8:
         return None
@@ -201,20 +206,18 @@ def tuned_config(cin: int, cout: int, w: int, fp8: bool) -> TmaConfig | None:
     if cin == cout == 192:
         return TmaConfig(1, 128, 64, 128, 64, 8, 3)
     if cin % 128 == 0 and cout % 128 == 0 and w >= 32:  # measured at Cin = Cout; the tile is the same for 512 -> 256
-        # one 128-pixel row, 3 stages: 3-13% faster per call than 4 x 32 at 128-512 ch on an H100 and an H200 when
-        # timed as CUDA-graph replays (h{100,200}_tma_conv_2026-11-22g.json); decodes bitwise equal (E27)
-        return ROW_TILE if w >= 128 else TmaConfig(4, 32, 128, 128, 0, 8, 4)
+        return ROW_TILE if not video and w % 128 == 0 else _TILE_4X32
     return None
 
 
-def tuned_upconv_config(cin: int, cout: int) -> TmaConfig | None:
-    """The measured tile for the merged e4m3 phase convs of an upsampler (upconv_tma_checked): the resnet convs' row
-    tile. Timed as CUDA-graph replays at the three SDXL shapes (512 ch @128² and @256², 256 ch @512²) it was the
-    fastest of 11 configs on an H100 (4-12% ahead of the 8 x 16 tile chosen before from event-timed launches) and on
-    an H200 but for 256 ch @512², 1% behind (h{100,200}_upconv_fp8_2026-11-22g.json). None where the channels do
-    not fit it."""
+def tuned_upconv_config(cin: int, cout: int, w: int | None = None) -> TmaConfig | None:
+    """The measured tile for the merged e4m3 phase convs of an upsampler (upconv_tma_checked) with input width w, or
+    None where the channels do not fit one. Widths that are a multiple of 128 (SDXL/FLUX at 1024²: 128, 256, 512 px)
+    take the resnet convs' row tile: as CUDA-graph replays it was 0.1-12% faster than E21's 8 x 16 on an H100, and
+    on an H200 faster at 512 ch, 1% slower at 256 ch @512² (h{100,200}_upconv_fp8_2026-11-22g.json); other widths
+    (w None: unknown) keep 8 x 16, which wastes fewer padding pixels on narrow frames."""
     if cin % 128 == 0 and cout % 128 == 0:
-        return ROW_TILE
+        return ROW_TILE if w is not None and w % 128 == 0 else _TILE_8X16
     return None
 
 
@@ -233,7 +236,7 @@ def conv_tma(
     a = check_args("conv_tma", x, pw, padding, x_scale, out_dtype)
     if not pw.kmajor:
         raise ValueError("conv_tma: weights must be packed K-major (pack_weight(..., kmajor=True))")
-    cfg = config or tuned_config(pw.cin, pw.cout, a.W, a.fp8)
+    cfg = config or tuned_config(pw.cin, pw.cout, a.W, a.fp8, a.video)
     if cfg is None:
         raise ValueError(f"conv_tma: no tile config for {pw.cin}->{pw.cout} channels (pass one)")
     return conv_tma_checked(x, pw, bias, padding, a, cfg)

@@ -99,7 +99,7 @@ def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
     if not isinstance(x_scale, torch.Tensor):
         raise ValueError(f"upconv2x_e4m3: x_scale must be a tensor of 1 or {N} scales on {x8.device}")
     xs = per_sample_scales("upconv2x_e4m3", x_scale, N, x8.device)
-    cfg = config or tuned_upconv_config(C, CO)
+    cfg = config or tuned_upconv_config(C, CO, W)
     if cfg is None:
         raise ValueError(f"upconv2x_e4m3: no TMA tile for {C}->{CO} channels")
     args = ConvArgs(N, 1, 1, H, W, True, out_dtype, xs, 1.0, False)
