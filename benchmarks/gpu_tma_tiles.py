@@ -13,6 +13,7 @@ captured (FP8 gate 30); CUDA-graph replays interleaved in one process; PSNR betw
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ for wl in [w for w in args.workloads.split(",") if w]:
     mse = ((a - b) ** 2).mean().item()
     r = {n: {"median_ms": statistics.median(v), "ms": v} for n, v in ms.items()}
     r["bitwise_equal"] = bool(torch.equal(outs["shipped"], outs["row tiles"]))
-    r["psnr_between_db"] = None if mse == 0 else 10 * __import__("math").log10(4.0 / mse)
+    r["psnr_between_db"] = None if mse == 0 else 10 * math.log10(4.0 / mse)
     r["fp8_layers"] = {n: [s.line() for s in p.stages if "fp8" in s.name] for n, p in pipes.items()}
     res["decodes"][f"{wl} fp8-gate{args.gate:g}"] = r
     print(f"{wl}: shipped {r['shipped']['median_ms']:.2f} ms, row tiles {r['row tiles']['median_ms']:.2f} ms, "
