@@ -171,3 +171,19 @@ def wan_norm_inputs(C: int, H: int, W: int, taps: int, k: int, g, device="cuda")
     buf = torch.empty(1, C, k + 2, H, W, device=device, dtype=torch.bfloat16).contiguous(
         memory_format=torch.channels_last_3d)
     return h, r, dict(out=buf[:, :, 2:])
+
+
+def bf16_tma_tile(spec: str) -> None:
+    """Route Wan's bf16 96-ch causal convs (when triton_conv takes them: stack_conv3d off) to the TMA kernel with the
+    tile "bh,bw,bk,bn0,bn1,warps,stages,bk1" (tma_conv.tuned_config has no bf16 entries), bf16 weights packed
+    K-major as that kernel needs. Process-wide: for benchmark scripts only."""
+    from vaeopt.kernels import conv, tma_conv
+
+    tile = tma_conv.TmaConfig(*map(int, spec.split(",")))
+    tuned = tma_conv.tuned_config
+
+    def with_bf16(cin, cout, w, fp8, video=False):
+        return tile if (not fp8 and video and cin == cout == 96) else tuned(cin, cout, w, fp8, video)
+
+    tma_conv.tuned_config = with_bf16
+    conv.pack_weight.__defaults__ = (None, True)

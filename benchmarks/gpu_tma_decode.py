@@ -1,11 +1,14 @@
 """Whole decodes through the pipeline's own path with the TMA conv kernel (`vaeopt/kernels/tma_conv.py`) on or off.
 
     python3 benchmarks/gpu_tma_decode.py --workload wan21-480p --variants stacked,tma,fp8_pointer,fp8_tma
-        [--rounds 5] [--chunk 3] [--fp8-gate 30] [--graphs]  -> $OUT/tma_decode_<workload>.json
+        [--rounds 5] [--chunk 3] [--fp8-gate 30] [--graphs] [--bf16-tile 2,64,64,64,32,4,3,32]  -> $OUT/tma_decode_<workload>.json
 
 Variants (one pipeline each, one process, interleaved rounds, CUDA events around each decode):
-  stacked      default options (Wan 2.1: the 96-ch causal convs as time-stacked cuDNN Conv2d)
+  stacked      default options (Wan 2.1 bf16 on sm_90 since E28: the 384-ch causal convs as time-stacked cuDNN
+               Conv2d, the 96-ch ones on the TMA kernel)
+  stack96      the default before E28: the 96-ch convs time-stacked too (stacked_conv3d.TMA_96 = False)
   tma          --stack-conv3d off: triton_conv takes the 96-ch convs; conv_igemm dispatches them to the TMA kernel
+               (bf16 too since E28); the 384-ch convs run as cuDNN Conv3d
   pointer      --stack-conv3d off with the TMA kernel disabled (the pointer kernel)
   bf16         default options (image workloads)
   fp8_pointer  --fp8 on --fp8-gate G, the e4m3 convs on the pointer kernel
@@ -26,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import make_pipe, out_dir, run_meta  # noqa: E402
+from _common import bf16_tma_tile, make_pipe, out_dir, run_meta  # noqa: E402
 
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.kernels import tma_conv  # noqa: E402
-from vaeopt.stages import triton_conv  # noqa: E402
+from vaeopt.stages import stacked_conv3d, triton_conv  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--workload", default="wan21-480p")
@@ -40,9 +43,13 @@ ap.add_argument("--chunk", type=int, default=None)
 ap.add_argument("--fp8-gate", type=float, default=30.0)
 ap.add_argument("--graphs", action="store_true", help="image workloads: decode through the captured CUDA graph")
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--bf16-tile", default="", help="bh,bw,bk,bn0,bn1,warps,stages,bk1: the 'tma' variant's bf16 96-ch "
+                "Conv3d layers take the TMA kernel with this tile (tuned_config has no bf16 entries)")
 args = ap.parse_args()
+if args.bf16_tile:
+    bf16_tma_tile(args.bf16_tile)
 
-OPTS = {"stacked": {}, "bf16": {}, "tma": {"stack_conv3d": "off"}, "pointer": {"stack_conv3d": "off"},
+OPTS = {"stacked": {}, "stack96": {}, "bf16": {}, "tma": {"stack_conv3d": "off"}, "pointer": {"stack_conv3d": "off"},
         "fp8_pointer": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_tma": {"fp8": "on", "gate_db": args.fp8_gate},
         "fp8_noup": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_all": {"fp8": "on", "gate_db": args.fp8_gate}}
 calls = {"tma": 0}
@@ -69,7 +76,9 @@ for name in args.variants.split(","):
         triton_conv.fp8_upsampler_candidates = lambda m, d: []
     if name == "fp8_all":
         triton_conv.IMAGE_FP8_MIN_CH = 0
+    stacked_conv3d.TMA_96 = name != "stack96"
     p = make_pipe(fam, **extra, **OPTS[name])
+    stacked_conv3d.TMA_96 = True
     triton_conv.fp8_upsampler_candidates, triton_conv.IMAGE_FP8_MIN_CH = ups, min_ch
     if args.graphs and not p.family.is_video:
         p.enable_graphs("gpu_tma_decode --graphs")

@@ -82,7 +82,10 @@ def test_dispatch_only_on_measured_gpus(monkeypatch):
     monkeypatch.setattr(TC, "ENABLED", False)
     assert not TC.available(torch.device("cuda"))
     assert TC.tuned_config(96, 96, 832, True).bk1 == 32
-    assert TC.tuned_config(96, 96, 832, False) is None  # bf16: cuDNN / the stacked path measured faster
+    # bf16: only Wan's 96-ch causal Conv3d (E28; 2D 96-ch layers were not measured), and only where bf16_wan96
+    assert TC.tuned_config(96, 96, 832, False, video=True) == TC.BF16_WAN96
+    assert TC.tuned_config(96, 96, 832, False) is None and TC.tuned_config(192, 192, 416, False, video=True) is None
+    assert not TC.bf16_wan96(torch.device("cpu"), torch.bfloat16)
     assert TC.tuned_config(192, 96, 416, True) is None
     assert TC.tuned_config(512, 256, 512, True) is not None  # SDXL's 512 -> 256 resnet conv
     # 128-512 ch: one 128-px row where the width is a multiple of 128 (2D convs), else 4 x 32 (a row would overhang;
@@ -129,18 +132,12 @@ def test_gpu_dispatch_and_match():
             assert _rel(y16, K.conv_reference(x, w, b, (1, 1))) < 1e-2
 
 
-@pytest.mark.gpu
-def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
-    """Full-width Wan 2.1 (random weights), FP8 level 3 on every candidate (gate 0): on sm_90 the e4m3 convs run on
-    the TMA kernel (its host descriptors are captured into the per-chunk CUDA graph), and the replay equals the eager
-    decode bitwise."""
-    from vaeopt import video, video_graphs
+def _wan21_pipeline(**opts):
+    """Full-width Wan 2.1 with random N(0, 0.02) weights (seed 0), bf16 on CUDA, graphs and tiling off."""
     from vaeopt.families import build_model, get_family
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import Options, Pipeline
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the TMA tiles were measured on sm_90 only")
     spec = get_family("wan21")
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -148,8 +145,20 @@ def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
     m = m.to_empty(device="cpu")
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    pipe = Pipeline(LoadedVAE(m, spec, "random", None, [], None),
-                    Options(device="cuda", dtype="bf16", fp8="on", gate_db=0.0, graphs="off", tiling="off"))
+    return Pipeline(LoadedVAE(m, spec, "random", None, [], None),
+                    Options(device="cuda", dtype="bf16", graphs="off", tiling="off", **opts))
+
+
+@pytest.mark.gpu
+def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
+    """Full-width Wan 2.1 (random weights), FP8 level 3 on every candidate (gate 0): on sm_90 the e4m3 convs run on
+    the TMA kernel (its host descriptors are captured into the per-chunk CUDA graph), and the replay equals the eager
+    decode bitwise."""
+    from vaeopt import video, video_graphs
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA tiles were measured on sm_90 only")
+    pipe = _wan21_pipeline(fp8="on", gate_db=0.0)
     line = next((s for s in pipe.stages if s.name == "fp8 convs" and s.status == "applied"), None)
     assert line is not None, [s.line() for s in pipe.stages]
     # every residual conv but up_blocks.1.resnets.0.conv1 (192 -> 384: no measured tile) takes the TMA kernel
@@ -165,3 +174,41 @@ def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
         out = video.decode_video(pipe.model, z, 1, graphs=pol, info={})
     assert pol.clips[-1]["status"] == "captured", pol.clips[-1]
     assert torch.equal(out, ref), (out.float() - ref.float()).abs().max().item()
+
+
+@pytest.mark.gpu
+def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
+    """bf16 on sm_90 (E28): stacked_conv3d stacks only the 384-channel convs, the six 96-channel ones run on the TMA
+    kernel with BF16_WAN96 (one bf16 conv: close to cuDNN's Conv3d), and a full-width Wan 2.1 decode (random weights,
+    two chunks) agrees with the all-stacked decode to bf16 rounding."""
+    from vaeopt import video
+    from vaeopt.stages import stacked_conv3d
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA tiles were measured on sm_90 only")
+    x, w, b = _case(1, 96, 96, 12, 40, 64, 3, dtype=torch.bfloat16, device="cuda")
+    calls = []
+    real = TC.conv_tma_checked
+    monkeypatch.setattr(TC, "conv_tma_checked", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    y = K.conv_igemm(x, K.pack_weight(w, kmajor=True), b, (1, 1))
+    assert calls == [TC.BF16_WAN96]
+    ref = torch.nn.functional.conv3d(x.float(), w.float(), b.float(), padding=(0, 1, 1))
+    assert _rel(y, ref) < 1e-2
+
+    z = torch.randn(1, 16, 5, 16, 16, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    p = _wan21_pipeline()
+    st = {s.name: s for s in p.stages}
+    assert st["stacked_conv3d"].data["channels"] == [384] and st["stacked_conv3d"].data["left_to_triton_conv"] == 6
+    assert st["triton_conv"].data["layers"] == 6 and "TMA variant" in st["triton_conv"].line()
+    calls.clear()
+    with torch.inference_mode():
+        out = video.decode_video(p.model, z, 2, graphs="off", oom_retry=True, info=(info := {}))
+    steps = len(video.chunk_schedule(z.shape[2], 2))
+    assert info["stats"]["triton_conv"] == 6 * steps and len(calls) == 6 * steps
+    monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
+    q = _wan21_pipeline()
+    assert {s.name: s for s in q.stages}["stacked_conv3d"].data["channels"] == [96, 384]
+    with torch.inference_mode():
+        ref = video.decode_video(q.model, z, 2, graphs="off", oom_retry=True, info={})
+    d = (out.float() - ref.float()).abs()
+    assert d.max().item() < 0.1 and d.mean().item() < 2e-3, (d.max().item(), d.mean().item())

@@ -119,6 +119,41 @@ def test_auto_policy_and_triton_conv_handover():
                                 device=CPU, force=True).status == "skipped"
 
 
+def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatch):
+    """Where the TMA conv runs bf16 (sm_90; faked here), auto stacks only the 384-channel convs and says where the
+    96-channel ones went; triton_conv then takes exactly those six, packed K-major for that kernel. fp16, the A/B
+    switch TMA_96 and --stack-conv3d on keep the old choice."""
+    from vaeopt.kernels import tma_conv
+
+    monkeypatch.setattr(stacked_conv3d, "available", lambda d: (True, "cuDNN"))
+    monkeypatch.setattr(stacked_conv3d, "unmeasured_gpu", lambda *a: None)
+    monkeypatch.setattr(tma_conv, "available", lambda d: True)
+    with torch.device("meta"):
+        full = build_model(get_family("wan21"))
+    full._vaeopt_fused_epilogues = True
+    r = stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16)
+    assert r.status == "applied" and r.data["channels"] == [384] and r.data["layers"] == 15, r.detail
+    assert r.data["left_to_triton_conv"] == 6 and "6 with 96 ch left to triton_conv" in r.detail
+    r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
+    assert r.status == "applied" and r.data["layers"] == 6 and r.data["shapes"] == ["96->96"], r.detail
+    assert "TMA variant" in r.detail
+    conv = video._wan().WanCausalConv3d(8, 8, 3, padding=1).to(torch.bfloat16)
+    conv._vaeopt_igemm = True
+    x = torch.zeros(1, 8, 3, 2, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+    assert triton_conv.packed_for(conv, x).kmajor  # the TMA kernel's weight layout
+    monkeypatch.setattr(tma_conv, "available", lambda d: False)
+    assert not triton_conv.packed_for(conv, x).kmajor  # repacked in the pointer kernel's default layout
+    monkeypatch.setattr(tma_conv, "available", lambda d: True)
+    for kw in (dict(dtype=torch.float16), dict(dtype=torch.bfloat16, force=True)):
+        stacked_conv3d.revert(full)
+        triton_conv.revert(full)
+        r = stacked_conv3d.apply(full, device=CPU, **kw)
+        assert r.data["left_to_triton_conv"] == 0 and 96 in r.data["channels"], (kw, r.detail)
+    stacked_conv3d.revert(full)
+    monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
+    assert stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16).data["layers"] == 21
+
+
 def test_estimate_counts_the_stack():
     """The dry run marks the same convs on its skeleton: at wan21-480p with 1 latent frame per call the stacked
     96-channel input (3x the staged frames) is the peak, and the estimate grows by it."""

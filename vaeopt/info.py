@@ -40,9 +40,11 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
                                    "next norm), chunked attention; the 3-channel conv_out as a norm+GEMM kernel and "
                                    "a tap sum",
                 "upsample_conv": "upsample + 3x3 conv as four 2x2 phase convs on the low-res input (4/9 FLOPs)",
-                "stacked_conv3d": "Wan 2.1's 96/384-ch causal Conv3d as a Conv2d over time-stacked channels "
-                                  "(auto on sm_90, where measured)",
-                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90); "
+                "stacked_conv3d": "Wan 2.1's 384-ch causal Conv3d (and its 96-ch ones where triton_conv's TMA "
+                                  "kernel does not take them) as a Conv2d over time-stacked channels (auto on "
+                                  "sm_90, where measured)",
+                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90; "
+                               "bf16 96-ch convs on its TMA variant); "
                                "FP8 level 3's e4m3 convs (TMA boxes on sm_90, where image decoders' upsampler "
                                "convs and 128-ch convs join them)",
                 "channels_last": "NHWC / NDHWC convs and activations (GPU: with the fused norms; CPU: alone)",

@@ -226,7 +226,8 @@ class Pipeline:
         elif not cl:
             self._record(StageResult.skipped(name, "needs channels_last_3d activations (the stack is NHWC)"))
         else:
-            self._record(self._stage(name).apply(self.model, device=self.device, force=o.stack_conv3d == "on"))
+            self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
+                                                 force=o.stack_conv3d == "on"))
 
     def _apply_triton_conv(self) -> None:
         o = self.opts
@@ -242,7 +243,8 @@ class Pipeline:
         elif self.dtype == torch.float32 and self.device.type == "cuda":
             self._record(StageResult.skipped(name, "fp32 decode: cuDNN kept (the kernel's fp32 dot would use TF32)"))
         else:
-            self._record(self._stage(name).apply(self.model, device=self.device, force=o.conv_kernel == "on"))
+            self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
+                                                 force=o.conv_kernel == "on"))
 
     def _apply_fp8(self) -> None:
         try:

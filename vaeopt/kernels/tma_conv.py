@@ -17,7 +17,9 @@ scale times the activation scale in the epilogue, as in `conv.py`.
 
 Where it runs (measured on an H200, docs/perf-notes.md E20): `conv.conv_igemm` hands it the e4m3 layers of FP8 level
 3 that have a tile in `tuned_config`, on sm_90: 11-37% faster per call than the pointer kernel, 658-1129 TFLOP/s.
-In bf16 it reached 460-570 TFLOP/s, no better than cuDNN, so bf16 layers never take it by default.
+In bf16 it reaches 460-570 TFLOP/s, behind cuDNN wherever cuDNN's 128-wide column tiles are full. The one bf16 use
+is Wan 2.1's 96-channel causal Conv3d (E28): there cuDNN's time-stacked Conv2d fills 96 of 128 columns and needs the
+stack's triple write and history copies, and the whole 480p decode measured faster with this kernel (`BF16_WAN96`).
 """
 
 from __future__ import annotations
@@ -188,6 +190,14 @@ class TmaConfig:
 ROW_TILE = TmaConfig(1, 128, 128, 128, 0, 8, 3)  # 2D e4m3 layers whose width is a multiple of 128 (E27)
 _TILE_4X32 = TmaConfig(4, 32, 128, 128, 0, 8, 4)  # E20's tile for 128-512 ch: Conv3d layers, other widths
 _TILE_8X16 = TmaConfig(8, 16, 128, 128, 0, 8, 4)  # E21's tile for the phase convs at other widths
+# bf16, Wan 2.1's 96 -> 96 causal Conv3d: the best of a CUDA-graph-timed sweep (h200_tma_conv-bf16-wan_2026-11-22)
+BF16_WAN96 = TmaConfig(2, 64, 64, 64, 32, 4, 3, bk1=32)
+
+
+def bf16_wan96(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Wan's bf16 96-channel causal convs run on this kernel (triton_conv packs their weights K-major and
+    stacked_conv3d leaves them unstacked): bf16 activations on a GPU where `available`."""
+    return dtype == torch.bfloat16 and available(device)
 
 
 def tuned_config(cin: int, cout: int, w: int, fp8: bool, video: bool = False) -> TmaConfig | None:
@@ -196,11 +206,11 @@ def tuned_config(cin: int, cout: int, w: int, fp8: bool, video: bool = False) ->
     128-pixel row with 3 stages for 2D convs whose width w is a multiple of 128 (the image decoders' measured shapes:
     3-13% faster per call than 4 x 32 on an H100 and an H200 as CUDA-graph replays, whole decodes bitwise equal and
     faster, h{100,200}_tma_conv_2026-11-22g.json, h{100,200}_tma_tiles_2026-11-22.json, E27), else E20's 4 x 32
-    (video: causal Conv3d layers, not re-measured). bf16: None everywhere: per call the kernel trails cuDNN at >= 128
-    channels (460-570 vs 690-770 TFLOP/s; 13-19% behind as graph replays, E27), and Wan's 96-channel convs on it
-    (unstacked) made the whole 480p decode slower than the time-stacked cuDNN path (644 vs 616 ms)."""
+    (video: causal Conv3d layers, not re-measured). bf16: only Wan's 96 -> 96 causal Conv3d (BF16_WAN96; the caller
+    packs those weights K-major only where `bf16_wan96` holds). Elsewhere the kernel trails cuDNN at >= 128 channels
+    (460-570 vs 690-770 TFLOP/s; 13-19% behind as graph replays, E27)."""
     if not fp8:
-        return None
+        return BF16_WAN96 if video and cin == cout == 96 else None
     if cin == cout == 96:
         return TmaConfig(1, 256, 64, 64, 32, 8, 3, bk1=32)
     if cin == cout == 192:

@@ -12,7 +12,10 @@ Measured on an H200 (benchmarks/results/h200_conv_stack_2026-11-21.json), bf16, 
     96 ch @720x1280: 6.53 / 5.38 / 3.49;  384 ch @120x208: 1.22 / 2.09 / 0.99 (800 TFLOP/s)
     192 ch @240x416: 1.24 / 2.13 / 1.31 -- no gain: those stay on the Conv3d
 So auto stacks the convs with 96 or 384 channels (Wan 2.1's full- and quarter-resolution widths) on sm_90, where it
-was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere.
+was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere. Except: in bf16 where the TMA conv
+kernel runs (kernels/tma_conv.bf16_wan96), the 96-channel convs are left to triton_conv, which runs them on that
+kernel from the plain [history | frames] buffer: no triple write, no 25% of cuDNN's 128-wide column tile wasted on
+Cout = 96. Whole wan21-480p decodes, H200, chunk 3, kernel time 575 -> ~558 ms (docs/perf-notes.md E28).
 
 It runs in vaeopt.video's fused chunk decoder (kernel path, bf16/fp16/fp32 activations, untiled, one GPU): a conv
 marked here and not taken by FP8 level 3 is staged stacked and run as the Conv2d; its causal history is read back
@@ -31,6 +34,7 @@ _MARK = "_vaeopt_stack3d"
 _W = "_vaeopt_stack3d_w"
 MEASURED_CHANNELS = (96, 384)  # stacked beat the Conv3d path (and 96: our Triton kernel) at these widths
 MEASURED_SM = ((9, 0),)
+TMA_96 = True  # auto leaves the bf16 96-ch convs to triton_conv's TMA kernel where it runs (benchmarks' A/B switch)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -39,15 +43,23 @@ def available(device: torch.device) -> tuple[bool, str]:
     return True, "cuDNN"
 
 
-def candidates(model: nn.Module, every: bool = False) -> list[nn.Module]:
-    """The decoder's stock causal 3x3x3 convs with a measured width (every=True: all of them)."""
+def tma_takes_96(device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether auto leaves the 96-channel convs to triton_conv's TMA kernel (bf16 where that kernel runs)."""
+    from vaeopt.kernels import tma_conv
+
+    return TMA_96 and device is not None and dtype is not None and tma_conv.bf16_wan96(torch.device(device), dtype)
+
+
+def candidates(model: nn.Module, every: bool = False, skip: tuple[int, ...] = ()) -> list[nn.Module]:
+    """The decoder's stock causal 3x3x3 convs with a measured width not in `skip` (every=True: all of them)."""
     from vaeopt.stages.triton_conv import _kernel_fits  # (a stock, unhooked WanCausalConv3d, 3x3x3, stride 1)
 
     dec = getattr(model, "decoder", None)
     if dec is None:
         return []
     return [m for m in dec.modules() if isinstance(m, nn.Conv3d) and _kernel_fits(m)
-            and (every or (m.in_channels == m.out_channels and m.in_channels in MEASURED_CHANNELS))]
+            and (every or (m.in_channels == m.out_channels and m.in_channels in MEASURED_CHANNELS
+                           and m.in_channels not in skip))]
 
 
 def mark(convs) -> None:
@@ -55,7 +67,8 @@ def mark(convs) -> None:
         setattr(m, _MARK, True)
 
 
-def apply(model: nn.Module, device: torch.device | None = None, force: bool = False, **_) -> StageResult:
+def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
+          dtype: torch.dtype | None = None, **_) -> StageResult:
     if type(model).__name__ != "AutoencoderKLWan":
         return StageResult.skipped(NAME, f"{type(model).__name__} has no causal Conv3d")
     device = device or next(model.parameters()).device
@@ -67,16 +80,20 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         return StageResult.skipped(NAME, why)
     if not getattr(model, "_vaeopt_fused_epilogues", None):
         return StageResult.skipped(NAME, "needs the fused chunk decoder (its RMS-norm kernel writes the stack)")
-    convs = candidates(model, every=force)
+    skip = (96,) if not force and tma_takes_96(device, dtype) else ()
+    convs = candidates(model, every=force, skip=skip)
+    left = len(candidates(model)) - len(convs) if skip else 0
+    note = f"; {left} with 96 ch left to triton_conv (its TMA kernel, bf16: faster there)" if left else ""
     if not convs:
-        return StageResult.skipped(NAME, f"no causal 3x3x3 Conv3d with {' or '.join(map(str, MEASURED_CHANNELS))} "
-                                         "channels (where stacking measured faster)")
+        widths = [c for c in MEASURED_CHANNELS if c not in skip]
+        return StageResult.skipped(NAME, f"no causal 3x3x3 Conv3d with {' or '.join(map(str, widths))} "
+                                         f"channels (where stacking measured faster){note}")
     mark(convs)
     shapes = sorted({m.in_channels for m in convs})
     return StageResult(NAME, "applied",
                        f"{len(convs)} causal Conv3d ({', '.join(map(str, shapes))} ch) as Conv2d over time-stacked "
-                       "channels (3x the staged input, written by the RMS-norm kernel)",
-                       {"layers": len(convs), "channels": shapes})
+                       f"channels (3x the staged input, written by the RMS-norm kernel){note}",
+                       {"layers": len(convs), "channels": shapes, "left_to_triton_conv": left})
 
 
 def revert(model: nn.Module) -> None:

@@ -6,7 +6,10 @@ Measured on an H200 (benchmarks/results/h200_conv_2026-11-21*.json), bf16, one l
     192/384/512-ch convs (2D and 3D): cuDNN's sm90 kernels are faster (540-610 vs 370-450 TFLOP/s).
 So the policy is: Wan's stock causal Conv3d layers with a 3x3x3 kernel and at most 128 output channels run on the
 Triton kernel; every other conv stays on cuDNN. The policy was measured on sm_90 only: on other GPUs the stage is
-skipped in auto mode (cuDNN kept) and runs only when forced (--conv-kernel on).
+skipped in auto mode (cuDNN kept) and runs only when forced (--conv-kernel on). stacked_conv3d runs first and takes
+the 96-channel layers as time-stacked cuDNN Conv2d, except in bf16 where the TMA variant runs
+(kernels/tma_conv.bf16_wan96): that variant measured faster in whole decodes (E28), so there they stay here and
+their weights are packed K-major for it.
 
 The stage marks the convs; vaeopt.video's chunk decoder runs a marked conv through the kernel (weights packed once
 per weight version, cached on the module). Image VAEs' bf16 convs are left to cuDNN; their resnet convs take the
@@ -62,7 +65,8 @@ def _eligible(m: nn.Module) -> bool:
     return _kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT and not marked(m)
 
 
-def apply(model: nn.Module, device: torch.device | None = None, force: bool = False, **_) -> StageResult:
+def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
+          dtype: torch.dtype | None = None, **_) -> StageResult:
     device = device or next(model.parameters()).device
     ok, why = available(device)
     if not ok:
@@ -91,9 +95,14 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     for m in chosen:
         setattr(m, _MARK, True)
     shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen})
+    from vaeopt.kernels import tma_conv
+
+    tma = dtype is not None and tma_conv.bf16_wan96(torch.device(device), dtype) and any(
+        m.in_channels == m.out_channels == 96 for m in chosen)
+    kern = "Triton implicit-GEMM kernel" + (" (its TMA variant for the 96-ch ones)" if tma else "")
     return StageResult(NAME, "applied",
-                       f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the Triton implicit-GEMM "
-                       f"kernel; {len(convs) - len(chosen)} wider Conv3d stay on cuDNN",
+                       f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the {kern}; "
+                       f"{len(convs) - len(chosen)} other Conv3d stay on cuDNN",
                        {"layers": len(chosen), "cudnn_layers": len(convs) - len(chosen), "shapes": shapes})
 
 
@@ -116,12 +125,16 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     w = conv.weight
     if w is None or w.device != x.device:
         return None
-    key = (*_weight_key(w), x.dtype)
+    from vaeopt.kernels import tma_conv
+
+    # K-major where conv_igemm may hand the layer to the TMA kernel (bf16 on sm_90: Wan's 96-ch convs, E28)
+    kmajor = tma_conv.bf16_wan96(x.device, x.dtype)
+    key = (*_weight_key(w), x.dtype, kmajor)
     cached = getattr(conv, _PACKED, None)
     if cached is None or cached[0] != key:
         from vaeopt.kernels.conv import pack_weight
 
-        cached = (key, pack_weight(w.detach().to(x.dtype)))
+        cached = (key, pack_weight(w.detach().to(x.dtype), kmajor=True if kmajor else None))
         setattr(conv, _PACKED, cached)
     return cached[1]
 
