@@ -212,3 +212,10 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
         ref = video.decode_video(q.model, z, 2, graphs="off", oom_retry=True, info={})
     d = (out.float() - ref.float()).abs()
     assert d.max().item() < 0.1 and d.mean().item() < 2e-3, (d.max().item(), d.mean().item())
+    # spatial tiles (no stacking there) run the marked 96-ch convs on the same kernel, on each tile's buffer
+    calls.clear()
+    with torch.inference_mode():
+        tiled = video.decode_video(p.model, z, 2, graphs="off", tile=(8, 8), info=(info := {}))
+    assert info["tiles"] == 4 and len(calls) == 4 * 6 * steps, (info.get("tiles"), len(calls))
+    d = (tiled.float() - out.float()).abs()
+    assert d.max().item() < 0.1 and d.mean().item() < 2e-3, (d.max().item(), d.mean().item())
