@@ -7,8 +7,6 @@ Variants (one pipeline each, one process, interleaved rounds, CUDA events around
   stacked      default options (Wan 2.1 bf16 on sm_90 since E28: the 384-ch causal convs as time-stacked cuDNN
                Conv2d, the 96-ch ones on the TMA kernel)
   stack96      the default before E28: the 96-ch convs time-stacked too (stacked_conv3d.TMA_96 = False)
-  histcopy     default options, the plain conv buffers' next history copied after each conv (video.HISTORY_IN_NORM
-               = False: before E28's second change)
   tma          --stack-conv3d off: triton_conv takes the 96-ch convs; conv_igemm dispatches them to the TMA kernel
                (bf16 too since E28); the 384-ch convs run as cuDNN Conv3d
   pointer      --stack-conv3d off with the TMA kernel disabled (the pointer kernel)
@@ -33,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import bf16_tma_tile, make_pipe, out_dir, run_meta  # noqa: E402
 
-from vaeopt import video  # noqa: E402
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.kernels import tma_conv  # noqa: E402
 from vaeopt.stages import stacked_conv3d, triton_conv  # noqa: E402
@@ -52,7 +49,7 @@ args = ap.parse_args()
 if args.bf16_tile:
     bf16_tma_tile(args.bf16_tile)
 
-OPTS = {"stacked": {}, "stack96": {}, "histcopy": {}, "bf16": {}, "tma": {"stack_conv3d": "off"}, "pointer": {"stack_conv3d": "off"},
+OPTS = {"stacked": {}, "stack96": {}, "bf16": {}, "tma": {"stack_conv3d": "off"}, "pointer": {"stack_conv3d": "off"},
         "fp8_pointer": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_tma": {"fp8": "on", "gate_db": args.fp8_gate},
         "fp8_noup": {"fp8": "on", "gate_db": args.fp8_gate}, "fp8_all": {"fp8": "on", "gate_db": args.fp8_gate}}
 calls = {"tma": 0}
@@ -93,7 +90,6 @@ for name in args.variants.split(","):
 def decode(name):
     p, plan = pipes[name]
     tma_conv.ENABLED = "pointer" not in name
-    video.HISTORY_IN_NORM = name != "histcopy"
     if p.family.is_video:
         return p._decode_video(z, plan, None)
     return p.graphed(z) if args.graphs else p._decode_whole_raw(z)
@@ -123,7 +119,6 @@ with torch.inference_mode():
         for name in pipes:
             p, plan = pipes[name]
             tma_conv.ENABLED = "pointer" not in name
-            video.HISTORY_IN_NORM = name != "histcopy"
             fn = (lambda p=p, plan=plan: p._decode_video(z, plan, None)) if p.family.is_video else (
                 lambda p=p: p._decode_whole_raw(z))
             res[name]["profile"] = profile(fn, n=3, top=30)

@@ -226,36 +226,6 @@ def test_out_into_conv_buffer(device, layout, max_block_c):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout,max_block_c,k", [("cl", 1024, 3), ("cl", 1024, 2), ("cl", 16, 3), ("cf", 1024, 3)])
-def test_cache_out_into_conv_buffer(device, layout, max_block_c, k):
-    """cache_out without taps: the conv's next history (its buffer's last 2 frames) written by the same pass, bitwise
-    what the buffer holds, in bf16 and e4m3 (with out_scale); the two-loop path and a channels-first x take the copy
-    after the kernel instead. Bad histories are refused."""
-    _need(device)
-    from vaeopt.kernels import rms_norm_silu
-
-    shape = (2, 40, k, 5, 6)
-    x, gamma, bias = _inputs(shape, torch.bfloat16, device, seed=11)
-    x = _layout(x, layout)
-    for dt, scale in ((torch.bfloat16, None), (torch.float8_e4m3fn, 0.05)):
-        buf = torch.empty((2, 40, 2 + k, 5, 6), dtype=dt, device=device).contiguous(
-            memory_format=torch.channels_last_3d)
-        cache = torch.full((2, 40, 2, 5, 6), 3.0, device=device).to(dt).contiguous(memory_format=torch.channels_last_3d)
-        buf[:, :, :2].copy_(cache)
-        rms_norm_silu(x, gamma, bias, out=buf[:, :, 2:], out_scale=scale, max_block_c=max_block_c, cache_out=cache)
-        bits = torch.int16 if dt == torch.bfloat16 else torch.uint8  # bitwise, NaN-safe
-        assert torch.equal(cache.view(bits), buf[:, :, -2:].view(bits)), dt
-        assert (buf[:, :, :2].float() == 3.0).all()
-    with pytest.raises(ValueError, match="cache_out"):  # more history than frames
-        rms_norm_silu(x, gamma, bias, out=buf[:, :, 2:], out_scale=0.05,
-                      cache_out=torch.empty((2, 40, k + 1, 5, 6), dtype=buf.dtype, device=device))
-    with pytest.raises(ValueError, match="cache_out"):  # another dtype than out
-        rms_norm_silu(x, gamma, bias, out=buf[:, :, 2:], out_scale=0.05, cache_out=cache.float())
-    with pytest.raises(ValueError, match="cache_out"):  # no out
-        rms_norm_silu(x, gamma, bias, cache_out=cache)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_out_odd_strides_dtype_and_errors(device):
     """An out= the kernels cannot address (other layout kind, transposed spatial dims) is filled through a copy; an
     fp32 out for a bf16 x gets the fp32 result rounded once; strided (frame-slice) channels-first inputs read in

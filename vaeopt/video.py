@@ -93,7 +93,6 @@ _NORM_SLICE_ELEMS = 1 << 26
 # upsampled elements (it also bounds that transient); a Conv3d whose input or output would reach _INT32_ELEMS runs
 # over temporal windows of about _SPLIT_ELEMS / 2 elements.
 _SPLIT_ELEMS = 1 << 30
-HISTORY_IN_NORM = True  # the staging norm kernel writes a plain conv buffer's next history (benchmarks' A/B switch)
 _INT32_ELEMS = 2**31 - 1
 _E4M3 = getattr(torch, "float8_e4m3fn", None)
 
@@ -347,7 +346,6 @@ class _ChunkDecoder:
         self.kern = False  # the fused kernel path is on for the current call
         self.stats: collections.Counter = collections.Counter()
         self.fp8_scales: dict[nn.Module, float] = {}  # conv -> static e4m3 scale of its input (fp8 convs)
-        self._hist_written: set[nn.Module] = set()  # convs whose next history the staging norm kernel wrote
 
     def _kernels_on(self, z: Tensor) -> bool:
         if self.fused is False:
@@ -530,8 +528,6 @@ class _ChunkDecoder:
         bias, which the caller has folded into the next kernel."""
         if isinstance(x, _Stacked):
             return self._run_stacked(conv, x, bias)
-        written = conv in self._hist_written  # by the norm kernel that staged x (_stage_k): no copy after the conv
-        self._hist_written.discard(conv)
         hist = self._hist(conv)
         if not self._plain(conv):  # a swapped-in conv module: call it with WanCausalConv3d's (x, cache_x) contract
             if not bias:
@@ -567,7 +563,7 @@ class _ChunkDecoder:
             y = torch.empty((N, conv.out_channels, k, H, W), dtype=x.dtype, device=x.device, memory_format=self.mf)
             for s in range(0, k, g):
                 y[:, :, s : s + g].copy_(F.conv3d(x[:, :, s : s + g + hist], conv.weight, cb, 1, pad, 1, conv.groups))
-        if hist and not written:
+        if hist:
             self._update(conv, x)
         return y
 
@@ -684,9 +680,8 @@ class _ChunkDecoder:
         return self._epilogue(h, b, r, rb)
 
     def _norm_k(self, p, x: Tensor, out: Tensor | None = None, xb: Tensor | None = None,
-                out_scale: float | None = None, res: _Pending | None = None, cache_out: Tensor | None = None) -> Tensor:
-        """rms_norm_silu(x + xb); with `res` (x is res.h), of the block output res, which it also writes over h;
-        cache_out: a conv's history, which receives the last frames of `out` (see rms_norm_silu)."""
+                out_scale: float | None = None, res: _Pending | None = None) -> Tensor:
+        """rms_norm_silu(x + xb); with `res` (x is res.h), of the block output res, which it also writes over h."""
         self.stats["norm_kernel"] += 1
         if x.is_meta:  # dry run (estimate_chunk_bytes): only the result's storage
             return out if out is not None else _meta_result(x, tuple(x.shape))
@@ -694,8 +689,7 @@ class _ChunkDecoder:
 
         gamma, bias, scale, eps = p
         kw = dict(residual=res.r, residual_bias=res.rb, sum_out=x) if res is not None else {}
-        return rms_norm_silu(x, gamma, bias, eps, True, scale=scale, x_bias=xb, out=out, out_scale=out_scale,
-                             cache_out=cache_out, **kw)
+        return rms_norm_silu(x, gamma, bias, eps, True, scale=scale, x_bias=xb, out=out, out_scale=out_scale, **kw)
 
     @staticmethod
     def _br(h: Tensor, bias=None, r=None, rb=None, *, upsample2x=False, groups=1, out=None) -> Tensor:
@@ -731,13 +725,7 @@ class _ChunkDecoder:
             buf[:, :, :hist].zero_()
         else:
             buf[:, :, :hist].copy_(cache)
-        # the kernel also writes the next history (the buffer's last frames), after the copy above has read it
-        direct = (HISTORY_IN_NORM and cache is not None and k >= hist > 0 and cache.dtype == dt and not src.is_meta
-                  and cache.permute(0, 2, 3, 4, 1).is_contiguous())
-        self._norm_k(p, src, buf[:, :, hist:], xb, out_scale=s8, res=res, cache_out=cache if direct else None)
-        if direct:
-            self._hist_written.add(conv)
-            self.stats["history_in_norm"] += 1
+        self._norm_k(p, src, buf[:, :, hist:], xb, out_scale=s8, res=res)
         return buf
 
     def _stackable(self, conv, src: Tensor) -> bool:
@@ -775,7 +763,7 @@ class _ChunkDecoder:
         """The causal Conv3d as a Conv2d over the stack (stages/stacked_conv3d)."""
         S, N, k = st
         _, C3, H, W = S.shape
-        Co = conv.out_channels
+        C, Co = C3 // 3, conv.out_channels
         if S.is_meta:
             y = torch.empty((N, k, H, W, Co), dtype=S.dtype, device=S.device)
         else:

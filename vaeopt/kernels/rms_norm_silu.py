@@ -172,9 +172,8 @@ def _rms_cl_kernel(
     TAPS: tl.constexpr = 0,  # > 0: tap-stacked output (see rms_norm_silu's `taps`); x is (N, C, K, HW)
     K=1,
     HW=1,
-    c_ptr=None,  # CACHE: [N, TAPS-1 (or NHIST), HW, C] the stream's last frames (the conv's next history)
+    c_ptr=None,  # TAPS with CACHE: [N, TAPS-1, HW, C] the stream's last TAPS-1 frames (the conv's next history)
     CACHE: tl.constexpr = False,
-    NHIST: tl.constexpr = 2,  # TAPS == 0 with CACHE: history frames (x is (N, C, K, HW) with K >= NHIST)
     RES: tl.constexpr = False,  # x is a residual block's conv output h: normalize u = (r + rb) + (h + xb), rounded
     r_ptr=None,  # RES: [N, S, C] the residual r (sample n at r_ptr + n*stride_rn)
     rb_ptr=None,  # RES with HAS_RB: [C] the residual's bias
@@ -234,13 +233,7 @@ def _rms_cl_kernel(
                 co = ((n * (TAPS - 1) + slot).to(tl.int64) * HW + pix.to(tl.int64)) * C
                 tl.store(c_ptr + co[:, None] + cc[None, :], y, mask=m & (slot >= 0)[:, None])
         else:
-            y = y.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + yo[:, None] + cc[None, :], y, mask=m)
-            if CACHE:  # frame j of sample n is slot j - (K - NHIST) of its next history, where that is >= 0
-                j = s // HW
-                slot = j - (K - NHIST)
-                co = ((n * NHIST + slot).to(tl.int64) * HW + (s % HW).to(tl.int64)) * C
-                tl.store(c_ptr + co[:, None] + cc[None, :], y, mask=m & (slot >= 0)[:, None])
+            tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -422,12 +415,9 @@ def rms_norm_silu(
     channels_last (N*K, k*C, H, W) stack whose frame n*K + t holds input frames t-k+1 .. t of the conv's
     [history | x] stream in channel blocks 0 .. k-1; frame j of x goes to block dt of frame j + k-1-dt wherever
     that frame exists (blocks taken by the k-1 history frames are the caller's). One read, up to k writes.
-    cache_out (taps): the conv's (N, C, k-1, H, W) dense channels_last_3d history, whose slots the kernel fills
+    cache_out (taps only): the conv's (N, C, k-1, H, W) dense channels_last_3d history, whose slots the kernel fills
     with the last frames of x (slot s <- frame K - (k-1) + s; with K < k-1 the caller shifts the older slots first):
-    the next call's history without reading it back from the stack. Without taps (x (N, C, K, H, W), `out` its
-    frames in the conv's [history | frames] buffer): an (N, C, h, H, W) history with h <= K in out's dtype receives the
-    last h normalized frames in the same pass (channels-last one-pass kernel; other layouts copy them after), so the
-    conv's history need not be copied out of the buffer after the conv.
+    the next call's history without reading it back from the stack.
     residual (x's shape): x is a residual block's conv output h, and what is normalized is the block's output
     u = (residual + residual_bias) + (x + x_bias), formed in fp32 and rounded to x's dtype exactly as
     epilogue.bias_residual writes it; sum_out (x's shape and dtype; x itself for in place, or None) receives u. One
@@ -444,8 +434,6 @@ def rms_norm_silu(
         raise ValueError("rms_norm_silu: residual_bias / sum_out need a residual")
     if taps:
         return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps, cache_out, res)
-    if cache_out is not None:
-        _check_cache(x, out, cache_out)
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"rms_norm_silu: dtype {x.dtype} not supported")
     if x.dim() < 2:
@@ -497,35 +485,16 @@ def rms_norm_silu(
         R = N * S
         BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
         nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
-        cache = dict(c_ptr=cache_out, CACHE=True, NHIST=cache_out.shape[2], K=x.shape[2], HW=S // x.shape[2]) if (
-            cache_out is not None and one_pass and y is out) else {}
         _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
             x, y, g, b, xbp, R, S, C, stride_n, ys[0], scale, float(eps), out_mul,
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
             SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu",
-            SILU_MODE=silu_mode(y.dtype, x.device), num_warps=nw, **cache, **(res or {}),
+            SILU_MODE=silu_mode(y.dtype, x.device), num_warps=nw, **(res or {}),
         )  # fmt: skip
-        if cache:
-            cache_out = None  # written by the kernel
     if out is not None and y is not out:  # an `out` whose strides the kernels cannot address directly
         out.copy_(y)
-        y = out
-    if cache_out is not None:  # a layout the kernel's cache store does not take: copy the last frames
-        cache_out.copy_(y[:, :, y.shape[2] - cache_out.shape[2]:])
+        return out
     return y
-
-
-def _check_cache(x: torch.Tensor, out: torch.Tensor | None, cache_out: torch.Tensor) -> None:
-    """cache_out without taps: the next causal history (N, C, h, H, W) of a conv whose input `out` receives x's k >= h
-    normalized frames; dense channels_last_3d in out's dtype (the kernel stores its last h frames there too)."""
-    if out is None or x.dim() != 5 or cache_out.dim() != 5:
-        raise ValueError("rms_norm_silu(cache_out=): needs a 5-D x (N, C, K, H, W) and its `out`")
-    N, C, K, H, W = x.shape
-    hist = cache_out.shape[2]
-    if (tuple(cache_out.shape) != (N, C, hist, H, W) or not 0 < hist <= K or cache_out.dtype != out.dtype
-            or cache_out.device != out.device or not cache_out.permute(0, 2, 3, 4, 1).is_contiguous()):
-        raise ValueError(f"rms_norm_silu(cache_out=): must be a dense channels_last_3d ({N}, {C}, h, {H}, {W}) "
-                         f"{out.dtype} tensor with 0 < h <= {K}, got {tuple(cache_out.shape)} {cache_out.dtype}")
 
 
 def rms_norm_silu_reference(x, gamma, bias=None, eps=1e-12, silu=True, scale=None, x_bias=None):
