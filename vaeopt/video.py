@@ -763,7 +763,7 @@ class _ChunkDecoder:
         """The causal Conv3d as a Conv2d over the stack (stages/stacked_conv3d)."""
         S, N, k = st
         _, C3, H, W = S.shape
-        C, Co = C3 // 3, conv.out_channels
+        Co = conv.out_channels
         if S.is_meta:
             y = torch.empty((N, k, H, W, Co), dtype=S.dtype, device=S.device)
         else:
