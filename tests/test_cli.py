@@ -316,3 +316,19 @@ def test_output_kind_existing_folder_wins_over_suffix(tmp_path):
     assert api.output_kind(tmp_path / "y.png", is_video=False) == "png"
     with pytest.raises(Exception, match="unknown output type '.5'"):
         api.output_kind(tmp_path / "w1.5", is_video=False)
+
+
+def test_triton_cache_count(tmp_path, monkeypatch):
+    """What the decode command compares to say that a first run's time includes compiling the Triton kernels: the
+    compiled kernels (folders) in Triton's cache, 0 before the folder exists."""
+    pytest.importorskip("triton")
+    from vaeopt.kernels import triton_cache_entries
+
+    cache = tmp_path / "tc"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    d, n = triton_cache_entries()
+    assert d == str(cache) and n == 0
+    for name in ("a1", "b2"):
+        (cache / name).mkdir(parents=True)
+    (cache / "stray.lock").write_text("")
+    assert triton_cache_entries() == (str(cache), 2)

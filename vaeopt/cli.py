@@ -89,6 +89,14 @@ def _log(msg: str) -> None:
     console.print(f"  {msg}", markup=False)
 
 
+def _triton_cache() -> tuple[str, int] | None:
+    try:
+        from vaeopt.kernels import triton_cache_entries
+    except ImportError:  # no Triton
+        return None
+    return triton_cache_entries()
+
+
 # ---------------------------------------------------------------------------------------------------- info
 @app.command()
 @clean_errors
@@ -246,7 +254,11 @@ def decode(
             for msg in r.retries:
                 _log("↩ " + msg)
 
+        tc0 = _triton_cache() if pipe.device.type == "cuda" else None
         results = api.run_jobs(pipe, jobs, fps=fps, progress=progress, on_result=report)
+    if tc0 is not None and (tc := _triton_cache())[1] > tc0[1]:
+        _log(f"compiled {tc[1] - tc0[1]} Triton kernel(s) on first use (cached in {tc[0]}; later runs skip this): the "
+             "first decode's time above includes it")
     if as_json:
         out_console.print_json(json.dumps({
             "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,

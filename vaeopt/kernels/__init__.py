@@ -59,6 +59,21 @@ def triton_available(device: torch.device | str | torch.Tensor | None = None) ->
 # --- shared launcher helpers (pure torch; used by the kernel modules) ---------------------------------------------
 
 
+def triton_cache_entries() -> tuple[str, int]:
+    """(Triton's on-disk kernel cache folder, how many compiled kernels it holds): the CLI compares the count before
+    and after a decode to say when a first run's time includes compiling the kernels."""
+    try:
+        from triton import knobs
+
+        d = str(knobs.cache.dir)
+    except Exception:  # older Triton: its documented default
+        d = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return d, sum(1 for e in os.scandir(d) if e.is_dir())
+    except OSError:  # not made yet: nothing compiled
+        return d, 0
+
+
 def flat_layout(x: torch.Tensor) -> tuple[str, int, int] | None:
     """View x (N, C, *spatial) as (N, C, S). -> ("cf", S, stride_n) when each sample is a contiguous [C, S] block
     (NCHW, NCDHW), ("cl", S, stride_n) when it is a contiguous [S, C] block (NHWC, NDHWC), None otherwise."""

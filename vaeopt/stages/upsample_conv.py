@@ -101,7 +101,8 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     shapes = sorted({f"{c.in_channels}->{c.out_channels}" for c in convs})
     return StageResult(NAME, "applied",
                        f"{len(convs)} upsampler convs ({', '.join(shapes)} ch) as four 2x2 phase convs on the "
-                       f"low-resolution input: 4/9 of their FLOPs, no 4x-upsampled tensor (kernels in {ms:.0f} ms)",
+                       f"low-resolution input: 4/9 of their FLOPs, no 4x-upsampled tensor (phase weights built in "
+                       f"{ms:.0f} ms)",
                        {"layers": len(convs), "shapes": shapes})
 
 
