@@ -174,9 +174,9 @@ def wan_norm_inputs(C: int, H: int, W: int, taps: int, k: int, g, device="cuda")
 
 
 def bf16_tma_tile(spec: str) -> None:
-    """Route Wan's bf16 96-ch causal convs (when triton_conv takes them: stack_conv3d off) to the TMA kernel with the
-    tile "bh,bw,bk,bn0,bn1,warps,stages,bk1" (tma_conv.tuned_config has no bf16 entries), bf16 weights packed
-    K-major as that kernel needs. Process-wide: for benchmark scripts only."""
+    """Run Wan's bf16 96-ch causal convs (where triton_conv takes them) on the TMA kernel with the tile
+    "bh,bw,bk,bn0,bn1,warps,stages,bk1" instead of tma_conv.BF16_WAN96, and pack every conv's weights K-major (as
+    this helper's first use, before E28, needed). Process-wide: for benchmark scripts only."""
     from vaeopt.kernels import conv, tma_conv
 
     tile = tma_conv.TmaConfig(*map(int, spec.split(",")))

@@ -20,12 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import bf16_tma_tile, make_pipe, out_dir, run_meta  # noqa: E402
 
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
+from vaeopt.stages import stacked_conv3d  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--workload", default="wan21-480p")
 ap.add_argument("--chunk", type=int, default=None)
 ap.add_argument("--variants", default="stacked", help="comma-separated, profiled in this order: stacked (default "
-                "options), tma (stack_conv3d off, the 96-ch convs on the TMA kernel with --bf16-tile)")
+                "options: since E28 the 96-ch convs on the TMA kernel), stack96 (the 96-ch convs time-stacked too, as "
+                "before E28 and in h200_conv_shapes-aba's 'stacked' runs), tma (stack_conv3d off, the 96-ch convs on "
+                "the TMA kernel with --bf16-tile)")
 ap.add_argument("--bf16-tile", default="2,64,64,64,32,4,3,32")
 args = ap.parse_args()
 OUT = out_dir()
@@ -36,7 +39,11 @@ names = args.variants.split(",")
 if "tma" in names:
     bf16_tma_tile(args.bf16_tile)
 extra = {"chunk": args.chunk} if args.chunk else {}
-pipes = {n: make_pipe(fam, **extra, **({"stack_conv3d": "off"} if n == "tma" else {})) for n in set(names)}
+pipes = {}
+for n in dict.fromkeys(names):
+    stacked_conv3d.TMA_96 = n != "stack96"
+    pipes[n] = make_pipe(fam, **extra, **({"stack_conv3d": "off"} if n == "tma" else {}))
+stacked_conv3d.TMA_96 = True
 plans = {n: p.plan(shape) for n, p in pipes.items()}
 
 

@@ -43,8 +43,8 @@ ap.add_argument("--chunk", type=int, default=None)
 ap.add_argument("--fp8-gate", type=float, default=30.0)
 ap.add_argument("--graphs", action="store_true", help="image workloads: decode through the captured CUDA graph")
 ap.add_argument("--profile", action="store_true")
-ap.add_argument("--bf16-tile", default="", help="bh,bw,bk,bn0,bn1,warps,stages,bk1: the 'tma' variant's bf16 96-ch "
-                "Conv3d layers take the TMA kernel with this tile (tuned_config has no bf16 entries)")
+ap.add_argument("--bf16-tile", default="", help="bh,bw,bk,bn0,bn1,warps,stages,bk1: the bf16 96-ch Conv3d layers "
+                "on the TMA kernel take this tile instead of tma_conv.BF16_WAN96")
 args = ap.parse_args()
 if args.bf16_tile:
     bf16_tma_tile(args.bf16_tile)

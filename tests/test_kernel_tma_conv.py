@@ -86,6 +86,12 @@ def test_dispatch_only_on_measured_gpus(monkeypatch):
     assert TC.tuned_config(96, 96, 832, False, video=True) == TC.BF16_WAN96
     assert TC.tuned_config(96, 96, 832, False) is None and TC.tuned_config(192, 192, 416, False, video=True) is None
     assert not TC.bf16_wan96(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(TC, "available", lambda d: True)  # a GPU where it runs: bf16 only
+    assert TC.bf16_wan96(torch.device("cuda"), torch.bfloat16)
+    assert not TC.bf16_wan96(torch.device("cuda"), torch.float16)
+    assert not TC.bf16_wan96(torch.device("cuda"), torch.float32)
+    monkeypatch.undo()
+    monkeypatch.setattr(TC, "ENABLED", False)
     assert TC.tuned_config(192, 96, 416, True) is None
     assert TC.tuned_config(512, 256, 512, True) is not None  # SDXL's 512 -> 256 resnet conv
     # 128-512 ch: one 128-px row where the width is a multiple of 128 (2D convs), else 4 x 32 (a row would overhang;
@@ -205,6 +211,9 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
         out = video.decode_video(p.model, z, 2, graphs="off", oom_retry=True, info=(info := {}))
     steps = len(video.chunk_schedule(z.shape[2], 2))
     assert info["stats"]["triton_conv"] == 6 * steps and len(calls) == 6 * steps
+    # without the triton_conv stage the 96-ch convs stay stacked (not left to a stage that does not run)
+    off = {s.name: s for s in _wan21_pipeline(conv_kernel="off").stages}
+    assert off["stacked_conv3d"].data["channels"] == [96, 384] and off["triton_conv"].status == "skipped"
     monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
     q = _wan21_pipeline()
     assert {s.name: s for s in q.stages}["stacked_conv3d"].data["channels"] == [96, 384]

@@ -184,3 +184,20 @@ def test_hunyuan_video_decodes_through_diffusers():
     assert torch.allclose(out, ref, atol=1e-5)
     frames = list(pipe.iter_video(z, plan))
     assert frames[0].shape == (5, 32, 32, 3) and frames[0].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("conv_kernel,runs", [("off", False), ("on", True)])
+def test_stacked_conv3d_hears_whether_triton_conv_runs(samples_dir, monkeypatch, conv_kernel, runs):
+    """stacked_conv3d may leave Wan's 96-ch convs to triton_conv's TMA kernel only when that stage will run: the
+    pipeline passes the same verdict it uses for triton_conv (--conv-kernel off: the convs stay stacked)."""
+    from vaeopt.stages import stacked_conv3d
+
+    seen = []
+    real = stacked_conv3d.apply
+    monkeypatch.setattr(stacked_conv3d, "apply", lambda *a, **k: seen.append(k["triton_conv_runs"]) or real(*a, **k))
+    pipe = Pipeline(load_vae(samples_dir / "tiny_wan_video.safetensors"),
+                    Options(device="cpu", stack_conv3d="on", conv_kernel=conv_kernel))
+    assert seen == [runs] and (pipe._triton_conv_skip() is None) == runs
+    st = {s.name: s for s in pipe.stages}
+    assert (st["triton_conv"].status == "skipped") == (not runs), st["triton_conv"].line()
+

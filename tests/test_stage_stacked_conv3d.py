@@ -120,9 +120,10 @@ def test_auto_policy_and_triton_conv_handover():
 
 
 def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatch):
-    """Where the TMA conv runs bf16 (sm_90; faked here), auto stacks only the 384-channel convs and says where the
-    96-channel ones went; triton_conv then takes exactly those six, packed K-major for that kernel. fp16, the A/B
-    switch TMA_96 and --stack-conv3d on keep the old choice."""
+    """Where the TMA conv runs bf16 (sm_90; faked here) and triton_conv will run, auto stacks only the 384-channel
+    convs and says where the 96-channel ones went; triton_conv then takes exactly those six, packed K-major for that
+    kernel (only they: other widths and fp16 keep the pointer kernel's layout). Without triton_conv, in fp16, with
+    the A/B switch TMA_96 off and with --stack-conv3d on the 96-channel convs stay stacked."""
     from vaeopt.kernels import tma_conv
 
     monkeypatch.setattr(stacked_conv3d, "available", lambda d: (True, "cuDNN"))
@@ -131,27 +132,36 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
     with torch.device("meta"):
         full = build_model(get_family("wan21"))
     full._vaeopt_fused_epilogues = True
-    r = stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16)
+    r = stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16)  # triton_conv not running (--conv-kernel off)
+    assert r.data["channels"] == [96, 384] and r.data["left_to_triton_conv"] == 0, r.detail
+    stacked_conv3d.revert(full)
+    r = stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16, triton_conv_runs=True)
     assert r.status == "applied" and r.data["channels"] == [384] and r.data["layers"] == 15, r.detail
     assert r.data["left_to_triton_conv"] == 6 and "6 with 96 ch left to triton_conv" in r.detail
     r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
     assert r.status == "applied" and r.data["layers"] == 6 and r.data["shapes"] == ["96->96"], r.detail
     assert "TMA variant" in r.detail
-    conv = video._wan().WanCausalConv3d(8, 8, 3, padding=1).to(torch.bfloat16)
-    conv._vaeopt_igemm = True
-    x = torch.zeros(1, 8, 3, 2, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+    def packed(c):
+        conv = video._wan().WanCausalConv3d(c, c, 3, padding=1).to(torch.bfloat16)
+        conv._vaeopt_igemm = True
+        x = torch.zeros(1, c, 3, 2, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+        return conv, x
+
+    conv, x = packed(96)
     assert triton_conv.packed_for(conv, x).kmajor  # the TMA kernel's weight layout
+    assert not triton_conv.packed_for(*packed(64)).kmajor  # no bf16 tile at 64 ch: the pointer kernel's layout
+    assert not triton_conv.packed_for(conv, x.to(torch.float16)).kmajor  # fp16: no TMA
     monkeypatch.setattr(tma_conv, "available", lambda d: False)
     assert not triton_conv.packed_for(conv, x).kmajor  # repacked in the pointer kernel's default layout
     monkeypatch.setattr(tma_conv, "available", lambda d: True)
     for kw in (dict(dtype=torch.float16), dict(dtype=torch.bfloat16, force=True)):
         stacked_conv3d.revert(full)
         triton_conv.revert(full)
-        r = stacked_conv3d.apply(full, device=CPU, **kw)
+        r = stacked_conv3d.apply(full, device=CPU, triton_conv_runs=True, **kw)
         assert r.data["left_to_triton_conv"] == 0 and 96 in r.data["channels"], (kw, r.detail)
     stacked_conv3d.revert(full)
     monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
-    assert stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16).data["layers"] == 21
+    assert stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16, triton_conv_runs=True).data["layers"] == 21
 
 
 def test_estimate_counts_the_stack():

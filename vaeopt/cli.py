@@ -89,11 +89,9 @@ def _log(msg: str) -> None:
     console.print(f"  {msg}", markup=False)
 
 
-def _triton_cache() -> tuple[str, int] | None:
-    try:
-        from vaeopt.kernels import triton_cache_entries
-    except ImportError:  # no Triton
-        return None
+def _triton_cache() -> tuple[str, int]:
+    from vaeopt.kernels import triton_cache_entries
+
     return triton_cache_entries()
 
 
@@ -257,8 +255,8 @@ def decode(
         tc0 = _triton_cache() if pipe.device.type == "cuda" else None
         results = api.run_jobs(pipe, jobs, fps=fps, progress=progress, on_result=report)
     if tc0 is not None and (tc := _triton_cache())[1] > tc0[1]:
-        _log(f"compiled {tc[1] - tc0[1]} Triton kernel(s) on first use (cached in {tc[0]}; later runs skip this): the "
-             "first decode's time above includes it")
+        _log(f"Triton compiled kernels on first use ({tc[1] - tc0[1]} new entries in its cache, {tc[0]}): the decode "
+             "times above include that; later runs reuse them")
     if as_json:
         out_console.print_json(json.dumps({
             "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,

@@ -226,25 +226,32 @@ class Pipeline:
         elif not cl:
             self._record(StageResult.skipped(name, "needs channels_last_3d activations (the stack is NHWC)"))
         else:
+            # the 96-ch convs go to triton_conv's TMA kernel only if that stage will run (it comes next)
             self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
-                                                 force=o.stack_conv3d == "on"))
+                                                 force=o.stack_conv3d == "on",
+                                                 triton_conv_runs=self._triton_conv_skip() is None))
+
+    def _triton_conv_skip(self) -> str | None:
+        """Why the triton_conv stage would be skipped here, or None when it runs (its own checks follow)."""
+        o = self.opts
+        if o.conv_kernel == "off":
+            return "off"
+        if self.device.type != "cuda" and o.conv_kernel == "auto":
+            return "CPU decode: the Triton conv would run only through the interpreter (--conv-kernel on forces it)"
+        if not any(s.name == "channels_last" and s.status == "applied" for s in self.stages):
+            return "needs channels_last activations (the kernel reads NDHWC)"
+        if self.dtype == torch.float32 and self.device.type == "cuda":
+            return "fp32 decode: cuDNN kept (the kernel's fp32 dot would use TF32)"
+        return None
 
     def _apply_triton_conv(self) -> None:
-        o = self.opts
         name = "triton_conv"
-        cl = any(s.name == "channels_last" and s.status == "applied" for s in self.stages)
-        if o.conv_kernel == "off":
-            self._record(StageResult.skipped(name, "off"))
-        elif self.device.type != "cuda" and o.conv_kernel == "auto":
-            self._record(StageResult.skipped(name, "CPU decode: the Triton conv would run only through the "
-                                                   "interpreter (--conv-kernel on forces it)"))
-        elif not cl:
-            self._record(StageResult.skipped(name, "needs channels_last activations (the kernel reads NDHWC)"))
-        elif self.dtype == torch.float32 and self.device.type == "cuda":
-            self._record(StageResult.skipped(name, "fp32 decode: cuDNN kept (the kernel's fp32 dot would use TF32)"))
+        why = self._triton_conv_skip()
+        if why is not None:
+            self._record(StageResult.skipped(name, why))
         else:
             self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
-                                                 force=o.conv_kernel == "on"))
+                                                 force=self.opts.conv_kernel == "on"))
 
     def _apply_fp8(self) -> None:
         try:

@@ -12,10 +12,11 @@ Measured on an H200 (benchmarks/results/h200_conv_stack_2026-11-21.json), bf16, 
     96 ch @720x1280: 6.53 / 5.38 / 3.49;  384 ch @120x208: 1.22 / 2.09 / 0.99 (800 TFLOP/s)
     192 ch @240x416: 1.24 / 2.13 / 1.31 -- no gain: those stay on the Conv3d
 So auto stacks the convs with 96 or 384 channels (Wan 2.1's full- and quarter-resolution widths) on sm_90, where it
-was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere. Except: in bf16 where the TMA conv
-kernel runs (kernels/tma_conv.bf16_wan96), the 96-channel convs are left to triton_conv, which runs them on that
-kernel from the plain [history | frames] buffer: no triple write, no 25% of cuDNN's 128-wide column tile wasted on
-Cout = 96. Whole wan21-480p decodes, H200, chunk 3, kernel time 575 -> ~558 ms (docs/perf-notes.md E28).
+was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere. One exception in auto: in bf16 where
+the TMA conv kernel runs (kernels/tma_conv.bf16_wan96) and the triton_conv stage will run, the 96-channel convs are
+left to triton_conv, which runs them on that kernel from the plain [history | frames] buffer: no triple write, no 25%
+of cuDNN's 128-wide column tile wasted on Cout = 96. Whole wan21-480p decodes, one process, interleaved, H200:
+609.3 -> 595.6 ms (606.6 -> 589.6 ms of kernels), 720p 1404.4 -> 1377.3 ms (docs/perf-notes.md E28).
 
 It runs in vaeopt.video's fused chunk decoder (kernel path, bf16/fp16/fp32 activations, untiled, one GPU): a conv
 marked here and not taken by FP8 level 3 is staged stacked and run as the Conv2d; its causal history is read back
@@ -68,7 +69,9 @@ def mark(convs) -> None:
 
 
 def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
-          dtype: torch.dtype | None = None, **_) -> StageResult:
+          dtype: torch.dtype | None = None, triton_conv_runs: bool = False, **_) -> StageResult:
+    """triton_conv_runs: the triton_conv stage will run after this one (the pipeline knows), so the 96-ch convs may be
+    left to its TMA kernel (auto, `tma_takes_96`); otherwise they are stacked as before."""
     if type(model).__name__ != "AutoencoderKLWan":
         return StageResult.skipped(NAME, f"{type(model).__name__} has no causal Conv3d")
     device = device or next(model.parameters()).device
@@ -80,7 +83,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         return StageResult.skipped(NAME, why)
     if not getattr(model, "_vaeopt_fused_epilogues", None):
         return StageResult.skipped(NAME, "needs the fused chunk decoder (its RMS-norm kernel writes the stack)")
-    skip = (96,) if not force and tma_takes_96(device, dtype) else ()
+    skip = (96,) if not force and triton_conv_runs and tma_takes_96(device, dtype) else ()
     convs = candidates(model, every=force, skip=skip)
     left = len(candidates(model)) - len(convs) if skip else 0
     note = f"; {left} with 96 ch left to triton_conv (its TMA kernel, bf16: faster there)" if left else ""

@@ -101,8 +101,8 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         m.in_channels == m.out_channels == 96 for m in chosen)
     kern = "Triton implicit-GEMM kernel" + (" (its TMA variant for the 96-ch ones)" if tma else "")
     return StageResult(NAME, "applied",
-                       f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the {kern}; "
-                       f"{len(convs) - len(chosen)} other Conv3d stay on cuDNN",
+                       f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the {kern}; the other "
+                       f"{len(convs) - len(chosen)} Conv3d are not on this kernel",
                        {"layers": len(chosen), "cudnn_layers": len(convs) - len(chosen), "shapes": shapes})
 
 
@@ -127,8 +127,10 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
         return None
     from vaeopt.kernels import tma_conv
 
-    # K-major where conv_igemm may hand the layer to the TMA kernel (bf16 on sm_90: Wan's 96-ch convs, E28)
-    kmajor = tma_conv.bf16_wan96(x.device, x.dtype)
+    # K-major where conv_igemm hands the layer to the TMA kernel (bf16 on sm_90, a layer with a bf16 tile: Wan's 96-ch
+    # causal convs, E28); every other layer keeps the pointer kernel's measured layout
+    kmajor = (tma_conv.bf16_wan96(x.device, x.dtype)
+              and tma_conv.tuned_config(conv.in_channels, conv.out_channels, x.shape[-1], False, video=True) is not None)
     key = (*_weight_key(w), x.dtype, kmajor)
     cached = getattr(conv, _PACKED, None)
     if cached is None or cached[0] != key:
