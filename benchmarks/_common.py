@@ -175,9 +175,9 @@ def wan_norm_inputs(C: int, H: int, W: int, taps: int, k: int, g, device="cuda")
 
 def bf16_tma_tile(spec: str) -> None:
     """Run Wan's bf16 96-ch causal convs (where triton_conv takes them) on the TMA kernel with the tile
-    "bh,bw,bk,bn0,bn1,warps,stages,bk1" instead of tma_conv.BF16_WAN96, and pack every conv's weights K-major (as
-    this helper's first use, before E28, needed). Process-wide: for benchmark scripts only."""
-    from vaeopt.kernels import conv, tma_conv
+    "bh,bw,bk,bn0,bn1,warps,stages,bk1" instead of tma_conv.BF16_WAN96 (triton_conv packs K-major where
+    tuned_config gives a bf16 tile). Process-wide: for benchmark scripts only."""
+    from vaeopt.kernels import tma_conv
 
     tile = tma_conv.TmaConfig(*map(int, spec.split(",")))
     tuned = tma_conv.tuned_config
@@ -186,4 +186,3 @@ def bf16_tma_tile(spec: str) -> None:
         return tile if (not fp8 and video and cin == cout == 96) else tuned(cin, cout, w, fp8, video)
 
     tma_conv.tuned_config = with_bf16
-    conv.pack_weight.__defaults__ = (None, True)

@@ -189,8 +189,13 @@ def test_hunyuan_video_decodes_through_diffusers():
 @pytest.mark.parametrize("conv_kernel,runs", [("off", False), ("on", True)])
 def test_stacked_conv3d_hears_whether_triton_conv_runs(samples_dir, monkeypatch, conv_kernel, runs):
     """stacked_conv3d may leave Wan's 96-ch convs to triton_conv's TMA kernel only when that stage will run: the
-    pipeline passes the same verdict it uses for triton_conv (--conv-kernel off: the convs stay stacked)."""
+    pipeline passes it the same verdict it uses for triton_conv. (What the stage does with it: the stage test
+    with TMA faked, and the GPU test with --conv-kernel off.)"""
+    from vaeopt.kernels import triton_available
     from vaeopt.stages import stacked_conv3d
+
+    if runs and not triton_available("cpu")[0]:  # forced on a CPU, triton_conv needs the interpreter
+        pytest.skip(triton_available("cpu")[1])
 
     seen = []
     real = stacked_conv3d.apply
@@ -200,4 +205,3 @@ def test_stacked_conv3d_hears_whether_triton_conv_runs(samples_dir, monkeypatch,
     assert seen == [runs] and (pipe._triton_conv_skip() is None) == runs
     st = {s.name: s for s in pipe.stages}
     assert (st["triton_conv"].status == "skipped") == (not runs), st["triton_conv"].line()
-

@@ -164,6 +164,15 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
     assert stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16, triton_conv_runs=True).data["layers"] == 21
 
 
+def test_tma_96_implies_triton_conv_runs_there():
+    """stacked_conv3d leaves the 96-ch convs unstacked where the TMA kernel runs; triton_conv must take them on every
+    such GPU, or they would fall to cuDNN's slow Conv3d."""
+    from vaeopt.kernels import tma_conv
+
+    assert set(tma_conv.MEASURED_SM) <= set(triton_conv.MEASURED_SM)
+    assert triton_conv.MIN_COUT <= 96 <= triton_conv.MAX_COUT
+
+
 def test_estimate_counts_the_stack():
     """The dry run marks the same convs on its skeleton: at wan21-480p with 1 latent frame per call the stacked
     96-channel input (3x the staged frames) is the peak, and the estimate grows by it."""

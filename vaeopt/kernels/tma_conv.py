@@ -195,8 +195,9 @@ BF16_WAN96 = TmaConfig(2, 64, 64, 64, 32, 4, 3, bk1=32)
 
 
 def bf16_wan96(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether Wan's bf16 96-channel causal convs run on this kernel (triton_conv packs their weights K-major and
-    stacked_conv3d leaves them unstacked): bf16 activations on a GPU where `available`."""
+    """Whether Wan's bf16 96-channel causal convs can run on this kernel: bf16 activations on a GPU where `available`.
+    Where it holds, triton_conv packs their weights K-major, and stacked_conv3d (auto) leaves them unstacked when the
+    pipeline will run triton_conv."""
     return dtype == torch.bfloat16 and available(device)
 
 

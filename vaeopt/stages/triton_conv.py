@@ -89,7 +89,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
 
         if any(marked(m) for m in convs) and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT for m in convs):
             return StageResult.skipped(NAME, f"the {MIN_COUT}-{MAX_COUT}-channel Conv3d layers run as stacked Conv2d "
-                                             "(stacked_conv3d: faster than this kernel there)")
+                                             "(stacked_conv3d took them)")
         return StageResult.skipped(NAME, f"none of {len(convs)} Conv3d layers has {MIN_COUT}-{MAX_COUT} output channels "
                                          "and a 3x3x3 kernel (where the kernel beats cuDNN)")
     for m in chosen:
