@@ -89,12 +89,6 @@ def _log(msg: str) -> None:
     console.print(f"  {msg}", markup=False)
 
 
-def _triton_cache() -> tuple[str, int]:
-    from vaeopt.kernels import triton_cache_entries
-
-    return triton_cache_entries()
-
-
 # ---------------------------------------------------------------------------------------------------- info
 @app.command()
 @clean_errors
@@ -252,9 +246,11 @@ def decode(
             for msg in r.retries:
                 _log("↩ " + msg)
 
-        tc0 = _triton_cache() if pipe.device.type == "cuda" else None
+        from vaeopt.kernels import triton_cache_entries
+
+        tc0 = triton_cache_entries() if pipe.device.type == "cuda" else None
         results = api.run_jobs(pipe, jobs, fps=fps, progress=progress, on_result=report)
-    if tc0 is not None and (tc := _triton_cache())[1] > tc0[1]:
+    if tc0 is not None and (tc := triton_cache_entries())[1] > tc0[1]:
         _log(f"Triton compiled kernels on first use ({tc[1] - tc0[1]} new entries in its cache, {tc[0]}): the decode "
              "times above include that; later runs reuse them")
     if as_json:

@@ -95,10 +95,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     for m in chosen:
         setattr(m, _MARK, True)
     shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen})
-    from vaeopt.kernels import tma_conv
-
-    tma = dtype is not None and tma_conv.bf16_wan96(torch.device(device), dtype) and any(
-        m.in_channels == m.out_channels == 96 for m in chosen)
+    tma = dtype is not None and any(_bf16_tma(m, torch.device(device), dtype) for m in chosen)
     kern = "Triton implicit-GEMM kernel" + (" (its TMA variant for the 96-ch ones)" if tma else "")
     return StageResult(NAME, "applied",
                        f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the {kern}; the other "
@@ -113,6 +110,16 @@ def revert(model: nn.Module) -> None:
 _weight_key = weight_version
 
 
+def _bf16_tma(conv: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether conv_igemm hands this marked bf16 layer to the TMA kernel: bf16 on sm_90 with TMA, and a layer with a
+    bf16 tile (Wan's 96-ch causal convs, E28). Its weights are then packed K-major; every other layer keeps the
+    pointer kernel's measured layout."""
+    from vaeopt.kernels import tma_conv
+
+    return (tma_conv.bf16_wan96(device, dtype)
+            and tma_conv.tuned_config(conv.in_channels, conv.out_channels, 0, False, video=True) is not None)
+
+
 def packed_for(conv: nn.Module, x: torch.Tensor):
     """The conv's PackedWeight for input x when the stage marked it and x suits the kernel, else None. Packed once
     per weight version and dtype (a later weight change repacks)."""
@@ -125,12 +132,7 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     w = conv.weight
     if w is None or w.device != x.device:
         return None
-    from vaeopt.kernels import tma_conv
-
-    # K-major where conv_igemm hands the layer to the TMA kernel (bf16 on sm_90, a layer with a bf16 tile: Wan's 96-ch
-    # causal convs, E28); every other layer keeps the pointer kernel's measured layout
-    kmajor = (tma_conv.bf16_wan96(x.device, x.dtype)
-              and tma_conv.tuned_config(conv.in_channels, conv.out_channels, x.shape[-1], False, video=True) is not None)
+    kmajor = _bf16_tma(conv, x.device, x.dtype)
     key = (*_weight_key(w), x.dtype, kmajor)
     cached = getattr(conv, _PACKED, None)
     if cached is None or cached[0] != key:
