@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import math
 import os
@@ -107,6 +108,81 @@ def time_band(pipe, z, group, chunk, repeats, dev, in_group: bool):
     return statistics.median(times), times, out, peak(dev)
 
 
+def time_band_ab(pipe, z, group, chunk, repeats, dev, in_group: bool) -> dict:
+    """--stack-ab: band decodes with the bands' time-stacked convs on / off (D.BAND_STACK), interleaved rounds
+    after one warm-up of each; rank 0's median seconds per variant."""
+    res: dict = {}
+    saved = D.BAND_STACK
+    try:
+        for i in range(repeats + 1):
+            for v in (True, False):
+                D.BAND_STACK = v
+                dist.barrier()
+                sync(dev)
+                t0 = time.perf_counter()
+                if in_group:
+                    with torch.inference_mode():
+                        D.band_parallel_decode(pipe.model, z, group, chunk=chunk)
+                sync(dev)
+                if i > 0:
+                    res.setdefault("stacked" if v else "conv3d", []).append(time.perf_counter() - t0)
+    finally:
+        D.BAND_STACK = saved
+    return {k: {"median_s": statistics.median(t), "times": t} for k, t in res.items()}
+
+
+def profile_kernels(fn, dev, record: bool, trace: str | None = None) -> dict | None:
+    """One call of fn under torch.profiler (CUDA kernels) on every rank; rank 0's kernel time by category, its busy
+    time (union of kernel intervals) and span (first kernel start to last kernel end)."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_profile import category
+
+    dist.barrier()
+    sync(dev)
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with tprof(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    if trace:  # every rank's chrome trace (host and GPU), gzipped, for benchmarks/trace_gaps.py-style reading
+        raw = Path(trace.format(rank=dist.get_rank()))
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(str(raw) + ".gz", "wb") as g:
+            g.write(f.read())
+        raw.unlink()
+    if not record:
+        return None
+    by_cat: dict = {}
+    top: dict = {}
+    iv = []
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        t = e.device_time / 1e3
+        c = "nccl" if "nccl" in e.name.lower() else category(e.name)
+        by_cat[c] = by_cat.get(c, 0.0) + t
+        top[e.name[:90]] = top.get(e.name[:90], 0.0) + t
+        iv.append((e.time_range.start, e.time_range.end))
+    iv.sort()
+    busy, cur = 0.0, None
+    for a, b in iv:
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                busy += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+    span = (iv[-1][1] - iv[0][0]) / 1e3 if iv else 0.0
+    return {"wall_ms": wall * 1e3, "busy_ms": busy / 1e3, "span_ms": span, "kernels": len(iv),
+            "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": sorted(top.items(), key=lambda kv: -kv[1])[:20]}
+
+
 def run_workload(name: str, args, rank: int, world: int, dev: torch.device, sub2) -> dict:
     fam, shape, ov = (TINY[name] if args.tiny else (*WORKLOADS[name], {}))
     say = (lambda s: print(f"[{name}] {s}", flush=True)) if rank == 0 else (lambda s: None)
@@ -135,6 +211,9 @@ def run_workload(name: str, args, rank: int, world: int, dev: torch.device, sub2
         row["single"] = {"seconds": statistics.median(secs), "times": secs, "peak_gib": (st.peak_bytes or 0) / GiB,
                          "plan": plan.to_dict()}
         say(f"single GPU: {row['single']['seconds'] * 1e3:.0f} ms (peak {row['single']['peak_gib']:.2f} GiB)")
+        if args.profile and dev.type == "cuda":
+            row["single"]["profile"] = _profile_single(pipe, z, plan, dev)
+            say(f"single GPU profile: {_prof_line(row['single']['profile'])}")
     dist.barrier()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -151,8 +230,22 @@ def run_workload(name: str, args, rank: int, world: int, dev: torch.device, sub2
         med, times, out, pk = time_band(pipe, z, group, chunk, args.repeats, dev, member)
         peaks = [None] * world
         dist.all_gather_object(peaks, pk if member else None)
-        r = {"ranks": n, "seconds": med, "times": times, "chunk": chunk,
+        r = {"ranks": n, "seconds": med, "times": times, "chunk": chunk, "band_stack": D.BAND_STACK,
              "peak_gib_per_rank": [p / GiB if p else None for p in peaks[:n]]}
+        if args.stack_ab and len(shape) == 5:
+            r["stack_ab"] = time_band_ab(pipe, z, group, chunk, args.repeats, dev, member)
+            say("bands, time-stacked 384-ch convs vs Conv3d: " + ", ".join(
+                f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in r["stack_ab"].items()))
+        if args.profile and dev.type == "cuda":
+            def one(model=pipe.model, z=z, group=group, chunk=chunk, member=member):
+                if member:
+                    with torch.inference_mode():
+                        D.band_parallel_decode(model, z, group, chunk=chunk)
+            tr = (str(Path(os.environ.get("OUT", ".")) / f"band_trace_{name}_{label}_rank{{rank}}.json")
+                  if args.trace else None)
+            r["profile_rank0"] = profile_kernels(one, dev, rank == 0, tr)
+            if rank == 0:
+                say(f"band profile, rank 0: {_prof_line(r['profile_rank0'])}")
         if rank == 0:
             o = out.float().cpu()
             r["psnr_vs_single_db"] = psnr(o, single)
@@ -176,6 +269,30 @@ def run_workload(name: str, args, rank: int, world: int, dev: torch.device, sub2
     return row
 
 
+def _profile_single(pipe, z, plan, dev) -> dict:
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_profile import category
+
+    sync(dev)
+    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        pipe.decode(z, plan)
+        sync(dev)
+    by_cat: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            c = category(e.name)
+            by_cat[c] = by_cat.get(c, 0.0) + e.device_time / 1e3
+    return {"by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1]))}
+
+
+def _prof_line(p: dict) -> str:
+    head = (f"wall {p['wall_ms']:.0f} ms, kernels busy {p['busy_ms']:.0f} of a {p['span_ms']:.0f} ms span; "
+            if "busy_ms" in p else "")
+    return head + ", ".join(f"{k} {v:.1f}" for k, v in p["by_category_ms"].items())
+
+
 def fp32_check(args, rank: int, dev: torch.device) -> dict:
     """sdxl fp32 on a small latent, TF32 off: band-parallel vs the model's own decode on rank 0."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -192,6 +309,24 @@ def fp32_check(args, rank: int, dev: torch.device) -> dict:
         res = {"latent": [1, 4, 40, 48], "psnr_db": psnr(out, ref), "max_abs": (out - ref).abs().max().item()}
         print(f"[fp32 check] sdxl (1,4,40,48): band vs whole {res['psnr_db']:.1f} dB, max abs {res['max_abs']:.2e}",
               flush=True)
+    del pipe
+    # Wan 2.1 through the pipeline's stages (time-stacked 384-ch convs, the tapconv head, the chunked attention),
+    # band-parallel vs the same pipeline's decode on one GPU, fp32
+    ov = TINY["wan21-720p"][2] if args.tiny else {}
+    pipe = build("wan21", args.tiny, ov, dev, "fp32", lambda s: None)
+    shape = (1, 16, 5, 12, 20)
+    z = latents(shape, dev, torch.float32)
+    with torch.inference_mode():
+        out, info = D.band_parallel_decode(pipe.model, z, chunk=2, return_info=True)
+    if rank == 0:
+        ref, _ = pipe.decode(z, pipe.plan(shape))
+        o = out.float().cpu()
+        res["wan21"] = {"latent": list(shape), "psnr_db": psnr(o, ref), "max_abs": (o - ref).abs().max().item(),
+                        "stats": {k: v for k, v in info["stats"].items()
+                                  if k in ("stacked_conv", "conv_taps", "attention_chunked", "triton_conv")}}
+        w = res["wan21"]
+        print(f"[fp32 check] wan21 {shape}: band vs one GPU {w['psnr_db']:.1f} dB, max abs {w['max_abs']:.2e}, "
+              f"{w['stats']}", flush=True)
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     del pipe
     dist.barrier()
@@ -265,6 +400,11 @@ def main():
     ap.add_argument("--skip-fp32", action="store_true")
     ap.add_argument("--timeout", type=float, default=1500.0)
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/distributed.json)")
+    ap.add_argument("--stack-ab", action="store_true",
+                    help="Wan: also time the bands with their time-stacked convs off (D.BAND_STACK), interleaved")
+    ap.add_argument("--profile", action="store_true",
+                    help="one profiled decode each (single GPU; rank 0 of the bands): kernel ms by category")
+    ap.add_argument("--trace", action="store_true", help="with --profile: every rank's chrome trace to $OUT")
     args = ap.parse_args()
     backend = "gloo" if args.device == "cpu" else None
     n = args.gpus

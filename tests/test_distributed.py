@@ -103,6 +103,12 @@ def _suite(samples: str, files_job: dict | None):
         fused_norms.apply(wan)
         channels_last.apply(wan)
         res["wan_fused"] = D.band_parallel_decode(wan, zw, chunk=2, fused=True, return_info=True)
+        # every causal conv time-stacked (stacked_conv3d's Conv2d over the stack; halo rows of the stack)
+        from vaeopt.stages import stacked_conv3d
+
+        stacked_conv3d.mark(stacked_conv3d.candidates(wan, every=True))
+        res["wan_stacked"] = D.band_parallel_decode(wan, zw, chunk=2, fused=True, return_info=True)
+        stacked_conv3d.revert(wan)
     if files_job is not None:
         job = dict(files_job)
         one = job.pop("output_one")
@@ -213,7 +219,20 @@ def test_fused_kernel_path_matches_single_process(run, refs):
     if "wan_fused" in res:
         out, info = res["wan_fused"]
         assert info["stats"].get("fused_blocks", 0) > 0 and info["stats"].get("bias_folded", 0) > 0
+        # the mid-block attention on the chunked GEMM path (this rank's queries), once per call
+        assert info["stats"].get("attention_chunked", 0) == len(info["schedule"])
+        # the head conv as tapconv's GEMM + tap sum, its edge rows from the neighbours' GEMM rows
+        assert info["stats"].get("conv_taps", 0) == len(info["schedule"])
         assert (out - refs["wan"]).abs().max().item() <= 1e-4
+        assert info["stats"].get("stacked_conv", 0) == 0
+    if "wan_stacked" in res:
+        out, info = res["wan_stacked"]
+        # chunks [1, 2]: per call, the 3x3x3 causal convs of the mid and up blocks ran time-stacked on every band
+        assert info["stats"].get("stacked_conv", 0) > 0, info["stats"]
+        err = (out - refs["wan"]).abs().max().item()
+        print(f"wan time-stacked on {world} ranks: {psnr(out, refs['wan']):.1f} dB, max abs {err:.2e}, "
+              f"{info['stats']['stacked_conv']} stacked convs")
+        assert err <= 1e-4
 
 
 def test_gather_false_returns_each_rank_its_rows(run, refs):

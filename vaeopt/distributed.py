@@ -147,16 +147,30 @@ class _Comm:
         ops, keep = [], []
         top = bot = None
         n = x.shape[dim]
+        # channels-last rows travel as the contiguous (N, [T,] 1, W, C) tensor of their bytes (gloo's p2p takes only
+        # contiguous tensors) and arrive as channels-last views: no transposes, and the slabs built from them feed
+        # cuDNN's NHWC kernels
+        order = (0, *range(2, x.dim()), 1) if x.dim() in (4, 5) and x.stride(1) == 1 and x.shape[1] > 1 else None
+        back = None if order is None else (0, x.dim() - 1, *range(1, x.dim() - 1))
+
+        def wire(row: Tensor) -> Tensor:
+            return row.contiguous() if order is None else row.permute(order).contiguous()
+
+        def view(t: Tensor) -> Tensor:
+            return t if back is None else t.permute(back)
+
         if self.prev is not None:
-            s = x.narrow(dim, 0, 1).contiguous()
-            top = torch.empty_like(s)
-            ops += [("send", s, self.prev, 1), ("recv", top, self.prev, 2)]
+            s = wire(x.narrow(dim, 0, 1))
+            r = torch.empty_like(s)
+            ops += [("send", s, self.prev, 1), ("recv", r, self.prev, 2)]
             keep.append(s)
+            top = view(r)
         if self.next is not None:
-            s = x.narrow(dim, n - 1, 1).contiguous()
-            bot = torch.empty_like(s)
-            ops += [("send", s, self.next, 2), ("recv", bot, self.next, 1)]
+            s = wire(x.narrow(dim, n - 1, 1))
+            r = torch.empty_like(s)
+            ops += [("send", s, self.next, 2), ("recv", r, self.next, 1)]
             keep.append(s)
+            bot = view(r)
         self.counts["halo_exchanges"] += 1
         self.counts["halo_bytes"] += sum(t.numel() * t.element_size() for t in keep)
         return _Pending(self._p2p(ops), top, bot, keep)
@@ -258,7 +272,8 @@ class _Pending:
 def _fix_edges(inp: Tensor, top: Tensor | None, bot: Tensor | None, out: Tensor, conv_rows: Callable,
                dim: int) -> None:
     """Recompute out's first / last row (along `dim`) of a radius-1 conv from 3-row slabs [top | inp | bot]: the
-    band's conv ran with zero padding there. Rows at the image border (no neighbour) are already right."""
+    band's conv ran with zero padding there. Rows at the image border (no neighbour) are already right. Both slabs
+    go through conv_rows in one call (stacked along the batch dim)."""
     H = inp.shape[dim]
 
     def row(i: int) -> Tensor:
@@ -268,10 +283,46 @@ def _fix_edges(inp: Tensor, top: Tensor | None, bot: Tensor | None, out: Tensor,
             return bot if bot is not None else torch.zeros_like(inp.narrow(dim, 0, 1))
         return inp.narrow(dim, i, 1)
 
+    slabs, at = [], []
     if top is not None:
-        out.narrow(dim, 0, 1).copy_(conv_rows(torch.cat([row(-1), row(0), row(1)], dim)))
+        slabs.append([row(-1), row(0), row(1)])
+        at.append(0)
     if bot is not None and (H > 1 or top is None):
-        out.narrow(dim, H - 1, 1).copy_(conv_rows(torch.cat([row(H - 2), row(H - 1), row(H)], dim)))
+        slabs.append([row(H - 2), row(H - 1), row(H)])
+        at.append(H - 1)
+    if not slabs:
+        return
+    n = inp.shape[0]
+    s = torch.cat([torch.cat(rows, dim) for rows in slabs], 0)
+    y = conv_rows(s)  # (len(slabs) * n, C', ..., 1, ...)
+    for j, i in enumerate(at):
+        out.narrow(dim, i, 1).copy_(y[j * n : (j + 1) * n])
+
+
+def _add_halo(top: Tensor | None, bot: Tensor | None, out: Tensor, halo: Callable, dim: int) -> None:
+    """out's first / last row (along `dim`) of a radius-1 conv that ran on the band with zero padding, completed by
+    what the neighbours' rows add: halo(row, 0) is the conv of the row above the band with the kernel's first row
+    only (no bias), halo(row, 2) that of the row below with its last row. The conv is linear, so this is the row
+    over the 3-row slab, summed in two parts (a one-row band gets both)."""
+    if top is not None:
+        out.narrow(dim, 0, 1).add_(halo(top, 0))
+    if bot is not None:
+        out.narrow(dim, out.shape[dim] - 1, 1).add_(halo(bot, 2))
+
+
+def _halo_weight(conv: nn.Module, w: Tensor, i: int, dim: int) -> Tensor:
+    """Kernel row i (along the weight's H dim `dim`) of w, a weight derived from conv's, dense in w's layout; cached
+    on conv per weight version (stages.cached_weight)."""
+    from vaeopt.stages import cached_weight
+
+    def make() -> Tensor:
+        r = w.detach().narrow(dim, i, 1)
+        fmt = torch.contiguous_format
+        if w.stride(1) == 1 and w.shape[1] > 1:
+            fmt = torch.channels_last_3d if w.dim() == 5 else torch.channels_last
+        return r.contiguous(memory_format=fmt)
+
+    return cached_weight(conv, f"_vaeopt_halo_w{i}_{w.dim()}d", w.dtype, make)
 
 
 def _plain_conv2d(m: nn.Module) -> bool:
@@ -744,15 +795,20 @@ class _ImageBandDecoder:
 # ================================================================================================================
 
 
+BAND_STACK = True  # bands run stacked_conv3d's time-stacked convs (benchmarks' A/B switch; read per decoder class)
+
+
 def _band_chunk_decoder_class():
     class _BandChunkDecoder(video._ChunkDecoder):
         """vaeopt.video's chunk decoder on one band of rows: every spatial conv exchanges the boundary rows of its
-        staged input ([causal history | new frames], i.e. including the history) and recomputes its edge rows;
-        the mid-block attention gathers its latent-resolution input. Each band keeps its own causal caches. The
-        edge-row fix reads the 5-D staged input, so convs are not run time-stacked here."""
+        staged input ([causal history | new frames], i.e. including the history), runs on the band with zero
+        padding, and adds the neighbours' rows to its edge rows (_add_halo: the received row through the kernel's
+        first / last row). The mid-block attention gathers its latent-resolution input. Each band keeps its own
+        causal caches. A conv stacked_conv3d marked runs time-stacked as on one GPU: the rows exchanged are the
+        stack's (each holds the 3 frames its output frame reads). The head conv on tapconv exchanges rows of its
+        GEMM output (the 27 taps per pixel)."""
 
-        STACK = False
-        TAPS = False  # conv_out too goes through _run's edge-row exchange
+        STACK = BAND_STACK
 
         def __init__(self, vae, channels_last: bool, fused, comm: _Comm):
             super().__init__(vae, channels_last, fused)
@@ -774,6 +830,8 @@ def _band_chunk_decoder_class():
             return False
 
         def _run(self, conv, x: Tensor, bias: bool = True) -> Tensor:
+            if isinstance(x, video._Stacked):
+                return self._run_stacked(conv, x, bias)
             kh, kw = _kernel_hw(conv)
             if kh == 1:
                 return super()._run(conv, x, bias)
@@ -784,14 +842,52 @@ def _band_chunk_decoder_class():
             pend = self.comm.exchange_start(x, 3)
             y = super()._run(conv, x, bias)
             top, bot = pend.wait()
-            cb = conv.bias if bias else None
             pw = conv._padding[0]
 
-            def rows(s: Tensor) -> Tensor:  # (N, C, hist + k, 3, W) -> (N, C', k, 1, W): no temporal padding
-                return F.conv3d(s, conv.weight, cb, 1, (0, 0, pw), 1, conv.groups)
+            def halo(r: Tensor, i: int) -> Tensor:  # (N, C, hist + k, 1, W) -> (N, C', k, 1, W): no temporal padding
+                return F.conv3d(r, _halo_weight(conv, conv.weight, i, 3), None, 1, (0, 0, pw), 1, conv.groups)
 
-            _fix_edges(x, top, bot, y, rows, 3)
+            _add_halo(top, bot, y, halo, 3)
             return y
+
+        def _run_stacked(self, conv, st, bias: bool) -> Tensor:
+            """The time-stacked Conv2d on this band's stack S (N*k, 3C, h, W): S's boundary rows go to the
+            neighbours while it runs, then its first / last output rows are redone from [halo | S rows]."""
+            S = st.S
+            if S.is_meta:  # (the planner's dry run)
+                return super()._run_stacked(conv, st, bias)
+            self.halo_seen.add(id(conv))
+            pend = self.comm.exchange_start(S, 2)
+            w = video._stacked_w(conv, S.dtype)
+            pw = conv._padding[0]
+            y4 = F.conv2d(S, w, conv.bias if bias else None, 1, (conv._padding[2], pw))
+            top, bot = pend.wait()
+            _add_halo(top, bot, y4, lambda r, i: F.conv2d(r, _halo_weight(conv, w, i, 2), None, 1, (0, pw)), 2)
+            return self._unstack(y4, st)
+
+        def _tap_sum(self, conv, Y: Tensor, y: Tensor) -> None:
+            """The head conv as tapconv's GEMM + tap sum: the rows exchanged are those of the planar GEMM output Y
+            (27 taps x Co channels), the edge rows a tap sum over 3-row slabs of it."""
+            from vaeopt.kernels import tapconv
+
+            self.halo_seen.add(id(conv))
+            pend = self.comm.exchange_start(Y, 3)
+            super()._tap_sum(conv, Y, y)
+            top, bot = pend.wait()
+            co = conv.out_channels
+
+            def halo(r: Tensor, i: int) -> Tensor:  # Y's row (n, 27 Co, hist + k, 1, W) -> its taps of kernel row i
+                n, _, ts, _, w = r.shape
+                taps = r.reshape(n, 3, 3, 3, co, ts, 1, w)[:, :, i].reshape(n, 9 * co, ts, 1, w)  # (dt, dw, o)
+                o = torch.empty((n, co, ts - 2, 1, w), dtype=y.dtype, device=y.device)
+                return tapconv.tap_sum(taps, co, (3, 1, 3), None, o)
+
+            _add_halo(top, bot, y, halo, 3)
+
+        def _attention(self, blk, x: Tensor) -> Tensor:
+            if isinstance(blk, _WanBandAttention) and self._attn_fusable(blk.inner, x):
+                return blk.fused(x, self)
+            return super()._attention(blk, x)
 
         # video's _resample with a halo exchange around its frame-group conv (video._frames_up_conv)
         def _resample(self, rs, box: list[Tensor]) -> Tensor:
@@ -870,6 +966,36 @@ class _WanBandAttention(nn.Module):
         o = m.proj(o)
         o = o.view(b, t, c, b0 - a0, W).permute(0, 2, 1, 3, 4)
         return o + x
+
+    def fused(self, x: Tensor, dec) -> Tensor:
+        """The kernel path (video._ChunkDecoder._attention's math for this rank's query rows): the channels-last
+        bands are gathered as they are, the norm and the K/V projection run on the whole plane, Q only for this
+        rank's rows, fused_epilogues' exact chunked GEMM attention (SDPA's only kernel for head_dim 384 is its
+        memory-efficient one, several times slower), and one epilogue for proj's bias and the residual."""
+        from vaeopt.stages.fused_epilogues import chunked_attention
+
+        self.owner.attn_calls += 1
+        m, comm = self.inner, self.comm
+        N, C, T, h, W = x.shape
+        full = comm.allgather_rows(x.permute(0, 2, 3, 4, 1), 2)  # (N, T, H, W, C): every band's rows, no relayout
+        H = full.shape[2]
+        B, L = N * T, H * W
+        f = m.norm(full.permute(0, 1, 4, 2, 3).reshape(B, C, H, W))  # a channels_last view of the frames
+        del full
+        rows = f.permute(0, 2, 3, 1).reshape(B, L, C)
+        del f
+        wq, bq = m.to_qkv.weight.reshape(3 * C, C), m.to_qkv.bias
+        bq_q, bq_kv = (None, None) if bq is None else (bq[:C], bq[C:])
+        kv = F.linear(rows, wq[C:], bq_kv).view(B, 1, L, 2 * C)
+        k, v = kv.split(C, dim=-1)
+        q = F.linear(rows[:, comm.a * W : comm.b * W], wq[:C], bq_q).view(B, 1, h * W, C)
+        del rows
+        o = chunked_attention(q, k, v, softmax_kernel=None if x.is_cuda else False)
+        del q, k, v, kv
+        hp = F.linear(o.view(B * h * W, C), m.proj.weight.reshape(C, C))
+        del o
+        dec.stats["attention_chunked"] += 1
+        return dec._br(hp.view(N, T, h, W, C).permute(0, 4, 1, 2, 3), m.proj.bias, x)
 
 
 def _decode_wan_band(vae, z: Tensor, comm: _Comm, chunk, fused, channels_last, gather: bool):

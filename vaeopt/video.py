@@ -241,6 +241,12 @@ def _copy_lastdim(dst: Tensor, src: Tensor) -> None:
         dst.copy_(src)
 
 
+def _stacked_w(conv: nn.Module, dtype: torch.dtype) -> Tensor:
+    from vaeopt.stages.stacked_conv3d import stacked_weight
+
+    return stacked_weight(conv, dtype)
+
+
 def _tap_matrix(conv: nn.Module, dtype: torch.dtype) -> Tensor:
     """kernels/tapconv's (C, 27*Co) tap matrix of `conv` (cached per weight version and dtype)."""
     from vaeopt.kernels.tapconv import tap_weights
@@ -329,8 +335,8 @@ class _ChunkDecoder:
     Otherwise (and for any module that does not match) the torch path below runs unchanged. `stats` counts what the
     fused path did (per decoder, over all calls)."""
 
-    TAPS = True  # conv_out (3 channels) as kernels/tapconv's norm+GEMM and tap sum (band decoders, which exchange
-    # the staged input's edge rows, turn it off)
+    TAPS = True  # conv_out (3 channels) as kernels/tapconv's norm+GEMM and tap sum (band decoders exchange the
+    # GEMM output's edge rows: _tap_sum)
     STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (subclasses that crop or exchange
     # the staged 5-D input -- spatial tiles, bands -- turn it off)
     DEFER = True  # a residual block followed by another one (or by the head) leaves its output _Pending: the next
@@ -762,18 +768,20 @@ class _ChunkDecoder:
     def _run_stacked(self, conv, st: _Stacked, bias: bool) -> Tensor:
         """The causal Conv3d as a Conv2d over the stack (stages/stacked_conv3d)."""
         S, N, k = st
-        _, C3, H, W = S.shape
-        Co = conv.out_channels
         if S.is_meta:
-            y = torch.empty((N, k, H, W, Co), dtype=S.dtype, device=S.device)
+            y4 = torch.empty((N * k, conv.out_channels, *S.shape[2:]), dtype=S.dtype, device=S.device,
+                             memory_format=torch.channels_last)
         else:
-            from vaeopt.stages.stacked_conv3d import stacked_weight
-
-            y4 = F.conv2d(S, stacked_weight(conv, S.dtype), conv.bias if bias else None, 1,
+            y4 = F.conv2d(S, _stacked_w(conv, S.dtype), conv.bias if bias else None, 1,
                           (conv._padding[2], conv._padding[0]))
-            y = y4.permute(0, 2, 3, 1).reshape(N, k, H, W, Co)
+        return self._unstack(y4, st)
+
+    def _unstack(self, y4: Tensor, st: _Stacked) -> Tensor:
+        """The stacked Conv2d's output (N*k, Co, H, W) channels_last -> (N, Co, k, H, W) channels_last_3d (a view)."""
+        _, N, k = st
+        _, Co, H, W = y4.shape
         self.stats["stacked_conv"] += 1  # (its history was written by the norm kernel: _stage_stacked)
-        return y.permute(0, 4, 1, 2, 3)
+        return y4.permute(0, 2, 3, 1).reshape(N, k, H, W, Co).permute(0, 4, 1, 2, 3)
 
     def _taps_ok(self, conv, src: Tensor) -> bool:
         from vaeopt.kernels import tapconv
@@ -820,9 +828,15 @@ class _ChunkDecoder:
             kw = dict(residual=res.r, residual_bias=res.rb) if res is not None else {}
             tapconv.rms_norm_taps(src, gamma, beta, eps, scale, wt, nt, Y, hist, x_bias=xb, **kw)
             del src, res
-            tapconv.tap_sum(Y, co, (3, 3, 3), conv.bias, y)
+            self._tap_sum(conv, Y, y)
         self._update(conv, Y, fmt=torch.contiguous_format)
         return y
+
+    def _tap_sum(self, conv, Y: Tensor, y: Tensor) -> None:
+        """y <- conv's bias + the tap sum of the planar GEMM output Y (kernels/tapconv.tap_sum)."""
+        from vaeopt.kernels import tapconv
+
+        tapconv.tap_sum(Y, conv.out_channels, (3, 3, 3), conv.bias, y)
 
     def _fp8_scale(self, conv, p, src: Tensor) -> float | None:
         """The e4m3 scale of this conv's input when it runs on fp8 (triton_conv stage, fp8 on), else None. Static:
