@@ -3,6 +3,8 @@
     python3 benchmarks/gpu_tma_decode.py --workload wan21-480p --variants stacked,tma,fp8_pointer,fp8_tma
         [--rounds 5] [--chunk 3] [--fp8-gate 30] [--graphs] [--bf16-tile 2,64,64,64,32,4,3,32]  -> $OUT/tma_decode_<workload>.json
 
+A variant name may carry its own chunk: `--variants stacked@3,stacked@5,stacked@10` (latent frames per call).
+
 Variants (one pipeline each, one process, interleaved rounds, CUDA events around each decode):
   stacked      default options (Wan 2.1 bf16 on sm_90 since E28: the 384-ch causal convs as time-stacked cuDNN
                Conv2d, the 96-ch ones on the TMA kernel)
@@ -70,20 +72,21 @@ z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", to
 extra = {"chunk": args.chunk} if args.chunk else {}
 pipes, res = {}, {}
 for name in args.variants.split(","):
+    base, _, k = name.partition("@")  # "stacked@5": that variant at a fixed chunk of 5 latent frames
     tma_conv.ENABLED = "pointer" not in name
     ups, min_ch = triton_conv.fp8_upsampler_candidates, triton_conv.IMAGE_FP8_MIN_CH
-    if name == "fp8_noup":
+    if base == "fp8_noup":
         triton_conv.fp8_upsampler_candidates = lambda m, d: []
-    if name == "fp8_all":
+    if base == "fp8_all":
         triton_conv.IMAGE_FP8_MIN_CH = 0
-    stacked_conv3d.TMA_96 = name != "stack96"
-    p = make_pipe(fam, **extra, **OPTS[name])
+    stacked_conv3d.TMA_96 = base != "stack96"
+    p = make_pipe(fam, **({"chunk": int(k)} if k else extra), **OPTS[base])
     stacked_conv3d.TMA_96 = True
     triton_conv.fp8_upsampler_candidates, triton_conv.IMAGE_FP8_MIN_CH = ups, min_ch
     if args.graphs and not p.family.is_video:
         p.enable_graphs("gpu_tma_decode --graphs")
     pipes[name] = (p, p.plan(shape))
-    res[name] = {"opts": OPTS[name], "stages": [r.line() for r in p.stages], "ms": []}
+    res[name] = {"opts": OPTS[base], "chunk": pipes[name][1].chunk, "stages": [r.line() for r in p.stages], "ms": []}
     print(name, *res[name]["stages"], sep="\n  ", flush=True)
 
 

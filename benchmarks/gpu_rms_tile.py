@@ -1,0 +1,125 @@
+"""Wan's RMS-norm kernel (`kernels/rms_norm_silu`) on the wan21-480p chunk decoder's shapes: launch tile x warps sweep,
+TB/s against a plain copy of the same bytes.
+
+    python3 benchmarks/gpu_rms_tile.py [--reps 10] [--no-sweep] [--split-ab] [--decode-rounds 8]  -> $OUT/rms_tile.json
+
+--split-ab: each shape's default launch with the channels as two power-of-2 tiles (rms_norm_silu.SPLIT_C, 96 = 64 +
+32) and as one padded tile, outputs compared. --decode-rounds N: whole wan21-480p decodes (the pipeline's path),
+SPLIT_C on / off interleaved, N rounds, and the PSNR between the two outputs.
+
+Shapes (one call of the chunk decoder at chunk 3, bf16, channels_last_3d): 96 ch at 480x832 and 192 ch at 240x416,
+12 frames, into the plain [history | frames] conv buffer; 384 ch at 120x208, 6 frames, into the time-stacked input
+(taps=3, with the next history). Each with and without the residual formed in the kernel (the block's output u =
+r + h, also stored). Output of every variant checked equal (bitwise) to the default launch's.
+"""
+import argparse
+import importlib
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import event_ms, out_dir, run_meta, wan_norm_inputs  # noqa: E402
+
+from vaeopt.kernels.rms_norm_silu import rms_norm_silu  # noqa: E402
+
+rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+ap = argparse.ArgumentParser()
+ap.add_argument("--reps", type=int, default=10)
+ap.add_argument("--no-sweep", action="store_true")
+ap.add_argument("--split-ab", action="store_true")
+ap.add_argument("--decode-rounds", type=int, default=0)
+args = ap.parse_args()
+SHAPES = [("96ch 480x832 k12", 96, 480, 832, 0, 12), ("192ch 240x416 k12", 192, 240, 416, 0, 12),
+          ("384ch 120x208 k6 taps3", 384, 120, 208, 3, 6)]
+TILES = [2048, 4096, 8192, 16384]
+WARPS = [2, 4, 8, 16]
+g = torch.Generator().manual_seed(0)
+rows = []
+for label, C, H, W, taps, k in SHAPES:
+    h, r, kw = wan_norm_inputs(C, H, W, taps, k, g)
+    gamma = (1 + 0.1 * torch.randn(C, generator=g)).to("cuda", torch.bfloat16)
+    beta = (0.1 * torch.randn(C, generator=g)).to("cuda", torch.bfloat16)
+    out = kw["out"]
+    u = torch.empty_like(h)
+    for resid in (False, True):
+        def call(tile=None, nw=None):
+            extra = dict(residual=r, sum_out=u) if resid else {}  # u = r + h stored (the decoder stores it over h)
+            return rms_norm_silu(h, gamma, beta, 1e-12, True, tile=tile, num_warps=nw, **kw, **extra)
+
+        el = h.numel() * h.element_size()
+        moved = el * (1 + taps if taps else 2) + (2 * el if resid else 0) + (el * 2 / k if taps else 0)
+        dst = torch.empty_like(h)
+        copy_ms = event_ms(lambda: dst.copy_(h), reps=args.reps)
+        call()
+        ref = out.clone()
+        res = {"shape": label, "C": C, "taps": taps, "frames": k, "residual": resid, "bytes": moved,
+               "copy_ms_same_elems": copy_ms, "variants": []}
+        if args.split_ab:
+            ab = {}
+            for split in (True, False):
+                rms.SPLIT_C = split
+                ab[split] = {"ms": event_ms(call, reps=args.reps), "out": out.clone()}
+            rms.SPLIT_C = True
+            res["split_ab"] = {"split_ms": ab[True]["ms"], "padded_ms": ab[False]["ms"],
+                               "max_abs_diff": (ab[True]["out"].float() - ab[False]["out"].float()).abs().max().item()}
+            print(f"{label:24s} res={int(resid)}  split tiles {ab[True]['ms']:.3f} ms, one padded tile "
+                  f"{ab[False]['ms']:.3f} ms, max |diff| {res['split_ab']['max_abs_diff']:.3g}", flush=True)
+        for tile in ([None] + TILES) if not args.no_sweep else [None]:
+            for nw in ([None] + WARPS) if not args.no_sweep else [None]:
+                if (tile is None) != (nw is None):
+                    continue
+                try:
+                    ms = event_ms(lambda: call(tile, nw), reps=args.reps)
+                    same = bool(torch.equal(out, ref))
+                    res["variants"].append({"tile": tile, "warps": nw, "ms": ms, "tbps": moved / ms / 1e9,
+                                            "equal": same})
+                except Exception as e:  # noqa: BLE001
+                    res["variants"].append({"tile": tile, "warps": nw, "error": str(e)[:200]})
+        rows.append(res)
+        best = min((v for v in res["variants"] if "ms" in v), key=lambda v: v["ms"])
+        d = res["variants"][0]
+        print(f"{label:24s} res={int(resid)}  default {d['ms']:.3f} ms ({d['tbps']:.2f} TB/s)  best tile {best['tile']} "
+              f"warps {best['warps']}: {best['ms']:.3f} ms ({best['tbps']:.2f} TB/s); a copy of h: {copy_ms:.3f} ms "
+              f"({2 * el / copy_ms / 1e9:.2f} TB/s)", flush=True)
+decode = None
+if args.decode_rounds:
+    from _common import interleaved_ms, make_pipe
+
+    from vaeopt.benchmark import WORKLOADS
+
+    fam, shape = WORKLOADS["wan21-480p"]
+    pipe = make_pipe(fam)
+    plan = pipe.plan(shape)
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+    outs = {}
+    with torch.inference_mode():
+        for split in (True, False):
+            rms.SPLIT_C = split
+            outs[split] = pipe._decode_video(z, plan, None).float().clamp(-1, 1)
+        ms = interleaved_ms(lambda: pipe._decode_video(z, plan, None), [True, False], args.decode_rounds,
+                            lambda v: setattr(rms, "SPLIT_C", v))
+    rms.SPLIT_C = True
+    mse = ((outs[True] - outs[False]) ** 2).mean().item()
+    decode = {"workload": "wan21-480p", "chunk": plan.chunk, "rounds": args.decode_rounds,
+              "split_ms": ms[True], "padded_ms": ms[False], "split_median_ms": statistics.median(ms[True]),
+              "padded_median_ms": statistics.median(ms[False]),
+              "psnr_split_vs_padded_db": 99.0 if mse == 0 else 10 * math.log10(4.0 / mse)}
+    print(f"wan21-480p decode, {args.decode_rounds} interleaved rounds: split {decode['split_median_ms']:.1f} ms "
+          f"({min(ms[True]):.1f}-{max(ms[True]):.1f}), padded {decode['padded_median_ms']:.1f} ms "
+          f"({min(ms[False]):.1f}-{max(ms[False]):.1f}); {decode['psnr_split_vs_padded_db']:.1f} dB between them")
+meta = run_meta("python3 benchmarks/gpu_rms_tile.py " + " ".join(sys.argv[1:]))
+(out_dir() / "rms_tile.json").write_text(json.dumps({**meta, "rows": rows, "decode": decode}, indent=1))
+print(f"\n# {meta['gpu']}")
+print(f"{'shape':24s} {'res':>3s} {'default ms':>10s} {'TB/s':>5s} {'best':>14s} {'ms':>7s} {'TB/s':>5s} {'all equal':>9s}")
+for res in rows:
+    vs = [v for v in res["variants"] if "ms" in v]
+    d, b = vs[0], min(vs, key=lambda v: v["ms"])
+    print(f"{res['shape']:24s} {int(res['residual']):>3d} {d['ms']:>10.3f} {d['tbps']:>5.2f} "
+          f"{str(b['tile']) + 'x' + str(b['warps']):>14s} {b['ms']:>7.3f} {b['tbps']:>5.2f} "
+          f"{str(all(v['equal'] for v in vs)):>9s}")
