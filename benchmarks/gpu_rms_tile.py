@@ -1,11 +1,10 @@
 """Wan's RMS-norm kernel (`kernels/rms_norm_silu`) on the wan21-480p chunk decoder's shapes: launch tile x warps sweep,
 TB/s against a plain copy of the same bytes.
 
-    python3 benchmarks/gpu_rms_tile.py [--reps 10] [--no-sweep] [--split-ab] [--decode-rounds 8]  -> $OUT/rms_tile.json
+    python3 benchmarks/gpu_rms_tile.py [--reps 10] [--no-sweep]     -> $OUT/rms_tile.json
 
---split-ab: each shape's default launch with the channels as two power-of-2 tiles (rms_norm_silu.SPLIT_C, 96 = 64 +
-32) and as one padded tile, outputs compared. --decode-rounds N: whole wan21-480p decodes (the pipeline's path),
-SPLIT_C on / off interleaved, N rounds, and the PSNR between the two outputs.
+(Its --split-ab / --decode-rounds, an A/B of the channels as two power-of-2 tiles, went with that experiment's revert:
+commit b3305f9, docs/perf-notes.md E30.)
 
 Shapes (one call of the chunk decoder at chunk 3, bf16, channels_last_3d): 96 ch at 480x832 and 192 ch at 240x416,
 12 frames, into the plain [history | frames] conv buffer; 384 ch at 120x208, 6 frames, into the time-stacked input
@@ -13,10 +12,7 @@ Shapes (one call of the chunk decoder at chunk 3, bf16, channels_last_3d): 96 ch
 r + h, also stored). Output of every variant checked equal (bitwise) to the default launch's.
 """
 import argparse
-import importlib
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,12 +24,9 @@ from _common import event_ms, out_dir, run_meta, wan_norm_inputs  # noqa: E402
 
 from vaeopt.kernels.rms_norm_silu import rms_norm_silu  # noqa: E402
 
-rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=10)
 ap.add_argument("--no-sweep", action="store_true")
-ap.add_argument("--split-ab", action="store_true")
-ap.add_argument("--decode-rounds", type=int, default=0)
 args = ap.parse_args()
 SHAPES = [("96ch 480x832 k12", 96, 480, 832, 0, 12), ("192ch 240x416 k12", 192, 240, 416, 0, 12),
           ("384ch 120x208 k6 taps3", 384, 120, 208, 3, 6)]
@@ -60,16 +53,6 @@ for label, C, H, W, taps, k in SHAPES:
         ref = out.clone()
         res = {"shape": label, "C": C, "taps": taps, "frames": k, "residual": resid, "bytes": moved,
                "copy_ms_same_elems": copy_ms, "variants": []}
-        if args.split_ab:
-            ab = {}
-            for split in (True, False):
-                rms.SPLIT_C = split
-                ab[split] = {"ms": event_ms(call, reps=args.reps), "out": out.clone()}
-            rms.SPLIT_C = True
-            res["split_ab"] = {"split_ms": ab[True]["ms"], "padded_ms": ab[False]["ms"],
-                               "max_abs_diff": (ab[True]["out"].float() - ab[False]["out"].float()).abs().max().item()}
-            print(f"{label:24s} res={int(resid)}  split tiles {ab[True]['ms']:.3f} ms, one padded tile "
-                  f"{ab[False]['ms']:.3f} ms, max |diff| {res['split_ab']['max_abs_diff']:.3g}", flush=True)
         for tile in ([None] + TILES) if not args.no_sweep else [None]:
             for nw in ([None] + WARPS) if not args.no_sweep else [None]:
                 if (tile is None) != (nw is None):
@@ -87,34 +70,8 @@ for label, C, H, W, taps, k in SHAPES:
         print(f"{label:24s} res={int(resid)}  default {d['ms']:.3f} ms ({d['tbps']:.2f} TB/s)  best tile {best['tile']} "
               f"warps {best['warps']}: {best['ms']:.3f} ms ({best['tbps']:.2f} TB/s); a copy of h: {copy_ms:.3f} ms "
               f"({2 * el / copy_ms / 1e9:.2f} TB/s)", flush=True)
-decode = None
-if args.decode_rounds:
-    from _common import interleaved_ms, make_pipe
-
-    from vaeopt.benchmark import WORKLOADS
-
-    fam, shape = WORKLOADS["wan21-480p"]
-    pipe = make_pipe(fam)
-    plan = pipe.plan(shape)
-    z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
-    outs = {}
-    with torch.inference_mode():
-        for split in (True, False):
-            rms.SPLIT_C = split
-            outs[split] = pipe._decode_video(z, plan, None).float().clamp(-1, 1)
-        ms = interleaved_ms(lambda: pipe._decode_video(z, plan, None), [True, False], args.decode_rounds,
-                            lambda v: setattr(rms, "SPLIT_C", v))
-    rms.SPLIT_C = True
-    mse = ((outs[True] - outs[False]) ** 2).mean().item()
-    decode = {"workload": "wan21-480p", "chunk": plan.chunk, "rounds": args.decode_rounds,
-              "split_ms": ms[True], "padded_ms": ms[False], "split_median_ms": statistics.median(ms[True]),
-              "padded_median_ms": statistics.median(ms[False]),
-              "psnr_split_vs_padded_db": 99.0 if mse == 0 else 10 * math.log10(4.0 / mse)}
-    print(f"wan21-480p decode, {args.decode_rounds} interleaved rounds: split {decode['split_median_ms']:.1f} ms "
-          f"({min(ms[True]):.1f}-{max(ms[True]):.1f}), padded {decode['padded_median_ms']:.1f} ms "
-          f"({min(ms[False]):.1f}-{max(ms[False]):.1f}); {decode['psnr_split_vs_padded_db']:.1f} dB between them")
 meta = run_meta("python3 benchmarks/gpu_rms_tile.py " + " ".join(sys.argv[1:]))
-(out_dir() / "rms_tile.json").write_text(json.dumps({**meta, "rows": rows, "decode": decode}, indent=1))
+(out_dir() / "rms_tile.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
 print(f"\n# {meta['gpu']}")
 print(f"{'shape':24s} {'res':>3s} {'default ms':>10s} {'TB/s':>5s} {'best':>14s} {'ms':>7s} {'TB/s':>5s} {'all equal':>9s}")
 for res in rows:

@@ -147,58 +147,6 @@ def _rms_cf_kernel(
 
 
 @triton.jit
-def _rms_in(x_ptr, xb_ptr, r_ptr, rb_ptr, u_ptr, xo, ro, uo, cc, m, cm, HAS_XB: tl.constexpr, RES: tl.constexpr,
-            HAS_RB: tl.constexpr, STORE_U: tl.constexpr):
-    """_rms_cl_kernel's input tile [BLOCK_R, len(cc)] in fp32: x (+ x_bias); with RES the block's output
-    u = (r + rb) + (h + b), rounded as epilogue.bias_residual does (and stored with STORE_U)."""
-    x = tl.load(x_ptr + xo[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
-    if HAS_XB:
-        x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
-    if RES:
-        rr = tl.load(r_ptr + ro[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
-        if HAS_RB:
-            rr += tl.load(rb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
-        u = (rr + x).to(x_ptr.dtype.element_ty)
-        if STORE_U:
-            tl.store(u_ptr + uo[:, None] + cc[None, :], u, mask=m)
-        x = u.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _rms_out(x, inv, g_ptr, b_ptr, y_ptr, c_ptr, yo, n, s, cc, m, cm, C, K, HW, out_mul, HAS_BIAS: tl.constexpr,
-             SILU: tl.constexpr, SILU_MODE: tl.constexpr, SAT8: tl.constexpr, EXACT8: tl.constexpr,
-             TAPS: tl.constexpr, CACHE: tl.constexpr):
-    """silu(x * inv * gamma + bias) of one channel tile, stored (TAPS: to its up to TAPS places in the stack)."""
-    g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-    y = x * inv[:, None] * g[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        y = _silu(y, SILU_MODE)
-    y = y * out_mul
-    if SAT8:
-        y = _sat_e4m3(y, EXACT8)
-    if TAPS > 0:
-        # frame j of sample n is tap dt of output frame j + TAPS - 1 - dt (the first TAPS - 1 frames of the
-        # stack are the causal history, written by the caller): up to TAPS stores of the same values
-        j = s // HW
-        pix = s % HW
-        y = y.to(y_ptr.dtype.element_ty)
-        for dt in tl.static_range(TAPS):
-            t = j + (TAPS - 1 - dt)
-            mt = m & (t < K)[:, None]
-            to = ((n * K + t).to(tl.int64) * HW + pix.to(tl.int64)) * (TAPS * C) + dt * C
-            tl.store(y_ptr + to[:, None] + cc[None, :], y, mask=mt)
-        if CACHE:  # frame j is slot j - (K - (TAPS - 1)) of the next history, where that is >= 0
-            slot = j - (K - (TAPS - 1))
-            co = ((n * (TAPS - 1) + slot).to(tl.int64) * HW + pix.to(tl.int64)) * C
-            tl.store(c_ptr + co[:, None] + cc[None, :], y, mask=m & (slot >= 0)[:, None])
-    else:
-        tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _rms_cl_kernel(
     x_ptr,  # [N, S, C]: sample n at x_ptr + n*stride_xn, contiguous [S, C] inside
     y_ptr,  # [N, S, C]: sample n at y_ptr + n*stride_yn, contiguous [S, C] inside
@@ -235,7 +183,6 @@ def _rms_cl_kernel(
     HAS_RB: tl.constexpr = False,
     STORE_U: tl.constexpr = False,
     SILU_MODE: tl.constexpr = 0,  # see _silu
-    BLOCK_C1: tl.constexpr = 0,  # ONE_PASS: a second channel tile at BLOCK_C (C = BLOCK_C + BLOCK_C1, see _c_tiles)
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
@@ -245,28 +192,48 @@ def _rms_cl_kernel(
     yo = n.to(tl.int64) * stride_yn + s.to(tl.int64) * C
     cc = tl.arange(0, BLOCK_C)
     if ONE_PASS:
-        ro = xo
-        uo = xo
-        if RES:
-            ro = n.to(tl.int64) * stride_rn + s.to(tl.int64) * C
-            uo = n.to(tl.int64) * stride_un + s.to(tl.int64) * C
         cm = cc < C
         m = rm[:, None] & cm[None, :]
-        x = _rms_in(x_ptr, xb_ptr, r_ptr, rb_ptr, u_ptr, xo, ro, uo, cc, m, cm, HAS_XB, RES, HAS_RB, STORE_U)
-        ss = tl.sum(x * x, axis=1)
-        if BLOCK_C1 > 0:  # channels [BLOCK_C, BLOCK_C + BLOCK_C1): C = 96 as 64 + 32, no lanes spent on padding
-            cc1 = BLOCK_C + tl.arange(0, BLOCK_C1)
-            cm1 = cc1 < C
-            m1 = rm[:, None] & cm1[None, :]
-            x1 = _rms_in(x_ptr, xb_ptr, r_ptr, rb_ptr, u_ptr, xo, ro, uo, cc1, m1, cm1, HAS_XB, RES, HAS_RB,
-                         STORE_U)
-            ss += tl.sum(x1 * x1, axis=1)
-        inv = scale / tl.maximum(tl.sqrt(ss), eps)  # [BLOCK_R]
-        _rms_out(x, inv, g_ptr, b_ptr, y_ptr, c_ptr, yo, n, s, cc, m, cm, C, K, HW, out_mul, HAS_BIAS, SILU,
-                 SILU_MODE, SAT8, EXACT8, TAPS, CACHE)
-        if BLOCK_C1 > 0:
-            _rms_out(x1, inv, g_ptr, b_ptr, y_ptr, c_ptr, yo, n, s, cc1, m1, cm1, C, K, HW, out_mul, HAS_BIAS, SILU,
-                     SILU_MODE, SAT8, EXACT8, TAPS, CACHE)
+        x = tl.load(x_ptr + xo[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_XB:
+            x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if RES:  # the block's output, as epilogue.bias_residual computes and rounds it: (r + rb) + (h + b)
+            ro = n.to(tl.int64) * stride_rn + s.to(tl.int64) * C
+            rr = tl.load(r_ptr + ro[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_RB:
+                rr += tl.load(rb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+            u = (rr + x).to(x_ptr.dtype.element_ty)
+            if STORE_U:
+                uo = n.to(tl.int64) * stride_un + s.to(tl.int64) * C
+                tl.store(u_ptr + uo[:, None] + cc[None, :], u, mask=m)
+            x = u.to(tl.float32)
+        inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)  # [BLOCK_R]
+        g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
+        y = x * inv[:, None] * g[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            y = _silu(y, SILU_MODE)
+        y = y * out_mul
+        if SAT8:
+            y = _sat_e4m3(y, EXACT8)
+        if TAPS > 0:
+            # frame j of sample n is tap dt of output frame j + TAPS - 1 - dt (the first TAPS - 1 frames of the
+            # stack are the causal history, written by the caller): up to TAPS stores of the same values
+            j = s // HW
+            pix = s % HW
+            y = y.to(y_ptr.dtype.element_ty)
+            for dt in tl.static_range(TAPS):
+                t = j + (TAPS - 1 - dt)
+                mt = m & (t < K)[:, None]
+                to = ((n * K + t).to(tl.int64) * HW + pix.to(tl.int64)) * (TAPS * C) + dt * C
+                tl.store(y_ptr + to[:, None] + cc[None, :], y, mask=mt)
+            if CACHE:  # frame j is slot j - (K - (TAPS - 1)) of the next history, where that is >= 0
+                slot = j - (K - (TAPS - 1))
+                co = ((n * (TAPS - 1) + slot).to(tl.int64) * HW + pix.to(tl.int64)) * C
+                tl.store(c_ptr + co[:, None] + cc[None, :], y, mask=m & (slot >= 0)[:, None])
+        else:
+            tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -295,21 +262,6 @@ def _rms_cl_kernel(
             if SAT8:
                 y = _sat_e4m3(y, EXACT8)
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-SPLIT_C = True  # channel counts like Wan's 96 / 192 / 384 as two power-of-2 tiles (_c_tiles); benchmarks' A/B switch
-
-
-def _c_tiles(C: int) -> tuple[int, int]:
-    """(BLOCK_C, BLOCK_C1) of the channels-last one-pass kernel: C itself when it is a power of 2; else, where C is
-    the sum of two powers of 2 (96 = 64 + 32, 192, 384, 48, 24), those two tiles, so that no lane of the tile works
-    on padding (a 128-lane tile for 96 channels runs 25% of its arithmetic on masked lanes); else the next power of 2."""
-    p = triton.next_power_of_2(C)
-    if p == C or not SPLIT_C:
-        return p, 0
-    a = p // 2
-    b = C - a
-    return (a, b) if b & (b - 1) == 0 else (p, 0)
 
 
 def _affine_args(x: torch.Tensor, gamma, bias, x_bias):
@@ -386,16 +338,15 @@ def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_war
     if R >= 2**31:
         raise ValueError("rms_norm_silu: N * spatial positions must be < 2**31 (int32 position indices)")
     tile = tile or default_tile(x.device)
-    P = triton.next_power_of_2(C)
-    BLOCK_C, BLOCK_C1 = _c_tiles(C)
-    BLOCK_R = min(max(1, tile // P), triton.next_power_of_2(R))
-    nw = num_warps or (4 if P * BLOCK_R <= 4096 else 8)
+    BLOCK_C = triton.next_power_of_2(C)
+    BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
+    nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
     _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
         x, out, g, b, xb if xb is not None else g, R, S, C, lay[2], 0,
         float(C) ** 0.5 if scale is None else float(scale), float(eps), 1.0,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=True, HAS_BIAS=has_bias, HAS_XB=xb is not None, SILU=silu,
         TAPS=taps, K=K, HW=H * W, c_ptr=cache_out if cache_out is not None else out, CACHE=cache_out is not None,
-        SILU_MODE=silu_mode(out.dtype, x.device), BLOCK_C1=BLOCK_C1, num_warps=nw, **(res or {}),
+        SILU_MODE=silu_mode(out.dtype, x.device), num_warps=nw, **(res or {}),
     )  # fmt: skip
     return out
 
@@ -534,12 +485,11 @@ def rms_norm_silu(
         R = N * S
         BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
         nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
-        bc, bc1 = _c_tiles(C) if one_pass else (BLOCK_C, 0)
         _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
             x, y, g, b, xbp, R, S, C, stride_n, ys[0], scale, float(eps), out_mul,
-            BLOCK_R=BLOCK_R, BLOCK_C=bc, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
+            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
             SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu",
-            SILU_MODE=silu_mode(y.dtype, x.device), BLOCK_C1=bc1, num_warps=nw, **(res or {}),
+            SILU_MODE=silu_mode(y.dtype, x.device), num_warps=nw, **(res or {}),
         )  # fmt: skip
     if out is not None and y is not out:  # an `out` whose strides the kernels cannot address directly
         out.copy_(y)
