@@ -159,8 +159,8 @@ def profile_kernels(fn, dev, record: bool, trace: str | None = None) -> dict | N
     top: dict = {}
     iv = []
     for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
+        if e.device_type.name != "CUDA" or e.name.startswith("nccl:"):  # (GPU-side annotations of NCCL calls,
+            continue  # recorded with CPU activity on: they span the kernels, which are counted themselves)
         t = e.device_time / 1e3
         c = "nccl" if "nccl" in e.name.lower() else category(e.name)
         by_cat[c] = by_cat.get(c, 0.0) + t
@@ -404,8 +404,9 @@ def main():
                     help="Wan: also time the bands with their time-stacked convs off (D.BAND_STACK), interleaved")
     ap.add_argument("--profile", action="store_true",
                     help="one profiled decode each (single GPU; rank 0 of the bands): kernel ms by category")
-    ap.add_argument("--trace", action="store_true", help="with --profile: every rank's chrome trace to $OUT")
+    ap.add_argument("--trace", action="store_true", help="--profile, plus every rank's chrome trace to $OUT")
     args = ap.parse_args()
+    args.profile = args.profile or args.trace
     backend = "gloo" if args.device == "cpu" else None
     n = args.gpus
     if n is None and not D.under_torchrun():

@@ -6,8 +6,9 @@ kernel on that stream is charged to
   * host: the kernel's launch call returned less than 5 us before it started (the host was late),
   * comm: an NCCL kernel (on its own stream) ended within 20 us before it started (a halo exchange / gather wait),
   * other: anything else (a stream wait on something else, the allocator, ...).
-Plus, per rank: NCCL kernel count and time, kernel time on the compute stream, when the host had launched
-everything, and (same host clock) the skew between the ranks' n-th SendRecv kernel starts.
+Plus, per rank: NCCL kernel count and time, kernel time on the compute stream, cuDNN convs under 200 us (at these
+shapes, the halo rows' convs) and copy kernels, when the host had launched everything, and (same host clock) the skew
+between the ranks' n-th SendRecv kernel starts.
 
     python benchmarks/trace_band.py band_trace_..._rank0.json.gz band_trace_..._rank1.json.gz [--json OUT.json]
 """
@@ -64,7 +65,11 @@ def analyse(ev) -> dict:
                     and "Synchronize" not in e["name"]), default=None)
     t0 = comp[0]["ts"]
     send = sorted(e["ts"] for e in nccl if "SendRecv" in e["name"])
+    small = [e for e in comp if "fprop" in e["name"] and e["dur"] < 200.0]  # cuDNN convs under 200 us: the halo convs
+    copies = [e for e in comp if "direct_copy" in e["name"] or "CatArray" in e["name"]]
     return {
+        "small_cudnn_convs": {"count": len(small), "ms": sum(e["dur"] for e in small) / 1e3},
+        "copy_kernels": {"count": len(copies), "ms": sum(e["dur"] for e in copies) / 1e3},
         "compute_span_ms": (comp[-1]["ts"] + comp[-1]["dur"] - t0) / 1e3,
         "compute_kernel_ms": sum(e["dur"] for e in comp) / 1e3,
         "compute_kernels": len(comp),

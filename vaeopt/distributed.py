@@ -852,10 +852,8 @@ def _band_chunk_decoder_class():
 
         def _run_stacked(self, conv, st, bias: bool) -> Tensor:
             """The time-stacked Conv2d on this band's stack S (N*k, 3C, h, W): S's boundary rows go to the
-            neighbours while it runs, then its first / last output rows are redone from [halo | S rows]."""
+            neighbours while it runs, then the received rows complete its first / last output rows (_add_halo)."""
             S = st.S
-            if S.is_meta:  # (the planner's dry run)
-                return super()._run_stacked(conv, st, bias)
             self.halo_seen.add(id(conv))
             pend = self.comm.exchange_start(S, 2)
             w = video._stacked_w(conv, S.dtype)
@@ -867,7 +865,8 @@ def _band_chunk_decoder_class():
 
         def _tap_sum(self, conv, Y: Tensor, y: Tensor) -> None:
             """The head conv as tapconv's GEMM + tap sum: the rows exchanged are those of the planar GEMM output Y
-            (27 taps x Co channels), the edge rows a tap sum over 3-row slabs of it."""
+            (27 taps x Co channels); a received row's taps of kernel row 0 (from above) / 2 (from below), summed
+            with kernel (3, 1, 3), complete the edge rows."""
             from vaeopt.kernels import tapconv
 
             self.halo_seen.add(id(conv))
@@ -1055,6 +1054,10 @@ def supports_band(vae: nn.Module) -> tuple[bool, str]:
     """Can :func:`band_parallel_decode` split this VAE? -> (ok, why not)."""
     cls = type(vae).__name__
     if cls == "AutoencoderKLWan":
+        fp8 = sum(1 for m in vae.decoder.modules() if getattr(m, "_vaeopt_fp8conv", False))
+        if fp8:  # e4m3 staged inputs: the halo rows' convs would need the fp8 conv's scales and packed weights
+            return False, (f"{fp8} of the decoder's convs run in fp8 (--fp8): band decoding runs Wan's convs in the "
+                           "compute dtype only (decode on one GPU, or without --fp8)")
         return True, ""
     if cls != "AutoencoderKL":
         return False, f"{cls}: band-parallel decoding covers AutoencoderKL (SD/SDXL/SD3/FLUX) and AutoencoderKLWan"
@@ -1099,6 +1102,9 @@ def band_parallel_decode(
     merges, notes on fallbacks, the bands. ``kernels``: the Triton GroupNorm statistics / apply kernels for the
     image path (None: on CUDA when available, True: required, False: torch ops).
     """
+    ok, why = supports_band(vae)
+    if not ok:
+        raise DistributedError(why)
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError("band_parallel_decode needs an initialised process group (torchrun, or "
                                "vaeopt.distributed.launch / init_distributed)")
@@ -1119,9 +1125,6 @@ def band_parallel_decode(
         res, vinfo = _decode_wan_band(vae, z_raw, comm, chunk, fused, channels_last, gather)
         info = {"kind": "wan", **vinfo}
     else:
-        ok, why = supports_band(vae)
-        if not ok:
-            raise DistributedError(why)
         dec = _ImageBandDecoder(vae, comm, kernels)
         z = z_raw.to(device, dtype)
         bands = []
@@ -1412,6 +1415,8 @@ def decode_files_distributed(
         ok, why = supports_band(pipe.model)
         if mode == "auto":
             used_mode = "band" if (len(jobs) < world and world > 1 and ok) else "files"
+            if len(jobs) < world and world > 1 and not ok and rank == 0:
+                say(f"band-parallel decoding not used ({why}): {len(jobs)} file(s) on {world} ranks, one rank each")
         elif mode == "band" and not ok:
             raise DistributedError(f"band mode: {why}")
     except Exception as e:  # noqa: BLE001 - reported on every rank

@@ -337,8 +337,8 @@ class _ChunkDecoder:
 
     TAPS = True  # conv_out (3 channels) as kernels/tapconv's norm+GEMM and tap sum (band decoders exchange the
     # GEMM output's edge rows: _tap_sum)
-    STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (subclasses that crop or exchange
-    # the staged 5-D input -- spatial tiles, bands -- turn it off)
+    STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (spatial tiles, which crop the staged
+    # 5-D input, turn it off; band decoders exchange rows of the stack instead)
     DEFER = True  # a residual block followed by another one (or by the head) leaves its output _Pending: the next
     # norm adds the residual itself (no epilogue pass, one read less)
 
