@@ -212,7 +212,10 @@ def run_workload(name: str, args, rank: int, world: int, dev: torch.device, sub2
                          "plan": plan.to_dict()}
         say(f"single GPU: {row['single']['seconds'] * 1e3:.0f} ms (peak {row['single']['peak_gib']:.2f} GiB)")
         if args.profile and dev.type == "cuda":
-            row["single"]["profile"] = _profile_single(pipe, z, plan, dev)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from gpu_profile import profile  # kernel ms by category (after one unprofiled call)
+
+            row["single"]["profile"] = profile(lambda p=pipe, z=z, plan=plan: p.decode(z, plan), n=1)
             say(f"single GPU profile: {_prof_line(row['single']['profile'])}")
     dist.barrier()
     if dev.type == "cuda":
@@ -267,24 +270,6 @@ def run_workload(name: str, args, rank: int, world: int, dev: torch.device, sub2
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-def _profile_single(pipe, z, plan, dev) -> dict:
-    from torch.profiler import ProfilerActivity, profile as tprof
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_profile import category
-
-    sync(dev)
-    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
-        pipe.decode(z, plan)
-        sync(dev)
-    by_cat: dict = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            c = category(e.name)
-            by_cat[c] = by_cat.get(c, 0.0) + e.device_time / 1e3
-    return {"by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1]))}
 
 
 def _prof_line(p: dict) -> str:

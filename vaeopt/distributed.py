@@ -1414,8 +1414,9 @@ def decode_files_distributed(
         pipe = Pipeline(loaded, opts, log=(lambda s: say(f"[rank {rank}] {s}")))
         ok, why = supports_band(pipe.model)
         if mode == "auto":
-            used_mode = "band" if (len(jobs) < world and world > 1 and ok) else "files"
-            if len(jobs) < world and world > 1 and not ok and rank == 0:
+            few = len(jobs) < world and world > 1  # fewer files than ranks: band mode where the model allows it
+            used_mode = "band" if few and ok else "files"
+            if few and not ok and rank == 0:
                 say(f"band-parallel decoding not used ({why}): {len(jobs)} file(s) on {world} ranks, one rank each")
         elif mode == "band" and not ok:
             raise DistributedError(f"band mode: {why}")
