@@ -311,3 +311,48 @@ def test_residual_folded_into_tap_stack(k):
     u = torch.empty_like(h)
     rms_norm_silu(h, gamma, beta, x_bias=b, out=S, taps=3, cache_out=cache, residual=r, residual_bias=rb, sum_out=u)
     assert torch.equal(u, u_ref) and torch.equal(S, S_ref) and torch.equal(cache, c_ref)
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("resid", [False, True])
+def test_persistent_programs_same_bits(programs, stages, resid):
+    """The channels-last kernel as `programs` persistent programs walking every G-th row block (the next block
+    prefetched into registers, stages 0, or through Triton's pipeline, stages 3) writes the same bits as one program
+    per block, the stored residual sum and the tap stack included."""
+    _need("cpu")
+    from vaeopt.kernels.rms_norm_silu import rms_norm_silu
+
+    h, gamma, beta = _inputs((2, 24, 3, 5, 7), torch.bfloat16, "cpu")
+    r, _, _ = _inputs((2, 24, 3, 5, 7), torch.bfloat16, "cpu", seed=1)
+    h, r = _layout(h, "cl"), _layout(r, "cl")
+    kw = dict(residual=r) if resid else {}
+    ref = rms_norm_silu(h, gamma, beta, tile=64, programs=0, **kw)
+    assert torch.equal(rms_norm_silu(h, gamma, beta, tile=64, programs=programs, stages=stages, **kw), ref)
+    S = [torch.zeros(3, 72, 5, 7, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last) for _ in "ab"]
+    c = [torch.zeros(1, 24, 2, 5, 7, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+         for _ in "ab"]
+    for i, p in enumerate((0, programs)):
+        rms_norm_silu(h[:1], gamma, beta, out=S[i], taps=3, cache_out=c[i], tile=64, programs=p, stages=stages)
+    assert torch.equal(S[0], S[1]) and torch.equal(c[0], c[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [2, 3])
+def test_gpu_silu_modes_bf16(mode, monkeypatch):
+    """SILU_MODE 3 (ftz ex2 + rcp) and 2 (tanh.approx) against the exact SiLU (0) on a bf16 output: within one bf16
+    step of it (mode 3: nearly always the same bits)."""
+    _need("cuda")
+    import importlib
+
+    rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    x, gamma, beta = _inputs((1, 96, 4, 60, 104), torch.bfloat16, "cuda")
+    x = _layout(x, "cl")
+    monkeypatch.setattr(rms, "SILU_MODE", 0)
+    y0 = rms.rms_norm_silu(x, gamma, beta).float()
+    monkeypatch.setattr(rms, "SILU_MODE", mode)
+    y = rms.rms_norm_silu(x, gamma, beta).float()
+    step = torch.maximum(y0.abs(), torch.full_like(y0, 2.0**-126)) * 2.0**-7
+    assert bool(((y - y0).abs() <= step).all())
+    if mode == 3:
+        assert (y != y0).float().mean().item() < 1e-4
