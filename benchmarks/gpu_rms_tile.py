@@ -1,16 +1,10 @@
 """Wan's RMS-norm kernel (`kernels/rms_norm_silu`) on the wan21-480p chunk decoder's shapes: launch tile x warps sweep,
 TB/s against a plain copy of the same bytes.
 
-    python3 benchmarks/gpu_rms_tile.py [--reps 10] [--no-sweep] [--loop] [--decode-rounds 8]   -> $OUT/rms_tile.json
-
---loop: the kernel as persistent programs (rms_norm_silu's `programs` / `stages`: per SM 2 / 4 / 8, the next block
-prefetched into registers (stages 0) or Triton's cp.async pipeline with 2 / 3 / 4 stages), at three launch tiles.
---decode-rounds N (with --loop): whole wan21-480p decodes through the pipeline's path, one program per block against
-the loop setting with the least summed time over the shapes at the default tile (rms_norm_silu.LOOP_PER_SM /
-LOOP_STAGES), N interleaved rounds, and the PSNR between the two outputs.
+    python3 benchmarks/gpu_rms_tile.py [--reps 10] [--no-sweep]     -> $OUT/rms_tile.json
 
 (Its --split-ab / --decode-rounds, an A/B of the channels as two power-of-2 tiles, went with that experiment's revert:
-commit b3305f9, docs/perf-notes.md E30.)
+commit b3305f9, docs/perf-notes.md E30. Its --loop, persistent programs, went with E31's: commit 051ea6e.)
 
 Shapes (one call of the chunk decoder at chunk 3, bf16, channels_last_3d): 96 ch at 480x832 and 192 ch at 240x416,
 12 frames, into the plain [history | frames] conv buffer; 384 ch at 120x208, 6 frames, into the time-stacked input
@@ -18,10 +12,7 @@ Shapes (one call of the chunk decoder at chunk 3, bf16, channels_last_3d): 96 ch
 r + h, also stored). Output of every variant checked equal (bitwise) to the default launch's.
 """
 import argparse
-import importlib
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,20 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import event_ms, out_dir, run_meta, wan_norm_inputs  # noqa: E402
 
-from vaeopt.kernels import _sm_count  # noqa: E402
 from vaeopt.kernels.rms_norm_silu import rms_norm_silu  # noqa: E402
 
-rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=10)
 ap.add_argument("--no-sweep", action="store_true")
-ap.add_argument("--loop", action="store_true")
-ap.add_argument("--decode-rounds", type=int, default=0)
 args = ap.parse_args()
-SMS = _sm_count(torch.cuda.current_device())
-LOOP_TILES = [(None, None), (8192, 8), (8192, 4)]
-LOOP_PER_SM = [2, 4, 8]
-LOOP_STAGES = [0, 2, 3, 4]
 SHAPES = [("96ch 480x832 k12", 96, 480, 832, 0, 12), ("192ch 240x416 k12", 192, 240, 416, 0, 12),
           ("384ch 120x208 k6 taps3", 384, 120, 208, 3, 6)]
 TILES = [2048, 4096, 8192, 16384]
@@ -58,10 +41,9 @@ for label, C, H, W, taps, k in SHAPES:
     out = kw["out"]
     u = torch.empty_like(h)
     for resid in (False, True):
-        def call(tile=None, nw=None, programs=None, stages=None):
+        def call(tile=None, nw=None):
             extra = dict(residual=r, sum_out=u) if resid else {}  # u = r + h stored (the decoder stores it over h)
-            return rms_norm_silu(h, gamma, beta, 1e-12, True, tile=tile, num_warps=nw, programs=programs,
-                                 stages=stages, **kw, **extra)
+            return rms_norm_silu(h, gamma, beta, 1e-12, True, tile=tile, num_warps=nw, **kw, **extra)
 
         el = h.numel() * h.element_size()
         moved = el * (1 + taps if taps else 2) + (2 * el if resid else 0) + (el * 2 / k if taps else 0)
@@ -82,65 +64,14 @@ for label, C, H, W, taps, k in SHAPES:
                                             "equal": same})
                 except Exception as e:  # noqa: BLE001
                     res["variants"].append({"tile": tile, "warps": nw, "error": str(e)[:200]})
-        if args.loop:
-            res["loop"] = []
-            for tile, nw in LOOP_TILES:
-                for per_sm in LOOP_PER_SM:
-                    for st in LOOP_STAGES:
-                        v = {"tile": tile, "warps": nw, "per_sm": per_sm, "stages": st}
-                        try:
-                            out.zero_()
-                            ms = event_ms(lambda: call(tile, nw, per_sm * SMS, st), reps=args.reps)
-                            v.update(ms=ms, tbps=moved / ms / 1e9, equal=bool(torch.equal(out, ref)))
-                        except Exception as e:  # noqa: BLE001
-                            v["error"] = str(e)[:200]
-                        res["loop"].append(v)
-            lb = min((v for v in res["loop"] if "ms" in v), key=lambda v: v["ms"])
-            print(f"{label:24s} res={int(resid)}  loop best: tile {lb['tile']} warps {lb['warps']} {lb['per_sm']}/SM "
-                  f"stages {lb['stages']}: {lb['ms']:.3f} ms ({lb['tbps']:.2f} TB/s), equal {lb['equal']}", flush=True)
         rows.append(res)
         best = min((v for v in res["variants"] if "ms" in v), key=lambda v: v["ms"])
         d = res["variants"][0]
         print(f"{label:24s} res={int(resid)}  default {d['ms']:.3f} ms ({d['tbps']:.2f} TB/s)  best tile {best['tile']} "
               f"warps {best['warps']}: {best['ms']:.3f} ms ({best['tbps']:.2f} TB/s); a copy of h: {copy_ms:.3f} ms "
               f"({2 * el / copy_ms / 1e9:.2f} TB/s)", flush=True)
-decode = None
-if args.loop and args.decode_rounds:
-    from _common import interleaved_ms, make_pipe
-
-    from vaeopt.benchmark import WORKLOADS
-
-    tot = {}
-    for res in rows:
-        for v in res["loop"]:
-            if "ms" in v and v["tile"] is None:
-                tot[(v["per_sm"], v["stages"])] = tot.get((v["per_sm"], v["stages"]), 0.0) + v["ms"]
-    pick = min(tot, key=tot.get)
-    fam, shape = WORKLOADS["wan21-480p"]
-    pipe = make_pipe(fam)
-    plan = pipe.plan(shape)
-    z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
-
-    def apply(on):
-        rms.LOOP_PER_SM, rms.LOOP_STAGES = pick if on else (0, 0)
-
-    outs = {}
-    with torch.inference_mode():
-        for on in (True, False):
-            apply(on)
-            outs[on] = pipe._decode_video(z, plan, None).float().clamp(-1, 1)
-        ms = interleaved_ms(lambda: pipe._decode_video(z, plan, None), [True, False], args.decode_rounds, apply)
-    apply(False)
-    mse = ((outs[True] - outs[False]) ** 2).mean().item()
-    decode = {"workload": "wan21-480p", "chunk": plan.chunk, "rounds": args.decode_rounds,
-              "loop": {"per_sm": pick[0], "stages": pick[1]}, "loop_ms": ms[True], "blocks_ms": ms[False],
-              "loop_median_ms": statistics.median(ms[True]), "blocks_median_ms": statistics.median(ms[False]),
-              "psnr_loop_vs_blocks_db": 99.0 if mse == 0 else 10 * math.log10(4.0 / mse)}
-    print(f"wan21-480p decode, {args.decode_rounds} interleaved rounds: loop {pick} {decode['loop_median_ms']:.1f} ms "
-          f"({min(ms[True]):.1f}-{max(ms[True]):.1f}), one program per block {decode['blocks_median_ms']:.1f} ms "
-          f"({min(ms[False]):.1f}-{max(ms[False]):.1f}); {decode['psnr_loop_vs_blocks_db']:.1f} dB between them")
 meta = run_meta("python3 benchmarks/gpu_rms_tile.py " + " ".join(sys.argv[1:]))
-(out_dir() / "rms_tile.json").write_text(json.dumps({**meta, "rows": rows, "decode": decode}, indent=1))
+(out_dir() / "rms_tile.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
 print(f"\n# {meta['gpu']}")
 print(f"{'shape':24s} {'res':>3s} {'default ms':>10s} {'TB/s':>5s} {'best':>14s} {'ms':>7s} {'TB/s':>5s} {'all equal':>9s}")
 for res in rows:
@@ -149,10 +80,3 @@ for res in rows:
     print(f"{res['shape']:24s} {int(res['residual']):>3d} {d['ms']:>10.3f} {d['tbps']:>5.2f} "
           f"{str(b['tile']) + 'x' + str(b['warps']):>14s} {b['ms']:>7.3f} {b['tbps']:>5.2f} "
           f"{str(all(v['equal'] for v in vs)):>9s}")
-if args.loop:
-    print(f"\n{'shape':24s} {'res':>3s} {'blocks ms':>9s} | per (per_sm, stages) at the default tile: ms")
-    for res in rows:
-        d = [v for v in res["variants"] if "ms" in v][0]
-        cells = " ".join(f"{v['per_sm']},{v['stages']}:{v['ms']:.3f}" for v in res["loop"]
-                         if "ms" in v and v["tile"] is None)
-        print(f"{res['shape']:24s} {int(res['residual']):>3d} {d['ms']:>9.3f} | {cells}")

@@ -313,30 +313,6 @@ def test_residual_folded_into_tap_stack(k):
     assert torch.equal(u, u_ref) and torch.equal(S, S_ref) and torch.equal(cache, c_ref)
 
 
-@pytest.mark.parametrize("programs", [1, 3])
-@pytest.mark.parametrize("stages", [0, 3])
-@pytest.mark.parametrize("resid", [False, True])
-def test_persistent_programs_same_bits(programs, stages, resid):
-    """The channels-last kernel as `programs` persistent programs walking every G-th row block (the next block
-    prefetched into registers, stages 0, or through Triton's pipeline, stages 3) writes the same bits as one program
-    per block, the stored residual sum and the tap stack included."""
-    _need("cpu")
-    from vaeopt.kernels.rms_norm_silu import rms_norm_silu
-
-    h, gamma, beta = _inputs((2, 24, 3, 5, 7), torch.bfloat16, "cpu")
-    r, _, _ = _inputs((2, 24, 3, 5, 7), torch.bfloat16, "cpu", seed=1)
-    h, r = _layout(h, "cl"), _layout(r, "cl")
-    kw = dict(residual=r) if resid else {}
-    ref = rms_norm_silu(h, gamma, beta, tile=64, programs=0, **kw)
-    assert torch.equal(rms_norm_silu(h, gamma, beta, tile=64, programs=programs, stages=stages, **kw), ref)
-    S = [torch.zeros(3, 72, 5, 7, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last) for _ in "ab"]
-    c = [torch.zeros(1, 24, 2, 5, 7, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
-         for _ in "ab"]
-    for i, p in enumerate((0, programs)):
-        rms_norm_silu(h[:1], gamma, beta, out=S[i], taps=3, cache_out=c[i], tile=64, programs=p, stages=stages)
-    assert torch.equal(S[0], S[1]) and torch.equal(c[0], c[1])
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [2, 3])
 def test_gpu_silu_modes_bf16(mode, monkeypatch):
@@ -356,3 +332,23 @@ def test_gpu_silu_modes_bf16(mode, monkeypatch):
     assert bool(((y - y0).abs() <= step).all())
     if mode == 3:
         assert (y != y0).float().mean().item() < 1e-4
+
+
+def test_silu_mode_policy(monkeypatch):
+    """Which SiLU each kernel gets: exact on the CPU / interpreter and for fp32; tanh.approx for e4m3 outputs; for
+    16-bit outputs exact in the GroupNorm kernels and the ftz formula (3) in Wan's RMS kernel; SILU_MODE overrides."""
+    import importlib
+
+    rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(rms, "_interpret", lambda: False)
+    assert rms.silu_mode(torch.bfloat16, cpu, wan_rms=True) == 0
+    assert rms.silu_mode(torch.float32, cuda, wan_rms=True) == 0
+    assert rms.silu_mode(torch.bfloat16, cuda) == 0 and rms.silu_mode(torch.float16, cuda) == 0
+    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 3
+    assert rms.silu_mode(torch.float8_e4m3fn, cuda) == 2 and rms.silu_mode(torch.float8_e4m3fn, cuda, wan_rms=True) == 2
+    monkeypatch.setattr(rms, "SILU_MODE", 0)
+    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0
+    monkeypatch.setattr(rms, "_interpret", lambda: True)
+    monkeypatch.setattr(rms, "SILU_MODE", 2)
+    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0  # modes 2/3 are PTX: never under the interpreter

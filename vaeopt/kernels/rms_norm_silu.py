@@ -19,27 +19,34 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels import _interpret, _sm_count, default_tile, flat_layout, new_like
+from vaeopt.kernels import _interpret, default_tile, flat_layout, new_like
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT8 = (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ()
 
 
-LOOP_PER_SM = 0  # > 0: the channels-last one-pass kernel runs as persistent programs, this many per SM (see _cl_grid)
-LOOP_STAGES = 0  # and its STAGES (see _rms_cl_kernel)
-SILU_MODE: int | None = None  # None: silu_mode's policy; 0/1/2 force that `_silu` MODE on CUDA (benchmarks/gpu_silu.py)
+SILU_MODE: int | None = None  # None: silu_mode's policy; 0-3 force that `_silu` MODE on CUDA (benchmarks/gpu_silu.py)
+WAN_RMS_16 = 3  # the MODE of Wan's channels-last RMS kernel for 16-bit outputs on CUDA (silu_mode)
 
 
-def silu_mode(out_dtype: torch.dtype, device: torch.device) -> int:
-    """The `_silu` MODE of a kernel writing out_dtype on device. Exact (0) on the CPU, for fp32 outputs and for 16-bit
-    outputs, whose kernels are bound by memory (the hardware tanh gained nothing there). tanh.approx (2) for e4m3
-    outputs on CUDA: there the apply is bound by arithmetic, 7-21% faster per call, and its ~2^-11 relative error
-    is far below e4m3's 2^-4 step (H200, perf-notes E25)."""
-    if device.type != "cuda" or out_dtype == torch.float32 or _interpret():  # tanh.approx is PTX
+def silu_mode(out_dtype: torch.dtype, device: torch.device, wan_rms: bool = False) -> int:
+    """The `_silu` MODE of a kernel writing out_dtype on device.
+    - Exact (0) on the CPU and for fp32 outputs.
+    - tanh.approx (2) for e4m3 outputs on CUDA: there the GroupNorm apply is bound by arithmetic, 7-21% faster per
+      call, and its ~2^-11 relative error is far below e4m3's 2^-4 step (H200, perf-notes E25).
+    - 16-bit outputs: exact (0) in the GroupNorm kernels, bound by memory (the hardware tanh gained nothing there,
+      E25). In Wan's channels-last RMS kernel (`wan_rms`) WAN_RMS_16: 3, the exact formula without its range
+      fix-ups. Nsight Compute finds that kernel bound by the instructions it issues (84% of issue slots busy on the
+      96-ch call, ~12 of ~26 instructions per element in mode 0's SiLU). Mode 3 gave outputs bitwise equal to mode
+      0's on every Wan shape and decode measured, 3-9% faster plain calls, and wan21-480p / 720p decodes as fast as
+      mode 2's (H200, perf-notes E31)."""
+    if device.type != "cuda" or out_dtype == torch.float32 or _interpret():  # modes 2/3 are PTX
         return 0
     if SILU_MODE is not None:
         return SILU_MODE
-    return 2 if out_dtype in OUT8 else 0
+    if out_dtype in OUT8:
+        return 2
+    return WAN_RMS_16 if wan_rms else 0
 
 
 @triton.jit
@@ -47,7 +54,8 @@ def _silu(y, MODE: tl.constexpr):
     """SiLU of fp32 y. MODE 0: y / (1 + exp(-y)); 1: the same through tl.fdiv(ieee_rounding=False), measured bitwise
     equal and as fast (Triton's fp32 `/` already is the fast division); 2: y * (1 + tanh(y / 2)) / 2 with the
     hardware tanh.approx (one MUFU op; ~2^-11 relative error), CUDA only; 3: y * rcp(1 + ex2(-y log2 e)) with the
-    flush-to-zero ex2.approx / rcp.approx (two MUFU ops, ~2^-21 relative error, no denormal fix-ups), CUDA only."""
+    flush-to-zero ex2.approx / rcp.approx (two MUFU ops, ~2^-21 relative error, none of mode 0's range fix-ups),
+    CUDA only."""
     if MODE == 2:
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * y], dtype=tl.float32, is_pure=True,
                                       pack=1)
@@ -155,95 +163,6 @@ def _rms_cf_kernel(
 
 
 @triton.jit
-def _rms_cl_load(x_ptr, r_ptr, b, R, S, C, stride_xn, stride_rn, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                 RES: tl.constexpr):
-    """Row block b's x (and residual r with RES) in their own dtype, masked beyond R rows and C channels."""
-    r = b * BLOCK_R + tl.arange(0, BLOCK_R)
-    n = r // S
-    s = r % S
-    cc = tl.arange(0, BLOCK_C)
-    m = (r < R)[:, None] & (cc < C)[None, :]
-    x = tl.load(x_ptr + (n.to(tl.int64) * stride_xn + s.to(tl.int64) * C)[:, None] + cc[None, :], mask=m, other=0.0)
-    if RES:
-        rr = tl.load(r_ptr + (n.to(tl.int64) * stride_rn + s.to(tl.int64) * C)[:, None] + cc[None, :], mask=m,
-                     other=0.0)
-    else:
-        rr = x
-    return x, rr
-
-
-@triton.jit
-def _rms_cl_vecs(g_ptr, b_ptr, xb_ptr, rb_ptr, C, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_XB: tl.constexpr, HAS_RB: tl.constexpr):
-    """The per-channel vectors (gamma, bias, input bias, residual bias) in fp32; absent ones are gamma, unread."""
-    cc = tl.arange(0, BLOCK_C)
-    cm = cc < C
-    g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-    bv = tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else g
-    xbv = tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32) if HAS_XB else g
-    rbv = tl.load(rb_ptr + cc, mask=cm, other=0.0).to(tl.float32) if HAS_RB else g
-    return g, bv, xbv, rbv
-
-
-@triton.jit
-def _rms_cl_tile(x, rr, b, g, bv, xbv, rbv, y_ptr, R, S, C, stride_yn, scale, eps, out_mul, HAS_MUL: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XB: tl.constexpr,
-                 SILU: tl.constexpr, SAT8: tl.constexpr, EXACT8: tl.constexpr, TAPS: tl.constexpr, K, HW, c_ptr,
-                 CACHE: tl.constexpr, RES: tl.constexpr, u_ptr, stride_un, HAS_RB: tl.constexpr,
-                 STORE_U: tl.constexpr, SILU_MODE: tl.constexpr):
-    """The one-pass channels-last norm of row block b, whose x (and rr with RES) and channel vectors are already
-    loaded: everything after the loads, stores included."""
-    r = b * BLOCK_R + tl.arange(0, BLOCK_R)
-    rm = r < R
-    n = r // S
-    s = r % S
-    cc = tl.arange(0, BLOCK_C)
-    cm = cc < C
-    m = rm[:, None] & cm[None, :]
-    xdt = x.dtype
-    x = x.to(tl.float32)
-    if HAS_XB:
-        x += xbv[None, :]
-    if RES:  # the block's output, as epilogue.bias_residual computes and rounds it: (r + rb) + (h + b)
-        rr = rr.to(tl.float32)
-        if HAS_RB:
-            rr += rbv[None, :]
-        u = (rr + x).to(xdt)
-        if STORE_U:
-            uo = n.to(tl.int64) * stride_un + s.to(tl.int64) * C
-            tl.store(u_ptr + uo[:, None] + cc[None, :], u, mask=m)
-        x = u.to(tl.float32)
-    inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)  # [BLOCK_R]
-    y = x * inv[:, None] * g[None, :]
-    if HAS_BIAS:
-        y += bv[None, :]
-    if SILU:
-        y = _silu(y, SILU_MODE)
-    if HAS_MUL:
-        y = y * out_mul
-    if SAT8:
-        y = _sat_e4m3(y, EXACT8)
-    if TAPS > 0:
-        # frame j of sample n is tap dt of output frame j + TAPS - 1 - dt (the first TAPS - 1 frames of the
-        # stack are the causal history, written by the caller): up to TAPS stores of the same values
-        j = s // HW
-        pix = s % HW
-        y = y.to(y_ptr.dtype.element_ty)
-        for dt in tl.static_range(TAPS):
-            t = j + (TAPS - 1 - dt)
-            mt = m & (t < K)[:, None]
-            to = ((n * K + t).to(tl.int64) * HW + pix.to(tl.int64)) * (TAPS * C) + dt * C
-            tl.store(y_ptr + to[:, None] + cc[None, :], y, mask=mt)
-        if CACHE:  # frame j is slot j - (K - (TAPS - 1)) of the next history, where that is >= 0
-            slot = j - (K - (TAPS - 1))
-            co = ((n * (TAPS - 1) + slot).to(tl.int64) * HW + pix.to(tl.int64)) * C
-            tl.store(c_ptr + co[:, None] + cc[None, :], y, mask=m & (slot >= 0)[:, None])
-    else:
-        yo = n.to(tl.int64) * stride_yn + s.to(tl.int64) * C
-        tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _rms_cl_kernel(
     x_ptr,  # [N, S, C]: sample n at x_ptr + n*stride_xn, contiguous [S, C] inside
     y_ptr,  # [N, S, C]: sample n at y_ptr + n*stride_yn, contiguous [S, C] inside
@@ -280,45 +199,61 @@ def _rms_cl_kernel(
     HAS_RB: tl.constexpr = False,
     STORE_U: tl.constexpr = False,
     SILU_MODE: tl.constexpr = 0,  # see _silu
-    HAS_MUL: tl.constexpr = True,  # out_mul != 1 (ONE_PASS reads it only then)
-    LOOP: tl.constexpr = False,  # ONE_PASS: a persistent program walks row blocks pid, pid + G, ... (G programs)
-    STAGES: tl.constexpr = 0,  # LOOP: 0 loads block i + G into registers before computing block i; k >= 2 lets
-    # Triton's pipeliner keep k - 1 blocks in flight (cp.async into shared memory). Either way the loads stay in
-    # flight while the program computes
+    HAS_MUL: tl.constexpr = True,  # out_mul != 1: otherwise the multiply is left out
 ):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = r < R
+    n = r // S
+    s = r % S
+    xo = n.to(tl.int64) * stride_xn + s.to(tl.int64) * C  # [BLOCK_R]
+    yo = n.to(tl.int64) * stride_yn + s.to(tl.int64) * C
+    cc = tl.arange(0, BLOCK_C)
     if ONE_PASS:
-        g, bv, xbv, rbv = _rms_cl_vecs(g_ptr, b_ptr, xb_ptr, rb_ptr, C, BLOCK_C, HAS_BIAS, HAS_XB, HAS_RB)
-        if LOOP:
-            G = tl.num_programs(0)
-            nb = tl.cdiv(R, BLOCK_R)
-            if STAGES == 0:  # the next block's loads issued into registers before this block's math
-                x, rr = _rms_cl_load(x_ptr, r_ptr, tl.program_id(0), R, S, C, stride_xn, stride_rn, BLOCK_R, BLOCK_C,
-                                     RES)
-                for b in range(tl.program_id(0), nb, G):
-                    xn, rn = _rms_cl_load(x_ptr, r_ptr, b + G, R, S, C, stride_xn, stride_rn, BLOCK_R, BLOCK_C, RES)
-                    _rms_cl_tile(x, rr, b, g, bv, xbv, rbv, y_ptr, R, S, C, stride_yn, scale, eps, out_mul, HAS_MUL,
-                                 BLOCK_R, BLOCK_C, HAS_BIAS, HAS_XB, SILU, SAT8, EXACT8, TAPS, K, HW, c_ptr, CACHE,
-                                 RES, u_ptr, stride_un, HAS_RB, STORE_U, SILU_MODE)
-                    x, rr = xn, rn
-            else:  # Triton's pipeliner: STAGES - 1 blocks in flight as asynchronous copies into shared memory
-                for b in tl.range(tl.program_id(0), nb, G, num_stages=STAGES):
-                    x, rr = _rms_cl_load(x_ptr, r_ptr, b, R, S, C, stride_xn, stride_rn, BLOCK_R, BLOCK_C, RES)
-                    _rms_cl_tile(x, rr, b, g, bv, xbv, rbv, y_ptr, R, S, C, stride_yn, scale, eps, out_mul, HAS_MUL,
-                                 BLOCK_R, BLOCK_C, HAS_BIAS, HAS_XB, SILU, SAT8, EXACT8, TAPS, K, HW, c_ptr, CACHE,
-                                 RES, u_ptr, stride_un, HAS_RB, STORE_U, SILU_MODE)
+        cm = cc < C
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(x_ptr + xo[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_XB:
+            x += tl.load(xb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if RES:  # the block's output, as epilogue.bias_residual computes and rounds it: (r + rb) + (h + b)
+            ro = n.to(tl.int64) * stride_rn + s.to(tl.int64) * C
+            rr = tl.load(r_ptr + ro[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_RB:
+                rr += tl.load(rb_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+            u = (rr + x).to(x_ptr.dtype.element_ty)
+            if STORE_U:
+                uo = n.to(tl.int64) * stride_un + s.to(tl.int64) * C
+                tl.store(u_ptr + uo[:, None] + cc[None, :], u, mask=m)
+            x = u.to(tl.float32)
+        inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), eps)  # [BLOCK_R]
+        g = tl.load(g_ptr + cc, mask=cm, other=0.0).to(tl.float32)
+        y = x * inv[:, None] * g[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            y = _silu(y, SILU_MODE)
+        if HAS_MUL:
+            if HAS_MUL:
+                y = y * out_mul
+        if SAT8:
+            y = _sat_e4m3(y, EXACT8)
+        if TAPS > 0:
+            # frame j of sample n is tap dt of output frame j + TAPS - 1 - dt (the first TAPS - 1 frames of the
+            # stack are the causal history, written by the caller): up to TAPS stores of the same values
+            j = s // HW
+            pix = s % HW
+            y = y.to(y_ptr.dtype.element_ty)
+            for dt in tl.static_range(TAPS):
+                t = j + (TAPS - 1 - dt)
+                mt = m & (t < K)[:, None]
+                to = ((n * K + t).to(tl.int64) * HW + pix.to(tl.int64)) * (TAPS * C) + dt * C
+                tl.store(y_ptr + to[:, None] + cc[None, :], y, mask=mt)
+            if CACHE:  # frame j is slot j - (K - (TAPS - 1)) of the next history, where that is >= 0
+                slot = j - (K - (TAPS - 1))
+                co = ((n * (TAPS - 1) + slot).to(tl.int64) * HW + pix.to(tl.int64)) * C
+                tl.store(c_ptr + co[:, None] + cc[None, :], y, mask=m & (slot >= 0)[:, None])
         else:
-            x, rr = _rms_cl_load(x_ptr, r_ptr, tl.program_id(0), R, S, C, stride_xn, stride_rn, BLOCK_R, BLOCK_C, RES)
-            _rms_cl_tile(x, rr, tl.program_id(0), g, bv, xbv, rbv, y_ptr, R, S, C, stride_yn, scale, eps, out_mul,
-                         HAS_MUL, BLOCK_R, BLOCK_C, HAS_BIAS, HAS_XB, SILU, SAT8, EXACT8, TAPS, K, HW, c_ptr, CACHE,
-                         RES, u_ptr, stride_un, HAS_RB, STORE_U, SILU_MODE)
+            tl.store(y_ptr + yo[:, None] + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rm = r < R
-        n = r // S
-        s = r % S
-        xo = n.to(tl.int64) * stride_xn + s.to(tl.int64) * C  # [BLOCK_R]
-        yo = n.to(tl.int64) * stride_yn + s.to(tl.int64) * C
-        cc = tl.arange(0, BLOCK_C)
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + cc
@@ -346,23 +281,6 @@ def _rms_cl_kernel(
             if SAT8:
                 y = _sat_e4m3(y, EXACT8)
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-
-def _cl_grid(R: int, block_r: int, one_pass: bool, device: torch.device, programs: int | None) -> tuple[int, bool]:
-    """(programs, LOOP) for _rms_cl_kernel: one program per row block, or (LOOP) fewer persistent programs that each
-    walk every G-th block and prefetch the next one. `programs` None follows LOOP_PER_SM on CUDA; 0 forces one
-    program per block; k > 0 forces k persistent programs (the tests run the loop on the CPU this way)."""
-    nb = triton.cdiv(R, block_r)
-    if not one_pass:
-        return nb, False
-    if programs is None:
-        if device.type != "cuda" or not LOOP_PER_SM:
-            return nb, False
-        programs = LOOP_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    if programs <= 0 or programs >= nb:
-        return nb, False
-    return programs, True
 
 
 def _affine_args(x: torch.Tensor, gamma, bias, x_bias):
@@ -413,7 +331,7 @@ def _residual_first(x, x_bias, residual, residual_bias, sum_out):
 
 
 def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_warps, cache_out=None,
-              res: dict | None = None, programs: int | None = None, stages: int | None = None) -> torch.Tensor:
+              res: dict | None = None) -> torch.Tensor:
     if x.dim() != 5 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"rms_norm_silu(taps=): x must be a (N, C, K, H, W) float tensor, got {tuple(x.shape)}")
     lay = flat_layout(x)
@@ -442,14 +360,12 @@ def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_war
     BLOCK_C = triton.next_power_of_2(C)
     BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
     nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
-    grid, loop = _cl_grid(R, BLOCK_R, True, x.device, programs)
-    _rms_cl_kernel[(grid,)](
+    _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
         x, out, g, b, xb if xb is not None else g, R, S, C, lay[2], 0,
         float(C) ** 0.5 if scale is None else float(scale), float(eps), 1.0,
         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=True, HAS_BIAS=has_bias, HAS_XB=xb is not None, SILU=silu,
         TAPS=taps, K=K, HW=H * W, c_ptr=cache_out if cache_out is not None else out, CACHE=cache_out is not None,
-        SILU_MODE=silu_mode(out.dtype, x.device), HAS_MUL=False, LOOP=loop,
-        STAGES=LOOP_STAGES if stages is None else stages, num_warps=nw, **(res or {}),
+        SILU_MODE=silu_mode(out.dtype, x.device, wan_rms=True), HAS_MUL=False, num_warps=nw, **(res or {}),
     )  # fmt: skip
     return out
 
@@ -502,8 +418,6 @@ def rms_norm_silu(
     residual: torch.Tensor | None = None,
     residual_bias: torch.Tensor | None = None,
     sum_out: torch.Tensor | None = None,
-    programs: int | None = None,
-    stages: int | None = None,
 ) -> torch.Tensor:
     """silu(F.normalize(x + x_bias, dim=1, eps) * scale * gamma + bias) for x (N, C, *spatial), fp32/bf16/fp16, fp32
     math.
@@ -515,8 +429,7 @@ def rms_norm_silu(
     channels-first x, or contiguous [S, C] blocks for a channels-last x; other strides are filled by a copy) and
     `out` is returned. fp8: an `out` in float8_e4m3fn receives y / out_scale, saturated to +-448 (the fp8 conv
     multiplies out_scale back in its epilogue). `tile`, `max_block_c`, `num_warps` are tuning knobs (tests lower max_block_c to exercise the
-    two-loop path); `programs` / `stages` set the channels-last kernel's persistent programs and their
-    pipelining (see _cl_grid, _rms_cl_kernel).
+    two-loop path).
     taps=k > 0 (a causal conv's time-stacked input, vaeopt.video): x (N, C, K, H, W) channels_last_3d, out the dense
     channels_last (N*K, k*C, H, W) stack whose frame n*K + t holds input frames t-k+1 .. t of the conv's
     [history | x] stream in channel blocks 0 .. k-1; frame j of x goes to block dt of frame j + k-1-dt wherever
@@ -539,8 +452,7 @@ def rms_norm_silu(
     elif residual_bias is not None or sum_out is not None:
         raise ValueError("rms_norm_silu: residual_bias / sum_out need a residual")
     if taps:
-        return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps, cache_out, res,
-                         programs, stages)
+        return _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, int(taps), tile, num_warps, cache_out, res)
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"rms_norm_silu: dtype {x.dtype} not supported")
     if x.dim() < 2:
@@ -592,13 +504,12 @@ def rms_norm_silu(
         R = N * S
         BLOCK_R = min(max(1, tile // BLOCK_C), triton.next_power_of_2(R))
         nw = num_warps or (4 if BLOCK_C * BLOCK_R <= 4096 else 8)
-        grid, loop = _cl_grid(R, BLOCK_R, one_pass, x.device, programs)
-        _rms_cl_kernel[(grid,)](
+        _rms_cl_kernel[(triton.cdiv(R, BLOCK_R),)](
             x, y, g, b, xbp, R, S, C, stride_n, ys[0], scale, float(eps), out_mul,
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
             SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu",
-            SILU_MODE=silu_mode(y.dtype, x.device), HAS_MUL=out_mul != 1.0, LOOP=loop,
-            STAGES=LOOP_STAGES if stages is None else stages, num_warps=nw, **(res or {}),
+            SILU_MODE=silu_mode(y.dtype, x.device, wan_rms=True), HAS_MUL=out_mul != 1.0, num_warps=nw,
+            **(res or {}),
         )  # fmt: skip
     if out is not None and y is not out:  # an `out` whose strides the kernels cannot address directly
         out.copy_(y)
