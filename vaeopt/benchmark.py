@@ -8,6 +8,7 @@ with FlopCounterMode) and its fraction of a bf16 matmul measured in the same run
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import statistics
 import time
@@ -20,7 +21,7 @@ import torch
 from vaeopt import fidelity
 from vaeopt.errors import VaeoptError
 from vaeopt.families import FamilySpec, build_model
-from vaeopt.hw import machine_info
+from vaeopt.hw import ClockSampler, machine_info
 
 # Standard workloads (shared/ANCHORS.md): name -> (family, raw latent shape)
 WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -72,6 +73,7 @@ class Row:
     max_abs: float | None = None
     setup_s: float | None = None
     stages: list[dict] = field(default_factory=list)
+    gpu_clock: dict | None = None  # hw.summarize_clocks over the timed repeats (CUDA with nvidia-smi)
     speedup_vs_diffusers_bf16: float | None = None
     speedup_vs_best_peer: float | None = None
 
@@ -107,7 +109,10 @@ def matmul_tflops(device: torch.device) -> float | None:
     return 2 * n**3 * 10 / (e0.elapsed_time(e1) / 1e3) / 1e12
 
 
-def time_fn(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, repeats: int):
+def time_fn(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, repeats: int,
+            clocks: ClockSampler | None = None):
+    """fn() `warmup` times, then `repeats` timed calls back to back: (last output, ms per call, (peak allocated,
+    peak reserved) GiB). `clocks` samples the GPU's clock over the timed calls."""
     out = None
     if device.type == "cuda":  # peak includes warm-up (and a CUDA graph's capture pool)
         torch.cuda.synchronize(device)
@@ -117,13 +122,14 @@ def time_fn(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, r
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            out = fn()
-            e1.record()
-            torch.cuda.synchronize(device)
-            times.append(e0.elapsed_time(e1))
+        with clocks or contextlib.nullcontext():
+            for _ in range(repeats):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                out = fn()
+                e1.record()
+                torch.cuda.synchronize(device)
+                times.append(e0.elapsed_time(e1))
         peak = (torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)
     else:
         for _ in range(repeats):
@@ -179,8 +185,10 @@ class Bench:
             t0 = time.perf_counter()
             fn = make()
             row.setup_s = time.perf_counter() - t0
+            clocks = ClockSampler(self.device)
             with torch.inference_mode():
-                out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats)
+                out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats, clocks)
+            row.gpu_clock = clocks.summary
             out = out.float().cpu()
             if kind == "reference":
                 self.ref = out.clamp(-1, 1)
@@ -197,6 +205,23 @@ class Bench:
         if log_row:
             self.log(f"  {_fmt_row(row)}")
         return row
+
+
+def clock_note(rows: list[dict]) -> str | None:
+    """One line on the GPU clock during the last measured ladder row's timed repeats (the headline row), or None
+    when no clock was sampled: its median SM clock against the rated maximum, the highest power draw against the
+    limit, and what slowed the clock in how many samples. Back-to-back decodes that hold the power limit run at a
+    lower clock than one decode after an idle GPU (an H200 at wan21-480p: ~1600 against ~1720 MHz, perf-notes
+    E31), and the more work a decode does per second the lower that clock."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("gpu_clock") and r.get("kind") == "ladder"]
+    if not ok:
+        return None
+    r, c = ok[-1], ok[-1]["gpu_clock"]
+    line = (f"GPU during '{r['name']}': SM clock {c['sm_mhz_median']:.0f} MHz median (min {c['sm_mhz_min']:.0f}, "
+            f"max {c['sm_mhz_max_rated']:.0f}), up to {c['power_w_max']:.0f} of {c['power_limit_w']:.0f} W")
+    if c["slowdown"]:
+        line += "; " + ", ".join(f"{k} in {v:.0%} of samples" for k, v in c["slowdown"].items())
+    return line
 
 
 def _fmt_row(r: Row) -> str:

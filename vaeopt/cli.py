@@ -437,6 +437,10 @@ def _print_bench(result: dict) -> None:
     out_console.print("PSNR/max err vs the fp32 diffusers decode; speedup vs diffusers "
                       f"{result['dtype']} eager" + (f"; bf16 matmul here {result['matmul_tflops']:.0f} TFLOP/s"
                                                      if result.get("matmul_tflops") else ""), style="dim")
+    from vaeopt.benchmark import clock_note
+
+    if note := clock_note(result["rows"]):
+        out_console.print(note, style="dim", highlight=False)
     for r in skipped:
         out_console.print(f"  [yellow]{r['status']}[/] {r['name']}: {r['reason']}", highlight=False)
 

@@ -148,3 +148,83 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
         raise VaeoptError(f"unknown dtype '{dtype}' (auto, fp32, bf16, fp16)")
     return table[d]
+
+
+# nvidia-smi's clocks_throttle_reasons.active bits (nvml.h: nvmlClocksEventReasons): the ones that slow a busy GPU
+THROTTLE_BITS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal (software)", 0x40: "thermal (hardware)",
+                 0x80: "power brake"}
+_SMI_FIELDS = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_throttle_reasons.active"
+
+
+def parse_smi_samples(text: str) -> list[dict]:
+    """The lines of `nvidia-smi --query-gpu=<_SMI_FIELDS> --format=csv,noheader,nounits` as dicts; lines that do not
+    parse (a field reads "[N/A]" or the process was cut mid-line) are dropped."""
+    out = []
+    for line in text.splitlines():
+        p = [s.strip() for s in line.split(",")]
+        try:
+            out.append({"sm_mhz": float(p[0]), "max_sm_mhz": float(p[1]), "power_w": float(p[2]),
+                        "power_limit_w": float(p[3]), "throttle": int(p[4], 16)})
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+def summarize_clocks(samples: list[dict]) -> dict | None:
+    """What the GPU's clock did over `samples`: SM clock median / min against its maximum, the highest power draw
+    against the limit, and the fraction of samples each slowdown reason was active in."""
+    if not samples:
+        return None
+    sm = sorted(s["sm_mhz"] for s in samples)
+    reasons = {name: sum(bool(s["throttle"] & bit) for s in samples) / len(samples)
+               for bit, name in THROTTLE_BITS.items()}
+    return {"samples": len(samples), "sm_mhz_median": sm[len(sm) // 2], "sm_mhz_min": sm[0],
+            "sm_mhz_max_rated": samples[0]["max_sm_mhz"], "power_w_max": max(s["power_w"] for s in samples),
+            "power_limit_w": samples[0]["power_limit_w"], "slowdown": {k: v for k, v in reasons.items() if v}}
+
+
+class ClockSampler:
+    """Samples the GPU's SM clock, power and slowdown reasons with `nvidia-smi -lms` while a block runs:
+
+        with ClockSampler(device) as cs:
+            ...timed work...
+        cs.summary  # summarize_clocks(...) or None
+
+    A decode that runs back to back at the GPU's power limit is clocked down (an H200 at 700 W: ~1570 MHz against
+    ~1720 with idle gaps, perf-notes E31), so benchmark rows carry this to tell apart what the code and what the power
+    budget did. Does nothing (summary None) off CUDA, without nvidia-smi, or when it fails."""
+
+    def __init__(self, device: torch.device, interval_ms: int = 50):
+        self.device, self.interval_ms = device, interval_ms
+        self.proc = None
+        self.summary: dict | None = None
+
+    def __enter__(self) -> ClockSampler:
+        import shutil
+        import subprocess
+
+        if self.device.type != "cuda" or shutil.which("nvidia-smi") is None:
+            return self
+        try:
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
+            sel = ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"] if uuid else ["-i", str(idx)]
+            self.proc = subprocess.Popen(["nvidia-smi", *sel, f"--query-gpu={_SMI_FIELDS}",
+                                          "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except (OSError, RuntimeError, AssertionError):
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        import subprocess
+
+        try:
+            self.proc.terminate()
+            text, _ = self.proc.communicate(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            text = ""
+        self.summary = summarize_clocks(parse_smi_samples(text))

@@ -35,11 +35,11 @@ def silu_mode(out_dtype: torch.dtype, device: torch.device, wan_rms: bool = Fals
     - tanh.approx (2) for e4m3 outputs on CUDA: there the GroupNorm apply is bound by arithmetic, 7-21% faster per
       call, and its ~2^-11 relative error is far below e4m3's 2^-4 step (H200, perf-notes E25).
     - 16-bit outputs: exact (0) in the GroupNorm kernels, bound by memory (the hardware tanh gained nothing there,
-      E25). In Wan's channels-last RMS kernel (`wan_rms`) WAN_RMS_16: 3, the exact formula without its range
-      fix-ups. Nsight Compute finds that kernel bound by the instructions it issues (84% of issue slots busy on the
-      96-ch call, ~12 of ~26 instructions per element in mode 0's SiLU). Mode 3 gave outputs bitwise equal to mode
-      0's on every Wan shape and decode measured, 3-9% faster plain calls, and wan21-480p / 720p decodes as fast as
-      mode 2's (H200, perf-notes E31)."""
+      E25). In Wan's channels-last RMS kernels (`wan_rms`: this module's and tapconv's norm + tap GEMM) WAN_RMS_16:
+      3, the exact formula without its range fix-ups. Nsight Compute finds the RMS kernel bound by the instructions
+      it issues (84% of issue slots busy on the 96-ch call; mode 0's SiLU is ~12 of ~26 instructions per element).
+      Mode 3 gave outputs bitwise equal to mode 0's on every Wan shape and decode measured, 3-9% faster plain calls,
+      and wan21-480p / 720p decodes as fast as mode 2's (H200, perf-notes E31)."""
     if device.type != "cuda" or out_dtype == torch.float32 or _interpret():  # modes 2/3 are PTX
         return 0
     if SILU_MODE is not None:

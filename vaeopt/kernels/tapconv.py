@@ -97,6 +97,8 @@ def _taps_launch(x, y, wt, nt, hist, g, b, xb, scale, eps, silu, **flags) -> Non
     absent) or, with GN=True, the statistics in `flags`."""
     import triton
 
+    from vaeopt.kernels.rms_norm_silu import silu_mode
+
     N, C, k, H, W = x.shape
     R = N * k * H * W
     BLOCK_R = 64 if x.is_cuda else 1024  # CPU: few interpreted programs
@@ -105,7 +107,8 @@ def _taps_launch(x, y, wt, nt, hist, g, b, xb, scale, eps, silu, **flags) -> Non
         x, g, b if b is not None else g, xb if xb is not None else g, wt, y,
         R, k * H * W, C, nt, nt * (hist + k) * H * W, (hist + k) * H * W, hist * H * W, float(scale), float(eps),
         BLOCK_R=BLOCK_R, BLOCK_C=wt.shape[0], BLOCK_N=32, NT_PAD=wt.shape[1], HAS_BIAS=b is not None,
-        HAS_XB=xb is not None, SILU=bool(silu), IEEE=ieee, num_warps=4, **flags)
+        HAS_XB=xb is not None, SILU=bool(silu), IEEE=ieee,
+        SILU_MODE=silu_mode(x.dtype, x.device, wan_rms=not flags.get("GN", False)), num_warps=4, **flags)
 
 
 def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale: float, wt: torch.Tensor, nt: int,
@@ -218,6 +221,7 @@ except Exception:  # pragma: no cover - no triton: the torch versions above (imp
     triton = None
 
 if triton is not None:
+    from vaeopt.kernels.rms_norm_silu import _silu
 
     @triton.jit
     def _rms_taps_kernel(
@@ -251,6 +255,7 @@ if triton is not None:
         GN: tl.constexpr = False,  # GroupNorm with given statistics instead of the RMS norm:
         mean_ptr=None,  # [N, C] float32: the mean of channel c's group in sample n
         sc_ptr=None,  # [N, C] float32: rstd * weight[c]
+        SILU_MODE: tl.constexpr = 0,  # rms_norm_silu._silu's MODE (silu_mode)
     ):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < R
@@ -275,7 +280,7 @@ if triton is not None:
         if HAS_BIAS:
             a += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
         if SILU:
-            a = a / (1.0 + tl.exp(-a))
+            a = _silu(a, SILU_MODE)
         a = tl.where(m, a, 0.0).to(x_ptr.dtype.element_ty)  # the conv input as the torch path rounds it
         n = r // KHW
         q = r % KHW
