@@ -7,8 +7,9 @@ from vaeopt import hw
 from vaeopt.benchmark import clock_note
 
 # nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_throttle_reasons.active
-# --format=csv,noheader,nounits, as an H200 printed it during back-to-back decodes (one line cut short, one N/A)
-SMI = """1980, 1980, 112.31, 700.00, 0x0000000000000000
+# --format=csv,noheader,nounits, as an H200 printed it during back-to-back decodes (one line cut short, one N/A; the
+# H200 sets the power-cap bit at full clock too)
+SMI = """1980, 1980, 112.31, 700.00, 0x0000000000000004
 1560, 1980, 694.12, 700.00, 0x0000000000000004
 1575, 1980, 695.40, 700.00, 0x0000000000000004
 1605, 1980, [N/A], 700.00, 0x0000000000000004
@@ -22,7 +23,7 @@ def test_parse_and_summarize():
     c = hw.summarize_clocks(s)
     assert c["sm_mhz_median"] == 1575 and c["sm_mhz_min"] == 1560 and c["sm_mhz_max_rated"] == 1980
     assert c["power_w_max"] == 695.40
-    assert c["slowdown"] == {"power cap": 2 / 3}
+    assert c["slowdown"] == {"power cap": 2 / 3}  # the bit at full clock (line 1) is not a slowdown
     assert hw.summarize_clocks([]) is None
 
 

@@ -172,12 +172,15 @@ def parse_smi_samples(text: str) -> list[dict]:
 
 def summarize_clocks(samples: list[dict]) -> dict | None:
     """What the GPU's clock did over `samples`: SM clock median / min against its maximum, the highest power draw
-    against the limit, and the fraction of samples each slowdown reason was active in."""
+    against the limit, and the fraction of samples in which each slowdown reason was active with the clock below
+    its maximum."""
     if not samples:
         return None
     sm = sorted(s["sm_mhz"] for s in samples)
-    reasons = {name: sum(bool(s["throttle"] & bit) for s in samples) / len(samples)
-               for bit, name in THROTTLE_BITS.items()}
+    # a reason counts where the clock is below its maximum: an H200 reports the power-cap bit at full clock and
+    # 208 W of 700 (sdxl-1024, E31)
+    slow = [s for s in samples if s["sm_mhz"] < s["max_sm_mhz"]]
+    reasons = {name: sum(bool(s["throttle"] & bit) for s in slow) / len(samples) for bit, name in THROTTLE_BITS.items()}
     return {"samples": len(samples), "sm_mhz_median": sm[len(sm) // 2], "sm_mhz_min": sm[0],
             "sm_mhz_max_rated": samples[0]["max_sm_mhz"], "power_w_max": max(s["power_w"] for s in samples),
             "power_limit_w": samples[0]["power_limit_w"], "slowdown": {k: v for k, v in reasons.items() if v}}
