@@ -335,8 +335,9 @@ def test_gpu_silu_modes_bf16(mode, monkeypatch):
 
 
 def test_silu_mode_policy(monkeypatch):
-    """Which SiLU each kernel gets: exact on the CPU / interpreter and for fp32; tanh.approx for e4m3 outputs; for
-    16-bit outputs exact in the GroupNorm kernels and the ftz formula (3) in Wan's RMS kernel; SILU_MODE overrides."""
+    """Which SiLU each kernel gets: exact on the CPU / interpreter / ROCm and for fp32; tanh.approx for e4m3
+    outputs; for 16-bit outputs exact in the GroupNorm kernels and the ftz formula (3) in Wan's RMS kernel;
+    SILU_MODE overrides."""
     import importlib
 
     rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
@@ -352,3 +353,28 @@ def test_silu_mode_policy(monkeypatch):
     monkeypatch.setattr(rms, "_interpret", lambda: True)
     monkeypatch.setattr(rms, "SILU_MODE", 2)
     assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0  # modes 2/3 are PTX: never under the interpreter
+    monkeypatch.setattr(rms, "_interpret", lambda: False)
+    monkeypatch.setattr(rms, "SILU_MODE", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # nor on ROCm, whose "cuda" devices run no PTX
+    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0 and rms.silu_mode(torch.float8_e4m3fn, cuda) == 0
+
+
+@pytest.mark.parametrize("out_scale", [1.0, 0.25, 3.0])
+@pytest.mark.parametrize("max_block_c", [1024, 32])
+def test_e4m3_out_scale(out_scale, max_block_c):
+    """An e4m3 `out` receives y / out_scale, saturated to +-448 and rounded to the e4m3 grid, in the one-pass kernel
+    (its multiply present only when out_scale != 1) and the two-loop one. The interpreter's path rounds exact ties
+    half up where torch's cast rounds them to even: those (1 of 6720 here) may sit one e4m3 step apart."""
+    _need("cpu")
+    from vaeopt.kernels.rms_norm_silu import rms_norm_silu, rms_norm_silu_reference
+
+    x, gamma, beta = _inputs((1, 96, 2, 5, 7), torch.float32, "cpu")
+    x = _layout(x, "cl")
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn).contiguous(memory_format=torch.channels_last_3d)
+    rms_norm_silu(x, gamma, beta, out=out, out_scale=out_scale, max_block_c=max_block_c)
+    y = (rms_norm_silu_reference(x, gamma, beta) / out_scale).clamp(-448, 448)
+    ref = y.to(torch.float8_e4m3fn).float()
+    off = out.float() != ref
+    step = torch.exp2(torch.floor(torch.log2(y.abs().clamp_min(2.0**-6))) - 3)
+    assert off.sum().item() <= 2 and bool(((out.float() - ref).abs() <= step)[off].all())
+    assert bool((out.float() - y).abs().le(step / 2 + 1e-6).all())  # every value is a nearest grid point

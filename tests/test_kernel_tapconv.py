@@ -175,3 +175,26 @@ def test_image_head_group_norm_taps(device, dtype):
     with pytest.raises(ValueError, match="channels-last"):
         T.group_norm_taps(x.contiguous(), mean, scale, gb, wt, nt, torch.empty(N, nt, 1, H, W, dtype=dtype,
                                                                             device=device))
+
+
+def test_silu_mode_asked_per_norm(monkeypatch):
+    """The norm + tap GEMM kernel asks rms_norm_silu.silu_mode for its SiLU: as a Wan RMS kernel for the RMS head
+    (mode 3 on CUDA for 16-bit) and as a GroupNorm kernel for the image head (exact)."""
+    _need("cpu")
+    import importlib
+
+    rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    from vaeopt.kernels.group_norm_silu import group_norm_finalize, group_norm_partials
+
+    asked = []
+    real = rms.silu_mode
+    monkeypatch.setattr(rms, "silu_mode",
+                        lambda dt, dev, wan_rms=False: asked.append(wan_rms) or real(dt, dev, wan_rms))
+    x, gamma, beta, xb, w, bias, hx = _case("cpu", torch.bfloat16, 1, 16, 1, 3, 5, 3, 2)
+    _run(x, gamma, beta, xb, w, bias, hx)
+    xi = x[:, :, 0].contiguous(memory_format=torch.channels_last)
+    mean, scale = group_norm_finalize(group_norm_partials(xi, 8), 8, 16, gamma, 1e-6)
+    wt = T.tap_weights(w[:, :, :1])
+    T.group_norm_taps(xi, mean, scale, beta, wt, 27, torch.empty(1, 27, 1, 3, 5, dtype=torch.bfloat16),
+                      impl="triton")
+    assert asked == [True, False]

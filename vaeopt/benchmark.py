@@ -217,10 +217,14 @@ def clock_note(rows: list[dict]) -> str | None:
     if not ok:
         return None
     r, c = ok[-1], ok[-1]["gpu_clock"]
-    line = (f"GPU during '{r['name']}': SM clock {c['sm_mhz_median']:.0f} MHz median (min {c['sm_mhz_min']:.0f}, "
-            f"max {c['sm_mhz_max_rated']:.0f}), up to {c['power_w_max']:.0f} of {c['power_limit_w']:.0f} W")
+    n = c["samples"]
+    line = f"GPU during '{r['name']}' ({n} nvidia-smi reading{'s' if n != 1 else ''}): SM clock "
+    line += (f"{c['sm_mhz_median']:.0f} MHz median (min {c['sm_mhz_min']:.0f}"
+             + (f", max {c['sm_mhz_max_rated']:.0f})" if c["sm_mhz_max_rated"] else ")"))
+    if c["power_w_max"] is not None:
+        line += f", up to {c['power_w_max']:.0f}" + (f" of {c['power_limit_w']:.0f} W" if c["power_limit_w"] else " W")
     if c["slowdown"]:
-        line += "; " + ", ".join(f"{k} in {v:.0%} of samples" for k, v in c["slowdown"].items())
+        line += "; " + ", ".join(f"{k} in {v:.0%} of readings" for k, v in c["slowdown"].items())
     return line
 
 

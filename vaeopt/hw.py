@@ -156,34 +156,52 @@ THROTTLE_BITS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal (sof
 _SMI_FIELDS = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_throttle_reasons.active"
 
 
+def _num(v: str) -> float | None:
+    try:
+        return float(v)
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
 def parse_smi_samples(text: str) -> list[dict]:
-    """The lines of `nvidia-smi --query-gpu=<_SMI_FIELDS> --format=csv,noheader,nounits` as dicts; lines that do not
-    parse (a field reads "[N/A]" or the process was cut mid-line) are dropped."""
+    """The lines of `nvidia-smi --query-gpu=<_SMI_FIELDS> --format=csv,noheader,nounits` as dicts. A field the GPU
+    does not report ("[N/A]": power on many consumer parts) is None; lines without a readable SM clock (an error
+    message, a line cut short) are dropped."""
     out = []
     for line in text.splitlines():
         p = [s.strip() for s in line.split(",")]
-        try:
-            out.append({"sm_mhz": float(p[0]), "max_sm_mhz": float(p[1]), "power_w": float(p[2]),
-                        "power_limit_w": float(p[3]), "throttle": int(p[4], 16)})
-        except (ValueError, IndexError):
+        if len(p) != 5 or _num(p[0]) is None:
             continue
+        try:
+            throttle = int(p[4], 16)
+        except ValueError:
+            throttle = 0
+        out.append({"sm_mhz": _num(p[0]), "max_sm_mhz": _num(p[1]), "power_w": _num(p[2]),
+                    "power_limit_w": _num(p[3]), "throttle": throttle})
     return out
 
 
 def summarize_clocks(samples: list[dict]) -> dict | None:
     """What the GPU's clock did over `samples`: SM clock median / min against its maximum, the highest power draw
-    against the limit, and the fraction of samples in which each slowdown reason was active with the clock below
-    its maximum."""
+    against the limit (None where not reported), and the fraction of samples in which each slowdown reason was
+    active with the clock below its maximum. nvidia-smi refreshes its readings about every 100 ms, and its power
+    draw is an average over a longer window: a row of a few short decodes gets one or two readings."""
     if not samples:
         return None
     sm = sorted(s["sm_mhz"] for s in samples)
     # a reason counts where the clock is below its maximum: an H200 reports the power-cap bit at full clock and
     # 208 W of 700 (sdxl-1024, E31)
-    slow = [s for s in samples if s["sm_mhz"] < s["max_sm_mhz"]]
+    slow = [s for s in samples if s["max_sm_mhz"] is not None and s["sm_mhz"] < s["max_sm_mhz"]]
     reasons = {name: sum(bool(s["throttle"] & bit) for s in slow) / len(samples) for bit, name in THROTTLE_BITS.items()}
+    power = [s["power_w"] for s in samples if s["power_w"] is not None]
     return {"samples": len(samples), "sm_mhz_median": sm[len(sm) // 2], "sm_mhz_min": sm[0],
-            "sm_mhz_max_rated": samples[0]["max_sm_mhz"], "power_w_max": max(s["power_w"] for s in samples),
+            "sm_mhz_max_rated": samples[0]["max_sm_mhz"], "power_w_max": max(power) if power else None,
             "power_limit_w": samples[0]["power_limit_w"], "slowdown": {k: v for k, v in reasons.items() if v}}
+
+
+def clocks_enabled() -> bool:
+    """VAEOPT_GPU_CLOCKS=0 turns the benchmark's clock sampling off."""
+    return os.environ.get("VAEOPT_GPU_CLOCKS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class ClockSampler:
@@ -193,41 +211,71 @@ class ClockSampler:
             ...timed work...
         cs.summary  # summarize_clocks(...) or None
 
-    A decode that runs back to back at the GPU's power limit is clocked down (an H200 at 700 W: ~1570 MHz against
-    ~1720 with idle gaps, perf-notes E31), so benchmark rows carry this to tell apart what the code and what the power
-    budget did. Does nothing (summary None) off CUDA, without nvidia-smi, or when it fails."""
+    A decode that runs back to back at the GPU's power limit is clocked down (an H200 at 700 W: ~1590 MHz against
+    ~1700 with 2 s idle gaps, perf-notes E31), so benchmark rows carry this to tell apart what the code and what the
+    power budget did. nvidia-smi writes to a temporary file (no pipe to fill on long rows). Does nothing (summary
+    None) off CUDA, on ROCm, without nvidia-smi, with VAEOPT_GPU_CLOCKS=0, or when anything about it fails: it never
+    raises into the timed work."""
 
-    def __init__(self, device: torch.device, interval_ms: int = 50):
+    def __init__(self, device: torch.device, interval_ms: int = 100):
         self.device, self.interval_ms = device, interval_ms
         self.proc = None
+        self.out = None
         self.summary: dict | None = None
+
+    def _select(self) -> list[str]:
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
+        if not uuid:  # nvidia-smi counts GPUs without CUDA_VISIBLE_DEVICES' renumbering: only right when unset
+            return ["-i", str(idx)] if not os.environ.get("CUDA_VISIBLE_DEVICES") else []
+        return ["-i", uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"]
 
     def __enter__(self) -> ClockSampler:
         import shutil
         import subprocess
+        import tempfile
 
-        if self.device.type != "cuda" or shutil.which("nvidia-smi") is None:
+        if (self.device.type != "cuda" or torch.version.hip is not None or not clocks_enabled()
+                or shutil.which("nvidia-smi") is None):
             return self
         try:
-            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
-            sel = ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"] if uuid else ["-i", str(idx)]
+            sel = self._select()
+            if not sel:
+                return self
+            self.out = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
             self.proc = subprocess.Popen(["nvidia-smi", *sel, f"--query-gpu={_SMI_FIELDS}",
                                           "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except (OSError, RuntimeError, AssertionError):
-            self.proc = None
+                                         stdout=self.out, stderr=subprocess.DEVNULL)
+        except Exception:  # noqa: BLE001 - a clock reading must never fail a benchmark
+            self._close()
         return self
+
+    def _close(self) -> str:
+        """Stop nvidia-smi (terminate, then kill) and reap it; return what it wrote."""
+        text = ""
+        try:
+            if self.proc is not None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=2)
+                except Exception:  # noqa: BLE001
+                    self.proc.kill()
+                    self.proc.wait(timeout=2)
+            if self.out is not None:
+                self.out.seek(0)
+                text = self.out.read()
+        except Exception:  # noqa: BLE001
+            pass
+        finally:
+            if self.out is not None:
+                self.out.close()
+            self.proc = self.out = None
+        return text
 
     def __exit__(self, *exc) -> None:
         if self.proc is None:
             return
-        import subprocess
-
         try:
-            self.proc.terminate()
-            text, _ = self.proc.communicate(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            text = ""
-        self.summary = summarize_clocks(parse_smi_samples(text))
+            self.summary = summarize_clocks(parse_smi_samples(self._close()))
+        except Exception:  # noqa: BLE001
+            self.summary = None

@@ -31,17 +31,19 @@ WAN_RMS_16 = 3  # the MODE of Wan's channels-last RMS kernel for 16-bit outputs 
 
 def silu_mode(out_dtype: torch.dtype, device: torch.device, wan_rms: bool = False) -> int:
     """The `_silu` MODE of a kernel writing out_dtype on device.
-    - Exact (0) on the CPU and for fp32 outputs.
+    - Exact (0) on the CPU, under the interpreter, on ROCm and for fp32 outputs.
     - tanh.approx (2) for e4m3 outputs on CUDA: there the GroupNorm apply is bound by arithmetic, 7-21% faster per
       call, and its ~2^-11 relative error is far below e4m3's 2^-4 step (H200, perf-notes E25).
     - 16-bit outputs: exact (0) in the GroupNorm kernels, bound by memory (the hardware tanh gained nothing there,
       E25). In Wan's channels-last RMS kernels (`wan_rms`: this module's and tapconv's norm + tap GEMM) WAN_RMS_16:
       3, the exact formula without its range fix-ups. Nsight Compute finds the RMS kernel bound by the instructions
       it issues (84% of issue slots busy on the 96-ch call; mode 0's SiLU is ~12 of ~26 instructions per element).
-      Mode 3 gave outputs bitwise equal to mode 0's on every Wan shape and decode measured, 3-9% faster plain calls,
-      and wan21-480p / 720p decodes as fast as mode 2's (H200, perf-notes E31)."""
-    if device.type != "cuda" or out_dtype == torch.float32 or _interpret():  # modes 2/3 are PTX
-        return 0
+      Mode 3 gave outputs bitwise equal to mode 0's on every Wan shape and decode measured, 1-9% faster plain calls,
+      and wan21-480p / 720p decodes as fast as mode 2's (H200, perf-notes E31). (Mode 0 lowers to the same ex2 /
+      reciprocal arithmetic with range fix-ups. The one input window where they differ is y in about (-88.7, -87.3):
+      there mode 3 flushes the subnormal reciprocal and returns -0 for a value of magnitude below 3e-37.)"""
+    if device.type != "cuda" or torch.version.hip is not None or out_dtype == torch.float32 or _interpret():
+        return 0  # modes 2/3 are NVIDIA PTX
     if SILU_MODE is not None:
         return SILU_MODE
     if out_dtype in OUT8:
@@ -199,7 +201,7 @@ def _rms_cl_kernel(
     HAS_RB: tl.constexpr = False,
     STORE_U: tl.constexpr = False,
     SILU_MODE: tl.constexpr = 0,  # see _silu
-    HAS_MUL: tl.constexpr = True,  # out_mul != 1: otherwise the multiply is left out
+    HAS_MUL: tl.constexpr = True,  # out_mul != 1: otherwise the one-pass path leaves the multiply out
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
@@ -232,8 +234,7 @@ def _rms_cl_kernel(
         if SILU:
             y = _silu(y, SILU_MODE)
         if HAS_MUL:
-            if HAS_MUL:
-                y = y * out_mul
+            y = y * out_mul
         if SAT8:
             y = _sat_e4m3(y, EXACT8)
         if TAPS > 0:
