@@ -4,6 +4,7 @@ CUDA it samples nothing."""
 
 import os
 import stat
+import time
 import types
 
 import pytest
@@ -57,7 +58,8 @@ def fake_gpu(monkeypatch, tmp_path):
         f.write_text("#!/bin/sh\n" + body)
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
         monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="abc-123"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(uuid="abc-123", name="NVIDIA H200"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.version, "hip", None)
     return install
@@ -66,16 +68,16 @@ def fake_gpu(monkeypatch, tmp_path):
 @pytest.mark.skipif(os.name != "posix", reason="the fake nvidia-smi is a shell script")
 def test_sampler_reads_nvidia_smi_through_a_file(fake_gpu, tmp_path):
     # prints its arguments, then more lines than a pipe holds (64 KiB), then waits to be stopped
-    fake_gpu(f'echo "$@" > {tmp_path}/args\ni=0\nwhile [ $i -lt 3000 ]; do echo "1560, 1980, 690.5, 700.00, 0x4"; '
+    fake_gpu(f'echo "$@" > "{tmp_path}/args"\ni=0\nwhile [ $i -lt 3000 ]; do echo "1560, 1980, 690.5, 700.00, 0x4"; '
              'i=$((i+1)); done\necho "1980, 1980, 100.0, 700.00, 0x0"\nexec sleep 30\n')
     with hw.ClockSampler(torch.device("cuda", 0), interval_ms=100) as cs:
-        import time
+        proc = cs.proc
 
         for _ in range(100):  # until the script reached its last line
             time.sleep(0.05)
             if cs.out is not None and os.fstat(cs.out.fileno()).st_size >= 3001 * 31:
                 break
-    assert cs.proc is None  # stopped and reaped
+    assert cs.proc is None and proc.returncode is not None  # stopped and reaped
     assert cs.summary["samples"] == 3001 and cs.summary["sm_mhz_median"] == 1560
     assert cs.summary["slowdown"] == {"power cap": 3000 / 3001}
     args = (tmp_path / "args").read_text()
@@ -84,14 +86,27 @@ def test_sampler_reads_nvidia_smi_through_a_file(fake_gpu, tmp_path):
 
 @pytest.mark.skipif(os.name != "posix", reason="the fake nvidia-smi is a shell script")
 def test_sampler_never_raises(fake_gpu, monkeypatch):
-    fake_gpu('echo "garbage \\xff\\xfe"\nexit 3\n')  # fails at once, prints junk
+    fake_gpu("printf '\\377\\376 not csv\\n'\nexit 3\n")  # prints bytes that are not UTF-8, then fails
     with hw.ClockSampler(torch.device("cuda", 0)) as cs:
-        pass
+        cs.proc.wait()
     assert cs.summary is None
+    # deaf to SIGTERM: killed and reaped, and what it wrote is still read
+    fake_gpu('trap "" TERM\necho "1500, 1980, 650.0, 700.00, 0x4"\nwhile :; do sleep 0.1; done\n')
+    with hw.ClockSampler(torch.device("cuda", 0)) as cs:
+        proc = cs.proc
+        for _ in range(100):
+            if os.fstat(cs.out.fileno()).st_size:
+                break
+            time.sleep(0.05)
+    assert proc.returncode is not None and cs.summary["sm_mhz_median"] == 1500
     monkeypatch.setenv("VAEOPT_GPU_CLOCKS", "0")  # switched off: no process at all
     with hw.ClockSampler(torch.device("cuda", 0)) as cs:
         assert cs.proc is None
     monkeypatch.delenv("VAEOPT_GPU_CLOCKS")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",  # a MIG slice: torch's uuid does not name the GPU
+                        lambda i: types.SimpleNamespace(uuid="abc-123", name="NVIDIA H100 80GB HBM3 MIG 1g.10gb"))
+    with hw.ClockSampler(torch.device("cuda", 0)) as cs:
+        assert cs.proc is None
     monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: no nvidia-smi readings
     with hw.ClockSampler(torch.device("cuda", 0)) as cs:
         assert cs.proc is None

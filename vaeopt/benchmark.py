@@ -210,9 +210,9 @@ class Bench:
 def clock_note(rows: list[dict]) -> str | None:
     """One line on the GPU clock during the last measured ladder row's timed repeats (the headline row), or None
     when no clock was sampled: its median SM clock against the rated maximum, the highest power draw against the
-    limit, and what slowed the clock in how many samples. Back-to-back decodes that hold the power limit run at a
-    lower clock than one decode after an idle GPU (an H200 at wan21-480p: ~1600 against ~1720 MHz, perf-notes
-    E31), and the more work a decode does per second the lower that clock."""
+    limit, and what slowed the clock in how many readings. Back-to-back decodes that hold the power limit run at a
+    lower clock than decodes after an idle GPU (wan21-480p on an H200: 1560-1650 against 1690-1730 MHz per decode,
+    perf-notes E31), and the more work a decode does per second the lower that clock."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("gpu_clock") and r.get("kind") == "ladder"]
     if not ok:
         return None

@@ -189,9 +189,9 @@ def summarize_clocks(samples: list[dict]) -> dict | None:
     if not samples:
         return None
     sm = sorted(s["sm_mhz"] for s in samples)
-    # a reason counts where the clock is below its maximum: an H200 reports the power-cap bit at full clock and
-    # 208 W of 700 (sdxl-1024, E31)
-    slow = [s for s in samples if s["max_sm_mhz"] is not None and s["sm_mhz"] < s["max_sm_mhz"]]
+    # a reason counts where the clock is below its maximum (or the maximum is not reported): an H200 reports the
+    # power-cap bit at full clock and 208 W of 700 (sdxl-1024, E31)
+    slow = [s for s in samples if s["max_sm_mhz"] is None or s["sm_mhz"] < s["max_sm_mhz"]]
     reasons = {name: sum(bool(s["throttle"] & bit) for s in slow) / len(samples) for bit, name in THROTTLE_BITS.items()}
     power = [s["power_w"] for s in samples if s["power_w"] is not None]
     return {"samples": len(samples), "sm_mhz_median": sm[len(sm) // 2], "sm_mhz_min": sm[0],
@@ -211,11 +211,11 @@ class ClockSampler:
             ...timed work...
         cs.summary  # summarize_clocks(...) or None
 
-    A decode that runs back to back at the GPU's power limit is clocked down (an H200 at 700 W: ~1590 MHz against
-    ~1700 with 2 s idle gaps, perf-notes E31), so benchmark rows carry this to tell apart what the code and what the
+    A decode that runs back to back at the GPU's power limit is clocked down (wan21-480p on an H200 at 700 W:
+    1560-1650 MHz per decode against 1690-1730 with 2 s idle gaps, perf-notes E31), so benchmark rows carry this to tell apart what the code and what the
     power budget did. nvidia-smi writes to a temporary file (no pipe to fill on long rows). Does nothing (summary
-    None) off CUDA, on ROCm, without nvidia-smi, with VAEOPT_GPU_CLOCKS=0, or when anything about it fails: it never
-    raises into the timed work."""
+    None) off CUDA, on ROCm, on a MIG slice, without nvidia-smi, with VAEOPT_GPU_CLOCKS=0, or when anything about it
+    fails: it never raises into the timed work."""
 
     def __init__(self, device: torch.device, interval_ms: int = 100):
         self.device, self.interval_ms = device, interval_ms
@@ -224,11 +224,16 @@ class ClockSampler:
         self.summary: dict | None = None
 
     def _select(self) -> list[str]:
+        """nvidia-smi's -i selection for this device, or [] where it cannot be named reliably: a MIG slice (torch's
+        uuid is not the GPU's), or no uuid with CUDA_VISIBLE_DEVICES renumbering the GPUs."""
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
+        props = torch.cuda.get_device_properties(idx)
+        if "MIG" in str(getattr(props, "name", "")) or "MIG" in os.environ.get("CUDA_VISIBLE_DEVICES", ""):
+            return []
+        uuid = str(getattr(props, "uuid", "") or "")
         if not uuid:  # nvidia-smi counts GPUs without CUDA_VISIBLE_DEVICES' renumbering: only right when unset
             return ["-i", str(idx)] if not os.environ.get("CUDA_VISIBLE_DEVICES") else []
-        return ["-i", uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"]
+        return ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]
 
     def __enter__(self) -> ClockSampler:
         import shutil
@@ -258,9 +263,11 @@ class ClockSampler:
                 self.proc.terminate()
                 try:
                     self.proc.wait(timeout=2)
-                except Exception:  # noqa: BLE001
+                except BaseException as e:  # a TERM-deaf process, or Ctrl-C while waiting: kill it all the same
                     self.proc.kill()
                     self.proc.wait(timeout=2)
+                    if not isinstance(e, Exception):
+                        raise
             if self.out is not None:
                 self.out.seek(0)
                 text = self.out.read()
