@@ -9,7 +9,8 @@ fix-ups around its two MUFU ops are ~12.
 
 Variants: rms_norm_silu.SILU_MODE 0 (exact) / 2 (tanh.approx) / 3 (ftz ex2 + rcp). Per call: median over `rounds`
 interleaved rounds of a CUDA-event median of `reps` calls; max |diff| against mode 0's output. Decodes: each mode,
-interleaved, with the PSNR of each against mode 0 and against an fp32 decode.
+interleaved, with the PSNR of each against mode 0 and against an fp32 decode (vaeopt.fidelity.psnr: identical
+outputs read 200 dB; the committed E31 runs, from a local copy of it, wrote 99.0).
 
 (E31's first run also had persistent-program variants, 8 per SM with Triton's cp.async pipeline or a register
 prefetch: slower, removed with them after commit 051ea6e.)
@@ -17,7 +18,6 @@ prefetch: slower, removed with them after commit 051ea6e.)
 import argparse
 import importlib
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import event_ms, out_dir, run_meta, wan_norm_inputs  # noqa: E402
 
+from vaeopt.fidelity import psnr  # noqa: E402
 
 rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
 ap = argparse.ArgumentParser()
@@ -91,9 +92,6 @@ if args.decode_rounds:
 
     from vaeopt.benchmark import WORKLOADS
 
-    def psnr(a, b):
-        mse = ((a - b) ** 2).mean().item()
-        return 99.0 if mse == 0 else 10 * math.log10(4.0 / mse)
 
     for wl in args.workloads.split(","):
         fam, shape = WORKLOADS[wl]
