@@ -101,7 +101,6 @@ def _tma_conv_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
     PHASES: tl.constexpr = False,  # the four 2x2 phase convs of a 2x upsample + 3x3 conv in one launch (see below)
-    SPLIT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     # column tiles fastest: the programs that share an input box run together and meet it in L2
@@ -130,8 +129,6 @@ def _tma_conv_kernel(
     BM: tl.constexpr = BH * BW
     acc0 = tl.zeros([BM, BN0], dtype=tl.float32)
     acc1 = tl.zeros([BM, BN1 if BN1 > 0 else 16], dtype=tl.float32)
-    acc0b = tl.zeros([BM, BN0 if SPLIT else 16], dtype=tl.float32)
-    acc1b = tl.zeros([BM, BN1 if SPLIT and BN1 > 0 else 16], dtype=tl.float32)
     CB = 1 if BK1 > 0 else C // BK
     for it in tl.range(0, KT * KH * KW * CB, num_stages=NUM_STAGES):
         tap = it // CB
@@ -158,22 +155,12 @@ def _tma_conv_kernel(
             if DOT_F32:
                 a1 = a1.to(tl.float32)
                 b01 = b01.to(tl.float32)
-            if SPLIT:
-                acc0b = tl.dot(a1, tl.trans(b01), acc0b)
-            else:
-                acc0 = tl.dot(a1, tl.trans(b01), acc0)
+            acc0 = tl.dot(a1, tl.trans(b01), acc0)
             if BN1 > 0:
                 b11 = w11_desc.load([ph * CO + n0 + BN0, k + BK])
                 if DOT_F32:
                     b11 = b11.to(tl.float32)
-                if SPLIT:
-                    acc1b = tl.dot(a1, tl.trans(b11), acc1b)
-                else:
-                    acc1 = tl.dot(a1, tl.trans(b11), acc1)
-    if SPLIT:
-        acc0 += acc0b
-        if BN1 > 0:
-            acc1 += acc1b
+                acc1 = tl.dot(a1, tl.trans(b11), acc1)
     if XS_PTR:
         xs = tl.load(xs_ptr + smp)
     else:
@@ -195,7 +182,6 @@ class TmaConfig:
     num_warps: int = 4
     num_stages: int = 4
     bk1: int = 0  # > 0: Cin == bk + bk1, one K step per tap
-    split: bool = False  # bk1 > 0: the second channel box into its own accumulators (async wgmma, E32)
 
     def n_width(self) -> int:
         return self.bn0 + self.bn1
@@ -301,7 +287,7 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
         T, a.H, a.W, pw.cin, CO, n_tiles,
         KT=kt, KH=kh, KW=kw, PH=pads[0], PW=pads[1], BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
         HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
-        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, PHASES=phases, SPLIT=bool(cfg.split and bk1),
+        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, PHASES=phases,
         num_warps=cfg.num_warps,
     )
 
