@@ -332,3 +332,57 @@ def test_triton_cache_count(tmp_path, monkeypatch):
         (cache / name).mkdir(parents=True)
     (cache / "stray.lock").write_text("")
     assert triton_cache_entries() == (str(cache), 2)
+
+
+# found by a new-user pass (seventeenth session)
+
+def test_dict_keys_cannot_leave_the_output_folder(tmp_path, samples_dir):
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][..., :16, :16]
+    sub = tmp_path / "a" / "b"
+    sub.mkdir(parents=True)
+    torch.save({"x/../../../escaped": z, "sub/dir": z}, sub / "trav.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    r = run("decode", sub / "trav.pt", "-m", model, "-o", str(sub / "out") + "/")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (sub / "out").iterdir()) == ["trav_sub_dir.png", "trav_x__________escaped.png"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png")) == [
+        "a/b/out/trav_sub_dir.png", "a/b/out/trav_x__________escaped.png"]
+    r = run("decode", sub / "trav.pt", "-m", model, "-o", sub / "one.png")  # a file name: numbered beside it
+    assert r.exit_code == 0, r.output
+    assert {p.name for p in sub.glob("one_*.png")} == {"one_trav_sub_dir.png", "one_trav_x__________escaped.png"}
+
+
+def test_video_batch_into_a_folder_goes_inside_it(tmp_path, samples_dir):
+    import av
+
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
+    torch.save(torch.cat([z, z]), tmp_path / "clip.pt")
+    r = run("decode", tmp_path / "clip.pt", "--model", samples_dir / "tiny_wan_video.safetensors",
+            "--latent-space", "raw", "-o", str(tmp_path / "v") + "/")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "v").iterdir()) == ["clip_000.mp4", "clip_001.mp4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.pt", "v"]  # no v_000/ beside it
+    with av.open(str(tmp_path / "v" / "clip_001.mp4")) as c:
+        assert len([f for f in c.decode(video=0)]) == 5
+
+
+def test_dict_with_other_tensors_decodes_its_latents(tmp_path, samples_dir):
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][..., :16, :16]
+    torch.save({"latents": z, "prompt_embeds": torch.randn(1, 77, 768)}, tmp_path / "gen.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    r = run("decode", tmp_path / "gen.pt", "-m", model, "-o", tmp_path / "gen.png")
+    assert r.exit_code == 0, r.output
+    assert "skipped 1 tensor(s) that are not" in r.output and "prompt_embeds (1, 77, 768)" in r.output
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["gen.png"]  # one latent: no entry suffix
+    torch.save({"a": torch.randn(1, 16, 8, 8), "b": torch.randn(1, 77, 768)}, tmp_path / "none.pt")
+    r = run("decode", tmp_path / "none.pt", "-m", model, "-o", tmp_path / "none.png")
+    assert r.exit_code == 2 and "none of its 2 tensors fits this VAE (--key NAME picks one: a, b)" in r.output
+
+
+def test_plain_pickle_latents_get_the_right_advice(tmp_path, samples_dir):
+    import pickle
+
+    with open(tmp_path / "p.pt", "wb") as fh:
+        pickle.dump({"x": torch.randn(1, 4, 8, 8)}, fh)
+    r = run("decode", tmp_path / "p.pt", "-m", samples_dir / "tiny_kl_image.safetensors")
+    assert r.exit_code == 2 and "a plain pickle stream (pickle.dump)" in r.output and "Traceback" not in r.output

@@ -723,3 +723,72 @@ def test_real_tiny_wan_video(tmp_path):
     z = torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["bunny"][:, :, :2, :8, :8].float()
     z = r.family.unscale(z)
     torch.testing.assert_close(decode(r.model, z), decode(ref, z), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# found by a new-user pass (seventeenth session)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_kl_without_post_quant_conv_is_refused(models, tmp_path):
+    """A decoder-only SD export that dropped post_quant_conv decoded garbage (5.8 dB) and said 'wrote'."""
+    model, cfg = models["sd15"]
+    sd = {k: v for k, v in decoder_tensors(to_ldm(model.state_dict())).items() if not k.startswith("post_quant_conv")}
+    f = _save_st(tmp_path / "sd15_vae_dec.safetensors", sd)
+    with pytest.raises(CheckpointError, match="no post_quant_conv, which Stable Diffusion 1.x VAEs have"):
+        load_vae(f, config={"norm_num_groups": 8})
+    r = load_vae(f, config={"norm_num_groups": 8, "use_post_quant_conv": False})  # a VAE that really has none
+    assert r.model.post_quant_conv is None
+    flux, _ = models["flux"]  # 16-channel families have no post_quant_conv: nothing to refuse
+    f2 = _save_st(tmp_path / "ae.safetensors", to_ldm(flux.state_dict()))
+    assert load_vae(f2, config={"norm_num_groups": 8}).family.name == "flux"
+
+
+def test_torch_file_under_a_safetensors_name(models, tmp_path):
+    """torch.load picks its safetensors reader by the file name: a torch zip named .safetensors failed with 'header
+    too large'."""
+    model, cfg = models["sd15"]
+    f = tmp_path / "vae.safetensors"
+    torch.save(to_ldm(model.state_dict()), f)
+    r = load_vae(f, config={"norm_num_groups": 8})
+    assert_same_decoder(r, model, latent_for("sd15"))
+
+
+def test_encoder_only_under_a_prefix_says_so(models, tmp_path):
+    model, cfg = models["sd15"]
+    sd = {f"first_stage_model.{k}": v for k, v in to_ldm(model.state_dict()).items()
+          if k.startswith(("encoder.", "quant_conv."))}
+    with pytest.raises(CheckpointError, match="encoder weights only"):
+        load_vae(_save_st(tmp_path / "enc.safetensors", sd))
+
+
+@pytest.mark.parametrize("fam,factor", [("taesd", 0.18215), ("taesdxl", 0.13025)])
+def test_tiny_decoder_takes_raw_latents_scaled(fam, factor):
+    """TAESD decodes the latents a pipeline hands the UNet; raw latents (ComfyUI .latent) are the big VAE's and are
+    scaled as ComfyUI's TAESD does. Scaled latents go in unchanged."""
+    from vaeopt.latents import to_raw
+
+    z = latent_for(fam)
+    spec = get_family(fam)
+    assert torch.equal(to_raw(z, spec, "raw"), z * factor)
+    assert torch.equal(to_raw(z, spec, "scaled"), z)
+
+
+@pytest.mark.parametrize("name,base", [("taesd3_decoder.safetensors", "sd3"), ("taef1_decoder.safetensors", "flux"),
+                                       ("tiny16.safetensors", None)])
+def test_16_channel_tiny_decoder_raw_latents(name, base, tmp_path):
+    from vaeopt.errors import LatentError
+    from vaeopt.latents import to_raw
+
+    model = build_model(get_family("taesd"), latent_channels=16, encoder_block_out_channels=[16] * 4,
+                        decoder_block_out_channels=[16] * 4)
+    r = load_vae(_save_st(tmp_path / name, to_taesd_decoder(model.state_dict())))
+    z = torch.randn(1, 16, 8, 8)
+    if base is None:
+        with pytest.raises(LatentError, match="TAESD3: SD3's, TAEF1: FLUX's"):
+            to_raw(z, r.family, "raw")
+    else:
+        ref = get_family(base).config
+        assert torch.allclose(to_raw(z, r.family, "raw"), (z - ref["shift_factor"]) * ref["scaling_factor"])
+        assert any(f"scaled as {get_family(base).title}'s" in n for n in r.notes), r.notes
+    assert torch.equal(to_raw(z, r.family, "scaled"), z)

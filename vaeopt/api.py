@@ -13,7 +13,7 @@ import torch
 
 from vaeopt import latents as lat
 from vaeopt import outputs, video_graphs
-from vaeopt.errors import DecodeError, VaeoptError
+from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import DecodeStats, Options, Pipeline
@@ -146,23 +146,50 @@ def output_kind(path: Path, is_video: bool) -> str:
     raise VaeoptError(f"{path}: unknown output type '{s}' (use .png, .mp4, .safetensors, or a folder for frames)")
 
 
+def _latent_entries(lf: lat.LatentFile, fam, log: Callable[[str], None] | None) -> list[lat.LatentEntry]:
+    """A file's tensors that can be latents for this VAE. A dict that also holds other tensors (e.g. {"latents",
+    "prompt_embeds"}, as scripts save them) decodes its latents and says what it skipped; if none fits, the first
+    tensor's error, with the names --key can pick."""
+    if len(lf.entries) < 2:
+        return lf.entries
+    fits, misfits = [], []
+    for e in lf.entries:
+        try:
+            lat.validate(e, fam, lf.path, values=False)
+            fits.append(e)
+        except LatentError as err:
+            misfits.append((e, err))
+    if not fits:
+        e, err = misfits[0]
+        raise LatentError(f"{err}; none of its {len(lf.entries)} tensors fits this VAE (--key NAME picks one: "
+                          f"{', '.join(x.name for x in lf.entries[:8])})")
+    if misfits and log is not None:
+        log(f"{lf.path}: skipped {len(misfits)} tensor(s) that are not {fam.title} latents: "
+            + ", ".join(f"{e.name} {tuple(e.tensor.shape)}" for e, _ in misfits[:4]) + (", ..." if len(misfits) > 4
+                                                                                            else ""))
+    return fits
+
+
 def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path | None, latent_space: str | None,
-              overwrite: bool, out_is_folder: bool = False) -> list[DecodeJob]:
+              overwrite: bool, out_is_folder: bool = False, log: Callable[[str], None] | None = None
+              ) -> list[DecodeJob]:
     """The decode jobs and their output paths, checked (shapes, duplicates, inputs, writability) before any work.
-    out_is_folder: `out` is a folder whatever its name (typed with a trailing '/'), even if it does not exist yet."""
+    out_is_folder: `out` is a folder whatever its name (typed with a trailing '/'), even if it does not exist yet.
+    log: where to say which tensors of a file were skipped as not latents for this VAE."""
     fam = loaded.family
     jobs: list[DecodeJob] = []
-    multi = sum(len(f.entries) for f in latent_files) > 1
+    entries = {lf.path: _latent_entries(lf, fam, log) for lf in latent_files}
+    multi = sum(len(v) for v in entries.values()) > 1
     for lf in latent_files:
         space = latent_space or lf.default_space
-        for e in lf.entries:
+        for e in entries[lf.path]:
             t = lat.validate(e, fam, lf.path)
             z = lat.to_raw(t, fam, space)
             n = z.shape[0]
             if out is None:
-                base = outputs.default_output(lf.path, fam.is_video, e.name if len(lf.entries) > 1 else "")
+                base = outputs.default_output(lf.path, fam.is_video, e.name if len(entries[lf.path]) > 1 else "")
             elif multi:
-                stem = lf.path.stem + (f"_{e.name}" if e.name and len(lf.entries) > 1 else "")
+                stem = lf.path.stem + (f"_{outputs.safe_name(e.name)}" if e.name and len(entries[lf.path]) > 1 else "")
                 folder = out_is_folder or out.suffix == "" or out.is_dir()
                 base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if folder \
                     else out.with_name(f"{out.stem}_{stem}{out.suffix}")
@@ -175,6 +202,9 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             if kind == "png-dir":
                 base = base / (lf.path.stem + ".png")
                 kind = "png"
+            elif kind == "frames" and n > 1:  # a batch of clips into a folder: one MP4 each, inside it (as for
+                base = base / (lf.path.stem + ".mp4")  # several files or dict entries)
+                kind = "mp4"
             paths = [outputs.numbered(base, i, n) for i in range(n)] if kind != "safetensors" else [base]
             jobs.append(DecodeJob(lf.path, e.name, z, paths, kind))
     all_paths = [p for j in jobs for p in j.outputs]

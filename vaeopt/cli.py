@@ -223,7 +223,12 @@ def decode(
         _log(n)
     if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
         _log(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
-    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder)
+    raw_tiny = loaded.family.config.get("_raw_latents") if loaded.family.cls_name == "AutoencoderTiny" else None
+    if raw_tiny and any((latent_space or f.default_space) == "raw" for f in files):
+        shift = f"(raw - {raw_tiny['shift_factor']}) * " if raw_tiny.get("shift_factor") else "raw * "
+        _log(f"raw latents are the {raw_tiny['vae']} VAE's: the tiny decoder takes {shift}{raw_tiny['scaling_factor']}"
+             " (as the pipeline hands them over, and as ComfyUI's TAESD does)")
+    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
     if out_folder:  # after planning: a refused input leaves no empty folder behind
         _make_output_folder(output)
     console.print("[bold]optimize[/]")
@@ -430,7 +435,7 @@ def _print_bench(result: dict) -> None:
             continue
         f = lambda v, fmt: (fmt.format(v) if v is not None else "-")  # noqa: E731
         t.add_row(r["name"][:30], f(r["median_ms"], "{:.1f}"), f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
-                  f(r["peak_alloc_gib"], "{:.2f}"), f(r["tflops"], "{:.0f}"),
+                  f(r["peak_alloc_gib"], "{:.2f}"), f(r["tflops"], "{:.0f}" if (r["tflops"] or 0) >= 10 else "{:.2g}"),
                   "ref" if r["kind"] == "reference" else f(r["psnr_db"], "{:.1f}"), f(r["max_abs"], "{:.3f}"),
                   f(r["speedup_vs_diffusers_bf16"], "{:.2f}x"))
     out_console.print(t)

@@ -114,6 +114,11 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
             if name and name.startswith("diffusers."):  # e.g. a pipeline's StableDiffusionPipelineOutput
                 advice = ("a diffusers output object: save the tensor itself, e.g. torch.save(out.images, path) for a "
                           "pipeline called with output_type=\"latent\" (out.frames for video pipelines)")
+            elif raw_pickle and name is None:  # a bare pickle stream: pickle.dump, not torch.save
+                raise LatentError(
+                    f"{path}: a plain pickle stream (pickle.dump), not a torch.save file: vaeopt does not unpickle "
+                    "(even tensors come through pickle's code paths there); where you trust the file, load it and "
+                    "save the tensors with torch.save or safetensors") from e
             else:
                 advice = "save the latents as a tensor or a dict of tensors"
             raise LatentError(
@@ -192,8 +197,9 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
     return LatentFile(path, fmt, entries, default_space, notes, manifest)
 
 
-def validate(entry: LatentEntry, family: FamilySpec, source: Path) -> torch.Tensor:
-    """Shape/dtype/finite checks with one-line errors; returns the tensor as (N,C,H,W) or (N,C,T,H,W)."""
+def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool = True) -> torch.Tensor:
+    """Shape/dtype/finite checks with one-line errors; returns the tensor as (N,C,H,W) or (N,C,T,H,W).
+    values=False: dtype and shape only (is this tensor a latent for this VAE at all?)."""
     t = entry.tensor
     where = f"{source}" + (f" [{entry.name}]" if entry.name else "")
     if not torch.is_floating_point(t):
@@ -240,16 +246,31 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path) -> torch.Tens
             f"{where}: latent {h}x{w} would decode to {h * f}x{w * f} pixels per frame — beyond what vaeopt decodes "
             f"({int(math.sqrt(MAX_OUTPUT_PIXELS))}² max)"
         )
-    bad = (~torch.isfinite(t)).sum().item()
+    bad = (~torch.isfinite(t)).sum().item() if values else 0
     if bad:
         nans = torch.isnan(t).sum().item()
         raise LatentError(f"{where}: {bad} non-finite values ({nans} NaN, {bad - nans} Inf) in {tuple(t.shape)} latents")
     return t
 
 
+def _tiny_from_raw(latents: torch.Tensor, family: FamilySpec) -> torch.Tensor:
+    """A tiny decoder (TAESD) takes latents as the pipeline hands them to the UNet/transformer. Raw latents (a
+    ComfyUI .latent, {"samples": ...}) are the big VAE's: scale them as that VAE's pipeline would, as ComfyUI's
+    TAESD does ((raw - shift_factor) * scaling_factor)."""
+    base = family.config.get("_raw_latents")
+    if not base:
+        raise LatentError(
+            f"raw latents for a {family.latent_channels}-channel tiny decoder: which VAE's latents they are (TAESD3: "
+            "SD3's, TAEF1: FLUX's) decides their scaling, and nothing here tells; name the decoder file taesd3*/taef1*,"
+            " or pass pipeline latents with --latent-space scaled")
+    return (latents.float() - float(base.get("shift_factor") or 0.0)) * float(base["scaling_factor"])
+
+
 def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tensor:
     """Latents in the given space -> raw decoder latents (float32)."""
     if space == "raw":
+        if family.cls_name == "AutoencoderTiny":  # TAESD decodes pipeline latents: raw = the big VAE's raw latents
+            return _tiny_from_raw(latents, family)
         return latents.float()
     if space == "scaled":
         return family.unscale(latents)

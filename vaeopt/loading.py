@@ -198,7 +198,11 @@ def _read_torch(path: Path, kind: str, select_vae: bool = False) -> tuple[dict[s
     try:
         with warnings.catch_warnings(), allow_numpy_scalars():
             warnings.simplefilter("ignore")
-            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=(kind == "torch-zip"))
+            if path.suffix.lower() in (".safetensors", ".sft"):  # a torch file under a safetensors name: torch.load
+                with open(path, "rb") as fh:  # would pick its safetensors reader by the name, so give it the bytes
+                    obj = torch.load(fh, map_location="cpu", weights_only=True)
+            else:
+                obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=(kind == "torch-zip"))
     except pickle.UnpicklingError as e:
         name = refused_global(e)
         what = f"it refers to {name}" if name else _short(e).split(". ")[0]
@@ -525,7 +529,8 @@ _NOT_VAE = ("model.diffusion_model.", "diffusion_model.", "time_embedding.", "do
 
 
 def _no_vae_error(label: str, keys: list[str]) -> CheckpointError:
-    if any(k.startswith(("encoder.", "taesd_encoder.")) for k in keys) or (
+    enc = ("encoder.", "taesd_encoder.")
+    if any(k.startswith(enc) or (k.startswith(_PREFIXES) and k.split(".", 1)[1].startswith(enc)) for k in keys) or (
         keys and all(_TAESD_INDEX.match(k) for k in keys) and "0.weight" in keys
     ):
         return CheckpointError(f"{label}: encoder weights only (no decoder): nothing to decode with")
@@ -1036,6 +1041,12 @@ def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label
         cfg.update(use)
         if "norm_num_groups" in use:
             notes.append(f"norm_num_groups {use['norm_num_groups']} from the given config")
+    if a.cls_name == "AutoencoderKL" and "post_quant_conv.weight" not in a.sd and _post_quant_expected(
+            spec, meta_use, explicit):
+        raise CheckpointError(
+            f"{label}: the weights have no post_quant_conv, which {spec.title} VAEs have (a decoder-only export that "
+            "dropped it?): the decode would be wrong. If this VAE really has none, pass a config with "
+            '"use_post_quant_conv": false')
     for k in ("scaling_factor", "shift_factor"):  # what unscales "scaled" latents: usable numbers only
         v = cfg.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
@@ -1044,6 +1055,15 @@ def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label
                                   f"{'positive ' if k == 'scaling_factor' else ''}finite number")
     cfg["_class_name"] = a.cls_name
     return FamilySpec(spec.name, spec.title, cfg)
+
+
+def _post_quant_expected(spec: FamilySpec, meta_use: dict, explicit) -> bool:
+    """Whether the config in use says the model has a post_quant_conv: the given config, else the checkpoint's
+    metadata, else the family (SD 1.x/2.x/SDXL: yes, diffusers' default; SD3/FLUX: no)."""
+    for cfg in (explicit or {}, meta_use, spec.config):
+        if "use_post_quant_conv" in cfg:
+            return cfg["use_post_quant_conv"] is not False
+    return True
 
 
 def _norm(v):
@@ -1073,7 +1093,25 @@ def _detect(
         names = [Path(filename).name] if filename else []
     spec = _choose_family(a, family, explicit, meta_cfg, metadata, other_keys or list(state_dict), names, notes, label)
     spec = _build_spec(a, spec, meta_cfg, explicit, notes, label)
+    if a.cls_name == "AutoencoderTiny" and spec.latent_channels != 4:
+        _tiny_raw_latents(spec, names + [label], notes)
     return spec, a, notes
+
+
+def _tiny_raw_latents(spec: FamilySpec, names: list[str], notes: list[str]) -> None:
+    """Which big VAE's raw latents a 16-channel tiny decoder's input is scaled from (TAESD3: SD3's, TAEF1: FLUX's),
+    as ComfyUI does: (raw - shift_factor) * scaling_factor. Only the file name tells the two apart; without a hint
+    raw latents are refused for it (latents.to_raw), pipeline ("scaled") latents need no factor."""
+    text = " ".join(n.lower() for n in names if n)
+    base = "sd3" if re.search(r"taesd[-_]?3|sd[-_ ]?3", text) else "flux" if re.search(r"taef1|flux", text) else None
+    if base is None or spec.latent_channels != 16:
+        spec.config["_raw_latents"] = None
+        return
+    ref = get_family(base).config
+    spec.config["_raw_latents"] = {"vae": base, "scaling_factor": ref["scaling_factor"],
+                                   "shift_factor": ref.get("shift_factor") or 0.0}
+    notes.append(f"raw latents (e.g. ComfyUI .latent) are scaled as {get_family(base).title}'s (file name) before this "
+                 "tiny decoder")
 
 
 def detect(

@@ -248,10 +248,16 @@ def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0) -> 
     return writer.close()
 
 
+def safe_name(name: str) -> str:
+    """A latent dict key as part of a file name: letters, digits, '-' and '_' kept, the rest '_' (a key such as
+    'x/../../y' must not reach outside the output folder)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
 def default_output(latent_path: Path, is_video: bool, entry_name: str = "", index: int | None = None) -> Path:
     stem = latent_path.stem
     if entry_name:
-        stem += "_" + "".join(c if c.isalnum() or c in "-_" else "_" for c in entry_name)
+        stem += "_" + safe_name(entry_name)
     if index is not None:
         stem += f"_{index:03d}"
     return latent_path.with_name(stem + (".mp4" if is_video else ".png"))
