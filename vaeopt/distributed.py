@@ -1409,7 +1409,8 @@ def decode_files_distributed(
         files = [lat.read_latents(Path(p), key) for p in latents]
         model_path, _why = api.resolve_model(model, files)
         loaded = load_vae(model_path, family=family, config=config)
-        jobs = api.plan_jobs(files, loaded, Path(output) if output is not None else None, latent_space, overwrite)
+        jobs = api.plan_jobs(files, loaded, Path(output) if output is not None else None, latent_space, overwrite,
+                             log=say if rank == 0 else None)
         opts = Options(**{**(options.__dict__ if options is not None else {}), "device": str(dev)})
         pipe = Pipeline(loaded, opts, log=(lambda s: say(f"[rank {rank}] {s}")))
         ok, why = supports_band(pipe.model)
