@@ -154,6 +154,8 @@ def test_bad_values_and_outputs_refused_before_measuring(tmp_path, samples_dir):
     assert r.exit_code == 2 and "the chart is a PNG" in r.output, r.output
     r = runner.invoke(app, base + ["--json", str(tmp_path / "x.png"), "--plot", str(tmp_path / "x.png")])
     assert r.exit_code == 2 and "name the same file" in r.output, r.output
+    r = runner.invoke(app, base + ["--json", str(tmp_path / "x.png")])
+    assert r.exit_code == 2 and "give a .json file name" in r.output, r.output
 
 
 def test_log_does_not_time_skipped_rows(result):

@@ -228,7 +228,7 @@ def test_bad_manifest_device_and_fps_are_user_errors(tmp_path, samples_dir):
     r = run("decode", tmp_path / "l.pt", "-m", model, "--device", "tpu")
     assert r.exit_code == 2 and "expected cpu, cuda or cuda:N" in r.output, r.output
     r = run("decode", tmp_path / "l.pt", "-m", model, "--fps", "0")
-    assert r.exit_code == 2 and "--fps must be positive" in r.output, r.output
+    assert r.exit_code == 2 and "--fps must be between 0.01 and 1000" in r.output, r.output
 
 
 def test_files_naming_different_models_are_refused(tmp_path, samples_dir):
@@ -264,7 +264,7 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, samples_dir):
     finally:
         api.run_jobs = api_run
         signal.signal(signal.SIGTERM, old)
-    assert r.exit_code == 130 and "interrupted" in r.output, r.output
+    assert r.exit_code == 143 and "interrupted" in r.output, r.output  # 128 + SIGTERM, as shells report a kill
     assert sorted(p.name for p in tmp_path.iterdir()) == ["l.pt"]
 
 
@@ -374,6 +374,10 @@ def test_dict_with_other_tensors_decodes_its_latents(tmp_path, samples_dir):
     assert r.exit_code == 0, r.output
     assert "skipped 1 tensor(s) that are not" in r.output and "prompt_embeds (1, 77, 768)" in r.output
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["gen.png"]  # one latent: no entry suffix
+    assert "prompt_embeds (1, 77, 768) (1 channel, not 4)" in r.output
+    torch.save({"a": z, "b": z.permute(0, 2, 3, 1).contiguous()}, tmp_path / "cl.pt")  # a latent saved channels-last
+    r = run("decode", tmp_path / "cl.pt", "-m", model, "-o", tmp_path / "cl.png")  # is an error with its hint, not
+    assert r.exit_code == 2 and "channels look last" in r.output, r.output  # skipped
     torch.save({"a": torch.randn(1, 16, 8, 8), "b": torch.randn(1, 77, 768)}, tmp_path / "none.pt")
     r = run("decode", tmp_path / "none.pt", "-m", model, "-o", tmp_path / "none.png")
     assert r.exit_code == 2 and "none of its 2 tensors fits this VAE (--key NAME picks one: a, b)" in r.output
@@ -386,3 +390,102 @@ def test_plain_pickle_latents_get_the_right_advice(tmp_path, samples_dir):
         pickle.dump({"x": torch.randn(1, 4, 8, 8)}, fh)
     r = run("decode", tmp_path / "p.pt", "-m", samples_dir / "tiny_kl_image.safetensors")
     assert r.exit_code == 2 and "a plain pickle stream (pickle.dump)" in r.output and "Traceback" not in r.output
+
+
+# found by a hostile-input pass (seventeenth session)
+
+def test_folder_made_for_a_failed_decode_is_removed(tmp_path, samples_dir):
+    torch.save(torch.full((1, 4, 8, 8), 3e38), tmp_path / "img.pt")  # overflows in the decoder: refused after decode
+    r = run("decode", tmp_path / "img.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", str(tmp_path / "o") + "/")
+    assert r.exit_code == 2 and "non-finite" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img.pt"]  # no empty o/ left
+    (tmp_path / "keep").mkdir()  # a folder that was there before stays
+    r = run("decode", tmp_path / "img.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", str(tmp_path / "keep") + "/")
+    assert r.exit_code == 2 and (tmp_path / "keep").is_dir()
+
+
+def test_host_oom_and_option_ranges_are_user_errors(tmp_path, samples_dir, monkeypatch):
+    from vaeopt import api
+
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+
+    def oom(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 20800000000 bytes")
+
+    monkeypatch.setattr(api, "run_jobs", oom)
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", tmp_path / "o.png")
+    assert r.exit_code == 3 and "out of host memory" in r.output and "vaeopt bug" not in r.output, r.output
+    for args, expect in ((["--fps", "inf"], "--fps must be between"), (["--fps", "1e-9"], "--fps must be between"),
+                         (["--fp8-gate", "nan"], "--fp8-gate must be"), (["--fp8-gate", "-1"], "--fp8-gate must be"),
+                         (["-o", ""], "-o is empty")):
+        r = run("decode", tmp_path / "l.pt", "-m", model, *args)
+        assert r.exit_code == 2 and expect in r.output, (args, r.output)
+    r = run("benchmark", model, "--json", tmp_path / "l.pt")  # would have replaced the latents with JSON
+    assert r.exit_code == 2 and "give a .json file name" in r.output
+    assert torch.load(tmp_path / "l.pt", weights_only=True).shape == (1, 4, 8, 8)
+
+
+def test_tilde_in_output_is_expanded(tmp_path, samples_dir, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    monkeypatch.chdir(tmp_path)
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", "~/out/x.png")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "home" / "out" / "x.png").is_file() and not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '"s"', '{"model": 5}'])
+def test_malformed_user_config_is_a_user_error(tmp_path, monkeypatch, content):
+    from vaeopt import api
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(content)
+    monkeypatch.setattr(api, "USER_CONFIG", cfg)
+    monkeypatch.delenv("VAEOPT_MODEL", raising=False)
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    r = run("decode", tmp_path / "l.pt")
+    assert r.exit_code == 2 and 'expected {"model":' in r.output, r.output
+
+
+def test_manifest_latent_space_and_empty_model(tmp_path, samples_dir):
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"files": {"l.pt": {"latent_space": "bogus"}}}))
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors")
+    assert r.exit_code == 2 and 'must be "scaled" or "raw"' in r.output
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"files": {"l.pt": {"model": ""}}}))
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", tmp_path / "o.png")
+    assert r.exit_code == 0, r.output
+
+
+def test_same_named_inputs_into_a_folder_get_advice_that_fits(tmp_path, samples_dir):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        torch.save(torch.randn(1, 4, 8, 8), tmp_path / d / "x.pt")
+    r = run("decode", tmp_path / "a" / "x.pt", tmp_path / "b" / "x.pt", "-m", samples_dir / "tiny_kl_image.safetensors",
+            "-o", str(tmp_path / "out") + "/")
+    assert r.exit_code == 2 and "rename one of the inputs" in r.output and "pass -o a folder" not in r.output
+
+
+def test_nan_weights_symlink_loops_and_full_stdout(tmp_path, samples_dir):
+    from safetensors.torch import load_file, save_file
+
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    sd = load_file(str(samples_dir / "tiny_kl_image.safetensors"))
+    k = next(k for k in sd if k.startswith("decoder.") and k.endswith(".weight"))
+    sd[k] = sd[k].clone()
+    sd[k].view(-1)[0] = float("nan")
+    save_file(sd, str(tmp_path / "nan.safetensors"))
+    r = run("decode", tmp_path / "l.pt", "-m", tmp_path / "nan.safetensors", "-o", tmp_path / "o.png")
+    assert r.exit_code == 2 and f"hold NaN/Inf (e.g. {k})" in r.output, r.output
+    (tmp_path / "la").symlink_to(tmp_path / "lb")
+    (tmp_path / "lb").symlink_to(tmp_path / "la")
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", tmp_path / "la" / "x.png")
+    assert r.exit_code == 2 and "not a usable" in r.output and "bug" not in r.output, r.output
+    r = run("decode", tmp_path / "l.pt", "-m", tmp_path / "la")
+    assert r.exit_code == 2 and "a broken or looping symlink" in r.output, r.output
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "vaeopt", "info", "--json"], stdout=full, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 1 and "cannot write the output to stdout" in p.stderr and "Traceback" not in p.stderr

@@ -1,5 +1,6 @@
 """Latent files: every format, scaled vs raw, validation errors."""
 
+import re
 import sys
 
 import numpy as np
@@ -257,3 +258,33 @@ def test_comfyui_latent_dict_is_raw_and_only_samples_decode(tmp_path):
     assert lf.default_space == "raw" and lf.format == "comfyui-dict"
     assert any("ComfyUI LATENT" in n and "noise_mask" in n for n in lf.notes), lf.notes
     assert [e.name for e in lat.read_latents(p, key="noise_mask").entries] == ["noise_mask"]
+
+
+# found by a hostile-input pass (seventeenth session)
+
+def test_hostile_latent_files_get_true_messages(tmp_path):
+    import gzip
+    import os
+
+    import numpy as np
+
+    np.save(tmp_path / "ok.npy", np.zeros((1, 4, 8, 8), dtype=np.float32))
+    full = (tmp_path / "ok.npy").read_bytes()
+    (tmp_path / "trunc.npy").write_bytes(full[: len(full) // 2])
+    (tmp_path / "rand.npy").write_bytes(os.urandom(300))
+    np.save(tmp_path / "c.npy", np.zeros((1, 4, 8, 8), dtype=complex))
+    hdr = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4, 1000000, 1000000), }"
+    hdr += b" " * (118 - len(hdr)) + b"\n"
+    (tmp_path / "huge.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
+    (tmp_path / "g.pt").write_bytes(gzip.compress(b"x" * 100))
+    (tmp_path / "t.pt").write_text("just text\n")
+    os.mkfifo(tmp_path / "fifo.pt")
+    (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
+    cases = {"trunc.npy": "more than the file holds", "rand.npy": "not a readable .npy file",
+             "c.npy": "must be real floating point", "huge.npy": "more than the file holds",
+             "g.pt": "not a readable torch file (a gzip archive)", "t.pt": "not a readable torch file: corrupt",
+             "fifo.pt": "not a regular file", "loop.pt": "a broken or looping symlink"}
+    for name, expect in cases.items():
+        with pytest.raises(lat.LatentError, match=re.escape(expect)):
+            lat.read_latents(tmp_path / name)
+    assert lat.read_latents(tmp_path / "ok.npy").entries[0].tensor.shape == (1, 4, 8, 8)

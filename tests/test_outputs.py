@@ -140,3 +140,54 @@ def test_names():
     assert outputs.default_output(Path("/a/lat.pt"), True, "bikes") == Path("/a/lat_bikes.mp4")
     assert outputs.numbered(Path("/a/o.png"), 2, 4) == Path("/a/o_002.png")
     assert outputs.numbered(Path("/a/o.png"), 0, 1) == Path("/a/o.png")
+
+
+# found by a hostile-input pass (seventeenth session)
+
+def test_tensor_output_disk_full_and_file_mode(tmp_path, monkeypatch):
+    import safetensors
+    import safetensors.torch as st
+
+    from vaeopt import outputs
+    from vaeopt.errors import OutputError
+
+    old = os.umask(0o022)
+    try:
+        outputs.write_tensor(tmp_path / "a.safetensors", torch.zeros(2))
+        assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o644  # safetensors itself makes 0600
+    finally:
+        os.umask(old)
+
+    def full(*a, **k):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(st, "save_file", full)
+    with pytest.raises(OutputError, match="disk full"):
+        outputs.write_tensor(tmp_path / "b.safetensors", torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+def test_long_output_name_keeps_its_temp_name_short(tmp_path):
+    from vaeopt import outputs
+
+    name = "x" * 245 + ".png"  # valid (<= 255 bytes); '.<name>.<pid>.partial.png' would not be
+    outputs.write_png(tmp_path / name, torch.zeros(8, 8, 3, dtype=torch.uint8))
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_mp4_abort_removes_the_file_when_a_second_signal_lands(tmp_path, monkeypatch):
+    pytest.importorskip("av")
+    from vaeopt import outputs
+
+    w = outputs.Mp4Writer(tmp_path / "v.mp4")
+    w.put(torch.zeros(2, 16, 16, 3, dtype=torch.uint8))
+
+    def interrupted(*a, **k):  # the second Ctrl-C, while abort() waits for the encoder thread
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(w._thread, "join", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.abort()
+    monkeypatch.undo()
+    w._thread.join(10)
+    assert list(tmp_path.iterdir()) == []

@@ -40,6 +40,10 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
             cfg = json.loads(USER_CONFIG.read_text())
         except ValueError as e:
             raise VaeoptError(f"{USER_CONFIG}: not valid JSON ({e})") from e
+        except OSError as e:
+            raise VaeoptError(f"{USER_CONFIG}: cannot read it ({e.strerror or e})") from e
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("model", ""), str):
+            raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
         if cfg.get("model"):
             return Path(cfg["model"]).expanduser(), str(USER_CONFIG)
     raise VaeoptError(
@@ -157,16 +161,17 @@ def _latent_entries(lf: lat.LatentFile, fam, log: Callable[[str], None] | None) 
         try:
             lat.validate(e, fam, lf.path, values=False)
             fits.append(e)
-        except LatentError as err:
+        except lat.NotALatent as err:  # wrong rank or channel count, no hint of a fixable layout: another tensor
             misfits.append((e, err))
     if not fits:
         e, err = misfits[0]
+        names = ", ".join(x.name for x in lf.entries[:8]) + (", ..." if len(lf.entries) > 8 else "")
         raise LatentError(f"{err}; none of its {len(lf.entries)} tensors fits this VAE (--key NAME picks one: "
-                          f"{', '.join(x.name for x in lf.entries[:8])})")
+                          f"{names})")
     if misfits and log is not None:
         log(f"{lf.path}: skipped {len(misfits)} tensor(s) that are not {fam.title} latents: "
-            + ", ".join(f"{e.name} {tuple(e.tensor.shape)}" for e, _ in misfits[:4]) + (", ..." if len(misfits) > 4
-                                                                                            else ""))
+            + ", ".join(f"{e.name} {tuple(e.tensor.shape)} ({err.reason})" for e, err in misfits[:4])
+            + (", ..." if len(misfits) > 4 else ""))
     return fits
 
 
@@ -210,11 +215,16 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     all_paths = [p for j in jobs for p in j.outputs]
     dupes = {p for p in all_paths if all_paths.count(p) > 1}
     if dupes:
-        raise VaeoptError(f"two inputs would write the same output {sorted(dupes)[0]}: pass -o a folder")
+        fix = ("rename one of the inputs, or decode them in separate runs" if out is not None and (
+            out_is_folder or out.is_dir()) else "pass -o a folder")
+        raise VaeoptError(f"two inputs would write the same output {sorted(dupes)[0]}: {fix}")
     inputs = {lf.path.resolve() for lf in latent_files}
     model = loaded.path.resolve() if loaded.path is not None else None
     for p in all_paths:
-        r = p.resolve()
+        try:
+            r = p.resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop on the way
+            raise VaeoptError(f"{p}: not a usable output path ({e})") from None
         if r in inputs or (model is not None and (r == model or (model in r.parents and r.exists()))):
             raise VaeoptError(f"{p}: would overwrite {'the model' if r not in inputs else 'an input latent file'}"
                               " (even --overwrite does not replace inputs); choose another -o")
@@ -306,7 +316,11 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
             except BaseException:
                 writer.abort()
                 raise
-            writer.close()
+            try:
+                writer.close()
+            except BaseException:  # Ctrl-C / SIGTERM while the encoder flushes: no .partial file stays
+                writer.abort()
+                raise
             peak = torch.cuda.max_memory_allocated(pipe.device) if pipe.device.type == "cuda" else None
             results.append(DecodeResult(job, time.perf_counter() - t0, peak, [job.outputs[0]], plan.to_dict(),
                                         vstats.retries))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -32,7 +33,7 @@ app = typer.Typer(
 )
 console = Console(stderr=True, highlight=False, soft_wrap=True)  # long paths: let the terminal wrap
 # piped or logged (not a terminal): rich would assume 80 columns and cut the benchmark table's cells to "11…"
-out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+out_console = Console(highlight=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 200)
 
 
 def _version_cb(value: bool):
@@ -47,8 +48,22 @@ def main(version: bool = typer.Option(False, "--version", callback=_version_cb, 
     pass
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, unwound like Ctrl-C (temporary outputs removed) but exiting 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise _Terminated(signum)
+
+
+def _host_oom(e: BaseException) -> bool:
+    """torch on the CPU reports a failed allocation as RuntimeError ("DefaultCPUAllocator: can't allocate memory"),
+    not MemoryError."""
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 def clean_errors(fn):
@@ -66,15 +81,20 @@ def clean_errors(fn):
         except VaeoptError as e:
             console.print(f"[bold red]error:[/] {escape(str(e))}")  # paths/keys like `[x]` are not markup
             raise typer.Exit(e.exit_code)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             console.print("[yellow]interrupted — no partial output was left behind[/]")
-            raise typer.Exit(130)
-        except MemoryError:
-            console.print("[bold red]error:[/] out of host memory (try --tile / --chunk, or smaller inputs)")
-            raise typer.Exit(3)
+            raise typer.Exit(128 + e.signum if isinstance(e, _Terminated) else 130)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except Exception as e:  # a bug, not bad input: one line, the traceback only on request
+            if _host_oom(e):
+                console.print("[bold red]error:[/] out of host memory (try --tile / --chunk, or smaller inputs)")
+                raise typer.Exit(3)
+            if isinstance(e, OSError) and getattr(e, "filename", None) is None and e.errno in (
+                    errno.ENOSPC, errno.EPIPE, errno.EBADF):  # printing to a full /dev/full, a closed pipe
+                with contextlib.suppress(Exception):
+                    console.print(f"[bold red]error:[/] cannot write the output to stdout ({escape(e.strerror or '')})")
+                raise typer.Exit(1)
             if os.environ.get("VAEOPT_DEBUG"):
                 raise
             first = str(e).splitlines()[0][:300] if str(e) else ""
@@ -176,17 +196,16 @@ def decode(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Decode latents to PNG / MP4 / frames / safetensors with the optimized pipeline."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from vaeopt import api
     from vaeopt import latents as lat
     from vaeopt.loading import load_vae
-    from vaeopt.pipeline import Options, Pipeline
+    from vaeopt.pipeline import Options
 
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
-    if not fps > 0:
-        raise VaeoptError(f"--fps must be positive, got {fps}")
+    if not 0.01 <= fps <= 1000:  # also NaN/inf; an MP4 frame rate is a fraction with a bounded denominator
+        raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
                    upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
@@ -229,8 +248,16 @@ def decode(
         _log(f"raw latents are the {raw_tiny['vae']} VAE's: the tiny decoder takes {shift}{raw_tiny['scaling_factor']}"
              " (as the pipeline hands them over, and as ComfyUI's TAESD does)")
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
-    if out_folder:  # after planning: a refused input leaves no empty folder behind
-        _make_output_folder(output)
+    with _output_folder(output if out_folder else None):  # made after planning; removed again if nothing lands in it
+        _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
+
+
+def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from vaeopt import api
+    from vaeopt.pipeline import Pipeline
+
     console.print("[bold]optimize[/]")
     pipe = Pipeline(loaded, opts, log=_log)
     console.print("[bold]decode[/]")
@@ -274,12 +301,34 @@ def _output_arg(output: str | None) -> tuple[Path | None, bool]:
     ("renders/2024.06.01/", "renders/run.safetensors/"); Path() drops it, so it is read from the text."""
     if output is None:
         return None, False
-    path = Path(output)
+    if not output.strip():
+        raise OutputError("-o is empty: name a file or a folder")
+    try:
+        path = Path(output).expanduser()  # as --model is; a quoted '~/x.png' would otherwise make a folder named '~'
+        path.is_dir()
+    except (OSError, RuntimeError) as e:  # a name too long for the file system, a symlink loop, '~nosuchuser'
+        raise OutputError(f"-o {output}: not a usable path ({getattr(e, 'strerror', None) or e})") from None
     folder = output.endswith(("/", os.sep))
     if folder and path.exists() and not path.is_dir():
         raise OutputError(f"-o {output}: the trailing '/' asks for a folder, but {path} is a file; choose another "
                           "-o (nothing was written)")
     return path, folder
+
+
+@contextlib.contextmanager
+def _output_folder(path: Path | None):
+    """Make the -o folder (a trailing '/'); if the decode then fails or is interrupted and the folder it made is still
+    empty, remove it, so that "nothing was left behind" holds."""
+    made = path is not None and not path.exists()
+    if path is not None:
+        _make_output_folder(path)
+    try:
+        yield
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only if empty
+        raise
 
 
 def _make_output_folder(path: Path) -> None:
@@ -321,6 +370,8 @@ def benchmark(
         raise VaeoptError(f"--repeats must be at least 1, got {repeats}")
     if warmup < 0:
         raise VaeoptError(f"--warmup must be 0 or more, got {warmup}")
+    if not 0 <= fp8_gate < float("inf"):
+        raise VaeoptError(f"--fp8-gate must be a PSNR in dB, 0 or more, got {fp8_gate}")
     _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -367,6 +418,8 @@ def _check_bench_outputs(model, json_out, plot_out) -> None:
             raise VaeoptError(f"{p}: would overwrite the model being benchmarked; choose another path")
         if p.is_dir():
             raise VaeoptError(f"{p}: is a folder; give a file name")
+    if json_out is not None and json_out.suffix.lower() != ".json":  # it replaces an existing file: only a .json one
+        raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
     check_writable(outs, overwrite=True)
 
 

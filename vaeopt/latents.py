@@ -13,7 +13,6 @@ import json
 import math
 import pickle
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +60,12 @@ def read_manifest(path: Path) -> dict:
         raise LatentError(f"{mpath}: manifest must look like {{\"files\": {{\"{path.name}\": {{\"model\": \"vae.safetensors\", "
                           f"\"latent_space\": \"scaled\"}}}}}}")
     hint = dict(hint)
-    if "model" in hint:
+    if hint.get("latent_space", "scaled") not in ("scaled", "raw"):
+        raise LatentError(f"{mpath}: latent_space for {path.name} must be \"scaled\" or \"raw\", got "
+                          f"{json.dumps(hint['latent_space'])[:40]}")
+    if not hint.get("model"):
+        hint.pop("model", None)  # "": no model named, not the manifest's folder
+    else:
         hint["model"] = str((mpath.parent / hint["model"]).resolve())
     return hint
 
@@ -80,9 +84,11 @@ def _collect(obj, prefix: str, out: list[LatentEntry]) -> None:
 def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
     path = Path(path)
     if not path.exists():
-        raise LatentError(f"{path}: no such file")
+        raise LatentError(f"{path}: " + ("a broken or looping symlink" if path.is_symlink() else "no such file"))
     if path.is_dir():
         raise LatentError(f"{path}: is a directory, expected a latent file ({', '.join(LATENT_SUFFIXES)})")
+    if not path.is_file():  # a FIFO, a device
+        raise LatentError(f"{path}: not a regular file")
     if path.stat().st_size == 0:
         raise LatentError(f"{path}: file is empty")
     suffix = path.suffix.lower()
@@ -91,7 +97,7 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
     default_space = "scaled"
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
-        from vaeopt.loading import allow_numpy_scalars, refused_global
+        from vaeopt.loading import _magic_name, allow_numpy_scalars, refused_global
 
         try:  # numpy scalars (e.g. a saved seed) are data: allowed, as in checkpoints
             with warnings.catch_warnings(), allow_numpy_scalars():
@@ -102,9 +108,13 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
             code = any(k in msg for k in ("GLOBAL", "Unsupported global", "Unsupported class"))
             with open(path, "rb") as fh:
                 raw_pickle = fh.read(1) == b"\x80"  # a bare pickle stream, not torch's zip container
-            if not code and not raw_pickle:  # garbage, not code
-                raise LatentError(f"{path}: not a readable torch file: corrupt or truncated? "
-                                  f"({msg.splitlines()[0][:160]})") from e
+            if not code and not raw_pickle:  # garbage, not code: say what the bytes are, not torch's boilerplate
+                with open(path, "rb") as fh:
+                    head = fh.read(32)
+                what = _magic_name(head)
+                if what == "unrecognised file header":
+                    what = "corrupt or truncated?"
+                raise LatentError(f"{path}: not a readable torch file ({what})") from e
             name = refused_global(e)
             if name is None:
                 line = next((ln.strip() for ln in msg.splitlines() if "GLOBAL" in ln or "nsupported" in ln), "")
@@ -125,9 +135,14 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
                 f"{path}: refusing to unpickle arbitrary objects (loaded with weights_only=True): {what}, which is "
                 f"not a tensor; {advice}"
             ) from e
-        except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-            raise LatentError(f"{path}: not a readable torch file: corrupt or truncated? "
-                              f"({str(e).splitlines()[0][:160]})") from e
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001  (torch's legacy reader raises KeyError on text, and more)
+            with open(path, "rb") as fh:
+                what = _magic_name(fh.read(32))
+            first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise LatentError(f"{path}: not a readable torch file: " + (
+                f"corrupt or truncated? ({first})" if what == "unrecognised file header" else what)) from e
         _collect(obj, "", entries)
         if isinstance(obj, dict) and isinstance(obj.get("samples"), torch.Tensor) and obj["samples"].ndim >= 4:
             # a ComfyUI LATENT dict saved with torch.save: {"samples": raw VAE latents, "noise_mask", "batch_index"}
@@ -166,12 +181,24 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
 
         fmt = "npy"
         try:
+            with open(path, "rb") as fh:
+                version = np.lib.format.read_magic(fh)
+                shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)(fh)
+        except (ValueError, OSError, EOFError) as e:
+            raise LatentError(f"{path}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+        if dtype.hasobject:
+            raise LatentError(f"{path}: refusing a pickled .npy of Python objects (allow_pickle=False)")
+        if dtype.kind != "f":
+            raise LatentError(f"{path}: latents must be real floating point, got numpy dtype {dtype}")
+        if math.prod(shape) * dtype.itemsize > path.stat().st_size:
+            raise LatentError(f"{path}: header declares {tuple(shape)} {dtype}, more than the file holds: "
+                              "truncated or corrupt")
+        try:
             arr = np.load(path, allow_pickle=False)
-        except ValueError as e:
-            raise LatentError(f"{path}: refusing a pickled .npy (allow_pickle=False) or unreadable ({e})") from e
-        except OSError as e:
-            raise LatentError(f"{path}: not a readable .npy file ({e})") from e
-        if arr.dtype.kind not in "fc":
+        except (ValueError, OSError, EOFError) as e:
+            raise LatentError(f"{path}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+        if arr.dtype.kind not in "f":
             raise LatentError(f"{path}: latents must be floating point, got numpy dtype {arr.dtype}")
         entries.append(LatentEntry("", torch.from_numpy(arr.astype("float32", copy=False))))
     else:
@@ -195,6 +222,15 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
     if manifest.get("latent_space") in ("raw", "scaled"):
         default_space = manifest["latent_space"]
     return LatentFile(path, fmt, entries, default_space, notes, manifest)
+
+
+class NotALatent(LatentError):
+    """A tensor whose rank or channel count cannot be a latent for this VAE, with no hint of a fixable layout (e.g.
+    prompt embeddings saved beside the latents). reason: the short why."""
+
+    def __init__(self, msg: str, reason: str):
+        super().__init__(msg)
+        self.reason = reason
 
 
 def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool = True) -> torch.Tensor:
@@ -226,7 +262,8 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
         t = t.unsqueeze(0)
     if t.ndim != want:
         kind = "(N,C,T,H,W) video" if family.is_video else "(N,C,H,W) image"
-        raise LatentError(f"{where}: shape {tuple(t.shape)} does not fit {family.title}: expected {kind} latents")
+        raise NotALatent(f"{where}: shape {tuple(t.shape)} does not fit {family.title}: expected {kind} latents",
+                         f"{t.ndim} dims")
     c = t.shape[1]
     if c != family.latent_channels:
         hint = ""
@@ -234,9 +271,8 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
             hint = " (channels look last: save latents channels-first)"
         elif family.is_video and t.shape[2] == cin:
             hint = " (looks like (N,T,C,H,W): save video latents as (N,C,T,H,W))"
-        raise LatentError(
-            f"{where}: {c} latent channels, but the {family.title} VAE takes {family.latent_channels}{hint}"
-        )
+        msg = f"{where}: {c} latent channels, but the {family.title} VAE takes {family.latent_channels}{hint}"
+        raise LatentError(msg) if hint else NotALatent(msg, f"{c} channel{'s' if c != 1 else ''}, not {cin}")
     if t.numel() == 0 or min(t.shape) == 0:
         raise LatentError(f"{where}: empty latent tensor {tuple(t.shape)}")
     h, w = t.shape[-2:]

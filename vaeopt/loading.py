@@ -265,7 +265,8 @@ class _Source:
 def _read(path: Path, select_vae: bool = False) -> _Source:
     path = Path(path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"checkpoint not found: {path}" + (" (a broken or looping symlink)" if path.is_symlink()
+                                                                 else ""))
     if path.is_dir():
         d, files = _resolve_dir(path)
         tensors, meta = {}, {}
@@ -1102,8 +1103,12 @@ def _tiny_raw_latents(spec: FamilySpec, names: list[str], notes: list[str]) -> N
     """Which big VAE's raw latents a 16-channel tiny decoder's input is scaled from (TAESD3: SD3's, TAEF1: FLUX's),
     as ComfyUI does: (raw - shift_factor) * scaling_factor. Only the file name tells the two apart; without a hint
     raw latents are refused for it (latents.to_raw), pipeline ("scaled") latents need no factor."""
-    text = " ".join(n.lower() for n in names if n)
-    base = "sd3" if re.search(r"taesd[-_]?3|sd[-_ ]?3", text) else "flux" if re.search(r"taef1|flux", text) else None
+    base = None
+    for n in names:  # the file's own name first, then the folders around it
+        text = Path(n).name.lower() if n else ""
+        base = "sd3" if re.search(r"taesd[-_]?3|sd[-_ ]?3", text) else "flux" if re.search(r"taef1|flux", text) else None
+        if base:
+            break
     if base is None or spec.latent_channels != 16:
         spec.config["_raw_latents"] = None
         return
@@ -1247,6 +1252,11 @@ def load_vae(
         is_dir=src.is_dir,
     )
     disk = _dtype_on_disk(a.sd, notes)
+    bad = [k for k, v in a.sd.items() if k.startswith(("decoder.", "post_quant_conv.")) and v.is_floating_point()
+           and not torch.isfinite(v if v.element_size() > 1 else v.float()).all()]
+    if bad:  # the decode would be NaN and blamed on fp16 or the latents
+        raise CheckpointError(f"{label}: {len(bad)} decoder weight tensor(s) hold NaN/Inf (e.g. {bad[0]}): a broken "
+                              "checkpoint (a diverged training run, or a bad conversion)")
     model = _load_into_model(spec, a, label, notes, dtype)
     model = _to(model, device, dtype)
     if disk is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import queue
 import re
@@ -45,6 +46,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
         except OSError as e:
             raise _os_error(path, e) from e
     tmp = parent / f".{path.name}.{os.getpid()}.partial{path.suffix}"
+    if len(os.fsencode(tmp.name)) > 255:  # a long but valid name: keep the temp name within the file system's limit
+        tmp = parent / f".vaeopt.{os.getpid()}.{hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]}.partial{path.suffix}"
     try:
         yield tmp
         if tmp.is_dir() and path.is_dir():  # --overwrite of a frames folder: os.replace cannot replace a non-empty one
@@ -72,7 +75,7 @@ def _remove(p: Path) -> None:
             shutil.rmtree(p)
         else:
             p.unlink()
-    except FileNotFoundError:
+    except OSError:  # gone already, or never made (e.g. a name the file system refused)
         pass
 
 
@@ -137,11 +140,28 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
     return n
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # once, at import: setting it briefly races with other threads creating files
+
+
 def write_tensor(path: Path, x: torch.Tensor, metadata: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     with atomic_path(path) as tmp:
-        save_file({"sample": x.detach().float().cpu().contiguous()}, str(tmp), metadata=metadata or {})
+        try:
+            save_file({"sample": x.detach().float().cpu().contiguous()}, str(tmp), metadata=metadata or {})
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001  safetensors reports I/O errors as SafetensorError
+            if "No space left" in str(e):
+                raise OSError(errno.ENOSPC, "No space left on device") from None
+            raise OutputError(f"{path}: cannot write ({str(e).splitlines()[0][:160]})") from None
+        os.chmod(tmp, 0o666 & ~_UMASK)  # safetensors creates 0600; as PNG/MP4 files are created
 
 
 class Mp4Writer:
@@ -154,6 +174,7 @@ class Mp4Writer:
         self.crf = crf
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self._error: BaseException | None = None
+        self._aborted = False
         self._ctx = atomic_path(self.path)
         self._tmp = self._ctx.__enter__()
         self.frames = 0
@@ -195,6 +216,9 @@ class Mp4Writer:
             with contextlib.suppress(queue.Empty):
                 while True:
                     self._q.get_nowait()
+        finally:
+            if self._aborted:  # abort() gave up waiting (a second Ctrl-C): the file this thread made goes too
+                _remove(self._tmp)
 
     def put(self, frames_thwc: torch.Tensor) -> None:
         if self._error is not None:
@@ -229,12 +253,16 @@ class Mp4Writer:
         return self.frames
 
     def abort(self) -> None:
-        """Drop the partial file (Ctrl-C, errors)."""
-        if self._thread.is_alive():
-            with contextlib.suppress(queue.Full):
-                self._q.put_nowait(None)
-            self._thread.join(timeout=10)
-        _remove(self._tmp)
+        """Drop the partial file (Ctrl-C, errors), also if a second Ctrl-C / SIGTERM lands while the encoder thread
+        is being stopped (unlinked, the file's last writes go nowhere)."""
+        self._aborted = True
+        try:
+            if self._thread.is_alive():
+                with contextlib.suppress(queue.Full):
+                    self._q.put_nowait(None)
+                self._thread.join(timeout=10)
+        finally:
+            _remove(self._tmp)
 
 
 def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0) -> int:

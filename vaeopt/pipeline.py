@@ -63,6 +63,8 @@ class Options:
             raise VaeoptError(f"--chunk {self.chunk}: must be at least 1 latent frame")
         if self.vram_budget_gb is not None and not (0 < self.vram_budget_gb < float("inf")):
             raise VaeoptError(f"--vram-budget must be a positive number of GB, got {self.vram_budget_gb}")
+        if not 0 <= self.gate_db < float("inf"):  # NaN fails this too
+            raise VaeoptError(f"--fp8-gate must be a PSNR in dB, 0 or more, got {self.gate_db}")
         if self.tile is not None and self.tiling == "off":
             raise VaeoptError("--tile conflicts with --tiling off")
 
