@@ -12,6 +12,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from vaeopt.cli import app
+from vaeopt.errors import OutputError
 
 runner = CliRunner()
 
@@ -489,3 +490,22 @@ def test_nan_weights_symlink_loops_and_full_stdout(tmp_path, samples_dir):
         p = subprocess.run([sys.executable, "-m", "vaeopt", "info", "--json"], stdout=full, stderr=subprocess.PIPE,
                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 1 and "cannot write the output to stdout" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_mp4_without_pyav_is_refused_before_decoding(tmp_path, samples_dir, monkeypatch):
+    """Found on the GPU machine, which has no PyAV: a thread traceback, then "no frames to write" after the decode."""
+    from vaeopt import api, outputs
+
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
+    torch.save(z, tmp_path / "clip.pt")
+    monkeypatch.setattr(api, "_have_pyav", lambda: False)
+    r = run("decode", tmp_path / "clip.pt", "--model", samples_dir / "tiny_wan_video.safetensors", "--latent-space",
+            "raw", "-o", tmp_path / "clip.mp4")
+    assert r.exit_code == 2 and "MP4 output needs PyAV" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.pt"]
+    monkeypatch.setitem(sys.modules, "av", None)  # and the writer itself reports it, without a thread traceback
+    w = outputs.Mp4Writer(tmp_path / "v.mp4")
+    w._thread.join(10)
+    with pytest.raises(OutputError, match="video encoding failed"):
+        w.put(torch.zeros(1, 8, 8, 3, dtype=torch.uint8))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.pt"]

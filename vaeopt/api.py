@@ -175,6 +175,14 @@ def _latent_entries(lf: lat.LatentFile, fam, log: Callable[[str], None] | None) 
     return fits
 
 
+def _have_pyav() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path | None, latent_space: str | None,
               overwrite: bool, out_is_folder: bool = False, log: Callable[[str], None] | None = None
               ) -> list[DecodeJob]:
@@ -212,6 +220,9 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
                 kind = "mp4"
             paths = [outputs.numbered(base, i, n) for i in range(n)] if kind != "safetensors" else [base]
             jobs.append(DecodeJob(lf.path, e.name, z, paths, kind))
+    if any(j.kind == "mp4" for j in jobs) and not _have_pyav():
+        raise VaeoptError("MP4 output needs PyAV (pip install av). Without it, write PNG frames (-o a folder, one clip "
+                          "at a time: --key NAME picks one of a dict) or a .safetensors file. Nothing was decoded")
     all_paths = [p for j in jobs for p in j.outputs]
     dupes = {p for p in all_paths if all_paths.count(p) > 1}
     if dupes:

@@ -182,9 +182,9 @@ class Mp4Writer:
         self._thread.start()
 
     def _run(self) -> None:
-        import av
-
         try:
+            import av
+
             with av.open(str(self._tmp), mode="w", format="mp4") as container:
                 stream = None
                 while True:
