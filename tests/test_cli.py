@@ -509,3 +509,16 @@ def test_mp4_without_pyav_is_refused_before_decoding(tmp_path, samples_dir, monk
     with pytest.raises(OutputError, match="video encoding failed"):
         w.put(torch.zeros(1, 8, 8, 3, dtype=torch.uint8))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.pt"]
+
+
+def test_broken_manifest_ignored_when_flags_say_it_all_and_dangling_output_parent(tmp_path, samples_dir):
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    (tmp_path / "vaeopt.json").write_text("{not json")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", tmp_path / "o.png")  # the latent space could come from it
+    assert r.exit_code == 2 and "unreadable manifest" in r.output
+    r = run("decode", tmp_path / "l.pt", "-m", model, "--latent-space", "scaled", "-o", tmp_path / "o.png")
+    assert r.exit_code == 0 and "ignored (" in r.output and (tmp_path / "o.png").is_file(), r.output
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    r = run("decode", tmp_path / "l.pt", "-m", model, "--latent-space", "scaled", "-o", tmp_path / "dangling" / "x.png")
+    assert r.exit_code == 2 and "is a broken symlink" in r.output and "wrote" not in r.output, r.output

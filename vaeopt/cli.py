@@ -219,7 +219,7 @@ def decode(
                             as_json)
         return
     t0 = time.perf_counter()
-    files = [lat.read_latents(p, key) for p in latents]
+    files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
     console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
     for f in files:
         for e in f.entries:

@@ -81,7 +81,9 @@ def _collect(obj, prefix: str, out: list[LatentEntry]) -> None:
             _collect(v, f"{prefix}.{i}" if prefix else str(i), out)
 
 
-def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
+def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool = True) -> LatentFile:
+    """manifest_needed=False: the caller has the model and latent space from elsewhere (both given on the command
+    line), so a broken vaeopt.json beside the file is noted and ignored instead of stopping the run."""
     path = Path(path)
     if not path.exists():
         raise LatentError(f"{path}: " + ("a broken or looping symlink" if path.is_symlink() else "no such file"))
@@ -218,7 +220,13 @@ def read_latents(path: str | Path, key: str | None = None) -> LatentFile:
         if not picked:
             raise LatentError(f"{path}: no tensor named '{key}'; found: {', '.join(e.name or '<tensor>' for e in entries)}")
         entries = picked
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except LatentError as e:
+        if manifest_needed:
+            raise
+        notes.append(f"ignored ({e}): --model and --latent-space were given")
+        manifest = {}
     if manifest.get("latent_space") in ("raw", "scaled"):
         default_space = manifest["latent_space"]
     return LatentFile(path, fmt, entries, default_space, notes, manifest)

@@ -100,6 +100,8 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
         parent = p.parent
         probe = parent
         while not probe.exists():
+            if probe.is_symlink():  # mkdir would fail on it after the whole decode ("File exists")
+                raise OutputError(f"{p}: {probe} is a broken symlink, not a folder")
             probe = probe.parent
         if not probe.is_dir():
             raise OutputError(f"{p}: {probe} is a file, not a folder")
