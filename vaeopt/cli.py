@@ -244,8 +244,10 @@ def decode(
         _log(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
     raw_tiny = loaded.family.config.get("_raw_latents") if loaded.family.cls_name == "AutoencoderTiny" else None
     if raw_tiny and any((latent_space or f.default_space) == "raw" for f in files):
-        shift = f"(raw - {raw_tiny['shift_factor']}) * " if raw_tiny.get("shift_factor") else "raw * "
-        _log(f"raw latents are the {raw_tiny['vae']} VAE's: the tiny decoder takes {shift}{raw_tiny['scaling_factor']}"
+        from vaeopt.families import get_family
+
+        big = get_family(raw_tiny["vae"])
+        _log(f"raw latents are the {big.title} VAE's: the tiny decoder takes them scaled with {big.describe_scaling()}"
              " (as the pipeline hands them over, and as ComfyUI's TAESD does)")
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
     with _output_folder(output if out_folder else None):  # made after planning; removed again if nothing lands in it

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from vaeopt.errors import LatentError
-from vaeopt.families import FamilySpec
+from vaeopt.families import FamilySpec, get_family
 
 LATENT_SUFFIXES = (".pt", ".pth", ".safetensors", ".latent", ".npy")
 MANIFEST = "vaeopt.json"
@@ -299,15 +299,15 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
 
 def _tiny_from_raw(latents: torch.Tensor, family: FamilySpec) -> torch.Tensor:
     """A tiny decoder (TAESD) takes latents as the pipeline hands them to the UNet/transformer. Raw latents (a
-    ComfyUI .latent, {"samples": ...}) are the big VAE's: scale them as that VAE's pipeline would, as ComfyUI's
-    TAESD does ((raw - shift_factor) * scaling_factor)."""
+    ComfyUI .latent, {"samples": ...}) are the big VAE's (config "_raw_latents": {"vae": family}): scale them as
+    that VAE's pipeline would, as ComfyUI's TAESD does ((raw - shift_factor) * scaling_factor)."""
     base = family.config.get("_raw_latents")
     if not base:
         raise LatentError(
             f"raw latents for a {family.latent_channels}-channel tiny decoder: which VAE's latents they are (TAESD3: "
             "SD3's, TAEF1: FLUX's) decides their scaling, and nothing here tells; name the decoder file taesd3*/taef1*,"
             " or pass pipeline latents with --latent-space scaled")
-    return (latents.float() - float(base.get("shift_factor") or 0.0)) * float(base["scaling_factor"])
+    return get_family(base["vae"]).scale(latents)
 
 
 def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tensor:

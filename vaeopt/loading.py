@@ -1112,9 +1112,7 @@ def _tiny_raw_latents(spec: FamilySpec, names: list[str], notes: list[str]) -> N
     if base is None or spec.latent_channels != 16:
         spec.config["_raw_latents"] = None
         return
-    ref = get_family(base).config
-    spec.config["_raw_latents"] = {"vae": base, "scaling_factor": ref["scaling_factor"],
-                                   "shift_factor": ref.get("shift_factor") or 0.0}
+    spec.config["_raw_latents"] = {"vae": base}
     notes.append(f"raw latents (e.g. ComfyUI .latent) are scaled as {get_family(base).title}'s (file name) before this "
                  "tiny decoder")
 
