@@ -95,14 +95,19 @@ def interleaved_graph_ms(pipes: dict, z, rounds: int, before=None) -> dict:
             for name, p in (pipes.items() if i % 2 else reversed(pipes.items())):
                 if before is not None:
                     before(name)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                y = p.graphed(z)
-                b.record()
-                torch.cuda.synchronize()
-                del y
-                ms[name].append(a.elapsed_time(b))
+                ms[name].append(replay_ms(p, z))
     return ms
+
+
+def replay_ms(pipe, z) -> float:
+    """One CUDA-graph replay of a pipeline already captured for z, timed with CUDA events (ms)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    y = pipe.graphed(z)
+    b.record()
+    torch.cuda.synchronize()
+    del y
+    return a.elapsed_time(b)
 
 
 def graph_ms(fn, n: int = 20, reps: int = 15) -> float:

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import graphed_pipe, out_dir, run_meta  # noqa: E402
+from _common import graphed_pipe, out_dir, replay_ms, run_meta  # noqa: E402
 
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.hw import ClockSampler  # noqa: E402
@@ -39,13 +39,7 @@ def series(pause_ms: float) -> dict:
         for _ in range(args.n):
             if pause_ms:
                 time.sleep(pause_ms / 1e3)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            y = pipe.graphed(z)
-            b.record()
-            torch.cuda.synchronize()
-            del y
-            ts.append(a.elapsed_time(b))
+            ts.append(replay_ms(pipe, z))
     q = max(1, args.n // 10)
     return {"pause_ms": pause_ms, "ms": ts, "first_10pct_median": statistics.median(ts[:q]),
             "last_10pct_median": statistics.median(ts[-q:]), "median": statistics.median(ts), "clock": cs.summary}
