@@ -37,11 +37,10 @@ ap.add_argument("--json", default=None)
 args = ap.parse_args()
 H, W, C, T = 480, 832, 96, 12
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-k = tma_conv._tma_conv_kernel
-params = list(inspect.signature(k.fn).parameters)
 x = torch.empty(T + 2, H, W, C, dtype=torch.bfloat16)  # never allocated on a GPU: descriptors only need shapes
 w = torch.empty(C, 27 * C, dtype=torch.bfloat16)
 y = torch.empty(T, H, W, C, dtype=torch.bfloat16)
+x5, y5 = x[None], y[None]  # the grouped kernel's (N, frames, H, W, C) views
 
 
 def desc(t, box):
@@ -52,13 +51,19 @@ rows = {}
 for spec in args.tiles.split(";"):
     cfg = tma_conv.TmaConfig(*map(int, spec.split(",")))
     bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
-    vals = dict(x_desc=desc(x, [1, bh, bw, bk]), x1_desc=desc(x, [1, bh, bw, bk1]) if bk1 else None,
+    grp = cfg.group > 1
+    k = tma_conv._tma_conv_group_kernel if grp else tma_conv._tma_conv_kernel
+    params = list(inspect.signature(k.fn).parameters)
+    xx, yy, lead = (x5, y5, [1, 1]) if grp else (x, y, [1])
+    vals = dict(x_desc=desc(xx, [*lead, bh, bw, bk]), x1_desc=desc(xx, [*lead, bh, bw, bk1]) if bk1 else None,
                 w0_desc=desc(w, [bn0, bk]), w1_desc=desc(w, [bn1, bk]) if bn1 else None,
                 w01_desc=desc(w, [bn0, bk1]) if bk1 else None, w11_desc=desc(w, [bn1, bk1]) if bk1 and bn1 else None,
-                y0_desc=desc(y, [1, bh, bw, bn0]), y1_desc=desc(y, [1, bh, bw, bn1]) if bn1 else None,
+                y0_desc=desc(yy, [*lead, bh, bw, bn0]), y1_desc=desc(yy, [*lead, bh, bw, bn1]) if bn1 else None,
                 b_ptr=w, s_ptr=None, xs_ptr=None, x_scale=1.0, T=T, H=H, W=W, C=C, CO=C, N_TILES=1)
     consts = dict(KT=3, KH=3, KW=3, PH=1, PW=1, BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1, HAS_BIAS=True,
-                  HAS_SCALE=False, XS_PTR=False, NUM_STAGES=cfg.num_stages, DOT_F32=False, PHASES=False)
+                  HAS_SCALE=False, XS_PTR=False, NUM_STAGES=cfg.num_stages, DOT_F32=False, PHASES=False,
+                  G=cfg.group, FLAT=bool(cfg.flat))
+    consts = {n: v for n, v in consts.items() if n in params}
     extra = {f.name.upper(): getattr(cfg, f.name) for f in dataclasses.fields(cfg)
              if f.name.upper() in params and f.name.upper() not in consts}
     consts.update(extra)  # e.g. a flag an experiment adds to both the config and the kernel
@@ -87,20 +92,21 @@ for spec in args.tiles.split(";"):
                            capture_output=True, text=True).stdout
     os.unlink(cubin)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     smem = cc.metadata.shared
     per_sm = min(65536 // (regs * 32 * cfg.num_warps), (228 * 1024) // max(smem, 1), 32 // cfg.num_warps)
     waits = collections.Counter(int(m) for m in re.findall(r"warp_group_dot_wait.*?pendings = (\d+)", ttgir))
-    rows[spec] = {"registers": regs, "shared_bytes": smem, "programs_per_sm": per_sm,
+    rows[spec] = {"registers": regs, "stack_bytes": stack, "shared_bytes": smem, "programs_per_sm": per_sm,
                   "a_in_registers": "ttg.local_load" in ttgir,
                   "wgmma": ttgir.count("ttng.warp_group_dot "),
                   "waits_by_pendings": {str(p): n for p, n in sorted(waits.items())}}
 print(f"# Triton {triton.__version__}, sm_90, {C} -> {C} causal Conv3d at {H}x{W}")
 print(f"{'tile (bh,bw,bk,bn0,bn1,warps,stages,bk1[,...])':46s} {'regs':>4s} {'smem KB':>7s} {'per SM':>6s} "
-      f"{'A':>5s} {'waits (pendings: count)':>24s}")
+      f"{'stack':>5s} {'A':>5s} {'waits (pendings: count)':>24s}")
 for spec, r in rows.items():
     waits = ", ".join(f"{p}: {n}" for p, n in r["waits_by_pendings"].items())
     print(f"{spec:46s} {r['registers']:>4d} {r['shared_bytes'] / 1024:>7.1f} {r['programs_per_sm']:>6d} "
-          f"{'regs' if r['a_in_registers'] else 'smem':>5s} {waits:>24s}")
+          f"{r['stack_bytes']:>5d} {'regs' if r['a_in_registers'] else 'smem':>5s} {waits:>24s}")
 if args.json:
     Path(args.json).write_text(json.dumps({"triton": triton.__version__, "target": "sm_90",
                                            "command": "python3 benchmarks/sass_tma.py " + " ".join(sys.argv[1:]),
