@@ -40,7 +40,6 @@ bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "
 x = torch.empty(T + 2, H, W, C, dtype=torch.bfloat16)  # never allocated on a GPU: descriptors only need shapes
 w = torch.empty(C, 27 * C, dtype=torch.bfloat16)
 y = torch.empty(T, H, W, C, dtype=torch.bfloat16)
-x5, y5 = x[None], y[None]  # the grouped kernel's (N, frames, H, W, C) views
 
 
 def desc(t, box):
@@ -51,19 +50,16 @@ rows = {}
 for spec in args.tiles.split(";"):
     cfg = tma_conv.TmaConfig(*map(int, spec.split(",")))
     bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
-    grp = cfg.group > 1
-    k = tma_conv._tma_conv_group_kernel if grp else tma_conv._tma_conv_kernel
+    k = tma_conv._tma_conv_kernel  # E33's grouped kernel (commit 2d246db) was compiled here too
     params = list(inspect.signature(k.fn).parameters)
-    xx, yy, lead = (x5, y5, [1, 1]) if grp else (x, y, [1])
+    xx, yy, lead = x, y, [1]
     vals = dict(x_desc=desc(xx, [*lead, bh, bw, bk]), x1_desc=desc(xx, [*lead, bh, bw, bk1]) if bk1 else None,
                 w0_desc=desc(w, [bn0, bk]), w1_desc=desc(w, [bn1, bk]) if bn1 else None,
                 w01_desc=desc(w, [bn0, bk1]) if bk1 else None, w11_desc=desc(w, [bn1, bk1]) if bk1 and bn1 else None,
                 y0_desc=desc(yy, [*lead, bh, bw, bn0]), y1_desc=desc(yy, [*lead, bh, bw, bn1]) if bn1 else None,
                 b_ptr=w, s_ptr=None, xs_ptr=None, x_scale=1.0, T=T, H=H, W=W, C=C, CO=C, N_TILES=1)
     consts = dict(KT=3, KH=3, KW=3, PH=1, PW=1, BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1, HAS_BIAS=True,
-                  HAS_SCALE=False, XS_PTR=False, NUM_STAGES=cfg.num_stages, DOT_F32=False, PHASES=False,
-                  G=cfg.group, FLAT=bool(cfg.flat))
-    consts = {n: v for n, v in consts.items() if n in params}
+                  HAS_SCALE=False, XS_PTR=False, NUM_STAGES=cfg.num_stages, DOT_F32=False, PHASES=False)
     extra = {f.name.upper(): getattr(cfg, f.name) for f in dataclasses.fields(cfg)
              if f.name.upper() in params and f.name.upper() not in consts}
     consts.update(extra)  # e.g. a flag an experiment adds to both the config and the kernel

@@ -228,18 +228,3 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
     assert info["tiles"] == 4 and len(calls) == 4 * 6 * steps, (info.get("tiles"), len(calls))
     d = (tiled.float() - out.float()).abs()
     assert d.max().item() < 0.1 and d.mean().item() < 2e-3, (d.max().item(), d.mean().item())
-
-
-@pytest.mark.parametrize("shape,cfg", [
-    # 3 output frames per program, Cin 48 as a 32- and a 16-channel box, batch 2 (each sample's history skipped)
-    ((2, 48, 48, 3, 5, 7, 3), TC.TmaConfig(2, 4, 32, 32, 16, 4, 1, bk1=16, group=3)),
-    # T = 4: 2 frames per program; one loop over all input frames (flat)
-    ((1, 32, 48, 4, 5, 7, 3), TC.TmaConfig(2, 4, 16, 32, 16, 4, 1, group=3, flat=1)),
-])
-def test_grouped_frames_match_torch_fp32(shape, cfg):
-    """E33's experiment: programs that compute several output frames from each loaded input frame."""
-    x, w, b = _case(*shape)
-    y = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg)
-    ref = K.conv_reference(x, w, b, (1, 1))
-    assert y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last_3d)
-    assert _rel(y, ref) < 1e-5

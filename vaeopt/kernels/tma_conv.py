@@ -172,146 +172,6 @@ def _tma_conv_kernel(
                       PHASES, ph, pa, pb)
 
 
-@triton.jit
-def _grp_dot(a, w_desc, row, k, acc, DOT_F32: tl.constexpr):
-    b = w_desc.load([row, k])
-    if DOT_F32:
-        b = b.to(tl.float32)
-    return tl.dot(a, tl.trans(b), acc)
-
-
-@triton.jit
-def _grp_taps(a, a1, w0_desc, w1_desc, w01_desc, w11_desc, n0, k, acc0, acc1, BN0: tl.constexpr, BN1: tl.constexpr,
-              BK: tl.constexpr, BK1: tl.constexpr, DOT_F32: tl.constexpr):
-    """One K step of one output frame: the box(es) a (and a1) times weight columns k (and k + BK)."""
-    acc0 = _grp_dot(a, w0_desc, n0, k, acc0, DOT_F32)
-    if BN1 > 0:
-        acc1 = _grp_dot(a, w1_desc, n0 + BN0, k, acc1, DOT_F32)
-    if BK1 > 0:
-        acc0 = _grp_dot(a1, w01_desc, n0, k + BK, acc0, DOT_F32)
-        if BN1 > 0:
-            acc1 = _grp_dot(a1, w11_desc, n0 + BN0, k + BK, acc1, DOT_F32)
-    return acc0, acc1
-
-
-@triton.jit
-def _grp_store(acc, y_desc, b_ptr, smp, t, h0, w0, n, co, BH: tl.constexpr, BW: tl.constexpr, BN: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        cols = n + tl.arange(0, BN)
-        acc = acc + tl.load(b_ptr + cols, mask=cols < co, other=0.0)[None, :]
-    y_desc.store([smp, t, h0, w0, n], tl.reshape(acc.to(y_desc.dtype), [1, 1, BH, BW, BN]))
-
-
-@triton.jit
-def _tma_conv_group_kernel(
-    x_desc,  # [N, Tin, H, W, C], box [1, 1, BH, BW, BK]
-    x1_desc,  # box [1, 1, BH, BW, BK1] (BK1 > 0)
-    w0_desc, w1_desc, w01_desc, w11_desc,  # as _tma_conv_kernel's
-    y0_desc,  # [N, T, H, W, CO], box [1, 1, BH, BW, BN0]
-    y1_desc,  # box [1, 1, BH, BW, BN1]
-    b_ptr,
-    T, H, W, C, CO, N_TILES,
-    KH: tl.constexpr, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    BH: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
-    G: tl.constexpr,  # output frames per program (1-3)
-    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, FLAT: tl.constexpr = False,
-):
-    """A causal Conv3d with 3 temporal taps (bf16, no scales) whose programs each compute G consecutive output
-    frames of one pixel tile: output frame g takes input frames g, g + 1, g + 2 (history in front), so the G + 2
-    input frames of the group are each loaded once and multiplied by every temporal tap's weights that use them,
-    instead of once per output frame (3G loads). Frames past T (a last, partial group) are clipped by the store."""
-    pid = tl.program_id(0)
-    pid_n = pid % N_TILES
-    pid_s = pid // N_TILES
-    nw = tl.cdiv(W, BW)
-    nh = tl.cdiv(H, BH)
-    wt = pid_s % nw
-    r = pid_s // nw
-    ht = r % nh
-    r = r // nh
-    ng = tl.cdiv(T, G)
-    t0 = (r % ng) * G
-    smp = r // ng
-    h0 = ht * BH
-    w0 = wt * BW
-    n0 = pid_n * (BN0 + BN1)
-    BM: tl.constexpr = BH * BW
-    NB1: tl.constexpr = BN1 if BN1 > 0 else 16
-    a00 = tl.zeros([BM, BN0], dtype=tl.float32)
-    a01 = tl.zeros([BM, NB1], dtype=tl.float32)
-    a10 = tl.zeros([BM, BN0], dtype=tl.float32)
-    a11 = tl.zeros([BM, NB1], dtype=tl.float32)
-    a20 = tl.zeros([BM, BN0], dtype=tl.float32)
-    a21 = tl.zeros([BM, NB1], dtype=tl.float32)
-    CB = 1 if BK1 > 0 else C // BK
-    TAPS: tl.constexpr = KH * KW
-    if FLAT:  # one pipelined loop over the G + 2 input frames, the taps that use each chosen at run time
-        for it in tl.range(0, (G + 2) * TAPS * CB, num_stages=NUM_STAGES):
-            s = it // (TAPS * CB)
-            i2 = it - s * (TAPS * CB)
-            rr = i2 // CB
-            cb = i2 - rr * CB
-            dy = rr // KW - PH
-            dx = rr % KW - PW
-            a = tl.reshape(x_desc.load([smp, t0 + s, h0 + dy, w0 + dx, cb * BK]), [BM, BK])
-            if DOT_F32:
-                a = a.to(tl.float32)
-            a1 = a
-            if BK1 > 0:
-                a1 = tl.reshape(x1_desc.load([smp, t0 + s, h0 + dy, w0 + dx, BK]), [BM, BK1])
-                if DOT_F32:
-                    a1 = a1.to(tl.float32)
-            k = rr * C + cb * BK
-            if s <= 2:
-                a00, a01 = _grp_taps(a, a1, w0_desc, w1_desc, w01_desc, w11_desc, n0, s * TAPS * C + k, a00, a01,
-                                     BN0, BN1, BK, BK1, DOT_F32)
-            if G > 1:
-                if s >= 1 and s <= 3:
-                    a10, a11 = _grp_taps(a, a1, w0_desc, w1_desc, w01_desc, w11_desc, n0, (s - 1) * TAPS * C + k,
-                                         a10, a11, BN0, BN1, BK, BK1, DOT_F32)
-            if G > 2:
-                if s >= 2:
-                    a20, a21 = _grp_taps(a, a1, w0_desc, w1_desc, w01_desc, w11_desc, n0, (s - 2) * TAPS * C + k,
-                                         a20, a21, BN0, BN1, BK, BK1, DOT_F32)
-    else:
-        for s in tl.static_range(G + 2):  # input frame t0 + s: temporal tap s - g of output frame t0 + g
-            for it in tl.range(0, TAPS * CB, num_stages=NUM_STAGES):
-                rr = it // CB
-                cb = it - rr * CB
-                dy = rr // KW - PH
-                dx = rr % KW - PW
-                a = tl.reshape(x_desc.load([smp, t0 + s, h0 + dy, w0 + dx, cb * BK]), [BM, BK])
-                if DOT_F32:
-                    a = a.to(tl.float32)
-                a1 = a
-                if BK1 > 0:
-                    a1 = tl.reshape(x1_desc.load([smp, t0 + s, h0 + dy, w0 + dx, BK]), [BM, BK1])
-                    if DOT_F32:
-                        a1 = a1.to(tl.float32)
-                k = rr * C + cb * BK
-                if s <= 2:  # output frame 0, tap s
-                    a00, a01 = _grp_taps(a, a1, w0_desc, w1_desc, w01_desc, w11_desc, n0, s * TAPS * C + k, a00, a01,
-                                         BN0, BN1, BK, BK1, DOT_F32)
-                if G > 1 and s >= 1 and s <= 3:  # output frame 1, tap s - 1
-                    a10, a11 = _grp_taps(a, a1, w0_desc, w1_desc, w01_desc, w11_desc, n0, (s - 1) * TAPS * C + k,
-                                         a10, a11, BN0, BN1, BK, BK1, DOT_F32)
-                if G > 2 and s >= 2:  # output frame 2, tap s - 2
-                    a20, a21 = _grp_taps(a, a1, w0_desc, w1_desc, w01_desc, w11_desc, n0, (s - 2) * TAPS * C + k,
-                                         a20, a21, BN0, BN1, BK, BK1, DOT_F32)
-    _grp_store(a00, y0_desc, b_ptr, smp, t0, h0, w0, n0, CO, BH, BW, BN0, HAS_BIAS)
-    if BN1 > 0:
-        _grp_store(a01, y1_desc, b_ptr, smp, t0, h0, w0, n0 + BN0, CO, BH, BW, BN1, HAS_BIAS)
-    if G > 1:
-        _grp_store(a10, y0_desc, b_ptr, smp, t0 + 1, h0, w0, n0, CO, BH, BW, BN0, HAS_BIAS)
-        if BN1 > 0:
-            _grp_store(a11, y1_desc, b_ptr, smp, t0 + 1, h0, w0, n0 + BN0, CO, BH, BW, BN1, HAS_BIAS)
-    if G > 2:
-        _grp_store(a20, y0_desc, b_ptr, smp, t0 + 2, h0, w0, n0, CO, BH, BW, BN0, HAS_BIAS)
-        if BN1 > 0:
-            _grp_store(a21, y1_desc, b_ptr, smp, t0 + 2, h0, w0, n0 + BN0, CO, BH, BW, BN1, HAS_BIAS)
-
-
 @dataclasses.dataclass(frozen=True)
 class TmaConfig:
     bh: int = 1  # output tile: bh rows x bw columns of one frame
@@ -322,8 +182,6 @@ class TmaConfig:
     num_warps: int = 4
     num_stages: int = 4
     bk1: int = 0  # > 0: Cin == bk + bk1, one K step per tap
-    group: int = 1  # > 1: bf16 causal Conv3d (3 temporal taps), up to this many output frames per program
-    flat: int = 0  # group > 1: one loop over all input frames (run-time choice of the taps) instead of one per frame
 
     def n_width(self) -> int:
         return self.bn0 + self.bn1
@@ -471,44 +329,6 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
     else:
         y = None
     if yd.numel():
-        grp = _frames_per_program(cfg, pw, a)
-        if grp > 1:
-            _launch_group(x, pw, bias, a, cfg, yd.view(N, T, H, W, pw.cout), padding, grp)
-            return y
         xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, pw.cin)
         _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False)
     return y
-
-
-def _frames_per_program(cfg: TmaConfig, pw: PackedWeight, a: ConvArgs) -> int:
-    """Output frames per program of the grouped kernel: the largest divisor of T up to cfg.group (no program
-    computes frames past T), for bf16 causal Conv3d layers with 3 temporal taps; 1 (the per-frame kernel) otherwise."""
-    if cfg.group <= 1 or a.fp8 or pw.kernel[0] != 3:
-        return 1
-    return max(d for d in range(1, min(cfg.group, 3) + 1) if a.T % d == 0)
-
-
-def _launch_group(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, a: ConvArgs, cfg: TmaConfig,
-                  y5: torch.Tensor, pads: tuple[int, int], grp: int) -> None:
-    """_tma_conv_group_kernel over x seen as (N, Tin, H, W, C) into y5 (N, T, H, W, Cout)."""
-    bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
-    _, kh, kw = pw.kernel
-    xd = x.permute(0, 2, 3, 4, 1)
-    b = bias.detach().float().contiguous() if bias is not None else None
-    x_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, 1, bh, bw, bk])
-    x1_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [1, 1, bh, bw, bk1]) if bk1 else None
-    w0_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk])
-    w1_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk]) if bn1 else None
-    w01_desc = TensorDescriptor.from_tensor(pw.w, [bn0, bk1]) if bk1 else None
-    w11_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk1]) if bk1 and bn1 else None
-    y0_desc = TensorDescriptor(y5, list(y5.shape), list(y5.stride()), [1, 1, bh, bw, bn0])
-    y1_desc = TensorDescriptor(y5, list(y5.shape), list(y5.stride()), [1, 1, bh, bw, bn1]) if bn1 else None
-    n_tiles = triton.cdiv(pw.cout, cfg.n_width())
-    grid = (a.N * triton.cdiv(a.T, grp) * triton.cdiv(a.H, bh) * triton.cdiv(a.W, bw) * n_tiles,)
-    _tma_conv_group_kernel[grid](
-        x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc, b,
-        a.T, a.H, a.W, pw.cin, pw.cout, n_tiles,
-        KH=kh, KW=kw, PH=pads[0], PW=pads[1], BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1, G=grp,
-        HAS_BIAS=b is not None, NUM_STAGES=cfg.num_stages,
-        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, FLAT=bool(cfg.flat), num_warps=cfg.num_warps,
-    )
