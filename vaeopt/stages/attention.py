@@ -7,6 +7,8 @@ and reports the one SDPA will use.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +42,10 @@ def _probe(head_dim: int, device: torch.device, dtype: torch.dtype) -> list[str]
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                      ("mem_efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
         try:
-            with sdpa_kernel([be]):
+            # torch warns for each backend it cannot use here (head_dim > 256: six UserWarnings on a GPU): the
+            # result is what this probe reports, so the warnings stay out of the user's console
+            with warnings.catch_warnings(), sdpa_kernel([be]):
+                warnings.simplefilter("ignore")
                 F.scaled_dot_product_attention(q, q, q)
             ok.append(name)
         except RuntimeError:
