@@ -46,6 +46,54 @@ def test_mp4_frames_and_size(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("thread_type,threads", [("FRAME", None), ("SLICE", 2)])
+def test_mp4_encoder_threading(tmp_path, monkeypatch, thread_type, threads):
+    """libx264 runs with frame threads by default (E34: twice the slice threads' rate on 16 cores); the module
+    settings reach the encoder, and the frames come out the same either way."""
+    import av
+
+    made = []
+    real_open = av.open
+
+    class Spy:  # the container, with the stream it makes recorded (PyAV's objects take no new attributes)
+        def __init__(self, c):
+            self.c = c
+
+        def __enter__(self):
+            self.c.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.c.__exit__(*exc)
+
+        def add_stream(self, *a, **k):
+            made.append(self.c.add_stream(*a, **k))
+            return made[-1]
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+    def spy_open(*a, **k):
+        return Spy(real_open(*a, **k))
+
+    monkeypatch.setattr(av, "open", spy_open)
+    assert outputs.MP4_THREAD_TYPE == "FRAME"  # the shipped default
+    monkeypatch.setattr(outputs, "MP4_THREAD_TYPE", thread_type)
+    monkeypatch.setattr(outputs, "MP4_THREADS", threads)
+    frames = torch.zeros(6, 32, 48, 3, dtype=torch.uint8)
+    for i in range(6):
+        frames[i, :, : (i + 1) * 8] = 255
+    assert outputs.write_mp4(tmp_path / "v.mp4", [frames], fps=8) == 6
+    (s,) = made
+    assert s.codec_context.thread_type.name == thread_type
+    if threads:
+        assert s.codec_context.thread_count == threads
+    monkeypatch.setattr(av, "open", real_open)
+    with av.open(str(tmp_path / "v.mp4")) as c:
+        decoded = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(decoded) == 6 and decoded[3][:, :28].mean() > 200 and decoded[3][:, 36:].mean() < 50
+
+
 def test_frames_dir_atomic(tmp_path):
     frames = torch.randint(0, 255, (3, 8, 8, 3), dtype=torch.uint8)
     outputs.write_frames_dir(tmp_path / "frames", [frames])
