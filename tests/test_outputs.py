@@ -2,6 +2,7 @@
 
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,6 +157,62 @@ def test_frames_folder_checks(tmp_path):
     (d / "notes.txt").write_text("mine")
     with pytest.raises(OutputError, match=r"holds files other than PNG frames \(e.g. notes.txt\)"):
         outputs.check_writable([d], overwrite=True, folders={d})
+
+
+def _frames(n, v=0):
+    return torch.full((n, 4, 4, 3), v, dtype=torch.uint8)
+
+
+def test_symlinked_outputs_are_written_through(tmp_path):
+    """-o through a symlink writes where it points and keeps the link (it used to replace the link with a folder
+    and leave a stray `.link.<pid>.old` behind)."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    outputs.check_writable([link], overwrite=False, folders={link})
+    assert outputs.write_frames_dir(link, [_frames(2)]) == 2
+    assert link.is_symlink() and sorted(os.listdir(real)) == ["frame_00000.png", "frame_00001.png"]
+    outputs.check_writable([link], overwrite=True, folders={link})
+    outputs.write_frames_dir(link, [_frames(1, 9)])  # --overwrite: the folder it points to is replaced
+    assert link.is_symlink() and os.listdir(real) == ["frame_00000.png"]
+    assert np.asarray(Image.open(real / "frame_00000.png")).max() == 9
+    f = tmp_path / "img.png"
+    outputs.write_png(f, torch.zeros(4, 4, 3, dtype=torch.uint8))
+    flink = tmp_path / "latest.png"
+    flink.symlink_to(f)
+    outputs.write_png(flink, torch.full((4, 4, 3), 7, dtype=torch.uint8))
+    assert flink.is_symlink() and np.asarray(Image.open(f)).max() == 7
+    assert sorted(os.listdir(tmp_path)) == ["img.png", "latest.png", "link", "real"]
+
+
+def test_an_empty_folder_is_filled_in_place(tmp_path, monkeypatch):
+    """An empty folder (a Docker volume's mount point cannot be renamed; its parent may be read-only) gets the frames
+    one atomic file at a time, and is emptied again if the decode fails; a mount point that already holds frames is
+    refused before decoding, since --overwrite would have to rename it."""
+    d = tmp_path / "vol"
+    d.mkdir()
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(outputs.os, "replace", lambda a, b: renamed.append(Path(b)) or real_replace(a, b))
+    assert outputs.write_frames_dir(d, [_frames(2), _frames(1)]) == 3
+    assert d not in renamed and sorted(os.listdir(d)) == [f"frame_0000{i}.png" for i in range(3)]
+
+    e = tmp_path / "vol2"
+    e.mkdir()
+
+    def failing():
+        yield _frames(2)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        outputs.write_frames_dir(e, failing())
+    assert os.listdir(e) == []  # as it was
+
+    monkeypatch.setattr(outputs.os.path, "ismount", lambda q: Path(q) == d)
+    with pytest.raises(OutputError, match="mount point holding frames"):
+        outputs.check_writable([d], overwrite=True, folders={d})
+    outputs.check_writable([e], overwrite=False, folders={e})  # empty: filled in place, no rename
 
 
 def test_tensor_output(tmp_path):

@@ -43,8 +43,9 @@ def _os_error(path: Path, e: OSError) -> OutputError:
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it to `path` on success, delete it on any failure."""
-    path = Path(path)
+    """Yield a temporary path beside `path`; rename it to `path` on success, delete it on any failure. A symlink is
+    followed: what it points to is replaced, the link stays (as `cp` writes through one)."""
+    path = _followed(Path(path))
     parent = path.parent
     if not parent.exists():
         try:
@@ -75,6 +76,11 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise
 
 
+def _followed(p: Path) -> Path:
+    """p, or where it points if it is a symlink (whose target may not exist yet)."""
+    return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
 def _remove(p: Path) -> None:
     try:
         if p.is_dir():
@@ -92,10 +98,12 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
     may name one that holds other files). An empty folder where a frames folder goes is used as it is (nothing in it
     to lose: e.g. `-o clip/`, which the CLI makes before planning)."""
     for p in paths:
-        empty_folder = p in folders and p.is_dir() and not any(p.iterdir())
+        folder = p in folders
+        p = _followed(p)
+        empty_folder = folder and p.is_dir() and not any(p.iterdir())
         if p.exists() and not overwrite and not empty_folder:
             raise OutputError(f"{p}: already exists (pass --overwrite to replace it)")
-        if p.exists() and p.is_dir() != (p in folders):
+        if p.exists() and p.is_dir() != folder:
             what, want = ("a folder", "a file") if p.is_dir() else ("a file", "a folder of frames")
             raise OutputError(f"{p}: is {what}; this output is {want}, so --overwrite cannot replace it")
         other = next((q.name for q in p.iterdir() if not _FRAME_NAME.fullmatch(q.name) and q.name not in _OS_FILES),
@@ -103,6 +111,13 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
         if other is not None:
             raise OutputError(f"{p}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
                               "folder of frames: choose another -o")
+        if empty_folder:  # filled in place (write_frames_dir): the folder itself must take files
+            if not os.access(p, os.W_OK):
+                raise OutputError(f"{p}: folder is not writable")
+            continue
+        if folder and p.is_dir() and os.path.ismount(p):
+            raise OutputError(f"{p}: is a mount point holding frames; --overwrite replaces a frames folder as a whole "
+                              "(a rename), which a mount point does not allow: empty it, or choose a folder inside it")
         parent = p.parent
         probe = parent
         while not probe.exists():
@@ -135,10 +150,27 @@ def write_png(path: Path, image_hwc: torch.Tensor) -> None:
 
 
 def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
-    """PNG frames frame_00000.png... into a folder, made atomically (temp folder + rename)."""
+    """PNG frames frame_00000.png... into a folder, made atomically (temp folder + rename). An existing empty folder
+    is filled in place, one atomic file at a time, and emptied again on failure: it may be a mount point (a Docker
+    volume), which no rename can replace, or sit in a folder that is not writable."""
     from PIL import Image
 
+    path = _followed(Path(path))
     n = 0
+    if path.is_dir() and not any(path.iterdir()):
+        written = []
+        try:
+            for chunk in frames_thwc:
+                for frame in chunk:
+                    written.append(path / f"frame_{n:05d}.png")
+                    with atomic_path(written[-1]) as tmp:
+                        Image.fromarray(frame.numpy()).save(tmp, format="PNG")
+                    n += 1
+        except BaseException:
+            for f in written:
+                _remove(f)
+            raise
+        return n
     with atomic_path(path) as tmp:
         tmp.mkdir()
         for chunk in frames_thwc:

@@ -192,7 +192,8 @@ class Pipeline:
 
     def _fused_available(self) -> tuple[bool, str]:
         if self.device.type != "cuda" and self.opts.triton == "auto":
-            return False, "CPU decode: Triton kernels would run only through the interpreter (--triton on forces it)"
+            return False, ("CPU decode: Triton kernels would run only through the interpreter (TRITON_INTERPRET=1 in the "
+                           "environment plus --triton on forces it; slow, for tests)")
         try:
             mod = self._stage("fused_norms")
         except ImportError as e:
@@ -239,7 +240,8 @@ class Pipeline:
         if o.conv_kernel == "off":
             return "off"
         if self.device.type != "cuda" and o.conv_kernel == "auto":
-            return "CPU decode: the Triton conv would run only through the interpreter (--conv-kernel on forces it)"
+            return ("CPU decode: the Triton conv would run only through the interpreter (TRITON_INTERPRET=1 in the "
+                    "environment plus --triton on --conv-kernel on forces it; slow, for tests)")
         if not any(s.name == "channels_last" and s.status == "applied" for s in self.stages):
             return "needs channels_last activations (the kernel reads NDHWC)"
         if self.dtype == torch.float32 and self.device.type == "cuda":

@@ -40,7 +40,8 @@ TMA_96 = True  # auto leaves the bf16 96-ch convs to triton_conv's TMA kernel wh
 
 def available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
-        return False, "CPU decode: the Conv3d kept (--stack-conv3d on forces it)"
+        return False, ("CPU decode: the Conv3d kept (the stack is written by the fused kernels: TRITON_INTERPRET=1 in the "
+                       "environment plus --triton on --stack-conv3d on forces it; slow, for tests)")
     return True, "cuDNN"
 
 
