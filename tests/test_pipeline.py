@@ -217,3 +217,66 @@ def test_stacked_conv3d_hears_whether_triton_conv_runs(samples_dir, monkeypatch,
     assert seen == [runs] and (pipe._triton_conv_skip() is None) == runs
     st = {s.name: s for s in pipe.stages}
     assert (st["triton_conv"].status == "skipped") == (not runs), st["triton_conv"].line()
+
+
+def test_api_decode_reuses_its_pipeline_and_refuses_other_options(samples_dir):
+    """Decoding twice with one load_vae(...) result neither stacks hooks nor redoes the stages; a decode with other
+    options is refused, since the first changed the model in place (a bf16 decode used to leave later fp32 decodes
+    in bf16, 62 dB off, without a word)."""
+    from vaeopt.errors import VaeoptError
+
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"].float()[:, :, :8, :8]
+    lines = []
+    a = vaeopt.decode(z, loaded, log=lines.append)
+    n_hooks = len(loaded.model.post_quant_conv._forward_pre_hooks)
+    assert any("channels_last: converted" in x for x in lines)
+    lines.clear()
+    b = vaeopt.decode(z, loaded, log=lines.append)
+    c = vaeopt.decode(z, loaded, options=Options(), log=lines.append)  # the same options, spelled out
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert len(loaded.model.post_quant_conv._forward_pre_hooks) == n_hooks
+    assert not any("converted" in x for x in lines)  # nothing redone, nothing claimed
+    with pytest.raises(VaeoptError, match=r"already optimized in place for other options \(dtype='auto' -> 'bf16'\)"):
+        vaeopt.decode(z, loaded, options=Options(dtype="bf16"))
+    assert loaded.model.decoder.conv_out.weight.dtype == torch.float32
+    assert torch.equal(vaeopt.decode(z, loaded), a)
+
+
+def test_api_argument_errors_are_clear(samples_dir):
+    from vaeopt.errors import VaeoptError
+
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    with pytest.raises(VaeoptError, match=r"options must be vaeopt.Options\(...\), got dict"):
+        vaeopt.decode(torch.randn(1, 4, 8, 8), loaded, options={"dtype": "fp16"})
+    with pytest.raises(VaeoptError, match="meta device"):
+        vaeopt.decode(torch.randn(1, 4, 8, 8, device="meta"), loaded)
+    with pytest.raises(VaeoptError, match=r"use vaeopt.decode\(latents, loaded\), or optimize\(loaded.model\)"):
+        vaeopt.optimize(loaded)
+    for bad in ("vae.safetensors", torch.nn.Linear(2, 2)):
+        with pytest.raises(VaeoptError, match="takes a diffusers VAE module"):
+            vaeopt.optimize(bad)
+    with pytest.raises(VaeoptError, match=r"channels_last \(--channels-last\) must be one of auto, on, off, got True"):
+        vaeopt.optimize(loaded.model, channels_last=True)
+
+
+def test_optimize_twice_is_a_no_op_and_the_output_stays_nchw():
+    from vaeopt.errors import VaeoptError
+
+    torch.manual_seed(0)
+    vae = build_model(get_family("sdxl"), **TINY_KL)
+    z = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    vaeopt.optimize(vae, device="cpu", log=None)
+    hooks = len(vae.post_quant_conv._forward_pre_hooks)
+    lines = []
+    assert vaeopt.optimize(vae, device="cpu", log=lines.append) is vae
+    assert lines == ["already optimized by vaeopt with these options: nothing to do"]
+    assert len(vae.post_quant_conv._forward_pre_hooks) == hooks
+    with pytest.raises(VaeoptError, match="already optimized by vaeopt with"):
+        vaeopt.optimize(vae, device="cpu", channels_last="off", log=None)
+    with torch.no_grad():
+        out = vae.decode(z).sample
+    assert out.is_contiguous() and out.view(-1, 3).shape[0] == out.numel() // 3  # as diffusers' own output
+    assert torch.allclose(out, ref, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -54,15 +55,22 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
 
 def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: str = "scaled",
            options: Options | None = None, log: Callable[[str], None] | None = None) -> torch.Tensor:
-    """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W)."""
+    """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W).
+    A vaeopt.load_vae(...) result is optimized in place on its first decode, and later decodes of it reuse that
+    pipeline (options=None, or the same options); other options need the checkpoint loaded again."""
     if isinstance(vae, torch.nn.Module):
         raise VaeoptError(f"vaeopt.decode takes a checkpoint path or vaeopt.load_vae(...), not a "
                           f"{type(vae).__name__} module: for pipe.vae use vaeopt.optimize(pipe.vae), then "
                           "pipe.vae.decode(...)")
     if not isinstance(latents, torch.Tensor):
         raise VaeoptError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
+    if latents.device.type == "meta":
+        raise VaeoptError("latents are on the meta device: they have a shape but no values to decode")
+    if options is not None and not isinstance(options, Options):
+        raise VaeoptError(f"options must be vaeopt.Options(...), got {type(options).__name__} (e.g. "
+                          "Options(dtype='bf16'))")
     loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
-    pipe = Pipeline(loaded, options, log=log)
+    pipe = _pipeline_for(loaded, options, log)
     entry = lat.LatentEntry("", latents)
     z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
     plan = pipe.plan(tuple(z.shape))
@@ -76,6 +84,27 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     return out.clamp(-1, 1)  # images as video: the decoder's own range (after the check: clamp turns Inf into 1)
 
 
+def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str], None] | None) -> Pipeline:
+    """The pipeline of a load_vae(...) result: built once, in place on its model, and reused by later decodes with the
+    same options (or none), so that decoding twice neither stacks the stages' hooks nor redoes their work. Other
+    options would need the unmodified model, which the first pipeline changed in place (dtype, layout, fused
+    modules): refused, rather than silently decoding with the first options' precision."""
+    pipe = getattr(loaded, "_vaeopt_pipeline", None)
+    if pipe is None:
+        pipe = Pipeline(loaded, options, log=log)
+        pipe._requested = dataclasses.replace(options) if options is not None else Options()
+        loaded._vaeopt_pipeline = pipe
+        return pipe
+    if options is not None and options != pipe._requested:
+        diff = ", ".join(f"{f.name}={getattr(pipe._requested, f.name)!r} -> {getattr(options, f.name)!r}"
+                         for f in dataclasses.fields(Options)
+                         if getattr(options, f.name) != getattr(pipe._requested, f.name))
+        raise VaeoptError(f"this vaeopt.load_vae(...) model was already optimized in place for other options "
+                          f"({diff}); load the checkpoint again to decode with these")
+    pipe.log = log or (lambda s: None)
+    return pipe
+
+
 def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
              triton: str = "auto", attention: str = "auto", log: Callable[[str], None] | None = print) -> torch.nn.Module:
     """Optimize a diffusers VAE in place (e.g. ``pipe.vae``) and return it; ``vae.decode(...)`` keeps its signature
@@ -85,6 +114,21 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     from vaeopt.families import FamilySpec, get_family
     from vaeopt.loading import LoadedVAE
 
+    if isinstance(vae, LoadedVAE):
+        raise VaeoptError("vaeopt.optimize takes a diffusers VAE module (e.g. pipe.vae): for a vaeopt.load_vae(...) "
+                          "result use vaeopt.decode(latents, loaded), or optimize(loaded.model)")
+    if not isinstance(vae, torch.nn.Module) or not hasattr(vae, "config") or not hasattr(vae, "decoder"):
+        raise VaeoptError(f"vaeopt.optimize takes a diffusers VAE module (e.g. pipe.vae), got {type(vae).__name__}; "
+                          "for a checkpoint file use vaeopt.decode(latents, path) or vaeopt.load_vae(path)")
+    wanted = dict(device=device, dtype=dtype, channels_last=channels_last, triton=triton, attention=attention)
+    done = getattr(vae, "_vaeopt_optimized", None)
+    if done is not None:  # optimized in place already: again would stack hooks and redo (or undo) its work
+        if done != wanted:
+            raise VaeoptError(f"this VAE was already optimized by vaeopt with {done}; build or load it again to "
+                              f"optimize it with {wanted}")
+        if log:
+            log("already optimized by vaeopt with these options: nothing to do")
+        return vae
     cfg = dict(vae.config)
     cls = type(vae).__name__
     fam_name = {"AutoencoderKLWan": "wan21", "AutoencoderKLHunyuanVideo": "hunyuanvideo",
@@ -106,7 +150,18 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
                                     attention=attention, graphs="off", upsample_conv=video_only,
                                     stack_conv3d=video_only), log=log)
     vae._vaeopt_stages = pipe.stages
+    vae._vaeopt_optimized = wanted
+    # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
+    # optimized decoder ends with (`.view(...)` on it would raise)
+    decoder = getattr(vae, "decoder", None)
+    if isinstance(decoder, torch.nn.Module):
+        decoder.register_forward_hook(_contiguous_output)
     return vae
+
+
+def _contiguous_output(module, args, out):
+    """Forward hook of an optimized decoder (module-level, so that the model pickles)."""
+    return out.contiguous() if isinstance(out, torch.Tensor) else out
 
 
 @dataclass

@@ -56,7 +56,8 @@ class Options:
                      "conv_kernel", "fp8", "graphs", "cudnn_autotune", "tiling"):
             v = getattr(self, name)
             if v not in SWITCHES:
-                raise VaeoptError(f"--{name.replace('_', '-')} must be one of {', '.join(SWITCHES)}, got '{v}'")
+                raise VaeoptError(f"{name} (--{name.replace('_', '-')}) must be one of {', '.join(SWITCHES)}, "
+                                  f"got {v!r}")
         if self.tile is not None and self.tile < 8:
             raise VaeoptError(f"--tile {self.tile}: tiles must be at least 8 latent pixels")
         if self.chunk is not None and self.chunk < 1:

@@ -62,9 +62,8 @@ def apply(model: nn.Module, **_) -> StageResult:
             n2 += isinstance(m, nn.Conv2d)
             n3 += isinstance(m, nn.Conv3d)
     # The decoder's input arrives NCHW from the caller: relayout once at the entry.
-    first = _decoder_parts(model)[0]
-    handle = first.register_forward_pre_hook(_relayout_input)
-    model._vaeopt_cl_hook = handle
+    if getattr(model, "_vaeopt_cl_hook", None) is None:  # once: a second pipeline on this model adds no second hook
+        model._vaeopt_cl_hook = _decoder_parts(model)[0].register_forward_pre_hook(_relayout_input)
     parts = []
     if n2:
         parts.append(f"{n2} Conv2d to channels_last")
