@@ -10,7 +10,7 @@ from vaeopt.cli import app
 
 runner = CliRunner()
 ROW_KEYS = {"name", "kind", "status", "reason", "median_ms", "min_ms", "max_ms", "peak_alloc_gib", "throughput",
-            "throughput_unit", "tflops", "psnr_db", "max_abs", "stages", "speedup_vs_diffusers_bf16"}
+            "throughput_unit", "tflops", "psnr_db", "max_abs", "stages", "speedup_vs_baseline", "speedup_vs_diffusers_bf16"}
 
 
 def _bench(tmp_path, samples_dir, *extra):
@@ -45,6 +45,24 @@ def test_schema_and_fidelity(result):
             assert r["status"] == "skipped" and r["reason"]  # skipped rows say why
     plain = next(r for r in data["rows"] if r["name"] == "vaeopt plain")
     assert plain["psnr_db"] > 100  # fp32 plain path == diffusers fp32
+    # an fp32 CPU run has no bf16 peer: speedups are against the reference, and named so
+    assert data["speedup_baseline"] == "diffusers fp32 (reference)" and plain["speedup_vs_diffusers_bf16"] is None
+    assert plain["speedup_vs_baseline"] > 0 and "speedup vs 'diffusers fp32 (reference)'" in output
+
+
+def test_the_tiling_peer_says_when_diffusers_does_not_tile(result, tmp_path, samples_dir):
+    """A 16x16 latent is below diffusers' tile size: enable_tiling() decodes it untiled, so the row is not shown as
+    a tiling measurement (it used to read 200 dB, 'tiled'); a latent above the tile size is tiled and measured."""
+    data, _ = result
+    row = next(r for r in data["rows"] if r["name"] == "diffusers fp32 + tiling")
+    assert row["status"] == "skipped" and "does not tile a 16x16 latent" in row["reason"]
+    out = tmp_path / "big.json"
+    r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,80,8",
+                            "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", str(out)],
+                      catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["name"] == "diffusers fp32 + tiling")
+    assert row["status"] == "ok" and row["psnr_db"] < 100  # tiles blended: not bit-identical to the reference
 
 
 def test_skipped_stages_carry_reason(result):

@@ -74,7 +74,8 @@ class Row:
     setup_s: float | None = None
     stages: list[dict] = field(default_factory=list)
     gpu_clock: dict | None = None  # hw.summarize_clocks over the timed repeats (CUDA with nvidia-smi)
-    speedup_vs_diffusers_bf16: float | None = None
+    speedup_vs_baseline: float | None = None  # vs the result's speedup_baseline row
+    speedup_vs_diffusers_bf16: float | None = None  # the same, where the baseline is diffusers bf16 eager
     speedup_vs_best_peer: float | None = None
 
 
@@ -249,11 +250,20 @@ def _reference_fn(b: Bench) -> Callable[[], torch.Tensor]:
 
 
 def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Callable[[], Callable]:
+    counted = [0]  # tiled decodes diffusers ran (tiling=True)
+
     def make():
         model = b.fresh_model(dtype)
         z = b.z.to(b.device, dtype)
         if tiling:
             model.enable_tiling()
+            real = model.tiled_decode  # counted: below its tile size diffusers decodes untiled despite enable_tiling()
+
+            def tiled_decode(*a, **k):
+                counted[0] += 1
+                return real(*a, **k)
+
+            model.tiled_decode = tiled_decode
         if compile_:
             model.to(memory_format=torch.channels_last) if not b.spec.is_video else None
             model.decoder = torch.compile(model.decoder)
@@ -265,6 +275,7 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
                 b.log(f"  torch.compile warm-up {time.perf_counter() - t0:.1f} s")
         return lambda: model.decode(z).sample
 
+    make.tiled_decodes = counted
     return make
 
 
@@ -370,7 +381,13 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
     if "bf16" in peers and dtype != torch.float32:
         rows.append(b.run(f"diffusers {_dt_name(dtype)} eager", "peer", _peer_fn(b, dtype)))
     if "tiling" in peers and spec.cls_name != "AutoencoderTiny":
-        rows.append(b.run(f"diffusers {_dt_name(dtype)} + tiling", "peer", _peer_fn(b, dtype, tiling=True)))
+        make = _peer_fn(b, dtype, tiling=True)
+        row = b.run(f"diffusers {_dt_name(dtype)} + tiling", "peer", make)
+        if row.status == "ok" and not make.tiled_decodes[0]:  # timed its untiled decode: not a tiling row
+            row.status = "skipped"
+            row.reason = (f"diffusers' enable_tiling() does not tile a {shape[-2]}x{shape[-1]} latent (below its tile "
+                          "size): the same untiled decode as the diffusers row above")
+        rows.append(row)
     if "compile" in peers:
         rows.append(b.run(f"diffusers {_dt_name(dtype)} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
     acc: dict = {"gate_db": gate_db}
@@ -400,7 +417,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
                 r.status, r.reason = line["status"], line["detail"]  # the stage did not run: no row of its own
         log(f"  {_fmt_row(r)}")
         rows.append(r)
-    _speedups(rows, dtype)
+    baseline = _speedups(rows, dtype)
     mi = machine_info()
     return {
         "workload": workload, "family": spec.name, "latent_shape": list(shape), "dtype": _dt_name(dtype),
@@ -411,7 +428,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command, "repeats": repeats, "warmup": warmup,
         "cudnn_autotune": {"benchmark_limit": tuned.data["limit"]} if tuned else None,
-        "rows": [asdict(r) for r in rows],
+        "speedup_baseline": baseline, "rows": [asdict(r) for r in rows],
     }
 
 
@@ -436,7 +453,9 @@ def _dt_name(d: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[d]
 
 
-def _speedups(rows: list[Row], dtype) -> None:
+def _speedups(rows: list[Row], dtype) -> str | None:
+    """Fill each row's speedups; returns the baseline row's name: diffusers' eager decode in the benchmark's dtype,
+    else the fp32 reference (speedup_vs_baseline). speedup_vs_diffusers_bf16 only where that is the baseline."""
     base = next((r for r in rows if r.name == f"diffusers {_dt_name(dtype)} eager" and r.status == "ok"), None)
     base = base or next((r for r in rows if r.kind == "reference"), None)
     peers = [r for r in rows if r.kind in ("peer", "reference") and r.status == "ok" and r.median_ms]
@@ -444,9 +463,12 @@ def _speedups(rows: list[Row], dtype) -> None:
     for r in rows:
         if r.status == "ok" and r.median_ms:
             if base:
-                r.speedup_vs_diffusers_bf16 = base.median_ms / r.median_ms
+                r.speedup_vs_baseline = base.median_ms / r.median_ms
+                if base.name == "diffusers bf16 eager":
+                    r.speedup_vs_diffusers_bf16 = r.speedup_vs_baseline
             if best:
                 r.speedup_vs_best_peer = best.median_ms / r.median_ms
+    return base.name if base else None
 
 
 def plot(result: dict, path: Path) -> None:
