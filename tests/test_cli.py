@@ -92,6 +92,10 @@ def test_decode_batch_numbered_and_safetensors(tmp_path, samples_dir):
     r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o_000.png").exists() and (tmp_path / "o_001.png").exists()
+    assert r.output.count("s decode for the batch of 2") == 2  # one decode made both files: its time, said so
+    assert "--fps" not in r.output
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "p.png", "--fps", "24")
+    assert r.exit_code == 0 and "--fps 24 ignored: it sets the frame rate of MP4 output" in r.output, r.output
     r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.safetensors")
     assert r.exit_code == 0, r.output
     x = load_file(str(tmp_path / "o.safetensors"))["sample"]

@@ -99,6 +99,9 @@ def test_scaling_matches_diffusers_pipelines():
     (torch.randn(2, 1, 4, 8, 8), SDXL, "expected \\(N,C,H,W\\) image"),
     (torch.randn(16, 3, 8, 8), WAN, None),  # 4-D for video: (C,T,H,W)
     (torch.randn(2, 16, 8, 8), WAN, None),  # 4-D for video: (N,C,H,W) single latent frames
+    # (16,16,H,W) for a 16-channel video VAE: a 16-frame clip or 16 one-frame latents; refused, not guessed
+    (torch.randn(16, 16, 8, 8), WAN, r"reads two ways.*one clip of 16 latent frames.*16 one-frame latents.*"
+                                     r"\(1, 16, 16, H, W\) or \(16, 16, 1, H, W\)"),
     (torch.zeros(1, 4, 8, 8, dtype=torch.int64), SDXL, "floating point"),
     (torch.randn(1, 4, 0, 8), SDXL, "empty"),
     (torch.randn(1, 4, 4096, 4096), SDXL, "beyond what vaeopt decodes"),

@@ -58,6 +58,8 @@ def test_video_chunk_grows_with_budget():
     assert small.est_bytes <= 5 * 2**30 and big.est_bytes <= 40 * 2**30
     tiny = planner.plan_decode(spec, m, shape, torch.bfloat16, cpu, vram_budget_gb=1)
     assert tiny.chunk == 1 and "may run out of memory" in tiny.reason
+    one = planner.plan_decode(spec, m, (1, 16, 1, 60, 104), torch.bfloat16, cpu, vram_budget_gb=40)
+    assert "(the whole clip, 1 output frame(s), in one call)" in one.reason, one.reason
 
 
 def test_video_chunk_policy_per_model():

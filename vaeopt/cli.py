@@ -189,7 +189,7 @@ def decode(
                                        "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
     fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
-    fps: float = typer.Option(16.0, "--fps", help="Frames per second of MP4 output."),
+    fps: float = typer.Option(None, "--fps", help="Frames per second of MP4 output [default: 16]."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
                                                             "split into bands, many inputs are spread over ranks)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
@@ -204,6 +204,8 @@ def decode(
 
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
+    fps_given = fps is not None
+    fps = 16.0 if fps is None else fps
     if not 0.01 <= fps <= 1000:  # also NaN/inf; an MP4 frame rate is a fraction with a bounded denominator
         raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
@@ -250,6 +252,8 @@ def decode(
         _log(f"raw latents are the {big.title} VAE's: the tiny decoder takes them scaled with {big.describe_scaling()}"
              " (as the pipeline hands them over, and as ComfyUI's TAESD does)")
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
+    if fps_given and not any(j.kind == "mp4" for j in jobs):
+        _log(f"--fps {fps:g} ignored: it sets the frame rate of MP4 output, and nothing here is written as MP4")
     with _output_folder(output if out_folder else None):  # made after planning; removed again if nothing lands in it
         _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
 
@@ -274,8 +278,9 @@ def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
 
         def report(r):  # as each output lands, not after the last one: an error or Ctrl-C later keeps these lines
             peak = f", peak VRAM {r.peak_bytes / 2**30:.2f} GiB" if r.peak_bytes else ""
+            batch = f" for the batch of {len(r.written)}" if len(r.written) > 1 else ""  # one decode, n files
             for p in r.written:
-                console.print(f"[bold green]wrote[/] {escape(str(p))}  ({r.seconds:.2f} s decode{peak})",
+                console.print(f"[bold green]wrote[/] {escape(str(p))}  ({r.seconds:.2f} s decode{batch}{peak})",
                               highlight=False)
             for msg in r.retries:
                 _log("↩ " + msg)

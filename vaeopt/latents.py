@@ -265,6 +265,12 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
         )
     if family.is_video and t.ndim == 4:
         # (C,T,H,W) one clip, or (N,C,H,W) single latent frames
+        if t.shape[0] == t.shape[1] == cin:
+            n = t.shape[0]
+            raise LatentError(
+                f"{where}: shape {tuple(t.shape)} reads two ways for {family.title}: one clip of {n} latent frames "
+                f"(C,T,H,W), or {n} one-frame latents (N,C,H,W); save it 5-D, as (1, {cin}, {n}, H, W) or "
+                f"({n}, {cin}, 1, H, W)")
         t = t.unsqueeze(0) if t.shape[0] == family.latent_channels else t.unsqueeze(2)
     elif t.ndim == want - 1:
         t = t.unsqueeze(0)

@@ -254,7 +254,9 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
         if fit or tiling == "off":
             if fit:
                 k, est = fit[0]  # chunks are in decreasing order
-                src = "requested" if chunk is not None else f"({family.temporal_factor * k} output frames) per call"
+                src = ("requested" if chunk is not None else
+                       f"(the whole clip, {family.output_frames(t_lat)} output frame(s), in one call)" if k >= t_lat
+                       else f"({family.temporal_factor * k} output frames) per call")
                 return Plan("chunked", budget, est, chunk=k,
                             reason=f"chunk {k} latent frame(s) {src}: est. {gib(est)} of {gib(budget)} budget ({why})")
             k, est = untiled[-1]
