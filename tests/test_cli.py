@@ -526,3 +526,22 @@ def test_broken_manifest_ignored_when_flags_say_it_all_and_dangling_output_paren
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     r = run("decode", tmp_path / "l.pt", "-m", model, "--latent-space", "scaled", "-o", tmp_path / "dangling" / "x.png")
     assert r.exit_code == 2 and "is a broken symlink" in r.output and "wrote" not in r.output, r.output
+
+
+def test_a_one_frame_clip_can_be_a_png(tmp_path, samples_dir):
+    """One latent frame decodes to one frame (Wan used as a text-to-image model): `-o x.png` writes it; a longer
+    clip to .png is still refused before decoding, with the way out."""
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
+    torch.save(z[:, :, :1].clone(), tmp_path / "one.pt")
+    torch.save(z, tmp_path / "two.pt")
+    model = samples_dir / "tiny_wan_video.safetensors"
+    r = run("decode", tmp_path / "one.pt", "--model", model, "--latent-space", "raw", "-o", tmp_path / "one.png")
+    assert r.exit_code == 0, r.output
+    assert Image.open(tmp_path / "one.png").size == (64, 64)
+    r = run("decode", tmp_path / "one.pt", "--model", model, "--latent-space", "raw", "-o", tmp_path / "f")
+    assert r.exit_code == 0 and os.listdir(tmp_path / "f") == ["frame_00000.png"]  # the folder form, the same frame
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "one.png")),
+                          np.asarray(Image.open(tmp_path / "f" / "frame_00000.png")))
+    r = run("decode", tmp_path / "two.pt", "--model", model, "--latent-space", "raw", "-o", tmp_path / "two.png")
+    assert r.exit_code == 2 and "a .png takes only a one-frame clip" in r.output
+    assert not (tmp_path / "two.png").exists()

@@ -192,7 +192,8 @@ def output_kind(path: Path, is_video: bool) -> str:
     if s in outputs.IMAGE_SUFFIXES:
         if is_video:
             raise VaeoptError(f"{path}: a video VAE decodes clips: use an .mp4 output, or a folder path (e.g. "
-                              f"{path.with_suffix('')}/) for one PNG per frame")
+                              f"{path.with_suffix('')}/) for one PNG per frame (a .png takes only a one-frame clip: "
+                              "1 latent frame)")
         return "png"
     if s in outputs.VIDEO_SUFFIXES:
         if not is_video:
@@ -265,6 +266,9 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
                 base = out
             if out_is_folder and base == out:
                 kind = "frames" if fam.is_video else "png-dir"
+            elif fam.is_video and z.shape[2] == 1 and base.suffix.lower() in outputs.IMAGE_SUFFIXES \
+                    and not base.is_dir():
+                kind = "png"  # one latent frame decodes to one frame (Wan as a text-to-image model): a PNG is right
             else:
                 kind = output_kind(base, fam.is_video)
             if kind == "png-dir":
@@ -326,7 +330,7 @@ def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[
     imgs = outputs.to_uint8_images(decoded)
     for i, path in enumerate(job.outputs):
         if job.kind == "png":
-            outputs.write_png(path, imgs[i])
+            outputs.write_png(path, imgs[i][0] if imgs.ndim == 5 else imgs[i])  # video: its one frame
         elif job.kind == "mp4":
             outputs.write_mp4(path, [imgs[i]], fps=fps)
         elif job.kind == "frames":
