@@ -184,22 +184,31 @@ def test_symlinked_outputs_are_written_through(tmp_path):
     outputs.write_png(flink, torch.full((4, 4, 3), 7, dtype=torch.uint8))
     assert flink.is_symlink() and np.asarray(Image.open(f)).max() == 7
     assert sorted(os.listdir(tmp_path)) == ["img.png", "latest.png", "link", "real"]
+    with pytest.raises(OutputError, match="already exists") as e:  # named as typed, not where it points
+        outputs.check_writable([flink], overwrite=False)
+    assert str(e.value).startswith(str(flink))
+    gone = tmp_path / "gone.png"
+    gone.symlink_to(tmp_path / "no" / "such" / "x.png")
+    with pytest.raises(OutputError, match="is a symlink into a folder that does not exist"):
+        outputs.check_writable([gone], overwrite=False)
+    assert not (tmp_path / "no").exists()
 
 
 def test_an_empty_folder_is_filled_in_place(tmp_path, monkeypatch):
     """An empty folder (a Docker volume's mount point cannot be renamed; its parent may be read-only) gets the frames
     one atomic file at a time, and is emptied again if the decode fails; a mount point that already holds frames is
     refused before decoding, since --overwrite would have to rename it."""
-    d = tmp_path / "vol"
-    d.mkdir()
+    d, e, plain = tmp_path / "vol", tmp_path / "vol2", tmp_path / "plain"
+    for f in (d, e, plain):
+        f.mkdir()
+    monkeypatch.setattr(outputs.os.path, "ismount", lambda q: Path(q) in (d, e))
     renamed = []
     real_replace = os.replace
     monkeypatch.setattr(outputs.os, "replace", lambda a, b: renamed.append(Path(b)) or real_replace(a, b))
     assert outputs.write_frames_dir(d, [_frames(2), _frames(1)]) == 3
     assert d not in renamed and sorted(os.listdir(d)) == [f"frame_0000{i}.png" for i in range(3)]
-
-    e = tmp_path / "vol2"
-    e.mkdir()
+    assert outputs.write_frames_dir(plain, [_frames(2)]) == 2  # an ordinary empty folder: temp folder + rename, so
+    assert plain in renamed and len(os.listdir(plain)) == 2  # a killed process leaves no frames that look finished
 
     def failing():
         yield _frames(2)
@@ -209,7 +218,6 @@ def test_an_empty_folder_is_filled_in_place(tmp_path, monkeypatch):
         outputs.write_frames_dir(e, failing())
     assert os.listdir(e) == []  # as it was
 
-    monkeypatch.setattr(outputs.os.path, "ismount", lambda q: Path(q) == d)
     with pytest.raises(OutputError, match="mount point holding frames"):
         outputs.check_writable([d], overwrite=True, folders={d})
     outputs.check_writable([e], overwrite=False, folders={e})  # empty: filled in place, no rename

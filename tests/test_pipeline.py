@@ -237,10 +237,21 @@ def test_api_decode_reuses_its_pipeline_and_refuses_other_options(samples_dir):
     assert torch.equal(a, b) and torch.equal(a, c)
     assert len(loaded.model.post_quant_conv._forward_pre_hooks) == n_hooks
     assert not any("converted" in x for x in lines)  # nothing redone, nothing claimed
-    with pytest.raises(VaeoptError, match=r"already optimized in place for other options \(dtype='auto' -> 'bf16'\)"):
+    with pytest.raises(VaeoptError, match=r"already optimized in place by vaeopt.decode\(...\) for other options "
+                                          r"\(dtype='float32' -> 'bfloat16'\)"):
         vaeopt.decode(z, loaded, options=Options(dtype="bf16"))
     assert loaded.model.decoder.conv_out.weight.dtype == torch.float32
     assert torch.equal(vaeopt.decode(z, loaded), a)
+    # options that leave the model as it is (the device spelled out, a tile size: planning) are taken
+    assert torch.allclose(vaeopt.decode(z, loaded, options=Options(device="cpu", tile=16)), a, atol=1e-4)
+    assert loaded._vaeopt_pipeline.opts.tile == 16  # taken by the pipeline it already had
+    # the model a decode changed is not re-optimized by optimize() either, nor the other way round
+    with pytest.raises(VaeoptError, match=r"by vaeopt.decode\(...\), not by vaeopt.optimize\(...\)"):
+        vaeopt.optimize(loaded.model, dtype="bf16", log=None)
+    other = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    vaeopt.optimize(other.model, log=None)
+    with pytest.raises(VaeoptError, match=r"by vaeopt.optimize\(...\), not by vaeopt.decode\(...\)"):
+        vaeopt.decode(z, other)
 
 
 def test_api_argument_errors_are_clear(samples_dir):
@@ -274,7 +285,7 @@ def test_optimize_twice_is_a_no_op_and_the_output_stays_nchw():
     assert vaeopt.optimize(vae, device="cpu", log=lines.append) is vae
     assert lines == ["already optimized by vaeopt with these options: nothing to do"]
     assert len(vae.post_quant_conv._forward_pre_hooks) == hooks
-    with pytest.raises(VaeoptError, match="already optimized by vaeopt with"):
+    with pytest.raises(VaeoptError, match=r"by vaeopt.optimize\(...\) for other options \(channels_last='auto' -> 'off'\)"):
         vaeopt.optimize(vae, device="cpu", channels_last="off", log=None)
     with torch.no_grad():
         out = vae.decode(z).sample

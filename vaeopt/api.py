@@ -84,23 +84,50 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     return out.clamp(-1, 1)  # images as video: the decoder's own range (after the check: clamp turns Inf into 1)
 
 
+# Options that change the model in place (weights' device and dtype, layouts, fused modules, e4m3 layers); the others
+# (tiling, tile, chunk, VRAM budget, graphs, cuDNN autotuning) are decode-time choices a built pipeline can take.
+_MODEL_OPTIONS = ("channels_last", "triton", "epilogues", "attention", "upsample_conv", "stack_conv3d", "conv_kernel",
+                  "fp8", "gate_db")
+
+
+def _model_key(o: Options) -> dict:
+    from vaeopt.hw import resolve_device, resolve_dtype
+
+    o.validate()
+    dev = resolve_device(o.device)
+    return {"device": str(dev), "dtype": str(resolve_dtype(o.dtype, dev)).replace("torch.", ""),
+            **{f: getattr(o, f) for f in _MODEL_OPTIONS}}
+
+
+def _refuse_other(model: torch.nn.Module, who: str, key: dict) -> None:
+    """The one mark that vaeopt.decode and vaeopt.optimize leave on a model they changed in place: a second call
+    is accepted only from the same function with the same model-changing options."""
+    done = getattr(model, "_vaeopt_optimized", None)
+    if done is None or done == (who, key):
+        return
+    by, old = done
+    diff = ", ".join(f"{k}={old.get(k)!r} -> {key.get(k)!r}" for k in key if old.get(k) != key.get(k))
+    raise VaeoptError(f"this model was already optimized in place by {by}(...)" + (f" for other options ({diff})"
+                      if by == who else f", not by {who}(...)") + "; load or build it again for this call")
+
+
 def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str], None] | None) -> Pipeline:
-    """The pipeline of a load_vae(...) result: built once, in place on its model, and reused by later decodes with the
-    same options (or none), so that decoding twice neither stacks the stages' hooks nor redoes their work. Other
-    options would need the unmodified model, which the first pipeline changed in place (dtype, layout, fused
-    modules): refused, rather than silently decoding with the first options' precision."""
+    """The pipeline of a load_vae(...) result: built once, in place on its model, and reused by later decodes (with no
+    options, or options that change the model the same way), so that decoding twice neither stacks the stages'
+    hooks nor redoes their work. Options that would change the model otherwise need the unmodified model, which the
+    first pipeline changed in place (dtype, layout, fused modules): refused, rather than silently decoding with the
+    first options' precision. So is a model that vaeopt.optimize changed."""
     pipe = getattr(loaded, "_vaeopt_pipeline", None)
+    if pipe is None or options is not None:
+        key = _model_key(options if options is not None else Options())
+        _refuse_other(loaded.model, "vaeopt.decode", key)
     if pipe is None:
-        pipe = Pipeline(loaded, options, log=log)
-        pipe._requested = dataclasses.replace(options) if options is not None else Options()
+        pipe = Pipeline(loaded, dataclasses.replace(options) if options is not None else None, log=log)
+        loaded.model._vaeopt_optimized = ("vaeopt.decode", key)
         loaded._vaeopt_pipeline = pipe
         return pipe
-    if options is not None and options != pipe._requested:
-        diff = ", ".join(f"{f.name}={getattr(pipe._requested, f.name)!r} -> {getattr(options, f.name)!r}"
-                         for f in dataclasses.fields(Options)
-                         if getattr(options, f.name) != getattr(pipe._requested, f.name))
-        raise VaeoptError(f"this vaeopt.load_vae(...) model was already optimized in place for other options "
-                          f"({diff}); load the checkpoint again to decode with these")
+    if options is not None:
+        pipe.opts = dataclasses.replace(options)  # its decode-time choices (tiling, chunk, budget...) take effect
     pipe.log = log or (lambda s: None)
     return pipe
 
@@ -121,11 +148,8 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         raise VaeoptError(f"vaeopt.optimize takes a diffusers VAE module (e.g. pipe.vae), got {type(vae).__name__}; "
                           "for a checkpoint file use vaeopt.decode(latents, path) or vaeopt.load_vae(path)")
     wanted = dict(device=device, dtype=dtype, channels_last=channels_last, triton=triton, attention=attention)
-    done = getattr(vae, "_vaeopt_optimized", None)
-    if done is not None:  # optimized in place already: again would stack hooks and redo (or undo) its work
-        if done != wanted:
-            raise VaeoptError(f"this VAE was already optimized by vaeopt with {done}; build or load it again to "
-                              f"optimize it with {wanted}")
+    if getattr(vae, "_vaeopt_optimized", None) is not None:  # again would stack hooks and redo (or undo) its work
+        _refuse_other(vae, "vaeopt.optimize", wanted)
         if log:
             log("already optimized by vaeopt with these options: nothing to do")
         return vae
@@ -150,7 +174,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
                                     attention=attention, graphs="off", upsample_conv=video_only,
                                     stack_conv3d=video_only), log=log)
     vae._vaeopt_stages = pipe.stages
-    vae._vaeopt_optimized = wanted
+    vae._vaeopt_optimized = ("vaeopt.optimize", wanted)
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
     decoder = getattr(vae, "decoder", None)

@@ -189,7 +189,7 @@ def decode(
                                        "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
     fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
-    fps: float = typer.Option(None, "--fps", help="Frames per second of MP4 output [default: 16]."),
+    fps: Optional[float] = typer.Option(None, "--fps", show_default="16", help="Frames per second of MP4 output."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
                                                             "split into bands, many inputs are spread over ranks)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),

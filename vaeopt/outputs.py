@@ -99,35 +99,37 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
     to lose: e.g. `-o clip/`, which the CLI makes before planning)."""
     for p in paths:
         folder = p in folders
-        p = _followed(p)
+        shown, p = p, _followed(p)  # checked where a symlink points; named as the user typed it
+        if shown.is_symlink() and not p.parent.is_dir():
+            raise OutputError(f"{shown}: is a symlink into a folder that does not exist ({p.parent})")
         empty_folder = folder and p.is_dir() and not any(p.iterdir())
         if p.exists() and not overwrite and not empty_folder:
-            raise OutputError(f"{p}: already exists (pass --overwrite to replace it)")
+            raise OutputError(f"{shown}: already exists (pass --overwrite to replace it)")
         if p.exists() and p.is_dir() != folder:
             what, want = ("a folder", "a file") if p.is_dir() else ("a file", "a folder of frames")
-            raise OutputError(f"{p}: is {what}; this output is {want}, so --overwrite cannot replace it")
+            raise OutputError(f"{shown}: is {what}; this output is {want}, so --overwrite cannot replace it")
         other = next((q.name for q in p.iterdir() if not _FRAME_NAME.fullmatch(q.name) and q.name not in _OS_FILES),
                      None) if p.is_dir() else None
         if other is not None:
-            raise OutputError(f"{p}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
+            raise OutputError(f"{shown}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
                               "folder of frames: choose another -o")
-        if empty_folder:  # filled in place (write_frames_dir): the folder itself must take files
+        if empty_folder and (os.path.ismount(p) or not os.access(p.parent, os.W_OK)):  # filled in place
             if not os.access(p, os.W_OK):
-                raise OutputError(f"{p}: folder is not writable")
+                raise OutputError(f"{shown}: folder is not writable")
             continue
         if folder and p.is_dir() and os.path.ismount(p):
-            raise OutputError(f"{p}: is a mount point holding frames; --overwrite replaces a frames folder as a whole "
+            raise OutputError(f"{shown}: is a mount point holding frames; --overwrite replaces a frames folder as a whole "
                               "(a rename), which a mount point does not allow: empty it, or choose a folder inside it")
         parent = p.parent
         probe = parent
         while not probe.exists():
             if probe.is_symlink():  # mkdir would fail on it after the whole decode ("File exists")
-                raise OutputError(f"{p}: {probe} is a broken symlink, not a folder")
+                raise OutputError(f"{shown}: {probe} is a broken symlink, not a folder")
             probe = probe.parent
         if not probe.is_dir():
-            raise OutputError(f"{p}: {probe} is a file, not a folder")
+            raise OutputError(f"{shown}: {probe} is a file, not a folder")
         if not os.access(probe, os.W_OK):
-            raise OutputError(f"{p}: folder {probe} is not writable")
+            raise OutputError(f"{shown}: folder {probe} is not writable")
 
 
 _FRAME_NAME = re.compile(r"frame_\d+\.png")  # what write_frames_dir writes
@@ -150,14 +152,15 @@ def write_png(path: Path, image_hwc: torch.Tensor) -> None:
 
 
 def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
-    """PNG frames frame_00000.png... into a folder, made atomically (temp folder + rename). An existing empty folder
-    is filled in place, one atomic file at a time, and emptied again on failure: it may be a mount point (a Docker
-    volume), which no rename can replace, or sit in a folder that is not writable."""
+    """PNG frames frame_00000.png... into a folder, made atomically (temp folder + rename). Where no rename can put
+    the folder in place, an existing empty one is filled in place instead, one atomic file at a time, and emptied
+    again on failure: a mount point (a Docker volume), or a folder whose parent is not writable. (A killed process
+    can leave some frames there, which a rename would not.)"""
     from PIL import Image
 
     path = _followed(Path(path))
     n = 0
-    if path.is_dir() and not any(path.iterdir()):
+    if path.is_dir() and not any(path.iterdir()) and (os.path.ismount(path) or not os.access(path.parent, os.W_OK)):
         written = []
         try:
             for chunk in frames_thwc:
