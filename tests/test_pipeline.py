@@ -228,21 +228,22 @@ def test_api_decode_reuses_its_pipeline_and_refuses_other_options(samples_dir):
     loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
     z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"].float()[:, :, :8, :8]
     lines = []
-    a = vaeopt.decode(z, loaded, log=lines.append)
+    cpu = Options(device="cpu")  # (on a GPU machine the default device would be CUDA)
+    a = vaeopt.decode(z, loaded, options=cpu, log=lines.append)
     n_hooks = len(loaded.model.post_quant_conv._forward_pre_hooks)
     assert any("channels_last: converted" in x for x in lines)
     lines.clear()
     b = vaeopt.decode(z, loaded, log=lines.append)
-    c = vaeopt.decode(z, loaded, options=Options(), log=lines.append)  # the same options, spelled out
+    c = vaeopt.decode(z, loaded, options=Options(device="cpu"), log=lines.append)  # the same options, a new object
     assert torch.equal(a, b) and torch.equal(a, c)
     assert len(loaded.model.post_quant_conv._forward_pre_hooks) == n_hooks
     assert not any("converted" in x for x in lines)  # nothing redone, nothing claimed
     with pytest.raises(VaeoptError, match=r"already optimized in place by vaeopt.decode\(...\) for other options "
                                           r"\(dtype='float32' -> 'bfloat16'\)"):
-        vaeopt.decode(z, loaded, options=Options(dtype="bf16"))
+        vaeopt.decode(z, loaded, options=Options(device="cpu", dtype="bf16"))
     assert loaded.model.decoder.conv_out.weight.dtype == torch.float32
     assert torch.equal(vaeopt.decode(z, loaded), a)
-    # options that leave the model as it is (the device spelled out, a tile size: planning) are taken
+    # an option that leaves the model as it is (a tile size: planning) is taken
     assert torch.allclose(vaeopt.decode(z, loaded, options=Options(device="cpu", tile=16)), a, atol=1e-4)
     assert loaded._vaeopt_pipeline.opts.tile == 16  # taken by the pipeline it already had
     # the model a decode changed is not re-optimized by optimize() either, nor the other way round
@@ -251,7 +252,7 @@ def test_api_decode_reuses_its_pipeline_and_refuses_other_options(samples_dir):
     other = load_vae(samples_dir / "tiny_kl_image.safetensors")
     vaeopt.optimize(other.model, log=None)
     with pytest.raises(VaeoptError, match=r"by vaeopt.optimize\(...\), not by vaeopt.decode\(...\)"):
-        vaeopt.decode(z, other)
+        vaeopt.decode(z, other, options=cpu)
 
 
 def test_api_argument_errors_are_clear(samples_dir):
