@@ -17,7 +17,7 @@ def _bench(tmp_path, samples_dir, *extra):
     out = tmp_path / "r.json"
     r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,16,16",
                             "--repeats", "2", "--warmup", "0", "--peers", "tiling", "--json", str(out),
-                            "--plot", str(tmp_path / "r.png"), *extra], catch_exceptions=False)
+                            "--plot", str(tmp_path / "r.png"), "--device", "cpu", *extra], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return json.loads(out.read_text()), r.output
 
@@ -58,7 +58,8 @@ def test_the_tiling_peer_says_when_diffusers_does_not_tile(result, tmp_path, sam
     assert row["status"] == "skipped" and "does not tile a 16x16 latent" in row["reason"]
     out = tmp_path / "big.json"
     r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,80,8",
-                            "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", str(out)],
+                            "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", str(out),
+                            "--device", "cpu"],
                       catch_exceptions=False)
     assert r.exit_code == 0, r.output
     row = next(r for r in json.loads(out.read_text())["rows"] if r["name"] == "diffusers fp32 + tiling")
