@@ -177,9 +177,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     vae._vaeopt_optimized = ("vaeopt.optimize", wanted)
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
-    decoder = getattr(vae, "decoder", None)
-    if isinstance(decoder, torch.nn.Module):
-        decoder.register_forward_hook(_contiguous_output)
+    vae.decoder.register_forward_hook(_contiguous_output)
     return vae
 
 

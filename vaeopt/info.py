@@ -7,6 +7,7 @@ import importlib
 import torch
 
 from vaeopt.hw import MachineInfo
+from vaeopt.kernels import interpreter_hint
 
 
 def stage_outlook(mi: MachineInfo) -> list[dict]:
@@ -34,7 +35,7 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
             ok, why = False, f"not importable ({e})"
         if ok and not g and name in ("fused_norms", "fused_epilogues"):  # as the pipeline decides on the CPU
             ok, why = False, ("CPU decode: the Triton kernels would run only through the interpreter "
-                              "(TRITON_INTERPRET=1 in the environment plus --triton on forces it; slow, for tests)")
+                              f"({interpreter_hint('--triton on')})")
         what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
                 "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues (Wan: summed by the "
                                    "next norm), chunked attention; the 3-channel conv_out as a norm+GEMM kernel and "

@@ -81,6 +81,13 @@ def _followed(p: Path) -> Path:
     return Path(os.path.realpath(p)) if p.is_symlink() else p
 
 
+def _filled_in_place(folder: Path) -> bool:
+    """An existing empty frames folder that no rename can replace (a mount point, or its parent not writable):
+    write_frames_dir fills it file by file instead, and check_writable checks the folder itself."""
+    return (folder.is_dir() and not any(folder.iterdir())
+            and (os.path.ismount(folder) or not os.access(folder.parent, os.W_OK)))
+
+
 def _remove(p: Path) -> None:
     try:
         if p.is_dir():
@@ -113,7 +120,7 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
         if other is not None:
             raise OutputError(f"{shown}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
                               "folder of frames: choose another -o")
-        if empty_folder and (os.path.ismount(p) or not os.access(p.parent, os.W_OK)):  # filled in place
+        if folder and _filled_in_place(p):
             if not os.access(p, os.W_OK):
                 raise OutputError(f"{shown}: folder is not writable")
             continue
@@ -160,7 +167,7 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
 
     path = _followed(Path(path))
     n = 0
-    if path.is_dir() and not any(path.iterdir()) and (os.path.ismount(path) or not os.access(path.parent, os.W_OK)):
+    if _filled_in_place(path):
         written = []
         try:
             for chunk in frames_thwc:

@@ -19,6 +19,7 @@ from vaeopt import planner
 from vaeopt.errors import VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
+from vaeopt.kernels import interpreter_hint
 from vaeopt.loading import LoadedVAE
 from vaeopt.stages import StageResult
 
@@ -193,8 +194,8 @@ class Pipeline:
 
     def _fused_available(self) -> tuple[bool, str]:
         if self.device.type != "cuda" and self.opts.triton == "auto":
-            return False, ("CPU decode: Triton kernels would run only through the interpreter (TRITON_INTERPRET=1 in the "
-                           "environment plus --triton on forces it; slow, for tests)")
+            return False, ("CPU decode: Triton kernels would run only through the interpreter "
+                           f"({interpreter_hint('--triton on')})")
         try:
             mod = self._stage("fused_norms")
         except ImportError as e:
@@ -241,8 +242,8 @@ class Pipeline:
         if o.conv_kernel == "off":
             return "off"
         if self.device.type != "cuda" and o.conv_kernel == "auto":
-            return ("CPU decode: the Triton conv would run only through the interpreter (TRITON_INTERPRET=1 in the "
-                    "environment plus --triton on --conv-kernel on forces it; slow, for tests)")
+            return ("CPU decode: the Triton conv would run only through the interpreter "
+                    f"({interpreter_hint('--triton on --conv-kernel on')})")
         if not any(s.name == "channels_last" and s.status == "applied" for s in self.stages):
             return "needs channels_last activations (the kernel reads NDHWC)"
         if self.dtype == torch.float32 and self.device.type == "cuda":

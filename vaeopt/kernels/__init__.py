@@ -59,6 +59,11 @@ def triton_available(device: torch.device | str | torch.Tensor | None = None) ->
 # --- shared launcher helpers (pure torch; used by the kernel modules) ---------------------------------------------
 
 
+def interpreter_hint(flags: str) -> str:
+    """How a CPU decode takes the Triton path anyway (the stages' skip reasons): the interpreter, and the switches."""
+    return f"TRITON_INTERPRET=1 in the environment plus {flags} forces it; slow, for tests"
+
+
 def triton_cache_entries() -> tuple[str, int]:
     """(Triton's on-disk kernel cache folder, how many compiled kernels it holds): the CLI compares the count before
     and after a decode to say when a first run's time includes compiling the kernels."""

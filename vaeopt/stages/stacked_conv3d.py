@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vaeopt.kernels import interpreter_hint
 from vaeopt.stages import StageResult, cached_weight, drop_attrs, unmeasured_gpu
 
 NAME = "stacked_conv3d"
@@ -40,8 +41,8 @@ TMA_96 = True  # auto leaves the bf16 96-ch convs to triton_conv's TMA kernel wh
 
 def available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
-        return False, ("CPU decode: the Conv3d kept (the stack is written by the fused kernels: TRITON_INTERPRET=1 in the "
-                       "environment plus --triton on --stack-conv3d on forces it; slow, for tests)")
+        return False, ("CPU decode: the Conv3d kept (the stack is written by the fused kernels: "
+                       f"{interpreter_hint('--triton on --stack-conv3d on')})")
     return True, "cuDNN"
 
 
