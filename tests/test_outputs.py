@@ -47,6 +47,37 @@ def test_mp4_frames_and_size(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def test_mp4_colour_is_bt709_and_says_so(tmp_path):
+    """The frames are converted with the BT.709 matrix (TV range) and the stream is tagged so: a player reading the
+    tags gets the colours back. Untagged BT.601 (PyAV's default) showed pure green as (0, 215, 0) in players that
+    assume BT.709 for HD."""
+    import av
+    from av.video.reformatter import ColorRange, Colorspace
+
+    colours = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0], [128, 128, 128], [30, 200, 120]],
+                       np.uint8)
+    frame = np.zeros((32, 16 * len(colours), 3), np.uint8)
+    for i, c in enumerate(colours):
+        frame[:, 16 * i: 16 * (i + 1)] = c
+    outputs.write_mp4(tmp_path / "c.mp4", [torch.from_numpy(np.stack([frame] * 2))], fps=8)
+    with av.open(str(tmp_path / "c.mp4")) as c:
+        cc = c.streams.video[0].codec_context
+        assert (cc.colorspace, cc.color_primaries, cc.color_trc, cc.color_range) == (1, 1, 1, 1)  # bt709 x3, tv
+        yuv = next(c.decode(video=0))
+
+    def centres(rgb):
+        return np.array([rgb[16, 16 * i + 8] for i in range(len(colours))], dtype=int)
+
+    as_tagged = centres(yuv.to_ndarray(format="rgb24"))
+    as_709 = centres(yuv.reformat(format="rgb24", src_colorspace=Colorspace.ITU709,
+                                  src_color_range=ColorRange.MPEG).to_ndarray())
+    as_601 = centres(yuv.reformat(format="rgb24", src_colorspace=Colorspace.ITU601,
+                                  src_color_range=ColorRange.MPEG).to_ndarray())
+    assert np.abs(as_tagged - colours).max() <= 3
+    assert np.abs(as_709 - colours).max() <= 3
+    assert np.abs(as_601 - colours).max() > 15  # the matrix really is 709's, not 601's
+
+
 @pytest.mark.parametrize("thread_type,threads", [("FRAME", None), ("SLICE", 2)])
 def test_mp4_encoder_threading(tmp_path, monkeypatch, thread_type, threads):
     """libx264 runs with frame threads by default (E34: twice the slice threads' rate on 16 cores); the module

@@ -31,6 +31,12 @@ TENSOR_SUFFIXES = (".safetensors",)
 # count (None or 0: libx264's own choice, from the CPU count).
 MP4_THREAD_TYPE: str | None = "FRAME"
 MP4_THREADS: int | None = None
+# The MP4's colour: RGB -> YUV with the BT.709 matrix in limited (TV) range, and the stream tagged so (matrix,
+# primaries, transfer, range), as ffmpeg's `-colorspace bt709 -color_primaries bt709 -color_trc bt709 -color_range tv`.
+# PyAV's default converts with BT.601 and leaves the tags unspecified; players then guess, and those that assume
+# BT.709 for HD (most, at 720p) showed pure green as (0, 215, 0). VAE outputs are sRGB, whose primaries are BT.709's.
+_BT709 = 1  # the value of AVCOL_SPC_BT709, AVCOL_PRI_BT709 and AVCOL_TRC_BT709 alike
+_TV_RANGE = 1  # AVCOL_RANGE_MPEG
 
 
 def _os_error(path: Path, e: OSError) -> OutputError:
@@ -234,6 +240,7 @@ class Mp4Writer:
     def _run(self) -> None:
         try:
             import av
+            from av.video.reformatter import ColorRange, Colorspace
 
             with av.open(str(self._tmp), mode="w", format="mp4") as container:
                 stream = None
@@ -253,12 +260,15 @@ class Mp4Writer:
                                 stream.codec_context.thread_type = MP4_THREAD_TYPE
                             if MP4_THREADS:
                                 stream.codec_context.thread_count = MP4_THREADS
+                            _tag_bt709(stream.codec_context)
                         arr = frame.numpy()
                         if arr.shape[0] % 2 or arr.shape[1] % 2:
                             import numpy as np
 
                             arr = np.pad(arr, ((0, arr.shape[0] % 2), (0, arr.shape[1] % 2), (0, 0)), mode="edge")
-                        for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                        yuv = av.VideoFrame.from_ndarray(arr, format="rgb24").reformat(
+                            format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
+                        for packet in stream.encode(yuv):
                             container.mux(packet)
                         self.frames += 1
                 if stream is not None:
@@ -317,6 +327,14 @@ class Mp4Writer:
                 self._thread.join(timeout=10)
         finally:
             _remove(self._tmp)
+
+
+def _tag_bt709(ctx) -> None:
+    """The encoder writes these into the H.264 stream's VUI, where players read the colour space."""
+    ctx.colorspace = _BT709
+    ctx.color_primaries = _BT709
+    ctx.color_trc = _BT709
+    ctx.color_range = _TV_RANGE
 
 
 def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0) -> int:
