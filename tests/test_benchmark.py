@@ -57,11 +57,13 @@ def test_the_tiling_peer_says_when_diffusers_does_not_tile(result, tmp_path, sam
     row = next(r for r in data["rows"] if r["name"] == "diffusers fp32 + tiling")
     assert row["status"] == "skipped" and "does not tile a 16x16 latent" in row["reason"]
     out = tmp_path / "big.json"
+    out.write_text('{"an earlier run": 1}')  # a re-run replaces its results file, and says so
     r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,80,8",
                             "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", str(out),
                             "--device", "cpu"],
                       catch_exceptions=False)
     assert r.exit_code == 0, r.output
+    assert "(replaced the file that was there)" in r.output and "replaced" not in result[1]
     row = next(r for r in json.loads(out.read_text())["rows"] if r["name"] == "diffusers fp32 + tiling")
     assert row["status"] == "ok" and row["psnr_db"] < 100  # tiles blended: not bit-identical to the reference
 

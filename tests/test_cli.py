@@ -222,6 +222,24 @@ def test_overwrite_frames_folder_and_kind_mismatch(tmp_path, samples_dir):
     assert r.exit_code == 2 and "is a file; this output is a folder of frames" in r.output, r.output
 
 
+def test_gpus_path_notes_an_unused_fps_too(tmp_path, samples_dir, monkeypatch):
+    """--gpus takes the distributed path (here one rank joining a torchrun-style job on gloo): it says --fps went
+    unused as the one-process path does, and not when an MP4 is written."""
+    from vaeopt import distributed as D
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(D._free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("_VAEOPT_SPAWNED", raising=False)
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"]
+    torch.save(z, tmp_path / "a.pt")
+    r = run("decode", tmp_path / "a.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", tmp_path / "a.png",
+            "--gpus", "1", "--fps", "24", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "a.png").exists()
+    assert "--fps 24 ignored: it sets the frame rate of MP4 output" in r.output, r.output
+
+
 def test_bad_manifest_device_and_fps_are_user_errors(tmp_path, samples_dir):
     torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
     model = samples_dir / "tiny_kl_image.safetensors"

@@ -218,7 +218,7 @@ def decode(
         if out_folder:
             _make_output_folder(output)
         _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
-                            as_json)
+                            as_json, fps_given)
         return
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
@@ -253,7 +253,7 @@ def decode(
              " (as the pipeline hands them over, and as ComfyUI's TAESD does)")
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
     if fps_given and not any(j.kind == "mp4" for j in jobs):
-        _log(f"--fps {fps:g} ignored: it sets the frame rate of MP4 output, and nothing here is written as MP4")
+        _fps_unused(fps)
     with _output_folder(output if out_folder else None):  # made after planning; removed again if nothing lands in it
         _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
 
@@ -399,12 +399,19 @@ def benchmark(
     if json_out:
         from vaeopt.outputs import atomic_path
 
+        replaced = _replacing(json_out)
         with atomic_path(json_out) as tmp:
             tmp.write_text(json.dumps(result, indent=1))
-        console.print(f"[bold green]wrote[/] {escape(str(json_out))}")
+        console.print(f"[bold green]wrote[/] {escape(str(json_out))}{replaced}")
     if plot_out:
+        replaced = _replacing(plot_out)
         bm.plot(result, plot_out)
-        console.print(f"[bold green]wrote[/] {escape(str(plot_out))}")
+        console.print(f"[bold green]wrote[/] {escape(str(plot_out))}{replaced}")
+
+
+def _replacing(p: Path) -> str:
+    """benchmark's --json/--plot replace an existing .json/.png (a re-run updates its results): said so."""
+    return " (replaced the file that was there)" if p.exists() else ""
 
 
 def _log_stderr(msg: str) -> None:
@@ -510,8 +517,12 @@ def _print_bench(result: dict) -> None:
         out_console.print(f"  [yellow]{r['status']}[/] {r['name']}: {r['reason']}", highlight=False)
 
 
+def _fps_unused(fps: float) -> None:
+    _log(f"--fps {fps:g} ignored: it sets the frame rate of MP4 output, and nothing here is written as MP4")
+
+
 def _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
-                        as_json) -> None:
+                        as_json, fps_given=False) -> None:
     import torch
 
     from vaeopt.distributed import DistributedError, decode_files_distributed, launch
@@ -536,6 +547,9 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
         for p in r["written"]:
             console.print(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
                           highlight=False)
+    if fps_given and summary is not None and not any(str(p).lower().endswith(".mp4") for r in summary
+                                                      for p in r["written"]):
+        _fps_unused(fps)
     if as_json and summary is not None:  # under torchrun only rank 0 has the summary: one JSON document
         out_console.print_json(json.dumps({"distributed": gpus, "outputs": summary}, default=str))
 
