@@ -240,8 +240,9 @@ class Mp4Writer:
     def _run(self) -> None:
         try:
             import av
-            from av.video.reformatter import ColorRange, Colorspace
+            from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
+            to_yuv = VideoReformatter()  # one scaler context for the whole clip, as the encoder keeps its own
             with av.open(str(self._tmp), mode="w", format="mp4") as container:
                 stream = None
                 while True:
@@ -266,8 +267,8 @@ class Mp4Writer:
                             import numpy as np
 
                             arr = np.pad(arr, ((0, arr.shape[0] % 2), (0, arr.shape[1] % 2), (0, 0)), mode="edge")
-                        yuv = av.VideoFrame.from_ndarray(arr, format="rgb24").reformat(
-                            format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
+                        yuv = to_yuv.reformat(av.VideoFrame.from_ndarray(arr, format="rgb24"), format="yuv420p",
+                                              dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
                         for packet in stream.encode(yuv):
                             container.mux(packet)
                         self.frames += 1
