@@ -270,6 +270,44 @@ def test_api_argument_errors_are_clear(samples_dir):
             vaeopt.optimize(bad)
     with pytest.raises(VaeoptError, match=r"channels_last \(--channels-last\) must be one of auto, on, off, got True"):
         vaeopt.optimize(loaded.model, channels_last=True)
+    # found by a new-user pass: these raised TypeErrors from deep inside, or named a `family` decode does not take
+    z = torch.randn(1, 4, 8, 8)
+    for opts, msg in ((Options(tile=8.5), r"tile \(--tile\) must be a whole number of latent pixels, got 8.5"),
+                      (Options(tile="16"), r"tile \(--tile\) must be a whole number"),
+                      (Options(chunk=True), r"chunk \(--chunk\) must be a whole number of latent frames"),
+                      (Options(vram_budget_gb="8"), r"vram_budget_gb \(--vram-budget\) must be a number, got '8'")):
+        with pytest.raises(VaeoptError, match=msg):
+            vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors", options=opts)
+    with pytest.raises(VaeoptError, match=r"needs the VAE: a checkpoint path or vaeopt.load_vae"):
+        vaeopt.decode(z, None)
+    half = load_vae(samples_dir / "tiny_kl_image.safetensors", dtype="fp16")  # as Options spells dtypes
+    assert next(half.model.parameters()).dtype == torch.float16
+    with pytest.raises(VaeoptError, match="load_vae: dtype must be a torch.dtype or one of fp32, bf16, fp16"):
+        load_vae(samples_dir / "tiny_kl_image.safetensors", dtype="auto")
+    with pytest.raises(VaeoptError, match="unknown dtype 'int8'"):
+        load_vae(samples_dir / "tiny_kl_image.safetensors", dtype="int8")
+    class ConsistencyDecoderVAE(torch.nn.Module):  # diffusers' has a config and no .decoder (a UNet instead)
+        config = {"scaling_factor": 0.18215}
+
+    with pytest.raises(VaeoptError, match="ConsistencyDecoderVAE is a diffusers model vaeopt does not support"):
+        vaeopt.optimize(ConsistencyDecoderVAE())
+
+
+def test_decode_output_is_nchw_and_unknown_classes_are_named(samples_dir):
+    """vaeopt.decode hands back NCHW memory (the optimized decoder ends channels-last; `.view` raised); optimize on a
+    diffusers VAE class outside the families says so instead of treating it as SDXL without a word."""
+    from diffusers import AutoencoderKLCogVideoX
+
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"].float()[:, :, :8, :8]
+    out = vaeopt.decode(z, load_vae(samples_dir / "tiny_kl_image.safetensors"), options=Options(device="cpu"))
+    assert out.is_contiguous() and out.view(-1).numel() == out.numel()
+    lines = []
+    vaeopt.optimize(AutoencoderKLCogVideoX(block_out_channels=(32,), layers_per_block=1, norm_num_groups=8,
+                                           down_block_types=("CogVideoXDownBlock3D",),
+                                           up_block_types=("CogVideoXUpBlock3D",), latent_channels=4),
+                    device="cpu", log=lines.append)
+    assert lines[0].startswith("! AutoencoderKLCogVideoX is not one of the VAE classes vaeopt was built and measured "
+                               "for (AutoencoderKL, AutoencoderKLWan, AutoencoderKLHunyuanVideo, AutoencoderTiny)")
 
 
 def test_optimize_twice_is_a_no_op_and_the_output_stays_nchw():
@@ -292,3 +330,119 @@ def test_optimize_twice_is_a_no_op_and_the_output_stays_nchw():
         out = vae.decode(z).sample
     assert out.is_contiguous() and out.view(-1, 3).shape[0] == out.numel() // 3  # as diffusers' own output
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_optimized_wan_decode_runs_the_chunk_decoder(samples_dir, monkeypatch):
+    """Found by a new-user pass: optimize(AutoencoderKLWan) logged the fused chunk decoder's work, but vae.decode ran
+    diffusers' frame loop, so a WanPipeline user got none of it. vae.decode now goes through vaeopt.video's exact
+    chunk decoder (with the planner's chunk), and equals diffusers' decode; diffusers' own _decode still runs where
+    autograd is needed and for enable_tiling() on a latent larger than its tile. The model still pickles."""
+    import copy
+    import io
+
+    from vaeopt import video
+
+    ref = load_vae(samples_dir / "tiny_wan_video.safetensors").model.float().eval()
+    vae = copy.deepcopy(ref)
+    lines = []
+    vaeopt.optimize(vae, device="cpu", log=lines.append)
+    assert any(line.startswith("vae.decode: vaeopt's exact chunk decoder") for line in lines)
+    calls = []
+    real = video.decode_video
+    monkeypatch.setattr(video, "decode_video", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
+    z = torch.randn(2, 16, 3, 6, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref.decode(z).sample
+        got = vae.decode(z).sample
+        (tup,) = vae.decode(z, return_dict=False)
+    assert len(calls) == 2 and calls[0] >= 1  # the chunk decoder ran, with a planned chunk
+    assert got.shape == want.shape == (2, 3, 9, 48, 64) and got.is_contiguous()
+    assert (got - want).abs().max().item() < 1e-5 and torch.equal(tup, got)
+    zg = z[:1].clone().requires_grad_()  # autograd: diffusers' frame loop, gradients flow
+    vae.decode(zg).sample.square().sum().backward()
+    assert len(calls) == 2 and zg.grad is not None and zg.grad.abs().sum() > 0
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
+                      tile_sample_stride_width=16)
+    with torch.no_grad():
+        tiled = vae.decode(z[:1]).sample
+    assert len(calls) == 2 and tiled.shape == want[:1].shape  # diffusers' tiles, as asked
+    vae.disable_tiling()
+    buf = io.BytesIO()
+    torch.save(vae, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    assert again._decode.vae is again
+    with torch.no_grad():
+        assert (again.decode(z[:1]).sample - want[:1]).abs().max().item() < 1e-5
+
+
+def test_optimized_state_dict_saves_with_safetensors(tmp_path):
+    """Found by a new-user pass: after optimize, save_file(vae.state_dict()) raised 'non contiguous tensor' (the
+    decoder's conv weights are channels_last). The state dict now holds them in the standard layout, with the same
+    values, and loads back into a stock model that decodes the same; keep_vars still hands out the Parameters."""
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    vae = build_model(get_family("sdxl"), **TINY_KL)
+    want = {k: v.clone() for k, v in vae.state_dict().items()}
+    vaeopt.optimize(vae, device="cpu", channels_last="on", log=None)
+    assert not vae.decoder.conv_in.weight.is_contiguous()  # the model itself stays channels_last
+    sd = vae.state_dict()
+    assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
+    save_file(sd, str(tmp_path / "vae.safetensors"))
+    stock = AutoencoderKL(**{k: v for k, v in vae.config.items() if not k.startswith("_")})
+    stock.load_state_dict(load_file(str(tmp_path / "vae.safetensors")))
+    z = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(stock.decode(z).sample, vae.decode(z).sample, atol=1e-5)
+    assert isinstance(vae.state_dict(keep_vars=True)["decoder.conv_in.weight"], torch.nn.Parameter)
+
+
+def test_weight_edits_that_torch_does_not_count_are_seen():
+    """Found by a new-user pass: derived weights (here the head's tap matrix, kernel path through the interpreter)
+    are cached per weight version, and torch counts no version for edits through `.data` or of inference tensors
+    (ComfyUI builds its models under inference_mode): the decode went on with the old weights (21.7 dB). Now
+    load_state_dict refreshes by itself, and vaeopt.refresh() covers the rest."""
+    from vaeopt.stages import fused_epilogues
+
+    _need_cpu_triton()
+    spec = get_family("sd15")
+    torch.manual_seed(0)
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        vae = build_model(spec, **TINY_KL)
+        ref = build_model(spec, **TINY_KL)
+        ref.load_state_dict(vae.state_dict())
+        vaeopt.optimize(vae, device="cpu", triton="on", channels_last="on", log=None)
+        if not getattr(vae, "_vaeopt_fused_epilogues", None):
+            fused_epilogues.apply(vae)  # the head's tap matrix is what goes stale
+        vae.decode(z)
+        assert hasattr(vae.decoder.conv_out, "_vaeopt_tap_matrix")
+
+        other = build_model(spec, **TINY_KL)
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        vae.load_state_dict(other.state_dict())  # inference tensors: no version counter, seen through the hook
+        ref.load_state_dict(other.state_dict())
+        assert torch.allclose(vae.decode(z).sample, ref.decode(z).sample, atol=1e-4)
+
+        vae.decoder.conv_out.weight.mul_(0.5)  # inference tensor edited in place: needs refresh()
+        ref.decoder.conv_out.weight.mul_(0.5)
+        vaeopt.refresh(vae)
+        assert torch.allclose(vae.decode(z).sample, ref.decode(z).sample, atol=1e-4)
+
+    with torch.no_grad():  # a normal model edited through .data (EMA / LoRA-merge style)
+        vae = build_model(spec, **TINY_KL)
+        ref = build_model(spec, **TINY_KL)
+        ref.load_state_dict(vae.state_dict())
+        vaeopt.optimize(vae, device="cpu", triton="on", channels_last="on", log=None)
+        if not getattr(vae, "_vaeopt_fused_epilogues", None):
+            fused_epilogues.apply(vae)
+        vae.decode(z)
+        vae.decoder.conv_out.weight.data.mul_(0.5)
+        ref.decoder.conv_out.weight.data.mul_(0.5)
+        stale = vae.decode(z).sample
+        assert not torch.allclose(stale, ref.decode(z).sample, atol=1e-3)  # what refresh() is for
+        vaeopt.refresh(vae)
+        assert torch.allclose(vae.decode(z).sample, ref.decode(z).sample, atol=1e-4)

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # lazy: `import vaeopt` stays cheap for the CLI's --help
-    if name in ("decode", "optimize"):
+    if name in ("decode", "optimize", "refresh"):
         from vaeopt import api
 
         return getattr(api, name)
@@ -19,4 +19,4 @@ def __getattr__(name):  # lazy: `import vaeopt` stays cheap for the CLI's --help
     raise AttributeError(name)
 
 
-__all__ = ["decode", "optimize", "load_vae", "Pipeline", "Options", "__version__"]
+__all__ = ["decode", "optimize", "refresh", "load_vae", "Pipeline", "Options", "__version__"]

@@ -58,6 +58,8 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W).
     A vaeopt.load_vae(...) result is optimized in place on its first decode, and later decodes of it reuse that
     pipeline (options=None, or the same options); other options need the checkpoint loaded again."""
+    if vae is None:
+        raise VaeoptError("vaeopt.decode(latents, vae) needs the VAE: a checkpoint path or vaeopt.load_vae(...)")
     if isinstance(vae, torch.nn.Module):
         raise VaeoptError(f"vaeopt.decode takes a checkpoint path or vaeopt.load_vae(...), not a "
                           f"{type(vae).__name__} module: for pipe.vae use vaeopt.optimize(pipe.vae), then "
@@ -81,7 +83,9 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     bad = _nonfinite(out)
     if bad:  # as the CLI does: NaN/Inf images are not a result
         raise DecodeError(f"{bad} ({NONFINITE_HINT})")
-    return out.clamp(-1, 1)  # images as video: the decoder's own range (after the check: clamp turns Inf into 1)
+    # images as video: the decoder's own range (after the check: clamp turns Inf into 1); NCHW in memory, as
+    # diffusers' output (the optimized image decoder ends channels-last, where `.view(...)` would raise)
+    return out.clamp(-1, 1).contiguous()
 
 
 # Options that change the model in place (weights' device and dtype, layouts, fused modules, e4m3 layers); the others
@@ -132,6 +136,9 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
     return pipe
 
 
+_OPTIMIZE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderTiny")
+
+
 def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
              triton: str = "auto", attention: str = "auto", log: Callable[[str], None] | None = print) -> torch.nn.Module:
     """Optimize a diffusers VAE in place (e.g. ``pipe.vae``) and return it; ``vae.decode(...)`` keeps its signature
@@ -144,6 +151,9 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     if isinstance(vae, LoadedVAE):
         raise VaeoptError("vaeopt.optimize takes a diffusers VAE module (e.g. pipe.vae): for a vaeopt.load_vae(...) "
                           "result use vaeopt.decode(latents, loaded), or optimize(loaded.model)")
+    if isinstance(vae, torch.nn.Module) and hasattr(vae, "config") and not hasattr(vae, "decoder"):
+        raise VaeoptError(f"vaeopt.optimize: {type(vae).__name__} is a diffusers model vaeopt does not support (it has "
+                          f"no .decoder to optimize; supported: {', '.join(_OPTIMIZE_CLASSES)})")
     if not isinstance(vae, torch.nn.Module) or not hasattr(vae, "config") or not hasattr(vae, "decoder"):
         raise VaeoptError(f"vaeopt.optimize takes a diffusers VAE module (e.g. pipe.vae), got {type(vae).__name__}; "
                           "for a checkpoint file use vaeopt.decode(latents, path) or vaeopt.load_vae(path)")
@@ -155,6 +165,10 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         return vae
     cfg = dict(vae.config)
     cls = type(vae).__name__
+    if cls not in _OPTIMIZE_CLASSES and log:
+        log(f"! {cls} is not one of the VAE classes vaeopt was built and measured for ({', '.join(_OPTIMIZE_CLASSES)})"
+            ": its stages are applied where its modules are diffusers' own; check its output against the stock "
+            "model's")
     fam_name = {"AutoencoderKLWan": "wan21", "AutoencoderKLHunyuanVideo": "hunyuanvideo",
                 "AutoencoderTiny": "taesd"}.get(cls, "sdxl")
     base = get_family(fam_name)
@@ -167,18 +181,65 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         # latents into a bf16/fp32 VAE raise "Input type (Half) and bias type ... should be the same")
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(first.dtype, "auto")
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
-    # diffusers' own Wan decode (what vae.decode runs) does not go through vaeopt.video's chunk decoder, which is
-    # where the phase upsample convs and the time-stacked Conv3d run: leave them off rather than mark unused layers
-    video_only = "off" if cls == "AutoencoderKLWan" else "auto"
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
-                                    attention=attention, graphs="off", upsample_conv=video_only,
-                                    stack_conv3d=video_only), log=log)
+                                    attention=attention, graphs="off"), log=log)
     vae._vaeopt_stages = pipe.stages
     vae._vaeopt_optimized = ("vaeopt.optimize", wanted)
+    if cls == "AutoencoderKLWan":
+        # diffusers' Wan decode runs the decoder one latent frame at a time; the stages' Wan work (fused chunk
+        # decoder, time-stacked and phase convs, the planner's chunk) lives in vaeopt.video: send vae.decode there
+        vae._decode = _WanChunkDecode(vae, spec, pipe.dtype, pipe.device)
+        if log:
+            log("vae.decode: vaeopt's exact chunk decoder (chunk and spatial tiles planned per clip from free "
+                "memory); diffusers' own decode where autograd is needed, or with enable_tiling() on a latent "
+                "larger than its tile")
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
     vae.decoder.register_forward_hook(_contiguous_output)
     return vae
+
+
+def refresh(vae=None) -> None:
+    """Call after changing an optimized VAE's weights in place where torch keeps no version count: through
+    `param.data` (EMA copies, LoRA merges) or under torch.inference_mode. The weights vaeopt derives from them (tap
+    matrices, phase and time-stacked conv weights, packed kernel weights) are rebuilt on their next use, and captured
+    CUDA graphs are captured again. Ordinary in-place edits and load_state_dict are seen without it. `vae` is
+    accepted for readability; the refresh covers every model."""
+    from vaeopt.stages import refresh_weights
+
+    refresh_weights()
+
+
+class _WanChunkDecode:
+    """`vae._decode` of an AutoencoderKLWan after `optimize`: the clip through vaeopt.video.decode_video (the exact
+    multi-frame chunk decoder, the same output as diffusers' frame loop), with the chunk planned per clip as
+    `vaeopt decode` plans it, OOM retries included. diffusers' `_decode` runs where it must: autograd (our kernels
+    have no backward) and enable_tiling() on a latent larger than diffusers' tile (the user asked for its tiles).
+    A class, not a closure: the model still pickles and deep-copies."""
+
+    def __init__(self, vae, family, dtype: torch.dtype, device: torch.device):
+        self.vae, self.family, self.dtype, self.device = vae, family, dtype, device
+
+    def _diffusers_tiles(self, z: torch.Tensor) -> bool:
+        v = self.vae
+        r = v.spatial_compression_ratio
+        return bool(v.use_tiling) and (z.shape[-1] > v.tile_sample_min_width // r
+                                       or z.shape[-2] > v.tile_sample_min_height // r)
+
+    def __call__(self, z: torch.Tensor, return_dict: bool = True):
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        from vaeopt import planner, video
+        from vaeopt.stages import needs_autograd
+
+        v = self.vae
+        if needs_autograd(z, v) or self._diffusers_tiles(z):
+            return type(v)._decode(v, z, return_dict=return_dict)
+        plan = planner.plan_decode(self.family, v, tuple(z.shape), self.dtype, self.device)
+        with torch.no_grad():
+            out = video.decode_video(v, z, chunk=plan.chunk or 1, oom_retry=True, info={},
+                                     **Pipeline.video_tiling_kwargs(plan))
+        return DecoderOutput(sample=out) if return_dict else (out,)
 
 
 def _contiguous_output(module, args, out):

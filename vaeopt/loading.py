@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vaeopt.errors import CheckpointError
+from vaeopt.errors import CheckpointError, VaeoptError
 from vaeopt.families import FamilySpec, family_names, get_family, model_class
 
 __all__ = ["LoadedVAE", "read_state_dict", "detect", "load_vae"]
@@ -1224,8 +1224,15 @@ def load_vae(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> LoadedVAE:
-    """Load a VAE checkpoint (file or diffusers directory) into an eval-mode diffusers model on `device` in `dtype`.
-    With path=None, builds the family's model with random weights (for benchmarks)."""
+    """Load a VAE checkpoint (file or diffusers directory) into an eval-mode diffusers model on `device` in `dtype`
+    (a torch.dtype, or "fp32" / "bf16" / "fp16" as Options takes). With path=None, builds the family's model with
+    random weights (for benchmarks)."""
+    if not isinstance(dtype, torch.dtype):
+        from vaeopt.hw import resolve_dtype
+
+        if not isinstance(dtype, str) or dtype.lower() == "auto":
+            raise VaeoptError(f"load_vae: dtype must be a torch.dtype or one of fp32, bf16, fp16, got {dtype!r}")
+        dtype = resolve_dtype(dtype, torch.device("cpu"))
     if path is None:
         if not family:
             raise CheckpointError("no checkpoint given: pass a path, or a family for a randomly initialised model")

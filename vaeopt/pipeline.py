@@ -21,7 +21,7 @@ from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.kernels import interpreter_hint
 from vaeopt.loading import LoadedVAE
-from vaeopt.stages import StageResult
+from vaeopt.stages import StageResult, watch_loads, weights_epoch
 
 SWITCHES = ("auto", "on", "off")
 # CUDA graphs, measured on an H200 (benchmarks/results/h200_graphs_fp8_2026-11-21.json): a 512² decode 8.2 -> 5.6 ms
@@ -59,6 +59,15 @@ class Options:
             if v not in SWITCHES:
                 raise VaeoptError(f"{name} (--{name.replace('_', '-')}) must be one of {', '.join(SWITCHES)}, "
                                   f"got {v!r}")
+        for name, flag in (("tile", "--tile"), ("chunk", "--chunk")):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise VaeoptError(f"{name} ({flag}) must be a whole number of latent "
+                                  f"{'pixels' if name == 'tile' else 'frames'}, got {v!r}")
+        for name, flag in (("vram_budget_gb", "--vram-budget"), ("gate_db", "--fp8-gate")):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise VaeoptError(f"{name} ({flag}) must be a number, got {v!r}")
         if self.tile is not None and self.tile < 8:
             raise VaeoptError(f"--tile {self.tile}: tiles must be at least 8 latent pixels")
         if self.chunk is not None and self.chunk < 1:
@@ -110,6 +119,7 @@ class Pipeline:
             # where its config says force_upcast)
             self.dtype = torch.float32
             self.log("! fp16 overflows in the SDXL VAE (NaN outputs): using fp32 (or pick --dtype bf16)")
+        watch_loads(self.model)
         t0 = time.perf_counter()
         from diffusers.utils import logging as dlog
 
@@ -320,6 +330,7 @@ class Pipeline:
     def enable_graphs(self, reason: str) -> None:
         mod = self._stage("graphs")
         self.graphed, r = mod.apply(self._decode_whole_raw, self.device)
+        self._graphs_epoch = weights_epoch()
         r.detail += f" ({reason})"
         self._record(r)
 
@@ -357,6 +368,9 @@ class Pipeline:
             self._tiling_report(info, stats)
             return out
         try:
+            if self.graphed is not None and self._graphs_epoch != weights_epoch():
+                self.graphed.reset()  # the weights changed (vaeopt.refresh, load_state_dict): capture again
+                self._graphs_epoch = weights_epoch()
             fn = self.graphed or self._decode_whole_raw
             return fn(z)
         except torch.cuda.OutOfMemoryError:

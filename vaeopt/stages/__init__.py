@@ -76,11 +76,34 @@ def needs_autograd(x, *params) -> bool:
     return False
 
 
+_EPOCH = 0  # bumped by refresh_weights(): every derived-weight cache key holds it
+
+
 def weight_version(w) -> tuple:
-    """Identifies a weight version for derived-weight caches. Inference tensors (a model moved under
-    torch.inference_mode) have no version counter: an in-place edit of one inside inference mode is not seen
-    (the stages' revert() drops the caches)."""
-    return (w.data_ptr(), -1 if w.is_inference() else w._version)
+    """Identifies a weight version for derived-weight caches (tap matrices, phase and stacked weights, packed conv
+    weights): storage, version counter and the refresh epoch. An in-place edit bumps the version counter, except
+    through `param.data` and on inference tensors (a model built or loaded under torch.inference_mode, as ComfyUI
+    does), which have none: load_state_dict bumps the epoch by itself (watch_loads), other such edits need
+    vaeopt.refresh()."""
+    return (w.data_ptr(), -1 if w.is_inference() else w._version, _EPOCH)
+
+
+def refresh_weights(*_) -> None:
+    """Every derived weight is rebuilt from its source on its next use, and captured CUDA graphs are dropped
+    (Pipeline checks weights_epoch). Also a load_state_dict post-hook (hence the ignored arguments)."""
+    global _EPOCH
+    _EPOCH += 1
+
+
+def weights_epoch() -> int:
+    return _EPOCH
+
+
+def watch_loads(model) -> None:
+    """load_state_dict on the model or its decoder parts refreshes the derived weights (once per module)."""
+    for m in (model, getattr(model, "post_quant_conv", None), getattr(model, "decoder", None)):
+        if m is not None and getattr(m, "_vaeopt_load_hook", None) is None:
+            m._vaeopt_load_hook = m.register_load_state_dict_post_hook(refresh_weights)
 
 
 def cached_weight(module, attr: str, dtype, make: Callable):

@@ -48,6 +48,16 @@ def _relayout_input(module: nn.Module, args: tuple) -> tuple:
     return (_to_layout(args[0]),) + tuple(args[1:])
 
 
+def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook of a converted conv (module-level, so the model pickles): its weight goes out in the
+    standard layout, as from the stock model. safetensors' save_file (how ComfyUI/A1111-style tools save a VAE)
+    refuses non-contiguous tensors. state_dict(keep_vars=True) hands out the Parameters themselves: left alone."""
+    k = prefix + "weight"
+    w = state_dict.get(k)
+    if isinstance(w, torch.Tensor) and not isinstance(w, nn.Parameter) and not w.is_contiguous():
+        state_dict[k] = w.contiguous()
+
+
 def apply(model: nn.Module, **_) -> StageResult:
     n2 = n3 = 0
     for part in _decoder_parts(model):
@@ -59,6 +69,8 @@ def apply(model: nn.Module, **_) -> StageResult:
                 m._vaeopt_fp8_fmt = fmt
             else:
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+            if getattr(m, "_vaeopt_cl_sd_hook", None) is None:
+                m._vaeopt_cl_sd_hook = m.register_state_dict_post_hook(_contiguous_state)
             n2 += isinstance(m, nn.Conv2d)
             n3 += isinstance(m, nn.Conv3d)
     # The decoder's input arrives NCHW from the caller: relayout once at the entry.
@@ -81,6 +93,9 @@ def revert(model: nn.Module) -> None:
     for part in _decoder_parts(model):
         for m in part.modules():
             if isinstance(m, (nn.Conv2d, nn.Conv3d)):
+                h = m.__dict__.pop("_vaeopt_cl_sd_hook", None)
+                if h is not None:
+                    h.remove()
                 if m.weight is None and hasattr(m, "_vaeopt_fp8_fmt"):
                     m._vaeopt_fp8_fmt = torch.contiguous_format
                 else:
