@@ -57,7 +57,7 @@ def test_the_tiling_peer_says_when_diffusers_does_not_tile(result, tmp_path, sam
     row = next(r for r in data["rows"] if r["name"] == "diffusers fp32 + tiling")
     assert row["status"] == "skipped" and "does not tile a 16x16 latent" in row["reason"]
     out = tmp_path / "big.json"
-    out.write_text('{"an earlier run": 1}')  # a re-run replaces its results file, and says so
+    out.write_text(json.dumps(data))  # a re-run replaces its own earlier results file, and says so
     r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,80,8",
                             "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", str(out),
                             "--device", "cpu"],
@@ -189,3 +189,29 @@ def test_log_does_not_time_skipped_rows(result):
         assert all("skipped" in ln and " ms" not in ln for ln in lines), (name, lines)
         logged += bool(lines)
     assert logged >= 3  # fused norms, epilogues, CUDA graphs ... on CPU
+
+
+def test_json_and_plot_replace_only_their_own_files(tmp_path, samples_dir):
+    """Found by a new-user pass: --json replaced any .json, e.g. a diffusers folder's config.json (the next decode
+    then fell back to default settings: 12.9 dB off, without a word) or a vaeopt.json manifest. Only an earlier
+    benchmark result (or chart) is replaced; anything else is refused before measuring and kept."""
+    from PIL import Image
+
+    model = samples_dir / "tiny_kl_image.safetensors"
+    base = ["benchmark", str(model), "--shape", "1,4,8,8", "--repeats", "1", "--warmup", "0", "--peers", "",
+            "--device", "cpu"]
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"_class_name": "AutoencoderKL", "norm_num_groups": 8}')
+    pic = tmp_path / "photo.png"
+    Image.new("RGB", (4, 4), "red").save(pic)
+    r = runner.invoke(app, base + ["--json", str(cfg)])
+    assert r.exit_code == 2 and "exists and is not a vaeopt benchmark result; it is kept" in r.output, r.output
+    r = runner.invoke(app, base + ["--plot", str(pic)])
+    assert r.exit_code == 2 and "exists and is not a vaeopt benchmark chart; it is kept" in r.output, r.output
+    assert cfg.read_text() == '{"_class_name": "AutoencoderKL", "norm_num_groups": 8}'
+    assert Image.open(pic).getpixel((0, 0)) == (255, 0, 0)
+    out, chart = tmp_path / "r.json", tmp_path / "r.png"
+    for _ in range(2):  # the second run replaces what the first wrote
+        r = runner.invoke(app, base + ["--json", str(out), "--plot", str(chart)])
+        assert r.exit_code == 0, r.output
+    assert r.output.count("(replaced the file that was there)") == 2

@@ -291,6 +291,22 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, samples_dir):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["l.pt"]
 
 
+def test_nohup_is_respected(tmp_path, samples_dir):
+    """Found by a new-user pass: the SIGHUP handler replaced the SIG_IGN that `nohup` sets, so closing the terminal
+    killed a `nohup vaeopt decode ...` (exit 129). An ignored SIGHUP / SIGTERM stays ignored."""
+    import signal
+
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", tmp_path / "o.png",
+                "--device", "cpu")
+        assert r.exit_code == 0, r.output
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
 def test_config_with_unusable_scaling_factor_is_refused(tmp_path, samples_dir):
     """scaling_factor 0 was logged as used while unscale() divided by 1.0; a string reached float() as a 'bug'."""
     torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")

@@ -432,6 +432,26 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
     }
 
 
+CHART_SOFTWARE = "vaeopt benchmark"
+
+
+def is_own_output(path: Path) -> bool:
+    """Whether an existing file is a result this command wrote (a benchmark JSON, a chart PNG), which a re-run may
+    replace. Anything else is the user's (a model's config.json, a vaeopt.json manifest, a picture) and is kept."""
+    try:
+        if path.suffix.lower() == ".json":
+            import json
+
+            d = json.loads(path.read_text())
+            return isinstance(d, dict) and isinstance(d.get("rows"), list) and "latent_shape" in d
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return im.format == "PNG" and im.info.get("Software") == CHART_SOFTWARE
+    except Exception:  # noqa: BLE001  unreadable, not JSON, not an image: not ours
+        return False
+
+
 # each ladder row's stage: a row counts only when its stage's line says "applied"
 _ROW_STAGE = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
               "+ fused epilogues": "fused_epilogues", "+ phase upsample convs": "upsample_conv",
@@ -498,5 +518,9 @@ def plot(result: dict, path: Path) -> None:
         p = r.get("psnr_db")
         d.text((W - 150, y + 8), "ref" if r["kind"] == "reference" else (f"{p:.1f} dB" if p is not None else "—"),
                fill="black")
+    from PIL.PngImagePlugin import PngInfo
+
+    meta = PngInfo()
+    meta.add_text("Software", CHART_SOFTWARE)  # how a later --plot knows the file it would replace is a chart of ours
     with atomic_path(path) as tmp:
-        img.save(tmp, format="PNG")
+        img.save(tmp, format="PNG", pnginfo=meta)

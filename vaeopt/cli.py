@@ -75,7 +75,8 @@ def clean_errors(fn):
         # (Python's default SIGTERM/SIGHUP handling exits without running any cleanup)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             with contextlib.suppress(ValueError, OSError, AttributeError):  # not the main thread / no SIGHUP
-                signal.signal(sig, _raise_interrupt)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup` / a supervisor ignoring it: keep that
+                    signal.signal(sig, _raise_interrupt)
         try:
             return fn(*a, **kw)
         except VaeoptError as e:
@@ -434,6 +435,13 @@ def _check_bench_outputs(model, json_out, plot_out) -> None:
             raise VaeoptError(f"{p}: is a folder; give a file name")
     if json_out is not None and json_out.suffix.lower() != ".json":  # it replaces an existing file: only a .json one
         raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
+    from vaeopt.benchmark import is_own_output
+
+    for p, flag in ((json_out, "--json"), (plot_out, "--plot")):
+        # a re-run replaces its own results; never a model's config.json, a vaeopt.json manifest or a picture
+        if p is not None and p.exists() and not p.is_dir() and not is_own_output(p):
+            raise VaeoptError(f"{flag} {p}: exists and is not a vaeopt benchmark {'result' if flag == '--json' else 'chart'}"
+                              "; it is kept: choose another file name")
     check_writable(outs, overwrite=True)
 
 
