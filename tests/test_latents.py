@@ -291,3 +291,23 @@ def test_hostile_latent_files_get_true_messages(tmp_path):
         with pytest.raises(lat.LatentError, match=re.escape(expect)):
             lat.read_latents(tmp_path / name)
     assert lat.read_latents(tmp_path / "ok.npy").entries[0].tensor.shape == (1, 4, 8, 8)
+
+
+def test_deep_and_self_holding_pt_files_are_refused(tmp_path):
+    """Found by a new-user pass: 300 nested dicts, or a 40-byte list inside itself, crashed the reader with a
+    RecursionError ("this is a vaeopt bug"). Refused with the path of keys; ordinary nesting still reads in order."""
+    d = torch.randn(1, 4, 8, 8)
+    for _ in range(300):
+        d = {"k": d}
+    torch.save(d, tmp_path / "deep.pt")
+    with pytest.raises(LatentError, match=r"deep.pt: nested more than 16 levels deep at k\.k\.k"):
+        lat.read_latents(tmp_path / "deep.pt")
+    y = []
+    y.append(y)
+    torch.save(y, tmp_path / "cyc.pt")
+    with pytest.raises(LatentError, match=r"cyc.pt: 0 is a container met twice"):
+        lat.read_latents(tmp_path / "cyc.pt")
+    a, b = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
+    torch.save({"x": {"y": [a, b]}, "z": (a,)}, tmp_path / "ok.pt")
+    f = lat.read_latents(tmp_path / "ok.pt")
+    assert [e.name for e in f.entries] == ["x.y.0", "x.y.1", "z.0"]

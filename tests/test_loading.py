@@ -792,3 +792,36 @@ def test_16_channel_tiny_decoder_raw_latents(name, base, tmp_path):
         assert torch.allclose(to_raw(z, r.family, "raw"), (z - ref["shift_factor"]) * ref["scaling_factor"])
         assert any(f"scaled as {get_family(base).title}'s" in n for n in r.notes), r.notes
     assert torch.equal(to_raw(z, r.family, "scaled"), z)
+
+
+def test_real_world_layouts_and_hostile_folders(models, tmp_path):
+    """Found by a new-user pass:
+    - a Lightning checkpoint whose step count is a tensor ({"state_dict": ..., "global_step": tensor(1000)}) was
+      refused ("found 1 tensors, e.g. global_step"): the nested state dict is used;
+    - a diffusers folder whose config.json is valid JSON but not an object ([1, 2, 3], null) was decoded with default
+      settings, 12.9 dB off, without a word: refused;
+    - a shard index naming a file outside its folder ("../other/x.safetensors") was followed: refused."""
+    model, _ = models["sd15"]
+    sd = {f"first_stage_model.{k}": v for k, v in to_ldm(model.state_dict()).items()}
+    torch.save({"state_dict": sd, "global_step": torch.tensor(1000), "epoch": torch.tensor(3)}, tmp_path / "l.ckpt")
+    r = load_vae(tmp_path / "l.ckpt", config={"norm_num_groups": 8})
+    assert r.family.name == "sd15"
+    assert_same_decoder(r, model)
+
+    model.save_pretrained(tmp_path / "dir")
+    for bad in ("[1, 2, 3]", "null"):
+        (tmp_path / "dir" / "config.json").write_text(bad)
+        with pytest.raises(CheckpointError, match=r"config.json: must be a JSON object \(the model's settings\)"):
+            load_vae(tmp_path / "dir")
+
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="1MB")
+    idx = tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(idx.read_text())
+    first = next(iter(data["weight_map"]))
+    (tmp_path / "elsewhere").mkdir()
+    shard = data["weight_map"][first]
+    (tmp_path / "sharded" / shard).rename(tmp_path / "elsewhere" / shard)
+    data["weight_map"] = {k: (f"../elsewhere/{v}" if v == shard else v) for k, v in data["weight_map"].items()}
+    idx.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"shard '\.\./elsewhere/.*' is outside the model folder"):
+        load_vae(tmp_path / "sharded")

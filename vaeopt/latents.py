@@ -70,15 +70,30 @@ def read_manifest(path: Path) -> dict:
     return hint
 
 
-def _collect(obj, prefix: str, out: list[LatentEntry]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(LatentEntry(prefix, obj))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _collect(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _collect(v, f"{prefix}.{i}" if prefix else str(i), out)
+MAX_NESTING = 16  # dicts/lists inside each other in a .pt; real files nest 1-3 deep
+
+
+def _collect(obj, prefix: str, out: list[LatentEntry], where: str = "") -> None:
+    """The tensors of a loaded .pt in file order, named by their path of keys. Iterative, with a depth limit and a
+    check for containers met twice: a 40-byte file can be a list inside itself, or 1500 nested dicts."""
+    stack = [(obj, prefix, 0)]
+    seen: set[int] = set()
+    while stack:
+        o, name, depth = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(LatentEntry(name, o))
+            continue
+        if not isinstance(o, (dict, list, tuple)):
+            continue
+        if id(o) in seen:
+            raise LatentError(f"{where}: {name or 'the top level'} is a container met twice (inside itself, or shared): "
+                              "not a file of latents")
+        if depth >= MAX_NESTING:
+            raise LatentError(f"{where}: nested more than {MAX_NESTING} levels deep at {name or 'the top level'}")
+        seen.add(id(o))
+        items = o.items() if isinstance(o, dict) else enumerate(o)
+        children = [(v, f"{name}.{k}" if name else str(k), depth + 1) for k, v in items]
+        stack.extend(reversed(children))
 
 
 def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool = True) -> LatentFile:
@@ -145,7 +160,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise LatentError(f"{path}: not a readable torch file: " + (
                 f"corrupt or truncated? ({first})" if what == "unrecognised file header" else what)) from e
-        _collect(obj, "", entries)
+        _collect(obj, "", entries, str(path))
         if isinstance(obj, dict) and isinstance(obj.get("samples"), torch.Tensor) and obj["samples"].ndim >= 4:
             # a ComfyUI LATENT dict saved with torch.save: {"samples": raw VAE latents, "noise_mask", "batch_index"}
             fmt = "comfyui-dict"

@@ -143,7 +143,11 @@ def _unwrap(obj, path: Path) -> dict[str, Tensor]:
     for _ in range(4):
         if not isinstance(obj, dict):
             break
-        if any(isinstance(v, Tensor) for v in obj.values()):
+        nested = next((k for k in _NESTING_KEYS if isinstance(obj.get(k), dict)), None)
+        loose = [v for v in obj.values() if isinstance(v, Tensor)]
+        # a state dict beside a few scalar tensors (Lightning's {"state_dict": ..., "global_step": tensor(1000)})
+        # is still the state dict; a dict of many tensors is itself the state dict
+        if loose and (nested is None or len(loose) > 4 or any(v.numel() > 1 for v in loose)):
             break
         for k in _NESTING_KEYS:
             if isinstance(obj.get(k), dict):
@@ -239,6 +243,9 @@ def _resolve_dir(path: Path) -> tuple[Path, list[Path]]:
                 shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
             except Exception as e:
                 raise CheckpointError(f"{idx}: unreadable shard index ({_short(e)})") from None
+            outside = [s for s in shards if not (d / s).resolve().is_relative_to(d.resolve())]
+            if outside:  # a shard index names files beside it, never elsewhere on the disk
+                raise CheckpointError(f"{idx}: shard {outside[0]!r} is outside the model folder")
             return d, [d / s for s in shards]
         if name is not None:
             return d, [d / name]
@@ -278,9 +285,12 @@ def _read(path: Path, select_vae: bool = False) -> _Source:
             meta.update(m)
         try:
             cfg_text = (d / "config.json").read_text()
-            json.loads(cfg_text)
+            cfg = json.loads(cfg_text)
         except Exception as e:
             raise CheckpointError(f"{d / 'config.json'}: not valid JSON ({_short(e)})") from None
+        if not isinstance(cfg, dict):  # (was ignored: default settings, a wrong decode without a word)
+            raise CheckpointError(f"{d / 'config.json'}: must be a JSON object (the model's settings), got "
+                                  f"{type(cfg).__name__}")
         meta["config"] = cfg_text
         names = [d.name] + ([d.parent.name] if d.name == "vae" or d != path else [])
         return _Source(tensors, meta, path, True, list(tensors), names)
