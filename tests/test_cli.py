@@ -240,6 +240,23 @@ def test_gpus_path_notes_an_unused_fps_too(tmp_path, samples_dir, monkeypatch):
     assert "--fps 24 ignored: it sets the frame rate of MP4 output" in r.output, r.output
 
 
+def test_gpus_path_failure_leaves_no_folder_and_no_class_names(tmp_path, samples_dir, monkeypatch):
+    """Found by a new-user pass: a failed --gpus decode left the -o folder it made (the one-process path removes it),
+    and its message carried our class names ('ranks 0, 1: NotALatent: ...')."""
+    from vaeopt import distributed as D
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(D._free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("_VAEOPT_SPAWNED", raising=False)
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "a.pt")  # image latents for a video VAE
+    r = run("decode", tmp_path / "a.pt", "-m", samples_dir / "tiny_wan_video.safetensors", "-o",
+            str(tmp_path / "new") + "/", "--gpus", "1", "--device", "cpu")
+    assert r.exit_code == 2 and "latent channels" in r.output, r.output
+    assert "NotALatent" not in r.output and "LatentError" not in r.output
+    assert not (tmp_path / "new").exists()
+
+
 def test_bad_manifest_device_and_fps_are_user_errors(tmp_path, samples_dir):
     torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
     model = samples_dir / "tiny_kl_image.safetensors"
@@ -579,3 +596,38 @@ def test_a_one_frame_clip_can_be_a_png(tmp_path, samples_dir):
     r = run("decode", tmp_path / "two.pt", "--model", model, "--latent-space", "raw", "-o", tmp_path / "two.png")
     assert r.exit_code == 2 and "a .png takes only a one-frame clip" in r.output
     assert not (tmp_path / "two.png").exists()
+
+
+def test_key_keeps_the_entry_name_in_default_outputs(tmp_path, samples_dir):
+    """Found by a new-user pass: with --key the default output lost the entry's name (x.png, not x_coffee.png), so
+    decoding a second key collided with the first (or replaced it under --overwrite). A file of one latent plus
+    other tensors keeps its plain name, with --key or without."""
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)
+    two = {k: v[:, :, :8, :8] for k, v in lat.items()}
+    torch.save(two, tmp_path / "two.pt")
+    torch.save({"latents": two["coffee"], "prompt_embeds": torch.randn(1, 77, 64)}, tmp_path / "one.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    for key in two:
+        r = run("decode", tmp_path / "two.pt", "-m", model, "--key", key, "--device", "cpu")
+        assert r.exit_code == 0, r.output
+    for args in ([], ["--key", "latents"]):
+        r = run("decode", tmp_path / "one.pt", "-m", model, "--device", "cpu", "--overwrite", *args)
+        assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(["one.png"] + [f"two_{k}.png" for k in two])
+
+
+def test_output_names_past_the_file_system_limit_are_refused_before_decoding(tmp_path, samples_dir, monkeypatch):
+    """Found by a new-user pass: a 252-character latent name gives a 256-byte default output, and a 249-character -o
+    with a batch of 2 gives ..._000.png: both failed after the decode as 'unexpected OSError ... a vaeopt bug'."""
+    from vaeopt import api
+
+    monkeypatch.setattr(api, "run_jobs", lambda *a, **k: pytest.fail("decoded before the check"))
+    z = torch.randn(1, 4, 8, 8)
+    long_in = tmp_path / ("K" * 252 + ".pt")
+    torch.save(z, long_in)
+    torch.save(torch.cat([z, z]), tmp_path / "b2.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    for args in ([long_in], [tmp_path / "b2.pt", "-o", tmp_path / ("L" * 249 + ".png")]):
+        r = run("decode", *args, "-m", model, "--device", "cpu")
+        assert r.exit_code == 2 and "more than the 255 a file system takes" in r.output, r.output
+        assert "vaeopt bug" not in r.output

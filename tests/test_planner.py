@@ -33,10 +33,19 @@ def test_whole_when_it_fits_tiled_when_not(sdxl_meta):
     assert planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, tile=64).tile == 64
 
 
-def test_cpu_without_budget_does_not_plan(sdxl_meta):
+def test_cpu_plans_only_what_would_not_fit_in_host_memory(sdxl_meta, monkeypatch):
+    """A CPU decode stays whole where it fits in half the available host memory. One that would not (a new-user pass
+    decoded a 384² latent, est. 47 GB whole, for minutes on a 23 GB machine) is tiled as on a GPU."""
     spec, m = sdxl_meta
+    monkeypatch.setattr(planner, "_host_budget", lambda: 1 << 50)
     p = planner.plan_decode(spec, m, (1, 4, 128, 128), torch.float32, torch.device("cpu"))
     assert p.mode == "whole" and "memory not planned" in p.reason
+    monkeypatch.setattr(planner, "_host_budget", lambda: 4 << 30)
+    p = planner.plan_decode(spec, m, (1, 4, 384, 384), torch.float32, torch.device("cpu"))
+    assert p.mode == "tiled" and p.est_bytes <= 4 << 30
+    assert "half of the available host memory" in p.reason and "whole would need" in p.reason
+    p = planner.plan_decode(spec, m, (1, 4, 384, 384), torch.float32, torch.device("cpu"), tiling="off")
+    assert p.mode == "whole"
 
 
 WAN480 = (1, 16, 21, 60, 104)

@@ -334,19 +334,24 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     multi = sum(len(v) for v in entries.values()) > 1
     for lf in latent_files:
         space = latent_space or lf.default_space
+        # one of several latents in the file (--key or not): its name goes in the output's
+        named = len(entries[lf.path]) > 1 or (
+            lf.all_entries is not None
+            and len(_latent_entries(dataclasses.replace(lf, entries=lf.all_entries), fam, None)) > 1)
         for e in entries[lf.path]:
             t = lat.validate(e, fam, lf.path)
             z = lat.to_raw(t, fam, space)
             n = z.shape[0]
             if out is None:
-                base = outputs.default_output(lf.path, fam.is_video, e.name if len(entries[lf.path]) > 1 else "")
+                base = outputs.default_output(lf.path, fam.is_video, e.name if named else "")
             elif multi:
-                stem = lf.path.stem + (f"_{outputs.safe_name(e.name)}" if e.name and len(entries[lf.path]) > 1 else "")
+                stem = lf.path.stem + (f"_{outputs.safe_name(e.name)}" if e.name and named else "")
                 folder = out_is_folder or out.suffix == "" or out.is_dir()
                 base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if folder \
                     else out.with_name(f"{out.stem}_{stem}{out.suffix}")
             else:
                 base = out
+            outputs.check_name_length(base)
             if out_is_folder and base == out:
                 kind = "frames" if fam.is_video else "png-dir"
             elif fam.is_video and z.shape[2] == 1 and base.suffix.lower() in outputs.IMAGE_SUFFIXES \
@@ -385,8 +390,8 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     return jobs
 
 
-NONFINITE_HINT = ("fp16 overflow? try --dtype bf16 or fp32; or the latents are far outside the VAE's range: check "
-                  "--latent-space")
+NONFINITE_HINT = ("the latents may be far outside the VAE's range (check --latent-space: scaled or raw), or an fp16 "
+                  "decode overflowed (--dtype bf16 or fp32)")
 
 
 def _nonfinite(decoded: torch.Tensor) -> str | None:

@@ -89,7 +89,8 @@ def clean_errors(fn):
             raise
         except Exception as e:  # a bug, not bad input: one line, the traceback only on request
             if _host_oom(e):
-                console.print("[bold red]error:[/] out of host memory (try --tile / --chunk, or smaller inputs)")
+                console.print("[bold red]error:[/] out of host memory (smaller inputs; a decode also takes --tile / "
+                              "--chunk / --vram-budget)")
                 raise typer.Exit(3)
             if isinstance(e, OSError) and getattr(e, "filename", None) is None and e.errno in (
                     errno.ENOSPC, errno.EPIPE, errno.EBADF):  # printing to a full /dev/full, a closed pipe
@@ -216,10 +217,9 @@ def decode(
     opts.validate()
     output, out_folder = _output_arg(output)
     if gpus is not None:
-        if out_folder:
-            _make_output_folder(output)
-        _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
-                            as_json, fps_given)
+        with _output_folder(output if out_folder else None):  # removed again if the ranks fail before writing
+            _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
+                                as_json, fps_given)
         return
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
@@ -495,6 +495,12 @@ def _bench_inputs(model, family, workload, shape, dev):
     if len(shp) != want or shp[1] != spec.latent_channels:
         raise VaeoptError(f"latent shape {shp} does not fit {spec.title}: expected {want} dims with "
                           f"{spec.latent_channels} channels")
+    from vaeopt.latents import MAX_OUTPUT_PIXELS
+
+    f = spec.spatial_factor
+    if shp[-2] * shp[-1] * f * f > MAX_OUTPUT_PIXELS or shp[0] > 256 or (spec.is_video and shp[2] > 1024):
+        raise VaeoptError(f"--shape {','.join(map(str, shp))}: beyond what vaeopt decodes (at most "
+                          f"{int(MAX_OUTPUT_PIXELS ** 0.5)}² pixels per frame, a batch of 256, 1024 latent frames)")
     return spec, sd, shp, wl, notes
 
 

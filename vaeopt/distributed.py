@@ -1454,8 +1454,8 @@ def decode_files_distributed(
 
 
 def _describe_error(e: BaseException) -> str:
-    if isinstance(e, VaeoptError):  # user-facing: the message is the point
-        return f"{type(e).__name__}: {e}"
+    if isinstance(e, VaeoptError):  # user-facing: the message is the point (not our class names)
+        return str(e)
     msg = "".join(traceback.format_exception_only(type(e), e)).strip()
     return msg + "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-6)).strip()
 

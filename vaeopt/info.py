@@ -57,5 +57,5 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
     if g:
         row("planner", True, f"tiles/chunks planned from {g.free_gib:.1f} GiB free VRAM")
     else:
-        row("planner", True, "CPU: whole decode unless --tile; video chunks planned from half the free host memory")
+        row("planner", True, "CPU: whole decode where it fits in half the available host memory, else tiled (or --tile); video chunks planned from the same")
     return rows

@@ -43,6 +43,9 @@ class LatentFile:
     default_space: str  # "scaled" or "raw"
     notes: list[str] = field(default_factory=list)
     manifest: dict = field(default_factory=dict)  # per-file hints from a vaeopt.json beside the file
+    # with --key: every tensor of the file, the chosen one among them (outputs keep its name where it was one of
+    # several latents, as without --key)
+    all_entries: list[LatentEntry] | None = None
 
 
 def read_manifest(path: Path) -> dict:
@@ -230,10 +233,12 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
                      + ", ".join(f"{e.name or '<tensor>'} {tuple(e.tensor.shape)}" for e in small[:4])
                      + (", ..." if len(small) > 4 else ""))
         entries = [e for e in entries if e.tensor.ndim >= 3]
+    all_entries = None
     if key is not None:
         picked = [e for e in entries if e.name == key]
         if not picked:
             raise LatentError(f"{path}: no tensor named '{key}'; found: {', '.join(e.name or '<tensor>' for e in entries)}")
+        all_entries = entries
         entries = picked
     try:
         manifest = read_manifest(path)
@@ -244,7 +249,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         manifest = {}
     if manifest.get("latent_space") in ("raw", "scaled"):
         default_space = manifest["latent_space"]
-    return LatentFile(path, fmt, entries, default_space, notes, manifest)
+    return LatentFile(path, fmt, entries, default_space, notes, manifest, all_entries)
 
 
 class NotALatent(LatentError):

@@ -104,6 +104,18 @@ def _remove(p: Path) -> None:
         pass
 
 
+NAME_MAX = 255  # bytes in one file name (ext4, XFS, btrfs, APFS, NTFS in UTF-16 units)
+
+
+def check_name_length(p: Path) -> None:
+    """Output names made from a long input name, a dict key or a batch number can pass the file system's limit:
+    caught before decoding (the OS would refuse the file after the whole decode)."""
+    n = len(os.fsencode(p.name))
+    if n > NAME_MAX:
+        raise OutputError(f"{p.name[:40]}...: this output's file name is {n} bytes, more than the {NAME_MAX} a file "
+                          "system takes; give a shorter -o (or rename the input)")
+
+
 def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | frozenset = frozenset()) -> None:
     """Fail before decoding (not after minutes of work) if an output exists or its folder can't be written.
     folders: the outputs that are folders (PNG frames); --overwrite replaces a file with a file, a folder with a
@@ -112,6 +124,7 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
     to lose: e.g. `-o clip/`, which the CLI makes before planning)."""
     for p in paths:
         folder = p in folders
+        check_name_length(p)
         shown, p = p, _followed(p)  # checked where a symlink points; named as the user typed it
         if shown.is_symlink() and not p.parent.is_dir():
             raise OutputError(f"{shown}: is a symlink into a folder that does not exist ({p.parent})")

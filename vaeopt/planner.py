@@ -105,6 +105,10 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
     if family.is_video:
         return _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
     whole = estimate_whole(family, model, latent_shape, dtype)
+    if budget is None and family.cls_name == "AutoencoderKL" and tiling != "off" and whole > _host_budget():
+        # CPU: a decode that would not fit in host memory is tiled like one on the GPU (a 3072² SDXL image needs
+        # ~47 GB whole); one that fits stays whole
+        budget, why = _host_budget(), "half of the available host memory"
     if tile is not None or tiling == "on":
         t = tile or _largest_tile(family, model, latent_shape, dtype, budget or whole // 2)
         return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t,
