@@ -446,3 +446,34 @@ def test_weight_edits_that_torch_does_not_count_are_seen():
         assert not torch.allclose(stale, ref.decode(z).sample, atol=1e-3)  # what refresh() is for
         vaeopt.refresh(vae)
         assert torch.allclose(vae.decode(z).sample, ref.decode(z).sample, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_graph_replays_follow_weight_edits(samples_dir):
+    """Found in review: a captured CUDA graph holds the derived weights (tap matrix, phase weights) of capture time,
+    so an in-place weight edit between decodes replayed the old ones. The pipeline now recaptures when the weights'
+    version counters or the refresh epoch change."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"].float()
+    pipe = Pipeline(loaded, Options(device="cuda", dtype="fp32", graphs="on"), log=None)
+    pipe.enable_graphs("test")
+    zr = z / loaded.family.config["scaling_factor"]
+    for _ in range(3):
+        pipe.decode(zr)
+    assert pipe.graphed.replays >= 1
+    with torch.no_grad():
+        pipe.model.decoder.conv_out.weight.mul_(0.5)  # counted in-place edit
+    got, _ = pipe.decode(zr)
+    with torch.no_grad():
+        want = pipe.model.decode(zr.cuda()).sample.float().cpu()  # eager, same (edited) weights
+    assert pipe.graphed.captures == 2
+    assert (got - want).abs().max().item() < 1e-3
+    with torch.no_grad():
+        pipe.model.decoder.conv_out.weight.data.mul_(2.0)  # not counted: refresh() says so
+    vaeopt.refresh(pipe.model)
+    got, _ = pipe.decode(zr)
+    with torch.no_grad():
+        want = pipe.model.decode(zr.cuda()).sample.float().cpu()
+    assert pipe.graphed.captures == 3 and (got - want).abs().max().item() < 1e-3

@@ -85,7 +85,8 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
         raise DecodeError(f"{bad} ({NONFINITE_HINT})")
     # images as video: the decoder's own range (after the check: clamp turns Inf into 1); NCHW in memory, as
     # diffusers' output (the optimized image decoder ends channels-last, where `.view(...)` would raise)
-    return out.clamp(-1, 1).contiguous()
+    c = out.contiguous()  # one copy where the layout changes, none where it does not
+    return c.clamp_(-1, 1) if c.data_ptr() != out.data_ptr() else out.clamp(-1, 1)
 
 
 # Options that change the model in place (weights' device and dtype, layouts, fused modules, e4m3 layers); the others
@@ -136,7 +137,10 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
     return pipe
 
 
-_OPTIMIZE_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderTiny")
+# the diffusers classes optimize() was built and measured for, and the family whose stages each takes
+_OPTIMIZE_FAMILIES = {"AutoencoderKL": "sdxl", "AutoencoderKLWan": "wan21", "AutoencoderKLHunyuanVideo": "hunyuanvideo",
+                      "AutoencoderTiny": "taesd"}
+_OPTIMIZE_CLASSES = tuple(_OPTIMIZE_FAMILIES)
 
 
 def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
@@ -169,8 +173,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         log(f"! {cls} is not one of the VAE classes vaeopt was built and measured for ({', '.join(_OPTIMIZE_CLASSES)})"
             ": its stages are applied where its modules are diffusers' own; check its output against the stock "
             "model's")
-    fam_name = {"AutoencoderKLWan": "wan21", "AutoencoderKLHunyuanVideo": "hunyuanvideo",
-                "AutoencoderTiny": "taesd"}.get(cls, "sdxl")
+    fam_name = _OPTIMIZE_FAMILIES.get(cls, "sdxl")
     base = get_family(fam_name)
     spec = FamilySpec(base.name, base.title, {"_class_name": cls, **cfg})
     first = next(vae.parameters(), None)
@@ -188,7 +191,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     if cls == "AutoencoderKLWan":
         # diffusers' Wan decode runs the decoder one latent frame at a time; the stages' Wan work (fused chunk
         # decoder, time-stacked and phase convs, the planner's chunk) lives in vaeopt.video: send vae.decode there
-        vae._decode = _WanChunkDecode(vae, spec, pipe.dtype, pipe.device)
+        vae._decode = _WanChunkDecode(vae, spec)
         if log:
             log("vae.decode: vaeopt's exact chunk decoder (chunk and spatial tiles planned per clip from free "
                 "memory); diffusers' own decode where autograd is needed, or with enable_tiling() on a latent "
@@ -217,8 +220,8 @@ class _WanChunkDecode:
     have no backward) and enable_tiling() on a latent larger than diffusers' tile (the user asked for its tiles).
     A class, not a closure: the model still pickles and deep-copies."""
 
-    def __init__(self, vae, family, dtype: torch.dtype, device: torch.device):
-        self.vae, self.family, self.dtype, self.device = vae, family, dtype, device
+    def __init__(self, vae, family):
+        self.vae, self.family = vae, family
 
     def _diffusers_tiles(self, z: torch.Tensor) -> bool:
         v = self.vae
@@ -235,7 +238,8 @@ class _WanChunkDecode:
         v = self.vae
         if needs_autograd(z, v) or self._diffusers_tiles(z):
             return type(v)._decode(v, z, return_dict=return_dict)
-        plan = planner.plan_decode(self.family, v, tuple(z.shape), self.dtype, self.device)
+        w = v.post_quant_conv.weight  # where the model is now (it may have moved since optimize)
+        plan = planner.plan_decode(self.family, v, tuple(z.shape), w.dtype, w.device)
         with torch.no_grad():
             out = video.decode_video(v, z, chunk=plan.chunk or 1, oom_retry=True, info={},
                                      **Pipeline.video_tiling_kwargs(plan))
@@ -289,6 +293,14 @@ def output_kind(path: Path, is_video: bool) -> str:
     raise VaeoptError(f"{path}: unknown output type '{s}' (use .png, .mp4, .safetensors, or a folder for frames)")
 
 
+def _latents_in(lf: lat.LatentFile, fam) -> int:
+    """How many of the file's tensors (all of them, before --key chose one) can be latents for this VAE."""
+    try:
+        return len(_latent_entries(dataclasses.replace(lf, entries=lf.all_entries or lf.entries), fam, None))
+    except LatentError:  # none fits: the chosen tensor's own error is reported when it is validated
+        return 0
+
+
 def _latent_entries(lf: lat.LatentFile, fam, log: Callable[[str], None] | None) -> list[lat.LatentEntry]:
     """A file's tensors that can be latents for this VAE. A dict that also holds other tensors (e.g. {"latents",
     "prompt_embeds"}, as scripts save them) decodes its latents and says what it skipped; if none fits, the first
@@ -335,9 +347,7 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     for lf in latent_files:
         space = latent_space or lf.default_space
         # one of several latents in the file (--key or not): its name goes in the output's
-        named = len(entries[lf.path]) > 1 or (
-            lf.all_entries is not None
-            and len(_latent_entries(dataclasses.replace(lf, entries=lf.all_entries), fam, None)) > 1)
+        named = len(entries[lf.path]) > 1 or (lf.all_entries is not None and _latents_in(lf, fam) > 1)
         for e in entries[lf.path]:
             t = lat.validate(e, fam, lf.path)
             z = lat.to_raw(t, fam, space)

@@ -441,7 +441,9 @@ def _check_bench_outputs(model, json_out, plot_out) -> None:
         # a re-run replaces its own results; never a model's config.json, a vaeopt.json manifest or a picture
         if p is not None and p.exists() and not p.is_dir() and not is_own_output(p):
             raise VaeoptError(f"{flag} {p}: exists and is not a vaeopt benchmark {'result' if flag == '--json' else 'chart'}"
-                              "; it is kept: choose another file name")
+                              "; it is kept: choose another file name" + (
+                                  " (a chart from a vaeopt before 2026-11-22 carries no tag: remove it)"
+                                  if flag == "--plot" else ""))
     check_writable(outs, overwrite=True)
 
 
@@ -499,8 +501,9 @@ def _bench_inputs(model, family, workload, shape, dev):
 
     f = spec.spatial_factor
     if shp[-2] * shp[-1] * f * f > MAX_OUTPUT_PIXELS or shp[0] > 256 or (spec.is_video and shp[2] > 1024):
-        raise VaeoptError(f"--shape {','.join(map(str, shp))}: beyond what vaeopt decodes (at most "
-                          f"{int(MAX_OUTPUT_PIXELS ** 0.5)}² pixels per frame, a batch of 256, 1024 latent frames)")
+        raise VaeoptError(f"--shape {','.join(map(str, shp))}: beyond what the benchmark runs (at most "
+                          f"{int(MAX_OUTPUT_PIXELS ** 0.5)}² pixels per frame, as decode; a batch of 256; 1024 latent "
+                          "frames)")
     return spec, sd, shp, wl, notes
 
 

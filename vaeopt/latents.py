@@ -78,25 +78,28 @@ MAX_NESTING = 16  # dicts/lists inside each other in a .pt; real files nest 1-3 
 
 def _collect(obj, prefix: str, out: list[LatentEntry], where: str = "") -> None:
     """The tensors of a loaded .pt in file order, named by their path of keys. Iterative, with a depth limit and a
-    check for containers met twice: a 40-byte file can be a list inside itself, or 1500 nested dicts."""
-    stack = [(obj, prefix, 0)]
+    cycle check: a 40-byte file can be a list inside itself, or 1500 nested dicts. A container met again elsewhere
+    (pickle shares equal tuples such as two (1024, 1024) sizes) holds no new tensors and is skipped."""
+    stack = [(obj, prefix, 0, ())]
     seen: set[int] = set()
     while stack:
-        o, name, depth = stack.pop()
+        o, name, depth, ancestors = stack.pop()
         if isinstance(o, torch.Tensor):
             out.append(LatentEntry(name, o))
             continue
         if not isinstance(o, (dict, list, tuple)):
             continue
+        if id(o) in ancestors:
+            raise LatentError(f"{where}: {name or 'the top level'} holds itself (a container inside itself): not a "
+                              "file of latents")
         if id(o) in seen:
-            raise LatentError(f"{where}: {name or 'the top level'} is a container met twice (inside itself, or shared): "
-                              "not a file of latents")
+            continue
         if depth >= MAX_NESTING:
             raise LatentError(f"{where}: nested more than {MAX_NESTING} levels deep at {name or 'the top level'}")
         seen.add(id(o))
         items = o.items() if isinstance(o, dict) else enumerate(o)
-        children = [(v, f"{name}.{k}" if name else str(k), depth + 1) for k, v in items]
-        stack.extend(reversed(children))
+        inner = ancestors + (id(o),)
+        stack.extend(reversed([(v, f"{name}.{k}" if name else str(k), depth + 1, inner) for k, v in items]))
 
 
 def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool = True) -> LatentFile:

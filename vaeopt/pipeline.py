@@ -330,7 +330,7 @@ class Pipeline:
     def enable_graphs(self, reason: str) -> None:
         mod = self._stage("graphs")
         self.graphed, r = mod.apply(self._decode_whole_raw, self.device)
-        self._graphs_epoch = weights_epoch()
+        self._graphs_epoch = weights_epoch(self.model)
         r.detail += f" ({reason})"
         self._record(r)
 
@@ -368,9 +368,9 @@ class Pipeline:
             self._tiling_report(info, stats)
             return out
         try:
-            if self.graphed is not None and self._graphs_epoch != weights_epoch():
+            if self.graphed is not None and self._graphs_epoch != weights_epoch(self.model):
                 self.graphed.reset()  # the weights changed (vaeopt.refresh, load_state_dict): capture again
-                self._graphs_epoch = weights_epoch()
+                self._graphs_epoch = weights_epoch(self.model)
             fn = self.graphed or self._decode_whole_raw
             return fn(z)
         except torch.cuda.OutOfMemoryError:

@@ -105,10 +105,10 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
     if family.is_video:
         return _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
     whole = estimate_whole(family, model, latent_shape, dtype)
-    if budget is None and family.cls_name == "AutoencoderKL" and tiling != "off" and whole > _host_budget():
-        # CPU: a decode that would not fit in host memory is tiled like one on the GPU (a 3072² SDXL image needs
-        # ~47 GB whole); one that fits stays whole
-        budget, why = _host_budget(), "half of the available host memory"
+    if budget is None and family.cls_name == "AutoencoderKL" and tiling != "off":
+        host = _host_budget()
+        if whole > host:  # CPU: a decode that would not fit in host memory is tiled like one on the GPU (a 3072²
+            budget, why = host, "half of the available host memory"  # SDXL image needs ~47 GB whole)
     if tile is not None or tiling == "on":
         t = tile or _largest_tile(family, model, latent_shape, dtype, budget or whole // 2)
         return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t,
@@ -181,6 +181,15 @@ def _video_fixed_bytes(family, model, latent_shape, dtype) -> int:
 
 
 def _host_budget() -> int:
+    """Half the available host memory: /proc/meminfo's MemAvailable (free memory plus the page cache the kernel
+    can drop, e.g. a checkpoint just read), else free pages, else 4 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
     except (ValueError, OSError, AttributeError):

@@ -70,7 +70,8 @@ def apply(model: nn.Module, **_) -> StageResult:
             else:
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
             if getattr(m, "_vaeopt_cl_sd_hook", None) is None:
-                m._vaeopt_cl_sd_hook = m.register_state_dict_post_hook(_contiguous_state)
+                reg = getattr(m, "register_state_dict_post_hook", None) or m._register_state_dict_hook  # torch < 2.5
+                m._vaeopt_cl_sd_hook = reg(_contiguous_state)
             n2 += isinstance(m, nn.Conv2d)
             n3 += isinstance(m, nn.Conv3d)
     # The decoder's input arrives NCHW from the caller: relayout once at the entry.
