@@ -241,8 +241,7 @@ class _WanChunkDecode:
         w = v.post_quant_conv.weight  # where the model is now (it may have moved since optimize)
         plan = planner.plan_decode(self.family, v, tuple(z.shape), w.dtype, w.device)
         with torch.no_grad():
-            out = video.decode_video(v, z, chunk=plan.chunk or 1, oom_retry=True, info={},
-                                     **Pipeline.video_tiling_kwargs(plan))
+            out = video.decode_video(v, z, **Pipeline._video_kwargs(plan, {}))  # as `vaeopt decode` runs a clip
         return DecoderOutput(sample=out) if return_dict else (out,)
 
 
@@ -296,7 +295,7 @@ def output_kind(path: Path, is_video: bool) -> str:
 def _latents_in(lf: lat.LatentFile, fam) -> int:
     """How many of the file's tensors (all of them, before --key chose one) can be latents for this VAE."""
     try:
-        return len(_latent_entries(dataclasses.replace(lf, entries=lf.all_entries or lf.entries), fam, None))
+        return len(_latent_entries(dataclasses.replace(lf, entries=lf.all_entries), fam, None))
     except LatentError:  # none fits: the chosen tensor's own error is reported when it is validated
         return 0
 

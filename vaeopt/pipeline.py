@@ -368,9 +368,9 @@ class Pipeline:
             self._tiling_report(info, stats)
             return out
         try:
-            if self.graphed is not None and self._graphs_epoch != weights_epoch(self.model):
-                self.graphed.reset()  # the weights changed (vaeopt.refresh, load_state_dict): capture again
-                self._graphs_epoch = weights_epoch(self.model)
+            if self.graphed is not None and (now := weights_epoch(self.model)) != self._graphs_epoch:
+                self.graphed.reset()  # the weights changed (in place, vaeopt.refresh, load_state_dict): capture again
+                self._graphs_epoch = now
             fn = self.graphed or self._decode_whole_raw
             return fn(z)
         except torch.cuda.OutOfMemoryError:
@@ -401,10 +401,11 @@ class Pipeline:
             return {}
         return {"tile": plan.tile, "split": plan.split, "storage": plan.storage or "device"}
 
-    def _video_kwargs(self, plan: planner.Plan, info: dict) -> dict:
+    @staticmethod
+    def _video_kwargs(plan: planner.Plan, info: dict) -> dict:
         # oom_retry: a CUDA out-of-memory error restarts the clip with a smaller plan (vaeopt.video_tiling: tile,
         # then chunk, then host caches; never the same plan twice); frames already handed out are not repeated.
-        return {"chunk": plan.chunk or 1, "oom_retry": True, "info": info, **self.video_tiling_kwargs(plan)}
+        return {"chunk": plan.chunk or 1, "oom_retry": True, "info": info, **Pipeline.video_tiling_kwargs(plan)}
 
     def _video_report(self, info: dict, stats: DecodeStats | None) -> None:
         if not info or stats is None:

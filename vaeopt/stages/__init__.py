@@ -95,10 +95,10 @@ def refresh_weights(*_) -> None:
     _EPOCH += 1
 
 
-def weights_epoch(model=None) -> tuple:
-    """The refresh epoch, and with a model the sum of its parameters' version counters: any counted in-place edit
-    raises the sum (counters only grow). What captured CUDA graphs, which hold derived weights, are checked against."""
-    return (_EPOCH, sum(p._version for p in model.parameters() if not p.is_inference()) if model is not None else 0)
+def weights_epoch(model) -> tuple:
+    """The refresh epoch and the sum of the model's parameters' version counters: any counted in-place edit raises
+    the sum (counters only grow). What captured CUDA graphs, which hold derived weights, are checked against."""
+    return (_EPOCH, sum(p._version for p in model.parameters() if not p.is_inference()))
 
 
 def watch_loads(model) -> None:
