@@ -218,3 +218,29 @@ def test_json_and_plot_replace_only_their_own_files(tmp_path, samples_dir):
         r = runner.invoke(app, base + ["--json", str(out), "--plot", str(chart)])
         assert r.exit_code == 0, r.output
     assert r.output.count("(replaced the file that was there)") == 2
+
+
+def test_hunyuan_video_benchmarks_against_diffusers_own_decode(tmp_path):
+    """HunyuanVideo's reference is diffusers' own fp32 decode (vaeopt's chunk decoder is Wan's), every ladder row
+    matches it, and the planner row says it changed nothing for frames that fit."""
+    from vaeopt.families import build_model, get_family
+
+    torch.manual_seed(0)
+    m = build_model(get_family("hunyuanvideo"), block_out_channels=[16, 16, 32, 32], norm_num_groups=8,
+                    layers_per_block=1)
+    m.save_pretrained(tmp_path / "hy")
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["benchmark", str(tmp_path / "hy"), "--shape", "1,16,2,6,6", "--repeats", "1",
+                            "--warmup", "0", "--peers", "tiling", "--json", str(out), "--device", "cpu"],
+                      catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["diffusers fp32 (reference)"]["status"] == "ok"
+    ok = [row for row in rows.values() if row["kind"] == "ladder" and row["status"] == "ok"]
+    assert ok and all(row["psnr_db"] > 90 for row in ok), [(row["name"], row["psnr_db"]) for row in ok]
+    assert rows["+ planner (tile/chunk)"]["status"] == "skipped"
+    assert "whole frames through diffusers' HunyuanVideo decode" in rows["+ planner (tile/chunk)"]["reason"]
+    assert rows["+ attention backend"]["status"] == "ok"
+    # the ladder follows the decode's own choice: channels_last_3d measured slower for HunyuanVideo
+    assert rows["+ channels_last"]["status"] == "skipped" and "1162 ms" in rows["+ channels_last"]["reason"]
+    assert all(s["status"] != "applied" for row in ok for s in row["stages"] if s["name"] == "channels_last")

@@ -190,12 +190,87 @@ def test_hunyuan_video_decodes_through_diffusers():
     lines = []
     pipe = Pipeline(loaded, Options(device="cpu"), log=lines.append)
     plan = pipe.plan(tuple(z.shape))
-    assert plan.mode == "whole" and "covers Wan only" in plan.reason
+    assert plan.mode == "whole" and "whole frames through diffusers' HunyuanVideo decode" in plan.reason
     out, _ = pipe.decode(z, plan)
     assert out.shape == ref.shape == (1, 3, 5, 32, 32)
     assert torch.allclose(out, ref, atol=1e-5)
     frames = list(pipe.iter_video(z, plan))
     assert frames[0].shape == (5, 32, 32, 3) and frames[0].dtype == torch.uint8
+
+
+def _hunyuan_pipe(**opts):
+    from vaeopt.families import FamilySpec
+
+    spec = get_family("hunyuanvideo")
+    torch.manual_seed(0)
+    small = dict(block_out_channels=[16, 16, 32, 32], norm_num_groups=8, layers_per_block=1)
+    model = build_model(spec, **small).eval()
+    loaded = LoadedVAE(model, FamilySpec(spec.name, spec.title, {**spec.config, **small}), "test", None, [], None)
+    lines = []
+    return Pipeline(loaded, Options(device="cpu", **opts), log=lines.append), lines
+
+
+def test_hunyuan_plans_diffusers_tiles_when_whole_frames_do_not_fit():
+    """HunyuanVideo has no exact chunking (its GroupNorms span every frame of a decoder call): over budget the plan is
+    diffusers' own spatial tiles, said to be approximate, the decode matches diffusers' tiled decode with the same
+    tiles, and the model's tiling settings are left as they were."""
+    pipe, _ = _hunyuan_pipe(vram_budget_gb=4)  # the model of a full-size HunyuanVideo: whole 6.4 GB, 256 px 2.9 GB
+    z = torch.randn(1, 16, 2, 48, 48, generator=torch.Generator().manual_seed(0))  # 384 px frames
+    plan = pipe.plan(tuple(z.shape))
+    assert plan.mode == "tiled" and plan.tile == 32, plan
+    assert "diffusers' spatial tiles of 256px with 64px blended overlaps" in plan.reason
+    assert "approximate" in plan.reason and "whole frames would need" in plan.reason
+    # the decode: forced 128 px tiles (--tile is in latent px; a quarter overlap) on 192 px frames, as diffusers'
+    pipe2, _ = _hunyuan_pipe(tile=16)
+    z2 = z[..., :24, :24]
+    plan2 = pipe2.plan(tuple(z2.shape))
+    assert plan2.mode == "tiled" and plan2.tile == 16 and "128px with 32px blended overlaps" in plan2.reason
+    assert "requested" in plan2.reason
+    assert "nothing to tile" in _hunyuan_pipe(tile=32)[0].plan(tuple(z2.shape)).reason  # 256 px >= 192 px frames
+    m = pipe2.model
+    assert not m.use_tiling
+    out, _ = pipe2.decode(z2, plan2)
+    assert not m.use_tiling and m.tile_sample_min_height == 256  # restored
+    m.enable_tiling(tile_sample_min_height=128, tile_sample_min_width=128, tile_sample_stride_height=96,
+                    tile_sample_stride_width=96)
+    with torch.no_grad():
+        ref = m.decode(z2).sample.clamp(-1, 1)
+        m.disable_tiling()
+        whole = m.decode(z2).sample.clamp(-1, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, whole, atol=1e-4)  # the tiles did run (and differ from whole frames)
+
+
+def test_hunyuan_out_of_memory_retries_in_tiles(monkeypatch):
+    pipe, lines = _hunyuan_pipe()
+    z = torch.randn(1, 16, 2, 24, 24, generator=torch.Generator().manual_seed(0))
+    plan = pipe.plan(tuple(z.shape))
+    assert plan.mode == "whole"
+    m = pipe.model
+    real = type(m).decode
+
+    def decode(self, x, *a, **k):  # untiled calls fail as a full GPU would
+        if not self.use_tiling:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(self, x, *a, **k)
+
+    monkeypatch.setattr(type(m), "decode", decode)
+    out, stats = pipe.decode(z, plan)
+    assert out.shape == (1, 3, 5, 192, 192) and torch.isfinite(out).all()
+    # 192 px frames: 256 and 192 px tiles would not tile them, so the retry takes 128 px tiles
+    assert len(stats.retries) == 1 and "decoding again in diffusers' spatial tiles of 128px" in stats.retries[0]
+    assert "(approximate)" in stats.retries[0] and any(s.startswith("↩ out of memory") for s in lines)
+    assert not m.use_tiling
+
+
+def test_hunyuan_skips_channels_last_with_the_measured_reason():
+    from vaeopt.pipeline import HUNYUAN_CL_SKIP
+
+    pipe, _ = _hunyuan_pipe(triton="on")  # fused norms wanted: channels_last would follow for other families
+    cl = next(r for r in pipe.stages if r.name == "channels_last")
+    assert cl.status == "skipped" and cl.detail == HUNYUAN_CL_SKIP
+    assert "1162 ms with it, 581 ms without" in cl.detail
+    assert all(p.is_contiguous() for p in pipe.model.parameters())
 
 
 @pytest.mark.parametrize("conv_kernel,runs", [("off", False), ("on", True)])
@@ -477,3 +552,21 @@ def test_graph_replays_follow_weight_edits(samples_dir):
     with torch.no_grad():
         want = pipe.model.decode(zr.cuda()).sample.float().cpu()
     assert pipe.graphed.captures == 3 and (got - want).abs().max().item() < 1e-3
+
+
+def test_hunyuan_tile_strides_are_whole_latent_pixels(monkeypatch):
+    """diffusers steps its HunyuanVideo tiles by stride // 8 latent px but keeps `stride` output px of each: a stride
+    that is not a multiple of 8 px leaves seams. A 10-latent-px tile gets a 7-latent-px (56 px) stride."""
+    pipe, _ = _hunyuan_pipe()
+    m = pipe.model
+    seen = {}
+    monkeypatch.setattr(m, "decode", lambda z: (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr(m, "enable_tiling", lambda **k: seen.update(k))
+    with pytest.raises(RuntimeError, match="stop"):
+        pipe._hunyuan_tiled(torch.zeros(1, 16, 2, 24, 24), 10)
+    assert seen == {"tile_sample_min_height": 80, "tile_sample_min_width": 80, "tile_sample_stride_height": 56,
+                    "tile_sample_stride_width": 56}
+    from vaeopt.errors import VaeoptError
+
+    with pytest.raises(VaeoptError, match="--chunk: HunyuanVideo decodes through diffusers' own decode"):
+        _hunyuan_pipe(chunk=2)[0].plan((1, 16, 9, 24, 24))

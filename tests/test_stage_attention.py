@@ -47,3 +47,59 @@ def test_probe_keeps_torchs_backend_warnings_out_of_the_console(monkeypatch):
         ok = attention._probe(384, torch.device("cpu"), torch.float32)
     assert caught == []
     assert "flash" not in ok and "math" in ok
+
+
+TINY_HY = dict(block_out_channels=[16, 16, 32, 32], norm_num_groups=8, layers_per_block=1)
+
+
+def test_hunyuan_mid_block_is_frame_causal_without_the_mask(monkeypatch):
+    """HunyuanVideo's mid-block attention: diffusers builds a (frames*h*w)^2 additive mask (19.3 GiB for 16 latent
+    frames of 60x106 in bf16). The stage computes the same frame-causal attention over key prefixes: the decode is
+    the stock one, the mask is never built, and revert restores diffusers. (Causality: the test below.)"""
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuan_video as hy
+
+    torch.manual_seed(0)
+    vae = build_model(get_family("hunyuanvideo"), **TINY_HY).eval()
+    z = torch.randn(1, 16, 3, 4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    r = attention.apply(vae, torch.device("cpu"))
+    assert r.status == "applied" and r.data["frame_causal"] == 1, r.line()
+    assert "frame-causal attention" in r.line() and "mask" in r.line() and "SDPA uses" not in r.line()
+
+    def no_mask(*a, **k):
+        raise AssertionError("the (T*H*W)^2 mask was built")
+
+    monkeypatch.setattr(hy, "prepare_causal_attention_mask", no_mask)
+    with torch.no_grad():
+        out = vae.decode(z).sample
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert attention.apply(vae, torch.device("cpu")).data["frame_causal"] == 1  # a second apply patches nothing twice
+    attention.revert(vae)
+    monkeypatch.undo()
+    with torch.no_grad():
+        torch.testing.assert_close(vae.decode(z).sample, ref, atol=0, rtol=0)
+
+
+def test_frame_causal_attention_equals_the_masked_one():
+    """The attention step alone against diffusers' processor with prepare_causal_attention_mask, with a norm-free
+    attention so that causality shows exactly: editing frame 2 leaves frames 0 and 1 bitwise unchanged."""
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import prepare_causal_attention_mask
+
+    torch.manual_seed(0)
+    attn = Attention(32, heads=1, dim_head=32, residual_connection=True, bias=True, upcast_softmax=True,
+                     _from_deprecated_attn_block=True).eval()
+    x = torch.randn(2, 32, 4, 3, 5)
+    B, _, T, H, W = x.shape
+    with torch.no_grad():
+        tok = x.permute(0, 2, 3, 4, 1).flatten(1, 3)
+        mask = prepare_causal_attention_mask(T, H * W, tok.dtype, tok.device, batch_size=B)
+        ref = attn(tok, attention_mask=mask).unflatten(1, (T, H, W)).permute(0, 4, 1, 2, 3)
+        out = attention.frame_causal_attention(attn, x)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        x2 = x.clone()
+        x2[:, :, 2:] = torch.randn_like(x2[:, :, 2:])
+        out2 = attention.frame_causal_attention(attn, x2)
+    assert torch.equal(out2[:, :, :2], out[:, :, :2])
+    assert not torch.equal(out2[:, :, 2:], out[:, :, 2:])

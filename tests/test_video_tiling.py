@@ -324,11 +324,30 @@ def test_oom_shrinks_and_output_matches(wan21, z21, refs21, monkeypatch):
 def test_impossible_requests(wan21, z21):
     with pytest.raises(VaeoptError, match="halo of 10px"):
         video.decode_video(wan21, z21, 1, tile=(2, 6), split=2)  # 2 latent rows < 10 px / 4 at split 2
+
+
+def test_hunyuan_tile_is_diffusers_tiles_and_long_clips_plan_one_temporal_tile():
+    """HunyuanVideo takes --tile as diffusers' own spatial tiles (it has no exact tiler), and the estimate of a long
+    clip is that of one of diffusers' temporal tiles (5 latent frames), not of the whole clip."""
     spec = get_family("hunyuanvideo")
     with torch.device("meta"):
         m = build_model(spec)
-    with pytest.raises(VaeoptError, match="covers Wan"):
-        planner.plan_decode(spec, m, (1, 16, 5, 32, 32), torch.bfloat16, torch.device("cpu"), tile=16)
+    p = planner.plan_decode(spec, m, (1, 16, 5, 32, 32), torch.bfloat16, torch.device("cpu"), tile=16)
+    assert p.mode == "tiled" and p.tile == 16 and "diffusers' spatial tiles of 128px" in p.reason
+    short = planner.plan_decode(spec, m, (1, 16, 5, 60, 106), torch.bfloat16, torch.device("cpu"),
+                                vram_budget_gb=70)
+    long = planner.plan_decode(spec, m, (1, 16, 31, 60, 106), torch.bfloat16, torch.device("cpu"),
+                               vram_budget_gb=70)
+    assert short.mode == long.mode == "whole" and short.chunk == long.chunk == 5
+    assert "temporal tiles of 5 latent frames" in long.reason
+    # measured on an H100 (h100_hunyuan_2026-11-22.json): 21.98 / 22.52 GiB above the weights at 5 / 31 latent frames
+    w = planner._weights_bytes(m, torch.bfloat16)
+    assert 21.0 < (short.est_bytes - w) / 2**30 < 24.0 and 21.5 < (long.est_bytes - w) / 2**30 < 24.5
+    tight = planner.plan_decode(spec, m, (1, 16, 31, 60, 106), torch.bfloat16, torch.device("cpu"),
+                                vram_budget_gb=8)
+    assert tight.mode == "tiled" and tight.tile == 32 and tight.est_bytes <= 8 * 2**30
+    # diffusers' 256 px tiles over 121 frames peaked at 4.18 GiB above the weights (h100_hunyuan_2026-11-22.json)
+    assert 3.9 < (tight.est_bytes - w) / 2**30 < 4.6
 
 
 # --- planner ---------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
     "wan21-480p": ("wan21", (1, 16, 21, 60, 104)),
     "wan21-720p": ("wan21", (1, 16, 21, 90, 160)),
     "wan22-720p": ("wan22", (1, 48, 31, 44, 80)),
+    "hunyuan-480p": ("hunyuanvideo", (1, 16, 16, 60, 106)),  # 61 frames at 480x848
     "taesd-1024": ("taesd", (1, 4, 128, 128)),
 }
 
@@ -242,11 +243,11 @@ def _reference_fn(b: Bench) -> Callable[[], torch.Tensor]:
     without the growing torch.cat that makes diffusers' fp32 decode need 39 GiB at wan21-480p."""
     model = b.fresh_model(torch.float32)
     z = b.z.to(b.device, torch.float32)
-    if b.spec.is_video:
+    if b.spec.cls_name == "AutoencoderKLWan":
         from vaeopt import video
 
         return lambda: video.decode_video(model, z, chunk=1)
-    return lambda: model.decode(z).sample
+    return lambda: model.decode(z).sample  # HunyuanVideo too: diffusers' decode (in its temporal tiles)
 
 
 def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Callable[[], Callable]:
@@ -373,7 +374,8 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
     log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
-    ref_name = "fp32 reference (chunk-1 = diffusers)" if spec.is_video else "diffusers fp32 (reference)"
+    wan = spec.cls_name == "AutoencoderKLWan"
+    ref_name = "fp32 reference (chunk-1 = diffusers)" if wan else "diffusers fp32 (reference)"
     ref_row = b.run(ref_name, "reference", lambda: _reference_fn(b))
     if ref_row.status != "ok":
         raise VaeoptError(f"the fp32 reference decode failed ({ref_row.reason}); use a smaller --shape")
@@ -397,13 +399,20 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             rows.append(Row(name, "ladder", status="skipped", reason="not requested (--fp8)"))
             acc["fp8"] = "off"
             continue
+        if name == "+ channels_last" and spec.cls_name == "AutoencoderKLHunyuanVideo":
+            from vaeopt.pipeline import HUNYUAN_CL_SKIP  # the decode's auto choice, not the row's forced "on"
+
+            rows.append(Row(name, "ladder", status="skipped", reason=HUNYUAN_CL_SKIP))
+            log(f"  {_fmt_row(rows[-1])}")
+            acc["channels_last"] = "off"
+            continue
         make = _ladder_fn(b, dict(acc), tuned)
         if ladder_hook is not None:
             make = ladder_hook(name, make)
         r = b.run(name, "ladder", make, log_row=False)  # logged below, once it is known whether the stage ran
         plan = next((s for s in r.stages if s["name"] == "plan"), None)
-        if name == "+ planner (tile/chunk)" and plan and (plan["detail"].startswith("whole decode")
-                                                         or plan["detail"].startswith("chunk 1 ")):
+        if name == "+ planner (tile/chunk)" and plan and plan["detail"].startswith(("whole decode", "chunk 1 ",
+                                                                                    "whole frames")):
             r.status, r.reason = "skipped", f"nothing to change: {plan['detail']}"
         # a stage that reported "skipped" did nothing: show the row as skipped with its reason (the Triton conv row
         # also carries FP8 level 3, whose e4m3 convs are Triton kernels: it counts when those ran)

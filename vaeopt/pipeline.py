@@ -32,6 +32,13 @@ GRAPH_MIN_REPEATS = 12
 GRAPH_MAX_PIXELS = 512 * 512 * 2
 
 
+_HUNYUAN = "AutoencoderKLHunyuanVideo"
+# measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/perf-notes.md E39)
+HUNYUAN_CL_SKIP = ("HunyuanVideo's causal convs pad with F.pad(mode='replicate'), which returns NCDHW, so with "
+                   "channels_last_3d weights every conv converts its input and output (measured on an H100, 17 frames "
+                   "at 480x848: 1162 ms with it, 581 ms without; --channels-last on to force)")
+
+
 @dataclass
 class Options:
     device: str | None = None
@@ -154,6 +161,8 @@ class Pipeline:
         cl_mod = self._stage("channels_last")
         if o.channels_last == "off":
             self._record(StageResult.skipped("channels_last", "off"))
+        elif o.channels_last == "auto" and fam.cls_name == _HUNYUAN:
+            self._record(StageResult.skipped("channels_last", HUNYUAN_CL_SKIP))
         elif o.channels_last == "auto" and cl_mod.alone_pays(self.device) and not want_fused:
             r = cl_mod.apply(self.model)
             r.detail += f" (CPU: {cl_mod.CPU_MEASURED})"
@@ -423,12 +432,54 @@ class Pipeline:
         from vaeopt import video
 
         if self.family.cls_name != "AutoencoderKLWan":
-            # vaeopt.video's exact chunk decoder covers Wan; other video VAEs (HunyuanVideo) use diffusers' decode
-            return self.model.decode(z).sample.clamp(-1, 1)
+            # vaeopt.video's exact chunk decoder covers Wan; HunyuanVideo runs diffusers' decode (planner._plan_hunyuan)
+            return self._decode_hunyuan(z, plan, stats)
         info: dict = {}
         out = video.decode_video(self.model, z, **self._video_kwargs(plan, info))
         self._video_report(info, stats)
         return out
+
+    def _decode_hunyuan(self, z, plan: planner.Plan, stats: DecodeStats | None) -> torch.Tensor:
+        """diffusers' HunyuanVideo decode, in its spatial tiles where the plan says so; an untiled decode that runs
+        out of memory is decoded again in tiles (the largest whose estimate is half the failed one), where the frames
+        are larger than a tile (else the error stands)."""
+        if plan.mode == "tiled":
+            return self._hunyuan_tiled(z, plan.tile)
+        f = self.family.spatial_factor
+        sides = [s for s in planner.HUNYUAN_TILES if s // f < max(z.shape[-2:])]
+        try:
+            return self.model.decode(z).sample.clamp(-1, 1)
+        except torch.cuda.OutOfMemoryError:
+            if not sides:
+                raise
+        # retried outside the except block: its traceback would keep the failed attempt's tensors alive
+        torch.cuda.empty_cache()
+        half = plan.est_bytes // 2
+        side = next((s for s in sides if planner.estimate_hunyuan(
+            self.family, self.model, tuple(z.shape), self.dtype, s) <= half), sides[-1])
+        msg = (f"out of memory in the untiled decode (est. {planner.gib(plan.est_bytes)}): decoding again in "
+               f"diffusers' spatial tiles of {side}px (approximate)")
+        if stats is not None:
+            stats.retries.append(msg)
+        self.log("↩ " + msg)
+        return self._hunyuan_tiled(z, side // f)
+
+    def _hunyuan_tiled(self, z, tile: int) -> torch.Tensor:
+        """diffusers' tiled HunyuanVideo decode with tile sides of `tile` latent px, a quarter overlap
+        (planner.hunyuan_stride), the model's own tiling settings restored afterwards."""
+        m = self.model
+        keys = ("use_tiling", "tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
+                "tile_sample_stride_width")
+        saved = {k: getattr(m, k) for k in keys}
+        f = self.family.spatial_factor
+        side, stride = tile * f, planner.hunyuan_stride(tile) * f
+        m.enable_tiling(tile_sample_min_height=side, tile_sample_min_width=side,
+                        tile_sample_stride_height=stride, tile_sample_stride_width=stride)
+        try:
+            return m.decode(z).sample.clamp(-1, 1)
+        finally:
+            for k, v in saved.items():
+                setattr(m, k, v)
 
     def iter_video(self, z_raw: torch.Tensor, plan: planner.Plan,
                    stats: DecodeStats | None = None) -> Iterator[torch.Tensor]:
@@ -439,7 +490,7 @@ class Pipeline:
         z = z_raw.to(self.device, self.dtype)
         with torch.inference_mode():
             if self.family.cls_name != "AutoencoderKLWan":
-                y = self._decode_video(z, plan, None)
+                y = self._decode_video(z, plan, None, stats)
                 if count_nonfinite(y):  # uint8 would turn NaN/Inf into black pixels
                     from vaeopt.errors import DecodeError
 

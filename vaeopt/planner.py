@@ -212,18 +212,101 @@ def _tile_words(family, model, latent_shape, p, device, requested: bool = False)
             f"resolution), one causal cache per tile on {where}")
 
 
+# HunyuanVideo's spatial tile sides (output px) for diffusers' tiled decode, largest first: its default (256, blended
+# over 64 px), then smaller ones where that does not fit the budget.
+HUNYUAN_TILES = (256, 192, 128)
+
+
+def hunyuan_call_frames(model, t_lat: int) -> int:
+    """Latent frames per decoder call of diffusers' HunyuanVideo decode: with its framewise decoding (on by default)
+    a clip longer than tile_sample_min_num_frames // 4 latent frames runs as temporal tiles of that many + 1."""
+    if getattr(model, "use_framewise_decoding", False):
+        n = model.tile_sample_min_num_frames // model.temporal_compression_ratio
+        if t_lat > n:
+            return n + 1
+    return t_lat
+
+
+def hunyuan_stride(tile: int) -> int:
+    """Latent px between diffusers' HunyuanVideo spatial tiles of `tile` latent px: three quarters of a tile. diffusers
+    steps by stride // 8 latent px but keeps `stride` output px of each tile, so the stride it is given must be
+    this many latent px times 8 (a side of 10 latent px with a stride of 60 px would leave 4-px seams)."""
+    return max(1, tile * 3 // 4)
+
+
+def estimate_hunyuan(family, model, latent_shape, dtype, side: int | None) -> int:
+    """Peak bytes of diffusers' HunyuanVideo decode: one decoder call of hunyuan_call_frames latent frames over the
+    whole frame (side None) or over one spatial tile of side x side output px, plus what it keeps of the clip: each
+    temporal tile's frames (all of them, until the end) and the concatenated output."""
+    n, c, t_lat, h, w = latent_shape
+    k = hunyuan_call_frames(model, t_lat)
+    if side is not None:
+        s = side // family.spatial_factor
+        h, w = min(h, s), min(w, s)
+    est = estimate_whole(family, model, (n, c, t_lat, h, w), dtype, k)
+    eb = torch.tensor([], dtype=dtype).element_size()
+    H, W = latent_shape[-2] * family.spatial_factor, latent_shape[-1] * family.spatial_factor
+    frames_out = family.output_frames(t_lat)
+    kept = frames_out
+    if k < t_lat:  # temporal tiles every stride latent frames, each of output_frames(k) frames
+        stride = max(1, model.tile_sample_stride_num_frames // model.temporal_compression_ratio)
+        kept = -(-t_lat // stride) * family.output_frames(k)
+    px = H * W * 3 * eb * n
+    est += (kept + frames_out) * px - frames_out * h * w * family.spatial_factor**2 * 3 * eb * n
+    return est
+
+
+def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling, chunk=None) -> Plan:
+    """HunyuanVideo runs diffusers' own decode. Its GroupNorms take statistics over all frames of a decoder call, so
+    no exact chunking exists (vaeopt.video's causal chunks need per-frame norms, as Wan's); diffusers already splits
+    long clips into blended temporal tiles by default. Here: whole frames when they fit the budget, else diffusers'
+    spatial tiles (approximate, like its temporal ones: each tile normalizes with its own statistics)."""
+    t_lat, (h, w) = latent_shape[2], latent_shape[-2:]
+    k = hunyuan_call_frames(model, t_lat)
+    if chunk is not None:
+        raise VaeoptError(f"--chunk: HunyuanVideo decodes through diffusers' own decode"
+                          f"{f', in its temporal tiles of {k} latent frames' if k < t_lat else ''}; its GroupNorms "
+                          "take statistics over every frame of a call, so it has no exact chunks to choose")
+    how = "diffusers' HunyuanVideo decode" + (f", in its temporal tiles of {k} latent frames" if k < t_lat else "")
+    whole = estimate_hunyuan(family, model, latent_shape, dtype, None)
+    forced = tile is not None or tiling == "on"
+    # diffusers tiles a frame only where it is larger than the tile
+    sides = [tile * family.spatial_factor] if tile is not None else list(HUNYUAN_TILES)
+    sides = [s for s in sides if s // family.spatial_factor < max(h, w)]
+    if not sides or (not forced and (budget is None or whole <= budget or tiling == "off")):
+        if not sides and (forced or (budget is not None and whole > budget and tiling != "off")):
+            small = tile * family.spatial_factor if tile is not None else HUNYUAN_TILES[-1]
+            reason = (f"whole frames through {how}: {w * family.spatial_factor}x{h * family.spatial_factor}px frames "
+                      f"are no larger than a {small}px tile, so there is nothing to tile (est. {gib(whole)}"
+                      + (f" of {gib(budget)} budget, {why})" if budget is not None else ")"))
+        elif budget is None:
+            reason = f"whole frames through {how} (est. {gib(whole)}; {why}: memory not planned)"
+        elif whole <= budget:
+            reason = f"whole frames through {how}: est. {gib(whole)} of {gib(budget)} budget ({why})"
+        else:
+            reason = f"whole frames through {how} (tiling off) although est. {gib(whole)} > {gib(budget)} budget"
+        return Plan("whole", budget, whole, chunk=k, reason=reason)
+    for side in sides:
+        est = estimate_hunyuan(family, model, latent_shape, dtype, side)
+        if budget is None or est <= budget:
+            break
+    t = side // family.spatial_factor
+    overlap = (t - hunyuan_stride(t)) * family.spatial_factor
+    fits = "requested" if tile is not None else ("tiling forced" if tiling == "on" else (
+        f"est. {gib(est)} of {gib(budget)} budget ({why}); whole frames would need {gib(whole)}" if est <= budget
+        else f"the smallest tile, est. {gib(est)} > {gib(budget)} budget ({why})"))
+    return Plan("tiled", budget, est, tile=t, chunk=k,
+                reason=f"diffusers' spatial tiles of {side}px with {overlap}px blended overlaps through {how} "
+                       f"(approximate: each tile normalizes with its own statistics): {fits}")
+
+
 def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=None, tiling="auto",
                 device=None) -> Plan:
     from vaeopt import video_tiling as vt
 
     t_lat = latent_shape[2]
     if family.cls_name != "AutoencoderKLWan":
-        if tile is not None or tiling == "on":
-            raise VaeoptError(f"--tile / --tiling on: spatial tiling of video covers Wan (AutoencoderKLWan) only; "
-                              f"{family.cls_name} decodes through diffusers (no --tile)")
-        est = estimate_whole(family, model, latent_shape, dtype, t_lat)
-        return Plan("whole", budget, est, reason=f"whole clip through diffusers' {family.cls_name}.decode (vaeopt's "
-                                                 f"chunked video decoder covers Wan only): est. {gib(est)}")
+        return _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling, chunk)
     hw = tuple(latent_shape[-2:])
     host = device is not None and torch.device(device).type == "cuda"  # pinned host caches need a CUDA device
     top = MAX_CHUNK_WAN22 if getattr(getattr(model, "config", None), "is_residual", False) else MAX_CHUNK
