@@ -4,6 +4,7 @@ of the user's console."""
 
 import warnings
 
+import pytest
 import torch
 
 from vaeopt.families import build_model, get_family
@@ -103,3 +104,33 @@ def test_frame_causal_attention_equals_the_masked_one():
         out2 = attention.frame_causal_attention(attn, x2)
     assert torch.equal(out2[:, :, :2], out[:, :, :2])
     assert not torch.equal(out2[:, :, 2:], out[:, :, 2:])
+
+
+@pytest.mark.gpu
+def test_frame_causal_attention_on_the_gpu_matches_the_masked_one():
+    """bf16 on CUDA with HunyuanVideo's real head dim (512): the prefix attention runs the Triton softmax of
+    chunked_attention; against diffusers' masked SDPA, both compared to an fp32 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import prepare_causal_attention_mask
+
+    torch.manual_seed(0)
+    attn = Attention(512, heads=1, dim_head=512, eps=1e-6, norm_num_groups=32, residual_connection=True, bias=True,
+                     upcast_softmax=True, _from_deprecated_attn_block=True).cuda().eval()
+    x = torch.randn(1, 512, 5, 12, 20, device="cuda")
+    B, _, T, H, W = x.shape
+
+    def masked(a, x):
+        tok = x.permute(0, 2, 3, 4, 1).flatten(1, 3)
+        mask = prepare_causal_attention_mask(T, H * W, tok.dtype, tok.device, batch_size=B)
+        return a(tok, attention_mask=mask).unflatten(1, (T, H, W)).permute(0, 4, 1, 2, 3)
+
+    with torch.no_grad():
+        ref = masked(attn, x)
+        attn16 = attn.to(torch.bfloat16)
+        stock = masked(attn16, x.bfloat16()).float()
+        ours = attention.frame_causal_attention(attn16, x.bfloat16()).float()
+    err_stock = (stock - ref).abs().max().item()
+    err_ours = (ours - ref).abs().max().item()
+    assert err_ours <= max(2 * err_stock, 0.05), (err_ours, err_stock)
