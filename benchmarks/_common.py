@@ -14,17 +14,21 @@ from vaeopt.loading import LoadedVAE  # noqa: E402
 from vaeopt.pipeline import Options, Pipeline  # noqa: E402
 
 
-def make_pipe(fam: str, seed: int = 0, **opts) -> Pipeline:
-    """Random N(0, 0.02) weights (timing equals real weights); Options default to CUDA, bf16, graphs/tiling off."""
-    spec = get_family(fam)
+def random_model(fam: str, seed: int = 0) -> torch.nn.Module:
+    """The family's full-size model on the CPU with random N(0, 0.02) weights (timing equals real weights)."""
     torch.manual_seed(seed)
     with torch.device("meta"):
-        m = build_model(spec)
+        m = build_model(get_family(fam))
     m = m.to_empty(device="cpu")
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    return m
+
+
+def make_pipe(fam: str, seed: int = 0, **opts) -> Pipeline:
+    """random_model in vaeopt's pipeline; Options default to CUDA, bf16, graphs/tiling off."""
     o = {"device": "cuda", "dtype": "bf16", "graphs": "off", "tiling": "off", **opts}
-    return Pipeline(LoadedVAE(m, spec, "random", None, [], None), Options(**o))
+    return Pipeline(LoadedVAE(random_model(fam, seed), get_family(fam), "random", None, [], None), Options(**o))
 
 
 def event_ms(fn, reps: int = 20, warmup: int = 3) -> float:

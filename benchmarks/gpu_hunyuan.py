@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import out_dir, run_meta, timed  # noqa: E402
+from _common import out_dir, random_model, run_meta, timed  # noqa: E402
 
-from vaeopt.families import build_model, get_family  # noqa: E402
+from vaeopt.families import get_family  # noqa: E402
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.loading import LoadedVAE  # noqa: E402
 from vaeopt.pipeline import Options, Pipeline  # noqa: E402
@@ -40,13 +40,7 @@ args = ap.parse_args()
 h, w = (int(v) for v in args.hw.split(","))
 
 spec = get_family("hunyuanvideo")
-torch.manual_seed(0)
-with torch.device("meta"):
-    base = build_model(spec)
-base = base.to_empty(device="cpu")
-for p in base.parameters():
-    torch.nn.init.normal_(p, std=0.02)
-base.eval()
+base = random_model("hunyuanvideo").eval()
 
 
 def is_oom(e: BaseException) -> bool:

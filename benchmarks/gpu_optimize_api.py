@@ -23,12 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import out_dir, run_meta, timed  # noqa: E402
+from _common import out_dir, random_model, run_meta, timed  # noqa: E402
 
 import vaeopt  # noqa: E402
 from vaeopt import video  # noqa: E402
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
-from vaeopt.families import build_model, get_family  # noqa: E402
 from vaeopt.fidelity import psnr  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -51,12 +50,7 @@ result = {**run_meta(" ".join(["python3"] + sys.argv)), "repeats": args.repeats,
 rows = []
 for wl in args.workloads.split(","):
     fam, shape = WORKLOADS[wl]
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        base = build_model(get_family(fam))
-    base = base.to_empty(device="cpu")
-    for p in base.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    base = random_model(fam)
     z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         ref_model = copy.deepcopy(base).cuda().eval()

@@ -371,6 +371,8 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
 
 def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
                    log, workload, command, model_overrides, ladder_hook, gate_db, tuned) -> dict:
+    from vaeopt.pipeline import channels_last_veto
+
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
     log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
@@ -399,10 +401,8 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             rows.append(Row(name, "ladder", status="skipped", reason="not requested (--fp8)"))
             acc["fp8"] = "off"
             continue
-        if name == "+ channels_last" and spec.cls_name == "AutoencoderKLHunyuanVideo":
-            from vaeopt.pipeline import HUNYUAN_CL_SKIP  # the decode's auto choice, not the row's forced "on"
-
-            rows.append(Row(name, "ladder", status="skipped", reason=HUNYUAN_CL_SKIP))
+        if name == "+ channels_last" and (veto := channels_last_veto(spec)):  # the decode's auto choice, not the
+            rows.append(Row(name, "ladder", status="skipped", reason=veto))  # row's forced "on"
             log(f"  {_fmt_row(rows[-1])}")
             acc["channels_last"] = "off"
             continue

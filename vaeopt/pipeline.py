@@ -32,11 +32,16 @@ GRAPH_MIN_REPEATS = 12
 GRAPH_MAX_PIXELS = 512 * 512 * 2
 
 
-_HUNYUAN = "AutoencoderKLHunyuanVideo"
 # measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/perf-notes.md E39)
 HUNYUAN_CL_SKIP = ("HunyuanVideo's causal convs pad with F.pad(mode='replicate'), which returns NCDHW, so with "
                    "channels_last_3d weights every conv converts its input and output (measured on an H100, 17 frames "
                    "at 480x848: 1162 ms with it, 581 ms without; --channels-last on to force)")
+
+
+def channels_last_veto(family) -> str | None:
+    """Why channels_last stays off in auto mode for this family whatever the other stages (None: no such reason):
+    what the pipeline logs, and what the benchmark ladder's channels_last row follows instead of forcing it on."""
+    return HUNYUAN_CL_SKIP if family.cls_name == "AutoencoderKLHunyuanVideo" else None
 
 
 @dataclass
@@ -161,8 +166,8 @@ class Pipeline:
         cl_mod = self._stage("channels_last")
         if o.channels_last == "off":
             self._record(StageResult.skipped("channels_last", "off"))
-        elif o.channels_last == "auto" and fam.cls_name == _HUNYUAN:
-            self._record(StageResult.skipped("channels_last", HUNYUAN_CL_SKIP))
+        elif o.channels_last == "auto" and (veto := channels_last_veto(fam)):
+            self._record(StageResult.skipped("channels_last", veto))
         elif o.channels_last == "auto" and cl_mod.alone_pays(self.device) and not want_fused:
             r = cl_mod.apply(self.model)
             r.detail += f" (CPU: {cl_mod.CPU_MEASURED})"
@@ -445,24 +450,21 @@ class Pipeline:
         are larger than a tile (else the error stands)."""
         if plan.mode == "tiled":
             return self._hunyuan_tiled(z, plan.tile)
-        f = self.family.spatial_factor
-        sides = [s for s in planner.HUNYUAN_TILES if s // f < max(z.shape[-2:])]
         try:
             return self.model.decode(z).sample.clamp(-1, 1)
         except torch.cuda.OutOfMemoryError:
-            if not sides:
+            tiles = planner.hunyuan_tile(self.family, self.model, tuple(z.shape), self.dtype, plan.est_bytes // 2)
+            if tiles is None:
                 raise
         # retried outside the except block: its traceback would keep the failed attempt's tensors alive
         torch.cuda.empty_cache()
-        half = plan.est_bytes // 2
-        side = next((s for s in sides if planner.estimate_hunyuan(
-            self.family, self.model, tuple(z.shape), self.dtype, s) <= half), sides[-1])
+        side = tiles[0]
         msg = (f"out of memory in the untiled decode (est. {planner.gib(plan.est_bytes)}): decoding again in "
                f"diffusers' spatial tiles of {side}px (approximate)")
         if stats is not None:
             stats.retries.append(msg)
         self.log("↩ " + msg)
-        return self._hunyuan_tiled(z, side // f)
+        return self._hunyuan_tiled(z, side // self.family.spatial_factor)
 
     def _hunyuan_tiled(self, z, tile: int) -> torch.Tensor:
         """diffusers' tiled HunyuanVideo decode with tile sides of `tile` latent px, a quarter overlap

@@ -256,6 +256,20 @@ def estimate_hunyuan(family, model, latent_shape, dtype, side: int | None) -> in
     return est
 
 
+def hunyuan_tile(family, model, latent_shape, dtype, budget: int | None,
+                 sides=HUNYUAN_TILES) -> tuple[int, int] | None:
+    """(side px, est. bytes) of diffusers' spatial tiles for these frames: the first of `sides` whose estimate fits
+    `budget` (None: the first), else the last; None where the frames are no larger than every side (diffusers tiles a
+    frame only where it is larger than the tile, so there is nothing to tile)."""
+    f = family.spatial_factor
+    fitting = [s for s in sides if s // f < max(latent_shape[-2:])]
+    for side in fitting:
+        est = estimate_hunyuan(family, model, latent_shape, dtype, side)
+        if budget is None or est <= budget:
+            break
+    return (side, est) if fitting else None
+
+
 def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling, chunk=None) -> Plan:
     """HunyuanVideo runs diffusers' own decode. Its GroupNorms take statistics over all frames of a decoder call, so
     no exact chunking exists (vaeopt.video's causal chunks need per-frame norms, as Wan's); diffusers already splits
@@ -270,11 +284,10 @@ def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling,
     how = "diffusers' HunyuanVideo decode" + (f", in its temporal tiles of {k} latent frames" if k < t_lat else "")
     whole = estimate_hunyuan(family, model, latent_shape, dtype, None)
     forced = tile is not None or tiling == "on"
-    # diffusers tiles a frame only where it is larger than the tile
-    sides = [tile * family.spatial_factor] if tile is not None else list(HUNYUAN_TILES)
-    sides = [s for s in sides if s // family.spatial_factor < max(h, w)]
-    if not sides or (not forced and (budget is None or whole <= budget or tiling == "off")):
-        if not sides and (forced or (budget is not None and whole > budget and tiling != "off")):
+    tiles = hunyuan_tile(family, model, latent_shape, dtype, budget,
+                         (tile * family.spatial_factor,) if tile is not None else HUNYUAN_TILES)
+    if tiles is None or (not forced and (budget is None or whole <= budget or tiling == "off")):
+        if tiles is None and (forced or (budget is not None and whole > budget and tiling != "off")):
             small = tile * family.spatial_factor if tile is not None else HUNYUAN_TILES[-1]
             reason = (f"whole frames through {how}: {w * family.spatial_factor}x{h * family.spatial_factor}px frames "
                       f"are no larger than a {small}px tile, so there is nothing to tile (est. {gib(whole)}"
@@ -286,10 +299,7 @@ def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling,
         else:
             reason = f"whole frames through {how} (tiling off) although est. {gib(whole)} > {gib(budget)} budget"
         return Plan("whole", budget, whole, chunk=k, reason=reason)
-    for side in sides:
-        est = estimate_hunyuan(family, model, latent_shape, dtype, side)
-        if budget is None or est <= budget:
-            break
+    side, est = tiles
     t = side // family.spatial_factor
     overlap = (t - hunyuan_stride(t)) * family.spatial_factor
     fits = "requested" if tile is not None else ("tiling forced" if tiling == "on" else (
