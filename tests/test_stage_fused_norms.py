@@ -174,3 +174,46 @@ def test_hunyuan_video():
     assert not any(isinstance(m, (nn.GroupNorm, nn.SiLU)) for m in model.decoder.modules())
     torch.testing.assert_close(_decode(model, z), ref, atol=2e-4, rtol=1e-4)
     fused_norms.revert(model)
+
+
+def test_hooked_modules_stay_unfused_and_their_hooks_fire(monkeypatch):
+    """A user's hooks (forward, pre-forward, or a per-instance forward as accelerate / diffusers' offloading and
+    casting install) on norm / SiLU modules: those pairs stay as they are, every hook fires as often as on the stock
+    model with the same tensors, the rest is fused, the decode is unchanged, and the stage line names the modules."""
+    _need("cpu")
+    torch.manual_seed(0)
+    model = build_model(get_family("sdxl"), block_out_channels=[32, 32, 64, 64], norm_num_groups=8).eval()
+    dec = model.decoder
+    seen = {"fwd": [], "pre": [], "inst": []}
+    norm1 = dec.up_blocks[0].resnets[0].norm1
+    norm1.register_forward_hook(lambda m, i, o: seen["fwd"].append(o.detach().clone()))
+    dec.conv_act.register_forward_pre_hook(lambda m, i: seen["pre"].append(i[0].shape))
+    wrapped = dec.up_blocks[1].resnets[1].nonlinearity
+    stock = wrapped.forward
+
+    def instance_forward(x):  # what accelerate's add_hook_to_module does: module.forward replaced per instance
+        seen["inst"].append(x.shape)
+        return stock(x)
+
+    wrapped.forward = instance_forward
+    z = torch.randn(1, 4, 8, 8)
+    ref = _decode(model, z)
+    stock_counts = {k: len(v) for k, v in seen.items()}
+    ref_norm1 = seen["fwd"][0]
+    assert all(stock_counts.values()), stock_counts
+    for v in seen.values():
+        v.clear()
+
+    result = fused_norms.apply(model)
+    assert result.status == "applied"
+    hooked = result.data["hooked"]
+    assert hooked == ["decoder.conv_act", "decoder.up_blocks.0.resnets.0.norm1",
+                      "decoder.up_blocks.1.resnets.1.nonlinearity"], hooked
+    assert "left unfused where modules carry hooks" in result.detail and "decoder.up_blocks.0.resnets.0.norm1" in result.detail
+    assert type(dec.up_blocks[0].resnets[0].norm1) is nn.GroupNorm and type(dec.conv_norm_out) is nn.GroupNorm
+    assert type(dec.up_blocks[0].resnets[1].norm1) is fused_norms.FusedGroupNormSiLU  # the others still fuse
+    out = _decode(model, z)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
+    assert {k: len(v) for k, v in seen.items()} == stock_counts
+    torch.testing.assert_close(seen["fwd"][0], ref_norm1, atol=1e-5, rtol=1e-5)
+    fused_norms.revert(model)

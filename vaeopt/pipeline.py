@@ -44,6 +44,31 @@ def channels_last_veto(family) -> str | None:
     return HUNYUAN_CL_SKIP if family.cls_name == "AutoencoderKLHunyuanVideo" else None
 
 
+STANDARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def move_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """model.to(device, dtype), except that weights in another floating dtype (e.g. float8_e4m3fn) owned by modules
+    with hooks keep that dtype: diffusers' layerwise casting stores them so and casts them per call, and casting
+    them here would undo the memory it saves (and the next call would store them again). -> how many were kept."""
+    from vaeopt.stages import unhooked
+
+    keep = {id(t) for m in model.modules() if not unhooked(m)
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
+            if t.is_floating_point() and t.dtype not in STANDARD_DTYPES}
+    if not keep:
+        model.to(device, dtype)
+        return 0
+    model._apply(lambda t: t.to(device, dtype if t.is_floating_point() and id(t) not in keep else None))
+    return len(keep)
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype a model computes in: its first fp32/bf16/fp16 parameter's (weights stored in fp8 by diffusers'
+    layerwise casting are cast to the compute dtype per call, so they do not say it)."""
+    return next((p.dtype for p in model.parameters() if p.dtype in STANDARD_DTYPES), None)
+
+
 @dataclass
 class Options:
     device: str | None = None
@@ -138,12 +163,14 @@ class Pipeline:
         level = dlog.get_verbosity()
         dlog.set_verbosity_error()  # diffusers warns about `.to(dtype)` on every model; we cast deliberately
         try:
-            self.model.to(self.device, self.dtype)
+            kept = move_weights(self.model, self.device, self.dtype)
         finally:
             dlog.set_verbosity(level)
         self._record(StageResult("precision", "applied",
                                  f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
-                                 f"({time.perf_counter() - t0:.2f} s to move weights)"))
+                                 f"({time.perf_counter() - t0:.2f} s to move weights)" + (
+                                     f"; {kept} weights kept in their storage dtype (the hooks on their layers "
+                                     "cast them per call: diffusers' layerwise casting)" if kept else "")))
         if self.device.type == "cpu" and self.dtype in (torch.float16, torch.bfloat16):
             self.log("! half precision on the CPU: torch's CPU convs are much slower in fp16/bf16 than in fp32 "
                      "(--dtype fp32, the CPU default)")

@@ -322,7 +322,9 @@ class _Act:
 
 
 def _no_hooks(m: nn.Module) -> bool:
-    return not (m._forward_hooks or m._forward_pre_hooks)
+    from vaeopt.stages import unhooked
+
+    return unhooked(m)
 
 
 def _is_plain_conv(m: nn.Module) -> bool:

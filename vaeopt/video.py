@@ -147,7 +147,9 @@ def output_frame_counts(schedule: Sequence[int], temporal_factor: int = 4) -> li
 
 def _unhooked(m: nn.Module) -> bool:
     """No forward hooks or per-instance forward (offloading, FP8 storage...): safe to run on its weights directly."""
-    return "forward" not in m.__dict__ and not m._forward_hooks and not m._forward_pre_hooks
+    from vaeopt.stages import unhooked
+
+    return unhooked(m)
 
 
 def _norm_act_into(norm: nn.Module, act: nn.Module, x: Tensor, out: Tensor) -> None:

@@ -61,6 +61,18 @@ class BoundForward:
         return f"<vaeopt forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
 
 
+def unhooked(m) -> bool:
+    """m runs as its class's forward with nothing around it: no forward (pre-)hooks, and no per-instance `forward`
+    other than vaeopt's own BoundForward patches. accelerate's offload hooks and diffusers' HookRegistry (group
+    offloading, layerwise casting) replace `module.forward` per instance. Code that runs a module's weights
+    directly (fused kernels, derived weights) instead of calling the module takes only such modules; a hooked one is
+    called, or left as it is, so its hooks still fire and see what they expect."""
+    if m._forward_hooks or m._forward_pre_hooks:
+        return False
+    fwd = m.__dict__.get("forward")
+    return fwd is None or isinstance(fwd, BoundForward)
+
+
 def needs_autograd(x, *params) -> bool:
     """Grad mode is on and x or one of the weights needs a gradient. Our kernels (and weights derived once, e.g. phase
     or tap matrices) have no backward: such calls take the torch ops, or autograd would silently drop gradients.
@@ -108,9 +120,25 @@ def watch_loads(model) -> None:
             m._vaeopt_load_hook = m.register_load_state_dict_post_hook(refresh_weights)
 
 
+DERIVED: set[str] = set()  # module attributes that hold derived-weight caches (cached_weight, packed conv weights)
+
+
+def derived(*attrs: str) -> None:
+    """Register module attributes that cache weights derived on the device (for free_derived)."""
+    DERIVED.update(attrs)
+
+
+def free_derived(model) -> None:
+    """Drop every derived-weight cache under model. They are rebuilt on their next use. Used after each decode of a
+    VAE under model CPU offload: its weights come back at a new address every time (so the caches would be rebuilt
+    anyway), and the old ones would otherwise stay on the GPU while the VAE is offloaded."""
+    drop_attrs(model, *DERIVED)
+
+
 def cached_weight(module, attr: str, dtype, make: Callable):
     """make() -- a tensor derived from module.weight in `dtype` -- cached on the module under `attr`, recomputed
     when the weight changes (version, storage, device) or another dtype is asked for."""
+    DERIVED.add(attr)
     w = module.weight
     key = (*weight_version(w), dtype, w.device)
     cached = getattr(module, attr, None)

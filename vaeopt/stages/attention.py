@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vaeopt.stages import BoundForward, StageResult, needs_autograd
+from vaeopt.stages import BoundForward, StageResult, needs_autograd, unhooked
 
 NAME = "attention"
 _MARK = "_vaeopt_frame_causal"  # model attribute: the mid-blocks whose forward this stage replaced
@@ -103,7 +103,7 @@ def _plain_attention(attn) -> bool:
     if attn.spatial_norm is not None or attn.norm_q is not None or attn.norm_k is not None or attn.is_cross_attention:
         return False
     mods = [attn, attn.to_q, attn.to_k, attn.to_v, *attn.to_out]
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+    return all(unhooked(m) for m in mods)
 
 
 def _hunyuan_mid_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import _interpret, triton_available
-from vaeopt.stages import BoundForward, StageResult
+from vaeopt.stages import BoundForward, StageResult, unhooked
 
 NAME = "fused_epilogues"
 _MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
@@ -99,7 +99,7 @@ def _use_kernel(x: torch.Tensor, *params) -> bool:
 
 
 def _no_hooks(m: nn.Module) -> bool:
-    return not (m._forward_hooks or m._forward_pre_hooks)
+    return unhooked(m)
 
 
 def _plain_conv(m) -> bool:
@@ -288,7 +288,7 @@ def _head_static_ok(dec) -> bool:
 
     c = dec.conv_out
     return (_fused_gn(dec.conv_norm_out) and type(dec.conv_act) is nn.Identity and _no_hooks(dec.conv_act)
-            and _plain_conv(c) and "forward" not in c.__dict__ and "forward" not in dec.conv_norm_out.__dict__
+            and _plain_conv(c)
             and c.kernel_size == (3, 3) and c.stride == (1, 1) and c.padding == (1, 1) and c.dilation == (1, 1)
             and c.groups == 1 and fits(c.out_channels, 9) and c.in_channels <= 256)
 

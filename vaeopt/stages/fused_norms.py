@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import triton_available
-from vaeopt.stages import StageResult
+from vaeopt.stages import StageResult, unhooked
 
 NAME = "fused_norms"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -129,22 +129,43 @@ def _same_forward(m: nn.Module, cls: type | None) -> bool:
 
 
 def _is_gn(m) -> bool:
-    return type(m) is nn.GroupNorm
+    return type(m) is nn.GroupNorm and unhooked(m)
 
 
 def _is_silu(m) -> bool:
-    return type(m) is nn.SiLU
+    return type(m) is nn.SiLU and unhooked(m)
 
 
 def _is_wan_rms(m, cls) -> bool:
-    return cls is not None and type(m) is cls and m.channel_first
+    return cls is not None and type(m) is cls and m.channel_first and unhooked(m)
+
+
+# the modules a match replaces: a hook on any of them (a user's forward hook, accelerate / diffusers offloading or
+# casting) leaves the whole pair as it is, so that the hook still fires (the replaced module would never be called)
+_PARTS = {"ResnetBlock2D": ("norm1", "norm2", "nonlinearity"),
+          "HunyuanVideoResnetBlockCausal3D": ("norm1", "norm2", "nonlinearity"),
+          "Decoder": ("conv_norm_out", "conv_act"), "HunyuanVideoDecoder3D": ("conv_norm_out", "conv_act"),
+          "Attention": ("group_norm",), "WanResidualBlock": ("norm1", "norm2", "nonlinearity"),
+          "WanDecoder3d": ("norm_out", "nonlinearity"), "WanAttentionBlock": ("norm",)}
+
+
+def hooked_parts(decoder: nn.Module) -> list[str]:
+    """Names (under the decoder) of the norm / SiLU modules the stage would replace but leaves because they carry
+    hooks. Matched by class name, as _plan matches by class."""
+    out = []
+    for name, m in decoder.named_modules():
+        for attr in _PARTS.get(type(m).__name__, ()):
+            sub = getattr(m, attr, None)
+            if isinstance(sub, nn.Module) and not unhooked(sub):
+                out.append(f"decoder.{name}.{attr}" if name else f"decoder.{attr}")
+    return out
 
 
 def _plan(decoder: nn.Module, attention: bool) -> tuple[list[tuple[nn.Module, str, nn.Module]], dict[str, int]]:
     """-> [(parent, attr, new module)], counts. Pure: builds the replacements, changes nothing."""
     K = _classes()
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
-    n = {"gn_silu": 0, "gn": 0, "rms_silu": 0, "rms": 0}
+    n = {"gn_silu": 0, "gn": 0, "rms_silu": 0, "rms": 0, "hooked": hooked_parts(decoder)}
     for m in decoder.modules():
         if _same_forward(m, K["ResnetBlock2D"]):
             # nonlinearity touches temb only when time_emb_proj exists; unless "scale_shift", norm2 comes right
@@ -198,7 +219,14 @@ def _describe(n: dict[str, int]) -> str:
         parts.append(f"fused {n['rms_silu']} RMSNorm+SiLU pairs")
     if n["rms"]:
         parts.append(f"{n['rms']} RMSNorm (attention)")
-    return ", ".join(parts)
+    return ", ".join(parts) + _hooked_note(n["hooked"])
+
+
+def _hooked_note(hooked: list[str]) -> str:
+    if not hooked:
+        return ""
+    more = f" and {len(hooked) - 2} more" if len(hooked) > 2 else ""
+    return (f"; left unfused where modules carry hooks, so that they still fire ({', '.join(hooked[:2])}{more})")
 
 
 def apply(model: nn.Module, attention: bool = True, device: torch.device | str | None = None) -> StageResult:
@@ -217,7 +245,8 @@ def apply(model: nn.Module, attention: bool = True, device: torch.device | str |
         return StageResult.skipped(NAME, f"{type(model).__name__} has no decoder")
     swaps, n = _plan(decoder, attention)
     if not swaps:
-        return StageResult.skipped(NAME, f"no fusable norms in {type(model).__name__}'s decoder")
+        return StageResult.skipped(NAME, f"no fusable norms in {type(model).__name__}'s decoder"
+                                   + _hooked_note(n["hooked"]), hooked=n["hooked"])
     record = []
     for parent, attr, new in swaps:
         old = getattr(parent, attr)

@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from vaeopt.stages import StageResult, drop_attrs, unmeasured_gpu, weight_version
+from vaeopt.stages import StageResult, derived, drop_attrs, unhooked, unmeasured_gpu, weight_version
 
 NAME = "triton_conv"
 MAX_COUT = 128  # measured: Triton wins at 96 output channels, cuDNN from 192 up
@@ -50,7 +50,7 @@ def _kernel_fits(m: nn.Module) -> bool:
         from diffusers.models.autoencoders import autoencoder_kl_wan as wan
     except ImportError:  # pragma: no cover
         return False
-    if type(m).forward is not wan.WanCausalConv3d.forward or m._forward_pre_hooks or m._forward_hooks:
+    if type(m).forward is not wan.WanCausalConv3d.forward or not unhooked(m):
         return False
     return (tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1) and tuple(m.dilation) == (1, 1, 1)
             and m.groups == 1 and m.padding == (0, 0, 0) and m._padding[0] == 1 and m._padding[2] == 1
@@ -108,6 +108,7 @@ def revert(model: nn.Module) -> None:
 
 
 _weight_key = weight_version
+derived(_PACKED, _PACKED8)
 
 
 def _bf16_tma(conv: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
@@ -183,7 +184,7 @@ def _is_wan(model: nn.Module) -> bool:
 
 def _conv2d_fits(m: nn.Module) -> bool:
     """A plain 3x3 Conv2d, stride/dilation 1, one group, zero 'same' padding: what the kernel computes exactly."""
-    return (type(m) is nn.Conv2d and not (m._forward_hooks or m._forward_pre_hooks) and m.padding_mode == "zeros"
+    return (type(m) is nn.Conv2d and unhooked(m) and m.padding_mode == "zeros"
             and tuple(m.kernel_size) == (3, 3) and tuple(m.stride) == (1, 1) and tuple(m.dilation) == (1, 1)
             and m.groups == 1 and tuple(m.padding) == (1, 1))
 

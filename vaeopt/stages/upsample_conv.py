@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from vaeopt.stages import StageResult, cached_weight, drop_attrs
+from vaeopt.stages import StageResult, cached_weight, drop_attrs, unhooked
 
 NAME = "upsample_conv"
 _MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
@@ -43,7 +43,7 @@ def available(device: torch.device) -> tuple[bool, str]:
 def _conv3x3(m) -> bool:
     return (type(m) is nn.Conv2d and m.padding_mode == "zeros" and m.weight is not None
             and tuple(m.kernel_size) == (3, 3) and tuple(m.stride) == (1, 1) and tuple(m.padding) == (1, 1)
-            and tuple(m.dilation) == (1, 1) and m.groups == 1 and not (m._forward_hooks or m._forward_pre_hooks))
+            and tuple(m.dilation) == (1, 1) and m.groups == 1 and unhooked(m))
 
 
 def _image_candidates(model: nn.Module) -> list[nn.Conv2d]:
