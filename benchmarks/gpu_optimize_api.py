@@ -72,7 +72,7 @@ for wl in args.workloads.split(","):
             vae.decode(zb)  # warm-up (Triton compiles / loads its kernels here)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            out, ts = timed(lambda: vae.decode(zb).sample, args.repeats)
+            out, ts = timed(lambda vae=vae: vae.decode(zb).sample, args.repeats)
         peak = torch.cuda.max_memory_allocated() / 2**30
         o = out.float().clamp(-1, 1)
         r = {"median_ms": statistics.median(ts), "ms": [round(t, 2) for t in ts], "peak_gib": round(peak, 3),

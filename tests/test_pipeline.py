@@ -313,6 +313,8 @@ def test_api_decode_reuses_its_pipeline_and_refuses_other_options(samples_dir):
     assert torch.equal(a, b) and torch.equal(a, c)
     assert len(loaded.model.post_quant_conv._forward_pre_hooks) == n_hooks
     assert not any("converted" in x for x in lines)  # nothing redone, nothing claimed
+    # each decode says what it planned, as `vaeopt decode` does per job
+    assert [x for x in lines if x.startswith("plan ")] == ["plan (1, 4, 8, 8): whole decode (est. 0.0 GB; CPU: memory not planned)"] * 2, lines
     with pytest.raises(VaeoptError, match=r"already optimized in place by vaeopt.decode\(...\) for other options "
                                           r"\(dtype='float32' -> 'bfloat16'\)"):
         vaeopt.decode(z, loaded, options=Options(device="cpu", dtype="bf16"))
@@ -570,3 +572,135 @@ def test_hunyuan_tile_strides_are_whole_latent_pixels(monkeypatch):
 
     with pytest.raises(VaeoptError, match="--chunk: HunyuanVideo decodes through diffusers' own decode"):
         _hunyuan_pipe(chunk=2)[0].plan((1, 16, 9, 24, 24))
+
+
+def test_optimize_leaves_layer_by_layer_offloading_alone():
+    """Found in the twenty-first session: hooks that place weights one layer at a time (diffusers' group offloading,
+    accelerate's sequential CPU offload) would be undone by the precision stage's move and bypassed by fused layers.
+    optimize leaves such a VAE unchanged and says why, naming a hooked module."""
+    spec = get_family("sd15")
+    vae = build_model(spec, **TINY_KL)
+    vae.enable_group_offload(onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
+    lines = []
+    assert vaeopt.optimize(vae, device="cpu", log=lines.append) is vae
+    assert len(lines) == 1 and "left unchanged" in lines[0] and "group offloading" in lines[0], lines
+    assert getattr(vae, "_vaeopt_optimized", None) is None and not any(
+        isinstance(m, torch.nn.Identity) for m in vae.decoder.modules())
+
+    vae = build_model(spec, **TINY_KL)
+    vae.decoder.conv_in._hf_hook = object()  # what accelerate's add_hook_to_module leaves on each layer
+    lines = []
+    vaeopt.optimize(vae, device="cpu", log=lines.append)
+    assert "sequential CPU offload" in lines[0] and "decoder.conv_in" in lines[0], lines
+
+
+def test_optimize_keeps_layerwise_casting_storage():
+    """diffusers' enable_layerwise_casting stores conv weights in float8 and casts them per call. Found in the
+    twenty-first session: optimize took the VAE's dtype from its first parameter (float8: 'auto') and the precision
+    stage cast every weight to it, undoing the memory saving. Now the compute dtype comes from the fp32/bf16/fp16
+    weights, the float8 ones stay float8, the fused path leaves the hooked convs to their hooks, and the decode equals
+    the stock layerwise-cast model's."""
+    _need_cpu_triton()
+    spec = get_family("sd15")
+    torch.manual_seed(0)
+    ref = build_model(spec, **TINY_KL).eval()
+    vae = build_model(spec, **TINY_KL).eval()
+    vae.load_state_dict(ref.state_dict())
+    for m in (ref, vae):
+        m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    n8 = sum(p.dtype == torch.float8_e4m3fn for p in vae.parameters())
+    assert n8 > 10
+    z = torch.randn(1, 4, 8, 8)
+    lines = []
+    with torch.no_grad():
+        want = ref.decode(z).sample
+        vaeopt.optimize(vae, device="cpu", triton="on", log=lines.append)
+        assert sum(p.dtype == torch.float8_e4m3fn for p in vae.parameters()) == n8
+        got = vae.decode(z).sample
+    precision = next(line for line in lines if "precision" in line)
+    assert "float32" in precision and f"{n8} weights kept in their storage dtype" in precision, precision
+    assert any("fused_norms" in line and "GroupNorm+SiLU" in line for line in lines)  # norms are not cast: fused
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert sum(p.dtype == torch.float8_e4m3fn for p in vae.parameters()) == n8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fam", ["sdxl", "wan21"])
+def test_optimize_follows_model_cpu_offload(samples_dir, fam):
+    """pipe.enable_model_cpu_offload() puts accelerate's CpuOffload hook on the VAE: it lives on the CPU and moves to
+    the GPU for each decode (diffusers' apply_forward_hook). Found in the twenty-first session: optimize planned for
+    the weights' device, the CPU, so every GPU stage was skipped as 'CPU decode' and the decode ran without them.
+    Now it plans for the hook's device, puts the weights back on the CPU, and the decode (onloaded, offloaded,
+    onloaded again) matches the stock model's."""
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    if fam == "sdxl":
+        stock = build_model(get_family("sdxl"), block_out_channels=[32, 32, 64, 64], norm_num_groups=8)
+        z = torch.randn(1, 4, 32, 32)
+    else:
+        stock = load_vae(samples_dir / "tiny_wan_video.safetensors").model.float()
+        z = torch.randn(1, 16, 3, 16, 16)
+    stock = stock.eval().to(torch.bfloat16)
+    vae = copy.deepcopy(stock)
+    _, hook = accelerate.cpu_offload_with_hook(vae, execution_device="cuda")
+    lines = []
+    vaeopt.optimize(vae, log=lines.append)
+    text = "\n".join(lines)
+    assert "model CPU offload: optimized for cuda" in text and "CPU decode" not in text, text
+    assert ("fused_norms: fused" in text) and next(vae.parameters()).device.type == "cpu"
+    zb = z.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        want = copy.deepcopy(stock).cuda().float().decode(zb.float()).sample
+        stock_err = (stock.cuda().decode(zb).sample.float() - want).abs().max().item()
+        for _ in range(2):
+            got = vae.decode(zb).sample.float()
+            assert got.device.type == "cuda" and next(vae.parameters()).device.type == "cuda"
+            err = (got - want).abs().max().item()
+            assert err <= 2 * stock_err + 2e-2, (err, stock_err)  # bf16 error vs fp32 like the stock model's
+            hook.offload()
+            assert next(vae.parameters()).device.type == "cpu"
+
+
+def test_optimize_under_model_offload_keeps_nothing_on_the_device(monkeypatch):
+    """Under model CPU offload the VAE's weights come back at a new address for every decode, so the weights vaeopt
+    derives from them (here the head's tap matrix) are rebuilt each time; found on an H100 in the twenty-first
+    session: the old ones stayed on the GPU while the VAE was offloaded (117 MiB at wan21-480p). They are dropped after
+    each decode of an offloaded VAE now, and kept otherwise. (A stand-in for accelerate's hook, on the CPU.)"""
+    _need_cpu_triton()
+
+    class CpuOffloadStandIn:  # what matters of accelerate's CpuOffload: execution_device, pre_forward
+        execution_device = torch.device("cpu")
+
+        def pre_forward(self, module, *args, **kwargs):
+            return args, kwargs
+
+    torch.manual_seed(0)
+    z = torch.randn(1, 4, 8, 8)
+    for offloaded in (False, True):
+        vae = build_model(get_family("sd15"), **TINY_KL).eval()
+        if offloaded:
+            vae._hf_hook = CpuOffloadStandIn()
+        lines = []
+        vaeopt.optimize(vae, device=None, triton="on", log=lines.append)
+        with torch.no_grad():
+            vae.decode(z)
+        cached = [n for n, m in vae.named_modules() if "_vaeopt_tap_matrix" in m.__dict__]
+        assert cached == ([] if offloaded else ["decoder.conv_out"]), (offloaded, cached)
+
+
+def test_optimize_on_the_cpu_beside_a_gpu_says_how_to_get_the_gpu_stages(monkeypatch):
+    """pipe.vae = vaeopt.optimize(pipe.vae) before pipe.to('cuda') or pipe.enable_model_cpu_offload() optimizes for the
+    CPU, where the weights are then: a GPU user gets a line saying so and what to do, not only 'CPU decode' skips."""
+    vae = build_model(get_family("sd15"), **TINY_KL)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lines = []
+    vaeopt.optimize(vae, log=lines.append)
+    hint = [line for line in lines if line.startswith("! optimized for the CPU")]
+    assert len(hint) == 1 and "enable_model_cpu_offload" in hint[0], lines
+    lines.clear()
+    vaeopt.optimize(build_model(get_family("sd15"), **TINY_KL), device="cpu", log=lines.append)  # asked for the CPU
+    assert not any(line.startswith("! optimized for the CPU") for line in lines)

@@ -17,7 +17,8 @@ from vaeopt import outputs, video_graphs
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.loading import LoadedVAE, load_vae
-from vaeopt.pipeline import DecodeStats, Options, Pipeline
+from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
+from vaeopt.stages import free_derived
 
 USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
 
@@ -33,9 +34,9 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
         raise VaeoptError(f"the latent files name different models in their {lat.MANIFEST} ({pairs}): one run decodes "
                           "with one model; decode them in separate runs, or pass --model")
     if named:
-        return Path(next(iter(named))), f"{lat.MANIFEST} beside the latents"
+        return _existing(Path(next(iter(named))), f"{lat.MANIFEST} beside the latents")
     if os.environ.get("VAEOPT_MODEL"):
-        return Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL"
+        return _existing(Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL")
     if USER_CONFIG.is_file():
         try:
             cfg = json.loads(USER_CONFIG.read_text())
@@ -46,11 +47,18 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
         if not isinstance(cfg, dict) or not isinstance(cfg.get("model", ""), str):
             raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
         if cfg.get("model"):
-            return Path(cfg["model"]).expanduser(), str(USER_CONFIG)
+            return _existing(Path(cfg["model"]).expanduser(), str(USER_CONFIG))
     raise VaeoptError(
         "no VAE checkpoint given: pass --model path/to/vae.safetensors, set VAEOPT_MODEL, "
         f"or write {{\"model\": \"...\"}} to {USER_CONFIG}"
     )
+
+
+def _existing(path: Path, source: str) -> tuple[Path, str]:
+    """A checkpoint path that did not come from --model, checked here so that the error names where it came from."""
+    if not path.expanduser().exists() and not path.expanduser().is_symlink():
+        raise VaeoptError(f"checkpoint not found: {path} (named by {source}; pass --model to use another)")
+    return path, source
 
 
 def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: str = "scaled",
@@ -76,6 +84,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     entry = lat.LatentEntry("", latents)
     z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
     plan = pipe.plan(tuple(z.shape))
+    pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
     vg = video_graphs.arm(pipe, plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
     out, _ = pipe.decode(z, plan)
     if vg is not None:
@@ -167,6 +176,13 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         if log:
             log("already optimized by vaeopt with these options: nothing to do")
         return vae
+    placed = _offloaded_parts(vae)
+    if placed:
+        if log:
+            log(f"! vaeopt.optimize: left unchanged: {placed}. vaeopt moves and fuses the decoder's layers, which those "
+                "hooks place one by one; optimize a VAE without them (pipe.enable_model_cpu_offload() is followed: "
+                "the whole VAE moves to the GPU for its decode)")
+        return vae
     cfg = dict(vae.config)
     cls = type(vae).__name__
     if cls not in _OPTIMIZE_CLASSES and log:
@@ -177,15 +193,27 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     base = get_family(fam_name)
     spec = FamilySpec(base.name, base.title, {"_class_name": cls, **cfg})
     first = next(vae.parameters(), None)
-    if device is None and first is not None:
-        device = str(first.device)
+    home = first.device if first is not None else None
+    explicit_device = device
+    runs_on = _offload_device(vae)  # model CPU offload: decode runs where the hook moves the VAE, not where it is
+    if device is None and home is not None:
+        device = str(runs_on or home)
     if dtype == "auto" and first is not None:
         # keep the caller's precision: pipelines hand `vae.decode` latents in their own dtype (an fp16 pipeline's
         # latents into a bf16/fp32 VAE raise "Input type (Half) and bias type ... should be the same")
-        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(first.dtype, "auto")
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype(vae), "auto")
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
                                     attention=attention, graphs="off"), log=log)
+    if (log and pipe.device.type == "cpu" and runs_on is None and explicit_device is None
+            and torch.cuda.is_available()):
+        log("! optimized for the CPU, where the VAE's weights are, though a GPU is here: its GPU stages were skipped. "
+            "Move it first (pipe.to('cuda')), or call optimize after pipe.enable_model_cpu_offload(), which it follows")
+    if runs_on is not None and home is not None and pipe.device != home:
+        vae.to(home)  # set up on the offload hook's device; the weights wait where they were until a decode
+        if log:
+            log(f"model CPU offload: optimized for {pipe.device}, where the offload hook moves the VAE for each decode; "
+                f"its weights are back on {home}")
     vae._vaeopt_stages = pipe.stages
     vae._vaeopt_optimized = ("vaeopt.optimize", wanted)
     if cls == "AutoencoderKLWan":
@@ -198,8 +226,29 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
                 "larger than its tile")
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
-    vae.decoder.register_forward_hook(_contiguous_output)
+    vae.decoder.register_forward_hook(_AfterDecoder(vae))
     return vae
+
+
+def _offload_device(vae) -> torch.device | None:
+    """The execution device of accelerate's model CPU offload hook on the VAE itself (pipe.enable_model_cpu_offload():
+    diffusers' decode moves the whole model there first, through apply_forward_hook), else None."""
+    dev = getattr(getattr(vae, "_hf_hook", None), "execution_device", None)
+    return torch.device(dev) if isinstance(dev, (str, int, torch.device)) else None
+
+
+def _offloaded_parts(vae) -> str:
+    """What places this VAE's weights layer by layer (accelerate's sequential CPU offload, diffusers' group
+    offloading), in words; "" if nothing does."""
+    seq = [n for n, m in vae.named_modules() if n and getattr(m, "_hf_hook", None) is not None]
+    if seq:
+        return f"accelerate hooks on {len(seq)} of its modules (sequential CPU offload; e.g. {seq[0]})"
+    grouped = [n or type(vae).__name__ for n, m in vae.named_modules()
+               if (reg := getattr(m, "_diffusers_hook", None)) is not None
+               and any("offload" in str(k) for k in getattr(reg, "hooks", {}))]
+    if grouped:
+        return f"diffusers' group offloading on {len(grouped)} of its modules (e.g. {grouped[0]})"
+    return ""
 
 
 def refresh(vae=None) -> None:
@@ -239,15 +288,27 @@ class _WanChunkDecode:
         if needs_autograd(z, v) or self._diffusers_tiles(z):
             return type(v)._decode(v, z, return_dict=return_dict)
         w = v.post_quant_conv.weight  # where the model is now (it may have moved since optimize)
-        plan = planner.plan_decode(self.family, v, tuple(z.shape), w.dtype, w.device)
+        plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
         with torch.no_grad():
             out = video.decode_video(v, z, **Pipeline._video_kwargs(plan, {}))  # as `vaeopt decode` runs a clip
+        if _offload_device(v) is not None:
+            free_derived(v)  # as _AfterDecoder does: nothing left on the GPU once the offload hook moves the VAE
         return DecoderOutput(sample=out) if return_dict else (out,)
 
 
-def _contiguous_output(module, args, out):
-    """Forward hook of an optimized decoder (module-level, so that the model pickles)."""
-    return out.contiguous() if isinstance(out, torch.Tensor) else out
+class _AfterDecoder:
+    """Forward hook of an optimized decoder: the output contiguous (NCHW, as diffusers returns it), and under model CPU
+    offload the derived-weight caches dropped, so that nothing of the VAE stays on the GPU once the hook offloads it
+    (its weights come back at a new address each time, so they would be rebuilt anyway). A class holding the VAE, not
+    a closure: the model still pickles."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    def __call__(self, module, args, out):
+        if _offload_device(self.vae) is not None:
+            free_derived(module)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
 
 
 @dataclass
@@ -288,6 +349,9 @@ def output_kind(path: Path, is_video: bool) -> str:
     if s in outputs.TENSOR_SUFFIXES:
         return "safetensors"
     if s == "":
+        if path.exists():  # not a folder (that was above): /dev/null, a FIFO, a file without a suffix
+            raise VaeoptError(f"{path}: exists and is neither a folder nor a .png/.mp4/.safetensors file (-o takes "
+                              "one of those; to decode without writing, time it with vaeopt benchmark)")
         return "frames" if is_video else "png-dir"
     raise VaeoptError(f"{path}: unknown output type '{s}' (use .png, .mp4, .safetensors, or a folder for frames)")
 
