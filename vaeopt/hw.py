@@ -119,6 +119,10 @@ def resolve_device(device: str | None) -> torch.device:
         from vaeopt.errors import VaeoptError
 
         raise VaeoptError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        from vaeopt.errors import VaeoptError
+
+        raise VaeoptError(f"--device {device}: the CPU is one device (cpu); an index picks a GPU (cuda:N)")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             from vaeopt.errors import VaeoptError

@@ -934,6 +934,8 @@ def _load_config_arg(config) -> dict | None:
         return copy.deepcopy(config)
     p = Path(config).expanduser()
     if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise CheckpointError(f"config file not found: the folder {p.resolve()} has no config.json")
         p = p / "config.json"
     if not p.is_file():
         raise CheckpointError(f"config file not found: {p}")
