@@ -7,7 +7,8 @@ pipeline's maybe_free_model_hooks does at the end of a call). Variants per workl
   before     -- optimize(vae, device="cpu"): what optimize planned for before it followed the hook (the weights' device);
   optimize   -- optimize(vae): planned for the hook's execution device, weights put back on the CPU;
   resident   -- optimize(vae) on a VAE kept on the GPU (no offload): the decode without the transfers.
-After one warm-up each (which also measures what a variant leaves on the GPU once offloaded), the variants are timed
+After one warm-up each (which also measures what a variant leaves on the GPU once optimized, and once it decoded and
+was offloaded, against the memory allocated before it was set up), the variants are timed
 in --repeats interleaved rounds of one synchronized decode + offload each, with the weights' bare round trip
 (stock.to("cuda"), stock.to("cpu")) in every round; peak GPU memory above what was allocated at the call's start, and
 PSNR / max abs error against the stock model's fp32 decode on the GPU. Writes $OUT/offload.json; prints a table last.
@@ -51,8 +52,21 @@ for wl in args.workloads.split(","):
         ref = ref_model.decode(z).sample.float().clamp(-1, 1)
         del ref_model
         torch.cuda.empty_cache()
+    zb = z.to(torch.bfloat16)
+
+    def once(v):
+        out = v["vae"].decode(zb).sample
+        if v["hook"] is not None:
+            v["hook"].offload()  # the pipeline's maybe_free_model_hooks: the VAE goes back to the CPU
+        return out
+
+    # each variant set up and warmed up in turn (Triton compiles / loads its kernels in the warm-up), and what it
+    # leaves on the GPU once offloaded: the bytes allocated after optimize + decode + offload beyond those before
+    # optimize, less the decode's output
     variants = {}
     for name in ("stock", "before", "optimize", "resident"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         vae = copy.deepcopy(base).to(torch.bfloat16)
         hook = None
         if name == "resident":
@@ -64,21 +78,10 @@ for wl in args.workloads.split(","):
             vaeopt.optimize(vae, device="cpu", log=lines.append)
         elif name != "stock":
             vaeopt.optimize(vae, log=lines.append)
-        variants[name] = {"vae": vae, "hook": hook, "log": lines, "home": str(next(vae.parameters()).device),
-                          "ms": [], "peak": 0}
-    zb = z.to(torch.bfloat16)
-
-    def once(v):
-        out = v["vae"].decode(zb).sample
-        if v["hook"] is not None:
-            v["hook"].offload()  # the pipeline's maybe_free_model_hooks: the VAE goes back to the CPU
-        return out
-
-    # warm-up, one variant at a time (Triton compiles / loads its kernels here), and what each leaves on the GPU
-    # once offloaded: the bytes allocated after its decode + offload beyond those before, less its output
-    for name, v in variants.items():
+        v = variants[name] = {"vae": vae, "hook": hook, "log": lines, "home": str(next(vae.parameters()).device),
+                              "ms": [], "peak": 0}
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        v["held_after_optimize_mib"] = (torch.cuda.memory_allocated() - before) / 2**20
         with torch.no_grad():
             out = once(v)
         torch.cuda.synchronize()
@@ -114,7 +117,9 @@ for wl in args.workloads.split(","):
              "peak_gib_above_call_start": round(v["peak"] / 2**30, 3),
              "psnr_vs_fp32": round(psnr(o, ref), 2), "max_abs_vs_fp32": (o - ref).abs().max().item(),
              "weights_after_optimize": v["home"], "weights_after_decode": str(next(v["vae"].parameters()).device),
-             "gpu_mib_held_after_offload": round(v["held_mib"], 1) if v["hook"] is not None else None, "log": v["log"]}
+             "gpu_mib_held_after_offload": round(v["held_mib"], 1) if v["hook"] is not None else None,
+             "gpu_mib_held_after_optimize": round(v["held_after_optimize_mib"], 1) if v["hook"] is not None else None,
+             "log": v["log"]}
         res[name] = r
         rows.append((wl, name, r))
         print(f"[{wl}] {name}: {json.dumps(r)}", flush=True)

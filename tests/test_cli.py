@@ -636,7 +636,7 @@ def test_output_names_past_the_file_system_limit_are_refused_before_decoding(tmp
 def test_messages_name_the_source_of_a_mistake(tmp_path, samples_dir):
     """Found by the nineteenth session's CLI pass, fixed in the twenty-first: four messages that did not say what was
     wrong where the user would look. A $VAEOPT_MODEL that points nowhere is named as the source; `--config .` names
-    the folder that lacks config.json (it said 'config.json'); `-o /dev/null` says -o wants a file or folder (it said
+    the folder that lacks config.json (it said 'config.json'); `-o /dev/null` says what -o takes (it said
     '/dev/null/x.png: /dev/null is a file'); `--device cpu:5` is refused (it decoded on the CPU)."""
     torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
     model = samples_dir / "tiny_kl_image.safetensors"
@@ -648,7 +648,8 @@ def test_messages_name_the_source_of_a_mistake(tmp_path, samples_dir):
     assert r.exit_code == 2 and f"the folder {tmp_path / 'cfgdir'} has no config.json" in r.output.replace("\n", ""), \
         r.output
     r = run("decode", tmp_path / "l.pt", "-m", model, "-o", os.devnull)
-    assert r.exit_code == 2 and "exists and is neither a folder nor a .png/.mp4/.safetensors file" in r.output, r.output
+    assert r.exit_code == 2 and "a device, pipe or socket, not a folder or a .png/.mp4/.safetensors file" in r.output, \
+        r.output
     r = run("decode", tmp_path / "l.pt", "-m", model, "--device", "cpu:5", "-o", tmp_path / "x.png")
     assert r.exit_code == 2 and "the CPU is one device" in r.output and not (tmp_path / "x.png").exists(), r.output
     assert "Traceback" not in r.output

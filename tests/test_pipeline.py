@@ -618,7 +618,7 @@ def test_optimize_keeps_layerwise_casting_storage():
         assert sum(p.dtype == torch.float8_e4m3fn for p in vae.parameters()) == n8
         got = vae.decode(z).sample
     precision = next(line for line in lines if "precision" in line)
-    assert "float32" in precision and f"{n8} weights kept in their storage dtype" in precision, precision
+    assert "float32" in precision and f"{n8} weights kept in their float8 storage" in precision, precision
     assert any("fused_norms" in line and "GroupNorm+SiLU" in line for line in lines)  # norms are not cast: fused
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert sum(p.dtype == torch.float8_e4m3fn for p in vae.parameters()) == n8
@@ -678,8 +678,13 @@ def test_optimize_under_model_offload_keeps_nothing_on_the_device(monkeypatch):
         def pre_forward(self, module, *args, **kwargs):
             return args, kwargs
 
+    from vaeopt import api
+
     torch.manual_seed(0)
     z = torch.randn(1, 4, 8, 8)
+    frees = []
+    real = api.free_derived
+    monkeypatch.setattr(api, "free_derived", lambda m: frees.append(m) or real(m))
     for offloaded in (False, True):
         vae = build_model(get_family("sd15"), **TINY_KL).eval()
         if offloaded:
@@ -690,6 +695,51 @@ def test_optimize_under_model_offload_keeps_nothing_on_the_device(monkeypatch):
             vae.decode(z)
         cached = [n for n, m in vae.named_modules() if "_vaeopt_tap_matrix" in m.__dict__]
         assert cached == ([] if offloaded else ["decoder.conv_out"]), (offloaded, cached)
+    # once per vae.decode call, not per decoder call (diffusers' tiling calls the decoder once per tile; the review
+    # found a free, and so a rebuild, per tile)
+    frees.clear()
+    vae.enable_tiling()
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 8, 4  # (TINY_KL upsamples 2x)
+    with torch.no_grad():
+        tiled = vae.decode(torch.randn(1, 4, 12, 12)).sample
+    assert tiled.shape == (1, 3, 24, 24) and len(frees) == 1
+
+
+def test_optimize_with_other_offload_targets_and_restored_forwards():
+    """From the review of the twenty-first session's change. (1) accelerate's remove_hook_from_module (which
+    enable_model_cpu_offload runs first) and diffusers' remove_hook put the class's forward back as a bound method in
+    the instance dict: that is not a hook, and the stages fuse such modules. (2) An offload hook to a device vaeopt
+    has no stages for (mps) is named and not followed; it raised '--device mps'. (3) Only float8 weights of hooked
+    modules keep their dtype: a float64 one is cast (it failed the decode as 'bias type double')."""
+    _need_cpu_triton()
+    spec = get_family("sd15")
+    vae = build_model(spec, **TINY_KL).eval()
+    for m in vae.modules():
+        m.forward = m.forward  # what the removal of a hook leaves
+    lines = []
+    vaeopt.optimize(vae, device="cpu", triton="on", log=lines.append)
+    fused = next(line for line in lines if "fused_norms" in line)
+    assert "fused" in fused and "hooks" not in fused, fused
+
+    class Mps:
+        execution_device = torch.device("mps")
+
+        def pre_forward(self, module, *args, **kwargs):
+            return args, kwargs
+
+    vae = build_model(spec, **TINY_KL).eval()
+    vae._hf_hook = Mps()
+    lines = []
+    vaeopt.optimize(vae, log=lines.append)
+    assert any(line.startswith("! model CPU offload to mps") for line in lines), lines
+
+    vae = build_model(spec, **TINY_KL).eval().double()
+    vae.decoder.conv_out.register_forward_hook(lambda m, i, o: None)
+    lines = []
+    vaeopt.optimize(vae, device="cpu", dtype="fp32", log=lines.append)
+    assert vae.decoder.conv_out.weight.dtype == torch.float32 and not any("float8" in x for x in lines)
+    with torch.no_grad():
+        assert vae.decode(torch.randn(1, 4, 8, 8)).sample.dtype == torch.float32
 
 
 def test_optimize_on_the_cpu_beside_a_gpu_says_how_to_get_the_gpu_stages(monkeypatch):

@@ -196,6 +196,11 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     home = first.device if first is not None else None
     explicit_device = device
     runs_on = _offload_device(vae)  # model CPU offload: decode runs where the hook moves the VAE, not where it is
+    if runs_on is not None and runs_on.type != "cuda":
+        if log:
+            log(f"! model CPU offload to {runs_on}: vaeopt's stages are for CUDA GPUs and the CPU; set up for where the "
+                "weights are")
+        runs_on = None
     if device is None and home is not None:
         device = str(runs_on or home)
     if dtype == "auto" and first is not None:
@@ -209,8 +214,9 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
             and torch.cuda.is_available()):
         log("! optimized for the CPU, where the VAE's weights are, though a GPU is here: its GPU stages were skipped. "
             "Move it first (pipe.to('cuda')), or call optimize after pipe.enable_model_cpu_offload(), which it follows")
-    if runs_on is not None and home is not None and pipe.device != home:
+    if runs_on is not None and home is not None and not _same_device(pipe.device, home):
         vae.to(home)  # set up on the offload hook's device; the weights wait where they were until a decode
+        free_derived(vae)  # and nothing stays behind on the GPU (phase weights built by upsample_conv)
         if log:
             log(f"model CPU offload: optimized for {pipe.device}, where the offload hook moves the VAE for each decode; "
                 f"its weights are back on {home}")
@@ -226,15 +232,25 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
                 "larger than its tile")
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
-    vae.decoder.register_forward_hook(_AfterDecoder(vae))
+    vae.decoder.register_forward_hook(_contiguous_output)
+    vae.decode = _Decode(vae)
     return vae
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 def _offload_device(vae) -> torch.device | None:
     """The execution device of accelerate's model CPU offload hook on the VAE itself (pipe.enable_model_cpu_offload():
-    diffusers' decode moves the whole model there first, through apply_forward_hook), else None."""
-    dev = getattr(getattr(vae, "_hf_hook", None), "execution_device", None)
-    return torch.device(dev) if isinstance(dev, (str, int, torch.device)) else None
+    diffusers' decode moves the whole model there first, through apply_forward_hook), else None. A hook appended to
+    another is one of a SequentialHook's."""
+    hook = getattr(vae, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or [hook]:
+        dev = getattr(h, "execution_device", None)
+        if isinstance(dev, (str, int, torch.device)):
+            return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+    return None
 
 
 def _offloaded_parts(vae) -> str:
@@ -291,24 +307,30 @@ class _WanChunkDecode:
         plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
         with torch.no_grad():
             out = video.decode_video(v, z, **Pipeline._video_kwargs(plan, {}))  # as `vaeopt decode` runs a clip
-        if _offload_device(v) is not None:
-            free_derived(v)  # as _AfterDecoder does: nothing left on the GPU once the offload hook moves the VAE
         return DecoderOutput(sample=out) if return_dict else (out,)
 
 
-class _AfterDecoder:
-    """Forward hook of an optimized decoder: the output contiguous (NCHW, as diffusers returns it), and under model CPU
-    offload the derived-weight caches dropped, so that nothing of the VAE stays on the GPU once the hook offloads it
-    (its weights come back at a new address each time, so they would be rebuilt anyway). A class holding the VAE, not
-    a closure: the model still pickles."""
+def _contiguous_output(module, args, out):
+    """Forward hook of an optimized decoder (module-level, so that the model pickles)."""
+    return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
+class _Decode:
+    """`vae.decode` after `optimize`: diffusers' own decode (its offload hook, slicing and tiling included), then,
+    under model CPU offload, the derived-weight caches dropped once per call, so that nothing of the VAE stays on the
+    GPU when the hook offloads it (its weights come back at a new address each time, so they would be rebuilt
+    anyway). A class, not a closure: the model still pickles and deep-copies."""
 
     def __init__(self, vae):
         self.vae = vae
 
-    def __call__(self, module, args, out):
-        if _offload_device(self.vae) is not None:
-            free_derived(module)
-        return out.contiguous() if isinstance(out, torch.Tensor) else out
+    def __call__(self, *args, **kwargs):
+        v = self.vae
+        try:
+            return type(v).decode(v, *args, **kwargs)
+        finally:
+            if _offload_device(v) is not None:
+                free_derived(v)
 
 
 @dataclass
@@ -349,9 +371,9 @@ def output_kind(path: Path, is_video: bool) -> str:
     if s in outputs.TENSOR_SUFFIXES:
         return "safetensors"
     if s == "":
-        if path.exists():  # not a folder (that was above): /dev/null, a FIFO, a file without a suffix
-            raise VaeoptError(f"{path}: exists and is neither a folder nor a .png/.mp4/.safetensors file (-o takes "
-                              "one of those; to decode without writing, time it with vaeopt benchmark)")
+        if path.exists() and not path.is_file():  # not a folder (above) nor a file: /dev/null, a FIFO, a socket
+            raise VaeoptError(f"{path}: a device, pipe or socket, not a folder or a .png/.mp4/.safetensors file, which "
+                              "is what -o takes (to decode without writing, time it with vaeopt benchmark)")
         return "frames" if is_video else "png-dir"
     raise VaeoptError(f"{path}: unknown output type '{s}' (use .png, .mp4, .safetensors, or a folder for frames)")
 

@@ -48,14 +48,14 @@ STANDARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def move_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """model.to(device, dtype), except that weights in another floating dtype (e.g. float8_e4m3fn) owned by modules
-    with hooks keep that dtype: diffusers' layerwise casting stores them so and casts them per call, and casting
-    them here would undo the memory it saves (and the next call would store them again). -> how many were kept."""
+    """model.to(device, dtype), except that float8 weights owned by modules with hooks keep that dtype: diffusers'
+    layerwise casting stores them so and casts them per call, and casting them here would undo the memory it saves
+    (and the next call would store them again). -> how many were kept."""
     from vaeopt.stages import unhooked
 
     keep = {id(t) for m in model.modules() if not unhooked(m)
             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
-            if t.is_floating_point() and t.dtype not in STANDARD_DTYPES}
+            if t.is_floating_point() and t.element_size() == 1}
     if not keep:
         model.to(device, dtype)
         return 0
@@ -169,8 +169,8 @@ class Pipeline:
         self._record(StageResult("precision", "applied",
                                  f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
                                  f"({time.perf_counter() - t0:.2f} s to move weights)" + (
-                                     f"; {kept} weights kept in their storage dtype (the hooks on their layers "
-                                     "cast them per call: diffusers' layerwise casting)" if kept else "")))
+                                     f"; {kept} weights kept in their float8 storage (the hooks on their layers "
+                                     "cast them per call, as diffusers' layerwise casting does)" if kept else "")))
         if self.device.type == "cpu" and self.dtype in (torch.float16, torch.bfloat16):
             self.log("! half precision on the CPU: torch's CPU convs are much slower in fp16/bf16 than in fp32 "
                      "(--dtype fp32, the CPU default)")

@@ -70,7 +70,11 @@ def unhooked(m) -> bool:
     if m._forward_hooks or m._forward_pre_hooks:
         return False
     fwd = m.__dict__.get("forward")
-    return fwd is None or isinstance(fwd, BoundForward)
+    if fwd is None or isinstance(fwd, BoundForward):
+        return True
+    # a removed hook: accelerate's remove_hook_from_module and diffusers' HookRegistry.remove_hook put back the
+    # class's own forward as a bound method in the instance dict
+    return getattr(fwd, "__self__", None) is m and getattr(fwd, "__func__", None) is type(m).forward
 
 
 def needs_autograd(x, *params) -> bool:

@@ -149,12 +149,15 @@ _PARTS = {"ResnetBlock2D": ("norm1", "norm2", "nonlinearity"),
           "WanDecoder3d": ("norm_out", "nonlinearity"), "WanAttentionBlock": ("norm",)}
 
 
-def hooked_parts(decoder: nn.Module) -> list[str]:
+def hooked_parts(decoder: nn.Module, attention: bool = True) -> list[str]:
     """Names (under the decoder) of the norm / SiLU modules the stage would replace but leaves because they carry
     hooks. Matched by class name, as _plan matches by class."""
     out = []
     for name, m in decoder.named_modules():
-        for attr in _PARTS.get(type(m).__name__, ()):
+        kind = type(m).__name__
+        if not attention and kind in ("Attention", "WanAttentionBlock"):
+            continue
+        for attr in _PARTS.get(kind, ()):
             sub = getattr(m, attr, None)
             if isinstance(sub, nn.Module) and not unhooked(sub):
                 out.append(f"decoder.{name}.{attr}" if name else f"decoder.{attr}")
@@ -165,7 +168,7 @@ def _plan(decoder: nn.Module, attention: bool) -> tuple[list[tuple[nn.Module, st
     """-> [(parent, attr, new module)], counts. Pure: builds the replacements, changes nothing."""
     K = _classes()
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
-    n = {"gn_silu": 0, "gn": 0, "rms_silu": 0, "rms": 0, "hooked": hooked_parts(decoder)}
+    n = {"gn_silu": 0, "gn": 0, "rms_silu": 0, "rms": 0, "hooked": hooked_parts(decoder, attention)}
     for m in decoder.modules():
         if _same_forward(m, K["ResnetBlock2D"]):
             # nonlinearity touches temb only when time_emb_proj exists; unless "scale_shift", norm2 comes right
