@@ -720,6 +720,9 @@ def test_optimize_with_other_offload_targets_and_restored_forwards():
     vaeopt.optimize(vae, device="cpu", triton="on", log=lines.append)
     fused = next(line for line in lines if "fused_norms" in line)
     assert "fused" in fused and "hooks" not in fused, fused
+    fresh = []  # the blocks and convs whose class forward was put back match as on a fresh model (the twins of
+    vaeopt.optimize(build_model(spec, **TINY_KL).eval(), device="cpu", triton="on", log=fresh.append)  # unhooked)
+    assert [x for x in lines if "fused_epilogues" in x] == [x for x in fresh if "fused_epilogues" in x], lines
 
     class Mps:
         execution_device = torch.device("mps")

@@ -332,7 +332,6 @@ def _is_plain_conv(m: nn.Module) -> bool:
     return (
         isinstance(m, nn.Conv2d)
         and type(m).forward is nn.Conv2d.forward
-        and "forward" not in m.__dict__
         and _no_hooks(m)
         and m.padding_mode == "zeros"
         and tuple(m.stride) == (1, 1)

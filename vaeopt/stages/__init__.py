@@ -69,12 +69,14 @@ def unhooked(m) -> bool:
     called, or left as it is, so its hooks still fire and see what they expect."""
     if m._forward_hooks or m._forward_pre_hooks:
         return False
+    return class_forward(m) or isinstance(m.__dict__.get("forward"), BoundForward)
+
+
+def class_forward(m) -> bool:
+    """m.forward is its class's own: no per-instance forward, or the bound class forward that removing a hook puts
+    back (accelerate's remove_hook_from_module, diffusers' HookRegistry.remove_hook)."""
     fwd = m.__dict__.get("forward")
-    if fwd is None or isinstance(fwd, BoundForward):
-        return True
-    # a removed hook: accelerate's remove_hook_from_module and diffusers' HookRegistry.remove_hook put back the
-    # class's own forward as a bound method in the instance dict
-    return getattr(fwd, "__self__", None) is m and getattr(fwd, "__func__", None) is type(m).forward
+    return fwd is None or (getattr(fwd, "__self__", None) is m and getattr(fwd, "__func__", None) is type(m).forward)
 
 
 def needs_autograd(x, *params) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vaeopt.stages import BoundForward, StageResult, needs_autograd, unhooked
+from vaeopt.stages import BoundForward, StageResult, class_forward, needs_autograd, unhooked
 
 NAME = "attention"
 _MARK = "_vaeopt_frame_causal"  # model attribute: the mid-blocks whose forward this stage replaced
@@ -131,7 +131,7 @@ def _patch_hunyuan(model: nn.Module) -> int:
     if done is not None:
         return len(done)
     blocks = [m for m in getattr(model, "decoder", model).modules()
-              if type(m) is HunyuanVideoMidBlock3D and "forward" not in m.__dict__
+              if type(m) is HunyuanVideoMidBlock3D and class_forward(m)
               and any(a is not None for a in m.attentions)]
     for m in blocks:
         m.forward = BoundForward(_hunyuan_mid_forward, m)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import _interpret, triton_available
-from vaeopt.stages import BoundForward, StageResult, unhooked
+from vaeopt.stages import BoundForward, StageResult, class_forward, unhooked
 
 NAME = "fused_epilogues"
 _MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
@@ -527,7 +527,7 @@ def _classes() -> dict:
 
 
 def _same_forward(m, cls) -> bool:
-    return cls is not None and isinstance(m, cls) and type(m).forward is cls.forward and "forward" not in m.__dict__
+    return cls is not None and isinstance(m, cls) and type(m).forward is cls.forward and class_forward(m)
 
 
 def _head_dim(attn) -> int:
