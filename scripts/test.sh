@@ -2,7 +2,8 @@
 # Install (CPU torch first: an unpinned torch would pull several GB of CUDA wheels) and run the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q "torch==2.13.0" 2>&1 | grep -v "as the 'root' user" || true
-python3 -m pip install -q -e ".[test]" 2>&1 | grep -v "as the 'root' user" || true
+source scripts/_pip.sh
+pip_install "torch==2.13.0"
+pip_install -e ".[test]"
 export HF_HUB_OFFLINE=1
 python3 -m pytest -q -m "not gpu" "$@"

@@ -244,3 +244,39 @@ def test_hunyuan_video_benchmarks_against_diffusers_own_decode(tmp_path):
     # the ladder follows the decode's own choice: channels_last_3d measured slower for HunyuanVideo
     assert rows["+ channels_last"]["status"] == "skipped" and "1162 ms" in rows["+ channels_last"]["reason"]
     assert all(s["status"] != "applied" for row in ok for s in row["stages"] if s["name"] == "channels_last")
+
+
+def test_rows_whose_stage_does_nothing_are_not_timed(result):
+    """A row whose stage reported skipped (known once the pipeline is built) costs no decodes: no times in the JSON,
+    where they used to sit beside the identical row above (a CPU run spent most of its time on them)."""
+    data, _ = result
+    rows = {r["name"]: r for r in data["rows"]}
+    for name in ("+ fused norms (Triton)", "+ fused epilogues", "+ stacked Conv3d", "+ CUDA graphs"):
+        assert rows[name]["status"] == "skipped" and rows[name]["median_ms"] is None, rows[name]
+    assert rows["+ channels_last"]["status"] == "ok" and rows["+ channels_last"]["median_ms"] > 0
+
+
+def test_table_fits_a_narrow_terminal(result, monkeypatch):
+    """80 columns: the numbers stay whole (columns are dropped and named, not every cell cut to '…')."""
+    from rich.console import Console
+
+    from vaeopt import cli
+
+    data, _ = result
+    for width in (200, 80):
+        con = Console(width=width, record=True, highlight=False)
+        monkeypatch.setattr(cli, "out_console", con)
+        cli._print_bench(data)
+        text = con.export_text()
+        assert "…" not in text and max(len(ln) for ln in text.splitlines()) <= width
+        ch = next(r for r in data["rows"] if r["name"] == "+ channels_last")
+        assert f"{ch['median_ms']:.1f}" in text
+        header = next(ln for ln in text.splitlines() if " row " in ln)
+        assert ("min-max" in header) == (width == 200)  # dropped at 80, and said so below the table
+        assert width == 200 or "min-max" in text.split("└")[-1]
+
+
+def test_workload_names_in_help_are_the_benchmarks():
+    from vaeopt import benchmark, cli
+
+    assert tuple(benchmark.WORKLOADS) == cli.WORKLOAD_NAMES

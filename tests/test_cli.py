@@ -42,6 +42,8 @@ def test_info_json_without_gpu():
         # as `decode` decides on the CPU (the tests run with TRITON_INTERPRET=1, where the kernels could run)
         assert stages["fused_norms"]["runs"] is False and "interpreter" in stages["fused_norms"]["why"]
         assert stages["channels_last"]["runs"] is True
+        # as decode's line says ("skipped — nothing to change"), not "runs"
+        assert stages["attention"]["runs"] is False and "nothing to change" in stages["attention"]["why"]
 
 
 def test_decode_bundled_sample_short_form(tmp_path, samples_dir):
@@ -653,3 +655,107 @@ def test_messages_name_the_source_of_a_mistake(tmp_path, samples_dir):
     r = run("decode", tmp_path / "l.pt", "-m", model, "--device", "cpu:5", "-o", tmp_path / "x.png")
     assert r.exit_code == 2 and "the CPU is one device" in r.output and not (tmp_path / "x.png").exists(), r.output
     assert "Traceback" not in r.output
+
+
+def _small_latents(tmp_path, samples_dir):
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)
+    return {k: v[:, :, :8, :8].clone() for k, v in lat.items()}
+
+
+def test_a_checkpoint_given_as_latents_is_refused(tmp_path, samples_dir):
+    """It decoded its 4-channel weights as 132 'images' and said wrote."""
+    model = samples_dir / "tiny_kl_image.safetensors"
+    copy = tmp_path / "vae_copy.safetensors"
+    copy.write_bytes(model.read_bytes())
+    for given in (model, copy):
+        r = run("decode", given, "--model", model, "-o", tmp_path / "out/")
+        assert r.exit_code == 2 and "holds model weights" in r.output and "--model" in r.output, r.output
+        assert not (tmp_path / "out").exists()
+
+
+def test_key_into_a_folder_keeps_the_entry_name(tmp_path, samples_dir):
+    lat = tmp_path / "l.pt"
+    torch.save(_small_latents(tmp_path, samples_dir), lat)
+    m = samples_dir / "tiny_kl_image.safetensors"
+    for key in ("coffee", "astronaut"):
+        r = run("decode", lat, "--key", key, "--model", m, "-o", str(tmp_path / "out") + "/")
+        assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(tmp_path / "out")) == ["l_astronaut.png", "l_coffee.png"]
+
+
+def test_meta_and_sparse_latents(tmp_path, samples_dir):
+    z = _small_latents(tmp_path, samples_dir)["coffee"]
+    torch.save(torch.empty(1, 4, 8, 8, device="meta"), tmp_path / "meta.pt")
+    torch.save(z.to_sparse(), tmp_path / "sparse.pt")
+    torch.save(z, tmp_path / "dense.pt")
+    m = samples_dir / "tiny_kl_image.safetensors"
+    r = run("decode", tmp_path / "meta.pt", "--model", m, "-o", tmp_path / "m.png")
+    assert r.exit_code == 2 and "meta device" in r.output and "bug" not in r.output, r.output
+    for name in ("sparse", "dense"):
+        assert run("decode", tmp_path / f"{name}.pt", "--model", m, "-o", tmp_path / f"{name}.png").exit_code == 0
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "sparse.png")), np.asarray(Image.open(tmp_path / "dense.png")))
+
+
+def test_failed_decode_removes_every_folder_it_made(tmp_path, samples_dir):
+    torch.save(torch.full((1, 4, 8, 8), 1e30), tmp_path / "overflow.pt")
+    r = run("decode", tmp_path / "overflow.pt", "--model", samples_dir / "tiny_kl_image.safetensors",
+            "-o", str(tmp_path / "new1" / "new2") + "/")
+    assert r.exit_code != 0 and "non-finite" in r.output
+    assert sorted(os.listdir(tmp_path)) == ["overflow.pt"]
+
+
+def test_one_input_given_twice(tmp_path, samples_dir, monkeypatch):
+    (tmp_path / "d").mkdir()
+    torch.save(_small_latents(tmp_path, samples_dir)["coffee"], tmp_path / "d" / "a.pt")
+    monkeypatch.chdir(tmp_path / "d")
+    m = samples_dir / "tiny_kl_image.safetensors"
+    for second in ("a.pt", "../d/a.pt"):
+        r = run("decode", "a.pt", second, "--model", m)
+        assert r.exit_code == 2 and "given twice" in r.output, r.output
+    assert sorted(os.listdir(".")) == ["a.pt"]
+
+
+def test_user_config_model_path_is_relative_to_the_config(tmp_path, samples_dir, monkeypatch):
+    import vaeopt.api as api
+
+    cfg = tmp_path / "cfg" / "vaeopt" / "config.json"
+    cfg.parent.mkdir(parents=True)
+    (cfg.parent / "vae.safetensors").write_bytes((samples_dir / "tiny_kl_image.safetensors").read_bytes())
+    cfg.write_text(json.dumps({"model": "vae.safetensors"}))
+    monkeypatch.setattr(api, "USER_CONFIG", cfg)
+    monkeypatch.delenv("VAEOPT_MODEL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path, source = api.resolve_model(None, [])
+    assert path == cfg.parent / "vae.safetensors" and source == str(cfg)
+
+
+def test_benchmark_outputs_expand_the_home_folder(tmp_path, samples_dir, monkeypatch):
+    """'--json=~/r.json' reaches vaeopt with the '~' (the shell expands it only at a word's start)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    r = run("benchmark", samples_dir / "tiny_kl_image.safetensors", "--shape", "1,4,8,8", "--repeats", "1",
+            "--warmup", "0", "--peers", "tiling", "--device", "cpu", "--json=~/r.json", "--plot=~/r.png")
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(tmp_path / "home")) == ["r.json", "r.png"] and not (tmp_path / "~").exists()
+
+
+def test_batch_numbers_sort_past_999():
+    from pathlib import Path
+
+    from vaeopt.outputs import numbered
+
+    names = [numbered(Path("o.png"), i, 1001).name for i in (0, 100, 999, 1000)]
+    assert names == ["o_0000.png", "o_0100.png", "o_0999.png", "o_1000.png"] == sorted(names)
+    assert numbered(Path("o.png"), 7, 12).name == "o_007.png"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_stderr_does_not_fail_the_decode(tmp_path, samples_dir):
+    """`2>/dev/full`: the log cannot be written, the PNG can; it used to abort the decode with nothing written."""
+    torch.save(_small_latents(tmp_path, samples_dir)["coffee"], tmp_path / "a.pt")
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "vaeopt", "decode", str(tmp_path / "a.pt"), "--model",
+                            str(samples_dir / "tiny_kl_image.safetensors"), "-o", str(tmp_path / "a.png")],
+                           stderr=full, stdout=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0 and np.asarray(Image.open(tmp_path / "a.png")).shape == (64, 64, 3)

@@ -335,3 +335,44 @@ def test_mp4_abort_removes_the_file_when_a_second_signal_lands(tmp_path, monkeyp
     monkeypatch.undo()
     w._thread.join(10)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_that_appears_during_the_decode_is_kept(tmp_path, monkeypatch):
+    """Two runs with the same -o: both find it free before decoding; the one that finishes second must not replace
+    the first's file (no --overwrite) or folder, and must leave nothing of its own."""
+    img = torch.full((8, 8, 3), 7, dtype=torch.uint8)
+    frames = torch.full((2, 8, 8, 3), 9, dtype=torch.uint8)
+
+    def other_run_writes(path, data):
+        def chunks():
+            yield frames
+            path.write_bytes(data) if data is not None else (path.mkdir(), (path / "frame_00000.png").write_bytes(b"x"))
+        return chunks()
+
+    targets = {"png": tmp_path / "a.png", "mp4": tmp_path / "v.mp4"}
+    with pytest.raises(outputs.AppearedError, match="pass --overwrite"):
+        with outputs.atomic_path(targets["png"], overwrite=False) as tmp:
+            outputs.write_png(tmp, img)
+            targets["png"].write_bytes(b"first")
+    assert targets["png"].read_bytes() == b"first"
+    with pytest.raises(outputs.AppearedError, match="appeared while.*kept"):
+        outputs.write_mp4(targets["mp4"], other_run_writes(targets["mp4"], b"first"), overwrite=False)
+    with pytest.raises(outputs.AppearedError):
+        outputs.write_frames_dir(tmp_path / "fr", other_run_writes(tmp_path / "fr", None), overwrite=False)
+    assert (tmp_path / "fr" / "frame_00000.png").read_bytes() == b"x"  # the other run's frames folder is intact
+    assert targets["mp4"].read_bytes() == b"first"
+    (tmp_path / "empty").mkdir()  # what `-o empty/` makes before decoding: ours to fill
+    assert outputs.write_frames_dir(tmp_path / "empty", [frames], overwrite=False) == 2
+    assert sorted(os.listdir(tmp_path)) == ["a.png", "empty", "fr", "v.mp4"]  # nothing partial left
+
+
+def test_no_clobber_without_hard_links(tmp_path, monkeypatch):
+    def no_links(*a, **k):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    outputs.write_png(tmp_path / "a.png", torch.zeros(4, 4, 3, dtype=torch.uint8), overwrite=False)
+    assert np.asarray(Image.open(tmp_path / "a.png")).shape == (4, 4, 3)
+    with pytest.raises(outputs.AppearedError):
+        outputs.write_png(tmp_path / "a.png", torch.ones(4, 4, 3, dtype=torch.uint8), overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == ["a.png"]

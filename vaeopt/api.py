@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +47,8 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
             raise VaeoptError(f"{USER_CONFIG}: cannot read it ({e.strerror or e})") from e
         if not isinstance(cfg, dict) or not isinstance(cfg.get("model", ""), str):
             raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
-        if cfg.get("model"):
-            return _existing(Path(cfg["model"]).expanduser(), str(USER_CONFIG))
+        if cfg.get("model"):  # a relative path is taken from the config's folder, as a vaeopt.json's is from its own
+            return _existing(USER_CONFIG.parent / Path(cfg["model"]).expanduser(), str(USER_CONFIG))
     raise VaeoptError(
         "no VAE checkpoint given: pass --model path/to/vae.safetensors, set VAEOPT_MODEL, "
         f"or write {{\"model\": \"...\"}} to {USER_CONFIG}"
@@ -152,10 +153,16 @@ _OPTIMIZE_FAMILIES = {"AutoencoderKL": "sdxl", "AutoencoderKLWan": "wan21", "Aut
 _OPTIMIZE_CLASSES = tuple(_OPTIMIZE_FAMILIES)
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
-             triton: str = "auto", attention: str = "auto", log: Callable[[str], None] | None = print) -> torch.nn.Module:
+             triton: str = "auto", attention: str = "auto",
+             log: Callable[[str], None] | None = _to_stderr) -> torch.nn.Module:
     """Optimize a diffusers VAE in place (e.g. ``pipe.vae``) and return it; ``vae.decode(...)`` keeps its signature
-    and output structure. Tiling/graphs are decode-time choices, so they are not applied here. dtype "auto" keeps the
+    and output structure. Each stage's line goes to ``log``: stderr by default (a script's stdout stays its own),
+    ``log=None`` for silence, ``log=logging.getLogger(...).info`` to route it. Tiling/graphs are decode-time choices, so they are not applied here. dtype "auto" keeps the
     model's dtype. The Triton kernels run where no gradient is needed (no_grad / inference_mode, as diffusers
     pipelines decode); with autograd on for the input or the weights the torch ops run, so gradients stay right."""
     from vaeopt.families import FamilySpec, get_family
@@ -342,6 +349,7 @@ class DecodeJob:
     z_raw: torch.Tensor
     outputs: list[Path]  # one per batch item
     kind: str  # "png", "mp4", "frames", "safetensors"
+    overwrite: bool = True  # False: an output that appears during the decode is kept (outputs.AppearedError)
 
 
 @dataclass
@@ -427,6 +435,12 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     log: where to say which tensors of a file were skipped as not latents for this VAE."""
     fam = loaded.family
     jobs: list[DecodeJob] = []
+    given: dict[Path, Path] = {}
+    for lf in latent_files:
+        r = lf.path.resolve()
+        if r in given:
+            raise VaeoptError(f"{lf.path}: given twice (also as {given[r]}); name each latent file once")
+        given[r] = lf.path
     entries = {lf.path: _latent_entries(lf, fam, log) for lf in latent_files}
     multi = sum(len(v) for v in entries.values()) > 1
     for lf in latent_files:
@@ -437,10 +451,10 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             t = lat.validate(e, fam, lf.path)
             z = lat.to_raw(t, fam, space)
             n = z.shape[0]
+            stem = lf.path.stem + (f"_{outputs.safe_name(e.name)}" if e.name and named else "")
             if out is None:
                 base = outputs.default_output(lf.path, fam.is_video, e.name if named else "")
             elif multi:
-                stem = lf.path.stem + (f"_{outputs.safe_name(e.name)}" if e.name and named else "")
                 folder = out_is_folder or out.suffix == "" or out.is_dir()
                 base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if folder \
                     else out.with_name(f"{out.stem}_{stem}{out.suffix}")
@@ -455,24 +469,28 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             else:
                 kind = output_kind(base, fam.is_video)
             if kind == "png-dir":
-                base = base / (lf.path.stem + ".png")
+                base = base / (stem + ".png")  # (the entry's name kept, as without -o)
                 kind = "png"
             elif kind == "frames" and n > 1:  # a batch of clips into a folder: one MP4 each, inside it (as for
-                base = base / (lf.path.stem + ".mp4")  # several files or dict entries)
+                base = base / (stem + ".mp4")  # several files or dict entries)
                 kind = "mp4"
             paths = [outputs.numbered(base, i, n) for i in range(n)] if kind != "safetensors" else [base]
-            jobs.append(DecodeJob(lf.path, e.name, z, paths, kind))
+            jobs.append(DecodeJob(lf.path, e.name, z, paths, kind, overwrite))
     if any(j.kind == "mp4" for j in jobs) and not _have_pyav():
         raise VaeoptError("MP4 output needs PyAV (pip install av). Without it, write PNG frames (-o a folder, one clip "
                           "at a time: --key NAME picks one of a dict) or a .safetensors file. Nothing was decoded")
     all_paths = [p for j in jobs for p in j.outputs]
-    dupes = {p for p in all_paths if all_paths.count(p) > 1}
+    where = [os.path.realpath(p) for p in all_paths]  # one file under two spellings (a.png, ../names/a.png) too
+    dupes = {p for p, r in zip(all_paths, where) if where.count(r) > 1}
     if dupes:
         fix = ("rename one of the inputs, or decode them in separate runs" if out is not None and (
             out_is_folder or out.is_dir()) else "pass -o a folder")
         raise VaeoptError(f"two inputs would write the same output {sorted(dupes)[0]}: {fix}")
     inputs = {lf.path.resolve() for lf in latent_files}
     model = loaded.path.resolve() if loaded.path is not None else None
+    if model is not None and model in inputs:
+        raise VaeoptError(f"{loaded.path}: given as latents too; it is the model checkpoint (latents are the "
+                          ".pt/.safetensors/.latent/.npy files a pipeline or ComfyUI saved)")
     for p in all_paths:
         try:
             r = p.resolve()
@@ -508,16 +526,17 @@ def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[
     check_finite(decoded, job)
     written = []
     if job.kind == "safetensors":  # clamped as video decodes are: what the metadata says
-        outputs.write_tensor(job.outputs[0], decoded.clamp(-1, 1), {"source": str(job.source), "range": "[-1,1]"})
+        outputs.write_tensor(job.outputs[0], decoded.clamp(-1, 1), {"source": str(job.source), "range": "[-1,1]"},
+                             overwrite=job.overwrite)
         return [job.outputs[0]]
     imgs = outputs.to_uint8_images(decoded)
     for i, path in enumerate(job.outputs):
         if job.kind == "png":
-            outputs.write_png(path, imgs[i][0] if imgs.ndim == 5 else imgs[i])  # video: its one frame
+            outputs.write_png(path, imgs[i][0] if imgs.ndim == 5 else imgs[i], job.overwrite)  # video: its one frame
         elif job.kind == "mp4":
-            outputs.write_mp4(path, [imgs[i]], fps=fps)
+            outputs.write_mp4(path, [imgs[i]], fps=fps, overwrite=job.overwrite)
         elif job.kind == "frames":
-            outputs.write_frames_dir(path, [imgs[i]])
+            outputs.write_frames_dir(path, [imgs[i]], job.overwrite)
         written.append(path)
     return written
 
@@ -553,7 +572,7 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
         cb = (lambda d, t: progress(job.source.name, d, t)) if progress else None
         if job.kind == "mp4" and job.z_raw.shape[0] == 1:
             t0 = time.perf_counter()
-            writer = outputs.Mp4Writer(job.outputs[0], fps=fps)
+            writer = outputs.Mp4Writer(job.outputs[0], fps=fps, overwrite=job.overwrite)
             try:
                 done = 0
                 total = pipe.family.output_frames(job.z_raw.shape[2])

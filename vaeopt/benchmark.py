@@ -180,13 +180,20 @@ class Bench:
             row.psnr_db, row.max_abs = f["psnr_db"], f["max_abs"]
         return row
 
-    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]], log_row: bool = True) -> Row:
+    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]], log_row: bool = True,
+            precheck: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> Row:
+        """Build (`make`), then time. precheck(stage lines) -> (status, reason) marks the row so without timing it."""
         row = Row(name, kind)
         self.log(f"{name} ...")
         try:
             t0 = time.perf_counter()
             fn = make()
             row.setup_s = time.perf_counter() - t0
+            built = getattr(fn, "built_stages", None)
+            if precheck is not None and built is not None and (skip := precheck(built())):
+                row.status, row.reason = skip
+                row.stages = built()
+                return row
             clocks = ClockSampler(self.device)
             with torch.inference_mode():
                 out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats, clocks)
@@ -233,7 +240,7 @@ def clock_note(rows: list[dict]) -> str | None:
 def _fmt_row(r: Row) -> str:
     if r.status != "ok":
         return f"{r.name}: {r.status} — {r.reason}"
-    p = "reference" if r.kind == "reference" else f"{r.psnr_db:.1f} dB vs fp32"
+    p = "reference" if r.kind == "reference" else f"{fidelity.psnr_text(r.psnr_db)} vs fp32"
     return f"{r.name}: {r.median_ms:.1f} ms, {p}"
 
 
@@ -341,6 +348,8 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
                 [{"name": "plan", "status": "applied", "detail": plan.reason}]
 
         fn.stages = stages
+        fn.built_stages = lambda: [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages] + \
+            [{"name": "plan", "status": "applied", "detail": plan.reason}]  # as built, before any decode
         return fn
 
     return make
@@ -409,21 +418,11 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         make = _ladder_fn(b, dict(acc), tuned)
         if ladder_hook is not None:
             make = ladder_hook(name, make)
-        r = b.run(name, "ladder", make, log_row=False)  # logged below, once it is known whether the stage ran
-        plan = next((s for s in r.stages if s["name"] == "plan"), None)
-        if name == "+ planner (tile/chunk)" and plan and plan["detail"].startswith(("whole decode", "chunk 1 ",
-                                                                                    "whole frames")):
-            r.status, r.reason = "skipped", f"nothing to change: {plan['detail']}"
-        # a stage that reported "skipped" did nothing: show the row as skipped with its reason (the Triton conv row
-        # also carries FP8 level 3, whose e4m3 convs are Triton kernels: it counts when those ran)
-        fp8_convs = any(s["name"] == "fp8 convs" and s["status"] == "applied" for s in r.stages)
-        key = _ROW_STAGE.get(name)
-        if key and r.status == "ok" and not (name == "+ Triton conv" and fp8_convs):
-            line = next((s for s in r.stages if s["name"] == key), None)
-            if line is None:  # the pipeline has no such stage for this family (e.g. stacked Conv3d for an image VAE)
-                r.status, r.reason = "skipped", f"no {key} stage for {spec.name}: nothing to apply"
-            elif line["status"] in ("skipped", "fallback"):
-                r.status, r.reason = line["status"], line["detail"]  # the stage did not run: no row of its own
+        # logged below, once it is known whether the stage ran; a row whose stage did nothing is not timed
+        r = b.run(name, "ladder", make, log_row=False,
+                  precheck=lambda stages, name=name: _row_skipped(name, stages, spec, built=True))
+        if r.status == "ok" and (skip := _row_skipped(name, r.stages, spec)):
+            r.status, r.reason = skip  # known only after the timed runs (graphs that were never captured)
         log(f"  {_fmt_row(r)}")
         rows.append(r)
     baseline = _speedups(rows, dtype)
@@ -462,6 +461,27 @@ def is_own_output(path: Path) -> bool:
 
 
 # each ladder row's stage: a row counts only when its stage's line says "applied"
+def _row_skipped(name: str, stages: list[dict], spec: FamilySpec, built: bool = False) -> tuple[str, str] | None:
+    """(status, reason) when a ladder row's stage did nothing, so that the row is shown as skipped rather than as a
+    measurement of the row above it; None when it ran. built=True: the stage lines as the pipeline was built, before
+    any decode (armed CUDA graphs count as applied there; whether they were captured is judged after the decodes)."""
+    plan = next((s for s in stages if s["name"] == "plan"), None)
+    if name == "+ planner (tile/chunk)" and plan and plan["detail"].startswith(("whole decode", "chunk 1 ",
+                                                                                "whole frames")):
+        return "skipped", f"nothing to change: {plan['detail']}"
+    # the Triton conv row also carries FP8 level 3, whose e4m3 convs are Triton kernels: it counts when those ran
+    fp8_convs = any(s["name"] == "fp8 convs" and s["status"] == "applied" for s in stages)
+    key = _ROW_STAGE.get(name)
+    if not key or (name == "+ Triton conv" and fp8_convs):
+        return None
+    line = next((s for s in stages if s["name"] == key), None)
+    if line is None:  # the pipeline has no such stage for this family (e.g. stacked Conv3d for an image VAE)
+        return "skipped", f"no {key} stage for {spec.name}: nothing to apply"
+    if line["status"] in ("skipped", "fallback"):
+        return line["status"], line["detail"]
+    return None
+
+
 _ROW_STAGE = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
               "+ fused epilogues": "fused_epilogues", "+ phase upsample convs": "upsample_conv",
               "+ stacked Conv3d": "stacked_conv3d", "+ Triton conv": "triton_conv", "+ attention backend": "attention",
@@ -525,7 +545,7 @@ def plot(result: dict, path: Path) -> None:
         d.rectangle([left, y + 4, left + max(wbar, 1), y + rowh - 6], fill=color)
         d.text((left + wbar + 5, y + 8), f"{r['median_ms']:.1f}", fill="black")
         p = r.get("psnr_db")
-        d.text((W - 150, y + 8), "ref" if r["kind"] == "reference" else (f"{p:.1f} dB" if p is not None else "—"),
+        d.text((W - 150, y + 8), "ref" if r["kind"] == "reference" else (fidelity.psnr_text(p) if p is not None else "—"),
                fill="black")
     from PIL.PngImagePlugin import PngInfo
 

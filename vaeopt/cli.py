@@ -31,7 +31,27 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True, highlight=False, soft_wrap=True)  # long paths: let the terminal wrap
+
+
+class _Stderr:
+    """sys.stderr (looked up at each write, as rich does, so that test runners' capture sees it) whose write errors
+    are dropped: the log is commentary, and a full or closed stderr (`2>/dev/full`) must not fail a decode whose
+    output can still be written."""
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a closed file
+            sys.stderr.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding ... for rich's terminal detection
+        return getattr(sys.stderr, name)
+
+
+console = Console(file=_Stderr(), highlight=False, soft_wrap=True)  # long paths: let the terminal wrap
 # piped or logged (not a terminal): rich would assume 80 columns and cut the benchmark table's cells to "11…"
 out_console = Console(highlight=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 200)
 
@@ -92,8 +112,13 @@ def clean_errors(fn):
                 console.print("[bold red]error:[/] out of host memory (smaller inputs; a decode also takes --tile / "
                               "--chunk / --vram-budget)")
                 raise typer.Exit(3)
+            if isinstance(e, OSError) and getattr(e, "filename", None) is None and e.errno == errno.EPIPE:
+                # `vaeopt ... | head -1`: the reader has gone; quietly, with rich's exit code for the same case (1)
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+                raise typer.Exit(1)
             if isinstance(e, OSError) and getattr(e, "filename", None) is None and e.errno in (
-                    errno.ENOSPC, errno.EPIPE, errno.EBADF):  # printing to a full /dev/full, a closed pipe
+                    errno.ENOSPC, errno.EBADF):  # printing to a full /dev/full, a closed stdout
                 with contextlib.suppress(Exception):
                     console.print(f"[bold red]error:[/] cannot write the output to stdout ({escape(e.strerror or '')})")
                 raise typer.Exit(1)
@@ -191,7 +216,8 @@ def decode(
                                        "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
     fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
-    fps: Optional[float] = typer.Option(None, "--fps", show_default="16", help="Frames per second of MP4 output."),
+    fps: Optional[float] = typer.Option(None, "--fps", show_default=False,
+                                        help="Frames per second of MP4 output (default 16, Wan's rate)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
                                                             "split into bands, many inputs are spread over ranks)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
@@ -255,6 +281,9 @@ def decode(
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
     if fps_given and not any(j.kind == "mp4" for j in jobs):
         _fps_unused(fps)
+    if chunk is not None and not loaded.family.is_video:
+        _log(f"--chunk {chunk} ignored: it sets the latent frames per decoder call of a video VAE, and "
+             f"{loaded.family.title} decodes images")
     with _output_folder(output if out_folder else None):  # made after planning; removed again if nothing lands in it
         _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
 
@@ -327,15 +356,21 @@ def _output_arg(output: str | None) -> tuple[Path | None, bool]:
 def _output_folder(path: Path | None):
     """Make the -o folder (a trailing '/'); if the decode then fails or is interrupted and the folder it made is still
     empty, remove it, so that "nothing was left behind" holds."""
-    made = path is not None and not path.exists()
+    made = []  # the folders mkdir makes, innermost first (-o new/newer/ makes both)
     if path is not None:
+        p = path
+        while not p.exists() and not p.is_symlink() and p != p.parent:
+            made.append(p)
+            p = p.parent
         _make_output_folder(path)
     try:
         yield
     except BaseException:
-        if made:
-            with contextlib.suppress(OSError):
-                path.rmdir()  # only if empty
+        for p in made:
+            try:
+                p.rmdir()  # only if empty
+            except OSError:
+                break
         raise
 
 
@@ -347,6 +382,11 @@ def _make_output_folder(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
+# vaeopt.benchmark.WORKLOADS' names, here without importing torch for --help (a test keeps the two equal)
+WORKLOAD_NAMES = ("sdxl-1024", "sdxl-2048", "sdxl-4096", "flux-1024", "sd15-512", "wan21-480p", "wan21-720p",
+                  "wan22-720p", "hunyuan-480p", "taesd-1024")
+
+
 @app.command()
 @clean_errors
 def benchmark(
@@ -354,13 +394,12 @@ def benchmark(
     family: Optional[str] = typer.Option(None, "--family", help="Build this family's full-size architecture with random "
                                                                 "weights (sdxl, flux, wan21, wan22, ...)."),
     workload: Optional[str] = typer.Option(None, "--workload", "-w", help="Standard workload: " + ", ".join(
-        ["sdxl-1024", "sdxl-2048", "sdxl-4096", "flux-1024", "sd15-512", "wan21-480p", "wan21-720p", "wan22-720p",
-         "taesd-1024"])),
+        WORKLOAD_NAMES) + "."),
     shape: Optional[str] = typer.Option(None, "--shape", help="Raw latent shape N,C,[T,]H,W (instead of --workload)."),
     peers: str = typer.Option("bf16,tiling", "--peers", help="Comma list of peers: bf16, tiling, compile (fp32 always "
                                                              "runs: it is the fidelity reference)."),
     dtype: str = typer.Option("auto", "--dtype", help="Precision of the peers and the ladder (auto: bf16 on GPU)."),
-    device: Optional[str] = typer.Option(None, "--device"),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per row (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
     fp8: bool = typer.Option(False, "--fp8", help="Include the FP8 stage in the ladder."),
@@ -380,6 +419,8 @@ def benchmark(
         raise VaeoptError(f"--warmup must be 0 or more, got {warmup}")
     if not 0 <= fp8_gate < float("inf"):
         raise VaeoptError(f"--fp8-gate must be a PSNR in dB, 0 or more, got {fp8_gate}")
+    # '--json=~/r.json': the shell leaves a '~' after '=' as it is; decode's -o and --model expand it, so do these
+    json_out, plot_out = (p.expanduser() if p is not None else None for p in (json_out, plot_out))
     _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -508,20 +549,41 @@ def _bench_inputs(model, family, workload, shape, dev):
 
 
 def _print_bench(result: dict) -> None:
-    t = Table(title=f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} "
-                    f"on {result.get('gpu') or 'CPU (CPU numbers)'}", title_justify="left")
-    for col in ("row", "ms", "min-max", "GiB", "TFLOP/s", "PSNR", "max err", "speedup"):
-        t.add_column(col, justify="left" if col == "row" else "right", no_wrap=True)
-    skipped = []
+    from vaeopt.fidelity import psnr_text
+
+    title = (f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} "
+             f"on {result.get('gpu') or 'CPU (CPU numbers)'}")
+    f = lambda v, fmt: (fmt.format(v) if v is not None else "-")  # noqa: E731
+    cols = ("row", "ms", "min-max", "GiB", "TFLOP/s", "PSNR", "max err", "speedup")
+    cells, skipped = [], []
     for r in result["rows"]:
         if r["status"] != "ok":
             skipped.append(r)
             continue
-        f = lambda v, fmt: (fmt.format(v) if v is not None else "-")  # noqa: E731
-        t.add_row(r["name"][:36], f(r["median_ms"], "{:.1f}"), f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
-                  f(r["peak_alloc_gib"], "{:.2f}"), f(r["tflops"], "{:.0f}" if (r["tflops"] or 0) >= 10 else "{:.2g}"),
-                  "ref" if r["kind"] == "reference" else f(r["psnr_db"], "{:.1f}"), f(r["max_abs"], "{:.3f}"),
-                  f(r.get("speedup_vs_baseline", r["speedup_vs_diffusers_bf16"]), "{:.2f}x"))
+        psnr = "ref" if r["kind"] == "reference" else psnr_text(r["psnr_db"], "")
+        cells.append((r["name"][:36], f(r["median_ms"], "{:.1f}"), f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
+                      f(r["peak_alloc_gib"], "{:.2f}"),
+                      f(r["tflops"], "{:.0f}" if (r["tflops"] or 0) >= 10 else "{:.2g}"), psnr,
+                      f(r["max_abs"], "{:.3f}"), f(r.get("speedup_vs_baseline", r["speedup_vs_diffusers_bf16"]),
+                                                   "{:.2f}x")))
+    # A narrow terminal drops the least needed columns rather than cutting every number short; the row names fold.
+    width = out_console.width
+    need = {c: max([len(c)] + [len(row[i]) for row in cells]) + 3 for i, c in enumerate(cols)}
+    shown = list(cols)
+    for c in ("min-max", "TFLOP/s", "max err", "GiB"):
+        if sum(need[k] for k in shown if k != "row") + 16 <= width:
+            break
+        shown.remove(c)
+    t = Table(title=title, title_justify="left")
+    for c in shown:
+        if c == "row":
+            t.add_column(c, justify="left", overflow="fold", min_width=12)
+        else:
+            t.add_column(c, justify="right", no_wrap=True, min_width=need[c] - 3)
+    for row in cells:
+        t.add_row(*(v for c, v in zip(cols, row) if c in shown))
+    if len(shown) < len(cols):
+        t.caption = f"({', '.join(c for c in cols if c not in shown)}: in a wider terminal, or --json)"
     out_console.print(t)
     out_console.print(f"PSNR/max err vs the fp32 diffusers decode; speedup vs '{result.get('speedup_baseline')}'"
                       + (f"; bf16 matmul here {result['matmul_tflops']:.0f} TFLOP/s"

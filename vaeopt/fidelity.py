@@ -10,6 +10,13 @@ import torch
 PSNR_CAP = 200.0  # identical outputs report 200 dB (keeps JSON numeric; real differences stay far below)
 
 
+def psnr_text(db: float | None, unit: str = " dB") -> str:
+    """A PSNR for people: "exact" for the cap (identical outputs), not a measured-looking 200.0."""
+    if db is None:
+        return "-"
+    return "exact" if db >= PSNR_CAP else f"{db:.1f}{unit}"
+
+
 def count_nonfinite(t: torch.Tensor) -> int:
     """NaN/Inf elements of t, counted in pieces (no full-size bool temporary for a long decode)."""
     return sum(int(part.numel() - torch.isfinite(part).sum()) for part in t.reshape(-1).split(1 << 24))

@@ -53,7 +53,10 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
                 "cudnn_autotune": "cuDNN engine configs timed per new conv shape (auto from "
                                   "many same-shape decodes; --cudnn-autotune on)"}[name]
         row(name, ok, what if ok else why)
-    row("attention", True, "SDPA; backend chosen per head dim at load" if g else "SDPA (CPU kernels)")
+    if g:
+        row("attention", True, "SDPA; backend chosen per head dim at load")
+    else:
+        row("attention", False, "nothing to change on the CPU: diffusers' attention is already SDPA (CPU kernels)")
     if g:
         row("planner", True, f"tiles/chunks planned from {g.free_gib:.1f} GiB free VRAM")
     else:

@@ -223,12 +223,19 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             raise LatentError(f"{path}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
         if arr.dtype.kind not in "f":
             raise LatentError(f"{path}: latents must be floating point, got numpy dtype {arr.dtype}")
-        entries.append(LatentEntry("", torch.from_numpy(arr.astype("float32", copy=False))))
+        native = arr.dtype.newbyteorder("=")  # big-endian files: torch takes native byte order only
+        keep = native in (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))  # shown as stored
+        entries.append(LatentEntry("", torch.from_numpy(np.ascontiguousarray(arr.astype(native if keep else "float32",
+                                                                                          copy=False)))))
     else:
         raise LatentError(f"{path}: unknown latent format '{suffix}' (expected {', '.join(LATENT_SUFFIXES)})")
 
     if not entries:
         raise LatentError(f"{path}: contains no tensors")
+    params = [e.name for e in entries if e.name.rsplit(".", 1)[-1] in ("weight", "bias")]
+    if key is None and len(params) >= 4 and 2 * len(params) >= len(entries):
+        raise LatentError(f"{path}: holds model weights ({len(entries)} tensors such as {params[0]}, {params[1]}), "
+                          "not latents: a VAE checkpoint goes to --model")
     small = [e for e in entries if e.tensor.ndim < 3]
     if key is None and small and len(small) < len(entries):
         # e.g. a saved ComfyUI LATENT dict ({"samples": ..., plus masks / indices}): decode what can be latents
@@ -269,6 +276,13 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     values=False: dtype and shape only (is this tensor a latent for this VAE at all?)."""
     t = entry.tensor
     where = f"{source}" + (f" [{entry.name}]" if entry.name else "")
+    if t.device.type == "meta":
+        raise LatentError(f"{where}: a tensor on the meta device: it has a shape {tuple(t.shape)} but no values to "
+                          "decode (saved from a model built with device='meta'?)")
+    if t.layout != torch.strided:
+        if t.layout not in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+            raise LatentError(f"{where}: latents must be a dense tensor, got layout {t.layout}")
+        t = t.to_dense()  # sparse latents (rare, but a valid tensor): decode their values
     if not torch.is_floating_point(t):
         raise LatentError(f"{where}: latents must be floating point, got {t.dtype}")
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):

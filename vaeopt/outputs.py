@@ -47,10 +47,50 @@ def _os_error(path: Path, e: OSError) -> OutputError:
     return OutputError(f"{path}: cannot write ({e.strerror or e})")
 
 
+class AppearedError(OutputError):
+    """The output did not exist when it was checked, but something else put it there while this one was made."""
+
+
+def _appeared(path: Path) -> AppearedError:
+    return AppearedError(f"{path}: appeared while this output was being made (another decode writing the same path?); "
+                         "it was kept and this output was not written (pass --overwrite to replace it)")
+
+
+def _commit_no_clobber(tmp: Path, path: Path) -> None:
+    """Move the finished temp file or folder to `path` unless something is there by now: an output checked free
+    before a minutes-long decode can have been written meanwhile (two runs with the same -o). A file is hard-linked
+    into place (atomic, fails if the name exists), then its temp name removed; where the file system has no hard
+    links, the name is checked just before the rename. A folder is renamed: rename(2) replaces only an empty folder
+    (the one `-o clip/` makes before decoding) and fails on one that holds files."""
+    if tmp.is_dir():
+        if os.path.lexists(path) and not (path.is_dir() and not any(path.iterdir())):
+            raise _appeared(path)
+        try:
+            os.rename(tmp, path)
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise _appeared(path) from None
+            raise
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise _appeared(path) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+            raise
+        if os.path.lexists(path):  # no hard links here (FAT, some FUSE mounts): the check is as late as it can be
+            raise _appeared(path) from None
+        os.replace(tmp, path)
+        return
+    _remove(tmp)
+
+
 @contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
+def atomic_path(path: Path, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it to `path` on success, delete it on any failure. A symlink is
-    followed: what it points to is replaced, the link stays (as `cp` writes through one)."""
+    followed: what it points to is replaced, the link stays (as `cp` writes through one). overwrite=False: an output
+    that appeared at `path` while this one was made is kept, and AppearedError raised (nothing of ours left)."""
     path = _followed(Path(path))
     parent = path.parent
     if not parent.exists():
@@ -63,7 +103,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
         tmp = parent / f".vaeopt.{os.getpid()}.{hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]}.partial{path.suffix}"
     try:
         yield tmp
-        if tmp.is_dir() and path.is_dir():  # --overwrite of a frames folder: os.replace cannot replace a non-empty one
+        if not overwrite:
+            _commit_no_clobber(tmp, path)
+        elif tmp.is_dir() and path.is_dir():  # --overwrite of a frames folder: os.replace cannot replace a non-empty one
             old = parent / f".{path.name}.{os.getpid()}.old"
             os.replace(path, old)
             try:
@@ -170,14 +212,14 @@ def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
     return y.cpu().contiguous()
 
 
-def write_png(path: Path, image_hwc: torch.Tensor) -> None:
+def write_png(path: Path, image_hwc: torch.Tensor, overwrite: bool = True) -> None:
     from PIL import Image
 
-    with atomic_path(path) as tmp:
+    with atomic_path(path, overwrite) as tmp:
         Image.fromarray(image_hwc.numpy()).save(tmp, format="PNG")
 
 
-def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
+def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor], overwrite: bool = True) -> int:
     """PNG frames frame_00000.png... into a folder, made atomically (temp folder + rename). Where no rename can put
     the folder in place, an existing empty one is filled in place instead, one atomic file at a time, and emptied
     again on failure: a mount point (a Docker volume), or a folder whose parent is not writable. (A killed process
@@ -192,7 +234,7 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
             for chunk in frames_thwc:
                 for frame in chunk:
                     written.append(path / f"frame_{n:05d}.png")
-                    with atomic_path(written[-1]) as tmp:
+                    with atomic_path(written[-1], overwrite) as tmp:
                         Image.fromarray(frame.numpy()).save(tmp, format="PNG")
                     n += 1
         except BaseException:
@@ -200,7 +242,7 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor]) -> int:
                 _remove(f)
             raise
         return n
-    with atomic_path(path) as tmp:
+    with atomic_path(path, overwrite) as tmp:
         tmp.mkdir()
         for chunk in frames_thwc:
             for frame in chunk:
@@ -218,10 +260,10 @@ def _read_umask() -> int:
 _UMASK = _read_umask()  # once, at import: setting it briefly races with other threads creating files
 
 
-def write_tensor(path: Path, x: torch.Tensor, metadata: dict | None = None) -> None:
+def write_tensor(path: Path, x: torch.Tensor, metadata: dict | None = None, overwrite: bool = True) -> None:
     from safetensors.torch import save_file
 
-    with atomic_path(path) as tmp:
+    with atomic_path(path, overwrite) as tmp:
         try:
             save_file({"sample": x.detach().float().cpu().contiguous()}, str(tmp), metadata=metadata or {})
         except OSError:
@@ -237,14 +279,14 @@ class Mp4Writer:
     """H.264 MP4 writer fed from a bounded queue by the decode loop and encoded on a background thread, so that
     decoding, device-to-host copies and encoding overlap. Frames: uint8 (T,H,W,3) CPU tensors."""
 
-    def __init__(self, path: Path, fps: float = 16.0, crf: int = 18, max_queue: int = 4):
+    def __init__(self, path: Path, fps: float = 16.0, crf: int = 18, max_queue: int = 4, overwrite: bool = True):
         self.path = Path(path)
         self.fps = fps
         self.crf = crf
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self._error: BaseException | None = None
         self._aborted = False
-        self._ctx = atomic_path(self.path)
+        self._ctx = atomic_path(self.path, overwrite)
         self._tmp = self._ctx.__enter__()
         self.frames = 0
         self._thread = threading.Thread(target=self._run, name="vaeopt-mp4", daemon=True)
@@ -351,8 +393,8 @@ def _tag_bt709(ctx) -> None:
     ctx.color_range = _TV_RANGE
 
 
-def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0) -> int:
-    writer = Mp4Writer(path, fps=fps)
+def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0, overwrite: bool = True) -> int:
+    writer = Mp4Writer(path, fps=fps, overwrite=overwrite)
     try:
         for chunk in chunks:
             writer.put(chunk)
@@ -381,6 +423,7 @@ def numbered(path: Path, index: int, count: int) -> Path:
     """out.png -> out_000.png for batches (a folder output stays a folder per item)."""
     if count == 1:
         return path
+    width = max(3, len(str(count - 1)))  # _0000.._1000 for 1001 items, so that names sort in batch order
     if path.suffix:
-        return path.with_name(f"{path.stem}_{index:03d}{path.suffix}")
-    return path.with_name(f"{path.name}_{index:03d}")
+        return path.with_name(f"{path.stem}_{index:0{width}d}{path.suffix}")
+    return path.with_name(f"{path.name}_{index:0{width}d}")
