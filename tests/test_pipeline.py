@@ -453,6 +453,38 @@ def test_optimized_wan_decode_runs_the_chunk_decoder(samples_dir, monkeypatch):
         assert (again.decode(z[:1]).sample - want[:1]).abs().max().item() < 1e-5
 
 
+def test_optimized_wan_decode_honours_hooks_and_compile(samples_dir, monkeypatch):
+    """The chunk decoder calls no block's forward, so a user's hook on the decoder or one of its blocks did not fire
+    (new-user pass: 21-23 dB off stock with the same hook). Such a hook now sends vae.decode to diffusers' frame loop,
+    with a warning; removed, the chunk decoder is back. torch.compile(vae.decode) traces diffusers' loop (it failed
+    inside the planner)."""
+    import copy
+    import warnings
+
+    from vaeopt import video
+
+    ref = load_vae(samples_dir / "tiny_wan_video.safetensors").model.float().eval()
+    vae = copy.deepcopy(ref)
+    vaeopt.optimize(vae, device="cpu", log=None)
+    calls = []
+    real = video.decode_video
+    monkeypatch.setattr(video, "decode_video", lambda *a, **k: calls.append(1) or real(*a, **k))
+    z = torch.randn(1, 16, 3, 6, 8, generator=torch.Generator().manual_seed(0))
+    for where in ("", "mid_block", "up_blocks.1.resnets.0"):
+        hs = [m.decoder.get_submodule(where).register_forward_hook(lambda mod, a, o: o * 0.5) for m in (ref, vae)]
+        with warnings.catch_warnings(record=True) as w, torch.no_grad():
+            warnings.simplefilter("always")
+            want, got = ref.decode(z).sample, vae.decode(z).sample
+        assert (got - want).abs().max().item() < 1e-5 and not calls, where
+        assert where == "" or not w or "hook on the Wan decoder" in str(w[0].message)
+        for h in hs:
+            h.remove()
+    with torch.no_grad():
+        assert (vae.decode(z).sample - ref.decode(z).sample).abs().max().item() < 1e-5 and calls == [1]
+        compiled = torch.compile(vae.decode, backend="eager")(z).sample
+    assert (compiled - ref.decode(z).sample).abs().max().item() < 1e-5
+
+
 def test_optimized_state_dict_saves_with_safetensors(tmp_path):
     """Found by a new-user pass: after optimize, save_file(vae.state_dict()) raised 'non contiguous tensor' (the
     decoder's conv weights are channels_last). The state dict now holds them in the standard layout, with the same
@@ -757,3 +789,31 @@ def test_optimize_on_the_cpu_beside_a_gpu_says_how_to_get_the_gpu_stages(monkeyp
     lines.clear()
     vaeopt.optimize(build_model(get_family("sd15"), **TINY_KL), device="cpu", log=lines.append)  # asked for the CPU
     assert not any(line.startswith("! optimized for the CPU") for line in lines)
+
+
+def test_optimize_refuses_before_changing_anything():
+    """A compiled module, an instance-level decode it would drop, and dtypes it cannot decode in are refused before
+    the model is touched (float8 used to be cast in, then fail half-way, the model left unmarked)."""
+    from vaeopt.errors import VaeoptError
+
+    def fresh():
+        torch.manual_seed(0)
+        return build_model(get_family("sdxl"), block_out_channels=[32, 32], norm_num_groups=8, layers_per_block=1,
+                           down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)
+
+    for dtype in (torch.float8_e4m3fn, torch.complex64, torch.int8, None, "fp64"):
+        v = fresh()
+        with pytest.raises(VaeoptError, match="dtype"):
+            vaeopt.optimize(v, log=None, dtype=dtype)
+        assert next(v.parameters()).dtype == torch.float32 and not hasattr(v, "_vaeopt_optimized")
+        assert next(v.decoder.parameters()).is_contiguous()  # no channels_last either
+    with pytest.raises(VaeoptError, match="optimize the module first, then compile"):
+        vaeopt.optimize(torch.compile(fresh()), log=None)
+    v = fresh()
+    mine = v.decode
+    v.decode = lambda *a, **k: mine(*a, **k)
+    with pytest.raises(VaeoptError, match="decode is replaced on the instance"):
+        vaeopt.optimize(v, log=None)
+    v = vaeopt.optimize(fresh(), log=None, dtype=torch.bfloat16)
+    assert next(v.parameters()).dtype == torch.bfloat16
+    assert vaeopt.optimize(v, log=None, dtype="bf16") is v  # the same options, spelled the other way: a no-op

@@ -23,10 +23,12 @@ def test_switches_other_processors_to_sdpa_and_decodes_the_same():
     with torch.no_grad():
         ref = vae.decode(z).sample
     r = attention.apply(vae, torch.device("cpu"))
-    assert r.status == "applied" and r.data["switched"] == 2 and r.data["head_dims"] == [32]
-    assert "switched 2 attention processors to SDPA" in r.line()
+    assert r.status == "applied" and r.data["switched"] == 1 and r.data["head_dims"] == [32]
+    assert "switched 1 attention processors to SDPA" in r.line()
     assert "math" in r.data["backends"][32]
-    assert all(isinstance(p, AttnProcessor2_0) for p in vae.attn_processors.values())
+    procs = vae.attn_processors
+    assert all(isinstance(p, AttnProcessor2_0) for k, p in procs.items() if k.startswith("decoder."))
+    assert all(type(p) is AttnProcessor for k, p in procs.items() if k.startswith("encoder."))  # not the stage's
     with torch.no_grad():
         assert torch.allclose(vae.decode(z).sample, ref, atol=1e-5)
     again = attention.apply(vae, torch.device("cpu"))  # already SDPA: nothing to do, said so
@@ -134,3 +136,23 @@ def test_frame_causal_attention_on_the_gpu_matches_the_masked_one():
     err_stock = (stock - ref).abs().max().item()
     err_ours = (ours - ref).abs().max().item()
     assert err_ours <= max(2 * err_stock, 0.05), (err_ours, err_stock)
+
+
+def test_a_processor_the_user_set_is_kept():
+    """optimize replaced a user's own processor (and the encoder's) with AttnProcessor2_0, silently with log=None."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class Halved(AttnProcessor2_0):
+        def __call__(self, *a, **k):
+            return super().__call__(*a, **k) * 0.5
+
+    vae = build_model(get_family("sdxl"), **TINY_KL)
+    vae.set_attn_processor(Halved())
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    r = attention.apply(vae, torch.device("cpu"))
+    assert r.data["switched"] == 0 and "kept the processor set on mid_block.attentions.0 (Halved)" in r.line()
+    assert all(type(p) is Halved for p in vae.attn_processors.values())
+    with torch.no_grad():
+        assert torch.equal(vae.decode(z).sample, ref)

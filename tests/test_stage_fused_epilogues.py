@@ -300,3 +300,58 @@ def test_head_taps_only_inside_the_decoder_forward(small_kl, monkeypatch):
         model.to(memory_format=torch.contiguous_format)
     assert not any(k in m.__dict__ for m in (dec, dec.conv_norm_out, dec.conv_out)
                    for k in ("forward", fused_epilogues._HEAD, "_vaeopt_tap_matrix"))
+
+
+def test_two_threads_decoding_with_one_model(small_kl, monkeypatch):
+    """A web server decodes on several threads with one model. A decode leaves notes on shared modules for later
+    modules of the same call (the upsampled tensor on Upsample2D, the head's statistics on conv_out); a second
+    thread in between read them: an output upsampled twice, or conv_out on the raw activation. Decodes of one
+    decoder now take turns: the first waits inside its upsampler for the other to come in, which it cannot."""
+    import threading
+
+    _need("cpu")
+    model = small_kl.to(memory_format=torch.channels_last)
+    try:
+        _apply_both(model)
+        zs = [torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        refs = [_decode(model, z) for z in zs]
+        up = next(b.upsamplers[0] for b in model.decoder.up_blocks if b.upsamplers is not None)
+        inside, most, entered = [0], [0], threading.Event()
+        real = type(model.decoder).forward
+
+        def counted(self, *a, **k):
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            try:
+                return real(self, *a, **k)
+            finally:
+                inside[0] -= 1
+
+        monkeypatch.setattr(type(model.decoder), "forward", counted)  # what _decoder_call runs inside the lock
+        f0 = up.forward
+
+        def slow_up(*a, **k):
+            entered.set()
+            threading.Event().wait(0.5 if inside[0] == 1 else 0)  # room for the other thread to come in
+            return f0(*a, **k)
+
+        up.forward = slow_up
+        out = [None, None]
+
+        def work(i):
+            out[i] = _decode(model, zs[i])
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        del up.forward
+        assert most[0] == 1 and entered.is_set()
+        for o, r in zip(out, refs):
+            assert o.shape == r.shape
+            torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+    finally:
+        fused_epilogues.revert(model)
+        fused_norms.revert(model)
+        model.to(memory_format=torch.contiguous_format)

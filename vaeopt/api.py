@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -141,6 +142,11 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
         loaded.model._vaeopt_optimized = ("vaeopt.decode", key)
         loaded._vaeopt_pipeline = pipe
         return pipe
+    now = compute_dtype(loaded.model)
+    if now is not None and now != pipe.dtype:  # e.g. loaded.model.half() between two decodes
+        raise VaeoptError(f"the loaded VAE's weights are {str(now).replace('torch.', '')} now, but its first decode set "
+                          f"it up for {str(pipe.dtype).replace('torch.', '')}: load the checkpoint again, with "
+                          "options=vaeopt.Options(dtype=...) for another precision")
     if options is not None:
         pipe.opts = dataclasses.replace(options)  # its decode-time choices (tiling, chunk, budget...) take effect
     pipe.log = log or (lambda s: None)
@@ -155,6 +161,21 @@ _OPTIMIZE_CLASSES = tuple(_OPTIMIZE_FAMILIES)
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _dtype_name(dtype) -> str:
+    """optimize's dtype as Options takes it ("auto", "fp32", "bf16", "fp16"); anything else is refused."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if isinstance(dtype, str):
+        if dtype.lower() == "auto":
+            return "auto"
+        from vaeopt.hw import resolve_dtype
+
+        return names[resolve_dtype(dtype, torch.device("cpu"))]
+    if isinstance(dtype, torch.dtype) and dtype in names:
+        return names[dtype]
+    raise VaeoptError(f"vaeopt.optimize: dtype must be 'auto' (the model's own), 'fp32', 'bf16', 'fp16' or one of "
+                      f"torch.float32 / bfloat16 / float16, got {dtype!r}")
 
 
 def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "auto", channels_last: str = "auto",
@@ -177,6 +198,14 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     if not isinstance(vae, torch.nn.Module) or not hasattr(vae, "config") or not hasattr(vae, "decoder"):
         raise VaeoptError(f"vaeopt.optimize takes a diffusers VAE module (e.g. pipe.vae), got {type(vae).__name__}; "
                           "for a checkpoint file use vaeopt.decode(latents, path) or vaeopt.load_vae(path)")
+    if isinstance(getattr(vae, "_orig_mod", None), torch.nn.Module):  # torch.compile(vae): an OptimizedModule
+        raise VaeoptError("vaeopt.optimize: this VAE is already wrapped by torch.compile; optimize the module first, "
+                          "then compile it: vae = vaeopt.optimize(vae); vae = torch.compile(vae)")
+    if "decode" in vae.__dict__ and not isinstance(vae.__dict__["decode"], _Decode):
+        raise VaeoptError("vaeopt.optimize: this VAE's decode is replaced on the instance (vae.decode = ..., e.g. "
+                          "torch.compile(vae.decode)); optimize runs before that, and its own vae.decode would drop "
+                          "yours: call optimize first, then wrap vae.decode")
+    dtype = _dtype_name(dtype)  # a clear error before the model is touched
     wanted = dict(device=device, dtype=dtype, channels_last=channels_last, triton=triton, attention=attention)
     if getattr(vae, "_vaeopt_optimized", None) is not None:  # again would stack hooks and redo (or undo) its work
         _refuse_other(vae, "vaeopt.optimize", wanted)
@@ -305,10 +334,17 @@ class _WanChunkDecode:
         from diffusers.models.autoencoders.vae import DecoderOutput
 
         from vaeopt import planner, video
-        from vaeopt.stages import needs_autograd
+        from vaeopt.stages import foreign_hooked, needs_autograd
 
         v = self.vae
-        if needs_autograd(z, v) or self._diffusers_tiles(z):
+        if needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling():
+            return type(v)._decode(v, z, return_dict=return_dict)  # (compile: dynamo traces diffusers' loop)
+        hooked = foreign_hooked(v.decoder)
+        if hooked is not None:  # the chunk decoder calls no block's forward: a user's hook there would not fire
+            if not self.__dict__.get("_hook_noted"):
+                self._hook_noted = True
+                warnings.warn(f"vaeopt: a hook on the Wan decoder ({'decoder' + ('.' + hooked if hooked else '')}) "
+                              "makes vae.decode run diffusers' own frame loop, so that it fires", stacklevel=2)
             return type(v)._decode(v, z, return_dict=return_dict)
         w = v.post_quant_conv.weight  # where the model is now (it may have moved since optimize)
         plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
@@ -330,6 +366,12 @@ class _Decode:
 
     def __init__(self, vae):
         self.vae = vae
+
+    @property
+    def __signature__(self):  # inspect.signature(vae.decode) / IDEs: diffusers' own, not (*args, **kwargs)
+        import inspect
+
+        return inspect.signature(type(self.vae).decode.__get__(self.vae))
 
     def __call__(self, *args, **kwargs):
         v = self.vae

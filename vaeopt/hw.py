@@ -137,6 +137,10 @@ def resolve_device(device: str | None) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # (float8 storage is the fp8 stage's job)
+            from vaeopt.errors import VaeoptError
+
+            raise VaeoptError(f"dtype {dtype}: vaeopt decodes in torch.float32, torch.bfloat16 or torch.float16")
         return dtype
     d = (dtype or "auto").lower()
     if d == "auto":

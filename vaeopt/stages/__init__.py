@@ -72,6 +72,26 @@ def unhooked(m) -> bool:
     return class_forward(m) or isinstance(m.__dict__.get("forward"), BoundForward)
 
 
+def foreign_hooked(root) -> str | None:
+    """The name of the first module under `root` (root included; "" is root) that carries a hook or a per-instance
+    forward that is not vaeopt's own, or "<global>" for torch's global module hooks; None when there is none. For
+    code that runs a whole module tree without calling its modules (Wan's chunk decoder): with such a hook present
+    it must take the stock path, or the hook would silently not fire."""
+    from torch.nn.modules import module as M
+
+    def foreign(hooks) -> bool:
+        return any(not (getattr(h, "vaeopt_keeps_activations", False)
+                        or str(getattr(h, "__module__", "") or "").startswith("vaeopt")) for h in hooks.values())
+
+    if foreign(M._global_forward_hooks) or foreign(M._global_forward_pre_hooks):
+        return "<global>"
+    for name, m in root.named_modules():
+        if foreign(m._forward_hooks) or foreign(m._forward_pre_hooks) or not (
+                class_forward(m) or isinstance(m.__dict__.get("forward"), BoundForward)):
+            return name
+    return None
+
+
 def class_forward(m) -> bool:
     """m.forward is its class's own: no per-instance forward, or the bound class forward that removing a hook puts
     back (accelerate's remove_hook_from_module, diffusers' HookRegistry.remove_hook)."""

@@ -152,18 +152,23 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     if not dims:
         return StageResult.skipped(NAME, "model has no attention in its decoder")
     causal = _patch_hunyuan(model)
-    # diffusers' VAE Attention defaults to AttnProcessor2_0 (SDPA); make sure nothing else was set.
+    # diffusers' VAE Attention defaults to AttnProcessor2_0 (SDPA). Only the decoder's, and only diffusers' plain
+    # eager AttnProcessor (set_default_attn_processor) is switched: a processor the user chose (their own class,
+    # xformers, ...) is theirs to keep, and the encoder is not this stage's business.
     n = 0
     chunked = 0
-    for m in model.modules():
-        if type(m).__name__ == "Attention" and hasattr(m, "set_processor"):
-            from diffusers.models.attention_processor import AttnProcessor2_0
+    kept = []
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
+    for name, m in getattr(model, "decoder", model).named_modules():
+        if type(m).__name__ == "Attention" and hasattr(m, "set_processor"):
             if type(m.processor).__name__ == "ChunkedAttnProcessor":
                 chunked += 1  # fused_epilogues already replaced SDPA for this wide head
-            elif not isinstance(m.processor, AttnProcessor2_0):
+            elif type(m.processor) is AttnProcessor:
                 m.set_processor(AttnProcessor2_0())
                 n += 1
+            elif type(m.processor) is not AttnProcessor2_0:
+                kept.append(f"{name} ({type(m.processor).__name__})")
     device = device or next(model.parameters()).device
     per_dim = {d: _probe(d, device, dtype) for d in dims}
     desc = "; ".join(f"head_dim {d}: SDPA uses {v[0] if v else 'none'} (usable: {', '.join(v)})" for d, v in per_dim.items())
@@ -174,6 +179,9 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     if causal:  # the mid-block is the decoder's only attention: SDPA's backend no longer matters there
         desc = ("HunyuanVideo mid-block: frame-causal attention over key prefixes, exact, without diffusers' "
                 "(frames x h x w)^2 mask (query-chunked GEMM attention, fp32 scores; no SDPA)")
+    if kept:
+        data["kept"] = kept
+        desc += f"; kept the processor set on {', '.join(kept[:2])}{', ...' if len(kept) > 2 else ''}"
     if n or causal:
         return StageResult(NAME, "applied", (f"switched {n} attention processors to SDPA; " if n else "") + desc, data)
-    return StageResult(NAME, "skipped", f"nothing to change: already SDPA; {desc}", data)
+    return StageResult(NAME, "skipped", f"nothing to change{': already SDPA' if not kept else ''}; {desc}", data)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import threading
 import weakref
 
 import torch
@@ -293,14 +294,32 @@ def _head_static_ok(dec) -> bool:
             and c.groups == 1 and fits(c.out_channels, 9) and c.in_channels <= 256)
 
 
+# One decode at a time per decoder: a call leaves notes on shared modules for later modules of the same call (the
+# resnet's upsampled output on Upsample2D, the head's statistics and per-call forwards on conv_norm_out / conv_out).
+# Two threads decoding with one model (a web server) would read each other's: an output upsampled twice, or conv_out
+# on the raw activation. The GPU runs one decode's kernels after the other's anyway. (A registry, not an attribute:
+# the model stays deep-copyable and picklable.)
+_CALL_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_CALL_LOCKS_GUARD = threading.Lock()
+
+
+def _call_lock(dec: nn.Module) -> threading.RLock:
+    with _CALL_LOCKS_GUARD:
+        lock = _CALL_LOCKS.get(dec)
+        if lock is None:
+            lock = _CALL_LOCKS[dec] = threading.RLock()
+        return lock
+
+
 def _decoder_forward(self, *args, **kwargs):
     """diffusers' Decoder.forward: statistics notes on for the call unless a foreign hook could see activations,
     and the head on the tap path (see above) when it can."""
-    token = _NOTES_ON.set(NOTE_STATS and not _foreign_hooks(self))
-    try:
-        return _decoder_call(self, *args, **kwargs)
-    finally:
-        _NOTES_ON.reset(token)
+    with _call_lock(self):
+        token = _NOTES_ON.set(NOTE_STATS and not _foreign_hooks(self))
+        try:
+            return _decoder_call(self, *args, **kwargs)
+        finally:
+            _NOTES_ON.reset(token)
 
 
 def _decoder_call(self, *args, **kwargs):
