@@ -713,6 +713,10 @@ def test_one_input_given_twice(tmp_path, samples_dir, monkeypatch):
         r = run("decode", "a.pt", second, "--model", m)
         assert r.exit_code == 2 and "given twice" in r.output, r.output
     assert sorted(os.listdir(".")) == ["a.pt"]
+    os.symlink("a.pt", "b.pt")  # two names for one blob (a Hugging Face cache snapshot): two inputs, two outputs
+    r = run("decode", "a.pt", "b.pt", "--model", m)
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(".")) == ["a.png", "a.pt", "b.png", "b.pt"]
 
 
 def test_user_config_model_path_is_relative_to_the_config(tmp_path, samples_dir, monkeypatch):

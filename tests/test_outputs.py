@@ -376,3 +376,21 @@ def test_no_clobber_without_hard_links(tmp_path, monkeypatch):
     with pytest.raises(outputs.AppearedError):
         outputs.write_png(tmp_path / "a.png", torch.ones(4, 4, 3, dtype=torch.uint8), overwrite=False)
     assert sorted(os.listdir(tmp_path)) == ["a.png"]
+
+
+def test_frames_filled_in_place_keep_a_frame_another_run_wrote(tmp_path, monkeypatch):
+    """A folder filled frame by frame (a mount point): when another run's frame is already there, it is kept, and only
+    this run's own frames are removed (the first version removed the other run's frame too, then said it was kept)."""
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+    monkeypatch.setattr(outputs, "_filled_in_place", lambda p: True)
+    frames = torch.full((2, 8, 8, 3), 5, dtype=torch.uint8)
+
+    def chunks():
+        yield frames[:1]  # frame_00000: ours
+        (folder / "frame_00001.png").write_bytes(b"theirs")
+        yield frames[1:]
+
+    with pytest.raises(outputs.AppearedError):
+        outputs.write_frames_dir(folder, chunks(), overwrite=False)
+    assert os.listdir(folder) == ["frame_00001.png"] and (folder / "frame_00001.png").read_bytes() == b"theirs"

@@ -343,8 +343,11 @@ class _WanChunkDecode:
         if hooked is not None:  # the chunk decoder calls no block's forward: a user's hook there would not fire
             if not self.__dict__.get("_hook_noted"):
                 self._hook_noted = True
-                warnings.warn(f"vaeopt: a hook on the Wan decoder ({'decoder' + ('.' + hooked if hooked else '')}) "
-                              "makes vae.decode run diffusers' own frame loop, so that it fires", stacklevel=2)
+                where = ("torch's global module hooks" if hooked == "<global>" else
+                         "vae." + ("decoder." + hooked if hooked else "decoder"))
+                warnings.warn(f"vaeopt: {where} carries a hook (yours, or one of diffusers' layerwise casting / "
+                              "offloading), which vaeopt's chunk decoder would not call: vae.decode runs diffusers' "
+                              "own frame loop instead, so that it fires", stacklevel=2)
             return type(v)._decode(v, z, return_dict=return_dict)
         w = v.post_quant_conv.weight  # where the model is now (it may have moved since optimize)
         plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
@@ -367,11 +370,15 @@ class _Decode:
     def __init__(self, vae):
         self.vae = vae
 
-    @property
-    def __signature__(self):  # inspect.signature(vae.decode) / IDEs: diffusers' own, not (*args, **kwargs)
-        import inspect
+    class _Signature:  # inspect.signature(vae.decode) / IDEs: diffusers' own, not (*args, **kwargs)
+        def __get__(self, obj, cls=None):
+            if obj is None:  # on the class itself: no override (inspect.signature(_Decode) works as usual)
+                return None
+            import inspect
 
-        return inspect.signature(type(self.vae).decode.__get__(self.vae))
+            return inspect.signature(type(obj.vae).decode.__get__(obj.vae))
+
+    __signature__ = _Signature()
 
     def __call__(self, *args, **kwargs):
         v = self.vae
@@ -477,9 +484,9 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     log: where to say which tensors of a file were skipped as not latents for this VAE."""
     fam = loaded.family
     jobs: list[DecodeJob] = []
-    given: dict[Path, Path] = {}
+    given: dict[str, Path] = {}
     for lf in latent_files:
-        r = lf.path.resolve()
+        r = os.path.abspath(lf.path)  # a.pt and ../d/a.pt are one; two names linked to one blob are two inputs
         if r in given:
             raise VaeoptError(f"{lf.path}: given twice (also as {given[r]}); name each latent file once")
         given[r] = lf.path

@@ -348,8 +348,11 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
                 [{"name": "plan", "status": "applied", "detail": plan.reason}]
 
         fn.stages = stages
-        fn.built_stages = lambda: [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages] + \
-            [{"name": "plan", "status": "applied", "detail": plan.reason}]  # as built, before any decode
+        # as built, before any decode; armed CUDA graphs are captured during the timed decodes (their line says
+        # "nothing captured yet" until then): "armed", so that the row is timed and judged after its decodes
+        fn.built_stages = lambda: [{"name": s.name, "detail": s.detail, "status": "armed" if (
+            s.name == "graphs" and pipe.graphed is not None) else s.status} for s in pipe.stages] + \
+            [{"name": "plan", "status": "applied", "detail": plan.reason}]
         return fn
 
     return make
@@ -420,7 +423,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             make = ladder_hook(name, make)
         # logged below, once it is known whether the stage ran; a row whose stage did nothing is not timed
         r = b.run(name, "ladder", make, log_row=False,
-                  precheck=lambda stages, name=name: _row_skipped(name, stages, spec, built=True))
+                  precheck=lambda stages, name=name: _row_skipped(name, stages, spec))
         if r.status == "ok" and (skip := _row_skipped(name, r.stages, spec)):
             r.status, r.reason = skip  # known only after the timed runs (graphs that were never captured)
         log(f"  {_fmt_row(r)}")
@@ -461,10 +464,9 @@ def is_own_output(path: Path) -> bool:
 
 
 # each ladder row's stage: a row counts only when its stage's line says "applied"
-def _row_skipped(name: str, stages: list[dict], spec: FamilySpec, built: bool = False) -> tuple[str, str] | None:
+def _row_skipped(name: str, stages: list[dict], spec: FamilySpec) -> tuple[str, str] | None:
     """(status, reason) when a ladder row's stage did nothing, so that the row is shown as skipped rather than as a
-    measurement of the row above it; None when it ran. built=True: the stage lines as the pipeline was built, before
-    any decode (armed CUDA graphs count as applied there; whether they were captured is judged after the decodes)."""
+    measurement of the row above it; None when it ran (or, for stage lines as built, may run: armed CUDA graphs)."""
     plan = next((s for s in stages if s["name"] == "plan"), None)
     if name == "+ planner (tile/chunk)" and plan and plan["detail"].startswith(("whole decode", "chunk 1 ",
                                                                                 "whole frames")):

@@ -38,17 +38,24 @@ class _Stderr:
     are dropped: the log is commentary, and a full or closed stderr (`2>/dev/full`) must not fail a decode whose
     output can still be written."""
 
+    @staticmethod
+    def _target():
+        f = sys.stderr  # during a progress bar, rich's proxy: write where it writes (no loop back into the bar)
+        return getattr(f, "rich_proxied_file", None) or f
+
     def write(self, text: str) -> int:
         with contextlib.suppress(OSError, ValueError):  # ValueError: a closed file
-            sys.stderr.write(text)
+            self._target().write(text)
         return len(text)
 
     def flush(self) -> None:
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            sys.stderr.flush()
+            self._target().flush()
 
     def __getattr__(self, name):  # isatty, fileno, encoding ... for rich's terminal detection
-        return getattr(sys.stderr, name)
+        if name == "rich_proxied_file":  # so that rich writes through this wrapper, not around it
+            raise AttributeError(name)
+        return getattr(self._target(), name)
 
 
 console = Console(file=_Stderr(), highlight=False, soft_wrap=True)  # long paths: let the terminal wrap

@@ -1220,7 +1220,6 @@ def _child(index: int, world: int, port: int, backend: str, fn: Callable, args: 
     if index == 0:
         torch.save(out, result_path)
     del out
-    dist.barrier()  # no rank tears down while a peer is still in a collective with it
     dist.destroy_process_group()
     # Leave without interpreter finalization. destroy_process_group drops only the group's registry entries; gloo's
     # C++ worker threads live until the last Python reference goes, and if that happens while the interpreter is being

@@ -68,7 +68,14 @@ def _commit_no_clobber(tmp: Path, path: Path) -> None:
         try:
             os.rename(tmp, path)
         except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            if path.is_dir() and not any(path.iterdir()):  # Windows: rename never replaces a folder, even empty
+                try:
+                    path.rmdir()
+                    os.rename(tmp, path)
+                    return
+                except OSError:
+                    pass
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR) or os.path.lexists(path):
                 raise _appeared(path) from None
             raise
         return
@@ -77,7 +84,8 @@ def _commit_no_clobber(tmp: Path, path: Path) -> None:
     except FileExistsError:
         raise _appeared(path) from None
     except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS,
+                           errno.EINVAL):  # (EINVAL: FAT / exFAT on Windows)
             raise
         if os.path.lexists(path):  # no hard links here (FAT, some FUSE mounts): the check is as late as it can be
             raise _appeared(path) from None
@@ -233,9 +241,10 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor], overwrite:
         try:
             for chunk in frames_thwc:
                 for frame in chunk:
-                    written.append(path / f"frame_{n:05d}.png")
-                    with atomic_path(written[-1], overwrite) as tmp:
+                    f = path / f"frame_{n:05d}.png"
+                    with atomic_path(f, overwrite) as tmp:
                         Image.fromarray(frame.numpy()).save(tmp, format="PNG")
+                    written.append(f)  # (after the commit: a frame another run put there is not ours to remove)
                     n += 1
         except BaseException:
             for f in written:

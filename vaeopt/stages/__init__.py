@@ -79,9 +79,12 @@ def foreign_hooked(root) -> str | None:
     it must take the stock path, or the hook would silently not fire."""
     from torch.nn.modules import module as M
 
+    def ours(h) -> bool:
+        mod = str(getattr(h, "__module__", "") or "")
+        return getattr(h, "vaeopt_keeps_activations", False) or mod == "vaeopt" or mod.startswith("vaeopt.")
+
     def foreign(hooks) -> bool:
-        return any(not (getattr(h, "vaeopt_keeps_activations", False)
-                        or str(getattr(h, "__module__", "") or "").startswith("vaeopt")) for h in hooks.values())
+        return any(not ours(h) for h in hooks.values())
 
     if foreign(M._global_forward_hooks) or foreign(M._global_forward_pre_hooks):
         return "<global>"
