@@ -183,9 +183,11 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
              log: Callable[[str], None] | None = _to_stderr) -> torch.nn.Module:
     """Optimize a diffusers VAE in place (e.g. ``pipe.vae``) and return it; ``vae.decode(...)`` keeps its signature
     and output structure. Each stage's line goes to ``log``: stderr by default (a script's stdout stays its own),
-    ``log=None`` for silence, ``log=logging.getLogger(...).info`` to route it. Tiling/graphs are decode-time choices, so they are not applied here. dtype "auto" keeps the
-    model's dtype. The Triton kernels run where no gradient is needed (no_grad / inference_mode, as diffusers
-    pipelines decode); with autograd on for the input or the weights the torch ops run, so gradients stay right."""
+    ``log=None`` for silence, ``log=logging.getLogger(...).info`` to route it. Tiling/graphs are decode-time choices,
+    so they are not applied here. dtype "auto" keeps the model's dtype ("fp32"/"bf16"/"fp16" or those torch dtypes
+    cast it). The Triton kernels run where no gradient is needed (no_grad / inference_mode, as diffusers pipelines
+    decode); with autograd on for the input or the weights the torch ops run, so gradients stay right. Add hooks and
+    swap modules before calling it; a module compiled with torch.compile is optimized before compiling."""
     from vaeopt.families import FamilySpec, get_family
     from vaeopt.loading import LoadedVAE
 

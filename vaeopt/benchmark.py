@@ -463,7 +463,6 @@ def is_own_output(path: Path) -> bool:
         return False
 
 
-# each ladder row's stage: a row counts only when its stage's line says "applied"
 def _row_skipped(name: str, stages: list[dict], spec: FamilySpec) -> tuple[str, str] | None:
     """(status, reason) when a ladder row's stage did nothing, so that the row is shown as skipped rather than as a
     measurement of the row above it; None when it ran (or, for stage lines as built, may run: armed CUDA graphs)."""
@@ -484,6 +483,7 @@ def _row_skipped(name: str, stages: list[dict], spec: FamilySpec) -> tuple[str, 
     return None
 
 
+# each ladder row's stage: a row counts only when its stage's line says "applied"
 _ROW_STAGE = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms (Triton)": "fused_norms",
               "+ fused epilogues": "fused_epilogues", "+ phase upsample convs": "upsample_conv",
               "+ stacked Conv3d": "stacked_conv3d", "+ Triton conv": "triton_conv", "+ attention backend": "attention",
@@ -547,8 +547,8 @@ def plot(result: dict, path: Path) -> None:
         d.rectangle([left, y + 4, left + max(wbar, 1), y + rowh - 6], fill=color)
         d.text((left + wbar + 5, y + 8), f"{r['median_ms']:.1f}", fill="black")
         p = r.get("psnr_db")
-        d.text((W - 150, y + 8), "ref" if r["kind"] == "reference" else (fidelity.psnr_text(p) if p is not None else "—"),
-               fill="black")
+        label = "ref" if r["kind"] == "reference" else (fidelity.psnr_text(p) if p is not None else "—")
+        d.text((W - 150, y + 8), label, fill="black")
     from PIL.PngImagePlugin import PngInfo
 
     meta = PngInfo()
