@@ -363,6 +363,9 @@ def _contiguous_output(module, args, out):
     return out.contiguous() if isinstance(out, torch.Tensor) else out
 
 
+_contiguous_output.vaeopt_keeps_activations = True  # a layout, not values: no reason to leave the fused paths
+
+
 class _Decode:
     """`vae.decode` after `optimize`: diffusers' own decode (its offload hook, slicing and tiling included), then,
     under model CPU offload, the derived-weight caches dropped once per call, so that nothing of the VAE stays on the

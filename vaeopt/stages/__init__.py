@@ -69,7 +69,30 @@ def unhooked(m) -> bool:
     called, or left as it is, so its hooks still fire and see what they expect."""
     if m._forward_hooks or m._forward_pre_hooks:
         return False
+    return _own_forward(m)
+
+
+def _own_forward(m) -> bool:
+    """m.forward is its class's, or one of vaeopt's BoundForward patches (not accelerate's / diffusers' wrappers)."""
     return class_forward(m) or isinstance(m.__dict__.get("forward"), BoundForward)
+
+
+def _foreign(hooks) -> bool:
+    """Any hook in this dict other than vaeopt's own that leave activations' values as they are (marked
+    `vaeopt_keeps_activations`: fp8 weight storage, the decoder's layout hooks)."""
+    return any(not getattr(h, "vaeopt_keeps_activations", False) for h in hooks.values())
+
+
+def foreign_global_hooks() -> bool:
+    """torch's global module (pre-)hooks hold one that may see or change activations."""
+    from torch.nn.modules import module as M
+
+    return _foreign(M._global_forward_hooks) or _foreign(M._global_forward_pre_hooks)
+
+
+def foreign_hooks(m) -> bool:
+    """m carries a forward (pre-)hook that may see or change activations."""
+    return _foreign(m._forward_hooks) or _foreign(m._forward_pre_hooks)
 
 
 def foreign_hooked(root) -> str | None:
@@ -77,22 +100,9 @@ def foreign_hooked(root) -> str | None:
     forward that is not vaeopt's own, or "<global>" for torch's global module hooks; None when there is none. For
     code that runs a whole module tree without calling its modules (Wan's chunk decoder): with such a hook present
     it must take the stock path, or the hook would silently not fire."""
-    from torch.nn.modules import module as M
-
-    def ours(h) -> bool:
-        mod = str(getattr(h, "__module__", "") or "")
-        return getattr(h, "vaeopt_keeps_activations", False) or mod == "vaeopt" or mod.startswith("vaeopt.")
-
-    def foreign(hooks) -> bool:
-        return any(not ours(h) for h in hooks.values())
-
-    if foreign(M._global_forward_hooks) or foreign(M._global_forward_pre_hooks):
+    if foreign_global_hooks():
         return "<global>"
-    for name, m in root.named_modules():
-        if foreign(m._forward_hooks) or foreign(m._forward_pre_hooks) or not (
-                class_forward(m) or isinstance(m.__dict__.get("forward"), BoundForward)):
-            return name
-    return None
+    return next((name for name, m in root.named_modules() if foreign_hooks(m) or not _own_forward(m)), None)
 
 
 def class_forward(m) -> bool:

@@ -48,6 +48,9 @@ def _relayout_input(module: nn.Module, args: tuple) -> tuple:
     return (_to_layout(args[0]),) + tuple(args[1:])
 
 
+_relayout_input.vaeopt_keeps_activations = True  # a layout, not values (stages.foreign_hooks)
+
+
 def _contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """state_dict post-hook of a converted conv (module-level, so the model pickles): its weight goes out in the
     standard layout, as from the stock model. safetensors' save_file (how ComfyUI/A1111-style tools save a VAE)

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import _interpret, triton_available
-from vaeopt.stages import BoundForward, StageResult, class_forward, unhooked
+from vaeopt.stages import (BoundForward, StageResult, class_forward, foreign_global_hooks, foreign_hooks,
+                           unhooked)
 
 NAME = "fused_epilogues"
 _MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
@@ -79,14 +80,7 @@ def _next_groups(m) -> int | None:
 def _foreign_hooks(dec: nn.Module) -> bool:
     """A hook inside the decoder (or a global one) that may touch activations. The decoder's own hooks see only its
     input and output; fp8 weight storage's hooks say they keep activations."""
-    from torch.nn.modules import module as M
-
-    def foreign(hooks) -> bool:
-        return any(not getattr(h, "vaeopt_keeps_activations", False) for h in hooks.values())
-
-    if foreign(M._global_forward_hooks) or foreign(M._global_forward_pre_hooks):
-        return True
-    return any(foreign(m._forward_hooks) or foreign(m._forward_pre_hooks) for m in dec.modules() if m is not dec)
+    return foreign_global_hooks() or any(foreign_hooks(m) for m in dec.modules() if m is not dec)
 
 
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
