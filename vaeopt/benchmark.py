@@ -338,21 +338,23 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
                 return pipe._decode_video(z, plan, None)
             return pipe._decode_image(z, plan, DecodeStats(), None)
 
+        def lines(graphs_status=None):
+            return [{"name": s.name, "detail": s.detail,
+                     "status": graphs_status if graphs_status and s.name == "graphs" else s.status}
+                    for s in pipe.stages] + [{"name": "plan", "status": "applied", "detail": plan.reason}]
+
         def stages():  # read after the timed runs: graphs are captured during them
             if pipe.graphed is not None:
                 for s in pipe.stages:
                     if s.name == "graphs":
                         s.status = "applied" if pipe.graphed.captures else "skipped"
                         s.detail = pipe.graphed.report()
-            return [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages] + \
-                [{"name": "plan", "status": "applied", "detail": plan.reason}]
+            return lines()
 
         fn.stages = stages
         # as built, before any decode; armed CUDA graphs are captured during the timed decodes (their line says
         # "nothing captured yet" until then): "armed", so that the row is timed and judged after its decodes
-        fn.built_stages = lambda: [{"name": s.name, "detail": s.detail, "status": "armed" if (
-            s.name == "graphs" and pipe.graphed is not None) else s.status} for s in pipe.stages] + \
-            [{"name": "plan", "status": "applied", "detail": plan.reason}]
+        fn.built_stages = lambda: lines("armed" if pipe.graphed is not None else None)
         return fn
 
     return make
