@@ -192,12 +192,22 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the TMA tiles were measured on sm_90 only")
+    from vaeopt.kernels import ws_conv as WS
+
     x, w, b = _case(1, 96, 96, 12, 40, 64, 3, dtype=torch.bfloat16, device="cuda")
     calls = []
     real = TC.conv_tma_checked
     monkeypatch.setattr(TC, "conv_tma_checked", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    # with Gluon (E42) the warp-specialized variant takes them: the same tile order and sums, bitwise equal
+    ws = WS.available(x.device, x.dtype)
+    real_ws = WS.conv96_checked
+    monkeypatch.setattr(WS, "conv96_checked", lambda *a, **k: calls.append("ws") or real_ws(*a, **k))
     y = K.conv_igemm(x, K.pack_weight(w, kmajor=True), b, (1, 1))
-    assert calls == [TC.BF16_WAN96]
+    assert calls == (["ws"] if ws else [TC.BF16_WAN96])
+    if ws:
+        assert torch.equal(y, real(x, K.pack_weight(w, kmajor=True), b, (1, 1),
+                                   K.check_args("t", x, K.pack_weight(w, kmajor=True), (1, 1), None, None),
+                                   TC.BF16_WAN96))
     ref = torch.nn.functional.conv3d(x.float(), w.float(), b.float(), padding=(0, 1, 1))
     assert _rel(y, ref) < 1e-2
 
@@ -206,6 +216,7 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
     st = {s.name: s for s in p.stages}
     assert st["stacked_conv3d"].data["channels"] == [384] and st["stacked_conv3d"].data["left_to_triton_conv"] == 6
     assert st["triton_conv"].data["layers"] == 6 and "TMA variant" in st["triton_conv"].line()
+    assert ("warp-specialized" in st["triton_conv"].line()) == ws
     calls.clear()
     with torch.inference_mode():
         out = video.decode_video(p.model, z, 2, graphs="off", oom_retry=True, info=(info := {}))

@@ -9,7 +9,9 @@ Triton kernel; every other conv stays on cuDNN. The policy was measured on sm_90
 skipped in auto mode (cuDNN kept) and runs only when forced (--conv-kernel on). stacked_conv3d runs first and takes
 the 96-channel layers as time-stacked cuDNN Conv2d, except in bf16 where the TMA variant runs
 (kernels/tma_conv.bf16_wan96): that variant measured faster in whole decodes (E28), so there they stay here and
-their weights are packed K-major for it.
+their weights are packed K-major for it. On sm_90 with Gluon in the installed Triton, conv_igemm runs those 96-channel
+convs on a warp-specialized Gluon kernel (kernels/ws_conv.py, E42: 4.81 vs 5.57 ms per 12-frame 480p call on an H100,
+outputs bitwise equal), falling back to the Triton TMA kernel if it fails to launch.
 
 The stage marks the convs; vaeopt.video's chunk decoder runs a marked conv through the kernel (weights packed once
 per weight version, cached on the module). Image VAEs' bf16 convs are left to cuDNN; their resnet convs take the
@@ -96,7 +98,12 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         setattr(m, _MARK, True)
     shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen})
     tma = dtype is not None and any(_bf16_tma(m, torch.device(device), dtype) for m in chosen)
-    kern = "Triton implicit-GEMM kernel" + (" (its TMA variant for the 96-ch ones)" if tma else "")
+    kern = "Triton implicit-GEMM kernel"
+    if tma:
+        from vaeopt.kernels import ws_conv
+
+        kern += (" (the 96-ch ones on its warp-specialized TMA variant, kernels/ws_conv.py)"
+                 if ws_conv.available(torch.device(device), dtype) else " (its TMA variant for the 96-ch ones)")
     return StageResult(NAME, "applied",
                        f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the {kern}; the other "
                        f"{len(convs) - len(chosen)} Conv3d are not on this kernel",
