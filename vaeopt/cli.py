@@ -24,6 +24,28 @@ from vaeopt.errors import OutputError, VaeoptError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")  # its per-call dtype warnings are noise here
 
+
+def _flags_show_no_type() -> None:
+    """typer's rich help prints a flag's type like an option's value (`--overwrite <bool>`, `--help <bool>`), as if
+    the flag took one; show nothing there, as plain click help does for flags."""
+    import typer.core
+
+    cls = getattr(typer.core, "TyperOption", None)
+    orig = getattr(cls, "display_type_rich", None)
+    if orig is None or getattr(orig, "_vaeopt_flag", False):
+        return
+
+    def display_type_rich(self, ctx):
+        if getattr(self, "is_flag", False) and not getattr(self, "count", False):
+            return None
+        return orig(self, ctx)
+
+    display_type_rich._vaeopt_flag = True
+    cls.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
+
 app = typer.Typer(
     help="Fast, memory-aware, fidelity-checked VAE decoding for latent diffusion "
     "(SD 1.x/2.x, SDXL, SD3, FLUX.1, Wan 2.1/2.2, HunyuanVideo, TAESD).",
@@ -191,8 +213,10 @@ def decode(
                                          help="VAE checkpoint (.safetensors/.ckpt/.pt or diffusers folder). "
                                               "Default: vaeopt.json beside the latents, $VAEOPT_MODEL, or the user config."),
     output: Optional[str] = typer.Option(None, "--output", "-o",
-                                         help="out.png | out.mp4 | folder/ (PNG frames) | out.safetensors (raw); a "
-                                              "trailing / always means a folder (made if missing). "
+                                         help="out.png | out.mp4 | folder/ | out.safetensors (raw). A folder gets one "
+                                              "PNG per image, or one PNG per frame of a clip (one MP4 per "
+                                              "clip when there are several); a trailing / always means a "
+                                              "folder (made if missing). "
                                               "Default: beside the input."),
     family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
     config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
@@ -215,13 +239,15 @@ def decode(
     stack_conv3d: str = typer.Option("auto", "--stack-conv3d", help="Wan's causal Conv3d as one Conv2d over "
                                                                     "time-stacked channels: auto | on | off"),
     conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
-                                                                  "faster than cuDNN: Wan's 96-ch Conv3d with "
-                                                                  "--stack-conv3d off, and the e4m3 convs of --fp8: "
-                                                                  "auto | on | off"),
+                                                                  "faster than cuDNN: Wan's 96-ch Conv3d (bf16 on "
+                                                                  "sm_90: alongside --stack-conv3d, which then "
+                                                                  "stacks the 384-ch ones; else with --stack-conv3d "
+                                                                  "off), and the e4m3 convs of --fp8: auto | on | off"),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
     cudnn_autotune: str = typer.Option("auto", "--cudnn-autotune", help="Time cuDNN's engine configs per new conv "
                                        "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
-    fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on"),
+    fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on "
+                                                 "(auto: the same as on)"),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
     fps: Optional[float] = typer.Option(None, "--fps", show_default=False,
                                         help="Frames per second of MP4 output (default 16, Wan's rate)."),
@@ -400,12 +426,14 @@ def benchmark(
     model: Optional[Path] = typer.Argument(None, help="VAE checkpoint to benchmark (or use --family for random weights)."),
     family: Optional[str] = typer.Option(None, "--family", help="Build this family's full-size architecture with random "
                                                                 "weights (sdxl, flux, wan21, wan22, ...)."),
-    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="Standard workload: " + ", ".join(
+    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="Standard workload; implies its family "
+                                           "(random weights) unless a checkpoint or --family is given: " + ", ".join(
         WORKLOAD_NAMES) + "."),
     shape: Optional[str] = typer.Option(None, "--shape", help="Raw latent shape N,C,[T,]H,W (instead of --workload)."),
     peers: str = typer.Option("bf16,tiling", "--peers", help="Comma list of peers: bf16, tiling, compile (fp32 always "
                                                              "runs: it is the fidelity reference)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Precision of the peers and the ladder (auto: bf16 on GPU)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Precision of the peers and the ladder: auto | fp32 | bf16 | "
+                                                      "fp16 (auto: bf16 on GPUs that have it, fp32 on CPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per row (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),

@@ -94,8 +94,8 @@ class Options:
                      "conv_kernel", "fp8", "graphs", "cudnn_autotune", "tiling"):
             v = getattr(self, name)
             if v not in SWITCHES:
-                raise VaeoptError(f"{name} (--{name.replace('_', '-')}) must be one of {', '.join(SWITCHES)}, "
-                                  f"got {v!r}")
+                where = "Options.attention: no CLI flag" if name == "attention" else f"--{name.replace('_', '-')}"
+                raise VaeoptError(f"{name} ({where}) must be one of {', '.join(SWITCHES)}, got {v!r}")
         for name, flag in (("tile", "--tile"), ("chunk", "--chunk")):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
