@@ -27,29 +27,32 @@ from triton.runtime.jit import mangle_type
 from vaeopt.kernels import ws_conv as WS
 
 T, H, W = 2, 40, 70
-x = torch.empty(T + 2, H, W, 96, dtype=torch.bfloat16)
-wk = torch.empty(96, 27 * 96, dtype=torch.bfloat16)
-y = torch.empty(T, H, W, 96, dtype=torch.bfloat16)
-grid, args, kw = WS.kernel_args(x, wk, y, torch.empty(96), T, WS.CONFIG)
 k = WS._ws_conv_kernel
 params = list(inspect.signature(k.fn).parameters)
-sig, cx, attrs = {}, {}, {}
-for i, (p, v) in enumerate(zip(params, list(args) + [None] * len(params))):
-    if p in kw:
-        sig[p], cx[(i,)] = "constexpr", kw[p]
-    elif isinstance(v, int):
-        sig[p] = "i32"
-    elif isinstance(v, torch.Tensor):
-        sig[p], attrs[(i,)] = "*fp32", [["tt.divisibility", 16]]
-    else:
-        sig[p] = mangle_type(v)
-try:
-    cc = triton.compile(GluonASTSource(fn=k, signature=sig, constexprs=cx, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": WS.CONFIG.warps})
-except RuntimeError as e:
-    print(json.dumps({"error": str(e)[-500:]}))
-    sys.exit(0)
-print(json.dumps({"grid": list(grid), "ttgir": cc.asm["ttgir"], "shared": cc.metadata.shared}))
+res = {}
+for C, cfg in WS.CONFIGS.items():
+    x = torch.empty(T + 2, H, W, C, dtype=torch.bfloat16)
+    wk = torch.empty(C, 27 * C, dtype=torch.bfloat16)
+    y = torch.empty(T, H, W, C, dtype=torch.bfloat16)
+    grid, args, kw = WS.kernel_args(x, wk, y, torch.empty(C), T, cfg)
+    sig, cx, attrs = {}, {}, {}
+    for i, (p, v) in enumerate(zip(params, list(args) + [None] * len(params))):
+        if p in kw:
+            sig[p], cx[(i,)] = "constexpr", kw[p]
+        elif isinstance(v, int):
+            sig[p] = "i32"
+        elif isinstance(v, torch.Tensor):
+            sig[p], attrs[(i,)] = "*fp32", [["tt.divisibility", 16]]
+        else:
+            sig[p] = mangle_type(v)
+    try:
+        cc = triton.compile(GluonASTSource(fn=k, signature=sig, constexprs=cx, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
+    except RuntimeError as e:
+        print(json.dumps({"error": str(e)[-500:]}))
+        sys.exit(0)
+    res[C] = {"grid": list(grid), "ttgir": cc.asm["ttgir"], "shared": cc.metadata.shared}
+print(json.dumps(res))
 """
 
 
@@ -73,12 +76,14 @@ def test_compiles_for_sm90_with_a_producer_partition():
         if "ptxas" in out["error"].lower():  # no ptxas for this target in the Triton wheel
             pytest.skip(out["error"][:200])
         raise AssertionError(out["error"])
-    assert out["grid"] == [2 * 10 * 2]  # 4 x 64 tiles: ceil(40 / 4) x ceil(70 / 64) per frame, 2 frames
-    ttgir = out["ttgir"]
-    assert "ttg.warp_specialize" in ttgir
-    assert ttgir.count("ttng.warp_group_dot ") == 2
-    assert "pendings = 2" in ttgir
-    assert out["shared"] <= 227 * 1024
+    # 96 ch: 4 x 64 tiles, ceil(40 / 4) x ceil(70 / 64) per frame; 192 ch: 2 x 64 tiles; 2 frames
+    assert out["96"]["grid"] == [2 * 10 * 2] and out["192"]["grid"] == [2 * 20 * 2]
+    for r in out.values():
+        ttgir = r["ttgir"]
+        assert "ttg.warp_specialize" in ttgir
+        assert ttgir.count("ttng.warp_group_dot ") == 2
+        assert "pendings = 2" in ttgir
+        assert r["shared"] <= 227 * 1024
 
 
 def _args(cin=96, cout=96, kernel=(3, 3, 3), fp8=False, dtype=torch.bfloat16, kmajor=True):
@@ -91,16 +96,18 @@ def _args(cin=96, cout=96, kernel=(3, 3, 3), fp8=False, dtype=torch.bfloat16, km
     return x, pw, K.check_args("t", x, pw, (1, 1), None, None)
 
 
-def test_handles_only_wan_96_channel_bf16_causal_convs(monkeypatch):
-    """Only bf16 96 -> 96 3x3x3 causal Conv3d with 'same' padding and K-major weights, on a device where the kernel
-    is available (never on CPU)."""
+def test_handles_only_wan_96_and_192_channel_bf16_causal_convs(monkeypatch):
+    """Only bf16 96 -> 96 and 192 -> 192 3x3x3 causal Conv3d with 'same' padding and K-major weights, on a device
+    where the kernel is available (never on CPU)."""
     x, pw, a = _args()
     assert not WS.available(x.device, x.dtype) and not WS.handles(x, pw, (1, 1), a)
     monkeypatch.setattr(WS, "available", lambda d, t: t == torch.bfloat16)
     assert WS.handles(x, pw, (1, 1), a)
     assert not WS.handles(x, pw, (0, 0), a)
-    for kw in ({"cout": 48}, {"cin": 48}, {"fp8": True}, {"kmajor": False}, {"dtype": torch.float16},
-               {"kernel": (3, 3)}):
+    x2, pw2, a2 = _args(cin=192, cout=192)
+    assert WS.handles(x2, pw2, (1, 1), a2)
+    for kw in ({"cout": 48}, {"cin": 48}, {"cin": 192}, {"cin": 384, "cout": 384}, {"fp8": True}, {"kmajor": False},
+               {"dtype": torch.float16}, {"kernel": (3, 3)}):
         x2, pw2, a2 = _args(**kw)
         assert not WS.handles(x2, pw2, (1, 1), a2), kw
 
@@ -112,7 +119,7 @@ def test_a_failed_launch_switches_it_off_with_a_warning(monkeypatch):
     monkeypatch.setattr(WS, "failed", None)
     monkeypatch.setattr(WS, "_launch", lambda *a_, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
     with pytest.raises(torch.OutOfMemoryError):
-        WS.conv96_checked(x, pw, None, a)
+        WS.conv_checked(x, pw, None, a)
     assert WS.failed is None
 
     def boom(*a_, **k):
@@ -121,43 +128,47 @@ def test_a_failed_launch_switches_it_off_with_a_warning(monkeypatch):
     monkeypatch.setattr(WS, "_launch", boom)
     monkeypatch.setattr("vaeopt.kernels.tma_conv.available", lambda d: True)
     assert WS.available(torch.device("cuda"), torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="Triton TMA kernel instead"):
-        assert WS.conv96_checked(x, pw, None, a) is None
+    with pytest.warns(RuntimeWarning, match="run on the Triton kernel instead"):
+        assert WS.conv_checked(x, pw, None, a) is None
     assert "async_load" in WS.failed
     assert not WS.available(torch.device("cuda"), torch.bfloat16)
 
 
 def test_rejects_other_shapes():
     x, w, _ = _case(1, 48, 48, 2, 4, 6, 3, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="96 -> 96"):
-        WS.conv96(x, K.pack_weight(w, kmajor=True).w, None)
+    with pytest.raises(KeyError):  # no config for 48 channels
+        WS.conv(x, K.pack_weight(w, kmajor=True).w, None)
+    with pytest.raises(ValueError, match=r"weights \(96, 1296\), got \(48, 1296\)"):
+        WS.conv(x, K.pack_weight(w, kmajor=True).w, None, WS.CONFIGS[96])
 
 
 @pytest.mark.gpu
 def test_gpu_equals_the_triton_kernel_and_matches_conv3d():
-    """On sm_90: bitwise the Triton TMA kernel's output (same summation order), and close to an fp32 conv3d; two
-    samples (each with its own history frames), a frame that the 4 x 64 tiles overhang on both sides, bias or not;
-    conv_igemm sends the layer here."""
+    """On sm_90: close to an fp32 conv3d and, at 96 channels, bitwise the Triton TMA kernel's output (same summation
+    order); two samples (each with its own history frames), frames that the tiles overhang on both sides, bias or
+    not, 96 and 192 channels; conv_igemm sends the layer here."""
     from vaeopt.kernels import tma_conv as TC
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("measured on sm_90 only")
-    for shape, bias in (((2, 96, 96, 3, 42, 70, 3), True), ((1, 96, 96, 5, 16, 128, 3), False)):
+    for shape, bias in (((2, 96, 96, 3, 42, 70, 3), True), ((1, 96, 96, 5, 16, 128, 3), False),
+                        ((2, 192, 192, 3, 21, 35, 3), True)):
         x, w, b = _case(*shape, dtype=torch.bfloat16, device="cuda")
         b = b if bias else None
         pw = K.pack_weight(w, kmajor=True)
         ref = torch.nn.functional.conv3d(x.float(), w.float(), None if b is None else b.float(), padding=(0, 1, 1))
-        y_tc = TC.conv_tma(x, pw, b, (1, 1), config=TC.BF16_WAN96)
-        y = WS.conv96_checked(x, pw, b, K.check_args("t", x, pw, (1, 1), None, None))
-        assert y is not None and y.shape == ref.shape and torch.equal(y, y_tc)
+        y = WS.conv_checked(x, pw, b, K.check_args("t", x, pw, (1, 1), None, None))
+        assert y is not None and y.shape == ref.shape
+        if shape[1] == 96:
+            assert torch.equal(y, TC.conv_tma(x, pw, b, (1, 1), config=TC.BF16_WAN96))
         assert _rel(y, ref) < 1e-2
         calls = []
-        real = WS.conv96_checked
-        WS.conv96_checked = lambda *a, **k: calls.append(1) or real(*a, **k)
+        real = WS.conv_checked
+        WS.conv_checked = lambda *a, **k: calls.append(1) or real(*a, **k)
         try:
             y2 = K.conv_igemm(x, pw, b, (1, 1))
         finally:
-            WS.conv96_checked = real
+            WS.conv_checked = real
         assert calls == [1] and torch.equal(y2, y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -138,9 +138,18 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
     r = stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16, triton_conv_runs=True)
     assert r.status == "applied" and r.data["channels"] == [384] and r.data["layers"] == 15, r.detail
     assert r.data["left_to_triton_conv"] == 6 and "6 with 96 ch left to triton_conv" in r.detail
+    from vaeopt.kernels import ws_conv
+
+    monkeypatch.setattr(ws_conv, "ENABLED", False)  # a Triton without Gluon: the 96-ch convs on the TMA variant
     r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
     assert r.status == "applied" and r.data["layers"] == 6 and r.data["shapes"] == ["96->96"], r.detail
-    assert "TMA variant" in r.detail
+    assert "TMA variant" in r.detail and "warp-specialized" not in r.detail
+    if ws_conv.gluon is not None:  # with Gluon the 192-ch convs join, on the warp-specialized kernel (E42)
+        triton_conv.revert(full)
+        monkeypatch.setattr(ws_conv, "ENABLED", True)
+        r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
+        assert r.data["layers"] == 12 and r.data["shapes"] == ["96->96", "192->192"], r.detail
+        assert r.data["ws_channels"] == [96, 192] and "96 and 192-ch on its warp-specialized TMA variant" in r.detail
     def packed(c):
         conv = video._wan().WanCausalConv3d(c, c, 3, padding=1).to(torch.bfloat16)
         conv._vaeopt_igemm = True

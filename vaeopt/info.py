@@ -45,7 +45,8 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
                                   "kernel does not take them) as a Conv2d over time-stacked channels (auto on "
                                   "sm_90, where measured)",
                 "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90; "
-                               "bf16 96-ch convs on its TMA variant where Triton has TMA descriptors); "
+                               "bf16 96- and 192-ch convs on a warp-specialized Gluon TMA kernel where Triton has "
+                               "Gluon, else the 96-ch ones on its TMA variant); "
                                "FP8 level 3's e4m3 convs (TMA boxes on sm_90, where image decoders' upsampler "
                                "convs and 128-ch convs join them)",
                 "channels_last": "NHWC / NDHWC convs and activations (GPU: with the fused norms; CPU: alone)",

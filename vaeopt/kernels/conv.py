@@ -311,13 +311,12 @@ def conv_igemm(
     Returns the output in x's memory format (channels_last[_3d])."""
     a = check_args("conv_igemm", x, pw, padding, x_scale, out_dtype)
     if config is None and pw.kmajor and x.is_cuda:
-        from vaeopt.kernels import tma_conv
+        from vaeopt.kernels import tma_conv, ws_conv
 
+        # Wan's bf16 96- and 192-ch convs: the warp-specialized Gluon kernel (E42)
+        if ws_conv.handles(x, pw, padding, a) and (y := ws_conv.conv_checked(x, pw, bias, a)) is not None:
+            return y
         if tma_conv.available(x.device) and (cfg := tma_conv.tuned_config(pw.cin, pw.cout, a.W, a.fp8, a.video)):
-            from vaeopt.kernels import ws_conv  # Wan's bf16 96-ch convs: the warp-specialized Gluon kernel (E42)
-
-            if ws_conv.handles(x, pw, padding, a) and (y := ws_conv.conv96_checked(x, pw, bias, a)) is not None:
-                return y
             return tma_conv.conv_tma_checked(x, pw, bias, padding, a, cfg)
     N, T, H, W, CO, fp8 = a.N, a.T, a.H, a.W, pw.cout, a.fp8
     kt, kh, kw = pw.kernel

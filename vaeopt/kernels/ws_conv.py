@@ -1,4 +1,4 @@
-"""Wan's bf16 96 -> 96 causal Conv3d as a warp-specialized Gluon kernel for sm_90 (perf-notes E42).
+"""Wan's bf16 96- and 192-channel causal Conv3d as a warp-specialized Gluon kernel for sm_90 (perf-notes E42).
 
 E31-E33 left the Triton TMA conv (`tma_conv.py`) for these layers at 57% of the SM's tensor throughput, with two
 warps per scheduler and a third of the stalls waiting on shared memory. What Triton could not express there is a
@@ -7,18 +7,20 @@ the consumer warpgroups only wait, issue wgmma and release stages, with their wg
 
 The GEMM is the same as tma_conv's: one program per BH x BW output tile of one frame; K runs over the 27 taps
 (dt, dy, dx) times Cin in BK-channel steps; each K step's A is a [1, BH, BW, BK] box of the (frames, H, W, C) input,
-zero-filled by TMA outside H and W; B is the K-major packed weight ([Cout, 27 * Cin]) as a 64-row and a 32-row box,
-so that 96 output channels need no padding (two accumulators, 64 + 32, both wgmmas reading A from shared memory).
-The summation order is the Triton kernel's: outputs are bitwise equal to it.
+zero-filled by TMA outside H and W; B is the K-major packed weight ([Cout, 27 * Cin]) as two boxes of power-of-two
+rows, so that 96 or 192 output channels need no padding (two accumulators, 64 + 32 or 128 + 64, both wgmmas reading
+A from shared memory). At 96 channels the summation order is the Triton kernel's: outputs are bitwise equal to it.
 
-Measured (H100, `benchmarks/gpu_ws_conv.py`, E42): 4.83 ms per 12-frame 480x832 call against 5.53 ms for the Triton
-kernel (494 vs 431 TFLOP/s), and whole wan21-480p decodes 579.9 against 605.7 ms. A variant that fed A to both
+Measured (H100, `benchmarks/gpu_ws_conv.py`, E42): 96 ch, 4.83 ms per 12-frame 480x832 call against 5.53 ms for the
+Triton kernel (494 vs 431 TFLOP/s), and whole wan21-480p decodes 579.9 against 605.7 ms; 192 ch, 3.98 ms per
+12-frame 240x416 call against 4.87 ms for cuDNN's Conv3d, which ran those layers before. A variant that fed A to both
 wgmmas from registers was slower (5.05-5.21 ms) and, in one configuration (4 consumer warps, 4 stages, maxnreg
 128), wrong; it was removed.
 
-conv_igemm hands these layers here where `handles` holds (bf16 on sm_90, Gluon in this Triton); the first launch
-that raises anything but an out-of-memory error switches the kernel off for the process, with a warning, and the
-call goes to the Triton kernel.
+conv_igemm hands these layers here where `handles` holds (bf16 on sm_90, Gluon in this Triton; the triton_conv stage
+marks them and packs their weights K-major); the first launch that raises anything but an out-of-memory error
+switches the kernel off for the process, with a warning, and the call goes to the Triton kernel (the TMA variant at
+96 channels, the pointer kernel at 192).
 """
 
 from __future__ import annotations
@@ -56,9 +58,15 @@ class WsConfig:
     stages: int = 6  # 6 x 22 KB ring (+ the epilogue's boxes, aliased): one program per SM
     warps: int = 8  # consumer warps (the default partition): two warpgroups; the TMA producer is one extra warp
     producer_regs: int = 40
+    bn0: int = 64  # Cout as two power-of-two accumulators, bn0 + bn1 (one column tile)
+    bn1: int = 32
 
 
-CONFIG = WsConfig()  # E42's sweeps (H100): 6 and 8 stages tie (4.83-4.89 / 4.81-4.85 ms), 2 x 128 tiles 5.01-5.18 ms
+# per channel count (Cin = Cout), from E42's H100 sweeps (benchmarks/results/h100_ws_conv*_2026-11-23*.json):
+# 96 ch (480x832): 6 and 8 stages tie (4.83-4.89 / 4.81-4.85 ms), 2 x 128 tiles 5.01-5.18 ms;
+# 192 ch (240x416): 128 + 64 columns over 2 x 64 pixels (8 warps: 96 accumulator registers), 64-channel K steps, 4
+# stages: 3.98 ms against cuDNN's Conv3d 4.87 ms (the layers' previous kernel); 3 stages 4.21-4.26, 2 stages 7.6.
+CONFIGS = {96: WsConfig(), 192: WsConfig(bh=2, bw=64, bk=64, stages=4, bn0=128, bn1=64)}
 ENABLED = True  # benchmarks switch it off to time the Triton kernel in the same process
 failed: str | None = None  # why the kernel was switched off in this process (its first failing launch)
 
@@ -171,9 +179,9 @@ def descriptors(xd: torch.Tensor, wk: torch.Tensor, yd: torch.Tensor, cfg: WsCon
     """Gluon TMA descriptors: xd (frames_in, H, W, Cin) bf16, wk (Cout, K) K-major, yd (frames_out, H, W, Cout)."""
     xb = [1, cfg.bh, cfg.bw, cfg.bk]
     x_desc = GluonDescriptor(xd, list(xd.shape), list(xd.stride()), xb, _nvmma(xb))
-    w0_desc = GluonDescriptor(wk, list(wk.shape), list(wk.stride()), [64, cfg.bk], _nvmma([64, cfg.bk]))
-    w1_desc = GluonDescriptor(wk, list(wk.shape), list(wk.stride()), [32, cfg.bk], _nvmma([32, cfg.bk]))
-    y0b, y1b = [1, cfg.bh, cfg.bw, 64], [1, cfg.bh, cfg.bw, 32]
+    w0_desc = GluonDescriptor(wk, list(wk.shape), list(wk.stride()), [cfg.bn0, cfg.bk], _nvmma([cfg.bn0, cfg.bk]))
+    w1_desc = GluonDescriptor(wk, list(wk.shape), list(wk.stride()), [cfg.bn1, cfg.bk], _nvmma([cfg.bn1, cfg.bk]))
+    y0b, y1b = [1, cfg.bh, cfg.bw, cfg.bn0], [1, cfg.bh, cfg.bw, cfg.bn1]
     y0_desc = GluonDescriptor(yd, list(yd.shape), list(yd.stride()), y0b, _nvmma(y0b))
     y1_desc = GluonDescriptor(yd, list(yd.shape), list(yd.stride()), y1b, _nvmma(y1b))
     return x_desc, w0_desc, w1_desc, y0_desc, y1_desc
@@ -184,7 +192,7 @@ def kernel_args(xd, wk, yd, bias, T: int, cfg: WsConfig):
     frames, H, W = yd.shape[0], yd.shape[1], yd.shape[2]
     grid = (frames * -(-H // cfg.bh) * -(-W // cfg.bw),)
     args = (*descriptors(xd, wk, yd, cfg), bias, T, H, W)
-    kw = dict(CIN=xd.shape[-1], KT=3, KH=3, KW=3, PH=1, PW=1, BH=cfg.bh, BW=cfg.bw, BK=cfg.bk, BN0=64, BN1=32,
+    kw = dict(CIN=xd.shape[-1], KT=3, KH=3, KW=3, PH=1, PW=1, BH=cfg.bh, BW=cfg.bw, BK=cfg.bk, BN0=cfg.bn0, BN1=cfg.bn1,
               STAGES=cfg.stages, HAS_BIAS=bias is not None, PRODUCER_REGS=cfg.producer_regs,
               num_warps=cfg.warps)
     return grid, args, kw
@@ -201,8 +209,13 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 def handles(x: torch.Tensor, pw, padding, a) -> bool:
     """Whether conv_igemm's call (x, packed weight pw, padding, checked args a) is one this kernel computes: Wan's
     96 -> 96 3x3x3 causal Conv3d in bf16, 'same' spatial padding, weights packed K-major."""
-    return (a.video and not a.fp8 and pw.kmajor and pw.kernel == (3, 3, 3) and pw.cin == pw.cout == 96
+    return (a.video and not a.fp8 and pw.kmajor and pw.kernel == (3, 3, 3) and takes(pw.cin, pw.cout)
             and tuple(padding) == (1, 1) and a.odt == torch.bfloat16 and available(x.device, x.dtype))
+
+
+def takes(cin: int, cout: int) -> bool:
+    """Channel counts with a measured config: Wan 2.1's 96 -> 96 and 192 -> 192 causal convs."""
+    return cin == cout and cin in CONFIGS
 
 
 def _launch(xd: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None, yd: torch.Tensor, T: int,
@@ -212,31 +225,33 @@ def _launch(xd: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None, yd: t
     _ws_conv_kernel[grid](*args, **kw)
 
 
-def conv96(x: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None, cfg: WsConfig | None = None) -> torch.Tensor:
-    """Wan's causal 96 -> 96 3x3x3 conv: x (N, 96, T + 2, H, W) bf16 channels_last_3d with the causal history in
-    front, wk the K-major packed weight (96, 27 * 96) (`conv.pack_weight(w, kmajor=True).w`). Returns
-    (N * T, H, W, 96) bf16. cfg: CONFIG unless given (read at each call: benchmarks swap it)."""
-    cfg = cfg or CONFIG
+def conv(x: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None, cfg: WsConfig | None = None) -> torch.Tensor:
+    """Wan's causal C -> C 3x3x3 conv: x (N, C, T + 2, H, W) bf16 channels_last_3d with the causal history in
+    front, wk the K-major packed weight (Cout, 27 * C) (`conv.pack_weight(w, kmajor=True).w`), Cout = bn0 + bn1.
+    Returns (N * T, H, W, Cout) bf16. cfg: CONFIGS[C] unless given (read at each call: benchmarks swap it)."""
     N, C, Tin, H, W = x.shape
-    if C != 96 or C % cfg.bk or tuple(wk.shape) != (96, 27 * C):
-        raise ValueError(f"ws_conv.conv96: needs 96 -> 96 channels in steps of bk={cfg.bk}, got {C} -> {wk.shape[0]}")
+    cfg = cfg or CONFIGS[C]
+    co = cfg.bn0 + cfg.bn1
+    if C % cfg.bk or tuple(wk.shape) != (co, 27 * C):
+        raise ValueError(f"ws_conv.conv: needs {C} input channels in steps of bk={cfg.bk} and weights "
+                         f"({co}, {27 * C}), got {tuple(wk.shape)}")
     T = Tin - 2
-    yd = torch.empty((N * T, H, W, 96), device=x.device, dtype=torch.bfloat16)
+    yd = torch.empty((N * T, H, W, co), device=x.device, dtype=torch.bfloat16)
     if yd.numel():
         _launch(x.permute(0, 2, 3, 4, 1).reshape(N * Tin, H, W, C), wk, bias, yd, T, cfg)
     return yd
 
 
-def conv96_checked(x: torch.Tensor, pw, bias: torch.Tensor | None, a) -> torch.Tensor | None:
+def conv_checked(x: torch.Tensor, pw, bias: torch.Tensor | None, a) -> torch.Tensor | None:
     """conv_igemm's call where `handles` held: the output in x's layout, or None when the kernel failed to launch
     (then it is switched off for the process, with a warning, and the caller runs the Triton kernel)."""
     global failed
     try:
-        return a.output_view(conv96(x, pw.w, bias))
+        return a.output_view(conv(x, pw.w, bias))
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - a Gluon API change or compile failure in another Triton
         failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
-        warnings.warn(f"vaeopt: the warp-specialized conv kernel failed ({failed}); Wan's 96-channel convs run on "
-                      "the Triton TMA kernel instead", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"vaeopt: the warp-specialized conv kernel failed ({failed}); Wan's 96- and 192-channel "
+                      "convs run on the Triton kernel instead", RuntimeWarning, stacklevel=2)
         return None

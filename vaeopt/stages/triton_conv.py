@@ -5,12 +5,13 @@ Measured on an H200 (benchmarks/results/h200_conv_2026-11-21*.json), bf16, one l
         720p 7.63 vs 5.33 ms.
     192/384/512-ch convs (2D and 3D): cuDNN's sm90 kernels are faster (540-610 vs 370-450 TFLOP/s).
 So the policy is: Wan's stock causal Conv3d layers with a 3x3x3 kernel and at most 128 output channels run on the
-Triton kernel; every other conv stays on cuDNN. The policy was measured on sm_90 only: on other GPUs the stage is
+Triton kernel; every other conv stays on cuDNN, except Wan's 192 -> 192 convs where the warp-specialized kernel below
+runs (bf16, sm_90, Gluon: 3.98 vs cuDNN's 4.87 ms per 12-frame 240x416 call on an H100, E42). The policy was measured on sm_90 only: on other GPUs the stage is
 skipped in auto mode (cuDNN kept) and runs only when forced (--conv-kernel on). stacked_conv3d runs first and takes
 the 96-channel layers as time-stacked cuDNN Conv2d, except in bf16 where the TMA variant runs
 (kernels/tma_conv.bf16_wan96): that variant measured faster in whole decodes (E28), so there they stay here and
 their weights are packed K-major for it. On sm_90 with Gluon in the installed Triton, conv_igemm runs those 96-channel
-convs on a warp-specialized Gluon kernel (kernels/ws_conv.py, E42: 4.81 vs 5.57 ms per 12-frame 480p call on an H100,
+convs on a warp-specialized Gluon kernel (kernels/ws_conv.py, E42: 4.83 vs 5.53 ms per 12-frame 480p call on an H100,
 outputs bitwise equal), falling back to the Triton TMA kernel if it fails to launch.
 
 The stage marks the convs; vaeopt.video's chunk decoder runs a marked conv through the kernel (weights packed once
@@ -59,12 +60,24 @@ def _kernel_fits(m: nn.Module) -> bool:
             and getattr(m, "weight", None) is not None)
 
 
-def _eligible(m: nn.Module) -> bool:
-    """_kernel_fits, with few enough output channels that the bf16 kernel beats cuDNN, and not taken by
-    stacked_conv3d (its time-stacked cuDNN Conv2d measured faster than this kernel at 96 channels)."""
+def _eligible(m: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None) -> bool:
+    """_kernel_fits, not taken by stacked_conv3d (its time-stacked cuDNN Conv2d measured faster than this kernel at
+    96 channels), and either few enough output channels that the bf16 kernel beats cuDNN, or a layer the
+    warp-specialized kernel takes here (Wan's 192-ch convs: faster than cuDNN's Conv3d, E42)."""
     from vaeopt.stages.stacked_conv3d import marked
 
-    return _kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT and not marked(m)
+    if not _kernel_fits(m) or marked(m):
+        return False
+    return MIN_COUT <= m.out_channels <= MAX_COUT or _on_ws(m, device, dtype)
+
+
+def _on_ws(conv: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether conv_igemm runs this layer on the warp-specialized Gluon kernel (kernels/ws_conv.py): bf16 on sm_90
+    with Gluon, and a channel count it has a measured config for (96, 192)."""
+    from vaeopt.kernels import ws_conv
+
+    return (device is not None and dtype is not None and ws_conv.takes(conv.in_channels, conv.out_channels)
+            and ws_conv.available(torch.device(device), dtype))
 
 
 def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
@@ -85,7 +98,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     convs = [m for p in parts if p is not None for m in p.modules() if isinstance(m, nn.Conv3d)]
     if not convs:
         return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
-    chosen = [m for m in convs if _eligible(m)]
+    chosen = [m for m in convs if _eligible(m, device, dtype)]
     if not chosen:
         from vaeopt.stages.stacked_conv3d import marked
 
@@ -96,18 +109,19 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
                                          "and a 3x3x3 kernel (where the kernel beats cuDNN)")
     for m in chosen:
         setattr(m, _MARK, True)
-    shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen})
+    shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen}, key=lambda t: int(t.split("->")[1]))
+    ws = sorted({m.out_channels for m in chosen if _on_ws(m, device, dtype)})
     tma = dtype is not None and any(_bf16_tma(m, torch.device(device), dtype) for m in chosen)
     kern = "Triton implicit-GEMM kernel"
-    if tma:
-        from vaeopt.kernels import ws_conv
-
-        kern += (" (the 96-ch ones on its warp-specialized TMA variant, kernels/ws_conv.py)"
-                 if ws_conv.available(torch.device(device), dtype) else " (its TMA variant for the 96-ch ones)")
+    if ws:
+        kern += f" ({' and '.join(map(str, ws))}-ch on its warp-specialized TMA variant, kernels/ws_conv.py)"
+    elif tma:
+        kern += " (its TMA variant for the 96-ch ones)"
     return StageResult(NAME, "applied",
                        f"{len(chosen)} causal Conv3d ({', '.join(shapes)} ch, 3x3x3) on the {kern}; the other "
                        f"{len(convs) - len(chosen)} Conv3d are not on this kernel",
-                       {"layers": len(chosen), "cudnn_layers": len(convs) - len(chosen), "shapes": shapes})
+                       {"layers": len(chosen), "cudnn_layers": len(convs) - len(chosen), "shapes": shapes,
+                        "ws_channels": ws})
 
 
 def revert(model: nn.Module) -> None:
@@ -125,7 +139,8 @@ def _bf16_tma(conv: nn.Module, device: torch.device, dtype: torch.dtype) -> bool
     from vaeopt.kernels import tma_conv
 
     return (tma_conv.bf16_wan96(device, dtype)
-            and tma_conv.tuned_config(conv.in_channels, conv.out_channels, 0, False, video=True) is not None)
+            and tma_conv.tuned_config(conv.in_channels, conv.out_channels, 0, False, video=True) is not None
+            ) or _on_ws(conv, device, dtype)
 
 
 def packed_for(conv: nn.Module, x: torch.Tensor):
