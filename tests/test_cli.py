@@ -763,3 +763,38 @@ def test_a_full_stderr_does_not_fail_the_decode(tmp_path, samples_dir):
                             str(samples_dir / "tiny_kl_image.safetensors"), "-o", str(tmp_path / "a.png")],
                            stderr=full, stdout=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0 and np.asarray(Image.open(tmp_path / "a.png")).shape == (64, 64, 3)
+
+
+def test_top_level_manifest_model_and_latent_space_hint(tmp_path, samples_dir, monkeypatch):
+    """A vaeopt.json with a top-level "model" serves every file of its folder; a latent-space hint
+    (latents.space_hint) is printed as a warning and the decode goes on."""
+    from vaeopt import latents as lat
+    from vaeopt.families import get_family
+
+    torch.manual_seed(0)
+    raw_like, scaled = torch.randn(1, 4, 16, 16) * 5.5, torch.randn(1, 4, 16, 16)
+    sd15, wan = get_family("sd15"), get_family("wan21")  # scaling 0.18215; per-channel mean / std
+    assert "look raw" in lat.space_hint(raw_like, sd15, "scaled") and "--latent-space raw" in lat.space_hint(
+        raw_like, sd15, "scaled")
+    assert lat.space_hint(raw_like, sd15, "raw") is None and lat.space_hint(scaled, sd15, "scaled") is None
+    assert "drop --latent-space raw" in lat.space_hint(scaled, sd15, "raw")
+    zw = torch.randn(1, 16, 3, 8, 8)
+    assert lat.space_hint(zw, wan, "scaled") is None and lat.space_hint(wan.unscale(zw), wan, "raw") is None
+    # the tiny trained VAE's factor (0.845) is too near 1 to tell the spaces apart: nothing said
+    torch.save(raw_like, tmp_path / "rawlike.pt")
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"model": str(samples_dir / "tiny_kl_image.safetensors")}))
+    r = run("decode", tmp_path / "rawlike.pt", "-o", tmp_path / "a.png")
+    assert r.exit_code == 0 and "vaeopt.json beside the latents" in r.output and "look" not in r.output, r.output
+    monkeypatch.setattr(lat, "space_hint", lambda z, fam, space: f"these latents look odd for {space}")
+    r = run("decode", tmp_path / "rawlike.pt", "-o", tmp_path / "b.png", "--latent-space", "raw")
+    assert r.exit_code == 0 and "warning rawlike.pt: these latents look odd for raw" in r.output, r.output
+    assert (tmp_path / "b.png").is_file()
+
+
+def test_two_keys_of_one_file_mapping_to_one_name_get_advice_that_fits(tmp_path, samples_dir):
+    z = torch.randn(1, 4, 8, 8)
+    torch.save({"a.b": z, "a_b": z * 0.5}, tmp_path / "keys.pt")
+    for extra in ((), ("-o", str(tmp_path / "kf") + "/"), ("-o", tmp_path / "k.png")):
+        r = run("decode", tmp_path / "keys.pt", "-m", samples_dir / "tiny_kl_image.safetensors", *extra)
+        assert r.exit_code == 2 and "its tensors 'a.b', 'a_b' would write the same output" in r.output, r.output
+        assert "--key NAME" in r.output and "rename one of the inputs" not in r.output

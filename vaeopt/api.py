@@ -539,9 +539,16 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     where = [os.path.realpath(p) for p in all_paths]  # one file under two spellings (a.png, ../names/a.png) too
     dupes = {p for p, r in zip(all_paths, where) if where.count(r) > 1}
     if dupes:
+        first = sorted(dupes)[0]
+        clash = [j for j in jobs if os.path.realpath(first) in {os.path.realpath(p) for p in j.outputs}]
+        if len({j.source for j in clash}) == 1:  # two tensors of one file whose names map to one file name
+            names = ", ".join(repr(j.entry) for j in clash[:3])
+            raise VaeoptError(f"{clash[0].source.name}: its tensors {names} would write the same output {first} "
+                              "(their names differ only in characters a file name cannot keep): decode one at a "
+                              "time with --key NAME")
         fix = ("rename one of the inputs, or decode them in separate runs" if out is not None and (
             out_is_folder or out.is_dir()) else "pass -o a folder")
-        raise VaeoptError(f"two inputs would write the same output {sorted(dupes)[0]}: {fix}")
+        raise VaeoptError(f"two inputs would write the same output {first}: {fix}")
     inputs = {lf.path.resolve() for lf in latent_files}
     model = loaded.path.resolve() if loaded.path is not None else None
     if model is not None and model in inputs:

@@ -49,7 +49,8 @@ class LatentFile:
 
 
 def read_manifest(path: Path) -> dict:
-    """Hints from a ``vaeopt.json`` beside the latents: {"files": {name: {"model": ..., "latent_space": ...}}}."""
+    """Hints from a ``vaeopt.json`` beside the latents: {"files": {name: {"model": ..., "latent_space": ...}}}; a
+    top-level "model" / "latent_space" applies to every file of the folder that does not name its own."""
     mpath = path.parent / MANIFEST
     if not mpath.is_file():
         return {}
@@ -59,6 +60,8 @@ def read_manifest(path: Path) -> dict:
         raise LatentError(f"{mpath}: unreadable manifest ({e})") from e
     files = data.get("files", {}) if isinstance(data, dict) else None
     hint = files.get(path.name, {}) if isinstance(files, dict) else None
+    if isinstance(hint, dict):  # top-level "model" / "latent_space": defaults for every file of the folder
+        hint = {**{k: data[k] for k in ("model", "latent_space") if k in data}, **hint}
     if not isinstance(hint, dict) or not isinstance(hint.get("model", ""), str):
         raise LatentError(f"{mpath}: manifest must look like {{\"files\": {{\"{path.name}\": {{\"model\": \"vae.safetensors\", "
                           f"\"latent_space\": \"scaled\"}}}}}}")
@@ -351,6 +354,35 @@ def _tiny_from_raw(latents: torch.Tensor, family: FamilySpec) -> torch.Tensor:
             "SD3's, TAEF1: FLUX's) decides their scaling, and nothing here tells; name the decoder file taesd3*/taef1*,"
             " or pass pipeline latents with --latent-space scaled")
     return get_family(base["vae"]).scale(latents)
+
+
+def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | None:
+    """A warning when the numbers look like the other latent space, else None. Pipeline ("scaled") latents have a
+    standard deviation near 1; raw ones differ from that by the family's scaling (about 5.5 for SD 1.x). Read both
+    ways, the one whose spread is nearer 1 is the likelier; nothing is said when the two readings are within 2x of
+    each other (a family whose scaling is near 1) or for tiny decoders (their raw latents are another VAE's)."""
+    import math
+
+    if family.cls_name == "AutoencoderTiny" or latents.numel() < 64 or not latents.is_floating_point():
+        return None
+    try:
+        as_scaled = float(latents.float().std())
+        as_raw = float(family.scale(latents).std())  # their spread as pipeline latents if they are raw
+    except (RuntimeError, ValueError):  # channels that do not fit the family: validation says so
+        return None
+    if not (math.isfinite(as_scaled) and math.isfinite(as_raw) and as_scaled > 0 and as_raw > 0):
+        return None
+    if 0.5 < as_scaled / as_raw < 2:
+        return None
+    nearer_raw = abs(math.log(as_raw)) < abs(math.log(as_scaled))
+    if space == "scaled" and nearer_raw and as_scaled > 2:
+        return (f"these latents look raw (std {as_scaled:.2f}; pipeline latents have std near 1, raw {family.title} "
+                "latents are scaled up by its factor): if they came from vae.encode or a non-pipeline tool, pass "
+                "--latent-space raw")
+    if space == "raw" and not nearer_raw and as_raw < 0.5:
+        return (f"these latents look like pipeline (scaled) latents (std {as_scaled:.2f}, near 1): if a pipeline "
+                "or ComfyUI saved them, drop --latent-space raw")
+    return None
 
 
 def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tensor:
