@@ -798,3 +798,13 @@ def test_two_keys_of_one_file_mapping_to_one_name_get_advice_that_fits(tmp_path,
         r = run("decode", tmp_path / "keys.pt", "-m", samples_dir / "tiny_kl_image.safetensors", *extra)
         assert r.exit_code == 2 and "its tensors 'a.b', 'a_b' would write the same output" in r.output, r.output
         assert "--key NAME" in r.output and "rename one of the inputs" not in r.output
+
+
+def test_bad_dtype_and_device_fail_before_the_checkpoint_loads(tmp_path, samples_dir, monkeypatch):
+    from vaeopt import loading
+
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    monkeypatch.setattr(loading, "load_vae", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    for extra, msg in ((("--dtype", "int8"), "unknown dtype 'int8'"), (("--device", "tpu"), "expected cpu, cuda")):
+        r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", *extra)
+        assert r.exit_code == 2 and msg in r.output, r.output

@@ -274,6 +274,10 @@ def decode(
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
                    vram_budget_gb=vram_budget)
     opts.validate()
+    if gpus is None:  # before the checkpoint loads (seconds for a full model): a bad --device / --dtype fails now
+        from vaeopt import hw
+
+        hw.resolve_dtype(dtype, hw.resolve_device(device))
     output, out_folder = _output_arg(output)
     if gpus is not None:
         with _output_folder(output if out_folder else None):  # removed again if the ranks fail before writing
