@@ -777,7 +777,7 @@ def test_top_level_manifest_model_and_latent_space_hint(tmp_path, samples_dir, m
     assert "look raw" in lat.space_hint(raw_like, sd15, "scaled") and "--latent-space raw" in lat.space_hint(
         raw_like, sd15, "scaled")
     assert lat.space_hint(raw_like, sd15, "raw") is None and lat.space_hint(scaled, sd15, "scaled") is None
-    assert "drop --latent-space raw" in lat.space_hint(scaled, sd15, "raw")
+    assert "pass --latent-space scaled" in lat.space_hint(scaled, sd15, "raw")
     zw = torch.randn(1, 16, 3, 8, 8)
     assert lat.space_hint(zw, wan, "scaled") is None and lat.space_hint(wan.unscale(zw), wan, "raw") is None
     # the tiny trained VAE's factor (0.845) is too near 1 to tell the spaces apart: nothing said
@@ -787,8 +787,43 @@ def test_top_level_manifest_model_and_latent_space_hint(tmp_path, samples_dir, m
     assert r.exit_code == 0 and "vaeopt.json beside the latents" in r.output and "look" not in r.output, r.output
     monkeypatch.setattr(lat, "space_hint", lambda z, fam, space: f"these latents look odd for {space}")
     r = run("decode", tmp_path / "rawlike.pt", "-o", tmp_path / "b.png", "--latent-space", "raw")
-    assert r.exit_code == 0 and "warning rawlike.pt: these latents look odd for raw" in r.output, r.output
+    assert r.exit_code == 0 and "warning: rawlike.pt: these latents look odd for raw" in r.output, r.output
     assert (tmp_path / "b.png").is_file()
+    # the hint looks only at tensors that are latents for this VAE (a ComfyUI dict's noise_mask is not)
+    seen = []
+    monkeypatch.setattr(lat, "space_hint", lambda z, fam, space: seen.append(tuple(z.shape)))
+    torch.save({"samples": raw_like, "noise_mask": torch.rand(1, 1, 16, 16)}, tmp_path / "comfy.pt")
+    r = run("decode", tmp_path / "comfy.pt", "--key", "noise_mask", "-o", tmp_path / "m.png")
+    assert r.exit_code == 2 and seen == [], (r.output, seen)
+    r = run("decode", tmp_path / "comfy.pt", "-o", tmp_path / "c.png")
+    assert r.exit_code == 0 and seen == [(1, 4, 16, 16)], (r.output, seen)
+
+
+def test_folder_latent_space_does_not_override_what_a_file_says(tmp_path, samples_dir):
+    """A top-level latent_space in vaeopt.json is the folder's default: a per-file entry beats it, and so do a
+    ComfyUI latent file's format (raw) and vaeopt's own safetensors metadata."""
+    from safetensors.torch import save_file
+
+    from vaeopt import latents as lat
+
+    z = torch.randn(1, 4, 8, 8)
+    torch.save(z, tmp_path / "plain.pt")
+    torch.save(z, tmp_path / "own.pt")
+    save_file({"latent_tensor": z, "latent_format_version_0": torch.tensor([])}, str(tmp_path / "c.latent"))
+    lat.save_latents(tmp_path / "meta.safetensors", {"z": z}, "scaled")
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"latent_space": "raw",
+                                                      "files": {"own.pt": {"latent_space": "scaled"}}}))
+    got = {n: lat.read_latents(tmp_path / n).default_space
+           for n in ("plain.pt", "own.pt", "c.latent", "meta.safetensors")}
+    assert got == {"plain.pt": "raw", "own.pt": "scaled", "c.latent": "raw", "meta.safetensors": "scaled"}, got
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"latent_space": "scaled"}))
+    assert lat.read_latents(tmp_path / "c.latent").default_space == "raw"
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"latent_space": "bogus"}))
+    with pytest.raises(lat.LatentError, match='must be "scaled" or "raw"'):
+        lat.read_latents(tmp_path / "plain.pt")
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"model": 3}))
+    with pytest.raises(lat.LatentError, match='top-level "model" must be a path'):
+        lat.read_latents(tmp_path / "plain.pt")
 
 
 def test_two_keys_of_one_file_mapping_to_one_name_get_advice_that_fits(tmp_path, samples_dir):
@@ -797,7 +832,7 @@ def test_two_keys_of_one_file_mapping_to_one_name_get_advice_that_fits(tmp_path,
     for extra in ((), ("-o", str(tmp_path / "kf") + "/"), ("-o", tmp_path / "k.png")):
         r = run("decode", tmp_path / "keys.pt", "-m", samples_dir / "tiny_kl_image.safetensors", *extra)
         assert r.exit_code == 2 and "its tensors 'a.b', 'a_b' would write the same output" in r.output, r.output
-        assert "--key NAME" in r.output and "rename one of the inputs" not in r.output
+        assert "--key NAME and its own -o" in r.output and "rename one of the inputs" not in r.output
 
 
 def test_bad_dtype_and_device_fail_before_the_checkpoint_loads(tmp_path, samples_dir, monkeypatch):

@@ -5,8 +5,6 @@ would run on an H100/H200: a producer partition, two wgmma ops per K step), and 
 tested with the launch stubbed. Marked gpu: outputs equal the Triton TMA kernel's bitwise and match torch's conv3d,
 and conv_igemm routes the layers to it."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -18,12 +16,18 @@ if WS.gluon is None:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
 
+TESTED_TRITON = ("3.6.", "3.9.")  # the GPU machine's and this project's CPU Triton: the kernel must build there
+
 _COMPILE = r"""
 import inspect, json, sys
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
+try:  # internals that may move in another Triton: reported like a compile error
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}", "triton": triton.__version__}))
+    sys.exit(0)
 from vaeopt.kernels import ws_conv as WS
 
 T, H, W = 2, 40, 70
@@ -48,8 +52,8 @@ for C, cfg in WS.CONFIGS.items():
     try:
         cc = triton.compile(GluonASTSource(fn=k, signature=sig, constexprs=cx, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
-    except RuntimeError as e:
-        print(json.dumps({"error": str(e)[-500:]}))
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {str(e)[-500:]}", "triton": triton.__version__}))
         sys.exit(0)
     res[C] = {"grid": list(grid), "ttgir": cc.asm["ttgir"], "shared": cc.metadata.shared}
 print(json.dumps(res))
@@ -73,8 +77,10 @@ def test_compiles_for_sm90_with_a_producer_partition():
     assert r.returncode == 0 and line, r.stderr[-2000:]
     out = json.loads(line)
     if "error" in out:
-        if "ptxas" in out["error"].lower():  # no ptxas for this target in the Triton wheel
+        if "ptxas" in out["error"].lower():  # no (working) ptxas for this target in the Triton wheel
             pytest.skip(out["error"][:200])
+        if not out["triton"].startswith(TESTED_TRITON):  # another Gluon API: at run time the kernel falls back
+            pytest.skip(f"Triton {out['triton']} (tested: {', '.join(TESTED_TRITON)}): {out['error'][:200]}")
         raise AssertionError(out["error"])
     # 96 ch: 4 x 64 tiles, ceil(40 / 4) x ceil(70 / 64) per frame; 192 ch: 2 x 64 tiles; 2 frames
     assert out["96"]["grid"] == [2 * 10 * 2] and out["192"]["grid"] == [2 * 20 * 2]
@@ -122,15 +128,21 @@ def test_a_failed_launch_switches_it_off_with_a_warning(monkeypatch):
         WS.conv_checked(x, pw, None, a)
     assert WS.failed is None
 
-    def boom(*a_, **k):
-        raise RuntimeError("async_copy_global_to_shared has been removed; call async_load instead")
+    # a CUDA runtime error is not this kernel's to hide: it propagates, and the kernel stays on
+    monkeypatch.setattr(WS, "_launch", lambda *a_, **k: (_ for _ in ()).throw(RuntimeError("CUDA error: misaligned")))
+    with pytest.raises(RuntimeError, match="misaligned"):
+        WS.conv_checked(x, pw, None, a)
+    assert WS.failed is None
+
+    def boom(*a_, **k):  # what another Triton's Gluon API looks like from here
+        raise AttributeError("module 'tma' has no attribute 'async_copy_global_to_shared'")
 
     monkeypatch.setattr(WS, "_launch", boom)
     monkeypatch.setattr("vaeopt.kernels.tma_conv.available", lambda d: True)
     assert WS.available(torch.device("cuda"), torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="run on the Triton kernel instead"):
+    with pytest.warns(RuntimeWarning, match="Triton TMA kernel instead, the 192-channel ones on cuDNN"):
         assert WS.conv_checked(x, pw, None, a) is None
-    assert "async_load" in WS.failed
+    assert "async_copy_global_to_shared" in WS.failed
     assert not WS.available(torch.device("cuda"), torch.bfloat16)
 
 
@@ -152,7 +164,7 @@ def test_gpu_equals_the_triton_kernel_and_matches_conv3d():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("measured on sm_90 only")
     for shape, bias in (((2, 96, 96, 3, 42, 70, 3), True), ((1, 96, 96, 5, 16, 128, 3), False),
-                        ((2, 192, 192, 3, 21, 35, 3), True)):
+                        ((2, 192, 192, 3, 21, 35, 3), True), ((3, 192, 192, 2, 8, 66, 3), False)):
         x, w, b = _case(*shape, dtype=torch.bfloat16, device="cuda")
         b = b if bias else None
         pw = K.pack_weight(w, kmajor=True)
@@ -170,6 +182,4 @@ def test_gpu_equals_the_triton_kernel_and_matches_conv3d():
         finally:
             WS.conv_checked = real
         assert calls == [1] and torch.equal(y2, y)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert WS.failed is None
+    assert WS.failed is None

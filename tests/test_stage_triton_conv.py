@@ -311,3 +311,17 @@ def test_image_fp8_channel_policy_follows_the_kernel(samples_dir, monkeypatch):
     assert wide and all(min(c.in_channels, c.out_channels) >= 128 for _, c in wide)
     monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH_TMA", 0)
     assert len(triton_conv.fp8_candidates(model, cpu)) > len(wide)  # the narrower convs exist and were left out
+
+
+def test_192_channel_layers_go_back_to_cudnn_where_the_gluon_kernel_does_not_run(monkeypatch):
+    """The stage marks Wan's 192-ch convs only for the warp-specialized kernel (E42); if that kernel does not run
+    for a call (switched off after a failed launch, another dtype or device), packed_for hands the layer back to
+    cuDNN instead of the pointer kernel, which is slower there."""
+    conv = video._wan().WanCausalConv3d(192, 192, 3, padding=1).to(torch.bfloat16)
+    conv._vaeopt_igemm = True
+    x = torch.zeros(1, 192, 3, 2, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+    assert triton_conv.packed_for(conv, x) is None  # CPU: no Gluon kernel here
+    monkeypatch.setattr(triton_conv, "_on_ws", lambda c, d, t: t == torch.bfloat16)
+    pw = triton_conv.packed_for(conv, x)
+    assert pw is not None and pw.kmajor and pw.cout == 192
+    assert triton_conv.packed_for(conv, x.half()) is None

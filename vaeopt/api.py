@@ -505,6 +505,8 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
         named = len(entries[lf.path]) > 1 or (lf.all_entries is not None and _latents_in(lf, fam) > 1)
         for e in entries[lf.path]:
             t = lat.validate(e, fam, lf.path)
+            if log is not None and (hint := lat.space_hint(t, fam, space)):  # a likely wrong latent space
+                log(f"warning: {lf.path.name}{'[' + e.name + ']' if e.name else ''}: {hint}")
             z = lat.to_raw(t, fam, space)
             n = z.shape[0]
             stem = lf.path.stem + (f"_{outputs.safe_name(e.name)}" if e.name and named else "")
@@ -544,8 +546,8 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
         if len({j.source for j in clash}) == 1:  # two tensors of one file whose names map to one file name
             names = ", ".join(repr(j.entry) for j in clash[:3])
             raise VaeoptError(f"{clash[0].source.name}: its tensors {names} would write the same output {first} "
-                              "(their names differ only in characters a file name cannot keep): decode one at a "
-                              "time with --key NAME")
+                              "(a file name cannot keep what tells their names apart): decode one at a time with "
+                              "--key NAME and its own -o")
         fix = ("rename one of the inputs, or decode them in separate runs" if out is not None and (
             out_is_folder or out.is_dir()) else "pass -o a folder")
         raise VaeoptError(f"two inputs would write the same output {first}: {fix}")

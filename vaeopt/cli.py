@@ -308,11 +308,6 @@ def decode(
         _log(n)
     if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
         _log(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
-    for f in files:  # numbers that look like the other latent space: a likely wrong --latent-space
-        hint = next((h for e in f.entries if (h := lat.space_hint(e.tensor, loaded.family,
-                                                                   latent_space or f.default_space))), None)
-        if hint:
-            console.print(f"[yellow]warning[/] {escape(f.path.name)}: {escape(hint)}", highlight=False)
     raw_tiny = loaded.family.config.get("_raw_latents") if loaded.family.cls_name == "AutoencoderTiny" else None
     if raw_tiny and any((latent_space or f.default_space) == "raw" for f in files):
         from vaeopt.families import get_family

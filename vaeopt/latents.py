@@ -50,7 +50,8 @@ class LatentFile:
 
 def read_manifest(path: Path) -> dict:
     """Hints from a ``vaeopt.json`` beside the latents: {"files": {name: {"model": ..., "latent_space": ...}}}; a
-    top-level "model" / "latent_space" applies to every file of the folder that does not name its own."""
+    top-level "model" / "latent_space" applies to every file of the folder that does not name its own (the
+    top-level latent_space, as "folder_latent_space", only where the file's format or metadata does not say)."""
     mpath = path.parent / MANIFEST
     if not mpath.is_file():
         return {}
@@ -61,14 +62,19 @@ def read_manifest(path: Path) -> dict:
     files = data.get("files", {}) if isinstance(data, dict) else None
     hint = files.get(path.name, {}) if isinstance(files, dict) else None
     if isinstance(hint, dict):  # top-level "model" / "latent_space": defaults for every file of the folder
-        hint = {**{k: data[k] for k in ("model", "latent_space") if k in data}, **hint}
+        if not isinstance(data.get("model", ""), str):
+            raise LatentError(f"{mpath}: the top-level \"model\" must be a path, got {json.dumps(data['model'])[:40]}")
+        hint = {**({"model": data["model"]} if data.get("model") and "model" not in hint else {}), **hint}
+        if "latent_space" in data and "latent_space" not in hint:  # weaker than the file's own format / metadata
+            hint["folder_latent_space"] = data["latent_space"]
     if not isinstance(hint, dict) or not isinstance(hint.get("model", ""), str):
         raise LatentError(f"{mpath}: manifest must look like {{\"files\": {{\"{path.name}\": {{\"model\": \"vae.safetensors\", "
                           f"\"latent_space\": \"scaled\"}}}}}}")
     hint = dict(hint)
-    if hint.get("latent_space", "scaled") not in ("scaled", "raw"):
-        raise LatentError(f"{mpath}: latent_space for {path.name} must be \"scaled\" or \"raw\", got "
-                          f"{json.dumps(hint['latent_space'])[:40]}")
+    for k in ("latent_space", "folder_latent_space"):
+        if hint.get(k, "scaled") not in ("scaled", "raw"):
+            raise LatentError(f"{mpath}: latent_space {'for ' + path.name + ' ' if k == 'latent_space' else ''}"
+                              f"must be \"scaled\" or \"raw\", got {json.dumps(hint[k])[:40]}")
     if not hint.get("model"):
         hint.pop("model", None)  # "": no model named, not the manifest's folder
     else:
@@ -121,6 +127,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     notes: list[str] = []
     entries: list[LatentEntry] = []
     default_space = "scaled"
+    space_meta = False  # the file's own metadata names its latent space
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
         from vaeopt.loading import _magic_name, allow_numpy_scalars, refused_global
@@ -199,7 +206,8 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             entries.append(LatentEntry("latent_tensor", t))
         else:
             fmt = "safetensors"
-            if meta.get("latent_space") in ("raw", "scaled"):
+            space_meta = meta.get("latent_space") in ("raw", "scaled")
+            if space_meta:
                 default_space = meta["latent_space"]
             entries = [LatentEntry(k, v) for k, v in tensors.items() if v.numel() > 0]
     elif suffix == ".npy":
@@ -262,6 +270,9 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         manifest = {}
     if manifest.get("latent_space") in ("raw", "scaled"):
         default_space = manifest["latent_space"]
+    elif manifest.get("folder_latent_space") in ("raw", "scaled") and fmt in ("pt", "npy", "safetensors") \
+            and not space_meta:  # the folder's default: not over a ComfyUI format's or the file's own metadata
+        default_space = manifest["folder_latent_space"]
     return LatentFile(path, fmt, entries, default_space, notes, manifest, all_entries)
 
 
@@ -380,8 +391,8 @@ def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | N
                 "latents are scaled up by its factor): if they came from vae.encode or a non-pipeline tool, pass "
                 "--latent-space raw")
     if space == "raw" and not nearer_raw and as_raw < 0.5:
-        return (f"these latents look like pipeline (scaled) latents (std {as_scaled:.2f}, near 1): if a pipeline "
-                "or ComfyUI saved them, drop --latent-space raw")
+        return (f"these latents look like pipeline (scaled) latents (std {as_scaled:.2f}, near 1): if a diffusers "
+                "pipeline saved them (output_type='latent'), pass --latent-space scaled")
     return None
 
 

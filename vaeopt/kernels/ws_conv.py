@@ -18,9 +18,13 @@ wgmmas from registers was slower (5.05-5.21 ms) and, in one configuration (4 con
 128), wrong; it was removed.
 
 conv_igemm hands these layers here where `handles` holds (bf16 on sm_90, Gluon in this Triton; the triton_conv stage
-marks them and packs their weights K-major); the first launch that raises anything but an out-of-memory error
-switches the kernel off for the process, with a warning, and the call goes to the Triton kernel (the TMA variant at
-96 channels, the pointer kernel at 192).
+marks them and packs their weights K-major); a launch that fails because this Triton cannot build the kernel
+switches it off for the process, with a warning: the 96-ch convs then go to the Triton TMA kernel, the 192-ch ones
+back to cuDNN (triton_conv.packed_for stops handing them to conv_igemm).
+
+Synchronization: a stage goes back to the producer after `warpgroup_mma_wait(2)`, i.e. once the previous K step's
+two wgmma groups are done; Triton puts a barrier over both consumer warpgroups before the (one-thread) mbarrier
+arrive, so neither warpgroup can still be reading a released stage (checked in the 3.6 PTX: `bar.sync 0, 256`).
 """
 
 from __future__ import annotations
@@ -208,9 +212,12 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def handles(x: torch.Tensor, pw, padding, a) -> bool:
     """Whether conv_igemm's call (x, packed weight pw, padding, checked args a) is one this kernel computes: Wan's
-    96 -> 96 3x3x3 causal Conv3d in bf16, 'same' spatial padding, weights packed K-major."""
+    96 -> 96 or 192 -> 192 3x3x3 causal Conv3d in bf16, 'same' spatial padding, weights packed K-major, and input /
+    weight base addresses TMA can take (16-byte aligned; the strides of a channels-last input with 96 or 192
+    channels always are)."""
     return (a.video and not a.fp8 and pw.kmajor and pw.kernel == (3, 3, 3) and takes(pw.cin, pw.cout)
-            and tuple(padding) == (1, 1) and a.odt == torch.bfloat16 and available(x.device, x.dtype))
+            and tuple(padding) == (1, 1) and a.odt == torch.bfloat16 and x.data_ptr() % 16 == 0
+            and pw.w.data_ptr() % 16 == 0 and available(x.device, x.dtype))
 
 
 def takes(cin: int, cout: int) -> bool:
@@ -242,16 +249,31 @@ def conv(x: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None, cfg: WsCo
     return yd
 
 
+def _api_error(e: Exception) -> bool:
+    """An error that says this Triton cannot build or launch the kernel (a Gluon API change, a compile or ptxas
+    failure, too many resources), as opposed to a CUDA runtime error or an input the caller should not have sent."""
+    try:
+        from triton.errors import TritonError
+    except ImportError:  # pragma: no cover
+        TritonError = ()  # noqa: N806
+    return isinstance(e, (TritonError, TypeError, AttributeError, ImportError, NotImplementedError, AssertionError))
+
+
 def conv_checked(x: torch.Tensor, pw, bias: torch.Tensor | None, a) -> torch.Tensor | None:
-    """conv_igemm's call where `handles` held: the output in x's layout, or None when the kernel failed to launch
-    (then it is switched off for the process, with a warning, and the caller runs the Triton kernel)."""
+    """conv_igemm's call where `handles` held: the output in x's layout, or None when this Triton cannot build or
+    launch the kernel (`_api_error`). Then it is switched off for the process, with a warning, and the caller runs
+    the Triton kernel (the triton_conv stage sends the 192-ch layers back to cuDNN). Other errors propagate: out of
+    memory (the planner retries smaller), CUDA runtime errors, and any error during CUDA graph capture (a fallback
+    launched into a failed capture would only hide it)."""
     global failed
     try:
         return a.output_view(conv(x, pw.w, bias))
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a Gluon API change or compile failure in another Triton
-        failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
-        warnings.warn(f"vaeopt: the warp-specialized conv kernel failed ({failed}); Wan's 96- and 192-channel "
-                      "convs run on the Triton kernel instead", RuntimeWarning, stacklevel=2)
+    except Exception as e:
+        if (isinstance(e, torch.OutOfMemoryError) or not _api_error(e)
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            raise
+        msg = str(e).strip()
+        failed = f"{type(e).__name__}: {msg.splitlines()[-1][:200] if msg else ''}"
+        warnings.warn(f"vaeopt: the warp-specialized conv kernel failed ({failed}); Wan's 96-channel convs run on "
+                      "the Triton TMA kernel instead, the 192-channel ones on cuDNN", RuntimeWarning, stacklevel=2)
         return None

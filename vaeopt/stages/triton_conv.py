@@ -148,6 +148,8 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     per weight version and dtype (a later weight change repacks)."""
     if not getattr(conv, _MARK, False) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
+    if conv.out_channels > MAX_COUT and not _on_ws(conv, x.device, x.dtype):
+        return None  # marked for the Gluon kernel, which does not run here (switched off, another dtype): cuDNN
     if x.dtype == torch.float32 and x.device.type == "cuda":  # tl.dot would round fp32 operands to TF32
         return None
     if x.ndim != 5 or not x.is_contiguous(memory_format=torch.channels_last_3d):
