@@ -149,7 +149,8 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
         monkeypatch.setattr(ws_conv, "ENABLED", True)
         r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
         assert r.data["layers"] == 12 and r.data["shapes"] == ["96->96", "192->192"], r.detail
-        assert r.data["ws_channels"] == [96, 192] and "96 and 192-ch on its warp-specialized TMA variant" in r.detail
+        assert r.data["ws_channels"] == [96, 192]
+        assert "12 causal Conv3d (96->96, 192->192 ch, 3x3x3) on the warp-specialized Gluon TMA kernel" in r.detail
     def packed(c):
         conv = video._wan().WanCausalConv3d(c, c, 3, padding=1).to(torch.bfloat16)
         conv._vaeopt_igemm = True

@@ -110,11 +110,15 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     for m in chosen:
         setattr(m, _MARK, True)
     shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen}, key=lambda t: int(t.split("->")[1]))
-    ws = sorted({m.out_channels for m in chosen if _on_ws(m, device, dtype)})
+    on_ws = [m for m in chosen if _on_ws(m, device, dtype)]
+    ws = sorted({m.out_channels for m in on_ws})
     tma = dtype is not None and any(_bf16_tma(m, torch.device(device), dtype) for m in chosen)
     kern = "Triton implicit-GEMM kernel"
-    if ws:
-        kern += f" ({' and '.join(map(str, ws))}-ch on its warp-specialized TMA variant, kernels/ws_conv.py)"
+    if ws and len(on_ws) == len(chosen):
+        kern = "warp-specialized Gluon TMA kernel (kernels/ws_conv.py)"
+    elif ws:
+        kern += (f" (the {' and '.join(map(str, ws))}-ch ones on the warp-specialized Gluon TMA kernel, "
+                 "kernels/ws_conv.py)")
     elif tma:
         kern += " (its TMA variant for the 96-ch ones)"
     return StageResult(NAME, "applied",
