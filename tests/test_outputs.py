@@ -394,3 +394,16 @@ def test_frames_filled_in_place_keep_a_frame_another_run_wrote(tmp_path, monkeyp
     with pytest.raises(outputs.AppearedError):
         outputs.write_frames_dir(folder, chunks(), overwrite=False)
     assert os.listdir(folder) == ["frame_00001.png"] and (folder / "frame_00001.png").read_bytes() == b"theirs"
+
+
+def test_mp4_frame_rate_fractions():
+    """NTSC rates typed as decimals become the broadcast fractions (a player shows 23.976, not 2997/125); other
+    rates their nearest fraction."""
+    from fractions import Fraction
+
+    from vaeopt.outputs import frame_rate
+
+    assert frame_rate(23.976) == Fraction(24000, 1001) and frame_rate(29.97) == Fraction(30000, 1001)
+    assert frame_rate(59.94) == Fraction(60000, 1001) and frame_rate(24000 / 1001) == Fraction(24000, 1001)
+    assert frame_rate(16) == 16 and frame_rate(24) == 24 and frame_rate(12.5) == Fraction(25, 2)
+    assert frame_rate(23.9) == Fraction(239, 10)

@@ -39,6 +39,16 @@ _BT709 = 1  # the value of AVCOL_SPC_BT709, AVCOL_PRI_BT709 and AVCOL_TRC_BT709 
 _TV_RANGE = 1  # AVCOL_RANGE_MPEG
 
 
+def frame_rate(fps: float) -> Fraction:
+    """The MP4's frame rate as a fraction: the NTSC rates written as rounded decimals (23.976, 29.97, 59.94) are
+    the broadcast 24000/1001, 30000/1001, 60000/1001; any other rate, its nearest fraction with a denominator of at
+    most 1001."""
+    for n in (24000, 30000, 48000, 60000, 120000):
+        if abs(fps - n / 1001) < 5e-4 * n / 1001:
+            return Fraction(n, 1001)
+    return Fraction(fps).limit_denominator(1001)
+
+
 def _os_error(path: Path, e: OSError) -> OutputError:
     if e.errno == errno.ENOSPC:
         return OutputError(f"{path}: disk full while writing (nothing was left behind)")
@@ -316,7 +326,7 @@ class Mp4Writer:
                     for frame in item:
                         if stream is None:
                             h, w = frame.shape[:2]
-                            stream = container.add_stream("libx264", rate=Fraction(self.fps).limit_denominator(1001))
+                            stream = container.add_stream("libx264", rate=frame_rate(self.fps))
                             # yuv420p needs even sizes; pad by edge replication if odd (rare: VAE outputs are x8).
                             stream.width, stream.height = w + (w % 2), h + (h % 2)
                             stream.pix_fmt = "yuv420p"
