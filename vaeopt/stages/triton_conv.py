@@ -6,8 +6,9 @@ Measured on an H200 (benchmarks/results/h200_conv_2026-11-21*.json), bf16, one l
     192/384/512-ch convs (2D and 3D): cuDNN's sm90 kernels are faster (540-610 vs 370-450 TFLOP/s).
 So the policy is: Wan's stock causal Conv3d layers with a 3x3x3 kernel and at most 128 output channels run on the
 Triton kernel; every other conv stays on cuDNN, except Wan's 192 -> 192 convs where the warp-specialized kernel below
-runs (bf16, sm_90, Gluon: 3.98 vs cuDNN's 4.87 ms per 12-frame 240x416 call on an H100, E42). The policy was measured on sm_90 only: on other GPUs the stage is
-skipped in auto mode (cuDNN kept) and runs only when forced (--conv-kernel on). stacked_conv3d runs first and takes
+runs (bf16, sm_90, Gluon: 3.98 vs cuDNN's 4.87 ms per 12-frame 240x416 call on an H100, E42). The policy was
+measured on sm_90 only: on other GPUs the stage is skipped in auto mode (cuDNN kept) and runs only when forced
+(--conv-kernel on). stacked_conv3d runs first and takes
 the 96-channel layers as time-stacked cuDNN Conv2d, except in bf16 where the TMA variant runs
 (kernels/tma_conv.bf16_wan96): that variant measured faster in whole decodes (E28), so there they stay here and
 their weights are packed K-major for it. On sm_90 with Gluon in the installed Triton, conv_igemm runs those 96-channel
