@@ -126,6 +126,19 @@ def graph_ms(fn, n: int = 20, reps: int = 15) -> float:
     return event_ms(g.replay, reps=reps) / n
 
 
+def graph_rounds(call, specs: list, rounds: int, res: dict, flop: float) -> None:
+    """Time call(spec) for each spec as CUDA-graph replays (graph_ms, 10 calls per graph), `rounds` times in
+    alternating order; into res[spec]: "ms" (one per round), "median_ms" and "tflops" (from `flop` per call)."""
+    import statistics
+
+    for i in range(rounds):
+        for s in (specs if i % 2 == 0 else specs[::-1]):
+            res[s].setdefault("ms", []).append(graph_ms(lambda s=s: call(s), n=10, reps=10))
+    for s in specs:
+        res[s]["median_ms"] = statistics.median(res[s]["ms"])
+        res[s]["tflops"] = flop / res[s]["median_ms"] / 1e9
+
+
 def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str):
     """-> (pipeline, first output): the family's model with diffusers' default init (seed 0, as `vaeopt benchmark`),
     bf16 on CUDA, FP8 level 3 at fp8_gate dB if given, its CUDA graph captured for z (so module-level launch settings

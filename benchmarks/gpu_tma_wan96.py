@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import graph_ms, out_dir, run_meta  # noqa: E402
+from _common import graph_rounds, out_dir, run_meta  # noqa: E402
 
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.kernels import conv as K  # noqa: E402
@@ -76,12 +76,7 @@ for s in specs:
         res[s] = {"error": str(e)[:300]}
         print(f"{s}: {res[s]['error']}", flush=True)
 ok = [s for s in specs if "error" not in res[s]]
-for i in range(args.rounds):
-    for s in (ok if i % 2 == 0 else ok[::-1]):
-        res[s]["ms"].append(graph_ms(lambda s=s: call(s), n=10, reps=10))
-for s in ok:
-    res[s]["median_ms"] = statistics.median(res[s]["ms"])
-    res[s]["tflops"] = flop / res[s]["median_ms"] / 1e9
+graph_rounds(call, ok, args.rounds, res, flop)
 del ref
 decode = None
 if args.decode_rounds:

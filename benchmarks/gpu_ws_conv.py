@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import graph_ms, out_dir, run_meta  # noqa: E402
+from _common import graph_rounds, out_dir, run_meta  # noqa: E402
 
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.kernels import conv as K  # noqa: E402
@@ -84,12 +84,7 @@ for s in specs:
         res[s] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     print(s or "default", res[s], flush=True)
 ok = [s for s in specs if "error" not in res[s] and res[s]["err_rel"] < 2e-2]
-for i in range(args.rounds):
-    for s in (ok if i % 2 == 0 else ok[::-1]):
-        res[s]["ms"].append(graph_ms(lambda s=s: call(s), n=10, reps=10))
-for s in ok:
-    res[s]["median_ms"] = statistics.median(res[s]["ms"])
-    res[s]["tflops"] = flop / res[s]["median_ms"] / 1e9
+graph_rounds(call, ok, args.rounds, res, flop)
 del ref, base
 
 decode = None
@@ -153,7 +148,7 @@ print(f"\n# {meta['gpu']}: {C} -> {C} causal Conv3d, {T} frames at {H}x{W}, bf16
 print(f"{'variant':40s} {'ms':>7s} {'TFLOP/s':>8s} {'err':>8s} {'vs triton':>10s}")
 for s in specs:
     r = res[s]
-    name = s or "default (bh4 bw64 bk32 s8 w8)"
+    name = s or "default (bh4 bw64 bk32 s6 w8)"
     if "error" in r or "median_ms" not in r:
         print(f"{name:40s} {r.get('error', 'wrong: err %.1e' % r.get('err_rel', 0))[:80]}")
     else:

@@ -538,11 +538,12 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
         raise VaeoptError("MP4 output needs PyAV (pip install av). Without it, write PNG frames (-o a folder, one clip "
                           "at a time: --key NAME picks one of a dict) or a .safetensors file. Nothing was decoded")
     all_paths = [p for j in jobs for p in j.outputs]
-    where = [os.path.realpath(p) for p in all_paths]  # one file under two spellings (a.png, ../names/a.png) too
+    real = {p: os.path.realpath(p) for p in all_paths}  # one file under two spellings (a.png, ../names/a.png) too
+    where = [real[p] for p in all_paths]
     dupes = {p for p, r in zip(all_paths, where) if where.count(r) > 1}
     if dupes:
         first = sorted(dupes)[0]
-        clash = [j for j in jobs if os.path.realpath(first) in {os.path.realpath(p) for p in j.outputs}]
+        clash = [j for j in jobs if any(real[p] == real[first] for p in j.outputs)]
         if len({j.source for j in clash}) == 1:  # two tensors of one file whose names map to one file name
             names = ", ".join(repr(j.entry) for j in clash[:3])
             raise VaeoptError(f"{clash[0].source.name}: its tensors {names} would write the same output {first} "

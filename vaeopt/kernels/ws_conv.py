@@ -172,10 +172,10 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
 
-def _nvmma(shape: list[int], swizzle: int | None = None):
+def _nvmma(shape: list[int]):
     """The shared layout for a bf16 TMA box: the widest swizzle its rows allow."""
     row_bytes = shape[-1] * 2
-    sw = swizzle if swizzle is not None else max(s for s in (32, 64, 128) if row_bytes % s == 0)
+    sw = max(s for s in (32, 64, 128) if row_bytes % s == 0)
     return gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=16, rank=len(shape))
 
 
