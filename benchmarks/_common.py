@@ -139,6 +139,25 @@ def graph_rounds(call, specs: list, rounds: int, res: dict, flop: float) -> None
         res[s]["tflops"] = flop / res[s]["median_ms"] / 1e9
 
 
+def wan480_ab(settings: list, rounds: int, apply):
+    """Whole wan21-480p decodes (random weights, seed 0, through the pipeline's video path) under each setting:
+    one decode each for its output, then `rounds` interleaved timings (interleaved_ms). apply(setting) switches.
+    -> (plan chunk, {setting: output in [-1, 1] on the CPU}, {setting: [ms]})."""
+    from vaeopt.benchmark import WORKLOADS
+
+    fam, shape = WORKLOADS["wan21-480p"]
+    pipe = make_pipe(fam)
+    plan = pipe.plan(shape)
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+    outs = {}
+    with torch.inference_mode():
+        for s in settings:
+            apply(s)
+            outs[s] = pipe._decode_video(z, plan, None).float().clamp(-1, 1).cpu()
+        ms = interleaved_ms(lambda: pipe._decode_video(z, plan, None), settings, rounds, apply)
+    return plan.chunk, outs, ms
+
+
 def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str):
     """-> (pipeline, first output): the family's model with diffusers' default init (seed 0, as `vaeopt benchmark`),
     bf16 on CUDA, FP8 level 3 at fp8_gate dB if given, its CUDA graph captured for z (so module-level launch settings

@@ -26,7 +26,9 @@ from _common import graph_rounds, out_dir, run_meta  # noqa: E402
 
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.kernels import conv as K  # noqa: E402
-from vaeopt.kernels import tma_conv  # noqa: E402
+from vaeopt.kernels import tma_conv, ws_conv  # noqa: E402
+
+ws_conv.ENABLED = False  # the Triton kernel's tiles are what this script compares (E42's Gluon kernel would take over)
 
 SHIPPED = "2,64,64,64,32,4,3,32"
 ap = argparse.ArgumentParser()
@@ -80,30 +82,17 @@ graph_rounds(call, ok, args.rounds, res, flop)
 del ref
 decode = None
 if args.decode_rounds:
-    from _common import interleaved_ms, make_pipe
+    from _common import wan480_ab
 
-    from vaeopt.benchmark import WORKLOADS
-
-    fam, shape = WORKLOADS["wan21-480p"]
-    pipe = make_pipe(fam)
-    plan = pipe.plan(shape)
-    z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
     best = sorted((s for s in ok if s != SHIPPED), key=lambda s: res[s]["median_ms"])[:2]
     settings = [SHIPPED] + best
 
     def apply(s):
         tma_conv.BF16_WAN96 = cfg(s)
 
-    outs = {}
-    with torch.inference_mode():
-        for s in settings:
-            apply(s)
-            outs[s] = pipe._decode_video(z, plan, None).float().clamp(-1, 1).cpu()
-        ms = interleaved_ms(lambda: pipe._decode_video(z, plan, None), settings, args.decode_rounds, apply)
+    chunk, outs, ms = wan480_ab(settings, args.decode_rounds, apply)
     apply(SHIPPED)
-
-
-    decode = {"workload": "wan21-480p", "chunk": plan.chunk, "rounds": args.decode_rounds,
+    decode = {"workload": "wan21-480p", "chunk": chunk, "rounds": args.decode_rounds,
               "tiles": {s: {"ms": ms[s], "median_ms": statistics.median(ms[s]),
                             "psnr_vs_shipped_db": psnr(outs[s], outs[SHIPPED])} for s in settings}}
 meta = run_meta("python3 benchmarks/gpu_tma_wan96.py " + " ".join(sys.argv[1:]))

@@ -90,16 +90,9 @@ del ref, base
 decode = None
 cands = sorted((s for s in ok if s != SHIPPED), key=lambda s: res[s]["median_ms"])
 if args.decode_rounds and cands and C == 96:
-    from _common import interleaved_ms, make_pipe
+    from _common import wan480_ab
 
-    from vaeopt.benchmark import WORKLOADS
-
-    fam, shape = WORKLOADS["wan21-480p"]
-    pipe = make_pipe(fam)
-    plan = pipe.plan(shape)
-    z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
     settings = [SHIPPED, cands[0]]
-
     base_cfgs = dict(ws_conv.CONFIGS)
 
     def apply(s):  # conv_igemm routes these layers to ws_conv while it is ENABLED, with ws_conv.CONFIGS[C]
@@ -108,13 +101,8 @@ if args.decode_rounds and cands and C == 96:
         if s != SHIPPED:
             ws_conv.CONFIGS[C] = cfg(s)
 
-    outs = {}
-    with torch.inference_mode():
-        for s in settings:
-            apply(s)
-            outs[s] = pipe._decode_video(z, plan, None).float().clamp(-1, 1).cpu()
-        ms = interleaved_ms(lambda: pipe._decode_video(z, plan, None), settings, args.decode_rounds, apply)
-    decode = {"workload": "wan21-480p", "chunk": plan.chunk, "rounds": args.decode_rounds,
+    chunk, outs, ms = wan480_ab(settings, args.decode_rounds, apply)
+    decode = {"workload": "wan21-480p", "chunk": chunk, "rounds": args.decode_rounds,
               "settings": {s: {"ms": ms[s], "median_ms": statistics.median(ms[s]),
                                "psnr_vs_shipped_db": psnr(outs[s], outs[SHIPPED])} for s in settings}}
 
