@@ -325,3 +325,48 @@ def test_192_channel_layers_go_back_to_cudnn_where_the_gluon_kernel_does_not_run
     pw = triton_conv.packed_for(conv, x)
     assert pw is not None and pw.kmajor and pw.cout == 192
     assert triton_conv.packed_for(conv, x.half()) is None
+
+
+def test_image_convs_go_to_the_gluon_kernel_where_it_runs(samples_dir, monkeypatch):
+    """Image decoders: the fused resnets' 3x3 convs with a measured width (here the trained tiny model's 16
+    128 -> 128 ones) are marked for the Gluon kernel in bf16 where it runs, with the reason where it does not; the
+    kernel gets the conv's weight in its K order (tap-major, then input channel); other dtypes stay on cuDNN."""
+    import torch.nn.functional as F
+
+    from vaeopt.kernels import ws_conv
+
+    model, z = _tiny_kl_fused(samples_dir)
+    with torch.no_grad():
+        ref = model.decode(z).sample
+    r = triton_conv.apply(model, device=torch.device("cpu"), force=True, dtype=torch.bfloat16)
+    assert r.status == "skipped" and "not available" in r.detail, r.line()
+    r = triton_conv.apply(model, device=torch.device("cpu"), force=True, dtype=torch.float32)
+    assert r.status == "skipped" and "bf16 only" in r.detail, r.line()
+    assert not any(getattr(m, "_vaeopt_ws2d", False) for m in model.modules())
+
+    monkeypatch.setattr(ws_conv, "available", lambda d, t: True)
+    r = triton_conv.apply(model, device=torch.device("cpu"), force=True, dtype=torch.bfloat16)
+    assert r.status == "applied" and r.data["layers"] == 16 and r.data["cudnn_layers"] == 12, r.line()
+    assert "16 residual-block Conv2d (128->128 ch, 3x3)" in r.detail and "12 narrower" in r.detail
+    marked = [m for m in model.modules() if getattr(m, "_vaeopt_ws2d", False)]
+    assert len(marked) == 16 and all(m.in_channels == m.out_channels == 128 for m in marked)
+
+    calls = []
+
+    def fake(x, wk):  # the kernel's contract: wk is (Cout, 9 * Cin), K ordered (dy, dx, cin)
+        co, k = wk.shape
+        calls.append(tuple(x.shape))
+        return F.conv2d(x, wk.view(co, 3, 3, k // 9).permute(0, 3, 1, 2), None, padding=1)
+
+    monkeypatch.setattr(ws_conv, "handles2d", lambda x, wk: True)
+    monkeypatch.setattr(ws_conv, "conv2d_checked", fake)
+    x = torch.randn(1, 128, 5, 7).to(torch.bfloat16)
+    y = triton_conv.image_conv(marked[0], x)
+    assert calls == [(1, 128, 5, 7)]
+    assert torch.equal(y, F.conv2d(x, marked[0].weight.to(torch.bfloat16), None, padding=1))
+    assert triton_conv.image_conv(marked[0], x.float()) is None  # fp32: cuDNN
+    with torch.no_grad():
+        assert torch.equal(model.decode(z).sample, ref)  # an fp32 decode never reaches the kernel
+    assert len(calls) == 1
+    triton_conv.revert(model)
+    assert not any(hasattr(m, "_vaeopt_ws2d") or hasattr(m, "_vaeopt_ws2d_packed") for m in model.modules())
