@@ -1,5 +1,9 @@
 """The warp-specialized Gluon conv (`kernels/ws_conv.py`, E42) on the image decoders' bf16 3x3 convs (sdxl-1024's
-shapes, NHWC, each image one frame with KT=1), against cuDNN's channels_last conv2d, which runs them now (E43).
+shapes, NHWC, each image one frame with KT=1), against cuDNN's channels_last conv2d, which runs them (E43: measured
+slower than cuDNN's conv without bias, which is how the decoders call it; not kept).
+
+Runs at commit 5cde3e3: the kernel's column tiles and KT=1 launch, ws_conv.CONFIGS_2D / IMAGE and the triton_conv
+stage's image branch that --decodes switches were reverted after it.
 
     python3 benchmarks/gpu_ws_conv2d.py [--shapes 128x1024,256x512] [--rounds 5]   -> $OUT/ws_conv2d.json
     python3 benchmarks/gpu_ws_conv2d.py --shapes "" --decodes sdxl-1024,flux-1024 [--gate 40] [--decode-rounds 15]

@@ -34,13 +34,11 @@ T, H, W = 2, 40, 70
 k = WS._ws_conv_kernel
 params = list(inspect.signature(k.fn).parameters)
 res = {}
-cases = [(str(C), C, C, cfg, 3) for C, cfg in WS.CONFIGS.items()]
-cases += [(f"2d-{C}", 2 * C if C < 512 else C, C, cfg, 1) for C, cfg in WS.CONFIGS_2D.items()]
-for key, CI, C, cfg, kt in cases:
-    x = torch.empty(T + kt - 1, H, W, CI, dtype=torch.bfloat16)
-    wk = torch.empty(C, kt * 9 * CI, dtype=torch.bfloat16)
+for C, cfg in WS.CONFIGS.items():
+    x = torch.empty(T + 2, H, W, C, dtype=torch.bfloat16)
+    wk = torch.empty(C, 27 * C, dtype=torch.bfloat16)
     y = torch.empty(T, H, W, C, dtype=torch.bfloat16)
-    grid, args, kw = WS.kernel_args(x, wk, y, torch.empty(C), T, cfg, kt)
+    grid, args, kw = WS.kernel_args(x, wk, y, torch.empty(C), T, cfg)
     sig, cx, attrs = {}, {}, {}
     for i, (p, v) in enumerate(zip(params, list(args) + [None] * len(params))):
         if p in kw:
@@ -57,7 +55,7 @@ for key, CI, C, cfg, kt in cases:
     except Exception as e:
         print(json.dumps({"error": f"{type(e).__name__}: {str(e)[-500:]}", "triton": triton.__version__}))
         sys.exit(0)
-    res[key] = {"grid": list(grid), "ttgir": cc.asm["ttgir"], "shared": cc.metadata.shared}
+    res[C] = {"grid": list(grid), "ttgir": cc.asm["ttgir"], "shared": cc.metadata.shared}
 print(json.dumps(res))
 """
 
@@ -84,11 +82,8 @@ def test_compiles_for_sm90_with_a_producer_partition():
         if not out["triton"].startswith(TESTED_TRITON):  # another Gluon API: at run time the kernel falls back
             pytest.skip(f"Triton {out['triton']} (tested: {', '.join(TESTED_TRITON)}): {out['error'][:200]}")
         raise AssertionError(out["error"])
-    # 96 ch: 4 x 64 tiles, ceil(40 / 4) x ceil(70 / 64) per frame; 192 ch: 2 x 64 tiles; 2 frames. Images (2 per
-    # call): 128 ch 2 x 128 tiles, 256 ch 1 x 128, 512 ch 1 x 128 in two column tiles of 256
+    # 96 ch: 4 x 64 tiles, ceil(40 / 4) x ceil(70 / 64) per frame; 192 ch: 2 x 64 tiles; 2 frames
     assert out["96"]["grid"] == [2 * 10 * 2] and out["192"]["grid"] == [2 * 20 * 2]
-    assert out["2d-128"]["grid"] == [2 * 20] and out["2d-256"]["grid"] == [2 * 40]
-    assert out["2d-512"]["grid"] == [2 * 40 * 2]
     for r in out.values():
         ttgir = r["ttgir"]
         assert "ttg.warp_specialize" in ttgir
@@ -145,7 +140,7 @@ def test_a_failed_launch_switches_it_off_with_a_warning(monkeypatch):
     monkeypatch.setattr(WS, "_launch", boom)
     monkeypatch.setattr("vaeopt.kernels.tma_conv.available", lambda d: True)
     assert WS.available(torch.device("cuda"), torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="Triton TMA kernel instead, the other convs it ran on cuDNN"):
+    with pytest.warns(RuntimeWarning, match="Triton TMA kernel instead, the 192-channel ones on cuDNN"):
         assert WS.conv_checked(x, pw, None, a) is None
     assert "async_copy_global_to_shared" in WS.failed
     assert not WS.available(torch.device("cuda"), torch.bfloat16)
@@ -188,71 +183,3 @@ def test_gpu_equals_the_triton_kernel_and_matches_conv3d():
             WS.conv_checked = real
         assert calls == [1] and torch.equal(y2, y)
     assert WS.failed is None
-
-
-def test_image_convs_take_measured_widths_only():
-    """2D: 128/256/512 output channels (input channels in 64-channel steps); a 128-px row tile becomes two 64-px
-    rows for images at most 64 wide; never on CPU."""
-    assert WS.takes2d(128, 128) and WS.takes2d(256, 128) and WS.takes2d(512, 256) and WS.takes2d(512, 512)
-    assert not WS.takes2d(128, 64) and not WS.takes2d(96, 128) and not WS.takes2d(128, 3) and not WS.takes2d(0, 128)
-    assert WS.config2d(256, 64).bh == 2 * WS.CONFIGS_2D[256].bh and WS.config2d(256, 64).bw == 64
-    assert WS.config2d(256, 512) == WS.CONFIGS_2D[256]
-    x = torch.randn(1, 128, 8, 8, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    assert not WS.handles2d(x, torch.empty(128, 9 * 128, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"weights \(128, 1152\), got \(128, 576\)"):
-        WS.conv2d(x, torch.empty(128, 576, dtype=torch.bfloat16))
-
-
-@pytest.mark.gpu
-def test_gpu_image_convs_match_conv2d():
-    """On sm_90: 3x3 Conv2d (stride 1, padding 1) of NHWC bf16 images matches torch's fp32 conv2d, for every output
-    width with a config, two images per call (no box reads across them), widths that the tiles overhang, widths
-    at most 64 (two-row tiles), and 512 output channels in two column tiles."""
-    import torch.nn.functional as F
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("measured on sm_90 only")
-    g = torch.Generator().manual_seed(0)
-    for n, cin, cout, h, w in ((2, 128, 128, 40, 200), (1, 256, 128, 33, 130), (2, 256, 256, 17, 64),
-                               (1, 512, 256, 24, 40), (2, 512, 512, 16, 136)):
-        x = torch.randn(n, cin, h, w, generator=g).to("cuda", torch.bfloat16).contiguous(
-            memory_format=torch.channels_last)
-        wt = (torch.randn(cout, cin, 3, 3, generator=g) / (9 * cin) ** 0.5).to("cuda", torch.bfloat16)
-        wk = K.pack_weight(wt, kmajor=True).w
-        assert WS.handles2d(x, wk)
-        y = WS.conv2d_checked(x, wk)
-        ref = F.conv2d(x.float(), wt.float(), None, padding=1)
-        assert y is not None and y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last)
-        assert _rel(y, ref) < 1e-2, (n, cin, cout, h, w)
-    assert WS.failed is None
-
-
-@pytest.mark.gpu
-def test_gpu_image_decode_on_the_gluon_convs(monkeypatch):
-    """On sm_90 in bf16: an SD-family decoder's resnet convs run on the Gluon kernel (every marked conv, once per
-    decode), and the decode matches the same pipeline with them on cuDNN."""
-    from vaeopt.fidelity import psnr
-    from vaeopt.loading import load_vae
-    from vaeopt.pipeline import Options, Pipeline
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("measured on sm_90 only")
-
-    def pipe(on):
-        monkeypatch.setattr(WS, "IMAGE", on)
-        torch.manual_seed(0)
-        return Pipeline(load_vae(None, family="sd15"), Options(device="cuda", dtype="bf16", graphs="off"))
-
-    z = torch.randn(1, 4, 40, 48, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
-    p_on, p_off = pipe(True), pipe(False)
-    st = next(s for s in p_on.stages if s.name == "triton_conv")
-    assert st.status == "applied" and st.data["layers"] == 28, st.line()
-    assert next(s for s in p_off.stages if s.name == "triton_conv").status == "skipped"
-    calls = []
-    real = WS.conv2d_checked
-    monkeypatch.setattr(WS, "conv2d_checked", lambda x, wk: calls.append(1) or real(x, wk))
-    with torch.inference_mode():
-        y_on = p_on.model.decode(z).sample.float()
-        y_off = p_off.model.decode(z).sample.float()
-    assert len(calls) == 28 and WS.failed is None
-    assert psnr(y_on.clamp(-1, 1), y_off.clamp(-1, 1)) > 45

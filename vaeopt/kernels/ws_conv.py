@@ -71,23 +71,14 @@ class WsConfig:
 # 192 ch (240x416): 128 + 64 columns over 2 x 64 pixels (8 warps: 96 accumulator registers), 64-channel K steps, 4
 # stages: 3.98 ms against cuDNN's Conv3d 4.87 ms (the layers' previous kernel); 3 stages 4.21-4.26, 2 stages 7.6.
 CONFIGS = {96: WsConfig(), 192: WsConfig(bh=2, bw=64, bk=64, stages=4, bn0=128, bn1=64)}
-# the image decoders' bf16 3x3 Conv2d (each image one frame, KT=1), per output width, from E43's H100 sweep
-# (benchmarks/results/h100_ws_conv2d_2026-11-23a.json, CUDA-graph replays against cuDNN's channels_last conv2d):
-# 128 ch @1024² 0.526 vs 0.867 ms (256-px tiles, 64 + 64 columns), 256 -> 128 @1024² 1.008 vs 1.274; 256 ch @512²
-# 0.462 vs 0.606 (128 px, 128 + 128 columns), 512 -> 256 @512² 0.905 vs 1.047; 512 ch @256² 0.431 vs 0.518, @128²
-# 0.104 vs 0.136 (two column tiles of 256).
-CONFIGS_2D = {128: WsConfig(bh=2, bw=128, bk=64, stages=4, bn0=64, bn1=64),
-              256: WsConfig(bh=1, bw=128, bk=64, stages=4, bn0=128, bn1=128),
-              512: WsConfig(bh=1, bw=128, bk=64, stages=4, bn0=128, bn1=128)}
 ENABLED = True  # benchmarks switch it off to time the Triton kernel in the same process
-IMAGE = True  # the image decoders' 3x3 convs (triton_conv marks them while this holds; benchmarks switch it)
 failed: str | None = None  # why the kernel was switched off in this process (its first failing launch)
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _producer(x_desc, w0_desc, w1_desc, a_bufs, b0_bufs, b1_bufs, ready, empty, fin, h0, w0, n0,
+    def _producer(x_desc, w0_desc, w1_desc, a_bufs, b0_bufs, b1_bufs, ready, empty, fin, h0, w0,
                   CIN: gl.constexpr, BK: gl.constexpr, BN0: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr,
                   KW: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr):
         S: gl.constexpr = a_bufs.type.shape[0]
@@ -107,8 +98,8 @@ if gluon is not None:
             mbarrier.expect(bar, nbytes)
             _tma_load(x_desc, [fin + dt, h0 + dy, w0 + dx, cb * BK], bar, a_bufs.index(s))
             k = tap * CIN + cb * BK
-            _tma_load(w0_desc, [n0, k], bar, b0_bufs.index(s))
-            _tma_load(w1_desc, [n0 + BN0, k], bar, b1_bufs.index(s))
+            _tma_load(w0_desc, [0, k], bar, b0_bufs.index(s))
+            _tma_load(w1_desc, [BN0, k], bar, b1_bufs.index(s))
 
     @gluon.jit
     def _consumer(a_bufs, b0_bufs, b1_bufs, ready, empty, BM: gl.constexpr, BK: gl.constexpr, BN0: gl.constexpr,
@@ -129,15 +120,13 @@ if gluon is not None:
         return acc0, acc1
 
     @gluon.jit
-    def _ws_conv_kernel(x_desc, w0_desc, w1_desc, y0_desc, y1_desc, b_ptr, T, H, W, NCOL,
+    def _ws_conv_kernel(x_desc, w0_desc, w1_desc, y0_desc, y1_desc, b_ptr, T, H, W,
                         CIN: gl.constexpr, KT: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, PH: gl.constexpr,
                         PW: gl.constexpr, BH: gl.constexpr, BW: gl.constexpr, BK: gl.constexpr, BN0: gl.constexpr,
                         BN1: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = BH * BW
         pid = gl.program_id(0)
-        n0 = (pid % NCOL) * (BN0 + BN1)  # column tiles vary fastest: neighbours share their input boxes in L2
-        pid = pid // NCOL
         nw = gl.cdiv(W, BW)
         nh = gl.cdiv(H, BH)
         wt = pid % nw
@@ -164,22 +153,22 @@ if gluon is not None:
         NK: gl.constexpr = KT * KH * KW * (CIN // BK)
         acc0, acc1 = gl.warp_specialize([
             (_consumer, (a_bufs, b0_bufs, b1_bufs, ready, empty, BM, BK, BN0, BN1, NK, L0, L1)),
-            (_producer, (x_desc, w0_desc, w1_desc, a_bufs, b0_bufs, b1_bufs, ready, empty, fin, h0, w0, n0, CIN, BK,
+            (_producer, (x_desc, w0_desc, w1_desc, a_bufs, b0_bufs, b1_bufs, ready, empty, fin, h0, w0, CIN, BK,
                          BN0, KT, KH, KW, PH, PW)),
         ], [1], [PRODUCER_REGS])
 
         if HAS_BIAS:
             c0 = gl.arange(0, BN0, layout=gl.SliceLayout(0, L0))
-            acc0 = acc0 + gl.load(b_ptr + n0 + c0)[None, :]
+            acc0 = acc0 + gl.load(b_ptr + c0)[None, :]
             c1 = gl.arange(0, BN1, layout=gl.SliceLayout(0, L1))
-            acc1 = acc1 + gl.load(b_ptr + n0 + BN0 + c1)[None, :]
+            acc1 = acc1 + gl.load(b_ptr + BN0 + c1)[None, :]
         y0_s = gl.allocate_shared_memory(y0_desc.dtype, y0_desc.block_type.shape, y0_desc.layout)
         y1_s = gl.allocate_shared_memory(y1_desc.dtype, y1_desc.block_type.shape, y1_desc.layout)
         y0_s.reshape([BM, BN0]).store(acc0.to(y0_desc.dtype))
         y1_s.reshape([BM, BN1]).store(acc1.to(y1_desc.dtype))
         fence_async_shared()
-        _tma_store(y0_desc, [f, h0, w0, n0], y0_s)
-        _tma_store(y1_desc, [f, h0, w0, n0 + BN0], y1_s)
+        _tma_store(y0_desc, [f, h0, w0, 0], y0_s)
+        _tma_store(y1_desc, [f, h0, w0, BN0], y1_s)
         tma.store_wait(pendings=0)
 
 
@@ -202,14 +191,12 @@ def descriptors(xd: torch.Tensor, wk: torch.Tensor, yd: torch.Tensor, cfg: WsCon
     return x_desc, w0_desc, w1_desc, y0_desc, y1_desc
 
 
-def kernel_args(xd, wk, yd, bias, T: int, cfg: WsConfig, kt: int = 3):
-    """(grid, args, constexpr kwargs) of one launch: a causal 3x3x3 conv (kt 3) or a 3x3 conv of NHWC images (kt 1,
-    each image a frame). Output channels in column tiles of bn0 + bn1."""
-    frames, H, W, co = yd.shape
-    ncol = co // (cfg.bn0 + cfg.bn1)
-    grid = (frames * -(-H // cfg.bh) * -(-W // cfg.bw) * ncol,)
-    args = (*descriptors(xd, wk, yd, cfg), bias, T, H, W, ncol)
-    kw = dict(CIN=xd.shape[-1], KT=kt, KH=3, KW=3, PH=1, PW=1, BH=cfg.bh, BW=cfg.bw, BK=cfg.bk, BN0=cfg.bn0, BN1=cfg.bn1,
+def kernel_args(xd, wk, yd, bias, T: int, cfg: WsConfig):
+    """(grid, args, constexpr kwargs) of one launch."""
+    frames, H, W = yd.shape[0], yd.shape[1], yd.shape[2]
+    grid = (frames * -(-H // cfg.bh) * -(-W // cfg.bw),)
+    args = (*descriptors(xd, wk, yd, cfg), bias, T, H, W)
+    kw = dict(CIN=xd.shape[-1], KT=3, KH=3, KW=3, PH=1, PW=1, BH=cfg.bh, BW=cfg.bw, BK=cfg.bk, BN0=cfg.bn0, BN1=cfg.bn1,
               STAGES=cfg.stages, HAS_BIAS=bias is not None, PRODUCER_REGS=cfg.producer_regs,
               num_warps=cfg.warps)
     return grid, args, kw
@@ -239,9 +226,9 @@ def takes(cin: int, cout: int) -> bool:
 
 
 def _launch(xd: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None, yd: torch.Tensor, T: int,
-            cfg: WsConfig, kt: int = 3) -> None:
+            cfg: WsConfig) -> None:
     b = bias.detach().float().contiguous() if bias is not None else None
-    grid, args, kw = kernel_args(xd, wk, yd, b, T, cfg, kt)
+    grid, args, kw = kernel_args(xd, wk, yd, b, T, cfg)
     _ws_conv_kernel[grid](*args, **kw)
 
 
@@ -262,46 +249,6 @@ def conv(x: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None, cfg: WsCo
     return yd
 
 
-def takes2d(cin: int, cout: int) -> bool:
-    """A 3x3 Conv2d with a measured config: 128, 256 or 512 output channels, input channels in 64-channel K steps."""
-    return cout in CONFIGS_2D and cin % 64 == 0 and cin > 0
-
-
-def config2d(cout: int, width: int) -> WsConfig:
-    """CONFIGS_2D[cout], its 128-pixel rows as two 64-pixel rows for images at most 64 wide (half a row would be
-    TMA's zero fill)."""
-    cfg = CONFIGS_2D[cout]
-    if width <= 64 and cfg.bw == 128:
-        cfg = dataclasses.replace(cfg, bh=cfg.bh * 2, bw=64)
-    return cfg
-
-
-def handles2d(x: torch.Tensor, wk: torch.Tensor) -> bool:
-    """Whether conv2d takes x with the K-major packed 3x3 weight wk: bf16 NHWC (channels_last) images on a GPU where
-    the kernel runs, channel counts with a config, base addresses TMA can take."""
-    return (x.dim() == 4 and x.dtype == torch.bfloat16 and wk.dtype == torch.bfloat16 and x.is_cuda
-            and takes2d(x.shape[1], wk.shape[0]) and wk.shape[1] == 9 * x.shape[1]
-            and x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16 == 0
-            and wk.data_ptr() % 16 == 0 and available(x.device, x.dtype))
-
-
-def conv2d(x: torch.Tensor, wk: torch.Tensor, bias: torch.Tensor | None = None,
-           cfg: WsConfig | None = None) -> torch.Tensor:
-    """A 3x3 conv, stride 1, zero padding 1: x (N, Cin, H, W) bf16 channels_last, wk the K-major packed weight
-    (Cout, 9 * Cin). Returns (N, Cout, H, W) bf16 channels_last. TMA zero-fills the padding (each image is a frame
-    of the 4-D descriptor, so no box reads across images)."""
-    N, C, H, W = x.shape
-    co = wk.shape[0]
-    cfg = cfg or config2d(co, W)
-    if C % cfg.bk or co % (cfg.bn0 + cfg.bn1) or tuple(wk.shape) != (co, 9 * C):
-        raise ValueError(f"ws_conv.conv2d: needs input channels in steps of bk={cfg.bk}, output channels in tiles of "
-                         f"{cfg.bn0 + cfg.bn1} and weights ({co}, {9 * C}), got {tuple(wk.shape)} for {C} channels")
-    yd = torch.empty((N, H, W, co), device=x.device, dtype=torch.bfloat16)
-    if yd.numel():
-        _launch(x.permute(0, 2, 3, 1), wk, bias, yd, 1, cfg, kt=1)
-    return yd.permute(0, 3, 1, 2)
-
-
 def _api_error(e: Exception) -> bool:
     """An error that says this Triton cannot build or launch the kernel (a Gluon API change, a compile or ptxas
     failure, too many resources), as opposed to a CUDA runtime error or an input the caller should not have sent."""
@@ -312,38 +259,21 @@ def _api_error(e: Exception) -> bool:
     return isinstance(e, (TritonError, TypeError, AttributeError, ImportError, NotImplementedError, AssertionError))
 
 
-def _switch_off(e: Exception, x: torch.Tensor) -> None:
-    """Switch the kernel off for the process after a launch failed because this Triton cannot build it; re-raise
-    anything else (out of memory: the planner retries smaller; CUDA runtime errors; errors during CUDA graph capture,
-    where a fallback launched into a failed capture would only hide it)."""
-    global failed
-    if (isinstance(e, torch.OutOfMemoryError) or not _api_error(e)
-            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-        raise e
-    msg = str(e).strip()
-    failed = f"{type(e).__name__}: {msg.splitlines()[-1][:200] if msg else ''}"
-    warnings.warn(f"vaeopt: the warp-specialized conv kernel failed ({failed}); Wan's 96-channel convs run on "
-                  "the Triton TMA kernel instead, the other convs it ran on cuDNN", RuntimeWarning, stacklevel=3)
-
-
-def conv2d_checked(x: torch.Tensor, wk: torch.Tensor) -> torch.Tensor | None:
-    """conv2d(x, wk) without bias where handles2d held, or None when this Triton cannot build or launch the kernel
-    (then it is switched off for the process, with a warning, and the caller runs cuDNN)."""
-    try:
-        return conv2d(x, wk)
-    except Exception as e:
-        _switch_off(e, x)
-        return None
-
-
 def conv_checked(x: torch.Tensor, pw, bias: torch.Tensor | None, a) -> torch.Tensor | None:
     """conv_igemm's call where `handles` held: the output in x's layout, or None when this Triton cannot build or
     launch the kernel (`_api_error`). Then it is switched off for the process, with a warning, and the caller runs
     the Triton kernel (the triton_conv stage sends the 192-ch layers back to cuDNN). Other errors propagate: out of
     memory (the planner retries smaller), CUDA runtime errors, and any error during CUDA graph capture (a fallback
     launched into a failed capture would only hide it)."""
+    global failed
     try:
         return a.output_view(conv(x, pw.w, bias))
     except Exception as e:
-        _switch_off(e, x)
+        if (isinstance(e, torch.OutOfMemoryError) or not _api_error(e)
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            raise
+        msg = str(e).strip()
+        failed = f"{type(e).__name__}: {msg.splitlines()[-1][:200] if msg else ''}"
+        warnings.warn(f"vaeopt: the warp-specialized conv kernel failed ({failed}); Wan's 96-channel convs run on "
+                      "the Triton TMA kernel instead, the 192-channel ones on cuDNN", RuntimeWarning, stacklevel=2)
         return None

@@ -103,12 +103,6 @@ def _plain_conv(m) -> bool:
 
 
 def _conv_nobias(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    if getattr(m, "_vaeopt_ws2d", False):  # triton_conv put this 3x3 conv on the Gluon kernel (bf16, sm_90)
-        from vaeopt.stages.triton_conv import image_conv
-
-        y = image_conv(m, x)
-        if y is not None:
-            return y
     return F.conv2d(x, m.weight, None, m.stride, m.padding, m.dilation, m.groups)
 
 

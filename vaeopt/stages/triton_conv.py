@@ -37,8 +37,6 @@ _MARK = "_vaeopt_igemm"
 _PACKED = "_vaeopt_igemm_packed"
 _MARK8 = "_vaeopt_fp8conv"
 _PACKED8 = "_vaeopt_fp8conv_packed"
-_MARK2D = "_vaeopt_ws2d"  # image resnet convs on the Gluon kernel
-_PACKED2D = "_vaeopt_ws2d_packed"
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -100,7 +98,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         model, "decoder") else [model]
     convs = [m for p in parts if p is not None for m in p.modules() if isinstance(m, nn.Conv3d)]
     if not convs:
-        return _apply_image(model, device, dtype)
+        return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
     chosen = [m for m in convs if _eligible(m, device, dtype)]
     if not chosen:
         from vaeopt.stages.stacked_conv3d import marked
@@ -131,77 +129,12 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
                         "ws_channels": ws})
 
 
-def _image_convs(model: nn.Module) -> list[nn.Module]:
-    """The 3x3 Conv2d that stages/fused_epilogues' resnet forward runs after a fused GroupNorm (conv1, conv2)."""
-    fused = (getattr(model, "_vaeopt_fused_epilogues", None) or {}).get("resnets") or []
-    return [c for r in fused for c in (r.conv1, r.conv2) if _conv2d_fits(c)]
-
-
-def _apply_image(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> StageResult:
-    """Image decoders: the resnets' bf16 3x3 convs on the warp-specialized Gluon kernel (kernels/ws_conv.py, E43),
-    where it runs; every other Conv2d stays on cuDNN."""
-    from vaeopt.kernels import ws_conv
-
-    convs = _image_convs(model)
-    if not convs:
-        return StageResult.skipped(NAME, "no Conv3d layers, and no residual-block 3x3 Conv2d run by the fused "
-                                         "resnet forward (fused_epilogues): cuDNN kept")
-    if dtype != torch.bfloat16:
-        return StageResult.skipped(NAME, f"{str(dtype).replace('torch.', '')} decode: the image convs' kernel is "
-                                         "bf16 only, cuDNN kept")
-    if not ws_conv.IMAGE:
-        return StageResult.skipped(NAME, "image convs switched off (ws_conv.IMAGE): cuDNN kept")
-    if not ws_conv.available(torch.device(device), dtype):
-        why = (f"the kernel failed to build here ({ws_conv.failed})" if ws_conv.failed else
-               "no Gluon in this Triton" if ws_conv.gluon is None else "it runs on sm_90 only (measured there)")
-        return StageResult.skipped(NAME, f"image convs stay on cuDNN: the warp-specialized Gluon kernel is not "
-                                         f"available ({why})")
-    chosen = [c for c in convs if ws_conv.takes2d(c.in_channels, c.out_channels)]
-    if not chosen:
-        return StageResult.skipped(NAME, f"none of the {len(convs)} resnet 3x3 convs has a measured config "
-                                         f"({'/'.join(map(str, ws_conv.CONFIGS_2D))} output channels): cuDNN kept")
-    for m in chosen:
-        setattr(m, _MARK2D, True)
-    shapes = sorted({f"{m.in_channels}->{m.out_channels}" for m in chosen},
-                    key=lambda t: tuple(int(v) for v in t.split("->"))[::-1])
-    n_rest = len(convs) - len(chosen)
-    rest = (f"{n_rest} narrower resnet convs (no measured config) and " if n_rest else "") + (
-        "the other Conv2d (conv_in, shortcuts, upsamplers) stay on cuDNN")
-    return StageResult(NAME, "applied",
-                       f"{len(chosen)} residual-block Conv2d ({', '.join(shapes)} ch, 3x3) on the warp-specialized "
-                       f"Gluon TMA kernel (kernels/ws_conv.py, perf-notes E43); {rest}",
-                       {"layers": len(chosen), "cudnn_layers": n_rest, "shapes": shapes, "image": True})
-
-
-def image_conv(conv: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """conv(x) without its bias on the Gluon kernel, for a conv the stage marked and an input the kernel takes
-    (bf16 NHWC on sm_90); None when it does not run here (the caller runs cuDNN). Weights packed K-major once per
-    weight version."""
-    if not getattr(conv, _MARK2D, False) or x.dtype != torch.bfloat16:
-        return None
-    w = conv.weight
-    if w is None or w.device != x.device:
-        return None
-    key = (*_weight_key(w), x.dtype)
-    cached = getattr(conv, _PACKED2D, None)
-    if cached is None or cached[0] != key:
-        from vaeopt.kernels.conv import pack_weight
-
-        cached = (key, pack_weight(w.detach().to(x.dtype), kmajor=True).w)
-        setattr(conv, _PACKED2D, cached)
-    from vaeopt.kernels import ws_conv
-
-    if not ws_conv.handles2d(x, cached[1]):
-        return None
-    return ws_conv.conv2d_checked(x, cached[1])
-
-
 def revert(model: nn.Module) -> None:
-    drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8, _MARK2D, _PACKED2D)
+    drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8)
 
 
 _weight_key = weight_version
-derived(_PACKED, _PACKED8, _PACKED2D)
+derived(_PACKED, _PACKED8)
 
 
 def _bf16_tma(conv: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
