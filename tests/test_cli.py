@@ -28,6 +28,10 @@ def test_version_and_help():
     for cmd in ("decode", "info", "benchmark"):
         r = run(cmd, "--help")
         assert r.exit_code == 0 and "Usage" in r.output
+        # flags take no value: no "<bool>" after them (typer's rich help printed one; cli._flags_show_no_type)
+        assert "<bool>" not in r.output and "--overwrite" in run("decode", "--help").output
+    r = run("decode", "--help")
+    assert "<path>" in r.output and "<float>" in r.output  # options with a value still show its type
 
 
 def test_info_json_without_gpu():
@@ -433,6 +437,9 @@ def test_dict_with_other_tensors_decodes_its_latents(tmp_path, samples_dir):
     assert "skipped 1 tensor(s) that are not" in r.output and "prompt_embeds (1, 77, 768)" in r.output
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["gen.png"]  # one latent: no entry suffix
     assert "prompt_embeds (1, 77, 768) (1 channel, not 4)" in r.output
+    # the listing, before the VAE is known, does not call the embeddings latents
+    assert "gen.pt: 2 tensors (pt, scaled latents where they fit the VAE)" in r.output
+    assert "[prompt_embeds]: (1, 77, 768) float32" in r.output and "768) float32 (pt" not in r.output
     torch.save({"a": z, "b": z.permute(0, 2, 3, 1).contiguous()}, tmp_path / "cl.pt")  # a latent saved channels-last
     r = run("decode", tmp_path / "cl.pt", "-m", model, "-o", tmp_path / "cl.png")  # is an error with its hint, not
     assert r.exit_code == 2 and "channels look last" in r.output, r.output  # skipped

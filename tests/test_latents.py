@@ -102,6 +102,7 @@ def test_scaling_matches_diffusers_pipelines():
     # (16,16,H,W) for a 16-channel video VAE: a 16-frame clip or 16 one-frame latents; refused, not guessed
     (torch.randn(16, 16, 8, 8), WAN, r"reads two ways.*one clip of 16 latent frames.*16 one-frame latents.*"
                                      r"\(1, 16, 16, H, W\) or \(16, 16, 1, H, W\)"),
+    (torch.randn(2, 4, 3, 8, 8), SDXL, r"is 3 latent frames \(N,C,T,H,W\), but Stable Diffusion XL is an image VAE"),
     (torch.zeros(1, 4, 8, 8, dtype=torch.int64), SDXL, "floating point"),
     (torch.randn(1, 4, 0, 8), SDXL, "empty"),
     (torch.randn(1, 4, 4096, 4096), SDXL, "beyond what vaeopt decodes"),
@@ -312,3 +313,47 @@ def test_deep_and_self_holding_pt_files_are_refused(tmp_path):
     torch.save({"x": {"y": [a, b]}, "z": (a,), "original_size": size, "target_size": size}, tmp_path / "ok.pt")
     f = lat.read_latents(tmp_path / "ok.pt")
     assert [e.name for e in f.entries] == ["x.y.0", "x.y.1", "z.0"]
+
+
+def test_one_frame_5d_latents_decode_as_images(tmp_path):
+    """(N, C, 1, H, W) for an image VAE, as video-style pipelines hand out image latents: the frame axis is dropped."""
+    t = torch.randn(2, 4, 1, 8, 6)
+    v = lat.validate(lat.LatentEntry("x", t), SDXL, tmp_path / "f.pt")
+    assert v.shape == (2, 4, 8, 6) and torch.equal(v, t[:, :, 0])
+
+
+def test_npz(tmp_path):
+    """numpy.savez / savez_compressed: every float array is an entry by name (dtype kept), non-float arrays (a seed)
+    are skipped with a note; pickled object arrays, corrupt zips and truncated members are refused clearly."""
+    import zipfile
+
+    a = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float16)
+    np.savez_compressed(tmp_path / "x.npz", latents=a, seed=np.array([7]), cond=np.zeros((1, 77, 8), np.float32))
+    lf = lat.read_latents(tmp_path / "x.npz")
+    assert lf.format == "npz" and lf.default_space == "scaled"
+    names = {e.name: e.tensor for e in lf.entries}
+    assert set(names) == {"latents", "cond"} and names["latents"].dtype == torch.float16
+    assert torch.equal(names["latents"], torch.from_numpy(a))
+    assert any("skipped non-float arrays: seed" in n for n in lf.notes)
+    assert lat.read_latents(tmp_path / "x.npz", key="latents").entries[0].name == "latents"
+
+    np.savez(tmp_path / "only_int.npz", idx=np.arange(4))
+    with pytest.raises(LatentError, match=r"only_int.npz \[idx\]: latents must be real floating point"):
+        lat.read_latents(tmp_path / "only_int.npz")
+    np.savez(tmp_path / "obj.npz", o=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(LatentError, match="refusing a pickled .npy of Python objects"):
+        lat.read_latents(tmp_path / "obj.npz")
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(LatentError, match="not a readable .npz file"):
+        lat.read_latents(tmp_path / "junk.npz")
+    full = (tmp_path / "x.npz").read_bytes()
+    (tmp_path / "trunc.npz").write_bytes(full[: len(full) // 2])
+    with pytest.raises(LatentError, match="npz"):
+        lat.read_latents(tmp_path / "trunc.npz")
+    # a member whose header declares more than the member holds (no huge allocation first)
+    hdr = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4, 100000, 100000), }"
+    hdr += b" " * (63 - len(hdr) % 64) + b"\n"
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z:
+        z.writestr("x.npy", b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
+    with pytest.raises(LatentError, match="more than the file holds"):
+        lat.read_latents(tmp_path / "huge.npz")

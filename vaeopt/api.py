@@ -556,7 +556,7 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     model = loaded.path.resolve() if loaded.path is not None else None
     if model is not None and model in inputs:
         raise VaeoptError(f"{loaded.path}: given as latents too; it is the model checkpoint (latents are the "
-                          ".pt/.safetensors/.latent/.npy files a pipeline or ComfyUI saved)")
+                          ".pt/.safetensors/.latent/.npy/.npz files a pipeline or ComfyUI saved)")
     for p in all_paths:
         try:
             r = p.resolve()

@@ -208,7 +208,7 @@ def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable ou
 @app.command()
 @clean_errors
 def decode(
-    latents: List[Path] = typer.Argument(..., help="Latent files: .pt/.pth, .safetensors, ComfyUI .latent, .npy."),
+    latents: List[Path] = typer.Argument(..., help="Latent files: .pt/.pth, .safetensors, ComfyUI .latent, .npy, .npz."),
     model: Optional[Path] = typer.Option(None, "--model", "-m",
                                          help="VAE checkpoint (.safetensors/.ckpt/.pt or diffusers folder). "
                                               "Default: vaeopt.json beside the latents, $VAEOPT_MODEL, or the user config."),
@@ -222,7 +222,7 @@ def decode(
     config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
     key: Optional[str] = typer.Option(None, "--key", help="Decode only this tensor of a dict-of-tensors file."),
     latent_space: Optional[str] = typer.Option(None, "--latent-space",
-                                               help="scaled (pipeline output; default for .pt/.safetensors/.npy) or "
+                                               help="scaled (pipeline output; default for .pt/.safetensors/.npy/.npz) or "
                                                     "raw (VAE latents; default for ComfyUI .latent)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that have it, fp32 on CPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
@@ -288,10 +288,18 @@ def decode(
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
     console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
     for f in files:
-        for e in f.entries:
-            console.print(f"  {f.path.name}{'[' + e.name + ']' if e.name else ''}: {tuple(e.tensor.shape)} "
-                          f"{str(e.tensor.dtype).replace('torch.', '')} ({f.format}, {latent_space or f.default_space} latents)",
-                          markup=False)
+        space = f"{f.format}, {latent_space or f.default_space} latents"
+
+        def shown(e):
+            return f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"
+
+        if len(f.entries) == 1:
+            e = f.entries[0]
+            console.print(f"  {f.path.name}{'[' + e.name + ']' if e.name else ''}: {shown(e)} ({space})", markup=False)
+        else:  # which of them are latents is known once the VAE is (the others are skipped with a reason then)
+            console.print(f"  {f.path.name}: {len(f.entries)} tensors ({space} where they fit the VAE)", markup=False)
+            for e in f.entries:
+                console.print(f"    [{e.name}]: {shown(e)}", markup=False)
         for n in f.notes:
             _log(n)
     model_path, why = api.resolve_model(model, files)

@@ -1,7 +1,7 @@
 """Reading latent files and turning them into the raw latents a VAE decoder consumes.
 
 Formats: .pt/.pth (a tensor, a dict of tensors, or a list; saved on CUDA or CPU; loaded with weights_only=True),
-.safetensors, ComfyUI .latent, .npy.
+.safetensors, ComfyUI .latent, .npy, .npz (numpy.savez; never unpickled).
 
 Latent space: pipelines hand out *scaled* latents (diffusers ``output_type="latent"``); ComfyUI ``.latent`` files hold
 *raw* VAE latents. Defaults per format are below; ``latent_space="scaled"|"raw"`` overrides.
@@ -21,7 +21,7 @@ import torch
 from vaeopt.errors import LatentError
 from vaeopt.families import FamilySpec, get_family
 
-LATENT_SUFFIXES = (".pt", ".pth", ".safetensors", ".latent", ".npy")
+LATENT_SUFFIXES = (".pt", ".pth", ".safetensors", ".latent", ".npy", ".npz")
 MANIFEST = "vaeopt.json"
 # Refuse decodes whose output alone would exceed this many pixels per frame (64k x 64k would need >16 GiB per frame).
 MAX_OUTPUT_PIXELS = 16384 * 16384
@@ -38,7 +38,7 @@ class LatentEntry:
 @dataclass
 class LatentFile:
     path: Path
-    format: str  # "pt", "comfyui-dict", "safetensors", "comfyui-latent", "npy"
+    format: str  # "pt", "comfyui-dict", "safetensors", "comfyui-latent", "npy", "npz"
     entries: list[LatentEntry]
     default_space: str  # "scaled" or "raw"
     notes: list[str] = field(default_factory=list)
@@ -109,6 +109,35 @@ def _collect(obj, prefix: str, out: list[LatentEntry], where: str = "") -> None:
         items = o.items() if isinstance(o, dict) else enumerate(o)
         inner = ancestors + (id(o),)
         stack.extend(reversed([(v, f"{name}.{k}" if name else str(k), depth + 1, inner) for k, v in items]))
+
+
+def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
+    """One .npy array from the open binary stream fh (a file, or a member of an .npz) of `size` bytes, as a tensor
+    (float16/32/64 kept, other floats as float32, native byte order). Never unpickles. A non-float array returns
+    the message that says so (an .npz may hold a seed beside its latents); unreadable ones raise LatentError."""
+    import numpy as np
+
+    try:
+        version = np.lib.format.read_magic(fh)
+        shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)(fh)
+    except (ValueError, OSError, EOFError) as e:
+        raise LatentError(f"{where}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+    if dtype.hasobject:
+        raise LatentError(f"{where}: refusing a pickled .npy of Python objects (allow_pickle=False)")
+    if dtype.kind != "f":
+        return f"{where}: latents must be real floating point, got numpy dtype {dtype}"
+    if math.prod(shape) * dtype.itemsize > size:
+        raise LatentError(f"{where}: header declares {tuple(shape)} {dtype}, more than the file holds: truncated or "
+                          "corrupt")
+    try:
+        fh.seek(0)
+        arr = np.lib.format.read_array(fh, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise LatentError(f"{where}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+    native = arr.dtype.newbyteorder("=")  # big-endian files: torch takes native byte order only
+    keep = native in (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))  # shown as stored
+    return torch.from_numpy(np.ascontiguousarray(arr.astype(native if keep else "float32", copy=False)))
 
 
 def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool = True) -> LatentFile:
@@ -211,33 +240,38 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
                 default_space = meta["latent_space"]
             entries = [LatentEntry(k, v) for k, v in tensors.items() if v.numel() > 0]
     elif suffix == ".npy":
-        import numpy as np
-
         fmt = "npy"
+        with open(path, "rb") as fh:
+            t = _read_npy(fh, str(path), path.stat().st_size)
+        if isinstance(t, str):
+            raise LatentError(t)
+        entries.append(LatentEntry("", t))
+    elif suffix == ".npz":  # numpy.savez(_compressed): a zip of .npy members, read one by one without pickles
+        import zipfile
+
+        fmt = "npz"
         try:
-            with open(path, "rb") as fh:
-                version = np.lib.format.read_magic(fh)
-                shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                                   else np.lib.format.read_array_header_2_0)(fh)
-        except (ValueError, OSError, EOFError) as e:
-            raise LatentError(f"{path}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
-        if dtype.hasobject:
-            raise LatentError(f"{path}: refusing a pickled .npy of Python objects (allow_pickle=False)")
-        if dtype.kind != "f":
-            raise LatentError(f"{path}: latents must be real floating point, got numpy dtype {dtype}")
-        if math.prod(shape) * dtype.itemsize > path.stat().st_size:
-            raise LatentError(f"{path}: header declares {tuple(shape)} {dtype}, more than the file holds: "
-                              "truncated or corrupt")
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise LatentError(f"{path}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
-        if arr.dtype.kind not in "f":
-            raise LatentError(f"{path}: latents must be floating point, got numpy dtype {arr.dtype}")
-        native = arr.dtype.newbyteorder("=")  # big-endian files: torch takes native byte order only
-        keep = native in (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))  # shown as stored
-        entries.append(LatentEntry("", torch.from_numpy(np.ascontiguousarray(arr.astype(native if keep else "float32",
-                                                                                          copy=False)))))
+            zf = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise LatentError(f"{path}: not a readable .npz file (corrupt or truncated? {str(e)[:120]})") from e
+        skipped = []
+        with zf:
+            for info in zf.infolist():
+                name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                try:
+                    with zf.open(info) as fh:
+                        t = _read_npy(fh, f"{path} [{name}]", info.file_size)
+                except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+                    raise LatentError(f"{path} [{name}]: corrupt member of the .npz file ({str(e)[:120]})") from e
+                if isinstance(t, str):  # not floating point (e.g. a saved seed or index array)
+                    skipped.append((name, t))
+                else:
+                    entries.append(LatentEntry(name, t))
+        if skipped and not entries:
+            raise LatentError(skipped[0][1])
+        if skipped:
+            notes.append("skipped non-float arrays: " + ", ".join(n for n, _ in skipped[:4])
+                         + (", ..." if len(skipped) > 4 else ""))
     else:
         raise LatentError(f"{path}: unknown latent format '{suffix}' (expected {', '.join(LATENT_SUFFIXES)})")
 
@@ -270,7 +304,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         manifest = {}
     if manifest.get("latent_space") in ("raw", "scaled"):
         default_space = manifest["latent_space"]
-    elif manifest.get("folder_latent_space") in ("raw", "scaled") and fmt in ("pt", "npy", "safetensors") \
+    elif manifest.get("folder_latent_space") in ("raw", "scaled") and fmt in ("pt", "npy", "npz", "safetensors") \
             and not space_meta:  # the folder's default: not over a ComfyUI format's or the file's own metadata
         default_space = manifest["folder_latent_space"]
     return LatentFile(path, fmt, entries, default_space, notes, manifest, all_entries)
@@ -325,7 +359,12 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
         t = t.unsqueeze(0) if t.shape[0] == family.latent_channels else t.unsqueeze(2)
     elif t.ndim == want - 1:
         t = t.unsqueeze(0)
+    elif not family.is_video and t.ndim == 5 and t.shape[1] == cin and t.shape[2] == 1:
+        t = t.squeeze(2)  # (N, C, 1, H, W): one frame, as video-style pipelines hand out image latents
     if t.ndim != want:
+        if not family.is_video and t.ndim == 5 and t.shape[1] == cin:
+            raise LatentError(f"{where}: shape {tuple(t.shape)} is {t.shape[2]} latent frames (N,C,T,H,W), but "
+                              f"{family.title} is an image VAE: pass one frame, or a video VAE with --model")
         kind = "(N,C,T,H,W) video" if family.is_video else "(N,C,H,W) image"
         raise NotALatent(f"{where}: shape {tuple(t.shape)} does not fit {family.title}: expected {kind} latents",
                          f"{t.ndim} dims")
