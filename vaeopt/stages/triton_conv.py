@@ -153,7 +153,8 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     per weight version and dtype (a later weight change repacks)."""
     if not getattr(conv, _MARK, False) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
-    if conv.out_channels > MAX_COUT and not _on_ws(conv, x.device, x.dtype):
+    wide = conv.out_channels > MAX_COUT
+    if wide and not _on_ws(conv, x.device, x.dtype):
         return None  # marked for the Gluon kernel, which does not run here (switched off, another dtype): cuDNN
     if x.dtype == torch.float32 and x.device.type == "cuda":  # tl.dot would round fp32 operands to TF32
         return None
@@ -162,7 +163,7 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     w = conv.weight
     if w is None or w.device != x.device:
         return None
-    kmajor = _bf16_tma(conv, x.device, x.dtype)
+    kmajor = wide or _bf16_tma(conv, x.device, x.dtype)  # wide: on the Gluon kernel (checked above), K-major
     key = (*_weight_key(w), x.dtype, kmajor)
     cached = getattr(conv, _PACKED, None)
     if cached is None or cached[0] != key:
