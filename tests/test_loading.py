@@ -847,3 +847,24 @@ def test_safetensors_whose_header_length_looks_like_a_pickle(tmp_path):
     else:
         pytest.skip("no padding gave a 640-byte header")
     assert _sniff(f) == "safetensors"
+
+
+def test_weights_file_of_a_diffusers_folder_reads_the_config_beside_it(tmp_path):
+    """-m vae/diffusion_pytorch_model.safetensors (an HF download's folder): the settings come from the config.json
+    beside it, as loading the folder would (here a non-default scaling_factor and group count, which the weights
+    alone do not tell); the decode equals the folder's."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    v = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                      up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8, layers_per_block=1,
+                      scaling_factor=0.13025)
+    v.save_pretrained(tmp_path / "vae")
+    folder = load_vae(tmp_path / "vae")
+    file = load_vae(tmp_path / "vae" / "diffusion_pytorch_model.safetensors")
+    assert file.model.config.scaling_factor == folder.model.config.scaling_factor == 0.13025
+    assert file.model.config.norm_num_groups == 8
+    assert any("config.json (the diffusers folder" in n for n in file.notes)
+    z = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(file.model.decode(z).sample, folder.model.decode(z).sample)

@@ -1258,7 +1258,17 @@ def load_vae(
         model = _to(model, device, dtype)
         return LoadedVAE(model, spec, "random-init", None, ["no checkpoint: random weights"], None)
 
-    src = _read(Path(path), select_vae=True)
+    path = Path(path)
+    sibling = path.parent / "config.json"
+    if (config is None and path.is_file() and path.name.startswith("diffusion_pytorch_model")
+            and sibling.is_file()):
+        # the weights file of a diffusers folder (an HF download's vae/): its settings are in the config beside it,
+        # not in the file (scaling_factor, norm groups), so read them there, as loading the folder would
+        config = sibling
+        sibling_note = f"settings from {sibling} (the diffusers folder this weights file is in)"
+    else:
+        sibling_note = None
+    src = _read(path, select_vae=True)
     label = str(src.path)
     spec, a, notes = _detect(
         src.tensors,
@@ -1270,6 +1280,8 @@ def load_vae(
         names=src.hint_names,
         is_dir=src.is_dir,
     )
+    if sibling_note:
+        notes.insert(0, sibling_note)
     disk = _dtype_on_disk(a.sd, notes)
     bad = [k for k, v in a.sd.items() if k.startswith(("decoder.", "post_quant_conv.")) and v.is_floating_point()
            and not torch.isfinite(v if v.element_size() > 1 else v.float()).all()]
