@@ -287,12 +287,11 @@ def decode(
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
     console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
+    def shown(e):
+        return f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"
+
     for f in files:
         space = f"{f.format}, {latent_space or f.default_space} latents"
-
-        def shown(e):
-            return f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"
-
         if len(f.entries) == 1:
             e = f.entries[0]
             console.print(f"  {f.path.name}{'[' + e.name + ']' if e.name else ''}: {shown(e)} ({space})", markup=False)
