@@ -565,6 +565,29 @@ def test_weight_edits_that_torch_does_not_count_are_seen():
         assert torch.allclose(vae.decode(z).sample, ref.decode(z).sample, atol=1e-4)
 
 
+def test_weights_epoch_follows_counted_edits_and_refresh():
+    """What a captured CUDA graph is checked against before each replay: counted in-place edits change it; the
+    parameter list is gathered once per epoch (E44: walking the modules cost ~0.5 ms per decode), so a parameter
+    replaced by a new object is tracked from the next vaeopt.refresh() on."""
+    from vaeopt.stages import weights_epoch
+
+    m = build_model(get_family("sd15"), **TINY_KL)
+    e0 = weights_epoch(m)
+    assert weights_epoch(m) == e0
+    conv = m.decoder.conv_out
+    with torch.no_grad():
+        conv.weight.mul_(2)
+    e1 = weights_epoch(m)
+    assert e1[0] == e0[0] and e1[1] > e0[1]
+    conv.weight = torch.nn.Parameter(conv.weight.detach().clone())
+    vaeopt.refresh(m)
+    e2 = weights_epoch(m)
+    assert e2[0] == e1[0] + 1
+    with torch.no_grad():
+        conv.weight.mul_(2)
+    assert weights_epoch(m)[1] > e2[1]
+
+
 @pytest.mark.gpu
 def test_graph_replays_follow_weight_edits(samples_dir):
     """Found in review: a captured CUDA graph holds the derived weights (tap matrix, phase weights) of capture time,
@@ -594,6 +617,37 @@ def test_graph_replays_follow_weight_edits(samples_dir):
     with torch.no_grad():
         want = pipe.model.decode(zr.cuda()).sample.float().cpu()
     assert pipe.graphed.captures == 3 and (got - want).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_sdxl_fp8_attention_core_graph_replay_equals_eager(monkeypatch):
+    """Full-width SDXL (diffusers' default init), FP8 level 3 on every candidate (gate 0): on sm_90 the mid-block
+    attention core is one of the e4m3 layers, both stage lines say so, the decode runs fp8_attention (keys padded to
+    a multiple of 16 at this odd latent size), and the CUDA-graph replay equals the eager decode bitwise."""
+    from vaeopt.stages import fused_epilogues as fe
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("fp8 attention runs where it was measured: sm_90")
+    torch.manual_seed(0)
+    pipe = Pipeline(load_vae(None, family="sdxl"), Options(device="cuda", dtype="bf16", fp8="on", gate_db=0.0,
+                                                           graphs="off", tiling="off"), log=None)
+    line = next(s for s in pipe.stages if s.name == "fp8 convs")
+    assert line.status == "applied" and line.data["attention_cores"] == 1, line.line()
+    assert "the mid-block attention core in e4m3" in line.detail
+    att = next(s for s in pipe.stages if s.name == "attention")
+    assert att.data["fp8_blocks"] == 1 and "in e4m3" in att.detail, att.line()
+    calls = []
+    real = fe.fp8_attention
+    monkeypatch.setattr(fe, "fp8_attention", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    z = torch.randn(1, 4, 23, 21, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        eager = pipe.model.decode(z).sample
+        assert calls == [23 * 21]
+        pipe.enable_graphs("test")
+        pipe.graphed(z)
+        replay = pipe.graphed(z)
+    assert pipe.graphed.replays >= 1 and torch.equal(replay, eager)
+    assert torch.isfinite(eager).all()
 
 
 def test_hunyuan_tile_strides_are_whole_latent_pixels(monkeypatch):

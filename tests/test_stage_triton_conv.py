@@ -241,6 +241,56 @@ def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     assert calls == [] and torch.equal(out2, ref)  # fallback: exactly the bf16/fp32 fused path again
 
 
+def test_fp8_attention_core_joins_the_gate(samples_dir, monkeypatch):
+    """Where it was measured (sm_90; faked here) the mid-block attention on fused_epilogues' chunked GEMM path is an
+    FP8 level-3 candidate like a conv: the gate's probe includes it, the line names it, the decode runs
+    fp8_attention, and the attention stage no longer calls it exact; revert takes it back. On CPU it is never a
+    candidate."""
+    from vaeopt.fidelity import psnr
+    from vaeopt.loading import load_vae
+    from vaeopt.stages import attention, fused_norms
+    from vaeopt.stages import fused_epilogues as fe
+
+    model = load_vae(samples_dir / "tiny_kl_image.safetensors").model.float().eval()
+    model.to(memory_format=torch.channels_last)
+    assert fused_norms.apply(model).status == "applied"
+    assert fe.apply(model, device="cpu", min_head_dim=64).status == "applied"  # its head_dim 128 on the GEMM path
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["astronaut"][:, :, 20:24, 24:28]
+    z = z.float().contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = model.decode(z).sample.float()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    assert triton_conv.fp8_attention_candidates(model, cpu) == []
+    monkeypatch.setattr(triton_conv, "attention_fp8_ready", lambda d: True)
+    att = triton_conv.fp8_attention_candidates(model, cpu)
+    assert [n for n, _ in att] == ["decoder.mid_block.attentions.0"]
+    monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH", 0)
+    convs = triton_conv.fp8_candidates(model, cpu)[-1:]  # one conv beside it: the interpreter is slow
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: convs)
+    calls = []
+    real = fe.fp8_attention
+    monkeypatch.setattr(fe, "fp8_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    r = triton_conv.apply_fp8(model, cpu, torch.float32, gate_db=20.0, probe=z)
+    assert r.status == "applied" and r.data["layers"] == 2 and r.data["attention_cores"] == 1, r.line()
+    assert "the mid-block attention core in e4m3" in r.detail and "1 residual-block Conv2d" in r.detail
+    assert calls  # the gate's probes ran it
+    calls.clear()
+    with torch.no_grad():
+        out = model.decode(z).sample.float()
+    assert len(calls) == 1 and abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
+    assert 20.0 <= r.data["probe_db"] < r.data["bf16_probe_db"]
+    a = attention.apply(model, device=cpu)
+    assert a.data["fp8_blocks"] == 1 and "in e4m3" in a.detail and "exact" not in a.detail
+    triton_conv.revert(model)
+    assert not any(getattr(m, fe.FP8_ATTR, False) for m in model.modules())
+    assert "exact query-chunked" in attention.apply(model, device=cpu).detail
+    calls.clear()
+    with torch.no_grad():
+        model.decode(z)
+    assert calls == []
+
+
 def test_fp8_pack_cache_accepts_inference_tensors(samples_dir):
     """A model moved to its device under torch.inference_mode has weights without a version counter: the e4m3 pack
     cache must still work (found on the H200: 'Inference tensors do not track version counter')."""

@@ -309,7 +309,8 @@ def _offloaded_parts(vae) -> str:
 
 def refresh(vae=None) -> None:
     """Call after changing an optimized VAE's weights in place where torch keeps no version count: through
-    `param.data` (EMA copies, LoRA merges) or under torch.inference_mode. The weights vaeopt derives from them (tap
+    `param.data` (EMA copies, LoRA merges) or under torch.inference_mode, or after replacing a parameter with a new
+    one (`module.weight = nn.Parameter(...)`). The weights vaeopt derives from them (tap
     matrices, phase and time-stacked conv weights, packed kernel weights) are rebuilt on their next use, and captured
     CUDA graphs are captured again. Ordinary in-place edits and load_state_dict are seen without it. `vae` is
     accepted for readability; the refresh covers every model."""

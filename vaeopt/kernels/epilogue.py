@@ -30,6 +30,7 @@ import triton.language as tl
 from vaeopt.kernels import default_tile, flat_layout
 from vaeopt.kernels.group_norm_silu import (_accumulate_shifted, _cl_store_partials, _first_block_shift,
                                            attach_partials, drop_partials, producer_partials, producer_stats_ok)
+from vaeopt.kernels.rms_norm_silu import _sat_e4m3
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -388,8 +389,12 @@ def _softmax_rows_kernel(
     stride_s,
     stride_p,
     scale,
+    rs_ptr,  # [R] fp32 out, UNNORM only: 1 / (pscale * row sum)
+    pscale,  # UNNORM only: the written p is exp(x - row max) * pscale (row max -> pscale exactly)
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # L <= BLOCK: the whole row stays in registers
+    UNNORM: tl.constexpr,  # write unnormalized p (for an fp8 P: its row scale goes into the next GEMM)
+    EXACT8: tl.constexpr,  # p is e4m3 under the CPU interpreter: round on the grid first (its cast is not RTN)
 ):
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * stride_s
@@ -397,26 +402,37 @@ def _softmax_rows_kernel(
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:
         m = offs < L
-        x = tl.load(src + offs, mask=m, other=-float("inf")) * scale
+        x = tl.load(src + offs, mask=m, other=-float("inf")).to(tl.float32) * scale
         e = tl.exp(x - tl.max(x, axis=0))
-        tl.store(dst + offs, (e / tl.sum(e, axis=0)).to(p_ptr.dtype.element_ty), mask=m)
+        if UNNORM:
+            tl.store(dst + offs, _sat_e4m3(e * pscale, EXACT8).to(p_ptr.dtype.element_ty), mask=m)
+            tl.store(rs_ptr + row, 1.0 / (pscale * tl.sum(e, axis=0)))
+        else:
+            tl.store(dst + offs, (e / tl.sum(e, axis=0)).to(p_ptr.dtype.element_ty), mask=m)
     else:  # online max/sum, then a second read (from L2 for VAE-sized rows) to write exp / sum
         mx = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
         sm = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, L, BLOCK):
             o = start + offs
-            x = tl.load(src + o, mask=o < L, other=-float("inf")) * scale
+            x = tl.load(src + o, mask=o < L, other=-float("inf")).to(tl.float32) * scale
             new = tl.maximum(mx, x)
             # lanes still at -inf (no value yet) keep sum 0 instead of exp(nan)
             sm = tl.where(new == -float("inf"), 0.0, sm * tl.exp(mx - new) + tl.exp(x - new))
             mx = new
         gmax = tl.max(mx, axis=0)
         total = tl.sum(tl.where(mx == -float("inf"), 0.0, sm * tl.exp(mx - gmax)), axis=0)
-        inv = 1.0 / total
+        if UNNORM:
+            inv = pscale
+            tl.store(rs_ptr + row, 1.0 / (pscale * total))
+        else:
+            inv = 1.0 / total
         for start in range(0, L, BLOCK):
             o = start + offs
-            x = tl.load(src + o, mask=o < L, other=-float("inf")) * scale
-            tl.store(dst + o, (tl.exp(x - gmax) * inv).to(p_ptr.dtype.element_ty), mask=o < L)
+            x = tl.load(src + o, mask=o < L, other=-float("inf")).to(tl.float32) * scale
+            y = tl.exp(x - gmax) * inv
+            if UNNORM:
+                y = _sat_e4m3(y, EXACT8)
+            tl.store(dst + o, y.to(p_ptr.dtype.element_ty), mask=o < L)
 
 
 # --- launchers ---------------------------------------------------------------------------------------------------
@@ -626,11 +642,17 @@ def upsample_nearest2x_expand(x: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_rows(s: torch.Tensor, scale: float, out_dtype: torch.dtype, *, block: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(s * scale, dim=-1) of fp32 scores s (..., L) (last dim contiguous), computed in fp32 and written
-    once in out_dtype: one read of s, one write of p (torch: softmax 2 passes + cast 1.5 passes)."""
-    if s.dtype != torch.float32:
-        raise TypeError("softmax_rows: scores must be float32")
+                 out: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
+                 pscale: float = 1.0) -> torch.Tensor:
+    """softmax(s * scale, dim=-1) of scores s (..., L) (fp32, or bf16/fp16 for the fp8 attention; last dim
+    contiguous), computed in fp32 and written once in out_dtype: one read of s, one write of p (torch: softmax 2
+    passes + cast 1.5 passes).
+
+    row_scale (an fp32 tensor of s.shape[:-1]): write p unnormalized instead, exp(s * scale - row max) * pscale, so
+    each row's largest entry is exactly pscale (an fp8 P uses e4m3's whole range), and 1 / (pscale * row sum) into
+    row_scale: softmax = p * row_scale, which the P @ V GEMM applies as its row scale."""
+    if s.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError("softmax_rows: scores must be float32, bfloat16 or float16")
     L = s.shape[-1]
     s2 = s.reshape(-1, L)
     if s2.stride(-1) != 1:
@@ -643,8 +665,14 @@ def softmax_rows(s: torch.Tensor, scale: float, out_dtype: torch.dtype, *, block
         block = 16384 if s.is_cuda else 1 << 20
     BLOCK = min(triton.next_power_of_2(L), block)
     nw = 4 if BLOCK <= 2048 else (8 if BLOCK <= 8192 else 16)
-    _softmax_rows_kernel[(s2.shape[0],)](s2, p2, L, s2.stride(0), p2.stride(0), float(scale),
-                                         BLOCK=BLOCK, ONE_PASS=L <= BLOCK, num_warps=nw)
+    unnorm = row_scale is not None
+    if unnorm and (row_scale.dtype != torch.float32 or row_scale.numel() != s2.shape[0]
+                   or not row_scale.is_contiguous()):
+        raise ValueError("softmax_rows: row_scale must be a contiguous float32 tensor of one value per row")
+    rs = row_scale.view(-1) if unnorm else s2  # (a placeholder pointer when not UNNORM)
+    _softmax_rows_kernel[(s2.shape[0],)](s2, p2, L, s2.stride(0), p2.stride(0), float(scale), rs, float(pscale),
+                                         BLOCK=BLOCK, ONE_PASS=L <= BLOCK, UNNORM=unnorm,
+                                         EXACT8=unnorm and p.element_size() == 1 and not s.is_cuda, num_warps=nw)
     return p
 
 

@@ -9,6 +9,7 @@ A stage never reports success for work it did not do: `detail` carries measured 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -146,10 +147,20 @@ def refresh_weights(*_) -> None:
     _EPOCH += 1
 
 
+_TRACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (epoch, its version-counted params)
+
+
 def weights_epoch(model) -> tuple:
     """The refresh epoch and the sum of the model's parameters' version counters: any counted in-place edit raises
-    the sum (counters only grow). What captured CUDA graphs, which hold derived weights, are checked against."""
-    return (_EPOCH, sum(p._version for p in model.parameters() if not p.is_inference()))
+    the sum (counters only grow). What captured CUDA graphs, which hold derived weights, are checked against before
+    every replay. The parameter list is gathered once per model and epoch: walking the modules took ~0.5 ms of host
+    time per SDXL decode, with the GPU idle (docs/perf-notes.md E44); summing a list takes ~0.01 ms. So a parameter
+    replaced by a new object, like the edits torch counts no version for, needs vaeopt.refresh()."""
+    entry = _TRACKED.get(model)
+    if entry is None or entry[0] != _EPOCH:
+        entry = (_EPOCH, [p for p in model.parameters() if not p.is_inference()])
+        _TRACKED[model] = entry
+    return (_EPOCH, sum(p._version for p in entry[1]))
 
 
 def watch_loads(model) -> None:

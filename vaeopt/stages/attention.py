@@ -155,15 +155,18 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     # diffusers' VAE Attention defaults to AttnProcessor2_0 (SDPA). Only the decoder's, and only diffusers' plain
     # eager AttnProcessor (set_default_attn_processor) is switched: a processor the user chose (their own class,
     # xformers, ...) is theirs to keep, and the encoder is not this stage's business.
-    n = 0
-    chunked = 0
-    kept = []
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    from vaeopt.stages.fused_epilogues import FP8_ATTR
+
+    n = chunked = fp8 = 0
+    kept = []
 
     for name, m in getattr(model, "decoder", model).named_modules():
         if type(m).__name__ == "Attention" and hasattr(m, "set_processor"):
             if type(m.processor).__name__ == "ChunkedAttnProcessor":
                 chunked += 1  # fused_epilogues already replaced SDPA for this wide head
+                fp8 += bool(getattr(m, FP8_ATTR, False))  # the fp8 convs stage's gate admitted its e4m3 core
             elif type(m.processor) is AttnProcessor:
                 m.set_processor(AttnProcessor2_0())
                 n += 1
@@ -174,8 +177,12 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     desc = "; ".join(f"head_dim {d}: SDPA uses {v[0] if v else 'none'} (usable: {', '.join(v)})" for d, v in per_dim.items())
     data = {"head_dims": dims, "backends": per_dim, "switched": n, "chunked": chunked, "frame_causal": causal}
     if chunked:
-        desc = (f"{chunked} block(s) on exact query-chunked GEMM attention (set by fused_epilogues; SDPA would use "
+        how = ("exact query-chunked GEMM attention" if not fp8 else
+               "query-chunked GEMM attention" + (" in e4m3" if fp8 == chunked else f", {fp8} of them in e4m3")
+               + " (admitted by the fp8 convs gate)")
+        desc = (f"{chunked} block(s) on {how} (set by fused_epilogues; SDPA would use "
                 f"{', '.join(v[0] for v in per_dim.values() if v)})")
+        data["fp8_blocks"] = fp8
     if causal:  # the mid-block is the decoder's only attention: SDPA's backend no longer matters there
         desc = ("HunyuanVideo mid-block: frame-causal attention over key prefixes, exact, without diffusers' "
                 "(frames x h x w)^2 mask (query-chunked GEMM attention, fp32 scores; no SDPA)")

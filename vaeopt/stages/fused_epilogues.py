@@ -61,6 +61,7 @@ _STATE = "_vaeopt_epi"  # ResnetBlock2D attribute: the Upsample2D whose interpol
 _NEXT_G = "_vaeopt_next_groups"  # ResnetBlock2D / Attention / Upsample2D attribute: groups of the GroupNorm that
 # reads the module's output next in the stock Decoder (set by apply where that is known from the structure)
 MAX_SCORE_BYTES = 512 << 20
+FP8_ATTR = "_vaeopt_fp8_attention"  # Attention attribute: its core runs as fp8_attention (e4m3 GEMMs)
 MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN attention stop at 256)
 # The residual epilogues of resnets and attention also take the statistics of the GroupNorm that reads their output
 # next (the next block's norm1, the mid-block attention's norm, the head's norm), which then skips its own stats pass
@@ -422,6 +423,76 @@ def chunked_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: in
     return out.view(B, H, L, -1)
 
 
+def _e4m3_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (2-D) -> (row-major e4m3 copy, fp32 scale (1,)) with x ≈ q * scale: on CUDA the two Triton passes of
+    kernels/act_quant (amax, then cast; no host sync, so graph-capturable), elsewhere torch ops."""
+    from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX
+
+    if x.is_cuda:
+        from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
+
+        q, s = quantize_e4m3_per_sample(x.contiguous()[None])
+        return q[0], s
+    s = x.abs().amax().float().clamp_min(1e-12).reshape(1) / E4M3_MAX
+    return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), s
+
+
+def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | None = None,
+                  scores_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for (B, H, L, d) tensors with e4m3 GEMMs (FP8 level 2 for the attention core):
+    Q, K and V each quantized per tensor (one dynamic scale), S = Q K^T through torch._scaled_mm (fp32 accumulate,
+    `scores_dtype` out: bf16 halves the score traffic at the same error, docs/perf-notes.md E44), the Triton softmax
+    writing P = exp(S - row max) * 448 in e4m3 with its row scale 1 / (448 * row sum), and O = P V through
+    torch._scaled_mm with that row scale: the normalization costs nothing. Lossy (e4m3 Q/K/V/P): the fp8 convs stage
+    gates it like a layer. On CUDA with FP8 tensor cores; elsewhere an emulation with the same roundings in fp32 (CPU
+    tests). fast_accum (cuBLAS's fp8 accumulation without promotion) is off: over 16384 keys it measured 2e-1
+    relative error. Queries in chunks whose fp32-sized scores stay under max_score_bytes. Output in v's dtype."""
+    from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX
+
+    B, H, L, d = q.shape
+    Lk, dv = k.shape[2], v.shape[-1]
+    q3, k3, v3 = q.reshape(B * H, L, d), k.reshape(B * H, Lk, d), v.reshape(B * H, Lk, dv)
+    sm = 1.0 / math.sqrt(d)
+    if chunk is None:
+        chunk = max(16, max_score_bytes // max(1, Lk * 4) // 16 * 16)
+    chunk = min(chunk, L)
+    out = torch.empty((B * H, L, dv), device=q.device, dtype=v.dtype)
+    real = q.is_cuda
+    # cuBLASLt's fp8 GEMMs take K and N in multiples of 16: keys padded with zero rows (zero K and V; their scores
+    # are left out of the softmax, their P columns are zero)
+    Lp = -(-Lk // 16) * 16 if real else Lk
+    for b in range(B * H):
+        kb, vb = k3[b], v3[b]
+        if Lp != Lk:
+            kb, vb = F.pad(kb, (0, 0, 0, Lp - Lk)), F.pad(vb, (0, 0, 0, Lp - Lk))
+        q8, sq = _e4m3_per_tensor(q3[b])
+        k8, sk = _e4m3_per_tensor(kb)
+        v8, sv = _e4m3_per_tensor(vb)
+        vt8 = v8.t().contiguous()  # (dv, Lp) row-major: P @ V's B operand column-major, as cuBLASLt wants it
+        if real:
+            from vaeopt.kernels.epilogue import softmax_rows
+
+            svrow = sv.reshape(1, 1).expand(1, dv).contiguous()
+        for i in range(0, L, chunk):
+            c = min(chunk, L - i)
+            if real:
+                s = torch._scaled_mm(q8[i:i + c], k8.t(), scale_a=sq, scale_b=sk, out_dtype=scores_dtype,
+                                     use_fast_accum=fast_accum)
+                p = (torch.empty if Lp == Lk else torch.zeros)((c, Lp), device=q.device, dtype=E4M3)
+                rs = torch.empty((c, 1), device=q.device, dtype=torch.float32)
+                softmax_rows(s[:, :Lk], sm, E4M3, out=p[:, :Lk], row_scale=rs, pscale=E4M3_MAX)
+                del s
+                out[b, i:i + c] = torch._scaled_mm(p, vt8.t(), scale_a=rs, scale_b=svrow, out_dtype=v.dtype,
+                                                   use_fast_accum=fast_accum)
+            else:  # the same roundings in fp32
+                s = ((q8[i:i + c].float() @ k8.float().t()) * (sq * sk)).to(scores_dtype).float() * sm
+                e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+                p = (e * E4M3_MAX).to(E4M3).float()
+                o = (p @ vt8.float().t()) * (sv / (E4M3_MAX * e.sum(dim=-1, keepdim=True)))
+                out[b, i:i + c] = o.to(v.dtype)
+    return out.view(B, H, L, dv)
+
+
 def _attn_processor_base():
     from diffusers.models.attention_processor import AttnProcessor2_0
 
@@ -477,7 +548,10 @@ def _make_processor_class():
             query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
             key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
             value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-            hidden_states = chunked_attention(query, key, value, self.max_score_bytes, self.chunk)
+            if getattr(attn, FP8_ATTR, False):  # set by the fp8 convs stage when the gate admits it
+                hidden_states = fp8_attention(query, key, value, self.max_score_bytes, self.chunk)
+            else:
+                hidden_states = chunked_attention(query, key, value, self.max_score_bytes, self.chunk)
             hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
             hidden_states = hidden_states.to(query.dtype)
 

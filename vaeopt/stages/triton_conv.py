@@ -130,7 +130,9 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
 
 
 def revert(model: nn.Module) -> None:
-    drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8)
+    from vaeopt.stages.fused_epilogues import FP8_ATTR
+
+    drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8, FP8_ATTR)
 
 
 _weight_key = weight_version
@@ -272,6 +274,35 @@ def fp8_upsampler_candidates(model: nn.Module, device: torch.device) -> list[tup
     return out
 
 
+ATTN_FP8_SM = (9, 0)  # fp8_attention measured there (E44: 1.31 -> 0.83 ms per sdxl-1024 call, H200)
+
+
+def fp8_attention_candidates(model: nn.Module, device: torch.device) -> list[tuple[str, nn.Module]]:
+    """The image decoder's attention cores on fused_epilogues' chunked GEMM path (head_dim > 256: the mid-block of
+    SD/SDXL/SD3/FLUX), which can run as fp8_attention (e4m3 Q/K/V/P through torch._scaled_mm, row-scaled P @ V)
+    here: sm_90+, where it was measured (ATTN_FP8_SM)."""
+    dec = getattr(model, "decoder", None)
+    if dec is None or _is_wan(model) or not attention_fp8_ready(torch.device(device)):
+        return []
+    from vaeopt.stages.fused_epilogues import _head_dim
+
+    out = []
+    for name, m in dec.named_modules():
+        proc = getattr(m, "processor", None)
+        if (type(m).__name__ == "Attention" and type(proc).__name__ == "ChunkedAttnProcessor"
+                and _head_dim(m) > proc.min_head_dim and _head_dim(m) % 16 == 0):
+            out.append((f"decoder.{name}", m))
+    return out
+
+
+def attention_fp8_ready(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= ATTN_FP8_SM
+
+
+def _is_attention(m: nn.Module) -> bool:
+    return type(m).__name__ == "Attention"
+
+
 def packed_fp8(conv: nn.Module):
     """The conv's e4m3 K-major PackedWeight (per-output-channel scales), packed once per weight version."""
     w = conv.weight
@@ -339,7 +370,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
                                          "writes the convs' e4m3 inputs")
     cands = fp8_candidates(model, torch.device(device))
     ups = [] if wan else fp8_upsampler_candidates(model, torch.device(device))
-    cands = cands + ups
+    att = fp8_attention_candidates(model, torch.device(device)) if cands or ups else []
+    cands = cands + ups + att
     if not cands:
         why = "" if wan else (f" with >= {image_min_channels(device)} channels (narrower ones measured slower in "
                               "e4m3 than cuDNN bf16, H200)")
@@ -353,10 +385,12 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
 
     dname = str(dtype).replace("torch.", "")
 
+    from vaeopt.stages.fused_epilogues import FP8_ATTR
+
     def mark(chosen):
         ids = {id(m) for _, m in chosen}
         for _, m in cands:
-            setattr(m, _MARK8, id(m) in ids)
+            setattr(m, FP8_ATTR if _is_attention(m) else _MARK8, id(m) in ids)
 
     mark([])
     t0 = time.perf_counter()
@@ -399,7 +433,10 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
                 f"kept in {dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
     up_ids = {id(m) for _, m in ups}
     n_up = sum(id(m) in up_ids for _, m in chosen)
+    n_att = sum(_is_attention(m) for _, m in chosen)
+    chosen = [(n, m) for n, m in chosen if not _is_attention(m)]  # the convs, for what follows
     stats["upsampler_layers"] = n_up
+    stats["attention_cores"] = n_att
     from vaeopt.kernels import tma_conv
 
     n_tma = sum(id(m) in up_ids or (tma_conv.available(torch.device(device)) and tma_conv.tuned_config(
@@ -416,8 +453,11 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     res_chans = sorted({m.out_channels for _, m in chosen if id(m) not in up_ids})
     ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in e4m3 (inputs quantized per sample by an amax "
                "pass, kernels/act_quant.py)" if n_up else "")
+    att_txt = (f"; the mid-block attention core{'s' if n_att > 1 else ''} in e4m3 (Q, K, V and the softmax P "
+               "through torch._scaled_mm, P @ V row-scaled)" if n_att else "")
     res_txt = (f"{len(chosen) - n_up} residual-block {what[0]} ({'/'.join(map(str, res_chans))} ch) on the e4m3 "
-               f"implicit-GEMM kernel, inputs quantized by {what[1]}{ups_txt}" if res_chans else ups_txt[2:])
+               f"implicit-GEMM kernel, inputs quantized by {what[1]}{ups_txt}{att_txt}" if res_chans
+               else (ups_txt + att_txt)[2:])
     return StageResult(name, "applied", f"{res_txt}; probe "
                                         f"{p8:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path {pb:.1f} dB){note}",
                        stats)
