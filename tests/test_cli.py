@@ -12,7 +12,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from vaeopt.cli import app
-from vaeopt.errors import OutputError
+from vaeopt.errors import LatentError, OutputError, VaeoptError
 
 runner = CliRunner()
 
@@ -785,6 +785,10 @@ def test_top_level_manifest_model_and_latent_space_hint(tmp_path, samples_dir, m
         raw_like, sd15, "scaled")
     assert lat.space_hint(raw_like, sd15, "raw") is None and lat.space_hint(scaled, sd15, "scaled") is None
     assert "pass --latent-space scaled" in lat.space_hint(scaled, sd15, "raw")
+    # found by a new user: std 0.19 read as raw was called "near 1"; it fits neither space, and says so
+    odd = lat.space_hint(scaled * 0.19, sd15, "raw")
+    assert "fits neither" in odd and "std 0.19" in odd and "near 1" not in odd.split("(")[0], odd
+    assert "fits neither" in lat.space_hint(raw_like * 20, sd15, "scaled")
     zw = torch.randn(1, 16, 3, 8, 8)
     assert lat.space_hint(zw, wan, "scaled") is None and lat.space_hint(wan.unscale(zw), wan, "raw") is None
     # the tiny trained VAE's factor (0.845) is too near 1 to tell the spaces apart: nothing said
@@ -850,3 +854,62 @@ def test_bad_dtype_and_device_fail_before_the_checkpoint_loads(tmp_path, samples
     for extra, msg in ((("--dtype", "int8"), "unknown dtype 'int8'"), (("--device", "tpu"), "expected cpu, cuda")):
         r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", *extra)
         assert r.exit_code == 2 and msg in r.output, r.output
+
+
+def test_new_user_pass_errors_come_before_the_load_and_say_what_to_do(tmp_path, samples_dir, monkeypatch):
+    """Found in the twenty-fourth session's new-user pass: a bad -o suffix, an existing output and --peers foo were
+    reported only after the checkpoint had loaded; `decode --json` printed nothing on stdout when it failed; a Hub
+    id got a bare 'not found'; a full-size benchmark on the CPU ran for many minutes without a word."""
+    from vaeopt import benchmark as bm
+    from vaeopt import loading
+
+    model = samples_dir / "tiny_kl_image.safetensors"
+    z = tmp_path / "a.pt"
+    torch.save(_small_latents(tmp_path, samples_dir)["coffee"], z)
+    loads = []
+    real = loading.load_vae
+    monkeypatch.setattr(loading, "load_vae", lambda *a, **k: loads.append(a) or real(*a, **k))
+    r = run("decode", z, "-m", model, "-o", tmp_path / "a.jpg")
+    assert r.exit_code == 2 and "unknown output type '.jpg'" in r.output and loads == []
+    (tmp_path / "taken.png").write_bytes(b"mine")
+    r = run("decode", z, "-m", model, "-o", tmp_path / "taken.png", "--json")
+    assert r.exit_code == 2 and "already exists" in r.output and loads == []
+    assert json.loads(r.stdout) == {"error": f"{tmp_path / 'taken.png'}: already exists (pass --overwrite to replace "
+                                             "it)", "exit_code": 2}
+    assert (tmp_path / "taken.png").read_bytes() == b"mine"
+    r = run("benchmark", tmp_path / "nosuch.safetensors", "--peers", "foo")
+    assert r.exit_code == 2 and "--peers: unknown foo" in r.output
+    r = run("decode", z, "-m", "stabilityai/sdxl-vae")
+    assert "Hugging Face Hub id" in r.output and "huggingface-cli download stabilityai/sdxl-vae" in r.output
+    r = run("decode", z, "-m", "black-forest-labs/FLUX.1-dev/vae")
+    assert "--include 'vae/*'" in r.output and "-m FLUX.1-dev/vae" in r.output
+    assert "Hub id" not in run("decode", z, "-m", tmp_path / "gone" / "vae.safetensors").output
+    monkeypatch.setattr(bm, "run_benchmark", lambda *a, **k: (_ for _ in ()).throw(VaeoptError("stop here")))
+    r = run("benchmark", model, "--shape", "1,4,80,80", "--device", "cpu", "--peers", "tiling")
+    assert "each decode takes a minute or more" in r.output and "--shape 1,4,32,32" in r.output
+    r = run("benchmark", model, "--shape", "1,4,16,16", "--device", "cpu", "--peers", "tiling")
+    assert "a minute" not in r.output and "stop here" in r.output
+
+
+def test_latent_files_named_as_another_format(tmp_path, samples_dir):
+    """A safetensors file saved as .pt, and a torch.save file named .safetensors, are read by their content (with a
+    note); a truncated torch file's error is one sentence, not torch's paragraph cut mid-word."""
+    from safetensors.torch import save_file
+
+    from vaeopt import latents as lat
+
+    z = _small_latents(tmp_path, samples_dir)["coffee"]
+    save_file({"z": z.contiguous()}, tmp_path / "st.pt")
+    f = lat.read_latents(tmp_path / "st.pt")
+    assert f.format == "safetensors" and torch.equal(f.entries[0].tensor, z)
+    assert any("a safetensors file despite its '.pt' suffix" in n for n in f.notes)
+    torch.save({"z": z}, tmp_path / "zip.safetensors")
+    f = lat.read_latents(tmp_path / "zip.safetensors")
+    assert f.format == "pt" and torch.equal(f.entries[0].tensor, z)
+    assert any("a torch.save file despite its '.safetensors' suffix" in n for n in f.notes)
+    data = (samples_dir / "tiny_kl_image_latents.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[:3000])
+    with pytest.raises(LatentError) as e:
+        lat.read_latents(tmp_path / "cut.pt")
+    msg = str(e.value)
+    assert "corrupt or truncated" in msg and msg.endswith(")") and "If you are seeing" not in msg, msg

@@ -565,6 +565,36 @@ def test_weight_edits_that_torch_does_not_count_are_seen():
         assert torch.allclose(vae.decode(z).sample, ref.decode(z).sample, atol=1e-4)
 
 
+def test_stack_conv3d_on_for_an_image_vae_says_why_nothing_happens(samples_dir):
+    """--stack-conv3d on for an image VAE used to leave no line at all (found by a new user)."""
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    lines = [s for s in Pipeline(loaded, Options(device="cpu", stack_conv3d="on")).stages if s.name == "stacked_conv3d"]
+    assert len(lines) == 1 and lines[0].status == "skipped" and "Wan's causal Conv3d" in lines[0].detail
+    assert not [s for s in Pipeline(loaded, Options(device="cpu")).stages if s.name == "stacked_conv3d"]
+
+
+def test_wan_through_the_api_prints_no_diffusers_cast_warning(samples_dir, capfd):
+    """Found by a new user: each `vae.decode` of an optimized Wan VAE printed diffusers' 'modules ... should be kept
+    in float32' warning, from the planner's meta-device skeleton being cast."""
+    from diffusers.utils import logging as dlog
+
+    from vaeopt import video
+
+    vae = load_vae(samples_dir / "tiny_wan_video.safetensors").model
+    video._meta_skeleton.cache_clear()  # (another test may have built it already)
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_warning()  # a user's default (conftest quiets diffusers for the suite)
+    try:
+        capfd.readouterr()
+        vaeopt.optimize(vae, device="cpu", dtype="bf16", log=None)
+        with torch.no_grad():
+            y = vae.decode(torch.randn(1, 16, 2, 8, 8, dtype=torch.bfloat16)).sample
+        err = capfd.readouterr().err
+    finally:
+        dlog.set_verbosity(level)
+    assert y.shape == (1, 3, 5, 64, 64) and "kept in float32" not in err, err
+
+
 def test_weights_epoch_follows_counted_edits_and_refresh():
     """What a captured CUDA graph is checked against before each replay: counted in-place edits change it; the
     parameter list is gathered once per epoch (E44: walking the modules cost ~0.5 ms per decode), so a parameter

@@ -151,6 +151,9 @@ def test_image_decoder_phase_convs(small_kl, monkeypatch):
     with _stages(model):
         auto = upsample_conv.apply(model, device=CPU)
         assert auto.status == "skipped" and "CPU" in auto.detail and "--upsample-conv on" in auto.detail
+        # an image VAE needs the fused path for it, so the hint names the interpreter and --triton on too (a new
+        # user followed the bare '--upsample-conv on forces it' and got 'needs fused_epilogues')
+        assert "TRITON_INTERPRET=1" in auto.detail and "--triton on --upsample-conv on" in auto.detail
         r = upsample_conv.apply(model, device=CPU, force=True)
         assert r.status == "applied" and r.data == {"layers": 3, "shapes": ["32->32", "64->64"]}
         assert "4/9 of their FLOPs" in r.detail

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -118,6 +119,15 @@ def _host_oom(e: BaseException) -> bool:
 def clean_errors(fn):
     """User errors -> one red line and exit code 2; Ctrl-C -> exit 130; no tracebacks for either."""
 
+    def fail(kw, msg: str, code: int):
+        """The error line on stderr; with --json also a JSON document on stdout, so a script reading stdout gets
+        one either way."""
+        console.print(f"[bold red]error:[/] {escape(msg)}")
+        if kw.get("as_json"):
+            with contextlib.suppress(OSError, ValueError):
+                out_console.print_json(json.dumps({"error": msg, "exit_code": code}))
+        raise typer.Exit(code)
+
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         # kill / docker stop / a closed terminal: unwind like Ctrl-C, so that the temporary outputs are removed
@@ -129,8 +139,7 @@ def clean_errors(fn):
         try:
             return fn(*a, **kw)
         except VaeoptError as e:
-            console.print(f"[bold red]error:[/] {escape(str(e))}")  # paths/keys like `[x]` are not markup
-            raise typer.Exit(e.exit_code)
+            fail(kw, str(e), e.exit_code)  # (escaped: paths/keys like `[x]` are not markup)
         except KeyboardInterrupt as e:
             console.print("[yellow]interrupted — no partial output was left behind[/]")
             raise typer.Exit(128 + e.signum if isinstance(e, _Terminated) else 130)
@@ -138,9 +147,7 @@ def clean_errors(fn):
             raise
         except Exception as e:  # a bug, not bad input: one line, the traceback only on request
             if _host_oom(e):
-                console.print("[bold red]error:[/] out of host memory (smaller inputs; a decode also takes --tile / "
-                              "--chunk / --vram-budget)")
-                raise typer.Exit(3)
+                fail(kw, "out of host memory (smaller inputs; a decode also takes --tile / --chunk / --vram-budget)", 3)
             if isinstance(e, OSError) and getattr(e, "filename", None) is None and e.errno == errno.EPIPE:
                 # `vaeopt ... | head -1`: the reader has gone; quietly, with rich's exit code for the same case (1)
                 with contextlib.suppress(OSError, ValueError):
@@ -154,9 +161,8 @@ def clean_errors(fn):
             if os.environ.get("VAEOPT_DEBUG"):
                 raise
             first = str(e).splitlines()[0][:300] if str(e) else ""
-            console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {escape(first)}"
-                          " — this is a vaeopt bug; rerun with VAEOPT_DEBUG=1 for the traceback and report it")
-            raise typer.Exit(1)
+            fail(kw, f"unexpected {type(e).__name__}: {first} — this is a vaeopt bug; rerun with VAEOPT_DEBUG=1 for "
+                     "the traceback and report it", 1)
 
     return wrapper
 
@@ -301,6 +307,10 @@ def decode(
                 console.print(f"    [{e.name}]: {shown(e)}", markup=False)
         for n in f.notes:
             _log(n)
+    if output is not None and not out_folder and output.is_file() and sum(len(f.entries) for f in files) == 1:
+        from vaeopt import outputs  # one output file named by -o: an existing one fails now, not after the load
+
+        outputs.check_writable([output], overwrite)
     model_path, why = api.resolve_model(model, files)
     t0 = time.perf_counter()
     import diffusers  # noqa: F401  (a few seconds on first import; timed apart from reading the checkpoint)
@@ -393,6 +403,13 @@ def _output_arg(output: str | None) -> tuple[Path | None, bool]:
     if folder and path.exists() and not path.is_dir():
         raise OutputError(f"-o {output}: the trailing '/' asks for a folder, but {path} is a file; choose another "
                           "-o (nothing was written)")
+    from vaeopt import outputs
+
+    known = outputs.IMAGE_SUFFIXES + outputs.VIDEO_SUFFIXES + outputs.TENSOR_SUFFIXES
+    if not folder and not path.is_dir() and path.suffix and path.suffix.lower() not in known:
+        # before the checkpoint loads (the same check runs again when the outputs are planned)
+        raise OutputError(f"-o {output}: unknown output type '{path.suffix}' (use .png, .mp4, .safetensors, or a "
+                          "folder for frames)")
     return path, folder
 
 
@@ -468,18 +485,22 @@ def benchmark(
     # '--json=~/r.json': the shell leaves a '~' after '=' as it is; decode's -o and --model expand it, so do these
     json_out, plot_out = (p.expanduser() if p is not None else None for p in (json_out, plot_out))
     _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
+    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
+    bad = [p for p in peer_list if p not in bm.PEERS]
+    if bad:  # (before the checkpoint loads)
+        raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(bm.PEERS)})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     spec, sd, shp, wl, notes = _bench_inputs(model, family, workload, shape, dev)
     for n in notes:
         _log(n)
-    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
-    bad = [p for p in peer_list if p not in bm.PEERS]
-    if bad:
-        raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(bm.PEERS)})")
     where = torch_device_name(dev)
     console.print(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
                   + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
+    if dev.type != "cuda" and math.prod(shp[2:]) > 64 * 64:
+        console.print(f"  [yellow]a {'x'.join(map(str, shp[2:]))} latent on the CPU: each decode takes a minute or "
+                      f"more, and the ladder runs {repeats + warmup} per row (Ctrl-C stops it; --shape "
+                      f"1,{shp[1]},{'1,' if len(shp) == 5 else ''}32,32 is a quick CPU run)[/]")
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
                               fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, workload=wl,
                               command=" ".join(["vaeopt"] + sys.argv[1:]))

@@ -9,6 +9,7 @@ Latent space: pipelines hand out *scaled* latents (diffusers ``output_type="late
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pickle
@@ -154,6 +155,17 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         raise LatentError(f"{path}: file is empty")
     suffix = path.suffix.lower()
     notes: list[str] = []
+    if suffix in (".pt", ".pth", ".ckpt", ".bin", ".safetensors"):
+        from vaeopt.loading import _sniff
+
+        with contextlib.suppress(Exception):  # whatever the bytes are, the reader of the suffix says it below
+            kind = _sniff(path)
+            if kind == "safetensors" and suffix != ".safetensors":
+                notes.append(f"a safetensors file despite its '{path.suffix}' suffix: read as safetensors")
+                suffix = ".safetensors"
+            elif kind == "torch-zip" and suffix == ".safetensors":
+                notes.append("a torch.save file despite its '.safetensors' suffix: read as one (weights_only)")
+                suffix = ".pt"
     entries: list[LatentEntry] = []
     default_space = "scaled"
     space_meta = False  # the file's own metadata names its latent space
@@ -164,7 +176,8 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         try:  # numpy scalars (e.g. a saved seed) are data: allowed, as in checkpoints
             with warnings.catch_warnings(), allow_numpy_scalars():
                 warnings.simplefilter("ignore")  # torch's pickle-protocol warning would print before our error
-                obj = torch.load(path, map_location="cpu", weights_only=True)
+                with open(path, "rb") as fh:  # a file object: torch 2.13 routes a *.safetensors path elsewhere
+                    obj = torch.load(fh, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             msg = str(e)
             code = any(k in msg for k in ("GLOBAL", "Unsupported global", "Unsupported class"))
@@ -202,7 +215,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         except Exception as e:  # noqa: BLE001  (torch's legacy reader raises KeyError on text, and more)
             with open(path, "rb") as fh:
                 what = _magic_name(fh.read(32))
-            first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            first = (str(e).splitlines()[0].split(". ")[0][:160] if str(e) else type(e).__name__)  # one sentence
             raise LatentError(f"{path}: not a readable torch file: " + (
                 f"corrupt or truncated? ({first})" if what == "unrecognised file header" else what)) from e
         _collect(obj, "", entries, str(path))
@@ -425,11 +438,18 @@ def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | N
     if 0.5 < as_scaled / as_raw < 2:
         return None
     nearer_raw = abs(math.log(as_raw)) < abs(math.log(as_scaled))
+    neither = (f"their spread (std {as_scaled:.2f}) fits neither of {family.title}'s latent spaces (pipeline "
+               f"latents have std near 1, raw ones near {as_scaled / as_raw:.2f}): check that these are "
+               f"{family.title} latents, as they were saved")
     if space == "scaled" and nearer_raw and as_scaled > 2:
+        if not 0.5 <= as_raw <= 2:
+            return neither
         return (f"these latents look raw (std {as_scaled:.2f}; pipeline latents have std near 1, raw {family.title} "
                 "latents are scaled up by its factor): if they came from vae.encode or a non-pipeline tool, pass "
                 "--latent-space raw")
     if space == "raw" and not nearer_raw and as_raw < 0.5:
+        if not 0.5 <= as_scaled <= 2:
+            return neither
         return (f"these latents look like pipeline (scaled) latents (std {as_scaled:.2f}, near 1): if a diffusers "
                 "pipeline saved them (output_type='latent'), pass --latent-space scaled")
     return None

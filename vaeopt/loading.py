@@ -271,11 +271,40 @@ class _Source:
     hint_names: list[str]
 
 
+@contextlib.contextmanager
+def quiet_diffusers():
+    """diffusers' logger at error level for the block: it warns about `.to(dtype)` on every model with fp32 modules
+    (Wan), and vaeopt casts deliberately (the weights, and its meta-device skeletons for memory estimates)."""
+    from diffusers.utils import logging as dlog
+
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        yield
+    finally:
+        dlog.set_verbosity(level)
+
+
+def _hub_hint(path: Path) -> str:
+    """For a missing path that reads like a Hugging Face Hub id ('owner/name', or 'owner/name/vae'): vaeopt never
+    downloads, so say how to get the files."""
+    parts = str(path).split("/")
+    if (len(parts) not in (2, 3) or str(path).startswith((".", "~"))
+            or path.suffix.lower() in (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft", ".json")
+            or not all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", p) for p in parts)):
+        return ""
+    repo = "/".join(parts[:2])
+    sub = f" --include '{parts[2]}/*'" if len(parts) == 3 else ""
+    local = parts[1] + (f"/{parts[2]}" if len(parts) == 3 else "")
+    return (f" (this looks like a Hugging Face Hub id: vaeopt reads local files only and never downloads; fetch it "
+            f"first, e.g. `huggingface-cli download {repo}{sub} --local-dir {parts[1]}`, then pass -m {local})")
+
+
 def _read(path: Path, select_vae: bool = False) -> _Source:
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}" + (" (a broken or looping symlink)" if path.is_symlink()
-                                                                 else ""))
+                                                                 else _hub_hint(path)))
     if path.is_dir():
         d, files = _resolve_dir(path)
         tensors, meta = {}, {}
@@ -978,19 +1007,23 @@ def _alias_config(cfg: dict | None, where: str, notes: list[str]) -> dict | None
     return cfg
 
 
+_GROUPS_HINT = ("give its group count (CLI: --config with a config.json holding \"norm_num_groups\"; Python: "
+                "config={'norm_num_groups': N})")
+
+
 def _norm_groups(cfg: dict, widths: list[int], source: str, notes: list[str]) -> None:
     g = int(cfg.get("norm_num_groups") or 32)
     if source == "family default" and any(w % g for w in widths):
         g2 = max(d for d in range(1, g + 1) if all(w % d == 0 for w in widths))
         notes.append(
-            f"norm_num_groups {g} (family default) does not divide the widths {widths}; using {g2} — a guess, "
-            f"pass config={{'norm_num_groups': N}} if the model was trained with another value"
+            f"norm_num_groups {g} (family default) does not divide the widths {widths}; using {g2} — a guess; "
+            f"{_GROUPS_HINT} if the model was trained with another value"
         )
         cfg["norm_num_groups"] = g2
     elif source == "family default":
         notes.append(
-            f"norm_num_groups {g} assumed (family default; group count cannot be read from the weights) — pass "
-            f"config={{'norm_num_groups': N}} if the model was trained with another value"
+            f"norm_num_groups {g} assumed (family default; group count cannot be read from the weights) — "
+            f"{_GROUPS_HINT} if the model was trained with another value"
         )
     else:
         notes.append(f"norm_num_groups {g} from {source}")

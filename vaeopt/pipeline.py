@@ -158,14 +158,10 @@ class Pipeline:
             self.log("! fp16 overflows in the SDXL VAE (NaN outputs): using fp32 (or pick --dtype bf16)")
         watch_loads(self.model)
         t0 = time.perf_counter()
-        from diffusers.utils import logging as dlog
+        from vaeopt.loading import quiet_diffusers
 
-        level = dlog.get_verbosity()
-        dlog.set_verbosity_error()  # diffusers warns about `.to(dtype)` on every model; we cast deliberately
-        try:
+        with quiet_diffusers():  # diffusers warns about `.to(dtype)` on every model; we cast deliberately
             kept = move_weights(self.model, self.device, self.dtype)
-        finally:
-            dlog.set_verbosity(level)
         self._record(StageResult("precision", "applied",
                                  f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
                                  f"({time.perf_counter() - t0:.2f} s to move weights)" + (
@@ -276,7 +272,10 @@ class Pipeline:
         o, name = self.opts, "stacked_conv3d"
         cl = any(s.name == "channels_last" and s.status == "applied" for s in self.stages)
         if self.family.cls_name != "AutoencoderKLWan":
-            return  # no causal Conv3d: no line for image families
+            if o.stack_conv3d == "on":  # asked for by name: say why nothing happened (else no line for images)
+                self._record(StageResult.skipped(name, f"--stack-conv3d on has nothing to stack: it is for Wan's "
+                                                       f"causal Conv3d, and {self.family.title} has none"))
+            return
         if o.stack_conv3d == "off":
             self._record(StageResult.skipped(name, "off"))
         elif not cl:

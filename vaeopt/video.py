@@ -1332,9 +1332,12 @@ class _MemEfficientSDPA(torch.overrides.TorchFunctionMode):
 @functools.lru_cache(maxsize=4)
 def _meta_skeleton(cls, config_json: str, dtype: torch.dtype):
     cfg = {k: v for k, v in json.loads(config_json).items() if not k.startswith("_")}
+    from vaeopt.loading import quiet_diffusers
+
     with torch.device("meta"):
         m = cls(**cfg)
-    return m.to(dtype).eval().requires_grad_(False)
+    with quiet_diffusers():  # (its fp32-modules warning, on a skeleton that never computes)
+        return m.to(dtype).eval().requires_grad_(False)
 
 
 def _stacked_names(vae) -> tuple[str, ...]:

@@ -78,6 +78,11 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     device = device or next(model.parameters()).device
     ok, why = available(device)
     if not ok and not force:
+        if type(model).__name__ != "AutoencoderKLWan" and device.type != "cuda":
+            from vaeopt.kernels import interpreter_hint  # image VAEs run the phase convs inside the fused path
+
+            why = ("CPU decode: the stock upsample + conv kept (bitwise diffusers); image VAEs run the phase convs "
+                   f"inside the fused Triton path ({interpreter_hint('--triton on --upsample-conv on')})")
         return StageResult.skipped(NAME, why)
     if getattr(model, "decoder", None) is None:
         return StageResult.skipped(NAME, f"{type(model).__name__} has no decoder")
