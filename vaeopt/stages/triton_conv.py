@@ -274,13 +274,14 @@ def fp8_upsampler_candidates(model: nn.Module, device: torch.device) -> list[tup
     return out
 
 
-ATTN_FP8_SM = (9, 0)  # fp8_attention measured there (E44: 1.31 -> 0.83 ms per sdxl-1024 call, H200)
+ATTN_FP8_SM = ((9, 0),)  # fp8_attention measured there (E44: 1.31 -> 0.83 ms per sdxl-1024 call, H200)
+_ATTN_FP8_OK: dict = {}  # device -> whether this torch's _scaled_mm runs fp8_attention (row-wise scales) there
 
 
 def fp8_attention_candidates(model: nn.Module, device: torch.device) -> list[tuple[str, nn.Module]]:
     """The image decoder's attention cores on fused_epilogues' chunked GEMM path (head_dim > 256: the mid-block of
     SD/SDXL/SD3/FLUX), which can run as fp8_attention (e4m3 Q/K/V/P through torch._scaled_mm, row-scaled P @ V)
-    here: sm_90+, where it was measured (ATTN_FP8_SM)."""
+    here: sm_90, where it was measured (ATTN_FP8_SM), with a torch whose _scaled_mm takes row-wise scales."""
     dec = getattr(model, "decoder", None)
     if dec is None or _is_wan(model) or not attention_fp8_ready(torch.device(device)):
         return []
@@ -296,7 +297,18 @@ def fp8_attention_candidates(model: nn.Module, device: torch.device) -> list[tup
 
 
 def attention_fp8_ready(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= ATTN_FP8_SM
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) not in ATTN_FP8_SM:
+        return False
+    key = str(device)
+    if key not in _ATTN_FP8_OK:  # one tiny call: older torch builds lack row-wise scaled fp8 GEMMs
+        from vaeopt.stages.fused_epilogues import fp8_attention
+
+        try:
+            x = torch.randn(1, 1, 32, 16, device=device, dtype=torch.bfloat16)
+            _ATTN_FP8_OK[key] = bool(torch.isfinite(fp8_attention(x, x, x)).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ATTN_FP8_OK[key] = False
+    return _ATTN_FP8_OK[key]
 
 
 def _is_attention(m: nn.Module) -> bool:
