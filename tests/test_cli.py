@@ -913,3 +913,37 @@ def test_latent_files_named_as_another_format(tmp_path, samples_dir):
         lat.read_latents(tmp_path / "cut.pt")
     msg = str(e.value)
     assert "corrupt or truncated" in msg and msg.endswith(")") and "If you are seeing" not in msg, msg
+
+
+def test_manifest_typos_and_a_bad_input_among_several(tmp_path, samples_dir):
+    """Found in the twenty-fifth session's new-user pass: a vaeopt.json key spelled like the flag ("latent-space")
+    was ignored and the file decoded in the other latent space; a manifest without an entry for the file gave the
+    bare 'no VAE checkpoint'; an unusable decode among several inputs said 'nothing was written' although the
+    earlier outputs were."""
+    import numpy as np
+
+    model = samples_dir / "tiny_kl_image.safetensors"
+    (tmp_path / "kl.safetensors").write_bytes(model.read_bytes())
+    z = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype("float32")
+    np.save(tmp_path / "lat.npy", z)
+    m = tmp_path / "vaeopt.json"
+    m.write_text(json.dumps({"files": {"lat.npy": {"model": "kl.safetensors", "latent-space": "raw"}}}))
+    r = run("decode", tmp_path / "lat.npy", "-o", tmp_path / "o.png")
+    assert r.exit_code == 2 and 'unknown key "latent-space" for lat.npy (did you mean "latent_space"?)' in r.output
+    m.write_text(json.dumps({"_doc": "a note", "fles": {}}))
+    assert 'unknown key "fles" at the top level (did you mean "files"?)' in run("decode", tmp_path / "lat.npy").output
+    m.write_text(json.dumps({"files": {"LAT.npy": {"model": "kl.safetensors"}}}))
+    r = run("decode", tmp_path / "lat.npy", "-o", tmp_path / "o.png")
+    assert r.exit_code == 2 and "has no entry for lat.npy (it lists LAT.npy" in r.output, r.output
+    m.write_text(json.dumps({"_doc": "comments are fine", "files": {"lat.npy": {"model": "kl.safetensors",
+                                                                             "latent_space": "raw"}}}))
+    r = run("decode", tmp_path / "lat.npy", "-o", tmp_path / "o.png")
+    assert r.exit_code == 0 and "raw latents" in r.output, r.output
+    m.unlink()
+    np.save(tmp_path / "b.npy", z * 1e30)  # finite, but the decode overflows
+    np.save(tmp_path / "c.npy", z)
+    r = run("decode", tmp_path / "lat.npy", tmp_path / "b.npy", tmp_path / "c.npy", "-m", model, "-o",
+            tmp_path / "mix/")
+    assert r.exit_code == 2 and "nothing was written for it" in r.output
+    assert "kept the 1 output(s) written before it" in r.output and "1 input(s) after it not decoded" in r.output
+    assert sorted(os.listdir(tmp_path / "mix")) == ["lat.png"]

@@ -50,6 +50,15 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
             raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
         if cfg.get("model"):  # a relative path is taken from the config's folder, as a vaeopt.json's is from its own
             return _existing(USER_CONFIG.parent / Path(cfg["model"]).expanduser(), str(USER_CONFIG))
+    unlisted = next((f for f in latent_files or [] if f.manifest.get("unlisted_in")), None)
+    if unlisted is not None:  # a manifest was found, but names other files (case, wildcards are not matched)
+        m = unlisted.manifest
+        raise VaeoptError(f"no VAE checkpoint given: {m['unlisted_in']} has no entry for {unlisted.path.name} (it "
+                          f"lists {', '.join(m['listed'])}; names are matched exactly); add one, a top-level "
+                          "\"model\", or pass --model")
+    if USER_CONFIG.is_file():
+        raise VaeoptError(f"no VAE checkpoint given: pass --model path/to/vae.safetensors, set VAEOPT_MODEL, or put "
+                          f"\"model\" in {USER_CONFIG} (it has no \"model\" path)")
     raise VaeoptError(
         "no VAE checkpoint given: pass --model path/to/vae.safetensors, set VAEOPT_MODEL, "
         f"or write {{\"model\": \"...\"}} to {USER_CONFIG}"
@@ -586,7 +595,7 @@ def check_finite(decoded: torch.Tensor, job: DecodeJob) -> None:
     bad = _nonfinite(decoded)
     if bad:
         where = f"{job.source}" + (f" [{job.entry}]" if job.entry else "")
-        raise DecodeError(f"{where}: {bad}; nothing was written ({NONFINITE_HINT})")
+        raise DecodeError(f"{where}: {bad}; nothing was written for it ({NONFINITE_HINT})")
 
 
 def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[Path]:
@@ -612,9 +621,25 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
              progress: Callable[[str, int, int], None] | None = None,
              on_result: Callable[[DecodeResult], None] | None = None) -> list[DecodeResult]:
     """Decode and write every job; `on_result` sees each result as soon as its outputs are on disk, so that a later
-    failure or Ctrl-C does not hide what was already written."""
+    failure or Ctrl-C does not hide what was already written. A job whose decode is unusable (NaN/Inf) stops the run;
+    its error then says which outputs of earlier jobs were written and kept, and how many inputs were not decoded."""
+    done: list[DecodeResult] = []
+    try:
+        return _run_jobs(pipe, jobs, fps, progress, on_result, done)
+    except DecodeError as e:
+        if not done:
+            raise
+        kept = [p for r in done for p in r.written]
+        rest = len(jobs) - len(done) - 1
+        raise DecodeError(f"{e}; kept the {len(kept)} output(s) written before it ({', '.join(map(str, kept[:3]))}"
+                          f"{', ...' if len(kept) > 3 else ''})" + (f", {rest} input(s) after it not decoded"
+                                                                    if rest else "")
+                          + "; to go on, decode the remaining inputs alone (--overwrite replaces what is there)"
+                          ) from None
+
+
+def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult]) -> list[DecodeResult]:
     shapes = [tuple(j.z_raw.shape) for j in jobs]
-    results = []
     graphs_logged = False
     vg = None  # Wan video: per-chunk CUDA graphs (vaeopt.video_graphs), decided per clip
     for job in jobs:
@@ -651,7 +676,7 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
                         cb(done, total)
             except DecodeError as e:  # NaN/Inf frames (checked on the device as they are decoded)
                 writer.abort()
-                raise DecodeError(f"{job.source}: {e}; nothing was written ({NONFINITE_HINT})") from None
+                raise DecodeError(f"{job.source}: {e}; nothing was written for it ({NONFINITE_HINT})") from None
             except BaseException:
                 writer.abort()
                 raise

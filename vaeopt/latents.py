@@ -61,7 +61,16 @@ def read_manifest(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise LatentError(f"{mpath}: unreadable manifest ({e})") from e
     files = data.get("files", {}) if isinstance(data, dict) else None
+    if isinstance(data, dict):
+        _known_keys(mpath, data, ("files", "model", "latent_space"), "at the top level")
+    if isinstance(files, dict):
+        for name, entry in files.items():
+            if isinstance(entry, dict):
+                _known_keys(mpath, entry, ("model", "latent_space"), f"for {name}")
     hint = files.get(path.name, {}) if isinstance(files, dict) else None
+    if isinstance(files, dict) and files and path.name not in files and not data.get("model"):
+        # found, but nothing in it for this file: said where the model lookup fails ("LAT.npy", "*.npy")
+        return {"unlisted_in": str(mpath), "listed": sorted(files)[:4]}
     if isinstance(hint, dict):  # top-level "model" / "latent_space": defaults for every file of the folder
         if not isinstance(data.get("model", ""), str):
             raise LatentError(f"{mpath}: the top-level \"model\" must be a path, got {json.dumps(data['model'])[:40]}")
@@ -81,6 +90,18 @@ def read_manifest(path: Path) -> dict:
     else:
         hint["model"] = str((mpath.parent / hint["model"]).resolve())
     return hint
+
+
+def _known_keys(mpath: Path, d: dict, known: tuple[str, ...], where: str) -> None:
+    """A manifest key vaeopt does not know is an error, not ignored: `"latent-space": "raw"` (the flag's spelling)
+    silently decoded in the other latent space. Keys starting with "_" are comments."""
+    import difflib
+
+    for k in d:
+        if k not in known and not k.startswith("_"):  # "_doc", "_comment": notes for people
+            near = difflib.get_close_matches(k.replace("-", "_"), known, n=1, cutoff=0.6)
+            raise LatentError(f"{mpath}: unknown key \"{k}\" {where}" + (f" (did you mean \"{near[0]}\"?)" if near
+                              else f" (it takes {', '.join(map(json.dumps, known))})"))
 
 
 MAX_NESTING = 16  # dicts/lists inside each other in a .pt; real files nest 1-3 deep
