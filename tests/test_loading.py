@@ -868,3 +868,15 @@ def test_weights_file_of_a_diffusers_folder_reads_the_config_beside_it(tmp_path)
     z = torch.randn(1, 4, 8, 8)
     with torch.no_grad():
         assert torch.equal(file.model.decode(z).sample, folder.model.decode(z).sample)
+
+
+def test_a_given_config_says_which_factor_it_replaced(samples_dir):
+    """--config {"scaling_factor": 0.5} over a checkpoint whose metadata says 0.84481: the load used to report the
+    metadata's value and then unscale with the config's (found by a new user); now the note names both."""
+    from vaeopt.loading import load_vae
+
+    lv = load_vae(samples_dir / "tiny_kl_image.safetensors", config={"scaling_factor": 0.5})
+    assert lv.family.config["scaling_factor"] == 0.5
+    notes = " | ".join(lv.notes)
+    assert "scaling_factor 0.5 from the given config (over 0.84481 in the checkpoint's config metadata)" in notes
+    assert "scaling_factor 0.84481 from the checkpoint's config metadata" not in notes

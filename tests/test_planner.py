@@ -31,6 +31,10 @@ def test_whole_when_it_fits_tiled_when_not(sdxl_meta):
     p16 = planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, vram_budget_gb=16)
     assert p16.mode == "tiled" and p16.tile >= p.tile
     assert planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, tile=64).tile == 64
+    assert "over the budget" not in p16.reason
+    tight = planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, vram_budget_gb=0.01)
+    assert tight.mode == "tiled" and tight.est_bytes > tight.budget_bytes  # said, not hidden (new-user pass)
+    assert "over the budget even at the smallest tile: the decode may run out of memory" in tight.reason
 
 
 def test_cpu_plans_only_what_would_not_fit_in_host_memory(sdxl_meta, monkeypatch):

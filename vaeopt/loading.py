@@ -1072,7 +1072,11 @@ def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label
             # (a model with the family's own widths uses the family's group count: nothing worth a note)
             _norm_groups(cfg, list(cfg.get("block_out_channels", [])), source, notes)
     for k in ("scaling_factor", "shift_factor"):  # say where the factor in use came from
-        if k in meta_use and _norm(meta_use[k]) != _norm(spec.config.get(k)):
+        if explicit and k in explicit:
+            notes.append(f"{k} {explicit[k]} from the given config" + (
+                f" (over {meta_use[k]} in the checkpoint's config metadata)" if k in meta_use else
+                f" ({spec.name}'s default is {spec.config.get(k)})"))
+        elif k in meta_use and _norm(meta_use[k]) != _norm(spec.config.get(k)):
             notes.append(f"{k} {meta_use[k]} from the checkpoint's config metadata ({spec.name}'s default is "
                          f"{spec.config.get(k)})")
     if explicit:

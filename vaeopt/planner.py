@@ -126,8 +126,11 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
     t = _largest_tile(family, model, latent_shape, dtype, budget)
     est = _estimate_tiled(family, model, latent_shape, dtype, t)
     px = t * family.spatial_factor
+    over = ("; over the budget even at the smallest tile: the decode may run out of memory" if est > budget
+            else "")
     return Plan("tiled", budget, est, tile=t,
-                reason=f"tile {px}x{px}: est. {gib(est)} of {gib(budget)} budget ({why}); whole would need {gib(whole)}")
+                reason=f"tile {px}x{px}: est. {gib(est)} of {gib(budget)} budget ({why}); whole would need "
+                       f"{gib(whole)}{over}")
 
 
 def _estimate_tiled(family, model, latent_shape, dtype, tile: int) -> int:
