@@ -939,6 +939,10 @@ def test_manifest_typos_and_a_bad_input_among_several(tmp_path, samples_dir):
                                                                              "latent_space": "raw"}}}))
     r = run("decode", tmp_path / "lat.npy", "-o", tmp_path / "o.png")
     assert r.exit_code == 0 and "raw latents" in r.output, r.output
+    # a folder-wide latent_space still serves a file the "files" table does not list
+    m.write_text(json.dumps({"latent_space": "raw", "files": {"other.npy": {"model": "kl.safetensors"}}}))
+    r = run("decode", tmp_path / "lat.npy", "-m", model, "-o", tmp_path / "o2.png")
+    assert r.exit_code == 0 and "raw latents" in r.output, r.output
     m.unlink()
     np.save(tmp_path / "b.npy", z * 1e30)  # finite, but the decode overflows
     np.save(tmp_path / "c.npy", z)

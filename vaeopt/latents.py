@@ -68,9 +68,6 @@ def read_manifest(path: Path) -> dict:
             if isinstance(entry, dict):
                 _known_keys(mpath, entry, ("model", "latent_space"), f"for {name}")
     hint = files.get(path.name, {}) if isinstance(files, dict) else None
-    if isinstance(files, dict) and files and path.name not in files and not data.get("model"):
-        # found, but nothing in it for this file: said where the model lookup fails ("LAT.npy", "*.npy")
-        return {"unlisted_in": str(mpath), "listed": sorted(files)[:4]}
     if isinstance(hint, dict):  # top-level "model" / "latent_space": defaults for every file of the folder
         if not isinstance(data.get("model", ""), str):
             raise LatentError(f"{mpath}: the top-level \"model\" must be a path, got {json.dumps(data['model'])[:40]}")
@@ -87,6 +84,9 @@ def read_manifest(path: Path) -> dict:
                               f"must be \"scaled\" or \"raw\", got {json.dumps(hint[k])[:40]}")
     if not hint.get("model"):
         hint.pop("model", None)  # "": no model named, not the manifest's folder
+        if isinstance(files, dict) and files and path.name not in files:
+            # found, but nothing in it for this file: said where the model lookup fails ("LAT.npy", "*.npy")
+            hint.update(unlisted_in=str(mpath), listed=sorted(files)[:4])
     else:
         hint["model"] = str((mpath.parent / hint["model"]).resolve())
     return hint
