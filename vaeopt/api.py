@@ -449,7 +449,7 @@ def output_kind(path: Path, is_video: bool) -> str:
             raise VaeoptError(f"{path}: a device, pipe or socket, not a folder or a .png/.mp4/.safetensors file, which "
                               "is what -o takes (to decode without writing, time it with vaeopt benchmark)")
         return "frames" if is_video else "png-dir"
-    raise VaeoptError(f"{path}: unknown output type '{s}' (use .png, .mp4, .safetensors, or a folder for frames)")
+    raise VaeoptError(outputs.unknown_type(str(path), s))
 
 
 def _latents_in(lf: lat.LatentFile, fam) -> int:

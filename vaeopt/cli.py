@@ -405,11 +405,9 @@ def _output_arg(output: str | None) -> tuple[Path | None, bool]:
                           "-o (nothing was written)")
     from vaeopt import outputs
 
-    known = outputs.IMAGE_SUFFIXES + outputs.VIDEO_SUFFIXES + outputs.TENSOR_SUFFIXES
-    if not folder and not path.is_dir() and path.suffix and path.suffix.lower() not in known:
+    if not folder and not path.is_dir() and path.suffix and path.suffix.lower() not in outputs.OUTPUT_SUFFIXES:
         # before the checkpoint loads (the same check runs again when the outputs are planned)
-        raise OutputError(f"-o {output}: unknown output type '{path.suffix}' (use .png, .mp4, .safetensors, or a "
-                          "folder for frames)")
+        raise OutputError(outputs.unknown_type(f"-o {output}", path.suffix))
     return path, folder
 
 

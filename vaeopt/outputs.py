@@ -25,6 +25,13 @@ from vaeopt.errors import OutputError
 IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4",)
 TENSOR_SUFFIXES = (".safetensors",)
+OUTPUT_SUFFIXES = IMAGE_SUFFIXES + VIDEO_SUFFIXES + TENSOR_SUFFIXES
+
+
+def unknown_type(where: str, suffix: str) -> str:
+    """The message for an -o whose suffix names no output vaeopt writes (the CLI checks before the load, plan_jobs
+    again for every output)."""
+    return f"{where}: unknown output type '{suffix}' (use .png, .mp4, .safetensors, or a folder for frames)"
 # libx264's threading in Mp4Writer. PyAV's default is slice threads; frame threads encode 481 frames at 480x832 about
 # twice as fast on a 16-core host (2.66 vs 5.05 s), fast enough that a Wan decode no longer waits for the encoder
 # (h100_stream_mp4_2026-11-22b.json, perf-notes E34). None: PyAV's default. MP4_THREADS: the encoder's thread

@@ -9,6 +9,14 @@ E4M3 = getattr(torch, "float8_e4m3fn", None)
 E4M3_MAX = 448.0  # e4m3's largest finite value
 
 
+def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (e4m3 tensor of x's shape, fp32 0-d scale) with x ≈ q * scale: one scale for the tensor, amax / E4M3_MAX
+    (an all-zero tensor gets amax 1e-12), values clamped to e4m3's range and cast (round to nearest). The dynamic
+    activation scale of the fp8 GEMMs and its emulation."""
+    s = x.detach().abs().amax().float().clamp_min(1e-12) / E4M3_MAX
+    return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
+
+
 def quantize_per_channel(w: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """w -> (e4m3 tensor of w's shape, fp32 scale (w.shape[dim],)) with w ≈ q * scale broadcast along `dim`.
 

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-# E4M3, E4M3_MAX and quantize_per_channel are defined in the kernels layer (shared with the fp8 conv's
+# E4M3, E4M3_MAX, quantize_per_channel and quantize_per_tensor are defined in the kernels layer (shared with the fp8 conv's
 # pack_weight) and stay public here.
-from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX, quantize_per_channel  # noqa: F401
+from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX, quantize_per_channel, quantize_per_tensor  # noqa: F401
 from vaeopt.stages import StageResult
 
 NAME = "fp8"
@@ -97,10 +97,10 @@ class FP8GemmLinear(nn.Module):
     def __init__(self, layer: nn.Linear | nn.Conv2d):
         super().__init__()
         w = layer.weight.data.reshape(layer.weight.shape[0], -1)  # (O, I)
-        amax = w.float().abs().amax().clamp_min(1e-12)
-        self.register_buffer("wscale", (amax / E4M3_MAX).float().reshape(()))
+        q, s = quantize_per_tensor(w)
+        self.register_buffer("wscale", s)
         # _scaled_mm wants B column-major: store (I, O) as the transpose of a row-major (O, I)
-        self.register_buffer("qweight_t", (w.float() / self.wscale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).t())
+        self.register_buffer("qweight_t", q.t())
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
         self.is_conv = isinstance(layer, nn.Conv2d)
         self.out_features = w.shape[0]
@@ -119,9 +119,8 @@ class FP8GemmLinear(nn.Module):
             x2 = x.permute(0, 2, 3, 1).reshape(-1, c)
         else:
             x2 = x.reshape(-1, x.shape[-1])
-        amax = x2.abs().amax().float().clamp_min(1e-12)
-        xs = amax / E4M3_MAX
-        xq = (x2.float() / xs).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()  # cuBLASLt: A row-major
+        xq, xs = quantize_per_tensor(x2)
+        xq = xq.contiguous()  # cuBLASLt: A row-major
         y = torch._scaled_mm(xq, self.qweight_t, scale_a=xs, scale_b=self.wscale, out_dtype=x.dtype,
                              bias=self.bias.to(x.dtype) if self.bias is not None else None)
         if self.is_conv:

@@ -425,16 +425,16 @@ def chunked_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: in
 
 def _e4m3_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (2-D) -> (row-major e4m3 copy, fp32 scale (1,)) with x ≈ q * scale: on CUDA the two Triton passes of
-    kernels/act_quant (amax, then cast; no host sync, so graph-capturable), elsewhere torch ops."""
-    from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX
-
+    kernels/act_quant (amax, then cast; no host sync, so graph-capturable), elsewhere fp8_quant's torch version."""
     if x.is_cuda:
         from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
 
         q, s = quantize_e4m3_per_sample(x.contiguous()[None])
         return q[0], s
-    s = x.abs().amax().float().clamp_min(1e-12).reshape(1) / E4M3_MAX
-    return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), s
+    from vaeopt.kernels.fp8_quant import quantize_per_tensor
+
+    q, s = quantize_per_tensor(x)
+    return q.contiguous(), s.reshape(1)
 
 
 def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | None = None,
