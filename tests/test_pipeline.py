@@ -909,3 +909,35 @@ def test_optimize_refuses_before_changing_anything():
     v = vaeopt.optimize(fresh(), log=None, dtype=torch.bfloat16)
     assert next(v.parameters()).dtype == torch.bfloat16
     assert vaeopt.optimize(v, log=None, dtype="bf16") is v  # the same options, spelled the other way: a no-op
+
+
+def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
+    """The stage lines' hints named CLI flags (`--triton on forces it`) in vaeopt.optimize() and vaeopt.decode(),
+    which take keyword arguments and Options fields (found by the twenty-fifth session's second new-user pass)."""
+    import re
+
+    from vaeopt.pipeline import spell_flags
+
+    flag = re.compile(r"--[a-z]")
+    lines = []
+    vaeopt.optimize(load_vae(samples_dir / "tiny_kl_image.safetensors").model, device="cpu", log=lines.append)
+    text = "\n".join(lines)
+    assert not flag.search(text), text
+    assert "plus triton='on' forces it" in text  # a keyword optimize() takes
+    # one it does not take: where it exists instead
+    assert "plus vaeopt.decode(..., options=vaeopt.Options(triton='on', upsample_conv='on')) forces it" in text
+    lines = []
+    vaeopt.decode(torch.randn(1, 4, 8, 8), load_vae(samples_dir / "tiny_kl_image.safetensors"),
+                  options=Options(device="cpu"), log=lines.append)
+    text = "\n".join(lines)
+    assert not flag.search(text), text
+    assert "plus vaeopt.Options(triton='on', conv_kernel='on') forces it" in text
+    assert "enable with vaeopt.Options(fp8='on')" in text
+    # `vaeopt benchmark`: its own flags as it spells them, a ladder row's own "off" as that, the rest as decode's
+    assert spell_flags("off (enable with --fp8 on; --dtype fp32)", "benchmark") == \
+        "off (enable with --fp8; --dtype fp32)"
+    assert spell_flags("--conv-kernel off (the e4m3 convs)", "benchmark") == \
+        "conv-kernel off in this ladder row (the e4m3 convs)"
+    assert spell_flags("(--graphs on to force)", "benchmark") == "(`vaeopt decode --graphs on` to force)"
+    assert spell_flags("(--graphs on to force)", "decode") == "(--graphs on to force)"
+    assert spell_flags("est. (--vram-budget 8 GB)", "api") == "est. (vaeopt.Options(vram_budget_gb=8))"

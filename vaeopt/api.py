@@ -147,7 +147,8 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
         key = _model_key(options if options is not None else Options())
         _refuse_other(loaded.model, "vaeopt.decode", key)
     if pipe is None:
-        pipe = Pipeline(loaded, dataclasses.replace(options) if options is not None else None, log=log)
+        pipe = Pipeline(loaded, dataclasses.replace(options) if options is not None else None, log=log,
+                        entry="api")
         loaded.model._vaeopt_optimized = ("vaeopt.decode", key)
         loaded._vaeopt_pipeline = pipe
         return pipe
@@ -158,7 +159,7 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
                           "options=vaeopt.Options(dtype=...) for another precision")
     if options is not None:
         pipe.opts = dataclasses.replace(options)  # its decode-time choices (tiling, chunk, budget...) take effect
-    pipe.log = log or (lambda s: None)
+    pipe.log = log  # (its lines spell the flags their hints name as Options fields)
     return pipe
 
 
@@ -258,7 +259,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         dtype = _DTYPE_NAMES.get(compute_dtype(vae), "auto")
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
-                                    attention=attention, graphs="off"), log=log)
+                                    attention=attention, graphs="off"), log=log, entry="optimize")
     if (log and pipe.device.type == "cpu" and runs_on is None and explicit_device is None
             and torch.cuda.is_available()):
         log("! optimized for the CPU, where the VAE's weights are, though a GPU is here: its GPU stages were skipped. "

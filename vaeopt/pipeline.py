@@ -9,6 +9,7 @@ Order (each stage logs one line: what it did with numbers, or why it was skipped
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -42,6 +43,51 @@ def channels_last_veto(family) -> str | None:
     """Why channels_last stays off in auto mode for this family whatever the other stages (None: no such reason):
     what the pipeline logs, and what the benchmark ladder's channels_last row follows instead of forcing it on."""
     return HUNYUAN_CL_SKIP if family.cls_name == "AutoencoderKLHunyuanVideo" else None
+
+
+# The stages' lines name `vaeopt decode`'s flags ("--triton on forces it"). The other entry points spell them their
+# own way (Pipeline.entry): `vaeopt benchmark` has only a few of them, vaeopt.optimize() takes keyword arguments,
+# vaeopt.decode() an Options(...). spell_flags rewrites each run of flags ("--triton on --upsample-conv on") so.
+_DECODE_FLAGS = ("channels-last", "triton", "epilogues", "upsample-conv", "stack-conv3d", "conv-kernel", "graphs",
+                 "cudnn-autotune", "fp8-gate", "fp8", "tiling", "tile", "chunk", "vram-budget", "dtype", "device")
+_FLAG = (rf"--(?:{'|'.join(_DECODE_FLAGS)})(?![\w-])"
+         r"(?: (?:auto|on|off|fp32|bf16|fp16|\d+(?:\.\d+)?(?: GB)?)(?![\w.]))?")
+_FLAG_RUN = re.compile(rf"{_FLAG}(?: {_FLAG})*")
+_BENCH_FLAGS = ("dtype", "device", "fp8-gate")  # benchmark's own, spelled as decode's
+_BENCH_SWITCHES = ("fp8", "cudnn-autotune")  # benchmark's on/off flags, which take no value
+_OPTIMIZE_KWARGS = ("device", "dtype", "channels_last", "triton", "attention")  # vaeopt.optimize(vae, ...)
+_OPTIONS_FIELD = {"fp8-gate": "gate_db", "vram-budget": "vram_budget_gb"}
+ENTRY_POINTS = ("decode", "benchmark", "optimize", "api")
+
+
+def spell_flags(text: str, entry: str) -> str:
+    """`text` with the decode flags it names spelled for `entry`: "decode" (the CLI's `vaeopt decode`: as written),
+    "benchmark" (its own flags; the others as `vaeopt decode ...`, and a switch set off as the ladder row's
+    setting, which is what an "off" there is), "optimize" (keyword arguments, where optimize() takes them all;
+    else vaeopt.decode with Options) or "api" (vaeopt.decode's Options fields)."""
+    if entry == "decode":
+        return text
+    return _FLAG_RUN.sub(lambda m: _respelled(m.group(0), entry), text)
+
+
+def _respelled(run: str, entry: str) -> str:
+    flags: list[list[str]] = []
+    for tok in run.split(" "):
+        if tok.startswith("--"):
+            flags.append([tok[2:], ""])
+        elif tok != "GB":
+            flags[-1][1] = tok
+    if entry == "benchmark":
+        if all(n in _BENCH_FLAGS or (n in _BENCH_SWITCHES and v != "off") for n, v in flags):
+            return " ".join(f"--{n}" + (f" {v}" if v and n not in _BENCH_SWITCHES else "") for n, v in flags)
+        if all(v == "off" for _, v in flags):  # the ladder's rows switch the stages off: not the user's doing
+            return ", ".join(f"{n} off" for n, _ in flags) + " in this ladder row"
+        return f"`vaeopt decode {run}`"
+    kw = ", ".join(_OPTIONS_FIELD.get(n, n.replace("-", "_")) + (
+        "" if not v else f"={v}" if v[0].isdigit() else f"='{v}'") for n, v in flags)
+    if entry == "optimize" and all(_OPTIONS_FIELD.get(n, n.replace("-", "_")) in _OPTIMIZE_KWARGS for n, _ in flags):
+        return kw
+    return f"vaeopt.Options({kw})" if entry == "api" else f"vaeopt.decode(..., options=vaeopt.Options({kw}))"
 
 
 STANDARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,12 +172,17 @@ class DecodeStats:
 
 
 class Pipeline:
-    def __init__(self, loaded: LoadedVAE, options: Options | None = None, log: Callable[[str], None] | None = None):
+    def __init__(self, loaded: LoadedVAE, options: Options | None = None, log: Callable[[str], None] | None = None,
+                 entry: str = "decode"):
+        """entry: where the lines are shown, which spells the flags that their hints name (spell_flags)."""
+        if entry not in ENTRY_POINTS:
+            raise ValueError(f"entry must be one of {ENTRY_POINTS}, got {entry!r}")
         self.loaded = loaded
         self.family = loaded.family
         self.opts = options or Options()
         self.opts.validate()
-        self.log = log or (lambda s: None)
+        self.entry = entry
+        self.log = log
         self.device = resolve_device(self.opts.device)
         self.dtype = resolve_dtype(self.opts.dtype, self.device)
         self.stages: list[StageResult] = []
@@ -141,6 +192,22 @@ class Pipeline:
     @property
     def model(self) -> torch.nn.Module:
         return self.loaded.model
+
+    @property
+    def log(self) -> Callable[[str], None]:
+        return self._log
+
+    @log.setter
+    def log(self, fn: Callable[[str], None] | None) -> None:
+        """Every line goes out with its flags spelled for the entry point."""
+        if fn is None:
+            self._log = lambda s: None
+        else:
+            self._log = fn if self.entry == "decode" else (lambda s: fn(self.spell(s)))
+
+    def spell(self, text: str) -> str:
+        """A stage line's text with its flags spelled for where it is shown (a stage's detail keeps decode's)."""
+        return spell_flags(text, self.entry)
 
     def _record(self, r: StageResult) -> StageResult:
         self.stages.append(r)
