@@ -941,3 +941,4 @@ def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
     assert spell_flags("(--graphs on to force)", "benchmark") == "(`vaeopt decode --graphs on` to force)"
     assert spell_flags("(--graphs on to force)", "decode") == "(--graphs on to force)"
     assert spell_flags("est. (--vram-budget 8 GB)", "api") == "est. (vaeopt.Options(vram_budget_gb=8))"
+    assert spell_flags("pass --tile 128.", "api") == "pass vaeopt.Options(tile=128)."  # a number ending a sentence

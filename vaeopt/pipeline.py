@@ -51,7 +51,7 @@ def channels_last_veto(family) -> str | None:
 _DECODE_FLAGS = ("channels-last", "triton", "epilogues", "upsample-conv", "stack-conv3d", "conv-kernel", "graphs",
                  "cudnn-autotune", "fp8-gate", "fp8", "tiling", "tile", "chunk", "vram-budget", "dtype", "device")
 _FLAG = (rf"--(?:{'|'.join(_DECODE_FLAGS)})(?![\w-])"
-         r"(?: (?:auto|on|off|fp32|bf16|fp16|\d+(?:\.\d+)?(?: GB)?)(?![\w.]))?")
+         r"(?: (?:auto|on|off|fp32|bf16|fp16|\d+(?:\.\d+)?(?: GB)?)(?!\w|\.\d))?")
 _FLAG_RUN = re.compile(rf"{_FLAG}(?: {_FLAG})*")
 _BENCH_FLAGS = ("dtype", "device", "fp8-gate")  # benchmark's own, spelled as decode's
 _BENCH_SWITCHES = ("fp8", "cudnn-autotune")  # benchmark's on/off flags, which take no value
