@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -524,13 +525,32 @@ def test_manifest_latent_space_and_empty_model(tmp_path, samples_dir):
     assert r.exit_code == 0, r.output
 
 
-def test_same_named_inputs_into_a_folder_get_advice_that_fits(tmp_path, samples_dir):
+def test_same_named_inputs_are_told_apart_by_their_folders(tmp_path, samples_dir):
+    """Found in the twenty-fifth session's second new-user pass: a/x.pt and b/x.pt into one -o collided (an error,
+    with advice that could not help for -o FILE). Their outputs are now named after their folders, and the log
+    says which input went where; a collision that remains still gets the advice that fits."""
+    m = samples_dir / "tiny_kl_image.safetensors"
+    z = _small_latents(tmp_path, samples_dir)["coffee"]
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
-        torch.save(torch.randn(1, 4, 8, 8), tmp_path / d / "x.pt")
-    r = run("decode", tmp_path / "a" / "x.pt", tmp_path / "b" / "x.pt", "-m", samples_dir / "tiny_kl_image.safetensors",
-            "-o", str(tmp_path / "out") + "/")
-    assert r.exit_code == 2 and "rename one of the inputs" in r.output and "pass -o a folder" not in r.output
+        torch.save(z, tmp_path / d / "x.pt")
+    a, b = tmp_path / "a" / "x.pt", tmp_path / "b" / "x.pt"
+    r = run("decode", a, b, "-m", m, "-o", str(tmp_path / "out") + "/")
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(tmp_path / "out")) == ["a_x.png", "b_x.png"]
+    out = r.output.replace("\n", "")
+    assert f"{a} -> {tmp_path / 'out' / 'a_x.png'}; {b} -> {tmp_path / 'out' / 'b_x.png'}" in out, r.output
+    assert f"  {a}: (1, 4, 8, 8)" in r.output and f"plan {b} (1, 4, 8, 8)" in r.output  # which x.pt is which
+    r = run("decode", a, b, "-m", m, "-o", tmp_path / "o.png")  # one file name, extended per input
+    assert r.exit_code == 0 and (tmp_path / "o_a_x.png").exists() and (tmp_path / "o_b_x.png").exists(), r.output
+    np.save(tmp_path / "a" / "x.npy", z.numpy())  # one folder, one name, two formats: beside them, by suffix
+    r = run("decode", a, tmp_path / "a" / "x.npy", "-m", m, "--latent-space", "scaled")
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(tmp_path / "a")) == ["x.npy", "x.pt", "x_npy.png", "x_pt.png"]
+    torch.save(z, tmp_path / "a_x.pt")  # the name a/x.pt gets is another input's own: refused before decoding
+    r = run("decode", a, b, tmp_path / "a_x.pt", "-m", m, "-o", str(tmp_path / "out2") + "/")
+    assert r.exit_code == 2 and "would write the same output" in r.output and "rename one of the inputs" in r.output
+    assert not (tmp_path / "out2").exists()
 
 
 def test_nan_weights_symlink_loops_and_full_stdout(tmp_path, samples_dir):
@@ -951,3 +971,80 @@ def test_manifest_typos_and_a_bad_input_among_several(tmp_path, samples_dir):
     assert r.exit_code == 2 and "nothing was written for it" in r.output
     assert "kept the 1 output(s) written before it" in r.output and "1 input(s) after it not decoded" in r.output
     assert sorted(os.listdir(tmp_path / "mix")) == ["lat.png"]
+
+
+def test_second_new_user_pass_leftovers(tmp_path, samples_dir, monkeypatch):
+    """The rest of the twenty-fifth session's second new-user pass: a .latent without ComfyUI's key was read as
+    plain safetensors without a word; an output folder that cannot be written was found after the decode; `-o .png`
+    made a hidden folder; `--tile 100000` printed the tile asked for, not the one used; `--gpus 1 --device cpu` was
+    refused."""
+    from safetensors.torch import save_file
+
+    from vaeopt import loading
+
+    m = samples_dir / "tiny_kl_image.safetensors"
+    z = _small_latents(tmp_path, samples_dir)["coffee"].contiguous()
+    save_file({"samples": z}, tmp_path / "plain.latent")
+    r = run("decode", tmp_path / "plain.latent", "-m", m, "-o", tmp_path / "p.png")
+    assert r.exit_code == 0 and (tmp_path / "p.png").exists(), r.output
+    assert "no 'latent_tensor' key, which ComfyUI's .latent files hold: read as plain safetensors (key 'samples')" \
+        in r.output and "--latent-space raw if these are raw" in r.output and "scaled latents" in r.output, r.output
+    save_file({"latent_tensor": z, "latent_format_version_0": torch.tensor([])}, tmp_path / "comfy.latent")
+    r = run("decode", tmp_path / "comfy.latent", "-m", m, "-o", tmp_path / "c.png")
+    assert r.exit_code == 0 and "raw latents" in r.output and "no 'latent_tensor'" not in r.output, r.output
+
+    torch.save(z, tmp_path / "l.pt")
+    loads = []
+    real = loading.load_vae
+    monkeypatch.setattr(loading, "load_vae", lambda *a, **k: loads.append(a) or real(*a, **k))
+    if os.path.isdir("/proc"):  # root passes os.access there: the file made and removed at once tells
+        r = run("decode", tmp_path / "l.pt", "-m", m, "-o", "/proc/x.png")
+        assert r.exit_code == 2 and "-o /proc/x.png: " in r.output and "/proc" in r.output.split(": ", 2)[-1], r.output
+        assert loads == [] and "Traceback" not in r.output
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    access = os.access  # root writes into a 0555 folder anyway: tell it what a user is told
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if str(p) == str(ro) else access(p, mode, **k))
+    for o in (ro / "x.png", str(ro / "new") + "/"):
+        r = run("decode", tmp_path / "l.pt", "-m", m, "-o", o, "--json")
+        assert r.exit_code == 2 and f"folder {ro} is not writable" in r.output and loads == [], r.output
+        assert json.loads(r.stdout)["exit_code"] == 2
+    ro.chmod(0o755)
+    assert os.listdir(ro) == []
+
+    monkeypatch.chdir(tmp_path)
+    for bare in (".png", ".mp4", "sub/.safetensors"):
+        r = run("decode", "l.pt", "-m", m, "-o", bare)
+        assert r.exit_code == 2 and "a suffix alone is not a file name" in r.output and loads == [], r.output
+        assert not os.path.lexists(bare) and not os.path.lexists("sub")
+    assert "a bare suffix (-o .png) is refused" in " ".join(re.sub("[│─╭╮╰╯]", " ", run("decode", "--help").output)
+                                                            .split())
+    r = run("decode", "l.pt", "-m", m, "-o", "t.png", "--tile", "100000")
+    assert r.exit_code == 0 and Image.open("t.png").size == (64, 64), r.output
+    assert "tile 64px (--tile 100000 is larger than the 8x8 latent: one tile, the whole image)" in r.output, r.output
+    assert "800000px" not in r.output
+    r = run("decode", "l.pt", "-m", m, "-o", "g.png", "--gpus", "1", "--device", "cpu")
+    assert r.exit_code == 0 and "--gpus 1 --device cpu: one CPU decode" in r.output, r.output
+    assert os.path.exists("g.png")
+    g = np.asarray(Image.open("g.png")).astype(int)
+    assert np.array_equal(g, np.asarray(Image.open("p.png")))  # the plain decode of the same latents
+    assert np.abs(g - np.asarray(Image.open("t.png"))).max() <= 1  # one tile: the whole decode, to rounding
+    r = run("decode", "l.pt", "-m", m, "-o", "g2.png", "--gpus", "2", "--device", "cpu")
+    assert r.exit_code == 2 and "--gpus 2" in r.output and not os.path.exists("g2.png")
+
+
+def test_benchmark_hints_name_only_flags_it_has(tmp_path, samples_dir):
+    """The stage lines' hints name `vaeopt decode`'s flags; `vaeopt benchmark` has few of them (found by the
+    twenty-fifth session's second new-user pass): its table and JSON say them as decode's, or as its own."""
+    r = run("benchmark", samples_dir / "tiny_kl_image.safetensors", "--shape", "1,4,16,16", "--device", "cpu",
+            "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "plus `vaeopt decode --triton on` forces it" in out and "plus --triton on" not in out
+    assert "`vaeopt decode --triton on --conv-kernel on` forces it" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    details = [s["detail"] for row in data["rows"] for s in row.get("stages") or []]
+    assert details and any("`vaeopt decode --triton on`" in d for d in details)
+    bare = [re.sub(r"`vaeopt decode [^`]*`", "", d) for d in details]  # outside what is named as decode's
+    assert not any(re.search(r"--(triton|conv-kernel|upsample-conv|graphs|channels-last)\b", d) for d in bare)

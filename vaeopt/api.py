@@ -510,6 +510,8 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
         given[r] = lf.path
     entries = {lf.path: _latent_entries(lf, fam, log) for lf in latent_files}
     multi = sum(len(v) for v in entries.values()) > 1
+    # inputs with one name (a/lat.pt, b/lat.pt into -o out/): outputs named after their folders (out/a_lat.png)
+    stems = outputs.distinct_stems([lf.path for lf in latent_files], one_folder=out is not None and multi)
     for lf in latent_files:
         space = latent_space or lf.default_space
         # one of several latents in the file (--key or not): its name goes in the output's
@@ -520,9 +522,9 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
                 log(f"warning: {lf.path.name}{'[' + e.name + ']' if e.name else ''}: {hint}")
             z = lat.to_raw(t, fam, space)
             n = z.shape[0]
-            stem = lf.path.stem + (f"_{outputs.safe_name(e.name)}" if e.name and named else "")
+            stem = stems[lf.path] + (f"_{outputs.safe_name(e.name)}" if e.name and named else "")
             if out is None:
-                base = outputs.default_output(lf.path, fam.is_video, e.name if named else "")
+                base = outputs.default_output(lf.path, fam.is_video, e.name if named else "", stem=stems[lf.path])
             elif multi:
                 folder = out_is_folder or out.suffix == "" or out.is_dir()
                 base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if folder \
@@ -577,6 +579,12 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             raise VaeoptError(f"{p}: would overwrite {'the model' if r not in inputs else 'an input latent file'}"
                               " (even --overwrite does not replace inputs); choose another -o")
     outputs.check_writable(all_paths, overwrite, folders={p for j in jobs if j.kind == "frames" for p in j.outputs})
+    renamed = [j for j in jobs if stems[j.source] != j.source.stem]
+    if renamed and log is not None:  # which input goes where, since the names alone no longer say it
+        log("inputs with the same file name, told apart in their outputs' names: " + "; ".join(
+            f"{j.source}{'[' + j.entry + ']' if j.entry else ''} -> "
+            + (str(j.outputs[0]) if len(j.outputs) == 1 else f"{j.outputs[0]} .. {j.outputs[-1].name}")
+            for j in renamed))
     return jobs
 
 
@@ -646,7 +654,8 @@ def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult])
     for job in jobs:
         shape = tuple(job.z_raw.shape)
         plan = pipe.plan(shape)
-        pipe.log(f"plan {job.source.name}{'[' + job.entry + ']' if job.entry else ''} {shape}: {plan.reason}")
+        src = job.source if len({j.source for j in jobs if j.source.name == job.source.name}) > 1 else job.source.name
+        pipe.log(f"plan {src}{'[' + job.entry + ']' if job.entry else ''} {shape}: {plan.reason}")
         if not graphs_logged and video_graphs.applies(pipe):
             vg = video_graphs.arm(pipe, plan)
             graphs_logged = True

@@ -222,7 +222,7 @@ def decode(
                                          help="out.png | out.mp4 | folder/ | out.safetensors (raw). A folder gets one "
                                               "PNG per image, or one PNG per frame of a clip (one MP4 per "
                                               "clip when there are several); a trailing / always means a "
-                                              "folder (made if missing). "
+                                              "folder (made if missing); a bare suffix (-o .png) is refused. "
                                               "Default: beside the input."),
     family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
     config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
@@ -280,6 +280,9 @@ def decode(
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
                    vram_budget_gb=vram_budget)
     opts.validate()
+    if gpus == 1 and (device or "").strip().lower() == "cpu":  # one rank on the CPU: the plain CPU decode
+        _log("--gpus 1 --device cpu: one CPU decode (--gpus spreads work over GPUs)")
+        gpus = None
     if gpus is None:  # before the checkpoint loads (seconds for a full model): a bad --device / --dtype fails now
         from vaeopt import hw
 
@@ -296,13 +299,15 @@ def decode(
     def shown(e):
         return f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"
 
+    names = [f.path.name for f in files]
     for f in files:
         space = f"{f.format}, {latent_space or f.default_space} latents"
+        name = f.path if names.count(f.path.name) > 1 else f.path.name  # a/lat.pt, b/lat.pt: which is which
         if len(f.entries) == 1:
             e = f.entries[0]
-            console.print(f"  {f.path.name}{'[' + e.name + ']' if e.name else ''}: {shown(e)} ({space})", markup=False)
+            console.print(f"  {name}{'[' + e.name + ']' if e.name else ''}: {shown(e)} ({space})", markup=False)
         else:  # which of them are latents is known once the VAE is (the others are skipped with a reason then)
-            console.print(f"  {f.path.name}: {len(f.entries)} tensors ({space} where they fit the VAE)", markup=False)
+            console.print(f"  {name}: {len(f.entries)} tensors ({space} where they fit the VAE)", markup=False)
             for e in f.entries:
                 console.print(f"    [{e.name}]: {shown(e)}", markup=False)
         for n in f.notes:
@@ -408,6 +413,10 @@ def _output_arg(output: str | None) -> tuple[Path | None, bool]:
     if not folder and not path.is_dir() and path.suffix and path.suffix.lower() not in outputs.OUTPUT_SUFFIXES:
         # before the checkpoint loads (the same check runs again when the outputs are planned)
         raise OutputError(outputs.unknown_type(f"-o {output}", path.suffix))
+    if not folder and not path.is_dir() and path.name.lower() in outputs.OUTPUT_SUFFIXES:  # a hidden folder, else
+        raise OutputError(f"-o {output}: a suffix alone is not a file name; name the file "
+                          f"({path.with_name('out' + path.name)}), or leave -o out to write each output beside its input")
+    outputs.check_output_folder(path, folder, f"-o {output}")  # /proc, a read-only folder: now, not after the decode
     return path, folder
 
 

@@ -341,6 +341,12 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     elif manifest.get("folder_latent_space") in ("raw", "scaled") and fmt in ("pt", "npy", "npz", "safetensors") \
             and not space_meta:  # the folder's default: not over a ComfyUI format's or the file's own metadata
         default_space = manifest["folder_latent_space"]
+    if suffix == ".latent" and fmt == "safetensors":  # a .latent that is not ComfyUI's: say what was read instead
+        used = ", ".join(f"'{e.name}'" for e in entries[:4]) + (", ..." if len(entries) > 4 else "")
+        notes.append(f"no 'latent_tensor' key, which ComfyUI's .latent files hold: read as plain safetensors "
+                     f"(key{'s' if len(entries) > 1 else ''} {used}), " + (
+                         "whose latents default to scaled, not raw as ComfyUI's (--latent-space raw if these are raw)"
+                         if default_space == "scaled" else "raw latents as its metadata or vaeopt.json says"))
     return LatentFile(path, fmt, entries, default_space, notes, manifest, all_entries)
 
 

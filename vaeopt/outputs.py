@@ -13,6 +13,7 @@ import os
 import queue
 import re
 import shutil
+import tempfile
 import threading
 from fractions import Fraction
 from pathlib import Path
@@ -189,6 +190,7 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
     folder, and only a folder of frames (an existing folder is a folder output whatever its name, so `-o renders`
     may name one that holds other files). An empty folder where a frames folder goes is used as it is (nothing in it
     to lose: e.g. `-o clip/`, which the CLI makes before planning)."""
+    probed: set[Path] = set()
     for p in paths:
         folder = p in folders
         check_name_length(p)
@@ -213,16 +215,46 @@ def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | froz
         if folder and p.is_dir() and os.path.ismount(p):
             raise OutputError(f"{shown}: is a mount point holding frames; --overwrite replaces a frames folder as a whole "
                               "(a rename), which a mount point does not allow: empty it, or choose a folder inside it")
-        parent = p.parent
-        probe = parent
-        while not probe.exists():
-            if probe.is_symlink():  # mkdir would fail on it after the whole decode ("File exists")
-                raise OutputError(f"{shown}: {probe} is a broken symlink, not a folder")
-            probe = probe.parent
-        if not probe.is_dir():
-            raise OutputError(f"{shown}: {probe} is a file, not a folder")
-        if not os.access(probe, os.W_OK):
-            raise OutputError(f"{shown}: folder {probe} is not writable")
+        check_folder(p.parent, str(shown), probed)
+
+
+def check_output_folder(output: Path, is_folder: bool, shown: str) -> None:
+    """-o checked before anything is loaded: the folder its files go to (it, when it is a folder; else the one it
+    is in) can be written (check_folder)."""
+    output = _followed(output)
+    if output.exists() and not output.is_file() and not output.is_dir():
+        return  # /dev/null, a FIFO: no folder of ours (planning says what -o takes)
+    check_folder(output if is_folder or output.is_dir() else output.parent, shown)
+
+
+def check_folder(folder: Path, shown: str, probed: set | None = None) -> None:
+    """Fail unless outputs can be made in `folder` (or, where it does not exist yet, in the nearest folder above it,
+    where it will be made): a folder, writable by os.access, and a file can really be created there (root passes
+    os.access anywhere, also in /proc or on a read-only mount). probed: folders already tried, not tried again."""
+    probe = folder
+    while not probe.exists():
+        if probe.is_symlink():  # mkdir would fail on it after the whole decode ("File exists")
+            try:
+                os.stat(probe)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise OutputError(f"{shown}: not a usable output path ({probe} is a symlink loop)") from None
+            raise OutputError(f"{shown}: {probe} is a broken symlink, not a folder")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"{shown}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK):
+        raise OutputError(f"{shown}: folder {probe} is not writable")
+    if probed is not None and probe in probed:
+        return
+    try:  # a file made and removed at once: what os.access cannot tell (a pseudo file system, a read-only mount)
+        fd, tmp = tempfile.mkstemp(prefix=".vaeopt-probe.", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise OutputError(f"{shown}: cannot write files in {probe} ({e.strerror or e})") from None
+    if probed is not None:
+        probed.add(probe)
 
 
 _FRAME_NAME = re.compile(r"frame_\d+\.png")  # what write_frames_dir writes
@@ -436,8 +468,39 @@ def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
-def default_output(latent_path: Path, is_video: bool, entry_name: str = "", index: int | None = None) -> Path:
-    stem = latent_path.stem
+def distinct_stems(inputs: list[Path], one_folder: bool) -> dict[Path, str]:
+    """The stem each input's outputs are named after: its own, unless another input has the same one. Outputs that go
+    to one folder (one_folder: -o a folder, or a file name that several inputs extend) tell such inputs apart by the
+    names of their folders, going up as far as needed (a/lat.pt, b/lat.pt -> a_lat, b_lat; x/a/lat.pt, y/a/lat.pt ->
+    x_a_lat, y_a_lat); inputs in one folder (or outputs beside their inputs) by their suffix (lat.pt, lat.npy ->
+    lat_pt, lat_npy)."""
+    groups: dict[tuple, list[Path]] = {}
+    for p in inputs:
+        where = () if one_folder else (os.path.abspath(p.parent),)
+        groups.setdefault((*where, p.stem), []).append(p)
+    stems = {p: p.stem for p in inputs}
+    for same in groups.values():
+        if len(same) < 2:
+            continue
+        folders = [[safe_name(x) for x in Path(os.path.abspath(p.parent)).parts[1:]] for p in same]
+        depth = max(map(len, folders)) if one_folder else 0
+        for suffixed in (False, True):  # folders first; the suffix where folders alone do not tell them apart
+            for k in range(1 if one_folder and not suffixed else 0, depth + 1):
+                names = ["_".join(f[max(0, len(f) - k):] + [p.stem + (f"_{safe_name(p.suffix[1:])}" if suffixed
+                                                                      else "")]) for f, p in zip(folders, same)]
+                if len(set(names)) == len(names):
+                    stems.update(zip(same, names))
+                    break
+            else:
+                continue
+            break
+    return stems
+
+
+def default_output(latent_path: Path, is_video: bool, entry_name: str = "", index: int | None = None,
+                   stem: str | None = None) -> Path:
+    """Beside the input, named after it (or after `stem`: distinct_stems)."""
+    stem = stem or latent_path.stem
     if entry_name:
         stem += "_" + safe_name(entry_name)
     if index is not None:

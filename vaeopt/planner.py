@@ -111,8 +111,12 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
             budget, why = host, "half of the available host memory"  # SDXL image needs ~47 GB whole)
     if tile is not None or tiling == "on":
         t = tile or _largest_tile(family, model, latent_shape, dtype, budget or whole // 2)
-        return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t,
-                    reason=f"tile {t * family.spatial_factor}px requested" if tile else "tiling forced")
+        h, w = latent_shape[-2:]
+        t = min(t, max(h, w))  # a tile beyond the latent is the latent: said as the size used
+        f = family.spatial_factor
+        reason = "tiling forced" if not tile else f"tile {t * f}px requested" if t == tile else (
+            f"tile {t * f}px (--tile {tile} is larger than the {h}x{w} latent: one tile, the whole image)")
+        return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t, reason=reason)
     if budget is None or whole <= budget or tiling == "off" or family.cls_name != "AutoencoderKL":
         if budget is None:
             reason = f"whole decode (est. {gib(whole)}; {why}: memory not planned)"
