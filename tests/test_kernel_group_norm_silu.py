@@ -367,6 +367,32 @@ def test_e4m3_output(device, silu, shape, groups):
     assert ((deq - ref).norm() / ref.norm()).item() < 0.04  # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("shape,groups", E4M3_SHAPES[:2])
+def test_int8_output(device, silu, shape, groups):
+    """group_norm_silu_int8 (the int8 conv's input): 255 levels over [lo, bound] per sample, lo = SiLU's minimum
+    (or -bound without SiLU); every value within half a step of the reference, the codes span the range, and
+    the bound is not loose by more than 2x."""
+    from vaeopt.kernels.group_norm_silu import group_norm_silu_int8
+
+    _need(device)
+    x, w, b = _inputs(shape, torch.bfloat16, device, spread=3.0)
+    x = _layout(x, "cl")
+    xb = torch.randn(shape[1], generator=torch.Generator().manual_seed(1)).to(device)
+    q, s, zq = group_norm_silu_int8(x, groups, w, b, 1e-6, silu, x_bias=xb, tile=256, target_programs=4)
+    assert q.dtype == torch.int8 and _same_format(q, x) and s.shape == zq.shape == (shape[0],)
+    ref = _ref64(x.double() + xb.double().view(1, -1, *[1] * (x.dim() - 2)), groups, w, b, silu=silu)
+    view = (-1, *[1] * (x.dim() - 1))
+    deq = (q.double() + zq.double().view(view)) * s.double().view(view)
+    assert ((deq - ref).abs() <= s.double().view(view) * 0.5 * (1 + 1e-3) + 1e-6).all()
+    hi = ref.flatten(1).amax(1)
+    lo = -0.27847 if silu else -ref.abs().flatten(1).amax(1)
+    top = s.double() * (127 + zq.double())  # the largest value a code can hold
+    assert (top >= hi * (1 - 1e-5)).all() and ((top - lo) <= 2 * (hi - lo)).all()
+    assert q.min().item() >= -127 and q.max().item() <= 127
+
+
 def test_e4m3_output_needs_channels_last():
     from vaeopt.kernels.group_norm_silu import group_norm_silu_e4m3
 

@@ -57,6 +57,78 @@ def test_fp8_matches_dequantized_reference_and_pointer_kernel():
     assert _rel(y, ref) < 1e-2
 
 
+def _int8_inputs(N, C, H, W, seed):
+    """A SiLU-like activation quantized as group_norm_silu_int8 does (255 levels over [-0.27847, max] per sample):
+    (q, scale, zq, the dequantized x)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.silu(torch.randn(N, C, H, W, generator=g) * 2)
+    hi = x.flatten(1).amax(1)
+    s = (hi + 0.27847) / 254
+    zq = (hi - 0.27847) / 2 / s
+    q = torch.round(x / s.view(-1, 1, 1, 1) - zq.view(-1, 1, 1, 1)).clamp(-127, 127).to(torch.int8)
+    q = q.contiguous(memory_format=torch.channels_last)
+    return q, s, zq, (q.float() + zq.view(-1, 1, 1, 1)) * s.view(-1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("shape,cfg", [
+    ((2, 32, 32, 5, 37), TC.TmaConfig(1, 16, 32, 32, 0, 4, 1)),  # row tiles: the edge-column branch
+    ((1, 32, 48, 1, 16), TC.TmaConfig(1, 16, 32, 32, 16, 4, 1)),  # one row: top and bottom at once
+    ((1, 32, 32, 3, 3), TC.TmaConfig(2, 8, 16, 16, 16, 4, 1)),  # 2-row tiles: per-pixel terms, all four corners
+    ((2, 16, 16, 1, 1), TC.TmaConfig(2, 4, 16, 16, 0, 4, 1)),  # a 1x1 image: only the centre tap is inside
+])
+def test_int8_with_zero_point_matches_dequantized_reference(shape, cfg):
+    """int8 operands and an activation zero point (x ~= s * (q + zq)): the padding reads q = 0, which is x = 0 only
+    without the zero point, so the epilogue adds zq times the weights of the in-image taps (conv.tap_sums). Equal to
+    the fp32 conv of the dequantized operands at every pixel, borders and corners included."""
+    N, C, CO, H, W = shape
+    q, s, zq, xd = _int8_inputs(N, C, H, W, 7)
+    w = torch.randn(CO, C, 3, 3, generator=torch.Generator().manual_seed(8)) * 0.1
+    b = torch.randn(CO, generator=torch.Generator().manual_seed(9))
+    pw = K.pack_weight(w, torch.int8)
+    assert pw.w.dtype == torch.int8 and pw.kmajor and pw.tapsum.shape == (9, CO)
+    a = K.check_args("test", q, pw, (1, 1), s, torch.float32, zq)
+    y = TC.conv_tma_checked(q, pw, b, (1, 1), a, cfg)
+    wd = (pw.w.float() * pw.scale[:, None]).reshape(CO, 3, 3, C).permute(0, 3, 1, 2)
+    ref = K.conv_reference(xd, wd, b, (1, 1))
+    assert (y - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    # conv_igemm sends int8 to this kernel on any device (its own tile), and the zero point matters
+    y2 = K.conv_igemm(q, pw, b, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.float32)
+    assert (y2 - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    y0 = K.conv_igemm(q, pw, b, (1, 1), x_scale=s, out_dtype=torch.float32)  # zq taken as 0: far off
+    assert _rel(y0, ref) > 0.1
+
+
+def test_int8_is_closer_to_fp32_than_e4m3_on_silu_inputs():
+    """The reason for the int8 path: on a SiLU output (mostly >= 0, bounded below by -0.28) 255 uniform levels over
+    its range beat e4m3's 3 mantissa bits, with per-output-channel weights in both."""
+    q, s, zq, _ = _int8_inputs(1, 64, 8, 8, 3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.nn.functional.silu(torch.randn(1, 64, 8, 8, generator=g) * 2).contiguous(
+        memory_format=torch.channels_last)
+    w = torch.randn(64, 64, 3, 3, generator=torch.Generator().manual_seed(4)) * 0.1
+    ref = K.conv_reference(x, w, None, (1, 1))
+    y8 = K.conv_igemm(q, K.pack_weight(w, torch.int8), None, (1, 1), x_scale=s, x_zero=zq,
+                      out_dtype=torch.float32)
+    xe, se = K.quantize_activation(x)
+    ye = K.conv_igemm(xe, K.pack_weight(w, K.E4M3), None, (1, 1), x_scale=se, out_dtype=torch.float32)
+    assert _rel(y8, ref) < 0.5 * _rel(ye, ref), (_rel(y8, ref), _rel(ye, ref))
+
+
+def test_int8_rejects_what_it_cannot_compute():
+    q, s, zq, _ = _int8_inputs(1, 32, 4, 4, 1)
+    w = torch.randn(32, 32, 3, 3)
+    with pytest.raises(ValueError, match="int8 weights need torch.int8 activations"):
+        K.conv_igemm(q.float().contiguous(memory_format=torch.channels_last), K.pack_weight(w, torch.int8),
+                     None, (1, 1))
+    with pytest.raises(ValueError, match="8-bit activations need 8-bit weights"):
+        K.conv_igemm(q, K.pack_weight(w.float(), kmajor=True), None, (1, 1))
+    with pytest.raises(ValueError, match="3x3"):
+        K.conv_igemm(q, K.pack_weight(torch.randn(32, 32, 1, 1), torch.int8), None, (0, 0))
+    with pytest.raises(ValueError, match="x_zero is for int8"):
+        xe, se = K.quantize_activation(q.float())
+        K.conv_igemm(xe, K.pack_weight(w, K.E4M3), None, (1, 1), x_scale=se, x_zero=zq)
+
+
 def test_rejects_what_it_cannot_compute():
     x, w, b = _case(1, 32, 32, 2, 4, 4, 3)
     cfg = TC.TmaConfig(2, 4, 16, 16, 16, 4, 1)
@@ -136,6 +208,24 @@ def test_gpu_dispatch_and_match():
             cfg16 = TC.TmaConfig(1, 128, 32, 64, 32, 4, 3) if shape[1] == 96 else TC.TmaConfig(1, 128, 64, 128, 0, 8, 3)
             y16 = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg16)
             assert _rel(y16, K.conv_reference(x, w, b, (1, 1))) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_int8_row_tile_matches_dequantized_reference():
+    """sm_90: int8 layers of the image decoders' widths on the row tile (int32 accumulation in wgmma) equal the fp32
+    conv of the dequantized operands, a batch of two with different zero points."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA kernel's tiles were measured on sm_90")
+    for N, C, CO, H, W in [(2, 128, 128, 64, 128), (1, 256, 128, 32, 256), (1, 512, 512, 16, 128)]:
+        q, s, zq, xd = _int8_inputs(N, C, H, W, 11)
+        w = torch.randn(CO, C, 3, 3, generator=torch.Generator().manual_seed(12)) / (9 * C) ** 0.5
+        pw = K.pack_weight(w, torch.int8)
+        q, s, zq, xd, pw.w, pw.scale, pw.tapsum = (t.cuda() for t in (q, s, zq, xd, pw.w, pw.scale, pw.tapsum))
+        assert TC.int8_config(C, CO, W) == TC.ROW_TILE
+        y = K.conv_igemm(q, pw, None, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.float32)
+        wd = (pw.w.float() * pw.scale[:, None]).reshape(CO, 3, 3, C).permute(0, 3, 1, 2)
+        ref = K.conv_reference(xd.cpu(), wd.cpu(), None, (1, 1))  # on the CPU: no TF32
+        assert (y.cpu() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
 
 
 def _wan21_pipeline(**opts):

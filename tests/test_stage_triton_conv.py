@@ -241,6 +241,40 @@ def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     assert calls == [] and torch.equal(out2, ref)  # fallback: exactly the bf16/fp32 fused path again
 
 
+def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
+    """Where the stage chooses int8 for the image resnet convs (sm_90; faked here) the GroupNorm kernel writes int8
+    with a per-sample zero point, the convs run on int8 operands, the stage line says int8, and the probe (the
+    decode's real PSNR vs fp32) is higher than with the same layers in e4m3: the point of int8 here."""
+    import importlib
+
+    from vaeopt.fidelity import psnr
+
+    model, z = _tiny_kl_fused(samples_dir)
+    with torch.no_grad():
+        ref = model.decode(z).sample.float()
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH", 0)
+    cands = triton_conv.fp8_candidates(model)[::3]
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: cands)
+    r8 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z)
+    assert r8.status == "applied" and r8.data["resnet_format"] == "e4m3" and "e4m3 implicit-GEMM" in r8.detail
+    monkeypatch.setattr(triton_conv, "int8_convs", lambda m, d: True)
+    r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z)
+    assert r.status == "applied" and r.data["layers"] == len(cands), r.line()
+    assert r.data["resnet_format"] == "int8" and "int8 implicit-GEMM" in r.detail and "zero point" in r.detail
+    assert r.data["probe_db"] > r8.data["probe_db"] + 1.0, (r.data["probe_db"], r8.data["probe_db"])
+    conv = importlib.import_module("vaeopt.kernels.conv")
+    calls = []
+    real = conv.conv_igemm
+    monkeypatch.setattr(conv, "conv_igemm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    with torch.no_grad():
+        out = model.decode(z).sample.float()
+    assert calls == [torch.int8] * len(cands)
+    assert abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
+    triton_conv.revert(model)
+    assert not any(getattr(m, "_vaeopt_conv8_int8", False) for m in model.modules())
+
+
 def test_fp8_attention_core_joins_the_gate(samples_dir, monkeypatch):
     """Where it was measured (sm_90; faked here) the mid-block attention on fused_epilogues' chunked GEMM path is an
     FP8 level-3 candidate like a conv: the gate's probe includes it, the line names it, the decode runs

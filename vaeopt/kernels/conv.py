@@ -169,15 +169,18 @@ class PackedWeight:
     kernel: tuple[int, int, int]  # (kt, kh, kw)
     cin: int
     cout: int
-    scale: torch.Tensor | None = None  # fp8: [Cout] fp32 per-output-channel weight scale
+    scale: torch.Tensor | None = None  # fp8 / int8: [Cout] fp32 per-output-channel weight scale
     kmajor: bool = False  # stored [Cout, taps * Cin] (K contiguous) instead of [taps * Cin, Cout]
+    tapsum: torch.Tensor | None = None  # int8 3x3: [9, Cout] fp32 sums of the int8 weights by border class (tap_sums)
 
 
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None, kmajor: bool | None = None) -> PackedWeight:
     """weight (Cout, Cin, kt, kh, kw) or (Cout, Cin, kh, kw) -> PackedWeight. dtype float8_e4m3fn: per-output-channel
-    scaled e4m3 (scale in `.scale`); else the compute dtype (default: the weight's). kmajor (default: fp8 only):
-    store the B operand K-contiguous, the layout Hopper's fp8 wgmma reads."""
-    from vaeopt.kernels.fp8_quant import quantize_per_channel
+    scaled e4m3 (scale in `.scale`); torch.int8: per-output-channel symmetric int8 (scale = amax / 127, round to
+    nearest), plus `tapsum` for 3x3 kernels (the TMA kernel's zero-point correction, tma_conv); else the compute
+    dtype (default: the weight's). kmajor (default: 8-bit only): store the B operand K-contiguous, the layout
+    Hopper's 8-bit wgmma reads."""
+    from vaeopt.kernels.fp8_quant import quantize_per_channel, quantize_per_channel_int8
 
     if weight.ndim == 4:
         weight = weight.unsqueeze(2)
@@ -185,16 +188,33 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype | None = None, kmajor: 
         raise ValueError(f"conv weight must be 4D or 5D, got {tuple(weight.shape)}")
     co, ci, kt, kh, kw = weight.shape
     wk = weight.detach().permute(2, 3, 4, 1, 0).reshape(kt * kh * kw * ci, co)
-    scale = None
+    scale = tapsum = None
     if dtype is not None and dtype == E4M3:
         wk, scale = quantize_per_channel(wk, dim=1)  # one scale per output channel (column of [K, Cout])
+    elif dtype == torch.int8:
+        wk, scale = quantize_per_channel_int8(wk, dim=1)
+        if (kt, kh, kw) == (1, 3, 3):
+            tapsum = tap_sums(wk.float().view(kh, kw, ci, co))
     elif dtype is not None:
         wk = wk.to(dtype)
     if kmajor is None:
         kmajor = scale is not None
     if kmajor:
         wk = wk.t()
-    return PackedWeight(wk.contiguous(), (kt, kh, kw), ci, co, scale, kmajor)
+    return PackedWeight(wk.contiguous(), (kt, kh, kw), ci, co, scale, kmajor, tapsum)
+
+
+def tap_sums(wq: torch.Tensor) -> torch.Tensor:
+    """wq (3, 3, Cin, Cout) (the int8 weights as floats) -> [9, Cout] fp32: the sum over all taps and Cin, then
+    the sums of the top row, bottom row, left column and right column of taps, then the four corner taps.
+
+    An int8 activation with a zero point, x ~= s * (q + zq), contributes s * zq * (sum of the weights of the taps
+    that fall inside the image) to each output; for a 3x3 'same' conv that sum is all - (top row if the output is on
+    the first row) - (bottom row if on the last) - (left / right column likewise) + (the corners counted twice).
+    The padding itself reads q = 0 (TMA's zero fill), which is x = 0 only without the zero point."""
+    t = wq.sum(dim=2)  # (3, 3, Cout)
+    return torch.stack([t.sum((0, 1)), t[0].sum(0), t[2].sum(0), t[:, 0].sum(0), t[:, 2].sum(0),
+                        t[0, 0], t[0, 2], t[2, 0], t[2, 2]]).float().contiguous()
 
 
 def default_config(cin: int, cout: int, device: torch.device, fp8: bool = False, m: int = 64) -> Config:
@@ -245,6 +265,8 @@ class ConvArgs:
     xs_t: torch.Tensor | None  # fp8: per-sample activation scales on the device
     xs_f: float  # fp8: one activation scale (when xs_t is None)
     video: bool
+    int8: bool = False  # int8 operands (int32 accumulation), x ~= xs * (q + zq)
+    zq_t: torch.Tensor | None = None  # int8: per-sample zero points in units of the scale, on the device
 
     def output_view(self, yd: torch.Tensor) -> torch.Tensor:
         """yd (N*T, H, W, Cout) dense -> the output in x's layout: (N, Cout, [T,] H, W) channels_last[_3d]."""
@@ -264,8 +286,9 @@ def per_sample_scales(who: str, x_scale: torch.Tensor, N: int, device: torch.dev
 
 
 def check_args(who: str, x: torch.Tensor, pw: PackedWeight, padding: tuple[int, int],
-               x_scale: torch.Tensor | float | None, out_dtype: torch.dtype | None) -> ConvArgs:
-    """Validate a conv_igemm / conv_tma call (layout, channels, 'same' padding, frames, fp8 pairing, scales)."""
+               x_scale: torch.Tensor | float | None, out_dtype: torch.dtype | None,
+               x_zero: torch.Tensor | None = None) -> ConvArgs:
+    """Validate a conv_igemm / conv_tma call (layout, channels, 'same' padding, frames, 8-bit pairing, scales)."""
     v = _frames_view(x)
     if v is None:
         raise ValueError(f"{who}: x {tuple(x.shape)} must be dense channels_last / channels_last_3d")
@@ -279,17 +302,31 @@ def check_args(who: str, x: torch.Tensor, pw: PackedWeight, padding: tuple[int, 
     T = Tin - kt + 1
     if T < 1 or (x.ndim == 4 and kt != 1):
         raise ValueError(f"{who}: {Tin} input frames for a temporal kernel of {kt}")
-    fp8 = pw.scale is not None
-    if fp8 != (x.dtype == E4M3):
-        raise ValueError(f"{who}: fp8 weights need fp8 activations (and the reverse)")
+    fp8 = pw.scale is not None  # 8-bit operands with scales: e4m3, or int8
+    int8 = pw.w.dtype == torch.int8
+    if fp8 and x.dtype != pw.w.dtype:
+        raise ValueError(f"{who}: {pw.w.dtype} weights need {pw.w.dtype} activations, got {x.dtype}")
+    if not fp8 and x.dtype in (E4M3, torch.int8):
+        raise ValueError(f"{who}: 8-bit activations need 8-bit weights (pack_weight(w, {x.dtype}))")
     if not fp8 and x.dtype != pw.w.dtype:
         raise ValueError(f"{who}: x is {x.dtype}, weights {pw.w.dtype}")
+    if x_zero is not None and not int8:
+        raise ValueError(f"{who}: x_zero is for int8 activations")
+    if int8 and (pw.kernel != (1, 3, 3) or pw.tapsum is None or not pw.kmajor):
+        raise ValueError(f"{who}: int8 runs 3x3 'same' convs with K-major weights (pack_weight(w, torch.int8))")
     xs_t, xs_f = None, 1.0
     if fp8 and isinstance(x_scale, torch.Tensor):
         xs_t = per_sample_scales(who, x_scale, N, x.device)
     elif fp8:
         xs_f = float(x_scale or 1.0)
-    return ConvArgs(N, Tin, T, H, W, fp8, out_dtype or (torch.bfloat16 if fp8 else x.dtype), xs_t, xs_f, x.ndim == 5)
+    zq_t = None
+    if int8:
+        if xs_t is None:
+            xs_t = torch.full((N,), xs_f, device=x.device, dtype=torch.float32)
+        zq_t = (per_sample_scales(who, x_zero, N, x.device) if isinstance(x_zero, torch.Tensor)
+                else torch.zeros(N, device=x.device, dtype=torch.float32))
+    return ConvArgs(N, Tin, T, H, W, fp8, out_dtype or (torch.bfloat16 if fp8 else x.dtype), xs_t, xs_f, x.ndim == 5,
+                    int8, zq_t)
 
 
 def conv_igemm(
@@ -301,15 +338,22 @@ def conv_igemm(
     x_scale: torch.Tensor | float | None = None,
     out_dtype: torch.dtype | None = None,
     config: Config | None = None,
+    x_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stride-1, dilation-1, groups-1 convolution of channels-last x with packed weights.
 
     x: (N, Cin, Tin, H, W) channels_last_3d (output T = Tin - kt + 1: no temporal padding) or (N, Cin, H, W)
     channels_last (kt must be 1). padding: (ph, pw) zero padding of H and W. fp8: x in e4m3 with x_scale (a
     python float, or an fp32 device tensor of one value or one per sample, read by the kernel: no host sync, fit for
-    CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8).
+    CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8). int8: x int8 with
+    x ~= x_scale * (x + x_zero) per sample (x_zero: an fp32 device tensor, default 0), weights packed in int8; 2D
+    3x3 convs only, always on the TMA kernel (kernels/tma_conv.py; the CPU interpreter runs it too).
     Returns the output in x's memory format (channels_last[_3d])."""
-    a = check_args("conv_igemm", x, pw, padding, x_scale, out_dtype)
+    a = check_args("conv_igemm", x, pw, padding, x_scale, out_dtype, x_zero)
+    if a.int8:
+        from vaeopt.kernels import tma_conv
+
+        return tma_conv.conv_tma_checked(x, pw, bias, padding, a, tma_conv.int8_config(pw.cin, pw.cout, a.W))
     if config is None and pw.kmajor and x.is_cuda:
         from vaeopt.kernels import tma_conv, ws_conv
 

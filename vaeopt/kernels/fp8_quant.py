@@ -31,3 +31,16 @@ def quantize_per_channel(w: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, t
     bshape[dim] = -1
     q = (w.float() / scale.view(bshape)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
+
+
+def quantize_per_channel_int8(w: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w -> (int8 tensor of w's shape, fp32 scale (w.shape[dim],)) with w ≈ q * scale broadcast along `dim`:
+    symmetric, amax / 127 per index of `dim`, round to nearest (an all-zero channel quantizes to zeros)."""
+    dim = dim % w.ndim
+    n = w.shape[dim]
+    amax = w.detach().float().movedim(dim, 0).reshape(n, -1).abs().amax(dim=1).clamp_min(1e-12)
+    scale = amax / 127.0
+    bshape = [1] * w.ndim
+    bshape[dim] = -1
+    q = torch.round(w.float() / scale.view(bshape)).clamp(-127, 127).to(torch.int8)
+    return q, scale

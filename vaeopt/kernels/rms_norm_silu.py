@@ -46,7 +46,7 @@ def silu_mode(out_dtype: torch.dtype, device: torch.device, wan_rms: bool = Fals
         return 0  # modes 2/3 are NVIDIA PTX
     if SILU_MODE is not None:
         return SILU_MODE
-    if out_dtype in OUT8:
+    if out_dtype in OUT8 or out_dtype == torch.int8:  # int8: the approximation is far below its step too
         return 2
     return WAN_RMS_16 if wan_rms else 0
 

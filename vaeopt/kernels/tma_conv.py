@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover
 
 MEASURED_SM = ((9, 0),)
 ENABLED = True  # benchmarks switch it off to time the pointer kernel on the same process
+ZERO_POINT = True  # int8: the epilogue's zero-point term (benchmarks switch it off to time the main loop alone)
 
 
 def available(device: torch.device) -> bool:
@@ -50,10 +51,51 @@ def available(device: torch.device) -> bool:
 
 
 @triton.jit
+def _mma(a, b, acc, I32: tl.constexpr):
+    """acc + a @ b^T; int8 operands accumulate in int32 (I32)."""
+    if I32:
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def _add_zero_point(acc, zq, n, co, h0, w0, H, W, ws_ptr, BH: tl.constexpr, BW: tl.constexpr, BN: tl.constexpr):
+    """acc + zq * (the sum of the int8 weights over the taps inside the image), per output pixel of the tile and
+    column, from conv.tap_sums' nine rows (all taps, top / bottom rows, left / right columns, the four corners).
+    Each term is added in place: a [BM, BN] temporary spilled registers at BN = 128 (116 spills, 2x slower), and a
+    branch that skipped the column terms in interior row tiles measured 25% slower than these nine in-place passes
+    (h200_int8_conv_2026-11-23{a,c}.json, perf-notes E45)."""
+    cols = n + tl.arange(0, BN)
+    cm = cols < co
+    r = tl.arange(0, BH * BW)
+    hh = h0 + r // BW
+    ww = w0 + r % BW
+    top = (hh == 0).to(tl.float32) * zq
+    bot = (hh == H - 1).to(tl.float32) * zq
+    lef = (ww == 0).to(tl.float32)
+    rig = (ww == W - 1).to(tl.float32)
+    acc += zq * tl.load(ws_ptr + cols, mask=cm, other=0.0)[None, :]
+    acc -= top[:, None] * tl.load(ws_ptr + co + cols, mask=cm, other=0.0)[None, :]
+    acc -= bot[:, None] * tl.load(ws_ptr + 2 * co + cols, mask=cm, other=0.0)[None, :]
+    acc -= (lef * zq)[:, None] * tl.load(ws_ptr + 3 * co + cols, mask=cm, other=0.0)[None, :]
+    acc -= (rig * zq)[:, None] * tl.load(ws_ptr + 4 * co + cols, mask=cm, other=0.0)[None, :]
+    acc += (top * lef)[:, None] * tl.load(ws_ptr + 5 * co + cols, mask=cm, other=0.0)[None, :]
+    acc += (top * rig)[:, None] * tl.load(ws_ptr + 6 * co + cols, mask=cm, other=0.0)[None, :]
+    acc += (bot * lef)[:, None] * tl.load(ws_ptr + 7 * co + cols, mask=cm, other=0.0)[None, :]
+    acc += (bot * rig)[:, None] * tl.load(ws_ptr + 8 * co + cols, mask=cm, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
 def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.constexpr, BW: tl.constexpr,
                   BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PHASES: tl.constexpr, ph, pa,
-                  pb):
+                  pb, INT8: tl.constexpr = False, zq=0.0, ws_ptr=None, H=1, W=1):
     cols = n + tl.arange(0, BN)
+    acc = acc.to(tl.float32)
+    if INT8:  # x ~= xs * (q + zq): add zq * (the in-image taps' weight sums); the padding read q = 0, i.e. x = 0
+        acc = _add_zero_point(acc, zq, n, co, h0, w0, H, W, ws_ptr, BH, BW, BN)
     if HAS_SCALE:  # phase ph's weight scales are rows [ph * co, (ph + 1) * co) of the packed weights
         acc = acc * (tl.load(s_ptr + ph * co + cols, mask=cols < co, other=0.0)[None, :] * xs)
     if HAS_BIAS:
@@ -101,6 +143,10 @@ def _tma_conv_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
     PHASES: tl.constexpr = False,  # the four 2x2 phase convs of a 2x upsample + 3x3 conv in one launch (see below)
+    INT8: tl.constexpr = False,  # int8 operands, int32 accumulation (fp32 under DOT_F32); zero points in the epilogue
+    I32: tl.constexpr = False,  # INT8 and not DOT_F32: accumulate in int32
+    zq_ptr=None,  # [N] fp32 (INT8): per-sample zero point, in units of the activation scale
+    ws_ptr=None,  # [9, CO] fp32 (INT8): conv.tap_sums of the int8 weights
 ):
     pid = tl.program_id(0)
     # column tiles fastest: the programs that share an input box run together and meet it in L2
@@ -127,8 +173,12 @@ def _tma_conv_kernel(
     w0 = wt * BW
     n0 = pid_n * (BN0 + BN1)
     BM: tl.constexpr = BH * BW
-    acc0 = tl.zeros([BM, BN0], dtype=tl.float32)
-    acc1 = tl.zeros([BM, BN1 if BN1 > 0 else 16], dtype=tl.float32)
+    if I32:
+        acc0 = tl.zeros([BM, BN0], dtype=tl.int32)
+        acc1 = tl.zeros([BM, BN1 if BN1 > 0 else 16], dtype=tl.int32)
+    else:
+        acc0 = tl.zeros([BM, BN0], dtype=tl.float32)
+        acc1 = tl.zeros([BM, BN1 if BN1 > 0 else 16], dtype=tl.float32)
     CB = 1 if BK1 > 0 else C // BK
     for it in tl.range(0, KT * KH * KW * CB, num_stages=NUM_STAGES):
         tap = it // CB
@@ -143,33 +193,36 @@ def _tma_conv_kernel(
         if DOT_F32:
             a = a.to(tl.float32)
             b0 = b0.to(tl.float32)
-        acc0 = tl.dot(a, tl.trans(b0), acc0)
+        acc0 = _mma(a, b0, acc0, I32)
         if BN1 > 0:
             b1 = w1_desc.load([ph * CO + n0 + BN0, k])
             if DOT_F32:
                 b1 = b1.to(tl.float32)
-            acc1 = tl.dot(a, tl.trans(b1), acc1)
+            acc1 = _mma(a, b1, acc1, I32)
         if BK1 > 0:
             a1 = tl.reshape(x1_desc.load([fin + dt, h0 + dy, w0 + dx, BK]), [BM, BK1])
             b01 = w01_desc.load([ph * CO + n0, k + BK])
             if DOT_F32:
                 a1 = a1.to(tl.float32)
                 b01 = b01.to(tl.float32)
-            acc0 = tl.dot(a1, tl.trans(b01), acc0)
+            acc0 = _mma(a1, b01, acc0, I32)
             if BN1 > 0:
                 b11 = w11_desc.load([ph * CO + n0 + BN0, k + BK])
                 if DOT_F32:
                     b11 = b11.to(tl.float32)
-                acc1 = tl.dot(a1, tl.trans(b11), acc1)
+                acc1 = _mma(a1, b11, acc1, I32)
     if XS_PTR:
         xs = tl.load(xs_ptr + smp)
     else:
         xs = x_scale
+    zq = 0.0
+    if INT8:
+        zq = tl.load(zq_ptr + smp)
     _tma_epilogue(acc0, n0, CO, f, h0, w0, y0_desc, s_ptr, b_ptr, xs, BH, BW, BN0, HAS_SCALE, HAS_BIAS,
-                  PHASES, ph, pa, pb)
+                  PHASES, ph, pa, pb, INT8, zq, ws_ptr, H, W)
     if BN1 > 0:
         _tma_epilogue(acc1, n0 + BN0, CO, f, h0, w0, y1_desc, s_ptr, b_ptr, xs, BH, BW, BN1, HAS_SCALE, HAS_BIAS,
-                      PHASES, ph, pa, pb)
+                      PHASES, ph, pa, pb, INT8, zq, ws_ptr, H, W)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +272,19 @@ def tuned_config(cin: int, cout: int, w: int, fp8: bool, video: bool = False) ->
     if cin % 128 == 0 and cout % 128 == 0 and w >= 32:  # measured at Cin = Cout; the tile is the same for 512 -> 256
         return ROW_TILE if not video and w % 128 == 0 else _TILE_4X32
     return None
+
+
+def int8_config(cin: int, cout: int, w: int) -> TmaConfig:
+    """The tile for an int8 3x3 conv: the e4m3 tile of the same shape (same operand bytes and wgmma rate on sm_90),
+    else E20's 4 x 32 with the widest BK that divides Cin."""
+    cfg = tuned_config(cin, cout, w, True)
+    if cfg is not None and not cfg.bk1:
+        return cfg
+    bk = next(b for b in (128, 64, 32, 16) if cin % b == 0) if cin % 16 == 0 else None
+    if bk is None or cout % 16:
+        raise ValueError(f"int8 conv: {cin} -> {cout} channels (needs multiples of 16)")
+    bn = 128 if cout % 128 == 0 else (64 if cout % 64 == 0 else (32 if cout % 32 == 0 else 16))
+    return TmaConfig(4, 32, bk, bn, 0, 8 if bn == 128 else 4, 3)
 
 
 def tuned_upconv_config(cin: int, cout: int, w: int | None = None) -> TmaConfig | None:
@@ -287,7 +353,8 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
         T, a.H, a.W, pw.cin, CO, n_tiles,
         KT=kt, KH=kh, KW=kw, PH=pads[0], PW=pads[1], BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
         HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
-        DOT_F32=x.device.type == "cpu" and x.dtype == torch.bfloat16, PHASES=phases,
+        DOT_F32=x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.int8), PHASES=phases,
+        INT8=a.int8 and ZERO_POINT, I32=a.int8 and x.device.type != "cpu", zq_ptr=a.zq_t, ws_ptr=pw.tapsum if a.int8 else None,
         num_warps=cfg.num_warps,
     )
 

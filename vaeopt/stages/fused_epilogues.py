@@ -203,13 +203,18 @@ def _fp8_weights(conv, x: torch.Tensor):
 
 def _norm_conv(norm, conv, x: torch.Tensor, x_bias) -> torch.Tensor:
     """conv(silu(group_norm(x + x_bias))) without conv's bias. For an fp8-marked conv the norm kernel writes e4m3
-    with a per-sample scale derived from bounds of the group max/min, and the conv is the e4m3 implicit-GEMM kernel
-    (fp32 accumulation, output in x's dtype); otherwise the bf16 norm kernel and cuDNN."""
+    (or int8 with a zero point, where the stage chose int8) with a per-sample scale derived from bounds of the group
+    max/min, and the conv is the 8-bit implicit-GEMM kernel (fp32 / int32 accumulation, output in x's dtype);
+    otherwise the bf16 norm kernel and cuDNN."""
     pw = _fp8_weights(conv, x)
     if pw is not None:
         from vaeopt.kernels.conv import conv_igemm
-        from vaeopt.kernels.group_norm_silu import group_norm_silu_e4m3
+        from vaeopt.kernels.group_norm_silu import group_norm_silu_e4m3, group_norm_silu_int8
 
+        if pw.w.dtype == torch.int8:  # int8 operands (stages/triton_conv.int8_convs): asymmetric activations
+            q, s, zq = group_norm_silu_int8(x, norm.num_groups, norm.weight, norm.bias, norm.eps, True,
+                                            x_bias=x_bias)
+            return conv_igemm(q, pw, None, tuple(conv.padding), x_scale=s, x_zero=zq, out_dtype=x.dtype)
         h8, s = group_norm_silu_e4m3(x, norm.num_groups, norm.weight, norm.bias, norm.eps, True, x_bias=x_bias)
         return conv_igemm(h8, pw, None, tuple(conv.padding), x_scale=s, out_dtype=x.dtype)
     if x_bias is None:

@@ -37,6 +37,7 @@ _MARK = "_vaeopt_igemm"
 _PACKED = "_vaeopt_igemm_packed"
 _MARK8 = "_vaeopt_fp8conv"
 _PACKED8 = "_vaeopt_fp8conv_packed"
+_INT8 = "_vaeopt_conv8_int8"  # on an image resnet conv: its 8-bit operands are int8 (asymmetric inputs), not e4m3
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -132,7 +133,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
 def revert(model: nn.Module) -> None:
     from vaeopt.stages.fused_epilogues import FP8_ATTR
 
-    drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8, FP8_ATTR)
+    drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8, FP8_ATTR, _INT8)
 
 
 _weight_key = weight_version
@@ -316,16 +317,36 @@ def _is_attention(m: nn.Module) -> bool:
 
 
 def packed_fp8(conv: nn.Module):
-    """The conv's e4m3 K-major PackedWeight (per-output-channel scales), packed once per weight version."""
+    """The conv's 8-bit K-major PackedWeight (per-output-channel scales): int8 where apply_fp8 chose int8 for it
+    (`_INT8`), else e4m3; packed once per weight version and format."""
     w = conv.weight
-    key = _weight_key(w)
+    i8 = bool(getattr(conv, _INT8, False))
+    key = (_weight_key(w), i8)
     cached = getattr(conv, _PACKED8, None)
     if cached is None or cached[0] != key:
         from vaeopt.kernels.conv import E4M3, pack_weight
 
-        cached = (key, pack_weight(w.detach(), E4M3))
+        cached = (key, pack_weight(w.detach(), torch.int8 if i8 else E4M3))
         setattr(conv, _PACKED8, cached)
     return cached[1]
+
+
+# int8 for the image resnet convs (sm_90, the TMA kernel): a SiLU output quantized to 255 levels over [-0.28, max]
+# measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL), and
+# at the default 40 dB gate sdxl-1024 admitted 23 layers instead of 5: 15.25 vs 15.89 ms on an H200. Off by
+# default: the gate's 16x16 probe measured 40.6 dB where the full-size decode measured 39.1 (int8's uniform step
+# grows with the range of the whole tensor, which a small probe underestimates), and with the same layers int8 is
+# slower than e4m3 (14.00 vs 12.81 ms: the zero-point epilogue and the int8 apply). Benchmarks switch it on
+# (benchmarks/gpu_int8_decode.py; docs/perf-notes.md E45).
+INT8_FORMAT = False
+
+
+def int8_convs(model: nn.Module, device: torch.device) -> bool:
+    """Whether this model's image resnet convs run their 8-bit path in int8 here (else e4m3)."""
+    from vaeopt.kernels import tma_conv
+
+    return (INT8_FORMAT and not _is_wan(model) and getattr(model, "decoder", None) is not None
+            and tma_conv.available(torch.device(device)))
 
 
 def _decode(model: nn.Module, z: torch.Tensor) -> torch.Tensor:
@@ -399,6 +420,12 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
 
     from vaeopt.stages.fused_epilogues import FP8_ATTR
 
+    up_ids = {id(m) for _, m in ups}
+    i8 = int8_convs(model, torch.device(device))
+    for _, m in cands:
+        if not _is_attention(m) and id(m) not in up_ids:
+            setattr(m, _INT8, i8)
+
     def mark(chosen):
         ids = {id(m) for _, m in chosen}
         for _, m in cands:
@@ -443,7 +470,6 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
                           for n in kept[-3:][::-1])
         note = (f"; all {len(cands)} in fp8 measured {stats['all_fp8_db']:.1f} dB, so {len(kept)} most sensitive "
                 f"kept in {dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
-    up_ids = {id(m) for _, m in ups}
     n_up = sum(id(m) in up_ids for _, m in chosen)
     n_att = sum(_is_attention(m) for _, m in chosen)
     chosen = [(n, m) for n, m in chosen if not _is_attention(m)]  # the convs, for what follows
@@ -460,15 +486,17 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         note += (f"; {n_tma} of the {len(chosen)} e4m3 convs through TMA boxes (kernels/tma_conv.py, tiles "
                  "measured on sm_90)")
     what = ("Conv3d", "the RMS-norm kernel (static scales)") if wan else (
-        "Conv2d", "the GroupNorm kernel (per-sample scales from bounds of the group max/min; whole-image decodes, "
-                  "tiled ones keep their convs)")
+        "Conv2d", "the GroupNorm kernel (per-sample " + ("scale and zero point over [-0.28, max]" if i8 else "scales")
+        + " from bounds of the group max/min; whole-image decodes, tiled ones keep their convs)")
+    stats["resnet_format"] = "int8" if i8 and not wan else "e4m3"
     res_chans = sorted({m.out_channels for _, m in chosen if id(m) not in up_ids})
     ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in e4m3 (inputs quantized per sample by an amax "
                "pass, kernels/act_quant.py)" if n_up else "")
     att_txt = (f"; the mid-block attention core{'s' if n_att > 1 else ''} in e4m3 (Q, K, V and the softmax P "
                "through torch._scaled_mm, P @ V row-scaled)" if n_att else "")
-    res_txt = (f"{len(chosen) - n_up} residual-block {what[0]} ({'/'.join(map(str, res_chans))} ch) on the e4m3 "
-               f"implicit-GEMM kernel, inputs quantized by {what[1]}{ups_txt}{att_txt}" if res_chans
+    res_txt = (f"{len(chosen) - n_up} residual-block {what[0]} ({'/'.join(map(str, res_chans))} ch) on the "
+               f"{stats['resnet_format']} implicit-GEMM kernel, inputs quantized by {what[1]}{ups_txt}{att_txt}"
+               if res_chans
                else (ups_txt + att_txt)[2:])
     return StageResult(name, "applied", f"{res_txt}; probe "
                                         f"{p8:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path {pb:.1f} dB){note}",

@@ -1,0 +1,75 @@
+"""Whole sdxl-1024 decodes with the image resnet convs' 8-bit path in e4m3 vs int8 (stages/triton_conv.INT8_FORMAT),
+same process, CUDA-graph replays interleaved (0.1 s idle before each, E31's clocks), PSNR vs the fp32 decode.
+
+    python3 benchmarks/gpu_int8_decode.py [--rounds 15] [--gates none,40,0]   # sm_90; writes $OUT/int8_decode.json
+
+Gate 0 admits every candidate: the two formats' speed with the same layers. Gate 40 is the default: how many layers
+each format gets in, and what the decode measures at full size (the gate judges a 16x16-latent probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from _common import graphed_pipe, interleaved_graph_ms, no_tf32, out_dir, run_meta  # noqa: E402
+from vaeopt.fidelity import psnr  # noqa: E402
+from vaeopt.stages import triton_conv  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--rounds", type=int, default=15)
+ap.add_argument("--gates", default="none,40,0")
+args = ap.parse_args()
+OUT = out_dir()
+no_tf32()
+g = torch.Generator().manual_seed(1)
+z = torch.randn(1, 4, 128, 128, generator=g).cuda().bfloat16()
+
+from vaeopt.loading import load_vae  # noqa: E402
+
+torch.manual_seed(0)
+ref_model = load_vae(None, family="sdxl").model.float().cuda().eval()
+with torch.no_grad():
+    ref = ref_model.decode(z.float()).sample.float()
+del ref_model
+torch.cuda.empty_cache()
+
+pipes, info = {}, {}
+for gate in args.gates.split(","):
+    fmts = ["bf16"] if gate == "none" else ["e4m3", "int8"]
+    for fmt in fmts:
+        triton_conv.INT8_FORMAT = fmt == "int8"
+        name = fmt if gate == "none" else f"{fmt} gate {gate}"
+        p, y = graphed_pipe("sdxl", z, None if gate == "none" else float(gate), "A/B")
+        st = next((s for s in p.stages if s.name == "fp8 convs"), None)
+        data = dict(st.data) if st is not None and st.data else {}
+        info[name] = {"psnr_db": psnr(y.float(), ref), "layers": data.get("layers"),
+                      "probe_db": data.get("probe_db"), "resnet_format": data.get("resnet_format"),
+                      "kept_bf16": len(data.get("kept", []))}
+        pipes[name] = p
+        print(name, info[name], flush=True)
+triton_conv.INT8_FORMAT = False
+
+ms = interleaved_graph_ms(pipes, z, args.rounds, before=lambda n: time.sleep(0.1))
+for name in pipes:
+    info[name]["median_ms"] = statistics.median(ms[name])
+    info[name]["ms"] = ms[name]
+res = {"variants": info, "rounds": args.rounds,
+       **run_meta("python3 benchmarks/gpu_int8_decode.py " + " ".join(sys.argv[1:]))}
+(OUT / "int8_decode.json").write_text(json.dumps(res, indent=1))
+print("\n| sdxl-1024 | median ms | layers in 8-bit | probe dB | full-size PSNR dB |")
+print("|---|---|---|---|---|")
+for name, v in info.items():
+    pr = f"{v['probe_db']:.1f}" if v["probe_db"] is not None else "-"
+    print(f"| {name} | {v['median_ms']:.2f} | {v['layers'] if v['layers'] is not None else '-'} | {pr} | "
+          f"{v['psnr_db']:.1f} |")
