@@ -345,9 +345,9 @@ def conv_igemm(
     x: (N, Cin, Tin, H, W) channels_last_3d (output T = Tin - kt + 1: no temporal padding) or (N, Cin, H, W)
     channels_last (kt must be 1). padding: (ph, pw) zero padding of H and W. fp8: x in e4m3 with x_scale (a
     python float, or an fp32 device tensor of one value or one per sample, read by the kernel: no host sync, fit for
-    CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8). int8: x int8 with
-    x ~= x_scale * (x + x_zero) per sample (x_zero: an fp32 device tensor, default 0), weights packed in int8; 2D
-    3x3 convs only, always on the TMA kernel (kernels/tma_conv.py; the CPU interpreter runs it too).
+    CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8). int8: x holds int8 codes q
+    of the activation a ~= x_scale * (q + x_zero) per sample (x_zero: an fp32 device tensor, default 0), weights
+    packed in int8; 2D 3x3 convs only, always on the TMA kernel (kernels/tma_conv.py; the CPU interpreter too).
     Returns the output in x's memory format (channels_last[_3d])."""
     a = check_args("conv_igemm", x, pw, padding, x_scale, out_dtype, x_zero)
     if a.int8:
