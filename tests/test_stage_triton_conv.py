@@ -194,11 +194,22 @@ def _tiny_kl_fused(samples_dir):
     return model, z.float().contiguous(memory_format=torch.channels_last)
 
 
+def _record_conv_dtypes(monkeypatch) -> list:
+    """The input dtype of every conv_igemm call from here on (the patched module attribute: callers import it at
+    call time)."""
+    import importlib
+
+    conv = importlib.import_module("vaeopt.kernels.conv")
+    calls = []
+    real = conv.conv_igemm
+    monkeypatch.setattr(conv, "conv_igemm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    return calls
+
+
 def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     """FP8 level 3 on the trained tiny AutoencoderKL: the resnets' 3x3 convs run on e4m3 inputs written by the
     GroupNorm kernel (per-sample scales), the probe PSNR is the decode's real PSNR vs fp32, and the gate falls back
     with the number; conv_in / conv_out / upsampler convs are not candidates."""
-    import importlib
 
     from vaeopt.fidelity import psnr
 
@@ -222,10 +233,7 @@ def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     assert r.status == "applied" and r.data["layers"] == len(cands), r.line()
     assert "GroupNorm kernel" in r.detail and "Conv2d" in r.detail
     assert 25.0 <= r.data["probe_db"] < r.data["bf16_probe_db"], r.data
-    conv = importlib.import_module("vaeopt.kernels.conv")
-    calls = []
-    real = conv.conv_igemm
-    monkeypatch.setattr(conv, "conv_igemm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    calls = _record_conv_dtypes(monkeypatch)
     with torch.no_grad():
         out = model.decode(z).sample.float()
     assert calls == [torch.float8_e4m3fn] * len(cands)  # every marked conv ran on e4m3, nothing else did
@@ -245,7 +253,6 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     """Where the stage chooses int8 for the image resnet convs (sm_90; faked here) the GroupNorm kernel writes int8
     with a per-sample zero point, the convs run on int8 operands, the stage line says int8, and the probe (the
     decode's real PSNR vs fp32) is higher than with the same layers in e4m3: the point of int8 here."""
-    import importlib
 
     from vaeopt.fidelity import psnr
 
@@ -263,10 +270,7 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     assert r.status == "applied" and r.data["layers"] == len(cands), r.line()
     assert r.data["resnet_format"] == "int8" and "int8 implicit-GEMM" in r.detail and "zero point" in r.detail
     assert r.data["probe_db"] > r8.data["probe_db"] + 1.0, (r.data["probe_db"], r8.data["probe_db"])
-    conv = importlib.import_module("vaeopt.kernels.conv")
-    calls = []
-    real = conv.conv_igemm
-    monkeypatch.setattr(conv, "conv_igemm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    calls = _record_conv_dtypes(monkeypatch)
     with torch.no_grad():
         out = model.decode(z).sample.float()
     assert calls == [torch.int8] * len(cands)
