@@ -117,7 +117,8 @@ def test_halo_is_needed_and_enough(wan21, z21, refs21, monkeypatch):
         rows = (e.amax(dim=(0, 1, 2, 4)) > 1e-6).nonzero().flatten().tolist()
         return e.max().item(), rows
 
-    assert seam_error(0) == (0.0, [])  # bands at split 3: bit-identical here
+    e0, rows0 = seam_error(0)  # bands at split 3: bit-identical on Intel CPUs; 2.4e-7 on an AMD EPYC (oneDNN's
+    assert e0 <= 2e-6 and rows0 == [], (e0, rows0)  # kernels round differently per band shape there)
     e1, rows1 = seam_error(1)
     e3, rows3 = seam_error(3)
     assert e1 > 1e-5 and rows1 == [23, 24], (e1, rows1)
