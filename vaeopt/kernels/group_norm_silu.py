@@ -405,7 +405,11 @@ def _apply_cl_kernel(
                 lo = -amax
             sc = (amax - lo) / 254.0
             zq = (amax + lo) / (2.0 * sc)
-            y = tl.minimum(tl.maximum(tl.floor(y / sc - zq + 0.5), -127.0), 127.0)
+            # the code round(y / sc - zq) in [-127, 127], rounded by adding 1.5 * 2^23: the sum's low mantissa
+            # bits hold the integer, and its bits' low byte is the int8 code (the store truncates). No floor or
+            # float -> int conversion: quarter-rate instructions on sm_90, +0.29 ms per sdxl-1024 decode (E46)
+            v = (y * (254.0 / (amax - lo)) - zq) + 12582912.0  # (12582912 - zq would lose zq's fraction)
+            y = tl.minimum(tl.maximum(v, 12582912.0 - 127.0), 12582912.0 + 127.0).to(tl.int32, bitcast=True)
             if sb == 0:
                 tl.store(s_ptr + n, sc)
                 tl.store(zq_ptr + n, zq)

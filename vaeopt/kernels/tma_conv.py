@@ -61,45 +61,80 @@ def _mma(a, b, acc, I32: tl.constexpr):
 
 
 @triton.jit
-def _add_zero_point(acc, zq, n, co, h0, w0, H, W, ws_ptr, BH: tl.constexpr, BW: tl.constexpr, BN: tl.constexpr):
-    """acc + zq * (the sum of the int8 weights over the taps inside the image), per output pixel of the tile and
-    column, from conv.tap_sums' nine rows (all taps, top / bottom rows, left / right columns, the four corners).
-    Each term is added in place: a [BM, BN] temporary spilled registers at BN = 128 (116 spills, 2x slower), and a
-    branch that skipped the column terms in interior row tiles measured 25% slower than these nine in-place passes
-    (h200_int8_conv_2026-11-23{a,c}.json, perf-notes E45)."""
-    cols = n + tl.arange(0, BN)
-    cm = cols < co
-    r = tl.arange(0, BH * BW)
-    hh = h0 + r // BW
-    ww = w0 + r % BW
-    top = (hh == 0).to(tl.float32) * zq
-    bot = (hh == H - 1).to(tl.float32) * zq
-    lef = (ww == 0).to(tl.float32)
-    rig = (ww == W - 1).to(tl.float32)
-    acc += zq * tl.load(ws_ptr + cols, mask=cm, other=0.0)[None, :]
-    acc -= top[:, None] * tl.load(ws_ptr + co + cols, mask=cm, other=0.0)[None, :]
-    acc -= bot[:, None] * tl.load(ws_ptr + 2 * co + cols, mask=cm, other=0.0)[None, :]
-    acc -= (lef * zq)[:, None] * tl.load(ws_ptr + 3 * co + cols, mask=cm, other=0.0)[None, :]
-    acc -= (rig * zq)[:, None] * tl.load(ws_ptr + 4 * co + cols, mask=cm, other=0.0)[None, :]
-    acc += (top * lef)[:, None] * tl.load(ws_ptr + 5 * co + cols, mask=cm, other=0.0)[None, :]
-    acc += (top * rig)[:, None] * tl.load(ws_ptr + 6 * co + cols, mask=cm, other=0.0)[None, :]
-    acc += (bot * lef)[:, None] * tl.load(ws_ptr + 7 * co + cols, mask=cm, other=0.0)[None, :]
-    acc += (bot * rig)[:, None] * tl.load(ws_ptr + 8 * co + cols, mask=cm, other=0.0)[None, :]
-    return acc
+def _int8_border_kernel(
+    y_ptr,  # (frames, H, W, CO) with any strides, channels dense: the conv's stored output, fixed in place
+    s_ptr,  # [CO] fp32 weight scales
+    xs_ptr,  # [N] fp32 activation scales
+    zq_ptr,  # [N] fp32 zero points, in units of the scale
+    ws_ptr,  # [9, CO] fp32: conv.tap_sums of the int8 weights
+    H, W, CO, n_border, n_c_blocks, syf, syh, syw,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The border half of the int8 zero-point term (see _tma_epilogue): each output pixel on the image's edge gets
+    - xs * sw * zq * (the sum of the weights of its taps that fall outside), by inclusion-exclusion over conv.tap_sums'
+    rows (top / bottom row of taps, left / right column, minus the corners counted twice). Border pixels: the top row,
+    the bottom row (H > 1), then rows 1 .. H-2 at w = 0 and w = W - 1 (once where W = 1)."""
+    pid = tl.program_id(0)
+    cb = pid % n_c_blocks
+    t = pid // n_c_blocks
+    nb = tl.cdiv(n_border, BLOCK_P)
+    pb = t % nb
+    f = t // nb  # one frame per sample (int8 convs are 2D)
+    i = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    pm = i < n_border
+    nrow = tl.minimum(H, 2)
+    ncol = tl.minimum(W, 2)
+    in_rows = i < nrow * W
+    j = i - nrow * W
+    h = tl.where(in_rows, (i // W) * (H - 1), 1 + j // ncol)
+    w = tl.where(in_rows, i % W, (j % ncol) * (W - 1))
+    top = (h == 0).to(tl.float32)
+    bot = (h == H - 1).to(tl.float32)
+    lef = (w == 0).to(tl.float32)
+    rig = (w == W - 1).to(tl.float32)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < CO
+    k = tl.load(s_ptr + c, mask=cm, other=0.0) * (tl.load(xs_ptr + f) * tl.load(zq_ptr + f))
+    out = top[:, None] * tl.load(ws_ptr + CO + c, mask=cm, other=0.0)[None, :]
+    out += bot[:, None] * tl.load(ws_ptr + 2 * CO + c, mask=cm, other=0.0)[None, :]
+    out += lef[:, None] * tl.load(ws_ptr + 3 * CO + c, mask=cm, other=0.0)[None, :]
+    out += rig[:, None] * tl.load(ws_ptr + 4 * CO + c, mask=cm, other=0.0)[None, :]
+    out -= (top * lef)[:, None] * tl.load(ws_ptr + 5 * CO + c, mask=cm, other=0.0)[None, :]
+    out -= (top * rig)[:, None] * tl.load(ws_ptr + 6 * CO + c, mask=cm, other=0.0)[None, :]
+    out -= (bot * lef)[:, None] * tl.load(ws_ptr + 7 * CO + c, mask=cm, other=0.0)[None, :]
+    out -= (bot * rig)[:, None] * tl.load(ws_ptr + 8 * CO + c, mask=cm, other=0.0)[None, :]
+    off = f.to(tl.int64) * syf + h.to(tl.int64) * syh + w.to(tl.int64) * syw
+    m = pm[:, None] & cm[None, :]
+    ptr = y_ptr + off[:, None] + c[None, :]
+    y = tl.load(ptr, mask=m, other=0.0).to(tl.float32) - out * k[None, :]
+    tl.store(ptr, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.constexpr, BW: tl.constexpr,
                   BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PHASES: tl.constexpr, ph, pa,
-                  pb, INT8: tl.constexpr = False, zq=0.0, ws_ptr=None, H=1, W=1):
+                  pb, ZP: tl.constexpr = False, zq=0.0, ws_ptr=None):
+    """Scales, bias, store. ZP (int8 with a zero point, x ~= xs * (q + zq)): TMA's zero fill reads q = 0 in the
+    padding, which is x = 0 only without the zero point, so each output needs + zq * (the sum of the weights of its
+    taps inside the image). For interior pixels that is every tap, one value per column: it is folded into the bias
+    here, at no per-element cost. The border pixels' difference (the taps outside) is subtracted after the store by
+    _int8_border_kernel. Per-pixel terms in this epilogue cost ~1.3 ms per sdxl-1024 decode on an H200 (nine
+    in-place [BM, BN] passes, which at K = 9 * Cin are as long as the main loop; docs/perf-notes.md E45, E46)."""
     cols = n + tl.arange(0, BN)
+    cm = cols < co
     acc = acc.to(tl.float32)
-    if INT8:  # x ~= xs * (q + zq): add zq * (the in-image taps' weight sums); the padding read q = 0, i.e. x = 0
-        acc = _add_zero_point(acc, zq, n, co, h0, w0, H, W, ws_ptr, BH, BW, BN)
-    if HAS_SCALE:  # phase ph's weight scales are rows [ph * co, (ph + 1) * co) of the packed weights
-        acc = acc * (tl.load(s_ptr + ph * co + cols, mask=cols < co, other=0.0)[None, :] * xs)
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + cols, mask=cols < co, other=0.0)[None, :]
+    if ZP:  # + zq * (the sum of all taps' weights) * scales, folded into the bias
+        sc = tl.load(s_ptr + cols, mask=cm, other=0.0) * xs
+        off = zq * tl.load(ws_ptr + cols, mask=cm, other=0.0) * sc
+        if HAS_BIAS:
+            off += tl.load(b_ptr + cols, mask=cm, other=0.0)
+        acc = acc * sc[None, :] + off[None, :]
+    else:
+        if HAS_SCALE:  # phase ph's weight scales are rows [ph * co, (ph + 1) * co) of the packed weights
+            acc = acc * (tl.load(s_ptr + ph * co + cols, mask=cm, other=0.0)[None, :] * xs)
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + cols, mask=cm, other=0.0)[None, :]
     if PHASES:  # y seen as (frames, H, 2, W, 2 * co): output pixel (2h + pa, 2w + pb)
         y_desc.store([f, h0, pa, w0, pb * co + n], tl.reshape(acc.to(y_desc.dtype), [1, BH, 1, BW, BN]))
     else:
@@ -143,10 +178,10 @@ def _tma_conv_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
     PHASES: tl.constexpr = False,  # the four 2x2 phase convs of a 2x upsample + 3x3 conv in one launch (see below)
-    INT8: tl.constexpr = False,  # int8 operands, int32 accumulation (fp32 under DOT_F32); zero points in the epilogue
-    I32: tl.constexpr = False,  # INT8 and not DOT_F32: accumulate in int32
-    zq_ptr=None,  # [N] fp32 (INT8): per-sample zero point, in units of the activation scale
-    ws_ptr=None,  # [9, CO] fp32 (INT8): conv.tap_sums of the int8 weights
+    ZP: tl.constexpr = False,  # int8 with zero points: the interior term in the epilogue (see _tma_epilogue)
+    I32: tl.constexpr = False,  # int8 operands and not DOT_F32: accumulate in int32
+    zq_ptr=None,  # [N] fp32 (ZP): per-sample zero point, in units of the activation scale
+    ws_ptr=None,  # [9, CO] fp32 (ZP): conv.tap_sums of the int8 weights
 ):
     pid = tl.program_id(0)
     # column tiles fastest: the programs that share an input box run together and meet it in L2
@@ -216,13 +251,13 @@ def _tma_conv_kernel(
     else:
         xs = x_scale
     zq = 0.0
-    if INT8:
+    if ZP:
         zq = tl.load(zq_ptr + smp)
     _tma_epilogue(acc0, n0, CO, f, h0, w0, y0_desc, s_ptr, b_ptr, xs, BH, BW, BN0, HAS_SCALE, HAS_BIAS,
-                  PHASES, ph, pa, pb, INT8, zq, ws_ptr, H, W)
+                  PHASES, ph, pa, pb, ZP, zq, ws_ptr)
     if BN1 > 0:
         _tma_epilogue(acc1, n0 + BN0, CO, f, h0, w0, y1_desc, s_ptr, b_ptr, xs, BH, BW, BN1, HAS_SCALE, HAS_BIAS,
-                      PHASES, ph, pa, pb, INT8, zq, ws_ptr, H, W)
+                      PHASES, ph, pa, pb, ZP, zq, ws_ptr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +381,9 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
     y0_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn0])
     y1_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn1]) if bn1 else None
     n_tiles = triton.cdiv(CO, cfg.n_width())
+    zp = a.int8 and ZERO_POINT
+    if zp and (phases or kt != 1 or yv.stride(3) != 1):
+        raise ValueError("conv_tma: int8 zero points are for 2D 3x3 convs into a (frames, H, W, Cout) output")
     grid = (frames * triton.cdiv(a.H, bh) * triton.cdiv(a.W, bw) * n_tiles,)
     _tma_conv_kernel[grid](
         x_desc, x1_desc, w0_desc, w1_desc, w01_desc, w11_desc, y0_desc, y1_desc,
@@ -354,9 +392,17 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
         KT=kt, KH=kh, KW=kw, PH=pads[0], PW=pads[1], BH=bh, BW=bw, BK=bk, BN0=bn0, BN1=bn1, BK1=bk1,
         HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
         DOT_F32=x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.int8), PHASES=phases,
-        INT8=a.int8 and ZERO_POINT, I32=a.int8 and x.device.type != "cpu", zq_ptr=a.zq_t, ws_ptr=pw.tapsum if a.int8 else None,
-        num_warps=cfg.num_warps,
+        ZP=zp, I32=a.int8 and x.device.type != "cpu", zq_ptr=a.zq_t if zp else None,
+        ws_ptr=pw.tapsum if zp else None, num_warps=cfg.num_warps,
     )
+    if zp:  # the zero-point term's border half (_int8_border_kernel): 2W + 2H pixels per frame
+        n_border = a.W * min(a.H, 2) + max(a.H - 2, 0) * min(a.W, 2)
+        bc = min(128, triton.next_power_of_2(CO))
+        n_c = triton.cdiv(CO, bc)
+        _int8_border_kernel[(frames * triton.cdiv(n_border, 32) * n_c,)](
+            yv, pw.scale, a.xs_t, a.zq_t, pw.tapsum, a.H, a.W, CO, n_border, n_c, yv.stride(0), yv.stride(1),
+            yv.stride(2), BLOCK_P=32, BLOCK_C=bc, num_warps=4,
+        )  # fmt: skip
 
 
 def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | None, a: ConvArgs,
