@@ -158,10 +158,10 @@ def wan480_ab(settings: list, rounds: int, apply):
     return plan.chunk, outs, ms
 
 
-def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str):
+def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str, **options):
     """-> (pipeline, first output): the family's model with diffusers' default init (seed 0, as `vaeopt benchmark`),
     bf16 on CUDA, FP8 level 3 at fp8_gate dB if given, its CUDA graph captured for z (so module-level launch settings
-    in force now are the ones baked into the graph)."""
+    in force now are the ones baked into the graph). options: more Options fields."""
     from vaeopt.loading import load_vae
     from vaeopt.pipeline import Options, Pipeline
 
@@ -169,6 +169,7 @@ def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str):
     o = dict(device="cuda", dtype="bf16", graphs="off", tiling="off")
     if fp8_gate is not None:
         o.update(fp8="on", gate_db=float(fp8_gate))
+    o.update(options)
     p = Pipeline(load_vae(None, family=fam), Options(**o))
     p.enable_graphs(reason)
     with torch.inference_mode():

@@ -1,10 +1,11 @@
 """Whole sdxl-1024 decodes with the image resnet convs' 8-bit path in e4m3 vs int8 (stages/triton_conv.INT8_FORMAT),
 same process, CUDA-graph replays interleaved (0.1 s idle before each, E31's clocks), PSNR vs the fp32 decode.
 
-    python3 benchmarks/gpu_int8_decode.py [--rounds 15] [--gates none,40,0]   # sm_90; writes $OUT/int8_decode.json
+    python3 benchmarks/gpu_int8_decode.py [--rounds 15] [--gates none,40,0] [--profile]   # sm_90; $OUT/int8_decode.json
 
 Gate 0 admits every candidate: the two formats' speed with the same layers. Gate 40 is the default: how many layers
-each format gets in, and what the decode measures at full size (the gate judges a 16x16-latent probe).
+each format gets in, and what the decode measures at full size (the gate judges e4m3 on a 16x16-latent probe, int8
+on a latent of the decode's size).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from vaeopt.stages import triton_conv  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=15)
 ap.add_argument("--gates", default="none,40,0")
+ap.add_argument("--profile", action="store_true", help="also kernel time by kernel name per variant (torch.profiler "
+                "over 5 graph replays)")
 args = ap.parse_args()
 OUT = out_dir()
 no_tf32()
@@ -50,12 +53,14 @@ for gate in args.gates.split(","):
     for fmt in fmts:
         triton_conv.INT8_FORMAT = fmt == "int8"
         name = fmt if gate == "none" else f"{fmt} gate {gate}"
-        p, y = graphed_pipe("sdxl", z, None if gate == "none" else float(gate), "A/B")
+        # the decode's size: int8 is gated there (without it the stage takes e4m3)
+        p, y = graphed_pipe("sdxl", z, None if gate == "none" else float(gate), "A/B", decode_shape=tuple(z.shape))
         st = next((s for s in p.stages if s.name == "fp8 convs"), None)
         data = dict(st.data) if st is not None and st.data else {}
         info[name] = {"psnr_db": psnr(y.float(), ref), "layers": data.get("layers"),
                       "probe_db": data.get("probe_db"), "resnet_format": data.get("resnet_format"),
-                      "kept_bf16": len(data.get("kept", []))}
+                      "kept_bf16": len(data.get("kept", [])),
+                      "probe_shape": data.get("probe_shape"), "gate_s": data.get("gate_s")}
         pipes[name] = p
         print(name, info[name], flush=True)
 triton_conv.INT8_FORMAT = False
@@ -64,6 +69,28 @@ ms = interleaved_graph_ms(pipes, z, args.rounds, before=lambda n: time.sleep(0.1
 for name in pipes:
     info[name]["median_ms"] = statistics.median(ms[name])
     info[name]["ms"] = ms[name]
+if args.profile:
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, p in pipes.items():
+        with torch.inference_mode():
+            p.graphed(z)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    p.graphed(z)
+                torch.cuda.synchronize()
+        by = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                k = e.name[:90]
+                by[k] = by.get(k, 0.0) + e.device_time / 5e3  # us over 5 replays -> ms per decode
+        info[name]["kernel_ms"] = dict(sorted(by.items(), key=lambda t: -t[1]))
+        info[name]["kernel_total_ms"] = sum(by.values())
+        print(f"\n{name}: {sum(by.values()):.2f} ms of kernels per decode", flush=True)
+        for k, v in list(info[name]["kernel_ms"].items())[:12]:
+            print(f"  {v:7.3f}  {k}")
+
 res = {"variants": info, "rounds": args.rounds,
        **run_meta("python3 benchmarks/gpu_int8_decode.py " + " ".join(sys.argv[1:]))}
 (OUT / "int8_decode.json").write_text(json.dumps(res, indent=1))

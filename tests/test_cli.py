@@ -1048,3 +1048,24 @@ def test_benchmark_hints_name_only_flags_it_has(tmp_path, samples_dir):
     assert details and any("`vaeopt decode --triton on`" in d for d in details)
     bare = [re.sub(r"`vaeopt decode [^`]*`", "", d) for d in details]  # outside what is named as decode's
     assert not any(re.search(r"--(triton|conv-kernel|upsample-conv|graphs|channels-last)\b", d) for d in bare)
+
+
+def test_decode_tells_the_fp8_gate_the_largest_latent(tmp_path, samples_dir, monkeypatch):
+    """With --fp8, `vaeopt decode` builds its pipeline with the largest input latent's shape (batch 1), where the
+    int8 convs' gate measures (stages/triton_conv.apply_fp8); without --fp8 it passes none."""
+    from vaeopt import pipeline
+
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"]
+    torch.save(torch.cat([z, z])[:, :, :8, :8], tmp_path / "small.pt")
+    torch.save(z[:, :, :12, :16], tmp_path / "big.pt")
+    seen = []
+    real = pipeline.Pipeline.__init__
+    monkeypatch.setattr(pipeline.Pipeline, "__init__",
+                        lambda self, loaded, options=None, *a, **k: seen.append(options) or real(self, loaded, options,
+                                                                                               *a, **k))
+    model = samples_dir / "tiny_kl_image.safetensors"
+    for fp8, want in (("on", (1, z.shape[1], 12, 16)), ("off", None)):
+        r = run("decode", tmp_path / "small.pt", tmp_path / "big.pt", "-m", model, "-o", tmp_path / f"o{fp8}",
+                "--fp8", fp8, "--dtype", "fp32")
+        assert r.exit_code == 0, r.output
+        assert seen[-1].decode_shape == want

@@ -258,7 +258,7 @@ def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
     line = next((s for s in pipe.stages if s.name == "fp8 convs" and s.status == "applied"), None)
     assert line is not None, [s.line() for s in pipe.stages]
     # every residual conv but up_blocks.1.resnets.0.conv1 (192 -> 384: no measured tile) takes the TMA kernel
-    assert line.data["tma_layers"] == 27 and "27 of the 28 e4m3 convs through TMA boxes" in line.line(), line.line()
+    assert line.data["tma_layers"] == 27 and "27 of the 28 8-bit convs through TMA boxes" in line.line(), line.line()
     calls = []
     real = TC.conv_tma_checked
     monkeypatch.setattr(TC, "conv_tma_checked", lambda *a, **k: calls.append(1) or real(*a, **k))

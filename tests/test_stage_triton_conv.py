@@ -250,9 +250,10 @@ def test_fp8_convs_in_the_image_decoder(samples_dir, monkeypatch):
 
 
 def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
-    """Where the stage chooses int8 for the image resnet convs (sm_90; faked here) the GroupNorm kernel writes int8
-    with a per-sample zero point, the convs run on int8 operands, the stage line says int8, and the probe (the
-    decode's real PSNR vs fp32) is higher than with the same layers in e4m3: the point of int8 here."""
+    """Where the stage chooses int8 for the image resnet convs (sm_90; faked here) and knows the decode's size to
+    gate at, the GroupNorm kernel writes int8 with a per-sample zero point, the convs run on int8 operands, the stage
+    line says int8, and the probe (the decode's real PSNR vs fp32) is higher than with the same layers in e4m3: the
+    point of int8 here."""
 
     from vaeopt.fidelity import psnr
 
@@ -266,7 +267,16 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     r8 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z)
     assert r8.status == "applied" and r8.data["resnet_format"] == "e4m3" and "e4m3 implicit-GEMM" in r8.detail
     monkeypatch.setattr(triton_conv, "int8_convs", lambda m, d: True)
-    r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z)
+    # int8's step grows with the image: without the decode's size to gate at, e4m3, and the line says why
+    r0 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z)
+    assert r0.data["resnet_format"] == "e4m3" and "gated at the decode's size" in r0.detail, r0.line()
+    # a larger decode: the gate measures int8 on a latent of that size, not on the small probe
+    big = (1, z.shape[1], 2 * z.shape[2], 2 * z.shape[3])
+    rb = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z, decode_shape=big)
+    assert rb.data["resnet_format"] == "int8" and rb.data["probe_shape"] == list(big), rb.line()
+    assert "8x8 latent, the decode size" in rb.detail
+    r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z,
+                              decode_shape=tuple(z.shape))
     assert r.status == "applied" and r.data["layers"] == len(cands), r.line()
     assert r.data["resnet_format"] == "int8" and "int8 implicit-GEMM" in r.detail and "zero point" in r.detail
     assert r.data["probe_db"] > r8.data["probe_db"] + 1.0, (r.data["probe_db"], r8.data["probe_db"])

@@ -315,7 +315,7 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
         loaded = LoadedVAE(model=model, family=b.spec, layout="benchmark", path=None, notes=[], dtype_on_disk=None)
         o = Options(device=str(b.device), dtype=str(b.dtype).replace("torch.", "").replace("bfloat16", "bf16")
                     .replace("float32", "fp32").replace("float16", "fp16"),
-                    cudnn_autotune="on" if tuned else "off", **opts)
+                    cudnn_autotune="on" if tuned else "off", decode_shape=tuple(b.shape), **opts)
         lines = []
         pipe = Pipeline(loaded, o, log=lines.append, entry="benchmark")  # (the rows show its stage lines)
         if tuned is not None:

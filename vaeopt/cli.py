@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import json
@@ -354,6 +355,9 @@ def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
     from vaeopt.pipeline import Pipeline
 
     console.print("[bold]optimize[/]")
+    images = [j.z_raw.shape for j in jobs if j.z_raw.dim() == 4]
+    if images and opts.fp8 != "off":  # the int8 convs' gate measures at the largest decode (stages/triton_conv)
+        opts = dataclasses.replace(opts, decode_shape=(1, *max(images, key=lambda s: s[-2] * s[-1])[1:]))
     pipe = Pipeline(loaded, opts, log=_log)
     console.print("[bold]decode[/]")
     with Progress(TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -134,6 +134,9 @@ class Options:
     chunk: int | None = None  # latent frames per decoder call (video)
     vram_budget_gb: float | None = None
     gate_db: float = 40.0  # fidelity gate for lossy stages (PSNR vs fp32 reference)
+    # the latent shape (N, C, H, W) the decodes will have, where the caller knows it (vaeopt decode: the largest
+    # input; vaeopt benchmark: the workload): the int8 convs' gate measures at that size (stages/triton_conv)
+    decode_shape: tuple | None = None
 
     def validate(self) -> None:
         for name in ("channels_last", "triton", "epilogues", "attention", "upsample_conv", "stack_conv3d",
@@ -159,6 +162,10 @@ class Options:
             raise VaeoptError(f"--vram-budget must be a positive number of GB, got {self.vram_budget_gb}")
         if not 0 <= self.gate_db < float("inf"):  # NaN fails this too
             raise VaeoptError(f"--fp8-gate must be a PSNR in dB, 0 or more, got {self.gate_db}")
+        ds = self.decode_shape
+        if ds is not None and (not isinstance(ds, (tuple, list)) or len(ds) < 3
+                               or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in ds)):
+            raise VaeoptError(f"decode_shape must be a latent shape such as (1, 4, 128, 128), got {ds!r}")
         if self.tile is not None and self.tiling == "off":
             raise VaeoptError("--tile conflicts with --tiling off")
 
@@ -288,7 +295,8 @@ class Pipeline:
         if conv8 and o.conv_kernel == "off":
             self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
         elif conv8:
-            self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db))
+            self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db,
+                                                              decode_shape=o.decode_shape))
 
         if o.attention == "off":
             self._record(StageResult.skipped("attention", "off"))

@@ -23,6 +23,7 @@ e4m3 kernel only under FP8 level 3 (`apply_fp8` below, run by stages/fused_epilo
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -332,13 +333,11 @@ def packed_fp8(conv: nn.Module):
 
 
 # int8 for the image resnet convs (sm_90, the TMA kernel): a SiLU output quantized to 255 levels over [-0.28, max]
-# measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL), and
-# at the default 40 dB gate sdxl-1024 admitted 23 layers instead of 5: 15.25 vs 15.89 ms on an H200. Off by
-# default: the gate's 16x16 probe measured 40.6 dB where the full-size decode measured 39.1 (int8's uniform step
-# grows with the range of the whole tensor, which a small probe underestimates), and with the same layers int8 is
-# slower than e4m3 (14.00 vs 12.81 ms: the zero-point epilogue and the int8 apply). Benchmarks switch it on
-# (benchmarks/gpu_int8_decode.py; docs/perf-notes.md E45).
-INT8_FORMAT = False
+# measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL). Gated
+# at the decode's size (apply_fp8), at the default 40 dB gate sdxl-1024 admitted 19 layers instead of e4m3's 5:
+# 14.86 vs 15.88 ms on an H200, 40.3 dB at full size (h200_int8_decode_2026-11-23e.json; docs/perf-notes.md E45,
+# E46). Benchmarks switch it off to time e4m3 (benchmarks/gpu_int8_decode.py).
+INT8_FORMAT = True
 
 
 def int8_convs(model: nn.Module, device: torch.device) -> bool:
@@ -381,11 +380,63 @@ def _probe_db(model: nn.Module, z: torch.Tensor, dtype: torch.dtype, ref: torch.
     return psnr(_decode(model, z.to(dtype)).float(), ref)
 
 
+def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torch.dtype, gate_db: float,
+                 margin_db: float, mark: Callable) -> tuple[list | None, dict, str]:
+    """Probe-decode with every candidate in 8 bits; if that misses the gate, measure each layer's sensitivity (the
+    probe with only that layer in 8 bits) and keep the largest set of the least sensitive ones that clears
+    gate + margin (binary search on the count). -> (the chosen candidates, or None: no subset passed; stats; note)."""
+    from vaeopt.fidelity import psnr
+
+    dname = str(dtype).replace("torch.", "")
+    mark([])
+    ref, base = _references(model, probe, dtype)  # once: every probe below is compared with the same decodes
+    pb = psnr(base, ref)
+    mark(cands)
+    p8 = _probe_db(model, probe, dtype, ref)
+    stats = {"layers": len(cands), "probe_db": p8, "bf16_probe_db": pb, "gate_db": gate_db, "kept": [],
+             "probe_shape": list(probe.shape)}
+    if p8 >= gate_db:
+        return cands, stats, ""
+    sens = []
+    for c in cands:
+        mark([c])
+        sens.append((_probe_db(model, probe, dtype, ref), c))
+    sens.sort(key=lambda t: -t[0])  # least harmful first
+    order = [c for _, c in sens]
+    lo, hi, best = 1, len(order) - 1, None
+    while lo <= hi:
+        k = (lo + hi) // 2
+        mark(order[:k])
+        pk = _probe_db(model, probe, dtype, ref)
+        if pk >= gate_db + margin_db:
+            best, lo = (k, pk), k + 1
+        else:
+            hi = k - 1
+    stats["sensitivity_db"] = {n: round(p, 2) for p, (n, _) in sens}
+    if best is None:
+        mark([])
+        return None, stats, (f"probe {p8:.1f} dB vs fp32 < gate {gate_db:g} dB with all {len(cands)} layers, and no "
+                             f"subset of the least sensitive ones cleared it ({dname} path {pb:.1f} dB)")
+    k, pk = best
+    chosen = order[:k]
+    mark(chosen)
+    kept = [n for n, _ in order[k:]]
+    stats.update(probe_db=pk, layers=k, kept=kept, all_fp8_db=p8)
+    alone = {n: p for p, (n, _) in sens}
+    worst = ", ".join(f"{n.replace('decoder.', '')} ({alone[n]:.1f} dB alone)" for n in kept[-3:][::-1])
+    return chosen, stats, (f"; all {len(cands)} in 8 bits measured {p8:.1f} dB, so {len(kept)} most sensitive kept in "
+                           f"{dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
+
+
 def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_db: float = 40.0,
-              probe: torch.Tensor | None = None, force: bool = False, margin_db: float = 0.5) -> StageResult:
-    """Mark the fp8 candidates, probe-decode, keep them only if the probe clears the gate (PSNR vs fp32). When all
-    of them miss it: measure each layer's sensitivity (the probe with only that layer in fp8), then keep the largest
-    set of the least sensitive layers that clears gate + margin (binary search on the count); else fall back."""
+              probe: torch.Tensor | None = None, force: bool = False, margin_db: float = 0.5,
+              decode_shape: tuple | None = None) -> StageResult:
+    """Mark the fp8 candidates and keep the set that clears the gate (PSNR vs fp32 of a probe decode, _gate_search),
+    else fall back. The probe is a 16x16 latent for e4m3, whose relative step does not depend on the image. int8's
+    step is the whole tensor's range / 254, and a larger image has larger extremes (E45: a 16x16 probe measured 40.6
+    dB where the 1024² decode measured 39.1), so int8 (int8_convs) is gated at decode_shape, the decode's latent
+    shape (with `probe` where it has that size, else a seeded N(0, 1) latent): without it, or if that probe does not
+    fit in memory, or if no int8 subset passes there, the resnet convs take e4m3."""
     name = "fp8 convs"
     ok, why = fp8_available(device)
     if not ok and not force:
@@ -409,67 +460,54 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         why = "" if wan else (f" with >= {image_min_channels(device)} channels (narrower ones measured slower in "
                               "e4m3 than cuDNN bf16, H200)")
         return StageResult.skipped(name, f"no residual-block 3x3 convs fed by a fused norm{why} in this decoder")
+    g = torch.Generator().manual_seed(0)
     if probe is None:
-        g = torch.Generator().manual_seed(0)
         shape = (1, model.config.z_dim, 3, 16, 16) if wan else (1, model.config.latent_channels, 16, 16)
         probe = torch.randn(shape, generator=g)
-    probe = probe.to(device)
-    from vaeopt.fidelity import psnr
-
     dname = str(dtype).replace("torch.", "")
 
     from vaeopt.stages.fused_epilogues import FP8_ATTR
 
     up_ids = {id(m) for _, m in ups}
-    i8 = int8_convs(model, torch.device(device))
-    for _, m in cands:
-        if not _is_attention(m) and id(m) not in up_ids:
-            setattr(m, _INT8, i8)
 
     def mark(chosen):
         ids = {id(m) for _, m in chosen}
         for _, m in cands:
             setattr(m, FP8_ATTR if _is_attention(m) else _MARK8, id(m) in ids)
 
-    mark([])
+    def set_format(int8: bool):
+        for _, m in cands:
+            if not _is_attention(m) and id(m) not in up_ids:
+                setattr(m, _INT8, int8)
+
     t0 = time.perf_counter()
-    ref, base = _references(model, probe, dtype)  # once: every probe below is compared with the same decodes
-    pb = psnr(base, ref)
-    mark(cands)
-    p8 = _probe_db(model, probe, dtype, ref)
-    stats = {"layers": len(cands), "probe_db": p8, "bf16_probe_db": pb, "gate_db": gate_db, "kept": []}
-    chosen, note = cands, ""
-    if not p8 >= gate_db:  # per-layer sensitivity on the probe, then the largest passing prefix
-        sens = []
-        for c in cands:
-            mark([c])
-            sens.append((_probe_db(model, probe, dtype, ref), c))
-        sens.sort(key=lambda t: -t[0])  # least harmful first
-        order = [c for _, c in sens]
-        lo, hi, best = 1, len(order) - 1, None
-        while lo <= hi:
-            k = (lo + hi) // 2
-            mark(order[:k])
-            pk = _probe_db(model, probe, dtype, ref)
-            if pk >= gate_db + margin_db:
-                best, lo = (k, pk), k + 1
-            else:
-                hi = k - 1
-        stats["sensitivity_db"] = {n: round(p, 2) for p, (n, _) in sens}
-        if best is None:
+    i8, note8 = int8_convs(model, torch.device(device)), ""
+    if i8 and decode_shape is None:
+        i8, note8 = False, ("; resnet convs in e4m3, not int8: int8 is gated at the decode's size (its step grows "
+                            "with the image), unknown to this pipeline")
+    result = None
+    if i8:
+        size = (1, *tuple(decode_shape)[1:])  # the caller's probe where it has that size, else a random latent
+        big = (probe[:1] if probe.shape[1:] == size[1:] else torch.randn(size, generator=g)).to(device)
+        set_format(True)
+        try:
+            result = _gate_search(model, cands, big, dtype, gate_db, margin_db, mark)
+        except torch.cuda.OutOfMemoryError:
             mark([])
-            return StageResult(name, "fallback", f"probe {p8:.1f} dB vs fp32 < gate {gate_db:g} dB with all "
-                                                 f"{len(cands)} layers, and no subset of the least sensitive ones "
-                                                 f"cleared it ({dname} path {pb:.1f} dB): convs kept in {dname}", stats)
-        k, p8 = best
-        chosen = order[:k]
-        mark(chosen)
-        kept = [n for n, _ in order[k:]]
-        stats.update(probe_db=p8, layers=k, kept=kept, all_fp8_db=stats["probe_db"])
-        worst = ", ".join(f"{n.replace('decoder.', '')} ({dict((nn_, p) for p, (nn_, _) in sens)[n]:.1f} dB alone)"
-                          for n in kept[-3:][::-1])
-        note = (f"; all {len(cands)} in fp8 measured {stats['all_fp8_db']:.1f} dB, so {len(kept)} most sensitive "
-                f"kept in {dname} (per-layer probe: {worst}{', ...' if len(kept) > 3 else ''})")
+            torch.cuda.empty_cache()
+            note8 = (f"; resnet convs in e4m3, not int8: the int8 gate's probe at the decode's size "
+                     f"{tuple(big.shape[-2:])} ran out of GPU memory")
+        if result is not None and result[0] is None:  # no int8 subset passed at full size: e4m3 at the small probe
+            note8 = f"; int8 at the decode's size: {result[2]}, so e4m3"
+            result = None
+        i8 = result is not None
+    if result is None:
+        set_format(False)
+        result = _gate_search(model, cands, probe.to(device), dtype, gate_db, margin_db, mark)
+    chosen, stats, note = result
+    if chosen is None:
+        return StageResult(name, "fallback", f"{note}: convs kept in {dname}{note8}", stats)
+    note += note8
     n_up = sum(id(m) in up_ids for _, m in chosen)
     n_att = sum(_is_attention(m) for _, m in chosen)
     chosen = [(n, m) for n, m in chosen if not _is_attention(m)]  # the convs, for what follows
@@ -483,12 +521,12 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     stats["gate_s"] = time.perf_counter() - t0
     note += f"; gate probes {stats['gate_s']:.1f} s (first use in a process includes the e4m3 kernels' compiles)"
     if n_tma:
-        note += (f"; {n_tma} of the {len(chosen)} e4m3 convs through TMA boxes (kernels/tma_conv.py, tiles "
+        note += (f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py, tiles "
                  "measured on sm_90)")
     what = ("Conv3d", "the RMS-norm kernel (static scales)") if wan else (
         "Conv2d", "the GroupNorm kernel (per-sample " + ("scale and zero point over [-0.28, max]" if i8 else "scales")
         + " from bounds of the group max/min; whole-image decodes, tiled ones keep their convs)")
-    stats["resnet_format"] = "int8" if i8 and not wan else "e4m3"
+    stats["resnet_format"] = "int8" if i8 else "e4m3"
     res_chans = sorted({m.out_channels for _, m in chosen if id(m) not in up_ids})
     ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in e4m3 (inputs quantized per sample by an amax "
                "pass, kernels/act_quant.py)" if n_up else "")
@@ -498,6 +536,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
                f"{stats['resnet_format']} implicit-GEMM kernel, inputs quantized by {what[1]}{ups_txt}{att_txt}"
                if res_chans
                else (ups_txt + att_txt)[2:])
-    return StageResult(name, "applied", f"{res_txt}; probe "
-                                        f"{p8:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path {pb:.1f} dB){note}",
-                       stats)
+    where = "x".join(map(str, stats["probe_shape"][-2:]))
+    return StageResult(name, "applied", f"{res_txt}; probe ({where} latent{', the decode size' if i8 else ''}) "
+                                        f"{stats['probe_db']:.1f} dB vs fp32 (gate {gate_db:g}; {dname} path "
+                                        f"{stats['bf16_probe_db']:.1f} dB){note}", stats)
