@@ -48,6 +48,7 @@ del ref_model
 torch.cuda.empty_cache()
 
 pipes, info = {}, {}
+default_format = triton_conv.INT8_FORMAT
 for gate in args.gates.split(","):
     fmts = ["bf16"] if gate == "none" else ["e4m3", "int8"]
     for fmt in fmts:
@@ -63,7 +64,7 @@ for gate in args.gates.split(","):
                       "probe_shape": data.get("probe_shape"), "gate_s": data.get("gate_s")}
         pipes[name] = p
         print(name, info[name], flush=True)
-triton_conv.INT8_FORMAT = False
+triton_conv.INT8_FORMAT = default_format
 
 ms = interleaved_graph_ms(pipes, z, args.rounds, before=lambda n: time.sleep(0.1))
 for name in pipes:

@@ -423,3 +423,42 @@ def test_192_channel_layers_go_back_to_cudnn_where_the_gluon_kernel_does_not_run
     pw = triton_conv.packed_for(conv, x)
     assert pw is not None and pw.kmajor and pw.cout == 192
     assert triton_conv.packed_for(conv, x.half()) is None
+
+
+def test_int8_gate_falls_back_to_e4m3(samples_dir, monkeypatch):
+    """Where the int8 gate at the decode's size cannot run (out of GPU memory) or no int8 subset passes there, the
+    resnet convs take e4m3 on the small probe, and the stage line says which and why."""
+    model, z = _tiny_kl_fused(samples_dir)
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH", 0)
+    cands = triton_conv.fp8_candidates(model)[::3]
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: cands)
+    monkeypatch.setattr(triton_conv, "int8_convs", lambda m, d: True)
+    real = triton_conv._gate_search
+    probes = []
+
+    def oom_at_full_size(model, cands, probe, *a):
+        probes.append((tuple(probe.shape), bool(getattr(cands[0][1], triton_conv._INT8, False))))
+        if len(probes) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, cands, probe, *a)
+
+    monkeypatch.setattr(triton_conv, "_gate_search", oom_at_full_size)
+    big = (1, z.shape[1], 64, 64)
+    r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z, decode_shape=big)
+    assert probes == [(big, True), (tuple(z.shape), False)]
+    assert r.status == "applied" and r.data["resnet_format"] == "e4m3", r.line()
+    assert "not int8: the int8 gate's probe at the decode's size (64, 64) ran out of GPU memory" in r.detail
+    assert not any(getattr(m, triton_conv._INT8, False) for _, m in cands)
+
+    def no_int8_subset(model, cands, probe, *a):
+        if getattr(cands[0][1], triton_conv._INT8, False):
+            return None, {}, "probe 20.0 dB vs fp32 < gate 25 dB with all 2 layers, and no subset cleared it"
+        return real(model, cands, probe, *a)
+
+    monkeypatch.setattr(triton_conv, "_gate_search", no_int8_subset)
+    r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=25.0, probe=z,
+                              decode_shape=tuple(z.shape))
+    assert r.status == "applied" and r.data["resnet_format"] == "e4m3", r.line()
+    assert "; int8 at the decode's size: probe 20.0 dB vs fp32 < gate 25 dB with all 2 layers, and no subset cleared " \
+           "it, so e4m3;" in r.detail, r.detail

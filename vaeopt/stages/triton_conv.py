@@ -519,7 +519,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         m.in_channels, m.out_channels, 1 << 30, True) is not None) for _, m in chosen)
     stats["tma_layers"] = n_tma
     stats["gate_s"] = time.perf_counter() - t0
-    note += f"; gate probes {stats['gate_s']:.1f} s (first use in a process includes the e4m3 kernels' compiles)"
+    note += f"; gate probes {stats['gate_s']:.1f} s (the first use on a machine includes compiling the 8-bit kernels)"
     if n_tma:
         note += (f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py, tiles "
                  "measured on sm_90)")
