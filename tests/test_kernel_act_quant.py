@@ -60,3 +60,34 @@ def test_gpu_matches_torch():
     off = q.float() != ref  # the kernel's fp32 division may differ from torch's by an ulp: a rare one-step change
     assert off.float().mean() < 1e-4
     assert ((q.float() - ref).abs()[off] <= ref.abs()[off] / 8 + 2 ** -9).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_scales_values_and_layout(dtype):
+    """Symmetric int8 (the upsamplers' int8 inputs): scale amax / 127, codes round(x / scale) in [-127, 127] (ties
+    aside), the layout kept, zero stays zero, an all-zero sample quantizes to zeros."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 8, 5, 7, generator=g) * torch.tensor([0.01, 3.0, 200.0]).view(-1, 1, 1, 1)).to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    x[2].zero_()
+    x[0, 0, 0, 0] = 0.0
+    q, s = AQ.quantize_int8_per_sample(x, block=64)
+    amax = x.float().flatten(1).abs().amax(1)
+    torch.testing.assert_close(s, amax.clamp_min(1e-12) / 127.0, rtol=0, atol=0)
+    assert q.dtype == torch.int8 and q.stride() == x.stride()
+    v = x.float() * (127.0 / amax.clamp_min(1e-12)).view(-1, 1, 1, 1)
+    assert ((q.float() - v).abs() <= 0.5 + 1e-4).all()
+    assert q[0, 0, 0, 0] == 0 and not q[2].any()
+    assert q.abs().flatten(1).amax(1)[:2].eq(127).all()  # each nonzero sample uses the full range
+    with pytest.raises(ValueError, match="quantize_int8_per_sample: x must be dense"):
+        AQ.quantize_int8_per_sample(x[:, :, ::2])
+
+
+@pytest.mark.gpu
+def test_gpu_int8_matches_torch():
+    x = torch.randn(2, 256, 64, 64, device="cuda").to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    q, s = AQ.quantize_int8_per_sample(x)
+    amax = x.float().flatten(1).abs().amax(1)
+    torch.testing.assert_close(s, amax / 127.0, rtol=1e-6, atol=0)
+    v = x.float() * (127.0 / amax).view(-1, 1, 1, 1)
+    assert ((q.float() - v).abs() <= 0.5 + 1e-4).all()

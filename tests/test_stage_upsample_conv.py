@@ -304,6 +304,29 @@ def test_e4m3_phase_convs_store_each_phase_in_place(cfg_args, merged):
     torch.testing.assert_close(yb.float(), y - b.view(1, -1, 1, 1), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("cfg_args", [(2, 4, 16, 32, 16, 4, 1, 0), (1, 8, 16, 16, 0, 4, 1, 16)])
+def test_int8_phase_convs_match_dequantized_reference(cfg_args):
+    """Symmetric int8 (x = 0 is q = 0, so TMA's zero fill is the conv's padding; no zero-point term): the phases on
+    int8 operands equal the dequantized operands' conv, closer to fp32 than e4m3 on the same input."""
+    _need_tma()
+    from vaeopt.kernels.act_quant import quantize_e4m3_per_sample, quantize_int8_per_sample
+    from vaeopt.kernels.tma_conv import TmaConfig
+    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+
+    x, w, b = _e4m3_case()
+    q, s = quantize_int8_per_sample(x)
+    pw4 = phase_weights_e4m3(w, torch.int8)
+    assert pw4.w.dtype == torch.int8 and pw4.kernel == (1, 2, 2) and pw4.tapsum is None
+    y = upconv2x_e4m3(q, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args))
+    torch.testing.assert_close(y, _dequantized_reference(q, s, pw4, b), rtol=1e-5, atol=1e-5)
+    ref = upconv2x_reference(x, w, b)
+    x8, s8 = quantize_e4m3_per_sample(x)
+    y8 = upconv2x_e4m3(x8, s8, phase_weights_e4m3(w), b, out_dtype=torch.float32, config=TmaConfig(*cfg_args))
+    assert (y - ref).norm() < 0.5 * (y8 - ref).norm()
+    with pytest.raises(ValueError, match="int8 K-major 2x2 phase kernels"):  # formats must pair
+        upconv2x_e4m3(q, s, phase_weights_e4m3(w), b, config=TmaConfig(*cfg_args))
+
+
 def test_e4m3_phase_convs_refuse_bad_arguments():
     _need_tma()
     from vaeopt.kernels.act_quant import quantize_e4m3_per_sample

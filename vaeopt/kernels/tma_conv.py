@@ -381,7 +381,7 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
     y0_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn0])
     y1_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn1]) if bn1 else None
     n_tiles = triton.cdiv(CO, cfg.n_width())
-    zp = a.int8 and ZERO_POINT
+    zp = a.int8 and a.zq_t is not None and ZERO_POINT  # symmetric int8 (the upsamplers' inputs): no zero point
     if zp and (phases or kt != 1 or yv.stride(3) != 1):
         raise ValueError("conv_tma: int8 zero points are for 2D 3x3 convs into a (frames, H, W, Cout) output")
     grid = (frames * triton.cdiv(a.H, bh) * triton.cdiv(a.W, bw) * n_tiles,)

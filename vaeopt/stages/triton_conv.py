@@ -38,7 +38,7 @@ _MARK = "_vaeopt_igemm"
 _PACKED = "_vaeopt_igemm_packed"
 _MARK8 = "_vaeopt_fp8conv"
 _PACKED8 = "_vaeopt_fp8conv_packed"
-_INT8 = "_vaeopt_conv8_int8"  # on an image resnet conv: its 8-bit operands are int8 (asymmetric inputs), not e4m3
+_INT8 = "_vaeopt_conv8_int8"  # on an image decoder conv: int8 operands, not e4m3 (resnets asymmetric, upsamplers not)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -475,9 +475,9 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         for _, m in cands:
             setattr(m, FP8_ATTR if _is_attention(m) else _MARK8, id(m) in ids)
 
-    def set_format(int8: bool):
+    def set_format(int8: bool):  # resnet convs: asymmetric int8 (a SiLU output); upsamplers: symmetric int8
         for _, m in cands:
-            if not _is_attention(m) and id(m) not in up_ids:
+            if not _is_attention(m):
                 setattr(m, _INT8, int8)
 
     t0 = time.perf_counter()
@@ -528,8 +528,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         + " from bounds of the group max/min; whole-image decodes, tiled ones keep their convs)")
     stats["resnet_format"] = "int8" if i8 else "e4m3"
     res_chans = sorted({m.out_channels for _, m in chosen if id(m) not in up_ids})
-    ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in e4m3 (inputs quantized per sample by an amax "
-               "pass, kernels/act_quant.py)" if n_up else "")
+    ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in {'int8 (symmetric)' if i8 else 'e4m3'} (inputs "
+               "quantized per sample by an amax pass, kernels/act_quant.py)" if n_up else "")
     att_txt = (f"; the mid-block attention core{'s' if n_att > 1 else ''} in e4m3 (Q, K, V and the softmax P "
                "through torch._scaled_mm, P @ V row-scaled)" if n_att else "")
     res_txt = (f"{len(chosen) - n_up} residual-block {what[0]} ({'/'.join(map(str, res_chans))} ch) on the "

@@ -32,6 +32,7 @@ _MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
 _W4 = "_vaeopt_upconv_w4"  # on the nn.Conv2d: (weight key, dtype) -> phase kernels
 _W4_8 = "_vaeopt_upconv_w4_e4m3"  # on the nn.Conv2d: (weight key) -> the e4m3 phase kernels (one PackedWeight)
 _FP8 = "_vaeopt_fp8conv"  # set on the conv by FP8 level 3 (stages/triton_conv.apply_fp8)
+_INT8 = "_vaeopt_conv8_int8"  # set with it where the 8-bit format is int8 (stages/triton_conv._INT8)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -154,13 +155,16 @@ def fp8_ready(conv: nn.Conv2d, device: torch.device) -> bool:
 
 
 def _fp8_phase(conv: nn.Conv2d, x: torch.Tensor):
-    """The conv's e4m3 phase kernels when FP8 level 3 marked it and x suits the e4m3 path, else None."""
+    """The conv's 8-bit phase kernels (e4m3, or int8 where FP8 level 3 chose int8) when FP8 level 3 marked it and x
+    suits the 8-bit path, else None."""
     if not getattr(conv, _FP8, False) or x.dim() != 4 or not x.is_floating_point() or x.dtype == torch.float64:
         return None
     if not x.is_contiguous(memory_format=torch.channels_last) or not fp8_ready(conv, x.device):
         return None
     from vaeopt.kernels.upconv import phase_weights_e4m3
 
+    if getattr(conv, _INT8, False):
+        return cached_weight(conv, _W4_8, "int8", lambda: phase_weights_e4m3(conv.weight, torch.int8))
     return cached_weight(conv, _W4_8, "e4m3", lambda: phase_weights_e4m3(conv.weight))
 
 
@@ -169,16 +173,16 @@ def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
     """conv(2x nearest upsample of x) through the phase kernels; the conv's bias added unless bias=False.
 
     fp8=True (the whole-image decode's Upsample2D forward): when FP8 level 3 marked the conv, x is quantized to
-    e4m3 per sample (kernels/act_quant.py) and the phases run on the e4m3 TMA conv kernel, written straight into
-    the upsampled output (kernels/upconv.upconv2x_e4m3). Tiled decodes keep bf16 (a tile's scale would differ from
-    the whole image's). stats_groups: a GroupNorm of that many groups reads the output next; the bf16 path's
-    interleave pass takes its statistics (kernels/upconv.interleave_phases)."""
+    e4m3 (or symmetric int8) per sample (kernels/act_quant.py) and the phases run on the 8-bit TMA conv kernel,
+    written straight into the upsampled output (kernels/upconv.upconv2x_e4m3). Tiled decodes keep bf16 (a tile's
+    scale would differ from the whole image's). stats_groups: a GroupNorm of that many groups reads the output next;
+    the bf16 path's interleave pass takes its statistics (kernels/upconv.interleave_phases)."""
     pw4 = _fp8_phase(conv, x) if fp8 else None
     if pw4 is not None:
-        from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
+        from vaeopt.kernels.act_quant import quantize_e4m3_per_sample, quantize_int8_per_sample
         from vaeopt.kernels.upconv import upconv2x_e4m3
 
-        x8, s = quantize_e4m3_per_sample(x)
+        x8, s = (quantize_int8_per_sample if pw4.w.dtype == torch.int8 else quantize_e4m3_per_sample)(x)
         return upconv2x_e4m3(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
     from vaeopt.kernels.upconv import upconv2x
 
