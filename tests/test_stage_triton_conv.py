@@ -462,3 +462,46 @@ def test_int8_gate_falls_back_to_e4m3(samples_dir, monkeypatch):
     assert r.status == "applied" and r.data["resnet_format"] == "e4m3", r.line()
     assert "; int8 at the decode's size: probe 20.0 dB vs fp32 < gate 25 dB with all 2 layers, and no subset cleared " \
            "it, so e4m3;" in r.detail, r.detail
+
+
+def test_int8_gate_orders_layers_by_flops_per_noise(samples_dir, monkeypatch):
+    """int8 (image decoders): the gate's per-layer order is FLOPs per unit of noise (E46), from the decoder's
+    layout: an up block's convs run at the latent's size times 2 per upsampling block before it, an upsampler's conv
+    as four 2x2 phase convs at twice its block's size. The chosen layers are a prefix of that order and clear the
+    gate. e4m3 keeps least noisy first."""
+    from vaeopt.families import build_model, get_family
+
+    with torch.device("meta"):
+        sdxl = build_model(get_family("sdxl"))
+    named = dict(sdxl.named_modules())
+    pick = ["decoder.mid_block.resnets.0.conv1", "decoder.up_blocks.0.resnets.0.conv1",
+            "decoder.up_blocks.3.resnets.0.conv1", "decoder.up_blocks.1.upsamplers.0.conv"]
+    fl = triton_conv._image_flops(sdxl, [(n, named[n]) for n in pick], (128, 128))
+    assert fl["decoder.mid_block.resnets.0.conv1"] == fl["decoder.up_blocks.0.resnets.0.conv1"] == \
+        2 * 128 * 128 * 512 * 512 * 9
+    assert fl["decoder.up_blocks.3.resnets.0.conv1"] == 2 * 1024 * 1024 * 256 * 128 * 9  # after three upsamplers
+    assert fl["decoder.up_blocks.1.upsamplers.0.conv"] == 2 * 512 * 512 * 512 * 512 * 4  # 256² -> 512², 2x2 taps
+    assert triton_conv._image_flops(sdxl, [("decoder.conv_in", named["decoder.conv_in"])], (8, 8)) is None
+
+    model, z = _tiny_kl_fused(samples_dir)
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    monkeypatch.setattr(triton_conv, "IMAGE_FP8_MIN_CH", 0)
+    cands = triton_conv.fp8_candidates(model)
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: cands)
+    r8 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z)
+    r8 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=r8.data["probe_db"] + 2, probe=z,
+                               margin_db=0.0)
+    assert r8.data["resnet_format"] == "e4m3" and r8.data["order"] == "least noisy first", r8.line()
+    monkeypatch.setattr(triton_conv, "int8_convs", lambda m, d: True)
+    r0 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z,
+                               decode_shape=tuple(z.shape))
+    gate = r0.data["probe_db"] + 2  # above all-8-bit: the per-layer pass runs
+    r = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0,
+                              decode_shape=tuple(z.shape))
+    assert r.status == "applied" and r.data["resnet_format"] == "int8", r.line()
+    assert r.data["order"] == "FLOPs per unit of noise" and "the fewest FLOPs per unit of noise" in r.detail
+    fl = triton_conv._image_flops(model, cands, tuple(z.shape[-2:]))
+    sens = r.data["sensitivity_db"]
+    order = sorted(sens, key=lambda n: -fl[n] * 10 ** (sens[n] / 10))
+    chosen = [n for n, m in cands if getattr(m, "_vaeopt_fp8conv", False)]
+    assert sorted(chosen) == sorted(order[:r.data["layers"]]) and r.data["probe_db"] >= gate
