@@ -334,9 +334,10 @@ def packed_fp8(conv: nn.Module):
 
 # int8 for the image resnet convs (sm_90, the TMA kernel): a SiLU output quantized to 255 levels over [-0.28, max]
 # measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL). Gated
-# at the decode's size (apply_fp8), at the default 40 dB gate sdxl-1024 admitted 19 layers instead of e4m3's 5:
-# 14.86 vs 15.88 ms on an H200, 40.3 dB at full size (h200_int8_decode_2026-11-23e.json; docs/perf-notes.md E45,
-# E46). Benchmarks switch it off to time e4m3 (benchmarks/gpu_int8_decode.py).
+# at the decode's size (apply_fp8), sdxl-1024 at the default 40 dB gate took 14.62 vs 15.87 ms (e4m3) on an H200 in
+# one process, 40.2 dB at full size (h200_int8_decode_2026-11-23f.json); ladders 14.67 ms (H200), 16.18 ms (H100)
+# after the FLOPs order (_gate_search; docs/perf-notes.md E45, E46). Benchmarks switch it off to time e4m3
+# (benchmarks/gpu_int8_decode.py).
 INT8_FORMAT = True
 
 
