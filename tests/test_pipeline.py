@@ -354,7 +354,9 @@ def test_api_argument_errors_are_clear(samples_dir):
                       (Options(chunk=True), r"chunk \(--chunk\) must be a whole number of latent frames"),
                       (Options(vram_budget_gb="8"), r"vram_budget_gb \(--vram-budget\) must be a number, got '8'"),
                       (Options(decode_shape=(1, 4, 0, 8)), r"decode_shape must be a latent shape"),
-                      (Options(decode_shape="1x4x8x8"), r"decode_shape must be a latent shape")):
+                      (Options(decode_shape="1x4x8x8"), r"decode_shape must be a latent shape"),
+                      (Options(decode_shape=(1, 16, 8, 8)),
+                       r"decode_shape \(1, 16, 8, 8\): this VAE's latents have 4 channels, not 16")):
         with pytest.raises(VaeoptError, match=msg):
             vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors", options=opts)
     with pytest.raises(VaeoptError, match=r"needs the VAE: a checkpoint path or vaeopt.load_vae"):

@@ -188,6 +188,10 @@ class Pipeline:
         self.family = loaded.family
         self.opts = options or Options()
         self.opts.validate()
+        ds, cfg = self.opts.decode_shape, getattr(loaded.model, "config", None)
+        ch = getattr(cfg, "latent_channels", None) or getattr(cfg, "z_dim", None)
+        if ds is not None and isinstance(ch, int) and ds[1] != ch:
+            raise VaeoptError(f"decode_shape {tuple(ds)}: this VAE's latents have {ch} channels, not {ds[1]}")
         self.entry = entry
         self.log = log
         self.device = resolve_device(self.opts.device)
