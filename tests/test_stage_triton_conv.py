@@ -390,6 +390,16 @@ def test_fp8_upsampler_convs_join_the_gate(samples_dir, monkeypatch):
         out = model.decode(z).sample.float()
     assert len(calls) == len(ups)
     assert abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
+    # where the resnet convs take int8, the upsamplers take symmetric int8 (no zero point), closer to fp32
+    monkeypatch.setattr(triton_conv, "int8_convs", lambda m, d: True)
+    r8 = triton_conv.apply_fp8(model, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z,
+                               decode_shape=tuple(z.shape))
+    assert r8.detail.startswith(f"{len(ups)} upsampler convs as 2x2 phase convs in symmetric int8"), r8.detail
+    dtypes = []
+    monkeypatch.setattr(upconv, "upconv2x_e4m3", lambda *a, **k: dtypes.append(a[0].dtype) or real(*a, **k))
+    with torch.no_grad():
+        out8 = model.decode(z).sample.float()
+    assert dtypes == [torch.int8] * len(ups) and psnr(out8, ref) > psnr(out, ref)
     triton_conv.revert(model)
     upsample_conv.revert(model)
 

@@ -579,8 +579,9 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         + " from bounds of the group max/min; whole-image decodes, tiled ones keep their convs)")
     stats["resnet_format"] = "int8" if i8 else "e4m3"
     res_chans = sorted({m.out_channels for _, m in chosen if id(m) not in up_ids})
-    ups_txt = (f"; {n_up} upsampler convs as 2x2 phase convs in {'int8 (symmetric)' if i8 else 'e4m3'} (inputs "
-               "quantized per sample by an amax pass, kernels/act_quant.py)" if n_up else "")
+    ups_txt = (f"; {n_up} upsampler conv{'s' if n_up != 1 else ''} as 2x2 phase convs in "
+               f"{'symmetric int8' if i8 else 'e4m3'} (inputs quantized per sample by an amax pass, "
+               "kernels/act_quant.py)" if n_up else "")
     att_txt = (f"; the mid-block attention core{'s' if n_att > 1 else ''} in e4m3 (Q, K, V and the softmax P "
                "through torch._scaled_mm, P @ V row-scaled)" if n_att else "")
     res_txt = (f"{len(chosen) - n_up} residual-block {what[0]} ({'/'.join(map(str, res_chans))} ch) on the "
