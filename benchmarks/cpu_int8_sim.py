@@ -2,8 +2,11 @@
 [-0.27847, max], as group_norm_silu_int8 writes them) and the upsampler convs in e4m3 (what runs) or in symmetric
 int8 (a candidate): which layers the gate would admit, on the random-weight decoder (diffusers' default init,
 seed 0) at a given latent size. Weights per output channel in the same format. The attention core is left out.
+--order: the gate's per-layer order, least noisy first (noise) or most FLOPs per unit of noise first (flops, what
+the int8 gate does since E46; FLOPs from stages/triton_conv._image_flops).
 
-    python benchmarks/cpu_int8_sim.py [--family sdxl] [--latent 48]  -> benchmarks/results/cpu_int8_sim_<family>_<date>.json
+    python benchmarks/cpu_int8_sim.py [--family sdxl] [--latent 48] [--order noise|flops] [--ups e4m3,int8]
+      -> benchmarks/results/cpu_int8_sim_<family>[_flops]_<date>.json
 """
 import argparse
 import datetime
@@ -17,11 +20,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.loading import load_vae  # noqa: E402
+from vaeopt.stages.triton_conv import _image_flops  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--family", default="sdxl")
 ap.add_argument("--latent", type=int, default=48)
 ap.add_argument("--gate", type=float, default=40.5)  # the stage's gate + margin
+ap.add_argument("--order", choices=("noise", "flops"), default="noise")
+ap.add_argument("--ups", default="e4m3,int8", help="the upsamplers' formats to try")
 args = ap.parse_args()
 torch.set_num_threads(2)
 torch.manual_seed(0)
@@ -86,10 +92,15 @@ def run(sel, ups):
 t0 = time.time()
 out = {"date": datetime.date.today().isoformat(), "device": "cpu (emulated quantization, fp32)",
        "torch": torch.__version__, "command": "python benchmarks/cpu_int8_sim.py " + " ".join(sys.argv[1:]),
-       "family": args.family, "latent": list(z.shape), "gate_plus_margin_db": args.gate, "variants": {}}
-for ups in ("e4m3", "int8"):
+       "family": args.family, "latent": list(z.shape), "gate_plus_margin_db": args.gate, "order": args.order,
+       "variants": {}}
+flops = _image_flops(m, cands, tuple(z.shape[-2:]))
+for ups in args.ups.split(","):
     alone = {n: round(run([(n, mod)], ups), 2) for n, mod in cands}
-    order = sorted(cands, key=lambda c: -alone[c[0]])
+    if args.order == "flops":
+        order = sorted(cands, key=lambda c: -flops[c[0]] * 10 ** (alone[c[0]] / 10))
+    else:
+        order = sorted(cands, key=lambda c: -alone[c[0]])
     lo, hi, best = 1, len(order), None
     while lo <= hi:
         k = (lo + hi) // 2
@@ -102,11 +113,13 @@ for ups in ("e4m3", "int8"):
     out["variants"][f"upsamplers {ups}"] = {
         "alone_db": alone, "all_db": round(run(cands, ups), 2), "admitted": admitted,
         "admitted_db": best[1] if best else None,
-        "upsamplers_admitted": [n for n in admitted if "upsamplers" in n]}
+        "upsamplers_admitted": [n for n in admitted if "upsamplers" in n],
+        "admitted_gflop": round(sum(flops[n] for n in admitted) / 1e9, 1)}
     v = out["variants"][f"upsamplers {ups}"]
     print(ups, "all", v["all_db"], "admitted", len(admitted), v["admitted_db"], v["upsamplers_admitted"],
           {n: d for n, d in alone.items() if "upsamplers" in n}, f"{time.time() - t0:.0f} s", flush=True)
 out["seconds"] = round(time.time() - t0)
-path = Path(__file__).resolve().parent / "results" / f"cpu_int8_sim_{args.family}_{out['date']}.json"
+suffix = "_flops" if args.order == "flops" else ""
+path = Path(__file__).resolve().parent / "results" / f"cpu_int8_sim_{args.family}{suffix}_{out['date']}.json"
 path.write_text(json.dumps(out, indent=1))
 print("->", path)
