@@ -628,6 +628,190 @@ def _launch_stats_epilogue(args, flags, N: int, C: int, S: int, stride_hn: int, 
     attach_partials(y, G, part)
 
 
+# --- the residual epilogue with a 1x1 shortcut conv inside it --------------------------------------------------
+# A ResnetBlock2D whose channel count changes (SDXL/FLUX/SD: the first resnet of up-blocks 2 and 3) computes its
+# residual as a 1x1 conv of the block input x. As its own GEMM that conv reads x (Cin channels) and writes the
+# residual (C), which the epilogue then reads again; all memory-bound (1024², 256 -> 128: 0.28 ms on an H100 at
+# ~250 TFLOP/s, E47). Here the epilogue reads x itself and computes the residual per row block with tl.dot on the
+# way. DRAM bytes per output pixel in bf16: 2 Cin (x) + 4 C (h, y) instead of 2 Cin + 8 C (the GEMM writes the
+# residual, the epilogue reads it), and one launch fewer.
+
+
+@triton.jit
+def _sc_rows(x_row, h_row, wt_ptr, r, rm, cols, cm, b, rbv, scale, C, CIN, BLOCK_S: tl.constexpr,
+             BLOCK_C: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+             STAGES: tl.constexpr):
+    """The combined fp32 values of rows r (masked by rm) of a dense [S, C] h: ((x @ wt + rb) + (h + b)) / scale,
+    x a dense [S, CIN] row block, wt [CIN, C]."""
+    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    kk = tl.arange(0, BK)
+    r64 = r.to(tl.int64)
+    for k0 in tl.range(0, CIN, BK, num_stages=STAGES):
+        a = tl.load(x_row + r64[:, None] * CIN + (k0 + kk)[None, :], mask=rm[:, None], other=0.0)
+        w = tl.load(wt_ptr + (k0 + kk)[:, None] * C + cols[None, :], mask=cm[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+    m = rm[:, None] & cm[None, :]
+    h = tl.load(h_row + r64[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return _combine(h, b[None, :], acc, rbv[None, :], scale, SCALE)
+
+
+@triton.jit
+def _epi_sc_cl_kernel(
+    h_ptr,  # [N, S, C]: sample n at h_ptr + n*stride_hn, contiguous [S, C] inside
+    b_ptr,
+    x_ptr,  # [N, S, CIN] dense: the shortcut conv's input
+    wt_ptr,  # [CIN, C] dense: the shortcut conv's weight, transposed
+    rb_ptr,
+    y_ptr,  # [N, S, C] dense
+    part_ptr,  # [5, N*G, n_chunks] fp32 out (STATS): the next GroupNorm's partials of y
+    S,
+    C,
+    CIN,
+    stride_hn,
+    scale,
+    G,
+    CG,
+    n_chunks,
+    iters,  # row blocks per program
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    CG_POW2: tl.constexpr,
+    HAS_B: tl.constexpr,
+    HAS_RB: tl.constexpr,
+    SCALE: tl.constexpr,
+    STATS: tl.constexpr,
+    DOT_F32: tl.constexpr,  # upcast the operands before tl.dot (the CPU interpreter's bf16 dot is wrong)
+    STAGES: tl.constexpr,  # software pipelining of the K loop
+):
+    # A program: `iters` row blocks of one sample, all channels (the stats kernel's chunking). With STATS each
+    # stored (rounded) value is summed around a per-channel shift, the first block's mean, as the stats kernel does;
+    # the sums are reduced per row block (the GEMM dominates here, and running [BLOCK_S, C] sums cost registers).
+    chunk = tl.program_id(0)
+    n = tl.program_id(1)
+    s_start = chunk.to(tl.int64) * iters * BLOCK_S
+    lim = S - s_start
+    rows = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_C)
+    cm = cols < C
+    h_row = h_ptr + n.to(tl.int64) * stride_hn + s_start * C
+    x_row = x_ptr + n.to(tl.int64) * S * CIN + s_start * CIN
+    y_row = y_ptr + n.to(tl.int64) * S * C + s_start * C
+    b = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    rbv = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if HAS_RB:
+        rbv = tl.load(rb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+
+    rm = rows < lim  # the first block, peeled: its mean is the shift
+    m = rm[:, None] & cm[None, :]
+    yq = _sc_rows(x_row, h_row, wt_ptr, rows, rm, cols, cm, b, rbv, scale, C, CIN, BLOCK_S, BLOCK_C, BK,
+                  SCALE, DOT_F32, STAGES).to(y_ptr.dtype.element_ty)
+    tl.store(y_row + rows.to(tl.int64)[:, None] * C + cols[None, :], yq, mask=m)
+    k = tl.zeros([BLOCK_C], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    am = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if STATS:
+        k = _first_block_shift(yq.to(tl.float32), m, lim, BLOCK_S)
+        d = tl.where(m, yq.to(tl.float32) - k[None, :], 0.0)
+        s1 = tl.sum(d, axis=0)
+        s2 = tl.sum(d * d, axis=0)
+        am = tl.max(tl.abs(d), axis=0)
+    for it in range(1, iters):
+        r = it * BLOCK_S + rows
+        rm = r < lim
+        m = rm[:, None] & cm[None, :]
+        yq = _sc_rows(x_row, h_row, wt_ptr, r, rm, cols, cm, b, rbv, scale, C, CIN, BLOCK_S, BLOCK_C, BK,
+                      SCALE, DOT_F32, STAGES).to(y_ptr.dtype.element_ty)
+        tl.store(y_row + r.to(tl.int64)[:, None] * C + cols[None, :], yq, mask=m)
+        if STATS:
+            d = tl.where(m, yq.to(tl.float32) - k[None, :], 0.0)
+            s1 += tl.sum(d, axis=0)
+            s2 += tl.sum(d * d, axis=0)
+            am = tl.maximum(am, tl.max(tl.abs(d), axis=0))
+    if STATS:
+        cnt = tl.minimum(lim, iters * BLOCK_S).to(tl.float32)
+        _cl_store_partials(s1[None, :], s2[None, :], am[None, :], k, cnt, part_ptr, n, chunk, n_chunks,
+                           tl.num_programs(1), G, CG, cols, cm, BLOCK_G, CG_POW2, True)
+
+
+SC_MAX_C = 256  # one program holds a [BLOCK_S, C] fp32 accumulator: the decoders' shortcut widths (128, 256)
+
+
+def shortcut_fusable(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether bias_shortcut_residual takes (h, x, weight): 4-D channels-last dense h and x of one dtype, size and
+    device; a 1x1 weight [C, Cin, 1, 1]; C a power of 2 from 16 to SC_MAX_C and Cin a multiple of 16 (tl.dot
+    tiles). fp32 only on the CPU interpreter (tl.dot would round fp32 operands to TF32 on a GPU)."""
+    if h.dim() != 4 or x.dim() != 4 or h.dtype != x.dtype or h.device != x.device or h.dtype not in SUPPORTED_DTYPES:
+        return False
+    if h.dtype == torch.float32 and h.device.type == "cuda":
+        return False
+    N, C, H, W = h.shape
+    if tuple(x.shape[::2]) != (N, H) or x.shape[3] != W or tuple(weight.shape) != (C, x.shape[1], 1, 1):
+        return False
+    Cin = x.shape[1]
+    if C < 16 or C > SC_MAX_C or C & (C - 1) or Cin % 16 or h.numel() == 0:
+        return False
+    cl = torch.channels_last
+    return h.is_contiguous(memory_format=cl) and x.is_contiguous(memory_format=cl) and x.numel() < 2**31
+
+
+SC_LAUNCH = (64, 64, 8, 2, 1)  # on CUDA: rows per block, K step, warps, programs per SM, K-loop stages
+
+
+def bias_shortcut_residual(h: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, weight_t: torch.Tensor,
+                           residual_bias: torch.Tensor | None = None, scale: float = 1.0, *,
+                           stats_groups: int | None = None) -> torch.Tensor:
+    """bias_residual(h, bias, conv1x1(x, weight) , scale, residual_bias=...) in one pass that reads x and computes
+    the 1x1 conv on the way (see the comment above _sc_rows). weight_t: the conv weight as a dense [Cin, C] matrix
+    in h's dtype (weight.reshape(C, Cin).t().contiguous()). Only where `shortcut_fusable` holds. stats_groups as in
+    bias_residual: the next GroupNorm's statistics are taken and noted on the result (where producer_stats_ok)."""
+    N, C, H, W = h.shape
+    Cin = x.shape[1]
+    if tuple(weight_t.shape) != (Cin, C) or weight_t.dtype != h.dtype or not weight_t.is_contiguous():
+        raise ValueError(f"bias_shortcut_residual: weight_t must be a dense {(Cin, C)} {h.dtype} matrix")
+    if not shortcut_fusable(h, x, weight_t.t().reshape(C, Cin, 1, 1)):
+        raise ValueError("bias_shortcut_residual: inputs not supported (see shortcut_fusable)")
+    bias = _check_vec("bias", bias, C)
+    residual_bias = _check_vec("residual_bias", residual_bias, C)
+    S = H * W
+    dev = h.device
+    y = _dense(tuple(h.shape), "cl", h)
+    G = int(stats_groups) if stats_groups else 0
+    stats = G > 0 and producer_stats_ok(C, G, h[0].numel(), dev)
+    if dev.type == "cuda":
+        bs, bk, nw, per_sm, stages = SC_LAUNCH
+        from vaeopt.kernels import n_programs_target
+
+        target = per_sm * (n_programs_target(dev) // 8)
+    else:
+        bs, bk, nw, target, stages = 16, 16, 4, 3, 1
+    bk = next(k for k in (bk, 64, 32, 16) if k <= bk and Cin % k == 0)
+    blocks = triton.cdiv(S, bs)
+    iters = max(1, triton.cdiv(N * blocks, target))
+    n_chunks = triton.cdiv(blocks, iters)
+    Gs = G if stats else 1
+    part = torch.empty((5, N * Gs, n_chunks), device=dev, dtype=torch.float32) if stats else y
+    CG = C // Gs
+    dummy = h
+    _epi_sc_cl_kernel[(n_chunks, N)](
+        h, bias if bias is not None else dummy, x, weight_t, residual_bias if residual_bias is not None else dummy,
+        y, part, S, C, Cin, h.stride(0), float(scale), Gs, CG, n_chunks, iters,
+        BLOCK_S=bs, BLOCK_C=C, BK=bk, BLOCK_G=triton.next_power_of_2(Gs), CG_POW2=CG if CG & (CG - 1) == 0 else 0,
+        HAS_B=bias is not None, HAS_RB=residual_bias is not None, SCALE=float(scale) != 1.0, STATS=stats,
+        DOT_F32=dev.type == "cpu", STAGES=stages, num_warps=nw,
+    )  # fmt: skip
+    if stats:
+        attach_partials(y, G, part)
+    return y
+
+
 def upsample_nearest2x(x: torch.Tensor, **kw) -> torch.Tensor:
     """F.interpolate(x, scale_factor=2, mode="nearest") for (N, C, H, W), bitwise, in x's layout (one read, one
     4x write; aten's NHWC kernel is ~2.7x slower than its NCHW one)."""
@@ -691,5 +875,5 @@ def bias_residual_reference(h, bias=None, residual=None, scale=1.0, upsample2x=F
     return y
 
 
-__all__ = ["bias_residual", "bias_residual_reference", "upsample_nearest2x", "upsample_nearest2x_expand",
+__all__ = ["bias_residual", "bias_residual_reference", "bias_shortcut_residual", "shortcut_fusable", "upsample_nearest2x", "upsample_nearest2x_expand",
            "softmax_rows", "SUPPORTED_DTYPES"]
