@@ -1,6 +1,7 @@
 """The resnets' 1x1 shortcut conv inside the residual epilogue (kernels/epilogue.bias_shortcut_residual) vs a
-separate GEMM (F.conv2d 1x1, cuBLAS) + the residual epilogue with the next norm's statistics, as the decoder ran them
-before (perf-notes E47).
+separate GEMM (F.conv2d 1x1, cuBLAS) + the residual epilogue with the next norm's statistics, as the decoder runs them
+(perf-notes E47: the fused pass was slower; its code ran at commit 1a9a366 and was reverted after this measurement:
+check that commit out to run this script).
 
     python3 benchmarks/gpu_shortcut_epi.py [--rounds 10] [--decodes bf16,int8]   # $OUT/shortcut_epi.json
 

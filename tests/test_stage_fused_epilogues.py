@@ -88,12 +88,12 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
         n_res = len(st["resnets"])
         d = r.data
         assert d["epilogues"] == n_res == 14 and d["bias_folded"] == n_res
-        assert d["shortcut_in_epilogue"] == st["shortcuts"] == 1 and d["shortcut_bias_folded"] == 0
+        assert d["shortcut_bias_folded"] == st["shortcuts"] == 1
         assert d["upsample_fused"] == d["upsamplers"] == len(st["up_blocks"]) == 3
         assert d["attention_chunked"] == len(st["attns"]) == 1 and d["head_dims"] == [64]
         assert d["head_taps"] == 3
         assert r.detail == ("folded 14 conv biases into GroupNorm, 14 residual epilogues (3 with fused 2x upsample, "
-                            "1 computing their 1x1 shortcut conv inside (on channels-last inputs; bf16/fp16 on a GPU)), chunked attention for head_dim 64 (1 block), the head "
+                            "1 shortcut biases folded), chunked attention for head_dim 64 (1 block), the head "
                             "(conv_norm_out + conv_out, 3 channels) as one GroupNorm+GEMM kernel and a tap sum "
                             "(whole-image decodes)")
         assert {k: v for k, v in model.state_dict().items()}.keys() == keys.keys()
@@ -101,7 +101,6 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
                    for k, v in keys.items()), "parameters untouched"
 
         epi = _spy(monkeypatch, "vaeopt.kernels.epilogue", "bias_residual")
-        sc_epi = _spy(monkeypatch, "vaeopt.kernels.epilogue", "bias_shortcut_residual")
         gn = _spy(monkeypatch, "vaeopt.kernels.group_norm_silu", "group_norm_silu")
         up = _spy(monkeypatch, "vaeopt.kernels.epilogue", "upsample_nearest2x")
         taps = _spy(monkeypatch, "vaeopt.kernels.tapconv", "group_norm_taps")
@@ -122,9 +121,7 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
         # what ran: one epilogue per resnet + the attention's; 3 of them wrote the upsampled output; no interpolate.
         # (On CUDA the chunked attention is for bf16/fp16 only: the fp32 decode keeps SDPA.)
         chunked = 1 if device == "cpu" else 0
-        # the shortcut resnet's epilogue computes its 1x1 conv (its input comes from an upsampler's phase convs:
-        # channels-last in both layouts), except in fp32 on a GPU (tl.dot would round to TF32)
-        assert len(epi) + len(sc_epi) == n_res + chunked and len(sc_epi) == chunked
+        assert len(epi) == n_res + chunked
         assert sum(k.get("upsample2x", False) for _, k in epi) == 3 and up == [] and interp == []
         assert sum(k.get("x_bias") is not None for _, k in gn) == n_res
         proc = st["attns"][0].processor
@@ -133,8 +130,7 @@ def test_autoencoder_kl(device, layout, monkeypatch, small_kl):
         if device == "cuda":  # bf16: error vs fp32 within 2x stock bf16's own + floor
             fp32_weights = {k: v.clone() for k, v in model.state_dict().items()}  # bf16 round trip is lossy
             fused16 = _decode(model.to(torch.bfloat16), z.to(torch.bfloat16))
-            assert proc.calls == 1 and len(epi) + len(sc_epi) == 2 * n_res + 1
-            assert len(sc_epi) == 1  # bf16: the shortcut inside
+            assert proc.calls == 1 and len(epi) == 2 * n_res + 1
             assert len(taps) == len(tsum) and (layout == "cf" or len(taps) == 2)
             fused_epilogues.revert(model)
             fused_norms.revert(model)

@@ -68,9 +68,6 @@ MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN 
 # (kernels/group_norm_silu.noted_partials); so does an upsampler's phase-conv interleave for the next up-block's
 # first norm. Where a norm reads next comes from the stock Decoder's structure (_norm_readers).
 NOTE_STATS = True
-# A resnet's 1x1 shortcut conv runs inside its residual epilogue (_shortcut_in_epilogue; benchmarks switch it off to
-# time the separate GEMM in the same process)
-FUSE_SHORTCUT = True
 # on for the length of a patched Decoder call without foreign hooks (a hook could change an activation in place, which
 # an inference tensor's missing version counter would not show); off outside it, e.g. for the tiler's own calls
 _NOTES_ON = contextvars.ContextVar("vaeopt_gn_notes", default=False)
@@ -152,15 +149,6 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
     c1, c2, n1, n2, sc = self.conv1, self.conv2, self.norm1, self.norm2, self.conv_shortcut
     h = _norm_conv(n1, c1, x, None)  # fused GroupNorm + SiLU, conv1 without its bias
     h = _norm_conv(n2, c2, h, c1.bias)  # conv1's bias folded into norm2, conv2 without its bias
-    up = self.__dict__.get(_STATE)
-    stats = _next_groups(self)  # the next norm's statistics, taken by this epilogue
-    # a hook on this block must see its real output; an upsampler on phase convs wants the low-resolution one
-    up = up if up is not None and _no_hooks(self) and not _phase_upsampler(up, x) else None
-    if up is None and sc is not None and _shortcut_in_epilogue(sc, h, x):
-        from vaeopt.kernels.epilogue import bias_shortcut_residual
-
-        return bias_shortcut_residual(h, c2.bias, x, _shortcut_matrix(sc, x), sc.bias, self.output_scale_factor,
-                                      stats_groups=stats)
     rb = None
     if sc is None:
         res = x
@@ -168,40 +156,15 @@ def _resnet_forward(self, input_tensor, temb=None, *args, **kwargs):
         res, rb = _conv_nobias(sc, x), sc.bias
     else:
         res = sc(x)
+    up = self.__dict__.get(_STATE)
+    stats = _next_groups(self)  # the next norm's statistics, taken by this epilogue
+    # a hook on this block must see its real output; an upsampler on phase convs wants the low-resolution one
+    up = up if up is not None and _no_hooks(self) and not _phase_upsampler(up, x) else None
     out = bias_residual(h, c2.bias, res, self.output_scale_factor, upsample2x=up is not None, residual_bias=rb,
                         stats_groups=stats)
     if up is not None:
         setattr(up, _PENDING, _PendingRef(out))
     return out
-
-
-def _shortcut_static_ok(sc) -> bool:
-    """A plain 1x1 shortcut conv of widths the fused epilogue takes (kernels/epilogue.shortcut_fusable)."""
-    from vaeopt.kernels.epilogue import SC_MAX_C
-
-    C = getattr(sc, "out_channels", 0)
-    return (FUSE_SHORTCUT and _plain_conv(sc) and sc.kernel_size == (1, 1) and sc.stride == (1, 1)
-            and sc.padding == (0, 0) and sc.groups == 1 and 16 <= C <= SC_MAX_C and C & (C - 1) == 0
-            and sc.in_channels % 16 == 0)
-
-
-def _shortcut_in_epilogue(sc, h: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether the resnet's 1x1 shortcut conv runs inside its residual epilogue (kernels/epilogue.bias_shortcut_residual:
-    one pass reads the block input instead of a GEMM writing the residual and the epilogue reading it back): on
-    channels-last activations in the weight's dtype (bf16/fp16 on a GPU)."""
-    if not _shortcut_static_ok(sc) or sc.weight.dtype != x.dtype:
-        return False
-    from vaeopt.kernels.epilogue import shortcut_fusable
-
-    return shortcut_fusable(h, x, sc.weight)
-
-
-def _shortcut_matrix(sc, x: torch.Tensor) -> torch.Tensor:
-    """The 1x1 shortcut's weight as the dense [Cin, C] matrix the fused epilogue reads (cached per weight version)."""
-    from vaeopt.stages import cached_weight
-
-    return cached_weight(sc, "_vaeopt_sc_matrix", x.dtype,
-                         lambda: sc.weight.detach().reshape(sc.out_channels, -1).t().contiguous().to(x.dtype))
 
 
 class _PendingRef:
@@ -746,10 +709,7 @@ def apply(
         bias_folded=sum(m.conv1.bias is not None for m in resnets),
         epilogues=len(resnets),
         shortcut_bias_folded=sum(_plain_conv(m.conv_shortcut) and m.conv_shortcut.bias is not None
-                                 and not _shortcut_static_ok(m.conv_shortcut)
                                  for m in resnets if m.conv_shortcut is not None),
-        shortcut_in_epilogue=sum(m.conv_shortcut is not None and _shortcut_static_ok(m.conv_shortcut)
-                                 for m in resnets),
         upsample_fused=len(fused_up),
         upsamplers=len(upsamplers),
         attention_chunked=len(attns),
@@ -798,9 +758,6 @@ def _describe(n: dict) -> str:
             extra.append(f"{n['upsample_fused']} with fused 2x upsample")
         if n["shortcut_bias_folded"]:
             extra.append(f"{n['shortcut_bias_folded']} shortcut biases folded")
-        if n.get("shortcut_in_epilogue"):
-            extra.append(f"{n['shortcut_in_epilogue']} computing their 1x1 shortcut conv inside (on channels-last "
-                         "inputs; bf16/fp16 on a GPU)")
         parts.append(s + (f" ({', '.join(extra)})" if extra else ""))
     if n["upsamplers"] > n["upsample_fused"]:
         parts.append(f"{n['upsamplers'] - n['upsample_fused']} upsamplers on the nearest-2x kernel")
