@@ -178,6 +178,39 @@ def graphed_pipe(fam: str, z, fp8_gate: float | None, reason: str, **options):
     return p, y
 
 
+def fp32_reference(fam: str, z) -> torch.Tensor:
+    """The fp32 decode of z (on the GPU, TF32 as set by the caller) by the family's model with diffusers' default init
+    (seed 0, as graphed_pipe builds it): the reference of the scripts' PSNR figures. The model is freed after."""
+    from vaeopt.loading import load_vae
+
+    torch.manual_seed(0)
+    m = load_vae(None, family=fam).model.float().cuda().eval()
+    with torch.no_grad():
+        ref = m.decode(z.float()).sample.float()
+    del m
+    torch.cuda.empty_cache()
+    return ref
+
+
+def graph_kernel_ms(pipe, z, replays: int = 5) -> dict:
+    """GPU time per decode by kernel name (first 90 characters), largest first: torch.profiler over `replays` CUDA
+    graph replays of a pipeline already captured for z."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        pipe.graphed(z)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                pipe.graphed(z)
+            torch.cuda.synchronize()
+    by = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            by[e.name[:90]] = by.get(e.name[:90], 0.0) + e.device_time / (1e3 * replays)  # us -> ms per decode
+    return dict(sorted(by.items(), key=lambda t: -t[1]))
+
+
 def interleaved_ms(fn, settings, rounds: int, apply) -> dict:
     """fn() timed (CUDA events) under each setting in turn, `rounds` times, the order alternating each round;
     apply(setting) switches to it. -> {setting: [ms per call]}."""

@@ -23,13 +23,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import graphed_pipe, interleaved_graph_ms, no_tf32, out_dir, run_meta  # noqa: E402
+from _common import (fp32_reference, graph_kernel_ms, graphed_pipe, interleaved_graph_ms, no_tf32,  # noqa: E402
+                     out_dir, run_meta)
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.stages import triton_conv  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=15)
 ap.add_argument("--gates", default="none,40,0")
+ap.add_argument("--formats", default="e4m3,int8", help="the 8-bit formats to run at each numeric gate")
 ap.add_argument("--profile", action="store_true", help="also kernel time by kernel name per variant (torch.profiler "
                 "over 5 graph replays)")
 args = ap.parse_args()
@@ -38,19 +40,12 @@ no_tf32()
 g = torch.Generator().manual_seed(1)
 z = torch.randn(1, 4, 128, 128, generator=g).cuda().bfloat16()
 
-from vaeopt.loading import load_vae  # noqa: E402
-
-torch.manual_seed(0)
-ref_model = load_vae(None, family="sdxl").model.float().cuda().eval()
-with torch.no_grad():
-    ref = ref_model.decode(z.float()).sample.float()
-del ref_model
-torch.cuda.empty_cache()
+ref = fp32_reference("sdxl", z)
 
 pipes, info = {}, {}
 default_format = triton_conv.INT8_FORMAT
 for gate in args.gates.split(","):
-    fmts = ["bf16"] if gate == "none" else ["e4m3", "int8"]
+    fmts = ["bf16"] if gate == "none" else args.formats.split(",")
     for fmt in fmts:
         triton_conv.INT8_FORMAT = fmt == "int8"
         name = fmt if gate == "none" else f"{fmt} gate {gate}"
@@ -60,7 +55,8 @@ for gate in args.gates.split(","):
         data = dict(st.data) if st is not None and st.data else {}
         info[name] = {"psnr_db": psnr(y.float(), ref), "layers": data.get("layers"),
                       "probe_db": data.get("probe_db"), "resnet_format": data.get("resnet_format"),
-                      "kept_bf16": len(data.get("kept", [])),
+                      "kept_bf16": len(data.get("kept", [])), "kept": data.get("kept"),
+                      "sensitivity_db": data.get("sensitivity_db"),
                       "probe_shape": data.get("probe_shape"), "gate_s": data.get("gate_s")}
         pipes[name] = p
         print(name, info[name], flush=True)
@@ -71,22 +67,9 @@ for name in pipes:
     info[name]["median_ms"] = statistics.median(ms[name])
     info[name]["ms"] = ms[name]
 if args.profile:
-    from torch.profiler import ProfilerActivity, profile
-
     for name, p in pipes.items():
-        with torch.inference_mode():
-            p.graphed(z)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    p.graphed(z)
-                torch.cuda.synchronize()
-        by = {}
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                k = e.name[:90]
-                by[k] = by.get(k, 0.0) + e.device_time / 5e3  # us over 5 replays -> ms per decode
-        info[name]["kernel_ms"] = dict(sorted(by.items(), key=lambda t: -t[1]))
+        by = graph_kernel_ms(p, z)
+        info[name]["kernel_ms"] = by
         info[name]["kernel_total_ms"] = sum(by.values())
         print(f"\n{name}: {sum(by.values()):.2f} ms of kernels per decode", flush=True)
         for k, v in list(info[name]["kernel_ms"].items())[:12]:

@@ -96,6 +96,14 @@ def test_int8_with_zero_point_matches_dequantized_reference(shape, cfg):
     assert (y2 - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
     y0 = K.conv_igemm(q, pw, b, (1, 1), x_scale=s, out_dtype=torch.float32)  # zq taken as 0: far off
     assert _rel(y0, ref) > 0.1
+    # a resnet's residual added in the epilogue: residual + (conv + bias), the border fix-up still right after it
+    r = (torch.randn(N, CO, H, W, generator=torch.Generator().manual_seed(10)) * 5 + 3).contiguous(
+        memory_format=torch.channels_last)
+    y3 = TC.conv_tma_checked(q, pw, b, (1, 1), a, cfg, residual=r)
+    assert (y3 - (r + ref)).abs().max().item() < 1e-4 * (r + ref).abs().max().item()
+    assert y3.is_contiguous(memory_format=torch.channels_last)
+    y4 = K.conv_igemm(q, pw, b, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.float32, residual=r)
+    assert (y4 - (r + ref)).abs().max().item() < 1e-4 * (r + ref).abs().max().item()
 
 
 def test_int8_is_closer_to_fp32_than_e4m3_on_silu_inputs():
@@ -127,6 +135,14 @@ def test_int8_rejects_what_it_cannot_compute():
     with pytest.raises(ValueError, match="x_zero is for int8"):
         xe, se = K.quantize_activation(q.float())
         K.conv_igemm(xe, K.pack_weight(w, K.E4M3), None, (1, 1), x_scale=se, x_zero=zq)
+    with pytest.raises(ValueError, match="residual in the epilogue is for int8"):
+        K.conv_igemm(xe, K.pack_weight(w, K.E4M3), None, (1, 1), x_scale=se, residual=torch.zeros(1, 32, 4, 4))
+    pw8 = K.pack_weight(w, torch.int8)
+    for bad in (torch.zeros(1, 32, 4, 4),  # channels-first
+                torch.zeros(1, 32, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last),  # dtype
+                torch.zeros(1, 32, 4, 5).contiguous(memory_format=torch.channels_last)):  # shape
+        with pytest.raises(ValueError, match="residual must be a channels_last"):
+            K.conv_igemm(q, pw8, None, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.float32, residual=bad)
 
 
 def test_rejects_what_it_cannot_compute():
@@ -226,6 +242,11 @@ def test_gpu_int8_row_tile_matches_dequantized_reference():
         wd = (pw.w.float() * pw.scale[:, None]).reshape(CO, 3, 3, C).permute(0, 3, 1, 2)
         ref = K.conv_reference(xd.cpu(), wd.cpu(), None, (1, 1))  # on the CPU: no TF32
         assert (y.cpu() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+        # the residual in the epilogue (the register-capped variant, TC.RES_MAXNREG): residual + conv
+        r = torch.randn(N, CO, H, W, generator=torch.Generator().manual_seed(13)).cuda().contiguous(
+            memory_format=torch.channels_last)
+        yr = K.conv_igemm(q, pw, None, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.float32, residual=r)
+        assert (yr.cpu() - (ref + r.cpu())).abs().max().item() < 1e-4 * (ref + r.cpu()).abs().max().item()
 
 
 def _wan21_pipeline(**opts):

@@ -194,6 +194,11 @@ def _tiny_kl_fused(samples_dir):
     return model, z.float().contiguous(memory_format=torch.channels_last)
 
 
+def _resnet_of(model, conv_name: str):
+    """The ResnetBlock2D holding the conv named conv_name (a name from fp8_candidates)."""
+    return model.get_submodule(conv_name.rsplit(".", 1)[0])
+
+
 def _record_conv_dtypes(monkeypatch) -> list:
     """The input dtype of every conv_igemm call from here on (the patched module attribute: callers import it at
     call time)."""
@@ -280,11 +285,26 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     assert r.status == "applied" and r.data["layers"] == len(cands), r.line()
     assert r.data["resnet_format"] == "int8" and "int8 implicit-GEMM" in r.detail and "zero point" in r.detail
     assert r.data["probe_db"] > r8.data["probe_db"] + 1.0, (r.data["probe_db"], r8.data["probe_db"])
-    calls = _record_conv_dtypes(monkeypatch)
+    import importlib
+
+    conv = importlib.import_module("vaeopt.kernels.conv")
+    calls, real = [], conv.conv_igemm
+    monkeypatch.setattr(conv, "conv_igemm", lambda *a, **k: calls.append((a[0].dtype, k.get("residual") is not None))
+                        or real(*a, **k))
     with torch.no_grad():
         out = model.decode(z).sample.float()
-    assert calls == [torch.int8] * len(cands)
+    assert [c[0] for c in calls] == [torch.int8] * len(cands)
     assert abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
+    # an int8 conv2 of a resnet without a shortcut adds the block input in its epilogue (no residual pass), and the
+    # decode is the same as with the separate residual epilogue, up to fp32 association
+    fused_res = [n for n, _ in cands if n.endswith("conv2") and _resnet_of(model, n).conv_shortcut is None]
+    assert fused_res and sum(c[1] for c in calls) == len(fused_res)
+    monkeypatch.setattr(importlib.import_module("vaeopt.stages.fused_epilogues"), "RESIDUAL_IN_CONV", False)
+    calls.clear()
+    with torch.no_grad():
+        out_sep = model.decode(z).sample.float()
+    assert not any(c[1] for c in calls)
+    torch.testing.assert_close(out, out_sep, rtol=1e-4, atol=1e-4)
     triton_conv.revert(model)
     assert not any(getattr(m, "_vaeopt_conv8_int8", False) for m in model.modules())
 

@@ -285,6 +285,17 @@ def per_sample_scales(who: str, x_scale: torch.Tensor, N: int, device: torch.dev
     return xs.expand(N).contiguous() if xs.numel() == 1 and N > 1 else xs
 
 
+def check_residual(who: str, r: torch.Tensor, a: ConvArgs, cout: int, device: torch.device) -> None:
+    """A residual for the int8 conv's epilogue: the output's shape, dtype and device, channels_last dense."""
+    if not a.int8:
+        raise ValueError(f"{who}: a residual in the epilogue is for int8 convs")
+    shape = (a.N, cout, a.H, a.W)
+    if r.dim() != 4 or tuple(r.shape) != shape or r.dtype != a.odt or r.device != device \
+            or not r.permute(0, 2, 3, 1).is_contiguous():
+        raise ValueError(f"{who}: the residual must be a channels_last {shape} {a.odt} tensor on {device}, got "
+                         f"{tuple(r.shape)} {r.dtype} on {r.device}")
+
+
 def check_args(who: str, x: torch.Tensor, pw: PackedWeight, padding: tuple[int, int],
                x_scale: torch.Tensor | float | None, out_dtype: torch.dtype | None,
                x_zero: torch.Tensor | None = None) -> ConvArgs:
@@ -339,6 +350,7 @@ def conv_igemm(
     out_dtype: torch.dtype | None = None,
     config: Config | None = None,
     x_zero: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stride-1, dilation-1, groups-1 convolution of channels-last x with packed weights.
 
@@ -348,12 +360,17 @@ def conv_igemm(
     CUDA graphs), weights packed in e4m3; output in out_dtype (default bf16 for fp8). int8: x holds int8 codes q
     of the activation a ~= x_scale * (q + x_zero) per sample (x_zero: an fp32 device tensor, default 0), weights
     packed in int8; 2D 3x3 convs only, always on the TMA kernel (kernels/tma_conv.py; the CPU interpreter too).
+    residual (int8 only): a tensor of the output's shape and dtype, channels_last, added in the epilogue: the result
+    is residual + (conv + bias), as a resnet adds its input (one pass instead of a separate residual kernel).
     Returns the output in x's memory format (channels_last[_3d])."""
     a = check_args("conv_igemm", x, pw, padding, x_scale, out_dtype, x_zero)
+    if residual is not None:
+        check_residual("conv_igemm", residual, a, pw.cout, x.device)
     if a.int8:
         from vaeopt.kernels import tma_conv
 
-        return tma_conv.conv_tma_checked(x, pw, bias, padding, a, tma_conv.int8_config(pw.cin, pw.cout, a.W))
+        return tma_conv.conv_tma_checked(x, pw, bias, padding, a, tma_conv.int8_config(pw.cin, pw.cout, a.W),
+                                         residual=residual)
     if config is None and pw.kmajor and x.is_cuda:
         from vaeopt.kernels import tma_conv, ws_conv
 

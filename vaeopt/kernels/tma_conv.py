@@ -39,6 +39,11 @@ except ImportError:  # pragma: no cover
 
 MEASURED_SM = ((9, 0),)
 ENABLED = True  # benchmarks switch it off to time the pointer kernel on the same process
+# The variant that adds a residual in its epilogue (int8 resnet conv2, E47) compiles to 190 registers per thread
+# (128 without): one 8-warp CTA per SM instead of two, and slower than the separate residual pass. Capped at 128 it
+# spills 46 and is faster (H100, row tile: 0.581 vs 0.606 ms per 128-ch @1024² call with the next norm's stats
+# pass, whole sdxl-1024 decode 16.00 vs 16.07 ms; h100_res_in_conv{,-maxnreg128}_2026-11-23{a,b}.json).
+RES_MAXNREG = 128
 ZERO_POINT = True  # int8: the epilogue's zero-point term (benchmarks switch it off to time the main loop alone)
 
 
@@ -114,13 +119,15 @@ def _int8_border_kernel(
 @triton.jit
 def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.constexpr, BW: tl.constexpr,
                   BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PHASES: tl.constexpr, ph, pa,
-                  pb, ZP: tl.constexpr = False, zq=0.0, ws_ptr=None):
+                  pb, ZP: tl.constexpr = False, zq=0.0, ws_ptr=None, RES: tl.constexpr = False, r_desc=None):
     """Scales, bias, store. ZP (int8 with a zero point, x ~= xs * (q + zq)): TMA's zero fill reads q = 0 in the
     padding, which is x = 0 only without the zero point, so each output needs + zq * (the sum of the weights of its
     taps inside the image). For interior pixels that is every tap, one value per column: it is folded into the bias
     here, at no per-element cost. The border pixels' difference (the taps outside) is subtracted after the store by
     _int8_border_kernel. Per-pixel terms in this epilogue cost ~1.3 ms per sdxl-1024 decode on an H200 (nine
-    in-place [BM, BN] passes, which at K = 9 * Cin are as long as the main loop; docs/perf-notes.md E45, E46)."""
+    in-place [BM, BN] passes, which at K = 9 * Cin are as long as the main loop; docs/perf-notes.md E45, E46).
+    RES: + the residual's tile (a box of r_desc, like the output's), added in fp32 as diffusers' resnet adds
+    (input + hidden): the resnet's separate residual pass disappears (E47)."""
     cols = n + tl.arange(0, BN)
     cm = cols < co
     acc = acc.to(tl.float32)
@@ -135,6 +142,8 @@ def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.conste
             acc = acc * (tl.load(s_ptr + ph * co + cols, mask=cm, other=0.0)[None, :] * xs)
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + cols, mask=cm, other=0.0)[None, :]
+    if RES:  # (PHASES never: the host refuses a residual there)
+        acc = tl.reshape(r_desc.load([f, h0, w0, n]), [BH * BW, BN]).to(tl.float32) + acc
     if PHASES:  # y seen as (frames, H, 2, W, 2 * co): output pixel (2h + pa, 2w + pb)
         y_desc.store([f, h0, pa, w0, pb * co + n], tl.reshape(acc.to(y_desc.dtype), [1, BH, 1, BW, BN]))
     else:
@@ -182,6 +191,9 @@ def _tma_conv_kernel(
     I32: tl.constexpr = False,  # int8 operands and not DOT_F32: accumulate in int32
     zq_ptr=None,  # [N] fp32 (ZP): per-sample zero point, in units of the activation scale
     ws_ptr=None,  # [9, CO] fp32 (ZP): conv.tap_sums of the int8 weights
+    RES: tl.constexpr = False,  # add a residual in the epilogue (see _tma_epilogue)
+    r0_desc=None,  # (RES) the residual as [frames_out, H, W, CO], box [1, BH, BW, BN0]
+    r1_desc=None,  # box [1, BH, BW, BN1]
 ):
     pid = tl.program_id(0)
     # column tiles fastest: the programs that share an input box run together and meet it in L2
@@ -254,10 +266,10 @@ def _tma_conv_kernel(
     if ZP:
         zq = tl.load(zq_ptr + smp)
     _tma_epilogue(acc0, n0, CO, f, h0, w0, y0_desc, s_ptr, b_ptr, xs, BH, BW, BN0, HAS_SCALE, HAS_BIAS,
-                  PHASES, ph, pa, pb, ZP, zq, ws_ptr)
+                  PHASES, ph, pa, pb, ZP, zq, ws_ptr, RES, r0_desc)
     if BN1 > 0:
         _tma_epilogue(acc1, n0 + BN0, CO, f, h0, w0, y1_desc, s_ptr, b_ptr, xs, BH, BW, BN1, HAS_SCALE, HAS_BIAS,
-                      PHASES, ph, pa, pb, ZP, zq, ws_ptr)
+                      PHASES, ph, pa, pb, ZP, zq, ws_ptr, RES, r1_desc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,11 +376,11 @@ def _check_k(who: str, C: int, cfg: TmaConfig) -> None:
 
 def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, a: ConvArgs,
             cfg: TmaConfig, yv: torch.Tensor, y_box: list[int], frames: int, T: int, CO: int, pads: tuple[int, int],
-            phases: bool) -> None:
+            phases: bool, rv: torch.Tensor | None = None) -> None:
     """Encode the descriptors and launch _tma_conv_kernel over `frames` output frames (N*T, or N*4 phase frames).
     xd: the input as (frames_in, H, W, C); yv: the output view the store descriptor covers, y_box its box without
-    the column width. Unused descriptors are passed as None (constexpr): each descriptor argument costs host time
-    at every launch."""
+    the column width. rv: a residual laid out like yv, added in the epilogue. Unused descriptors are passed as None
+    (constexpr): each descriptor argument costs host time at every launch."""
     bh, bw, bk, bn0, bn1, bk1 = cfg.bh, cfg.bw, cfg.bk, cfg.bn0, cfg.bn1, cfg.bk1
     kt, kh, kw = pw.kernel
     b = bias.detach().float().contiguous() if bias is not None else None
@@ -380,6 +392,9 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
     w11_desc = TensorDescriptor.from_tensor(pw.w, [bn1, bk1]) if bk1 and bn1 else None
     y0_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn0])
     y1_desc = TensorDescriptor(yv, list(yv.shape), list(yv.stride()), [*y_box, bn1]) if bn1 else None
+    r0_desc = TensorDescriptor(rv, list(rv.shape), list(rv.stride()), [*y_box, bn0]) if rv is not None else None
+    r1_desc = TensorDescriptor(rv, list(rv.shape), list(rv.stride()), [*y_box, bn1]) if rv is not None and bn1 \
+        else None
     n_tiles = triton.cdiv(CO, cfg.n_width())
     zp = a.int8 and a.zq_t is not None and ZERO_POINT  # symmetric int8 (the upsamplers' inputs): no zero point
     if zp and (phases or kt != 1 or yv.stride(3) != 1):
@@ -393,7 +408,8 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
         HAS_BIAS=b is not None, HAS_SCALE=a.fp8, XS_PTR=a.xs_t is not None, NUM_STAGES=cfg.num_stages,
         DOT_F32=x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.int8), PHASES=phases,
         ZP=zp, I32=a.int8 and x.device.type != "cpu", zq_ptr=a.zq_t if zp else None,
-        ws_ptr=pw.tapsum if zp else None, num_warps=cfg.num_warps,
+        ws_ptr=pw.tapsum if zp else None, RES=rv is not None, r0_desc=r0_desc, r1_desc=r1_desc,
+        num_warps=cfg.num_warps, **({"maxnreg": RES_MAXNREG} if rv is not None and RES_MAXNREG and x.is_cuda else {}),
     )
     if zp:  # the zero-point term's border half (_int8_border_kernel): 2W + 2H pixels per frame
         n_border = a.W * min(a.H, 2) + max(a.H - 2, 0) * min(a.W, 2)
@@ -427,15 +443,22 @@ def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | 
 
 
 def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, padding: tuple[int, int],
-                     a: ConvArgs, cfg: TmaConfig, yd: torch.Tensor | None = None) -> torch.Tensor | None:
+                     a: ConvArgs, cfg: TmaConfig, yd: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """conv_tma after its arguments were checked (`a` from conv.check_args, pw K-major): what conv_igemm's dispatch
     calls, so that a dispatched call is validated once.
 
     padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. yd: an
     (N*T, H, W, Cout) view to store into instead of a new tensor, any strides TMA takes (last dim dense, the others
-    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_e4m3); returns None then."""
+    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_e4m3); returns None then.
+    residual: a tensor of the output's shape and dtype, channels_last, added to the result in the epilogue (2D
+    convs; checked by conv.check_residual)."""
     N, Tin, T, H, W = a.N, a.Tin, a.T, a.H, a.W
     _check_k("conv_tma", pw.cin, cfg)
+    rv = None
+    if residual is not None:  # (N, H, W, Cout) with its dense strides spelled out (size-1 dims report odd ones)
+        C = pw.cout
+        rv = residual.as_strided((N, H, W, C), (H * W * C, W * C, C, 1), residual.storage_offset())
     if yd is None:
         yd = torch.empty((N * T, H, W, pw.cout), device=x.device, dtype=a.odt)
         y = a.output_view(yd)
@@ -443,5 +466,5 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
         y = None
     if yd.numel():
         xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, pw.cin)
-        _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False)
+        _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False, rv)
     return y
