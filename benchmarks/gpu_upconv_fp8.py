@@ -1,4 +1,4 @@
-"""Upsampler phase convs in e4m3 on the TMA conv kernel (kernels/upconv.upconv2x_e4m3) vs the bf16 phase convs.
+"""Upsampler phase convs in e4m3 on the TMA conv kernel (kernels/upconv.upconv2x_8bit) vs the bf16 phase convs.
 
     python3 benchmarks/gpu_upconv_fp8.py [--budget-s 240]   # sm_90; writes $OUT/upconv_fp8.json
 
@@ -68,7 +68,7 @@ for name, ci, co, H, W in SHAPES:
     row["quant_ms"] = event_ms(lambda: quantize_e4m3_per_sample(x))
     x8, s = quantize_e4m3_per_sample(x)
     row["quant_scale_ok"] = abs(s.item() - x.float().abs().max().item() / 448) < 1e-6 * x.float().abs().max().item()
-    pws = U.phase_weights_e4m3(w)
+    pws = U.phase_weights_8bit(w)
     row["configs"] = {}
     best = None
     for cfg in [tuned_upconv_config(ci, co, W)] + CFGS:
@@ -81,8 +81,8 @@ for name, ci, co, H, W in SHAPES:
         for merged in (True,) if args.no_split else (True, False):
             tag = "merged" if merged else "split"
             try:
-                y = U.upconv2x_e4m3(x8, s, pws, b, config=cfg, merged=merged)
-                f = lambda: U.upconv2x_e4m3(x8, s, pws, b, config=cfg, merged=merged)  # noqa: E731
+                y = U.upconv2x_8bit(x8, s, pws, b, config=cfg, merged=merged)
+                f = lambda: U.upconv2x_8bit(x8, s, pws, b, config=cfg, merged=merged)  # noqa: E731
                 ms = graph_ms(f, n=10, reps=10) if args.graph else event_ms(f)
                 e = rel(y, ref)
             except Exception as ex:  # a config that does not compile (shared memory, registers)
@@ -98,7 +98,7 @@ for name, ci, co, H, W in SHAPES:
 
     def total(cfg=best[0]):
         q, sc = quantize_e4m3_per_sample(x)
-        return U.upconv2x_e4m3(q, sc, pws, b, config=cfg)
+        return U.upconv2x_8bit(q, sc, pws, b, config=cfg)
 
     row["e4m3_total_ms"] = event_ms(total)
     rows.append(row)

@@ -289,18 +289,18 @@ def test_e4m3_phase_convs_store_each_phase_in_place(cfg_args, merged):
     _need_tma()
     from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
     from vaeopt.kernels.tma_conv import TmaConfig
-    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+    from vaeopt.kernels.upconv import phase_weights_8bit, upconv2x_8bit
 
     x, w, b = _e4m3_case()
     x8, s = quantize_e4m3_per_sample(x)
-    pw4 = phase_weights_e4m3(w)
+    pw4 = phase_weights_8bit(w)
     assert pw4.kmajor and pw4.kernel == (1, 2, 2) and pw4.cout == 4 * 48 and pw4.scale.shape == (4 * 48,)
-    y = upconv2x_e4m3(x8, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args), merged=merged)
+    y = upconv2x_8bit(x8, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args), merged=merged)
     assert y.shape == (2, 48, 10, 14) and y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y, _dequantized_reference(x8, s, pw4, b), rtol=1e-5, atol=1e-5)
     ref = upconv2x_reference(x, w, b)
     assert ((y - ref).norm() / ref.norm()) < 0.06  # e4m3 operands: ~3.6% here
-    yb = upconv2x_e4m3(x8, s, pw4, None, out_dtype=torch.bfloat16, config=TmaConfig(*cfg_args), merged=merged)
+    yb = upconv2x_8bit(x8, s, pw4, None, out_dtype=torch.bfloat16, config=TmaConfig(*cfg_args), merged=merged)
     torch.testing.assert_close(yb.float(), y - b.view(1, -1, 1, 1), rtol=1e-2, atol=1e-2)
 
 
@@ -311,41 +311,41 @@ def test_int8_phase_convs_match_dequantized_reference(cfg_args):
     _need_tma()
     from vaeopt.kernels.act_quant import quantize_e4m3_per_sample, quantize_int8_per_sample
     from vaeopt.kernels.tma_conv import TmaConfig
-    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+    from vaeopt.kernels.upconv import phase_weights_8bit, upconv2x_8bit
 
     x, w, b = _e4m3_case()
     q, s = quantize_int8_per_sample(x)
-    pw4 = phase_weights_e4m3(w, torch.int8)
+    pw4 = phase_weights_8bit(w, torch.int8)
     assert pw4.w.dtype == torch.int8 and pw4.kernel == (1, 2, 2) and pw4.tapsum is None
-    y = upconv2x_e4m3(q, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args))
+    y = upconv2x_8bit(q, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args))
     torch.testing.assert_close(y, _dequantized_reference(q, s, pw4, b), rtol=1e-5, atol=1e-5)
     ref = upconv2x_reference(x, w, b)
     x8, s8 = quantize_e4m3_per_sample(x)
-    y8 = upconv2x_e4m3(x8, s8, phase_weights_e4m3(w), b, out_dtype=torch.float32, config=TmaConfig(*cfg_args))
+    y8 = upconv2x_8bit(x8, s8, phase_weights_8bit(w), b, out_dtype=torch.float32, config=TmaConfig(*cfg_args))
     assert (y - ref).norm() < 0.5 * (y8 - ref).norm()
     with pytest.raises(ValueError, match="int8 K-major 2x2 phase kernels"):  # formats must pair
-        upconv2x_e4m3(q, s, phase_weights_e4m3(w), b, config=TmaConfig(*cfg_args))
+        upconv2x_8bit(q, s, phase_weights_8bit(w), b, config=TmaConfig(*cfg_args))
 
 
 def test_e4m3_phase_convs_refuse_bad_arguments():
     _need_tma()
     from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
-    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+    from vaeopt.kernels.upconv import phase_weights_8bit, upconv2x_8bit
 
     x, w, b = _e4m3_case(ci=16, co=16)
     x8, s = quantize_e4m3_per_sample(x)
-    pw4 = phase_weights_e4m3(w)
+    pw4 = phase_weights_8bit(w)
     with pytest.raises(ValueError, match="e4m3"):
-        upconv2x_e4m3(x, s, pw4, b)
+        upconv2x_8bit(x, s, pw4, b)
     with pytest.raises(ValueError, match="phase kernels"):
-        upconv2x_e4m3(x8, s, phase_weights_e4m3(w[:, :8]), b)
+        upconv2x_8bit(x8, s, phase_weights_8bit(w[:, :8]), b)
     from vaeopt.kernels.tma_conv import TmaConfig
     with pytest.raises(ValueError, match="column tile"):  # a store box would reach into the other column phase
-        upconv2x_e4m3(x8, s, pw4, b, config=TmaConfig(2, 4, 16, 32, 0, 4, 1))
+        upconv2x_8bit(x8, s, pw4, b, config=TmaConfig(2, 4, 16, 32, 0, 4, 1))
     with pytest.raises(ValueError, match="x_scale"):
-        upconv2x_e4m3(x8, 0.5, pw4, b)
+        upconv2x_8bit(x8, 0.5, pw4, b)
     with pytest.raises(ValueError, match="no TMA tile"):  # 16 channels: no measured tile
-        upconv2x_e4m3(x8, s, pw4, b)
+        upconv2x_8bit(x8, s, pw4, b)
 
 
 def test_fp8_upsampler_runs_only_where_marked_and_whole_image(small_kl, monkeypatch):
@@ -363,8 +363,8 @@ def test_fp8_upsampler_runs_only_where_marked_and_whole_image(small_kl, monkeypa
         upsample_conv.apply(model, device=CPU, force=True)
         convs = upsample_conv._image_candidates(model)
         calls = []
-        real = upconv.upconv2x_e4m3
-        monkeypatch.setattr(upconv, "upconv2x_e4m3", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+        real = upconv.upconv2x_8bit
+        monkeypatch.setattr(upconv, "upconv2x_8bit", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
         with torch.no_grad():
             out = model.decode(z).sample
         assert calls == [] and torch.allclose(out, ref, atol=1e-4)  # not marked: bf16 phase convs
@@ -390,15 +390,15 @@ def test_gpu_e4m3_phase_convs_on_the_measured_tile():
     """sm_90: the tuned tile (256 ch) equals the dequantized operands' conv, and stays near upsample + conv3x3."""
     from vaeopt.kernels import tma_conv
     from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
-    from vaeopt.kernels.upconv import phase_weights_e4m3, upconv2x_e4m3
+    from vaeopt.kernels.upconv import phase_weights_8bit, upconv2x_8bit
 
     if not tma_conv.available(torch.device("cuda")):
         pytest.skip("the TMA conv kernel's tiles were measured on sm_90 only")
     x, w, b = _e4m3_case(n=2, ci=256, co=256, h=48, w=40, dev="cuda")
     x = x.to(torch.bfloat16)
     x8, s = quantize_e4m3_per_sample(x)
-    pw4 = phase_weights_e4m3(w)
-    y = upconv2x_e4m3(x8, s, pw4, b)
+    pw4 = phase_weights_8bit(w)
+    y = upconv2x_8bit(x8, s, pw4, b)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 256, 96, 80)
     assert y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y.float(), _dequantized_reference(x8, s, pw4, b), rtol=2e-2, atol=2e-2)

@@ -1,7 +1,7 @@
 """Per-sample 8-bit quantization of an activation on the GPU: two Triton passes, no host sync.
 
 For an 8-bit conv whose input no quantizing norm writes: an upsampler's input is a residual sum
-(kernels/upconv.upconv2x_e4m3, which takes both formats). One pass takes each sample's amax (a block max, then an
+(kernels/upconv.upconv2x_8bit, which takes both formats). One pass takes each sample's amax (a block max, then an
 atomic max per block). The second writes x * (448 / amax) as e4m3 and the scale amax / 448, or x * (127 / amax)
 rounded to int8 and the scale amax / 127 (symmetric: a residual sum has both signs, and zero must stay zero for the
 conv's zero padding). Both run on the device, so the call fits CUDA graphs."""

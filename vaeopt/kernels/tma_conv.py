@@ -429,7 +429,7 @@ def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | 
     computes one phase of one output tile, with top/left padding (1 - a, 1 - b), and stores it through a descriptor
     of the output seen as (N, H, 2, W, 2 * Cout): no phase-stacked buffer, no interleave pass. Cout must be a
     multiple of the config's column tile, so that a store box never reaches into the other column phase.
-    x and pw4 were checked by the caller (upconv.upconv2x_e4m3). Returns (N, 2H, 2W, Cout) dense (NHWC) in a.odt."""
+    x and pw4 were checked by the caller (upconv.upconv2x_8bit). Returns (N, 2H, 2W, Cout) dense (NHWC) in a.odt."""
     N, H, W = a.N, a.H, a.W
     CO = pw4.cout // 4
     if CO % cfg.n_width():
@@ -450,7 +450,7 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
 
     padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. yd: an
     (N*T, H, W, Cout) view to store into instead of a new tensor, any strides TMA takes (last dim dense, the others
-    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_e4m3); returns None then.
+    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_8bit); returns None then.
     residual: a tensor of the output's shape and dtype, channels_last, added to the result in the epilogue (2D
     convs; checked by conv.check_residual)."""
     N, Tin, T, H, W = a.N, a.Tin, a.T, a.H, a.W

@@ -56,7 +56,7 @@ def upconv2x(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None = None
     return interleave_phases(p, bias, stats_groups)
 
 
-def phase_weights_e4m3(w: torch.Tensor, dtype: torch.dtype | None = None):
+def phase_weights_8bit(w: torch.Tensor, dtype: torch.dtype | None = None):
     """(Cout, Cin, 3, 3) -> the phase kernels (4 * Cout, Cin, 2, 2) (phase p = 2a + b in rows [p * Cout, (p + 1) *
     Cout)) as one 8-bit K-major PackedWeight with per-row scales: e4m3, or dtype torch.int8 (symmetric). The taps are
     summed in fp32 and quantized once."""
@@ -74,11 +74,11 @@ def _phase_slice(pw4, p: int):
                         pw4.kmajor)
 
 
-def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tensor | None = None,
+def upconv2x_8bit(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.bfloat16, config=None, merged: bool = True) -> torch.Tensor:
-    """conv3x3(2x nearest upsample of x) for an e4m3 x (N, Cin, H, W) channels_last with per-sample scales
-    (x ≈ x8 * x_scale[n]) and pw4 = phase_weights_e4m3(w): (N, Cout, 2H, 2W) channels_last in out_dtype. An int8 x
-    (symmetric, act_quant.quantize_int8_per_sample) takes int8 phase kernels (phase_weights_e4m3(w, torch.int8)):
+    """conv3x3(2x nearest upsample of x) for an 8-bit x: an e4m3 x (N, Cin, H, W) channels_last with per-sample scales
+    (x ≈ x8 * x_scale[n]) and pw4 = phase_weights_8bit(w): (N, Cout, 2H, 2W) channels_last in out_dtype. An int8 x
+    (symmetric, act_quant.quantize_int8_per_sample) takes int8 phase kernels (phase_weights_8bit(w, torch.int8)):
     int32 accumulation on the same kernel, no zero point.
 
     Each phase (a, b) is a 2x2 conv of x with top/left padding (1 - a, 1 - b) on the TMA conv kernel
@@ -92,20 +92,20 @@ def upconv2x_e4m3(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
 
     if (x8.dim() != 4 or x8.dtype not in (E4M3, torch.int8)
             or not x8.is_contiguous(memory_format=torch.channels_last)):
-        raise ValueError(f"upconv2x_e4m3: x must be e4m3 or int8 (N, C, H, W) channels_last, got {x8.dtype} "
+        raise ValueError(f"upconv2x_8bit: x must be e4m3 or int8 (N, C, H, W) channels_last, got {x8.dtype} "
                          f"{tuple(x8.shape)}")
     N, C, H, W = x8.shape
     if (getattr(pw4, "kernel", None) != (1, 2, 2) or pw4.cin != C or pw4.scale is None or not pw4.kmajor
             or pw4.cout % 4 or pw4.w.dtype != x8.dtype):
-        raise ValueError(f"upconv2x_e4m3: pw4 must be the {str(x8.dtype).replace('torch.', '')} K-major 2x2 phase "
-                         f"kernels of a {C}-channel input (phase_weights_e4m3)")
+        raise ValueError(f"upconv2x_8bit: pw4 must be the {str(x8.dtype).replace('torch.', '')} K-major 2x2 phase "
+                         f"kernels of a {C}-channel input (phase_weights_8bit)")
     CO = pw4.cout // 4
     if not isinstance(x_scale, torch.Tensor):
-        raise ValueError(f"upconv2x_e4m3: x_scale must be a tensor of 1 or {N} scales on {x8.device}")
-    xs = per_sample_scales("upconv2x_e4m3", x_scale, N, x8.device)
+        raise ValueError(f"upconv2x_8bit: x_scale must be a tensor of 1 or {N} scales on {x8.device}")
+    xs = per_sample_scales("upconv2x_8bit", x_scale, N, x8.device)
     cfg = config or tuned_upconv_config(C, CO, W)
     if cfg is None:
-        raise ValueError(f"upconv2x_e4m3: no TMA tile for {C}->{CO} channels")
+        raise ValueError(f"upconv2x_8bit: no TMA tile for {C}->{CO} channels")
     args = ConvArgs(N, 1, 1, H, W, True, out_dtype, xs, 1.0, False, int8=x8.dtype == torch.int8)
     if merged:
         return upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)

@@ -161,11 +161,11 @@ def _fp8_phase(conv: nn.Conv2d, x: torch.Tensor):
         return None
     if not x.is_contiguous(memory_format=torch.channels_last) or not fp8_ready(conv, x.device):
         return None
-    from vaeopt.kernels.upconv import phase_weights_e4m3
+    from vaeopt.kernels.upconv import phase_weights_8bit
 
     if getattr(conv, _INT8, False):
-        return cached_weight(conv, _W4_8, "int8", lambda: phase_weights_e4m3(conv.weight, torch.int8))
-    return cached_weight(conv, _W4_8, "e4m3", lambda: phase_weights_e4m3(conv.weight))
+        return cached_weight(conv, _W4_8, "int8", lambda: phase_weights_8bit(conv.weight, torch.int8))
+    return cached_weight(conv, _W4_8, "e4m3", lambda: phase_weights_8bit(conv.weight))
 
 
 def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
@@ -174,16 +174,16 @@ def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
 
     fp8=True (the whole-image decode's Upsample2D forward): when FP8 level 3 marked the conv, x is quantized to
     e4m3 (or symmetric int8) per sample (kernels/act_quant.py) and the phases run on the 8-bit TMA conv kernel,
-    written straight into the upsampled output (kernels/upconv.upconv2x_e4m3). Tiled decodes keep bf16 (a tile's
+    written straight into the upsampled output (kernels/upconv.upconv2x_8bit). Tiled decodes keep bf16 (a tile's
     scale would differ from the whole image's). stats_groups: a GroupNorm of that many groups reads the output next;
     the bf16 path's interleave pass takes its statistics (kernels/upconv.interleave_phases)."""
     pw4 = _fp8_phase(conv, x) if fp8 else None
     if pw4 is not None:
         from vaeopt.kernels.act_quant import quantize_e4m3_per_sample, quantize_int8_per_sample
-        from vaeopt.kernels.upconv import upconv2x_e4m3
+        from vaeopt.kernels.upconv import upconv2x_8bit
 
         x8, s = (quantize_int8_per_sample if pw4.w.dtype == torch.int8 else quantize_e4m3_per_sample)(x)
-        return upconv2x_e4m3(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
+        return upconv2x_8bit(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
     from vaeopt.kernels.upconv import upconv2x
 
     return upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None, stats_groups)
