@@ -298,7 +298,8 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     # an int8 conv2 of a resnet without a shortcut adds the block input in its epilogue (no residual pass), and the
     # decode is the same as with the separate residual epilogue, up to fp32 association
     fused_res = [n for n, _ in cands if n.endswith("conv2") and _resnet_of(model, n).conv_shortcut is None]
-    assert fused_res and sum(c[1] for c in calls) == len(fused_res)
+    assert fused_res and sum(c[1] for c in calls) == len(fused_res) == r.data["residual_in_conv"]
+    assert f"{len(fused_res)} int8 conv2 add their resnet's input in the epilogue" in r.detail
     monkeypatch.setattr(importlib.import_module("vaeopt.stages.fused_epilogues"), "RESIDUAL_IN_CONV", False)
     calls.clear()
     with torch.no_grad():
