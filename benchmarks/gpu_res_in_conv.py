@@ -50,6 +50,8 @@ VARIANTS = args.variants.split(",")
 
 def use(v: str) -> None:
     tma_conv.RES_MAXNREG = int(v.split("maxnreg")[1]) if "maxnreg" in v else None
+
+
 OUT = out_dir()
 no_tf32()
 dev = torch.device("cuda")
@@ -72,6 +74,8 @@ for c, hw in [(128, 1024), (256, 512), (512, 256), (512, 128)]:
     del xin
     G = 32
 
+    # (below 2^24 elements, e.g. 512 ch @128², the epilogue takes no statistics: the norm then runs its own pass,
+    # which "conv + epilogue with stats" does not include there)
     def sep(stats=True):
         h = conv_igemm(q, pw, None, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.bfloat16)
         return epilogue.bias_residual(h, b, r, 1.0, stats_groups=G if stats else None)
