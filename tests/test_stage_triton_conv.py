@@ -296,7 +296,9 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     assert [c[0] for c in calls] == [torch.int8] * len(cands)
     assert abs(psnr(out, ref) - r.data["probe_db"]) < 0.5
     # an int8 conv2 of a resnet without a shortcut adds the block input in its epilogue (no residual pass), and the
-    # decode is the same as with the separate residual epilogue, up to fp32 association
+    # decode is the same as with the separate residual epilogue up to fp32 association, which the next norm's int8
+    # rounding can turn into a code step here and there (70 dB between the two with Triton 3.9's interpreter; a
+    # misplaced residual would cost far more than the 0.5 dB allowed against fp32)
     fused_res = [n for n, _ in cands if n.endswith("conv2") and _resnet_of(model, n).conv_shortcut is None]
     assert fused_res and sum(c[1] for c in calls) == len(fused_res) == r.data["residual_in_conv"]
     assert f"{len(fused_res)} int8 conv2 add their resnet's input in the epilogue" in r.detail
@@ -305,7 +307,8 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     with torch.no_grad():
         out_sep = model.decode(z).sample.float()
     assert not any(c[1] for c in calls)
-    torch.testing.assert_close(out, out_sep, rtol=1e-4, atol=1e-4)
+    assert psnr(out_sep, out) > 60.0 and abs(psnr(out_sep, ref) - psnr(out, ref)) < 0.5, (psnr(out_sep, out),
+                                                                                        psnr(out_sep, ref))
     triton_conv.revert(model)
     assert not any(getattr(m, "_vaeopt_conv8_int8", False) for m in model.modules())
 

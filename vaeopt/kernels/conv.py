@@ -285,13 +285,19 @@ def per_sample_scales(who: str, x_scale: torch.Tensor, N: int, device: torch.dev
     return xs.expand(N).contiguous() if xs.numel() == 1 and N > 1 else xs
 
 
+def residual_fits(r: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether r can be an int8 conv's epilogue residual for an output of this (N, Cout, H, W) shape, dtype and
+    device: the same, channels_last dense."""
+    return (r.dim() == 4 and tuple(r.shape) == tuple(shape) and r.dtype == dtype and r.device == device
+            and r.permute(0, 2, 3, 1).is_contiguous())
+
+
 def check_residual(who: str, r: torch.Tensor, a: ConvArgs, cout: int, device: torch.device) -> None:
     """A residual for the int8 conv's epilogue: the output's shape, dtype and device, channels_last dense."""
     if not a.int8:
         raise ValueError(f"{who}: a residual in the epilogue is for int8 convs")
     shape = (a.N, cout, a.H, a.W)
-    if r.dim() != 4 or tuple(r.shape) != shape or r.dtype != a.odt or r.device != device \
-            or not r.permute(0, 2, 3, 1).is_contiguous():
+    if not residual_fits(r, shape, a.odt, device):
         raise ValueError(f"{who}: the residual must be a channels_last {shape} {a.odt} tensor on {device}, got "
                          f"{tuple(r.shape)} {r.dtype} on {r.device}")
 

@@ -210,6 +210,18 @@ def _fp8_weights(conv, x: torch.Tensor):
     return packed_fp8(conv)
 
 
+def takes_residual_in_conv(block) -> bool:
+    """The structural side of _resnet_forward's residual-in-conv path for a resnet whose conv2 is int8 (the fp8
+    stage counts these): no shortcut, output_scale_factor 1, and no fused 2x upsample in its epilogue (none, or an
+    upsampler on phase convs, which reads the low-resolution output)."""
+    from vaeopt.stages.upsample_conv import marked
+
+    up = block.__dict__.get(_STATE)
+    return (RESIDUAL_IN_CONV and getattr(block, "conv_shortcut", 1) is None
+            and float(getattr(block, "output_scale_factor", 0.0)) == 1.0
+            and (up is None or (getattr(up, "conv", None) is not None and marked(up.conv))))
+
+
 def _residual_in_conv(conv, h: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether conv (a resnet's conv2, fed by norm2 from h) runs as the int8 kernel and can add the block input x in
     its epilogue (kernels/conv.conv_igemm(residual=)): x channels-last dense in h's dtype, the conv's output shape."""
@@ -223,9 +235,9 @@ def _residual_in_conv(conv, h: torch.Tensor, x: torch.Tensor) -> bool:
 
         if tma_conv.int8_config(conv.in_channels, conv.out_channels, h.shape[-1]) != tma_conv.ROW_TILE:
             return False
-    return (x.dtype == h.dtype and x.device == h.device
-            and tuple(x.shape) == (h.shape[0], conv.out_channels, *h.shape[2:])
-            and x.permute(0, 2, 3, 1).is_contiguous())
+    from vaeopt.kernels.conv import residual_fits
+
+    return residual_fits(x, (h.shape[0], conv.out_channels, *h.shape[2:]), h.dtype, h.device)
 
 
 def _norm_conv(norm, conv, x: torch.Tensor, x_bias, residual: torch.Tensor | None = None,

@@ -575,10 +575,10 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         note += (f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py, tiles "
                  "measured on sm_90)")
     if i8 and not wan:  # fused_epilogues._residual_in_conv: a conv2 of a resnet without a shortcut
-        from vaeopt.stages.fused_epilogues import RESIDUAL_IN_CONV
+        from vaeopt.stages.fused_epilogues import takes_residual_in_conv
 
         blocks = [model.get_submodule(n.rsplit(".", 1)[0]) for n, _ in chosen if n.endswith(".conv2")]
-        n_res = sum(getattr(b, "conv_shortcut", 1) is None for b in blocks) if RESIDUAL_IN_CONV else 0
+        n_res = sum(takes_residual_in_conv(b) for b in blocks)
         stats["residual_in_conv"] = n_res
         if n_res:
             note += (f"; {n_res} int8 conv2 add their resnet's input in the epilogue, no residual pass (where the "
