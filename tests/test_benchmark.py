@@ -77,6 +77,30 @@ def test_skipped_stages_carry_reason(result):
     assert rows["+ stacked Conv3d"]["status"] == "skipped" and "no stacked_conv3d stage" in rows["+ stacked Conv3d"]["reason"]
 
 
+def test_fp8_levels_are_each_reported(tmp_path, samples_dir):
+    """--fp8: each of FP8's three levels gets its own report, measured against the row it adds to, or why it did not
+    run: on the CPU level 1 (e4m3 weight storage, no tensor cores needed) is a row of its own on top of 'vaeopt
+    plain', with the decoder's weight memory before and after; levels 2 and 3 say why they are skipped."""
+    data, out = _bench(tmp_path, samples_dir, "--fp8")
+    levels = {s["level"]: s for s in data["fp8_levels"]}
+    assert sorted(levels) == [1, 2, 3]
+    rows = {r["name"]: r for r in data["rows"]}
+    l1 = levels[1]
+    assert l1["status"] == "ok" and l1["row"] == "fp8 level 1: e4m3 weights" and l1["vs_row"] == "vaeopt plain"
+    row = rows[l1["row"]]
+    assert row["kind"] == "fp8" and row["status"] == "ok" and row["median_ms"] > 0
+    assert l1["ms"] == row["median_ms"] and l1["vs_ms"] == rows["vaeopt plain"]["median_ms"]
+    assert 30 < l1["psnr_db"] < 100 and l1["psnr_db"] == row["psnr_db"]  # lossy: not the plain decode's bits
+    assert l1["layers"] > 20 and l1["weights_mib"] < 0.5 * l1["vs_weights_mib"]  # fp32 -> e4m3 but conv_in/out
+    fp8_line = next(s for s in row["stages"] if s["name"] == "fp8")
+    assert fp8_line["status"] == "applied" and fp8_line["data"]["gemm"] == 0
+    assert levels[2]["status"] == "skipped" and "tensor cores" in levels[2]["reason"]
+    assert rows["fp8 level 2: + fp8 GEMMs"]["status"] == "skipped"
+    assert levels[3]["status"] == "skipped" and "GPU" in levels[3]["reason"]
+    assert "FP8 level 1 (e4m3 weight storage):" in out and "MiB" in out
+    assert "FP8 level 2 (fp8 GEMMs): skipped" in out and "FP8 level 3 (8-bit convs): skipped" in out
+
+
 def test_plot_written(result, tmp_path_factory):
     from PIL import Image
 

@@ -99,6 +99,62 @@ def test_available_reason_on_cpu():
     assert not ok and "GPU" in why
 
 
+def test_fp8_weights_runs_level_1_alone_and_gemm_says_why_not_on_cpu(samples_dir):
+    """--fp8 weights is level 1 alone: e4m3 weight storage, which needs no FP8 tensor cores, so it runs on the CPU
+    too (every conv but conv_in/conv_out stored in e4m3, no fp8 GEMM), its line says so, and the decode keeps the
+    gate. --fp8 gemm (levels 1-2) needs the tensor cores: skipped with the reason and the level that would run."""
+    from vaeopt.errors import VaeoptError
+    from vaeopt.loading import load_vae
+    from vaeopt.pipeline import Options, Pipeline
+
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["astronaut"].float()
+    z = loaded.family.unscale(lat[:, :, 16:32, 16:32])
+    with torch.inference_mode():
+        ref = loaded.model.decode(z).sample.float().clamp(-1, 1)
+    before = sum(p.numel() * p.element_size() for p in loaded.model.decoder.parameters())
+    pipe = Pipeline(loaded, Options(device="cpu", fp8="weights"), log=None)
+    st = next(s for s in pipe.stages if s.name == "fp8")
+    assert st.status == "applied" and "level 1 only, no fp8 GEMMs" in st.detail, st.line()
+    assert st.data["gemm"] == 0 and st.data["storage"] > 20 and st.data["saved_mib"] > 0
+    stored = [m for m in loaded.model.decoder.modules() if hasattr(m, "qweight")]
+    assert len(stored) == st.data["storage"] and all(m.qweight.dtype == fp8.E4M3 for m in stored)
+    after = sum(t.numel() * t.element_size() for m in loaded.model.decoder.modules()
+                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    assert after < 0.5 * before  # fp32 -> e4m3 for all but the first/last layers
+    with torch.inference_mode():
+        out = pipe.model.decode(z).sample.float().clamp(-1, 1)
+    assert 40.0 <= psnr(out, ref) < 100  # lossy, within the default gate
+    g = Pipeline(load_vae(samples_dir / "tiny_kl_image.safetensors"), Options(device="cpu", fp8="gemm"), log=None)
+    st = next(s for s in g.stages if s.name == "fp8")
+    assert st.status == "skipped" and "tensor cores" in st.detail and "--fp8 weights" in st.detail, st.line()
+    with pytest.raises(VaeoptError, match="weights, gemm"):
+        Options(fp8="level1").validate()
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_mode_on_gpu(samples_dir):
+    """--fp8 gemm on an FP8 GPU: level 2's GEMMs run (the 1x1 convs and linears as FP8GemmLinear), next to the
+    stored convs, on the default (fused) path; the decode keeps the gate."""
+    from vaeopt.loading import load_vae
+    from vaeopt.pipeline import Options, Pipeline
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["astronaut"].float()
+    z = loaded.family.unscale(lat)
+    with torch.inference_mode():
+        ref = loaded.model.decode(z).sample.float().clamp(-1, 1)
+    pipe = Pipeline(loaded, Options(device="cuda", fp8="gemm", graphs="off"), log=None)
+    st = next(s for s in pipe.stages if s.name == "fp8")
+    assert st.status == "applied" and st.data["gemm"] > 0 and st.data["storage"] > 0, st.line()
+    assert sum(isinstance(m, fp8.FP8GemmLinear) for m in loaded.model.modules()) == st.data["gemm"]
+    with torch.inference_mode():
+        out = pipe.model.decode(z.cuda().bfloat16()).sample.float().cpu().clamp(-1, 1)
+    assert psnr(out, ref) >= 40.0
+
+
 @pytest.mark.gpu
 def test_scaled_mm_linear_on_gpu():
     lin = torch.nn.Linear(512, 512).cuda().bfloat16()

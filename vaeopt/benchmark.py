@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,7 +58,7 @@ PEERS = ("fp32", "bf16", "tiling", "compile")
 @dataclass
 class Row:
     name: str
-    kind: str  # "peer", "ladder", "reference"
+    kind: str  # "peer", "ladder", "reference", "fp8" (one FP8 level on its own, after the ladder)
     status: str = "ok"  # ok, skipped, failed
     reason: str = ""
     times_ms: list[float] = field(default_factory=list)
@@ -185,6 +186,9 @@ class Bench:
         """Build (`make`), then time. precheck(stage lines) -> (status, reason) marks the row so without timing it."""
         row = Row(name, kind)
         self.log(f"{name} ...")
+        gc.collect()  # the rows before: their models (and graph pools) gone before this row's peak is measured
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         try:
             t0 = time.perf_counter()
             fn = make()
@@ -339,9 +343,11 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
             return pipe._decode_image(z, plan, DecodeStats(), None)
 
         def lines(graphs_status=None):
-            # their hints name decode's flags: spelled as the benchmark has them (or as `vaeopt decode ...`)
+            # their hints name decode's flags: spelled as the benchmark has them (or as `vaeopt decode ...`); the FP8
+            # stages' numbers too (fp8_levels reads them)
             return [{"name": s.name, "detail": pipe.spell(s.detail),
-                     "status": graphs_status if graphs_status and s.name == "graphs" else s.status}
+                     "status": graphs_status if graphs_status and s.name == "graphs" else s.status,
+                     **({"data": _scalars(s.data)} if s.name in _FP8_STAGES and s.data else {})}
                     for s in pipe.stages] + [{"name": "plan", "status": "applied", "detail": pipe.spell(plan.reason)}]
 
         def stages():  # read after the timed runs: graphs are captured during them
@@ -432,6 +438,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             r.status, r.reason = skip  # known only after the timed runs (graphs that were never captured)
         log(f"  {_fmt_row(r)}")
         rows.append(r)
+    levels = _fp8_levels(b, rows, acc, tuned, spec) if fp8 else None
     baseline = _speedups(rows, dtype)
     mi = machine_info()
     return {
@@ -444,7 +451,124 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         "command": command, "repeats": repeats, "warmup": warmup,
         "cudnn_autotune": {"benchmark_limit": tuned.data["limit"]} if tuned else None,
         "speedup_baseline": baseline, "rows": [asdict(r) for r in rows],
+        **({"fp8_levels": levels} if levels is not None else {}),
     }
+
+
+_FP8_STAGES = ("fp8", "fp8 convs")
+
+
+def _scalars(d: dict) -> dict:
+    """A stage's numbers for the JSON: its scalar entries (and lists of names), not its per-layer tables."""
+    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None
+            or (isinstance(v, list) and all(isinstance(x, str) for x in v))}
+
+
+# FP8's levels 1 and 2, each measured on its own (`vaeopt benchmark --fp8`) on top of 'vaeopt plain': (level, row
+# name, what it does, Options.fp8)
+FP8_LEVELS = (
+    (1, "fp8 level 1: e4m3 weights", "e4m3 weight storage with per-channel scales, dequantized per layer", "weights"),
+    (2, "fp8 level 2: + fp8 GEMMs", "level 1 plus the 1x1 convs and linears as fp8 GEMMs (torch._scaled_mm)", "gemm"),
+)
+LEVEL_NAMES = {1: "e4m3 weight storage", 2: "fp8 GEMMs", 3: "8-bit convs"}
+LEVEL3_OFF = "fp8 level 3 off (the last row in 16 bits)"
+
+
+def _stage_line(row: Row, name: str) -> dict | None:
+    return next((s for s in row.stages if s["name"] == name), None)
+
+
+def _fp8_levels(b: Bench, rows: list[Row], acc: dict, tuned, spec: FamilySpec) -> list[dict]:
+    """Rows for FP8 levels 1 and 2 alone on top of 'vaeopt plain' (the ladder runs level 3 where it can, which the
+    storage hooks of level 1 would disable), and the last ladder row again without FP8, so that level 3 is compared
+    with the same stages in 16 bits. Appends the rows; returns one summary per level: time, fidelity and weight
+    memory against the row it adds to, or why it did not run."""
+    plain = next(r for r in rows if r.name == "vaeopt plain")
+    ladder = [r for r in rows if r.kind == "ladder" and r.status == "ok"]
+    esize = torch.empty((), dtype=b.dtype).element_size()
+    decoder_mib = sum(v.numel() for k, v in b.sd.items() if k.startswith("decoder.")) * esize / 2**20
+    out = []
+    for level, name, what, mode in FP8_LEVELS:
+        r = b.run(name, "fp8", _ladder_fn(b, {**dict(LADDER)["vaeopt plain"], "gate_db": acc["gate_db"], "fp8": mode},
+                                          tuned), log_row=False,
+                  precheck=lambda stages: _row_skipped("+ fp8", stages, spec))
+        if r.status == "ok" and (skip := _row_skipped("+ fp8", r.stages, spec)):
+            r.status, r.reason = skip
+        b.log(f"  {_fmt_row(r)}")
+        rows.append(r)
+        line = _stage_line(r, "fp8") or {}
+        d = line.get("data") or {}
+        s = _level_summary(level, what, r, plain, reason=r.reason or line.get("detail", ""),
+                           layers=d.get("storage", 0) + d.get("gemm", 0) if d else None,
+                           weights_mib=(decoder_mib, decoder_mib - (d["bytes_before"] - d["bytes_after"]) / 2**20)
+                           if "bytes_before" in d else None)
+        if s["status"] == "fallback" and "psnr_db" in d:  # what the gate measured and what it would have saved
+            s.update(probe_db=d["psnr_db"], gate_db=d.get("gate_db"))
+        out.append(s)
+    # level 3: the ladder row where the 8-bit convs first ran (with it, every row below), against the last row
+    # rebuilt with fp8 off
+    first = next((r for r in ladder if (ln := _stage_line(r, "fp8 convs")) and ln["status"] == "applied"), None)
+    l3 = next((ln for r in rows if r.kind == "ladder" for ln in r.stages if ln["name"] == "fp8 convs"), None)
+    what3 = "the resnet (and upsampler) 3x3 convs as 8-bit implicit-GEMM Triton kernels, inputs quantized by the norms"
+    if first is None:
+        from vaeopt.stages import triton_conv
+
+        ok, why = triton_conv.fp8_available(b.device)
+        if spec.cls_name not in ("AutoencoderKL", "AutoencoderKLWan"):
+            why = f"no 8-bit conv path for {spec.title} (SD/SDXL/SD3/FLUX and Wan decoders)"
+        elif l3 is not None and l3["status"] != "applied":
+            why = l3["detail"]
+        elif ok:
+            why = "no ladder row ran the 8-bit convs"
+        out.append(_level_summary(3, what3, None, None, reason=why))
+        return out
+    last = ladder[-1]
+    off = b.run(LEVEL3_OFF, "fp8", _ladder_fn(b, {**acc, "fp8": "off"}, tuned))
+    rows.append(off)
+    d = _stage_line(last, "fp8 convs").get("data") or {}
+    s = _level_summary(3, what3, last, off, reason=off.reason, layers=d.get("layers"))
+    s["first_row"] = first.name
+    if d.get("resnet_format"):
+        s["resnet_format"] = d["resnet_format"]
+    out.append(s)
+    return out
+
+
+def _level_summary(level: int, what: str, row: Row | None, base: Row | None, reason: str = "",
+                   layers: int | None = None, weights_mib: tuple | None = None) -> dict:
+    ok = row is not None and base is not None and row.status == "ok" and base.status == "ok"
+    s = {"level": level, "what": what, "status": "ok" if ok else (row.status if row is not None and
+                                                                  row.status != "ok" else "skipped"),
+         "row": row.name if row is not None else None, "vs_row": base.name if base is not None else None,
+         "layers": layers, "reason": "" if ok else reason}
+    if ok:
+        s.update(ms=row.median_ms, vs_ms=base.median_ms, psnr_db=row.psnr_db, vs_psnr_db=base.psnr_db,
+                 peak_alloc_gib=row.peak_alloc_gib, vs_peak_alloc_gib=base.peak_alloc_gib)
+    if weights_mib is not None and (ok or s["status"] == "fallback"):  # a fallback: what the layers would take
+        s["weights_mib"], s["vs_weights_mib"] = weights_mib[1], weights_mib[0]
+    return s
+
+
+def level_lines(levels: list[dict]) -> list[str]:
+    """One line per FP8 level for the table's foot: what it changed against the row it adds to, or why it did not
+    run."""
+    out = []
+    for s in levels:
+        head = f"FP8 level {s['level']} ({LEVEL_NAMES[s['level']]})"
+        if s["status"] != "ok":
+            would = (f" (the decoder's weights would have gone {s['vs_weights_mib']:.1f} -> {s['weights_mib']:.1f} MiB)"
+                     if s["status"] == "fallback" and s.get("weights_mib") is not None else "")
+            out.append(f"{head}: {s['status']} — {s['reason']}{would}")
+            continue
+        parts = [f"{s['vs_ms']:.1f} -> {s['ms']:.1f} ms", f"PSNR {fidelity.psnr_text(s['vs_psnr_db'])} -> "
+                 f"{fidelity.psnr_text(s['psnr_db'])}"]
+        if s.get("weights_mib") is not None:
+            parts.append(f"decoder weights {s['vs_weights_mib']:.1f} -> {s['weights_mib']:.1f} MiB")
+        if s.get("peak_alloc_gib") is not None and s.get("vs_peak_alloc_gib") is not None:
+            parts.append(f"peak {s['vs_peak_alloc_gib']:.2f} -> {s['peak_alloc_gib']:.2f} GiB")
+        n = f"{s['layers']} layers" + (f" ({s['resnet_format']} resnet convs)" if s.get("resnet_format") else "")
+        out.append(f"{head}: {n}; {', '.join(parts)} (vs '{s['vs_row']}')")
+    return out
 
 
 CHART_SOFTWARE = "vaeopt benchmark"
@@ -547,7 +671,8 @@ def plot(result: dict, path: Path) -> None:
         y = 60 + i * rowh
         d.text((10, y + 8), r["name"][:38], fill="black")
         wbar = int((W - left - 240) * r["median_ms"] / tmax)  # room for the number before the PSNR column
-        color = {"reference": (150, 150, 150), "peer": (90, 130, 200), "ladder": (230, 120, 40)}[r["kind"]]
+        color = {"reference": (150, 150, 150), "peer": (90, 130, 200), "ladder": (230, 120, 40),
+                 "fp8": (120, 170, 90)}[r["kind"]]
         d.rectangle([left, y + 4, left + max(wbar, 1), y + rowh - 6], fill=color)
         d.text((left + wbar + 5, y + 8), f"{r['median_ms']:.1f}", fill="black")
         p = r.get("psnr_db")

@@ -253,8 +253,10 @@ def decode(
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
     cudnn_autotune: str = typer.Option("auto", "--cudnn-autotune", help="Time cuDNN's engine configs per new conv "
                                        "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
-    fp8: str = typer.Option("off", "--fp8", help="FP8 weights/compute (gated on fidelity): off | auto | on "
-                                                 "(auto: the same as on)"),
+    fp8: str = typer.Option("off", "--fp8", help="FP8/8-bit weights and compute, gated on fidelity: off | on | "
+                                                 "weights (level 1 alone: e4m3 weight storage) | gemm (levels 1-2: "
+                                                 "plus fp8 GEMMs for 1x1 convs/linears) | auto (the same as on: "
+                                                 "8-bit convs where they run, else levels 1-2)"),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
     fps: Optional[float] = typer.Option(None, "--fps", show_default=False,
                                         help="Frames per second of MP4 output (default 16, Wan's rate)."),
@@ -476,7 +478,8 @@ def benchmark(
     device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per row (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
-    fp8: bool = typer.Option(False, "--fp8", help="Include the FP8 stage in the ladder."),
+    fp8: bool = typer.Option(False, "--fp8", help="Include FP8 in the ladder, and measure its three levels each "
+                                                  "on its own after it (weight storage, fp8 GEMMs, 8-bit convs)."),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="FP8 fidelity gate (dB PSNR vs fp32) used by the ladder."),
     cudnn_autotune: bool = typer.Option(False, "--cudnn-autotune", help="cuDNN autotuning on for every row, peers "
                                                                         "included (each row's warm-up pays the tuning)."),
@@ -666,12 +669,14 @@ def _print_bench(result: dict) -> None:
     out_console.print(f"PSNR/max err vs the fp32 diffusers decode; speedup vs '{result.get('speedup_baseline')}'"
                       + (f"; bf16 matmul here {result['matmul_tflops']:.0f} TFLOP/s"
                          if result.get("matmul_tflops") else ""), style="dim")
-    from vaeopt.benchmark import clock_note
+    from vaeopt.benchmark import clock_note, level_lines
 
     if note := clock_note(result["rows"]):
         out_console.print(note, style="dim", highlight=False)
     for r in skipped:
         out_console.print(f"  [yellow]{r['status']}[/] {r['name']}: {r['reason']}", highlight=False)
+    for line in level_lines(result.get("fp8_levels") or []):
+        out_console.print(line, highlight=False)
 
 
 def _fps_unused(fps: float) -> None:

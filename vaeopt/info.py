@@ -23,9 +23,11 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
     else:
         row("precision", True, "fp32 on CPU")
     if g and g.fp8:
-        row("fp8", True, f"{g.sm} has FP8 tensor cores; opt-in (--fp8 on), gated on PSNR vs fp32")
+        row("fp8", True, f"{g.sm} has FP8 tensor cores; opt-in (--fp8 on: 8-bit convs where they run, else e4m3 "
+                         "weights + fp8 GEMMs; --fp8 weights / gemm for level 1 / 1-2 alone), gated on PSNR vs fp32")
     else:
-        row("fp8", False, f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU")
+        row("fp8", False, (f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU") + "; --fp8 weights (e4m3 "
+                          "weight storage alone, dequantized per layer) still runs")
     for name in ("fused_norms", "fused_epilogues", "upsample_conv", "stacked_conv3d", "triton_conv", "channels_last",
                  "graphs", "cudnn_autotune"):
         try:

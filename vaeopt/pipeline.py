@@ -25,6 +25,9 @@ from vaeopt.loading import LoadedVAE
 from vaeopt.stages import StageResult, watch_loads, weights_epoch
 
 SWITCHES = ("auto", "on", "off")
+# --fp8 also takes one level alone: "weights" (level 1: e4m3 weight storage, any device) and "gemm" (levels 1-2: plus
+# the 1x1 convs and linears as fp8 GEMMs, sm_89+); "on"/"auto" take level 3 where it runs (stages/triton_conv)
+FP8_MODES = SWITCHES + ("weights", "gemm")
 # CUDA graphs, measured on an H200 (benchmarks/results/h200_graphs_fp8_2026-11-21.json): a 512² decode 8.2 -> 5.6 ms
 # replayed, capture (incl. warm-up) 27 ms; a 1024² decode 22.0 -> 21.8 ms. So graphs pay for small outputs decoded
 # often enough to repay the capture: auto enables them up to GRAPH_MAX_PIXELS per decode and from
@@ -51,7 +54,7 @@ def channels_last_veto(family) -> str | None:
 _DECODE_FLAGS = ("channels-last", "triton", "epilogues", "upsample-conv", "stack-conv3d", "conv-kernel", "graphs",
                  "cudnn-autotune", "fp8-gate", "fp8", "tiling", "tile", "chunk", "vram-budget", "dtype", "device")
 _FLAG = (rf"--(?:{'|'.join(_DECODE_FLAGS)})(?![\w-])"
-         r"(?: (?:auto|on|off|fp32|bf16|fp16|\d+(?:\.\d+)?(?: GB)?)(?!\w|\.\d))?")
+         r"(?: (?:auto|on|off|weights|gemm|fp32|bf16|fp16|\d+(?:\.\d+)?(?: GB)?)(?!\w|\.\d))?")
 _FLAG_RUN = re.compile(rf"{_FLAG}(?: {_FLAG})*")
 _BENCH_FLAGS = ("dtype", "device", "fp8-gate")  # benchmark's own, spelled as decode's
 _BENCH_SWITCHES = ("fp8", "cudnn-autotune")  # benchmark's on/off flags, which take no value
@@ -78,7 +81,8 @@ def _respelled(run: str, entry: str) -> str:
         elif tok != "GB":
             flags[-1][1] = tok
     if entry == "benchmark":
-        if all(n in _BENCH_FLAGS or (n in _BENCH_SWITCHES and v != "off") for n, v in flags):
+        # (benchmark's switches take no value: a level of --fp8 alone is decode's setting)
+        if all(n in _BENCH_FLAGS or (n in _BENCH_SWITCHES and v in ("", "on", "auto")) for n, v in flags):
             return " ".join(f"--{n}" + (f" {v}" if v and n not in _BENCH_SWITCHES else "") for n, v in flags)
         if all(v == "off" for _, v in flags):  # the ladder's rows switch the stages off: not the user's doing
             return ", ".join(f"{n} off" for n, _ in flags) + " in this ladder row"
@@ -142,9 +146,10 @@ class Options:
         for name in ("channels_last", "triton", "epilogues", "attention", "upsample_conv", "stack_conv3d",
                      "conv_kernel", "fp8", "graphs", "cudnn_autotune", "tiling"):
             v = getattr(self, name)
-            if v not in SWITCHES:
+            allowed = FP8_MODES if name == "fp8" else SWITCHES
+            if v not in allowed:
                 where = "Options.attention: no CLI flag" if name == "attention" else f"--{name.replace('_', '-')}"
-                raise VaeoptError(f"{name} ({where}) must be one of {', '.join(SWITCHES)}, got {v!r}")
+                raise VaeoptError(f"{name} ({where}) must be one of {', '.join(allowed)}, got {v!r}")
         for name, flag in (("tile", "--tile"), ("chunk", "--chunk")):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -249,8 +254,9 @@ class Pipeline:
             self.log("! half precision on the CPU: torch's CPU convs are much slower in fp16/bf16 than in fp32 "
                      "(--dtype fp32, the CPU default)")
 
-        # fp8: level 3 (e4m3 implicit-GEMM convs fed by the fused norms) where it can run, else levels 1-2
-        conv8 = o.fp8 != "off" and self._level3_family()
+        # fp8: level 3 (8-bit implicit-GEMM convs fed by the fused norms) where it can run, else levels 1-2; "weights"
+        # and "gemm" ask for level 1 alone or levels 1-2 (vaeopt benchmark --fp8 measures each level so)
+        conv8 = o.fp8 in ("on", "auto") and self._level3_family()
         if conv8:
             self._record(StageResult.skipped("fp8", "FP8 compute runs as e4m3 implicit-GEMM convs ('fp8 convs', "
                                                     "after the fused path is set up); weight-storage hooks would "
@@ -394,12 +400,14 @@ class Pipeline:
         except ImportError:
             self._record(StageResult.skipped("fp8", "not built into this version of vaeopt"))
             return
-        ok, why = mod.available(self.device)
+        compute = self.opts.fp8 != "weights"  # level 2's GEMMs too, where the GPU has FP8 tensor cores
+        ok, why = mod.available(self.device) if compute else mod.available(self.device, compute=False)
         if not ok:
-            self._record(StageResult.skipped("fp8", why))
+            self._record(StageResult.skipped("fp8", why + (" (--fp8 weights, level 1 alone, runs without them)"
+                                                           if "tensor cores" in why or "GPU" in why else "")))
             return
         self._record(mod.apply(self.model, family=self.family, gate_db=self.opts.gate_db, device=self.device,
-                               dtype=self.dtype))
+                               dtype=self.dtype, compute=compute))
 
     # ---- planning -----------------------------------------------------------------------------------------
     def plan(self, latent_shape: tuple) -> planner.Plan:

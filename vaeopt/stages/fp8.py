@@ -29,9 +29,13 @@ NAME = "fp8"
 KEEP = ("conv_in", "conv_out")  # the decoder's first and last layers: most sensitive, cheapest to keep
 
 
-def available(device: torch.device) -> tuple[bool, str]:
+def available(device: torch.device, compute: bool = True) -> tuple[bool, str]:
+    """Whether the stage can run here: level 1 alone (compute=False, weight storage dequantized per layer) needs only
+    torch's float8_e4m3fn, on any device; with level 2's fp8 GEMMs it needs FP8 tensor cores."""
     if E4M3 is None:
         return False, f"torch {torch.__version__} has no float8_e4m3fn"
+    if not compute:
+        return True, ""
     if device.type != "cuda":
         return False, "no CUDA GPU: FP8 tensor cores are a GPU feature"
     cap = torch.cuda.get_device_capability(device)
@@ -352,8 +356,9 @@ def apply(model: nn.Module, family=None, gate_db: float = 40.0, device=None, dty
                            f"probe {p:.1f} dB vs fp32 < gate {gate_db:g} dB with {len(keep)} kept in {dname} "
                            f"({_kept_desc(keep, why, rows, stored and stored[0])}){hist}"
                            f"{': ' + stop if stop else ''}; undone ({dname} alone: {p_base:.1f} dB)", data)
+    how = (f"{stats['storage']} convs with weight storage, {stats['gemm']} 1x1/linear as fp8 GEMMs" if compute_here
+           else "weight storage, dequantized per layer: level 1 only, no fp8 GEMMs")
     return StageResult(NAME, "applied",
-                       f"{stats['storage'] + stats['gemm']} layers in e4m3 ({stats['storage']} convs with weight "
-                       f"storage, {stats['gemm']} 1x1/linear as fp8 GEMMs), kept {stats['kept']} in {dname} "
+                       f"{stats['storage'] + stats['gemm']} layers in e4m3 ({how}), kept {stats['kept']} in {dname} "
                        f"({_kept_desc(keep, why, rows, stored and stored[0])}); weights {saved:.1f} MiB smaller; "
                        f"probe {p:.1f} dB vs fp32 (gate {gate_db:g}; {dname} alone {p_base:.1f} dB){hist}", data)
