@@ -5,6 +5,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 
 def table(path: str) -> str:
@@ -25,7 +26,13 @@ def table(path: str) -> str:
         lines.append(f"| {x['name']} | {x['median_ms']:.1f} | {x['peak_alloc_gib']:.2f} | {x['tflops']:.0f} "
                      f"({100 * x['frac_of_matmul']:.0f}%) | {psnr} | {x['max_abs']:.3f} | "
                      f"{x.get('speedup_vs_baseline') or x['speedup_vs_diffusers_bf16']:.2f}x |")
-    return head + "\n".join(lines) + "\n"
+    foot = ""
+    if r.get("fp8_levels"):  # `vaeopt benchmark --fp8`: one line per level, as under the CLI's table
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from vaeopt.benchmark import level_lines
+
+        foot = "\n" + "\n".join(f"- {line}" for line in level_lines(r["fp8_levels"])) + "\n"
+    return head + "\n".join(lines) + "\n" + foot
 
 
 if __name__ == "__main__":

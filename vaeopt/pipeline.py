@@ -258,9 +258,10 @@ class Pipeline:
         # and "gemm" ask for level 1 alone or levels 1-2 (vaeopt benchmark --fp8 measures each level so)
         conv8 = o.fp8 in ("on", "auto") and self._level3_family()
         if conv8:
-            self._record(StageResult.skipped("fp8", "FP8 compute runs as e4m3 implicit-GEMM convs ('fp8 convs', "
+            self._record(StageResult.skipped("fp8", "FP8 compute runs as 8-bit implicit-GEMM convs ('fp8 convs', "
                                                     "after the fused path is set up); weight-storage hooks would "
-                                                    "disable that path"))
+                                                    "disable that path (--fp8 weights or --fp8 gemm: levels 1-2 "
+                                                    "instead)"))
         elif o.fp8 == "off":
             self._record(StageResult.skipped("fp8", "off (enable with --fp8 on; gated at "
                                                     f"{o.gate_db:g} dB vs the fp32 decode)"))
