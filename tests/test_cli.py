@@ -226,7 +226,7 @@ def test_overwrite_frames_folder_and_kind_mismatch(tmp_path, samples_dir):
     assert [p.name for p in (tmp_path / "v.mp4").iterdir()] == ["keep.txt"]
     (tmp_path / "f").write_text("a file")
     r = run("decode", tmp_path / "clip.pt", "-m", model, "-o", tmp_path / "f", "--overwrite")
-    assert r.exit_code == 2 and "is a file; this output is a folder of frames" in r.output, r.output
+    assert r.exit_code == 2 and "is a file, which --overwrite does not replace with a folder" in r.output, r.output
 
 
 def test_gpus_path_notes_an_unused_fps_too(tmp_path, samples_dir, monkeypatch):
@@ -437,7 +437,7 @@ def test_dict_with_other_tensors_decodes_its_latents(tmp_path, samples_dir):
     assert r.exit_code == 0, r.output
     assert "skipped 1 tensor(s) that are not" in r.output and "prompt_embeds (1, 77, 768)" in r.output
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["gen.png"]  # one latent: no entry suffix
-    assert "prompt_embeds (1, 77, 768) (1 channel, not 4)" in r.output
+    assert "prompt_embeds (1, 77, 768) (3 dims, not a 4-channel (C,H,W) latent)" in r.output  # (was "1 channel")
     # the listing, before the VAE is known, does not call the embeddings latents
     assert "gen.pt: 2 tensors (pt, scaled latents where they fit the VAE)" in r.output
     assert "[prompt_embeds]: (1, 77, 768) float32" in r.output and "768) float32 (pt" not in r.output
@@ -1069,3 +1069,76 @@ def test_decode_tells_the_fp8_gate_the_largest_latent(tmp_path, samples_dir, mon
                 "--fp8", fp8, "--dtype", "fp32")
         assert r.exit_code == 0, r.output
         assert seen[-1].decode_shape == want
+
+
+def test_output_names_that_cannot_be_meant(tmp_path, samples_dir, monkeypatch):
+    """Found by a new-user pass: `-o -` made a folder named '-'; `-o out.png.` (a trailing dot) silently became a
+    folder; `-o noext` naming an existing file said "pass --overwrite", after which it failed with "noext is a file,
+    not a folder". Each is refused before the checkpoint loads, with nothing written."""
+    from vaeopt import loading
+
+    m = samples_dir / "tiny_kl_image.safetensors"
+    torch.save(_small_latents(tmp_path, samples_dir)["coffee"], tmp_path / "l.pt")
+    loads = []
+    real = loading.load_vae
+    monkeypatch.setattr(loading, "load_vae", lambda *a, **k: loads.append(a) or real(*a, **k))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "noext").touch()
+    cases = {"-": "error: -o -: writing to stdout is not supported; give a file (out.png, out.mp4, out.safetensors) "
+                  "or a folder (out/)",
+             "out.png.": "error: -o out.png.: the name ends in '.', likely a typo; name a .png/.mp4/.safetensors "
+                         "file, or a folder with a trailing '/' (out.png./) if that is the name you want",
+             "noext": "error: -o noext: a name without a suffix is a folder output, but noext is a file, which "
+                      "--overwrite does not replace with a folder; name a .png/.mp4/.safetensors file, or another "
+                      "folder (nothing was written)"}
+    for o, msg in cases.items():
+        for extra in ([], ["--overwrite"]):
+            r = run("decode", "l.pt", "-m", m, "-o", o, *extra)
+            assert r.exit_code == 2 and msg in " ".join(r.output.split()) and loads == [], r.output
+    assert sorted(os.listdir(tmp_path)) == ["l.pt", "noext"] and (tmp_path / "noext").stat().st_size == 0
+    # what stays accepted: an explicit folder of that name, an existing one, and "."
+    r = run("decode", "l.pt", "-m", m, "-o", "out.png./")
+    assert r.exit_code == 0 and (tmp_path / "out.png." / "l.png").is_file(), r.output
+    r = run("decode", "l.pt", "-m", m, "-o", "out.png.", "--overwrite")
+    assert r.exit_code == 0, r.output
+    r = run("decode", "l.pt", "-m", m, "-o", ".")
+    assert r.exit_code == 0 and (tmp_path / "l.png").is_file(), r.output
+
+
+def test_latent_space_takes_any_case(tmp_path, samples_dir):
+    """Found by a new-user pass: --latent-space RAW was refused ("must be 'scaled' or 'raw', got 'RAW'")."""
+    m = samples_dir / "tiny_kl_image.safetensors"
+    torch.save(_small_latents(tmp_path, samples_dir)["coffee"], tmp_path / "l.pt")
+    for i, space in enumerate(("RAW", "Scaled")):
+        r = run("decode", tmp_path / "l.pt", "-m", m, "-o", tmp_path / f"o{i}.png", "--latent-space", space)
+        assert r.exit_code == 0 and f"(pt, {space.lower()} latents)" in r.output, r.output
+    r = run("decode", tmp_path / "l.pt", "-m", m, "-o", tmp_path / "o.png", "--latent-space", "Pixel")
+    assert r.exit_code == 2 and "--latent-space must be 'scaled' or 'raw', got 'Pixel'" in r.output
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_clashing_outputs_get_advice_that_helps(tmp_path, samples_dir):
+    """Found by a new-user pass: p.pt holding {'q', 'r'} beside p_q.pt both write p_q.png; the error said "pass -o a
+    folder", where they clash again. A folder is suggested only where it tells the outputs apart (the same folder
+    reached through a symlink); otherwise: rename an input, or separate runs (--key for the dict's tensor)."""
+    m = samples_dir / "tiny_kl_image.safetensors"
+    z = _small_latents(tmp_path, samples_dir)["coffee"]
+    d = tmp_path / "cc"
+    d.mkdir()
+    torch.save({"q": z, "r": z}, d / "p.pt")
+    torch.save(z, d / "p_q.pt")
+    fix = ("rename one of the inputs, or decode them in separate runs, each with its own -o (--key q decodes "
+           f"{d / 'p.pt'}[q] alone)")
+    for o in ([], ["-o", str(tmp_path / "out") + "/"]):
+        r = run("decode", d / "p.pt", d / "p_q.pt", "-m", m, *o)
+        out = " ".join(r.output.split())
+        assert r.exit_code == 2 and f"two inputs ({d / 'p.pt'}[q] and {d / 'p_q.pt'}) would write the same " \
+            "output " in out and out.endswith(fix), r.output
+        assert "pass -o a folder" not in out
+    assert sorted(os.listdir(d)) == ["p.pt", "p_q.pt"] and not (tmp_path / "out").exists()
+    (tmp_path / "link").symlink_to(d)  # one folder under two names: beside the inputs they meet, in -o DIR/ not
+    r = run("decode", d / "p_q.pt", tmp_path / "link" / "p_q.pt", "-m", m)
+    assert r.exit_code == 2 and " ".join(r.output.split()).endswith("would write the same output "
+                                                                     f"{d / 'p_q.png'}: pass -o a folder"), r.output
+    r = run("decode", d / "p_q.pt", tmp_path / "link" / "p_q.pt", "-m", m, "-o", str(tmp_path / "out") + "/")
+    assert r.exit_code == 0 and sorted(os.listdir(tmp_path / "out")) == ["cc_p_q.png", "link_p_q.png"], r.output

@@ -127,7 +127,7 @@ def test_packed_flux_latents_are_refused_not_guessed(tmp_path):
     # an unbatched (C, H, W) latent 64 wide is not packed (nor a 4:1 one)
     assert lat.validate(lat.LatentEntry("", torch.randn(16, 8, 64)), FLUX, tmp_path / "f.pt").shape == (1, 16, 8, 64)
     assert lat.validate(lat.LatentEntry("", torch.randn(16, 256, 64)), FLUX, tmp_path / "f.pt").shape[2:] == (256, 64)
-    with pytest.raises(LatentError, match="1 latent channels"):  # other families: not FLUX's packing
+    with pytest.raises(LatentError, match=r"one \(C,H,W\) latent with 4 channels"):  # others: not FLUX's packing
         lat.validate(lat.LatentEntry("", torch.randn(1, 8, 16)), SDXL, tmp_path / "f.pt")
 
 
@@ -286,7 +286,8 @@ def test_hostile_latent_files_get_true_messages(tmp_path):
     (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
     cases = {"trunc.npy": "more than the file holds", "rand.npy": "not a readable .npy file",
              "c.npy": "must be real floating point", "huge.npy": "more than the file holds",
-             "g.pt": "not a readable torch file (a gzip archive)", "t.pt": "not a readable torch file: corrupt",
+             "g.pt": "not a readable torch file (a gzip archive)",
+             "t.pt": "not a readable torch file: a text file, not a tensor file (it starts 'just text')",
              "fifo.pt": "not a regular file", "loop.pt": "a broken or looping symlink"}
     for name, expect in cases.items():
         with pytest.raises(lat.LatentError, match=re.escape(expect)):
@@ -357,3 +358,90 @@ def test_npz(tmp_path):
         z.writestr("x.npy", b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
     with pytest.raises(LatentError, match="more than the file holds"):
         lat.read_latents(tmp_path / "huge.npz")
+
+
+def test_zip_bombs_are_refused_before_unpacking(tmp_path, monkeypatch):
+    """Found by a new-user pass: a 1 MB deflated .npz or .pt declaring a (1,4,8192,8192) tensor took 1.5 GB of RAM
+    before the size check refused it (a 20 MB one could be OOM-killed). Refused from the zip directory or the .npy
+    header now, before any data is unpacked; ordinary savez_compressed files still read."""
+    import zipfile
+
+    def member(z, name, shape, dtype="<f2"):  # a deflated .npy of zeros, written in pieces (no big buffer here)
+        hdr = f"{{'descr': '{dtype}', 'fortran_order': False, 'shape': {shape}, }}".encode()
+        hdr += b" " * (63 - (len(hdr) + 10) % 64) + b"\n"
+        with z.open(name, "w", force_zip64=True) as fh:
+            fh.write(b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
+            left = 2 * int(np.prod(shape))
+            while left:
+                fh.write(bytes(min(left, 1 << 22)))
+                left -= min(left, 1 << 22)
+
+    def unread(*a, **k):
+        raise AssertionError("the array data was read")
+
+    monkeypatch.setattr(np.lib.format, "read_array", unread)
+    # the header names a latent larger than any VAE decodes: refused unread (33 MB of zeros in a 33 KB file)
+    with zipfile.ZipFile(tmp_path / "wide.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        member(z, "latents.npy", (1, 1, 4097, 4096))
+    with pytest.raises(LatentError, match=re.escape(
+            "wide.npz [latents]: header declares (1, 1, 4097, 4096) float16: latent 4097x4096 would decode to at least "
+            "16388x16384 pixels per frame — beyond what vaeopt decodes (16384² max); refused before reading its data")):
+        lat.read_latents(tmp_path / "wide.npz")
+    # more unpacked than MAX_INFLATION beyond the file's size: refused from the zip's directory
+    monkeypatch.setattr(lat, "MAX_INFLATION", 1 << 20)
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        member(z, "latents.npy", (1, 4, 512, 512))
+    with pytest.raises(LatentError, match=r"bomb.npz: its members unpack to 2 MiB from a [\d.]+ KiB file, more than "
+                                          r"vaeopt unpacks from a latent file \(1 MiB beyond its size\): refused before "
+                                          r"unpacking \(a zip bomb\?\)"):
+        lat.read_latents(tmp_path / "bomb.npz")
+    monkeypatch.undo()
+    np.savez_compressed(tmp_path / "ok.npz", latents=np.zeros((1, 4, 64, 64), np.float32))  # 64 KiB in ~100 bytes
+    assert lat.read_latents(tmp_path / "ok.npz").entries[0].tensor.shape == (1, 4, 64, 64)
+
+    # a .pt: torch.save stores its members uncompressed; compressed tensor data is refused before torch.load
+    torch.save(torch.zeros(1, 4, 8, 8), tmp_path / "ok.pt")
+    with zipfile.ZipFile(tmp_path / "ok.pt") as src, zipfile.ZipFile(tmp_path / "z.pt", "w", zipfile.ZIP_DEFLATED) as z:
+        for info in src.infolist():
+            z.writestr(info.filename, src.read(info))
+    monkeypatch.setattr(torch, "load", unread)
+    with pytest.raises(LatentError, match=r"z.pt: its tensor data is stored compressed \(ok/data/0: 1 KiB packed "
+                                          r"into \d+ bytes\), which torch.save never writes: refused before "
+                                          r"unpacking \(a zip bomb\?\)"):
+        lat.read_latents(tmp_path / "z.pt")
+    monkeypatch.undo()
+    assert lat.read_latents(tmp_path / "ok.pt").entries[0].tensor.shape == (1, 4, 8, 8)
+
+
+def test_text_files_and_torch_internal_errors_say_what_the_file_is(tmp_path):
+    """Found by a new-user pass: "hello world" as a latent file said "corrupt or truncated? (101)", "abc" said "(pop
+    from empty list)": torch's legacy reader's KeyError / IndexError. A text file is named as one; binary garbage is
+    "corrupt or truncated?" without a bare exception text."""
+    for name, text in (("h.pt", b"hello world\n"), ("abc.pt", b"abc"), ("u.pt", "héllo wörld, ünïcode".encode())):
+        (tmp_path / name).write_bytes(text)
+        first = text.decode().splitlines()[0][:24]
+        with pytest.raises(LatentError, match=re.escape(f"{name}: not a readable torch file: a text file, not a tensor "
+                                                        f"file (it starts {first!r})")):
+            lat.read_latents(tmp_path / name)
+    (tmp_path / "bin.pt").write_bytes(bytes([1, 2, 0, 7]))
+    with pytest.raises(LatentError) as e:
+        lat.read_latents(tmp_path / "bin.pt")
+    assert str(e.value).endswith("not a readable torch file (corrupt or truncated?)") or str(e.value).endswith(
+        "not a readable torch file: corrupt or truncated?"), str(e.value)
+
+
+def test_unbatched_non_latents_are_not_counted_in_channels(tmp_path):
+    """Found by a new-user pass: prompt embeddings (1, 77, 768) were "skipped (1 channel, not 4)": a batch dim is
+    added to 3-D tensors before channels are counted. They are not a latent shape at all, and say so."""
+    with pytest.raises(lat.NotALatent) as e:
+        lat.validate(lat.LatentEntry("emb", torch.randn(1, 77, 768)), SDXL, tmp_path / "f.npz")
+    assert e.value.reason == "3 dims, not a 4-channel (C,H,W) latent"
+    assert str(e.value) == (f"{tmp_path / 'f.npz'} [emb]: shape (1, 77, 768) does not fit Stable Diffusion XL: "
+                            "expected (N,C,H,W) image latents, or one (C,H,W) latent with 4 channels (read so, it "
+                            "would have 1)")
+    with pytest.raises(lat.NotALatent, match="16 latent channels, but the Stable Diffusion XL VAE takes 4") as e:
+        lat.validate(lat.LatentEntry("", torch.randn(1, 16, 8, 8)), SDXL, tmp_path / "f.pt")  # 4-D: real channels
+    assert e.value.reason == "16 channels, not 4"
+    with pytest.raises(lat.NotALatent, match="16 latent channels, but the Stable Diffusion XL VAE takes 4"):
+        lat.validate(lat.LatentEntry("", torch.randn(16, 8, 8)), SDXL, tmp_path / "f.pt")  # one FLUX latent: real
+    assert lat.validate(lat.LatentEntry("", torch.randn(4, 8, 8)), SDXL, tmp_path / "f.pt").shape == (1, 4, 8, 8)

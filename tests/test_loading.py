@@ -880,3 +880,43 @@ def test_a_given_config_says_which_factor_it_replaced(samples_dir):
     notes = " | ".join(lv.notes)
     assert "scaling_factor 0.5 from the given config (over 0.84481 in the checkpoint's config metadata)" in notes
     assert "scaling_factor 0.84481 from the checkpoint's config metadata" not in notes
+
+
+def test_load_vae_arguments_are_checked_before_reading(tmp_path):
+    """Found by a new-user pass: dtype=torch.int8 leaked torch's load_state_dict RuntimeError, device='tpu' torch's
+    device-string RuntimeError, device='cuda' on a CPU build "AssertionError: Torch not compiled with CUDA enabled",
+    and load_vae(123) a pathlib TypeError. One-line VaeoptErrors now, before the checkpoint is read (a missing file
+    is not even looked at)."""
+    from vaeopt.errors import VaeoptError
+
+    nope = tmp_path / "nope.safetensors"
+    cases = [(dict(dtype=torch.int8), "dtype torch.int8: vaeopt decodes in torch.float32, torch.bfloat16 or "
+                                      "torch.float16"),
+             (dict(dtype=3), "load_vae: dtype must be a torch.dtype or one of fp32, bf16, fp16, got 3"),
+             (dict(device="tpu"), "--device tpu: expected cpu, cuda or cuda:N"),
+             (dict(device=0.5), "load_vae: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got 0.5")]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), "--device cuda: no CUDA GPU is visible to torch"))
+    for kw, msg in cases:
+        with pytest.raises(VaeoptError, match=re.escape(msg)):
+            load_vae(nope, **kw)
+    with pytest.raises(VaeoptError, match=re.escape("load_vae: path must be a checkpoint file or diffusers folder (a "
+                                                    "str or Path), got int 123")):
+        load_vae(123)
+    r = load_vae(SAMPLES / "tiny_kl_image.safetensors", dtype="bf16", device=torch.device("cpu"))
+    assert next(r.model.parameters()).dtype == torch.bfloat16
+
+
+def test_plain_pickle_model_is_named_as_one(tmp_path):
+    """Found by a new-user pass: a pickle.dump file given as the model said "(Weights only load failed)", torch's
+    boilerplate; the latent reader said what it is. The loader says the same now (and never unpickles it)."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+    for name, obj in (("sd.pt", {"decoder.conv_in.weight": torch.ones(4, 4, 3, 3)}), ("evil.pt", _Evil(marker))):
+        with open(tmp_path / name, "wb") as fh:
+            pickle.dump(obj, fh)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{name}: a plain pickle stream (pickle.dump), not a torch.save file: vaeopt does not unpickle")):
+            load_vae(tmp_path / name)
+    assert not marker.exists()

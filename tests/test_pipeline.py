@@ -374,6 +374,27 @@ def test_api_argument_errors_are_clear(samples_dir):
         vaeopt.optimize(ConsistencyDecoderVAE())
 
 
+def test_api_vae_and_log_arguments_are_checked(samples_dir):
+    """Found by a new-user pass: vaeopt.decode(z, 5) raised pathlib's TypeError, log=5 "'int' object is not
+    callable" once the first stage line was logged. Refused up front with what the argument takes."""
+    from vaeopt.errors import VaeoptError
+
+    z = torch.randn(1, 4, 8, 8)
+    m = samples_dir / "tiny_kl_image.safetensors"
+    with pytest.raises(VaeoptError, match=r"vaeopt.decode: vae must be a checkpoint path or vaeopt.load_vae\(...\), "
+                                          r"got int 5$"):
+        vaeopt.decode(z, 5)
+    with pytest.raises(VaeoptError, match=r"vaeopt.decode: log must be a function taking one line \(e.g. print, "
+                                          r"logging.getLogger\(...\).info\) or None for silence, got int 5$"):
+        vaeopt.decode(z, m, log=5)
+    loaded = load_vae(m)
+    with pytest.raises(VaeoptError, match=r"vaeopt.optimize: log must be a function"):
+        vaeopt.optimize(loaded.model, log="stderr")
+    assert getattr(loaded.model, "_vaeopt_optimized", None) is None  # refused before the model was touched
+    lines = []
+    assert vaeopt.decode(z, str(m), log=lines.append).shape == (1, 3, 64, 64) and lines
+
+
 def test_decode_output_is_nchw_and_unknown_classes_are_named(samples_dir):
     """vaeopt.decode hands back NCHW memory (the optimized decoder ends channels-last; `.view` raised); optimize on a
     diffusers VAE class outside the families says so instead of treating it as SDXL without a word."""

@@ -83,6 +83,10 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
         raise VaeoptError(f"vaeopt.decode takes a checkpoint path or vaeopt.load_vae(...), not a "
                           f"{type(vae).__name__} module: for pipe.vae use vaeopt.optimize(pipe.vae), then "
                           "pipe.vae.decode(...)")
+    if not isinstance(vae, (LoadedVAE, str, os.PathLike)):  # (pathlib's TypeError would name neither)
+        raise VaeoptError(f"vaeopt.decode: vae must be a checkpoint path or vaeopt.load_vae(...), got "
+                          f"{type(vae).__name__} {vae!r:.60}")
+    _check_log(log, "vaeopt.decode")
     if not isinstance(latents, torch.Tensor):
         raise VaeoptError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
     if latents.device.type == "meta":
@@ -169,6 +173,13 @@ _OPTIMIZE_FAMILIES = {"AutoencoderKL": "sdxl", "AutoencoderKLWan": "wan21", "Aut
 _OPTIMIZE_CLASSES = tuple(_OPTIMIZE_FAMILIES)
 
 
+def _check_log(log, who: str) -> None:
+    """log is called with each line, long after the call began (a 5 would fail as "'int' object is not callable")."""
+    if log is not None and not callable(log):
+        raise VaeoptError(f"{who}: log must be a function taking one line (e.g. print, logging.getLogger(...).info) or "
+                          f"None for silence, got {type(log).__name__} {log!r:.60}")
+
+
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -220,6 +231,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
                           "torch.compile(vae.decode)); optimize runs before that, and its own vae.decode would drop "
                           "yours: call optimize first, then wrap vae.decode")
     dtype = _dtype_name(dtype)  # a clear error before the model is touched
+    _check_log(log, "vaeopt.optimize")
     wanted = dict(device=device, dtype=dtype, channels_last=channels_last, triton=triton, attention=attention)
     if getattr(vae, "_vaeopt_optimized", None) is not None:  # again would stack hooks and redo (or undo) its work
         _refuse_other(vae, "vaeopt.optimize", wanted)
@@ -502,6 +514,7 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
     log: where to say which tensors of a file were skipped as not latents for this VAE."""
     fam = loaded.family
     jobs: list[DecodeJob] = []
+    tags: list[str] = []  # per job: the tensor name its outputs carry ("" for none)
     given: dict[str, Path] = {}
     for lf in latent_files:
         r = os.path.abspath(lf.path)  # a.pt and ../d/a.pt are one; two names linked to one blob are two inputs
@@ -547,6 +560,7 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
                 kind = "mp4"
             paths = [outputs.numbered(base, i, n) for i in range(n)] if kind != "safetensors" else [base]
             jobs.append(DecodeJob(lf.path, e.name, z, paths, kind, overwrite))
+            tags.append(e.name if named else "")
     if any(j.kind == "mp4" for j in jobs) and not _have_pyav():
         raise VaeoptError("MP4 output needs PyAV (pip install av). Without it, write PNG frames (-o a folder, one clip "
                           "at a time: --key NAME picks one of a dict) or a .safetensors file. Nothing was decoded")
@@ -562,9 +576,19 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             raise VaeoptError(f"{clash[0].source.name}: its tensors {names} would write the same output {first} "
                               "(a file name cannot keep what tells their names apart): decode one at a time with "
                               "--key NAME and its own -o")
-        fix = ("rename one of the inputs, or decode them in separate runs" if out is not None and (
-            out_is_folder or out.is_dir()) else "pass -o a folder")
-        raise VaeoptError(f"two inputs would write the same output {first}: {fix}")
+        helps = False  # would -o a folder tell them apart? (not where names meet: p.pt['q'] and p_q.pt are p_q.png)
+        if out is None or not (out_is_folder or out.is_dir()):
+            fs = outputs.distinct_stems([lf.path for lf in latent_files], one_folder=True)
+            ext = ".mp4" if fam.is_video else ".png"
+            would = [outputs.numbered(Path(fs[j.source] + (f"_{outputs.safe_name(t)}" if t else "") + ext), i, n)
+                     for j, t in zip(jobs, tags) for n in [j.z_raw.shape[0]] for i in range(n)]
+            helps = len(set(would)) == len(would)
+        who = " and ".join(f"{j.source}{'[' + j.entry + ']' if j.entry else ''}" for j in clash[:2])
+        keyed = next((j for j in clash if j.entry), None)
+        fix = "pass -o a folder" if helps else (
+            "rename one of the inputs, or decode them in separate runs, each with its own -o"
+            + (f" (--key {keyed.entry} decodes {keyed.source}[{keyed.entry}] alone)" if keyed else ""))
+        raise VaeoptError(f"two inputs ({who}) would write the same output {first}: {fix}")
     inputs = {lf.path.resolve() for lf in latent_files}
     model = loaded.path.resolve() if loaded.path is not None else None
     if model is not None and model in inputs:

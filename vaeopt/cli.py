@@ -195,7 +195,8 @@ def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable ou
     out_console.print(t)
     if not mi.gpus:
         out_console.print("[bold]No CUDA GPU visible.[/] vaeopt runs on the CPU: fp32 decode, whole or tiled, "
-                          "chunked video; no CUDA graphs, no FP8, Triton kernels only under TRITON_INTERPRET=1.")
+                          "chunked video; no CUDA graphs, no FP8 compute (--fp8 weights stores weights in e4m3), Triton "
+                          "kernels only under TRITON_INTERPRET=1.")
     for g in mi.gpus:
         out_console.print(
             f"[bold]GPU {g.index}[/]: {g.name}  {g.sm}  {g.multiprocessors} SMs  "
@@ -272,6 +273,8 @@ def decode(
     from vaeopt.loading import load_vae
     from vaeopt.pipeline import Options
 
+    if latent_space is not None and latent_space.lower() in ("scaled", "raw"):
+        latent_space = latent_space.lower()  # any case: RAW, Scaled
     if latent_space not in (None, "scaled", "raw"):
         raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
     fps_given = fps is not None
@@ -405,6 +408,9 @@ def _output_arg(output: str | None) -> tuple[Path | None, bool]:
         return None, False
     if not output.strip():
         raise OutputError("-o is empty: name a file or a folder")
+    if output.strip() == "-":  # (it would make a folder named '-')
+        raise OutputError("-o -: writing to stdout is not supported; give a file (out.png, out.mp4, out.safetensors) "
+                          "or a folder (out/)")
     try:
         path = Path(output).expanduser()  # as --model is; a quoted '~/x.png' would otherwise make a folder named '~'
         path.is_dir()
@@ -416,6 +422,14 @@ def _output_arg(output: str | None) -> tuple[Path | None, bool]:
                           "-o (nothing was written)")
     from vaeopt import outputs
 
+    if not folder and not path.is_dir() and path.name.endswith(".") and path.name != "..":
+        # 'out.png.' has no suffix, so it would silently become a folder named so
+        raise OutputError(f"-o {output}: the name ends in '.', likely a typo; name a .png/.mp4/.safetensors file, or "
+                          f"a folder with a trailing '/' ({output}/) if that is the name you want")
+    if not folder and path.suffix == "" and path.is_file():  # before "exists, pass --overwrite", which would not help
+        raise OutputError(f"-o {output}: a name without a suffix is a folder output, but {path} is a file, which "
+                          "--overwrite does not replace with a folder; name a .png/.mp4/.safetensors file, or "
+                          "another folder (nothing was written)")
     if not folder and not path.is_dir() and path.suffix and path.suffix.lower() not in outputs.OUTPUT_SUFFIXES:
         # before the checkpoint loads (the same check runs again when the outputs are planned)
         raise OutputError(outputs.unknown_type(f"-o {output}", path.suffix))

@@ -26,6 +26,13 @@ LATENT_SUFFIXES = (".pt", ".pth", ".safetensors", ".latent", ".npy", ".npz")
 MANIFEST = "vaeopt.json"
 # Refuse decodes whose output alone would exceed this many pixels per frame (64k x 64k would need >16 GiB per frame).
 MAX_OUTPUT_PIXELS = 16384 * 16384
+# .npy/.npz headers are checked before their data is read: a latent frame too large to decode within MAX_OUTPUT_PIXELS
+# even at a 4x downscale (LDM's kl-f4, the smallest in use; SD, FLUX and Wan use 8 or 16) is refused unread.
+_MIN_SPATIAL_FACTOR = 4
+# A zip (.npz, .pt) may unpack to at most this much more than its own size: deflate packs zeros ~1000:1, so a 1 MB file
+# can declare a 1 GiB tensor, all of it allocated before any check of its shape. numpy.savez_compressed latents (float
+# noise) shrink by 10% or so, so real files are far from it; torch.save stores its members uncompressed.
+MAX_INFLATION = 256 * 1024**2
 # ComfyUI files without a version marker stored latents multiplied by SD1's 0.18215 (ComfyUI's LoadLatent divides).
 _COMFY_LEGACY_SCALE = 0.18215
 
@@ -133,6 +140,47 @@ def _collect(obj, prefix: str, out: list[LatentEntry], where: str = "") -> None:
         stack.extend(reversed([(v, f"{name}.{k}" if name else str(k), depth + 1, inner) for k, v in items]))
 
 
+def _text_file(head: bytes) -> str | None:
+    """What to call a file whose first bytes are printable UTF-8 text ("a text file, ..."), else None."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut by the 32 bytes read is still text
+        if e.start < len(head) - 3:
+            return None
+        text = head[:e.start].decode("utf-8")
+    if not text.strip() or not all(c.isprintable() or c in "\t\r\n" for c in text):
+        return None
+    return f"a text file, not a tensor file (it starts {text.split(chr(10))[0][:24]!r})"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n} bytes"
+
+
+def _check_zip_inflation(path: Path, infos: list, torch_file: bool) -> None:
+    """Refuse a zip whose members would unpack to far more than the file holds (MAX_INFLATION), from its directory,
+    before anything is unpacked. torch_file: a torch.save zip, whose tensor data (<archive>/data/<n>) torch.save
+    always stores uncompressed: compressed tensor data is refused at any size."""
+    import zipfile
+
+    packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    data = [i for i in packed if i.filename.split("/")[-2:-1] == ["data"]] if torch_file else []
+    if data:
+        i = max(data, key=lambda i: i.file_size)
+        raise LatentError(f"{path}: its tensor data is stored compressed ({i.filename}: {_size(i.file_size)} packed "
+                          f"into {_size(i.compress_size)}), which torch.save never writes: refused before unpacking "
+                          "(a zip bomb?); save the latents again with torch.save or safetensors")
+    total = sum(i.file_size for i in infos)
+    held = path.stat().st_size
+    if total - held > MAX_INFLATION:
+        raise LatentError(f"{path}: its members unpack to {_size(total)} from a {_size(held)} file, more than vaeopt "
+                          f"unpacks from a latent file ({_size(MAX_INFLATION)} beyond its size): refused before "
+                          "unpacking (a zip bomb?)")
+
+
 def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     """One .npy array from the open binary stream fh (a file, or a member of an .npz) of `size` bytes, as a tensor
     (float16/32/64 kept, other floats as float32, native byte order). Never unpickles. A non-float array returns
@@ -152,6 +200,12 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     if math.prod(shape) * dtype.itemsize > size:
         raise LatentError(f"{where}: header declares {tuple(shape)} {dtype}, more than the file holds: truncated or "
                           "corrupt")
+    f = _MIN_SPATIAL_FACTOR
+    if len(shape) >= 4 and shape[-2] * shape[-1] * f * f > MAX_OUTPUT_PIXELS:  # (3-D: packed FLUX is (B, seq, 64))
+        h, w = shape[-2:]
+        raise LatentError(f"{where}: header declares {tuple(shape)} {dtype}: latent {h}x{w} would decode to at least "
+                          f"{h * f}x{w * f} pixels per frame — beyond what vaeopt decodes "
+                          f"({int(math.sqrt(MAX_OUTPUT_PIXELS))}² max); refused before reading its data")
     try:
         fh.seek(0)
         arr = np.lib.format.read_array(fh, allow_pickle=False)
@@ -192,8 +246,17 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     space_meta = False  # the file's own metadata names its latent space
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
+        import zipfile
+
         from vaeopt.loading import _magic_name, allow_numpy_scalars, refused_global
 
+        infos = []
+        with open(path, "rb") as fh:
+            is_zip = fh.read(4) == b"PK\x03\x04"  # as torch.load tells its zip format from the legacy one
+        if is_zip:
+            with contextlib.suppress(zipfile.BadZipFile, OSError, ValueError), zipfile.ZipFile(path) as zf:
+                infos = zf.infolist()  # (a broken zip: torch.load says so below)
+        _check_zip_inflation(path, infos, torch_file=True)  # torch.load would unpack it all first
         try:  # numpy scalars (e.g. a saved seed) are data: allowed, as in checkpoints
             with warnings.catch_warnings(), allow_numpy_scalars():
                 warnings.simplefilter("ignore")  # torch's pickle-protocol warning would print before our error
@@ -209,7 +272,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
                     head = fh.read(32)
                 what = _magic_name(head)
                 if what == "unrecognised file header":
-                    what = "corrupt or truncated?"
+                    what = _text_file(head) or "corrupt or truncated?"
                 raise LatentError(f"{path}: not a readable torch file ({what})") from e
             name = refused_global(e)
             if name is None:
@@ -235,10 +298,15 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             raise
         except Exception as e:  # noqa: BLE001  (torch's legacy reader raises KeyError on text, and more)
             with open(path, "rb") as fh:
-                what = _magic_name(fh.read(32))
+                head = fh.read(32)
+            what = _magic_name(head)
+            if what == "unrecognised file header":
+                what = _text_file(head)
             first = (str(e).splitlines()[0].split(". ")[0][:160] if str(e) else type(e).__name__)  # one sentence
+            if isinstance(e, (KeyError, IndexError)):  # "101", "pop from empty list": torch's internals, no reason
+                first = ""
             raise LatentError(f"{path}: not a readable torch file: " + (
-                f"corrupt or truncated? ({first})" if what == "unrecognised file header" else what)) from e
+                what or ("corrupt or truncated?" + (f" ({first})" if first else "")))) from e
         _collect(obj, "", entries, str(path))
         if isinstance(obj, dict) and isinstance(obj.get("samples"), torch.Tensor) and obj["samples"].ndim >= 4:
             # a ComfyUI LATENT dict saved with torch.save: {"samples": raw VAE latents, "noise_mask", "batch_index"}
@@ -290,6 +358,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             raise LatentError(f"{path}: not a readable .npz file (corrupt or truncated? {str(e)[:120]})") from e
         skipped = []
         with zf:
+            _check_zip_inflation(path, zf.infolist(), torch_file=False)
             for info in zf.infolist():
                 name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
                 try:
@@ -377,6 +446,7 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
         t = t.float()  # e.g. float8 latents: upcast (and so isfinite works)
     want = 5 if family.is_video else 4
     cin = family.latent_channels
+    unbatched = None
     packed = t.shape[-1:] == (4 * cin,) and (t.ndim == 2 or (t.ndim == 3 and (
         t.shape[0] != cin or t.shape[1] >= 16 * t.shape[2])))  # a batch of 16: no real (C, H, W) latent is 16:1
     if family.name == "flux" and packed:
@@ -398,6 +468,7 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
                 f"({n}, {cin}, 1, H, W)")
         t = t.unsqueeze(0) if t.shape[0] == family.latent_channels else t.unsqueeze(2)
     elif t.ndim == want - 1:
+        unbatched = tuple(t.shape)  # (C,H,W): its first dim is counted as channels below
         t = t.unsqueeze(0)
     elif not family.is_video and t.ndim == 5 and t.shape[1] == cin and t.shape[2] == 1:
         t = t.squeeze(2)  # (N, C, 1, H, W): one frame, as video-style pipelines hand out image latents
@@ -415,6 +486,14 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
             hint = " (channels look last: save latents channels-first)"
         elif family.is_video and t.shape[2] == cin:
             hint = " (looks like (N,T,C,H,W): save video latents as (N,C,T,H,W))"
+        if unbatched and not hint and not 4 <= c <= 128:
+            # e.g. prompt embeddings (1, 77, 768): not "1 channel", no latent shape at all (no VAE has fewer than 4
+            # or more than 128 latent channels; a (16, H, W) FLUX latent for SDXL keeps the channel message)
+            one = "(C,T,H,W)" if family.is_video else "(C,H,W)"
+            kind = "(N,C,T,H,W) video" if family.is_video else "(N,C,H,W) image"
+            raise NotALatent(f"{where}: shape {unbatched} does not fit {family.title}: expected {kind} latents, or "
+                             f"one {one} latent with {cin} channels (read so, it would have {c})",
+                             f"{len(unbatched)} dims, not a {cin}-channel {one} latent")
         msg = f"{where}: {c} latent channels, but the {family.title} VAE takes {family.latent_channels}{hint}"
         raise LatentError(msg) if hint else NotALatent(msg, f"{c} channel{'s' if c != 1 else ''}, not {cin}")
     if t.numel() == 0 or min(t.shape) == 0:

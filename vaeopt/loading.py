@@ -15,6 +15,7 @@ import copy
 import inspect
 import json
 import math
+import os
 import pickle
 import re
 import struct
@@ -210,6 +211,11 @@ def _read_torch(path: Path, kind: str, select_vae: bool = False) -> tuple[dict[s
                 obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=(kind == "torch-zip"))
     except pickle.UnpicklingError as e:
         name = refused_global(e)
+        if name is None and kind == "pickle":  # pickle.dump, not torch.save: torch's "Weights only load failed" says
+            raise CheckpointError(  # nothing of that (the latent reader's words)
+                f"{path}: a plain pickle stream (pickle.dump), not a torch.save file: vaeopt does not unpickle (even "
+                "tensors come through pickle's code paths there); where you trust the file, load it and save its "
+                "state_dict with safetensors.torch.save_file") from None
         what = f"it refers to {name}" if name else _short(e).split(". ")[0]
         hint = ""
         if name and name.split(".")[0] in ("pytorch_lightning", "lightning"):
@@ -1278,12 +1284,20 @@ def load_vae(
     """Load a VAE checkpoint (file or diffusers directory) into an eval-mode diffusers model on `device` in `dtype`
     (a torch.dtype, or "fp32" / "bf16" / "fp16" as Options takes). With path=None, builds the family's model with
     random weights (for benchmarks)."""
-    if not isinstance(dtype, torch.dtype):
-        from vaeopt.hw import resolve_dtype
+    from vaeopt.hw import resolve_device, resolve_dtype
 
-        if not isinstance(dtype, str) or dtype.lower() == "auto":
-            raise VaeoptError(f"load_vae: dtype must be a torch.dtype or one of fp32, bf16, fp16, got {dtype!r}")
-        dtype = resolve_dtype(dtype, torch.device("cpu"))
+    # all checked before the checkpoint is read: torch's own errors (an int8 load_state_dict, device 'tpu', CUDA on a
+    # CPU build) would come after seconds of reading, as tracebacks
+    if not isinstance(dtype, (torch.dtype, str)) or (isinstance(dtype, str) and dtype.lower() == "auto"):
+        raise VaeoptError(f"load_vae: dtype must be a torch.dtype or one of fp32, bf16, fp16, got {dtype!r}")
+    dtype = resolve_dtype(dtype, torch.device("cpu"))  # torch.float32 / bfloat16 / float16 only
+    if device is not None:  # (None: left where it is built, the CPU)
+        if not isinstance(device, (str, torch.device)):
+            raise VaeoptError(f"load_vae: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+        device = resolve_device(str(device))
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise VaeoptError(f"load_vae: path must be a checkpoint file or diffusers folder (a str or Path), got "
+                          f"{type(path).__name__} {path!r:.60}")
     if path is None:
         if not family:
             raise CheckpointError("no checkpoint given: pass a path, or a family for a randomly initialised model")
