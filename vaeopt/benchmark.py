@@ -508,7 +508,8 @@ def _fp8_levels(b: Bench, rows: list[Row], acc: dict, tuned, spec: FamilySpec) -
     # level 3: the ladder row where the 8-bit convs first ran (with it, every row below), against the last row
     # rebuilt with fp8 off
     first = next((r for r in ladder if (ln := _stage_line(r, "fp8 convs")) and ln["status"] == "applied"), None)
-    l3 = next((ln for r in rows if r.kind == "ladder" for ln in r.stages if ln["name"] == "fp8 convs"), None)
+    # (why it did not run: the last ladder row's word, with every stage of the ladder on)
+    l3 = next((ln for r in reversed(rows) if r.kind == "ladder" for ln in r.stages if ln["name"] == "fp8 convs"), None)
     what3 = "the resnet (and upsampler) 3x3 convs as 8-bit implicit-GEMM Triton kernels, inputs quantized by the norms"
     if first is None:
         from vaeopt.stages import triton_conv

@@ -261,7 +261,7 @@ def apply(model: nn.Module, family=None, gate_db: float = 40.0, device=None, dty
       "off": conv_in/conv_out only, one try.
     `probe`: the latent to probe with (default: a seeded N(0, 1) latent, 32x32 or 3x16x16)."""
     from vaeopt import fp8_sensitivity as sens
-    from vaeopt.fidelity import psnr
+    from vaeopt.fidelity import psnr, psnr_text
 
     if sensitivity not in ("auto", "always", "off"):
         raise ValueError(f"sensitivity={sensitivity!r}: auto | always | off")
@@ -355,10 +355,10 @@ def apply(model: nn.Module, family=None, gate_db: float = 40.0, device=None, dty
         return StageResult(NAME, "fallback",
                            f"probe {p:.1f} dB vs fp32 < gate {gate_db:g} dB with {len(keep)} kept in {dname} "
                            f"({_kept_desc(keep, why, rows, stored and stored[0])}){hist}"
-                           f"{': ' + stop if stop else ''}; undone ({dname} alone: {p_base:.1f} dB)", data)
+                           f"{': ' + stop if stop else ''}; undone ({dname} alone: {psnr_text(p_base)})", data)
     how = (f"{stats['storage']} convs with weight storage, {stats['gemm']} 1x1/linear as fp8 GEMMs" if compute_here
            else "weight storage, dequantized per layer: level 1 only, no fp8 GEMMs")
     return StageResult(NAME, "applied",
                        f"{stats['storage'] + stats['gemm']} layers in e4m3 ({how}), kept {stats['kept']} in {dname} "
                        f"({_kept_desc(keep, why, rows, stored and stored[0])}); weights {saved:.1f} MiB smaller; "
-                       f"probe {p:.1f} dB vs fp32 (gate {gate_db:g}; {dname} alone {p_base:.1f} dB){hist}", data)
+                       f"probe {p:.1f} dB vs fp32 (gate {gate_db:g}; {dname} alone {psnr_text(p_base)}){hist}", data)
