@@ -526,7 +526,7 @@ def _fp8_levels(b: Bench, rows: list[Row], acc: dict, tuned, spec: FamilySpec) -
     last = ladder[-1]
     off = b.run(LEVEL3_OFF, "fp8", _ladder_fn(b, {**acc, "fp8": "off"}, tuned))
     rows.append(off)
-    d = _stage_line(last, "fp8 convs").get("data") or {}
+    d = (_stage_line(last, "fp8 convs") or {}).get("data") or {}
     s = _level_summary(3, what3, last, off, reason=off.reason, layers=d.get("layers"))
     s["first_row"] = first.name
     if d.get("resnet_format"):
