@@ -376,7 +376,7 @@ def test_pipeline_logs_kept_layers(samples_dir, monkeypatch):
     from vaeopt.loading import load_vae
     from vaeopt.pipeline import Options, Pipeline
 
-    monkeypatch.setattr(fp8, "available", lambda device: (True, ""))  # the stage's logic, minus the GPU
+    monkeypatch.setattr(fp8, "available", lambda device, compute=True: (True, ""))  # the stage's logic, minus the GPU
     lines = []
     Pipeline(load_vae(samples_dir / "tiny_kl_image.safetensors"), Options(device="cpu", fp8="on"), log=lines.append)
     line = next(s for s in lines if s.split(":")[0].endswith("fp8"))

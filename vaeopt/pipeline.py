@@ -402,7 +402,7 @@ class Pipeline:
             self._record(StageResult.skipped("fp8", "not built into this version of vaeopt"))
             return
         compute = self.opts.fp8 != "weights"  # level 2's GEMMs too, where the GPU has FP8 tensor cores
-        ok, why = mod.available(self.device) if compute else mod.available(self.device, compute=False)
+        ok, why = mod.available(self.device, compute=compute)
         if not ok:
             self._record(StageResult.skipped("fp8", why + (" (--fp8 weights, level 1 alone, runs without them)"
                                                            if "tensor cores" in why or "GPU" in why else "")))
