@@ -43,7 +43,7 @@ def test_cpu_plans_only_what_would_not_fit_in_host_memory(sdxl_meta, monkeypatch
     spec, m = sdxl_meta
     monkeypatch.setattr(planner, "_host_budget", lambda: 1 << 50)
     p = planner.plan_decode(spec, m, (1, 4, 128, 128), torch.float32, torch.device("cpu"))
-    assert p.mode == "whole" and "memory not planned" in p.reason
+    assert p.mode == "whole" and "CPU: within half the available host memory, 1048576.0 GB" in p.reason, p.reason
     monkeypatch.setattr(planner, "_host_budget", lambda: 4 << 30)
     p = planner.plan_decode(spec, m, (1, 4, 384, 384), torch.float32, torch.device("cpu"))
     assert p.mode == "tiled" and p.est_bytes <= 4 << 30

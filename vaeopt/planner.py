@@ -105,6 +105,7 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
     if family.is_video:
         return _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
     whole = estimate_whole(family, model, latent_shape, dtype)
+    host = None  # CPU: half the available host memory, where the decode was checked against it
     if budget is None and family.cls_name == "AutoencoderKL" and tiling != "off":
         host = _host_budget()
         if whole > host:  # CPU: a decode that would not fit in host memory is tiled like one on the GPU (a 3072²
@@ -118,7 +119,9 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
             f"tile {t * f}px (--tile {tile} is larger than the {h}x{w} latent: one tile, the whole image)")
         return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t, reason=reason)
     if budget is None or whole <= budget or tiling == "off" or family.cls_name != "AutoencoderKL":
-        if budget is None:
+        if budget is None and host is not None:
+            reason = f"whole decode (est. {gib(whole)}; {why}: within half the available host memory, {gib(host)})"
+        elif budget is None:
             reason = f"whole decode (est. {gib(whole)}; {why}: memory not planned)"
         elif whole <= budget:
             reason = f"whole decode: est. {gib(whole)} of {gib(budget)} budget ({why})"
