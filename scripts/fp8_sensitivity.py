@@ -154,7 +154,7 @@ def main() -> None:
         stored = S.load_stored() or {}
         stored["_doc"] = ("Per-layer FP8 sensitivity of the bundled trained VAEs, written by "
                           "scripts/fp8_sensitivity.py. The fp8 stage keeps `keep` in the compute dtype for a decoder "
-                          "with this fingerprint (and still gates on its probe). See docs/perf-notes.md, E11.")
+                          "with this fingerprint (and still gates on its probe). See docs/experiments.md, E11.")
         stored.setdefault("models", {})
         for name, res in out.items():
             stored["models"][name] = compact(res, args.from_json)

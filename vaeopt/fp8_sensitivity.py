@@ -4,7 +4,7 @@ For each layer the fp8 stage would convert: quantize only that layer the way the
 unquantized decode of the same latents (PSNR, MSE). Quantization is emulated — values rounded through float8_e4m3fn
 and back with the stage's own scales, then the layer runs in the model's dtype (fp32 for a measurement, so the number
 is the fp8 error alone) — so it runs anywhere, CPU included, and needs no FP8 tensor cores. On an H200 the emulation
-matched the real kernels: storage layers to 0.01 dB, GEMM layers within 0.4 dB (docs/perf-notes.md, E11).
+matched the real kernels: storage layers to 0.01 dB, GEMM layers within 0.4 dB (docs/experiments.md, E11).
 
 Two recipes (what "quantize a layer" means):
   "stage"  what the fp8 stage runs: convs it stores (level 1) get e4m3 weights with one scale per output channel and
@@ -15,7 +15,7 @@ Two recipes (what "quantize a layer" means):
            compute for every conv (level 3, not built yet); the stricter of the two.
 
 Errors of different layers are close to independent, so their MSEs add: the predicted MSE of a set of fp8 layers is the
-sum of their single-layer MSEs. `cumulative` measures how well that holds (docs/perf-notes.md, E11), and the policy
+sum of their single-layer MSEs. `cumulative` measures how well that holds (docs/experiments.md, E11), and the policy
 (`choose_keep`) uses it, calibrated against a measured probe, to pick how many of the most sensitive layers to keep.
 """
 

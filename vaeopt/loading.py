@@ -5,7 +5,7 @@ LDM / A1111 / ComfyUI files (with or without `first_stage_model.` / `vae.` prefi
 FLUX's `ae.safetensors`, the original Wan 2.1 / 2.2 `.pth` files, and the original TAESD decoder files. The family is
 read from the weights (class, latent channels, quant convs) and, where weights cannot tell (SD 1.x vs SD 2.x vs SDXL,
 SD3 vs FLUX, TAESD vs TAESDXL), from the `family=` argument, the file's metadata, the other weights in a full
-checkpoint, then the file name; else a documented default (see docs/notes-loading.md). Nothing is downloaded.
+checkpoint, then the file name; else a documented default (see docs/user-guide.md). Nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def unknown_type(where: str, suffix: str) -> str:
     return f"{where}: unknown output type '{suffix}' (use .png, .mp4, .safetensors, or a folder for frames)"
 # libx264's threading in Mp4Writer. PyAV's default is slice threads; frame threads encode 481 frames at 480x832 about
 # twice as fast on a 16-core host (2.66 vs 5.05 s), fast enough that a Wan decode no longer waits for the encoder
-# (h100_stream_mp4_2026-11-22b.json, perf-notes E34). None: PyAV's default. MP4_THREADS: the encoder's thread
+# (h100_stream_mp4_2026-11-22b.json, experiments.md E34). None: PyAV's default. MP4_THREADS: the encoder's thread
 # count (None or 0: libx264's own choice, from the CPU count).
 MP4_THREAD_TYPE: str | None = "FRAME"
 MP4_THREADS: int | None = None

@@ -36,7 +36,7 @@ GRAPH_MIN_REPEATS = 12
 GRAPH_MAX_PIXELS = 512 * 512 * 2
 
 
-# measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/perf-notes.md E39)
+# measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/experiments.md E39)
 HUNYUAN_CL_SKIP = ("HunyuanVideo's causal convs pad with F.pad(mode='replicate'), which returns NCDHW, so with "
                    "channels_last_3d weights every conv converts its input and output (measured on an H100, 17 frames "
                    "at 480x848: 1162 ms with it, 581 ms without; --channels-last on to force)")

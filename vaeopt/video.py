@@ -53,7 +53,7 @@ shortcut as W @ bias). PyTorch's cuDNN path would add every conv bias as a separ
 resamplers that do not match (hooks, other modules) take the torch path; a bias they cannot fold is added first.
 The sums are formed in fp32 inside the kernels (one rounding), so bf16 results differ from diffusers' by bf16
 rounding; fp32 agrees to ~1e-6. Counts of what was fused: `_ChunkDecoder.stats`.
-Notes and measurements: docs/notes-video.md.
+Notes and measurements: docs/video.md.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _igemm_weights(conv: nn.Module, x: Tensor):
 def _copy_lastdim(dst: Tensor, src: Tensor) -> None:
     """dst.copy_(src), bitwise, for same-dtype views whose last dim is contiguous (channels of a channels-last
     activation): moved as 8-byte words where the strides allow, so torch's strided copy kernel handles 4x fewer
-    bf16 elements (the stacked convs' history copies; docs/perf-notes.md E18)."""
+    bf16 elements (the stacked convs' history copies; docs/experiments.md E18)."""
     w = 8 // dst.element_size() if dst.element_size() in (1, 2, 4) else 0
     if (w and not dst.is_meta and dst.dtype == src.dtype and dst.shape == src.shape and dst.dim() > 0
             and dst.stride(-1) == 1 and src.stride(-1) == 1 and dst.shape[-1] % w == 0

@@ -1,7 +1,7 @@
 """Implicit-GEMM convolution in Triton for channels-last activations (NHWC / NDHWC), bf16/fp16 or fp8 operands.
 
 Why: cuDNN picks an sm80 implicit-GEMM kernel (tile 256x32x32, ~260 TFLOP/s on an H200) for Wan's 96-channel
-full-resolution causal Conv3d — 373 of the 800 ms of a wan21-480p decode (docs/perf-notes.md E5/E9). The same GEMM
+full-resolution causal Conv3d — 373 of the 800 ms of a wan21-480p decode (docs/experiments.md E5/E9). The same GEMM
 written as one Triton program per [BLOCK_M output pixels x Cout] tile runs on Hopper's wgmma.
 
 The conv is a GEMM with M = output pixels, N = Cout, K = taps x Cin, where the A operand (im2col) is never built:
@@ -218,7 +218,7 @@ def tap_sums(wq: torch.Tensor) -> torch.Tensor:
 
 
 def default_config(cin: int, cout: int, device: torch.device, fp8: bool = False, m: int = 64) -> Config:
-    """Tile shape for a layer of m output pixels (measured choices in docs/perf-notes.md E11)."""
+    """Tile shape for a layer of m output pixels (measured choices in docs/experiments.md E11)."""
     if device.type != "cuda":
         # the interpreter pays per op and per program, not per FLOP: few programs, wide K steps
         return Config(block_m=min(2048, triton.next_power_of_2(max(16, m))), bn0=min(64, triton.next_power_of_2(cout)), bn1=0,

@@ -42,7 +42,7 @@ from vaeopt.kernels.rms_norm_silu import _sat_e4m3, _silu, silu_mode
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
-# (benchmarks/gpu_gn_apply.py, perf-notes E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
+# (benchmarks/gpu_gn_apply.py, experiments.md E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
 # (e4m3 out) against the shared (4096, 4).
 APPLY_CL_CUDA = (8192, 4)
 
@@ -205,7 +205,7 @@ def _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, N, G, C
         # x lies in [k - max|x - k|, k + max|x - k|]: bounds of the channel's max and min. The finalize kernel
         # uses the larger distance of either end from the group mean, which this widens by at most |k - mean|
         # (k is the chunk's first-block mean). Tracking max and min themselves took two more ops and registers
-        # per element: the e4m3 stats pass measured 1.4x the bf16 one (H200, sdxl-1024; perf-notes E21).
+        # per element: the e4m3 stats pass measured 1.4x the bf16 one (H200, sdxl-1024; experiments.md E21).
         am_c = tl.max(am, axis=0)  # [BLOCK_C]
         hi_c = k + am_c
         lo_c = k - am_c
@@ -512,7 +512,7 @@ def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:
 def _stats_cl_defaults(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     """(tile, num_warps, target programs, unroll) of the channels-last stats kernel where the caller sets none.
 
-    On CUDA, measured on an H200 at SDXL's decoder shapes (benchmarks/gpu_gn_stats.py, perf-notes E24): with the
+    On CUDA, measured on an H200 at SDXL's decoder shapes (benchmarks/gpu_gn_stats.py, experiments.md E24): with the
     shared defaults (4096-element tiles, 8 programs per SM, one row block per iteration) the kernel read 0.9-3.6
     TB/s, against a 4.2 TB/s copy: too few loads in flight per warp (not occupancy: the faster launches use more
     registers). Wider rows (C >= 256): 8192-element tiles, 2 programs per SM, 4 row blocks loaded per iteration
@@ -732,7 +732,7 @@ def group_norm_silu_e4m3(
     e4m3 range: e4m3's relative step (2^-3) is the same at any magnitude, so this costs precision only for values
     2^17 below the bound (subnormals). The scale tensor stays on the device (no host sync; fits CUDA graphs).
     Cost on an H200, sdxl-1024: the stats kernels of a decode 1.67 ms in bf16, 2.41 ms when tracking max and min,
-    1.93 ms with the one max |x - k| (h200_tma_decode_sdxl-1024-graphs_2026-11-21{d,e}.json, perf-notes E21)."""
+    1.93 ms with the one max |x - k| (h200_tma_decode_sdxl-1024-graphs_2026-11-21{d,e}.json, experiments.md E21)."""
     if E4M3 is None:
         raise TypeError(f"torch {torch.__version__} has no float8_e4m3fn")
     return _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p,
@@ -759,7 +759,7 @@ def group_norm_silu_int8(
     e4m3 variant scales by (group_norm_silu_e4m3), lo SiLU's minimum (-0.27846) with silu, else -hi. A SiLU output
     lies mostly on one side of zero, so this spends no levels on values that cannot occur: on the trained tiny VAE
     and the random-weight SDXL decoder, a conv on these inputs measured 1-11 dB closer to fp32 than on e4m3 ones
-    (docs/perf-notes.md E45). The step is uniform, so a loose bound costs precision everywhere (e4m3 keeps its
+    (docs/experiments.md E45). The step is uniform, so a loose bound costs precision everywhere (e4m3 keeps its
     relative step); the bound is the group's max |x - k| mapped through the affine, as for e4m3."""
     return _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p,
                        x_bias, out8="int8")

@@ -1,4 +1,4 @@
-"""Wan's bf16 96- and 192-channel causal Conv3d as a warp-specialized Gluon kernel for sm_90 (perf-notes E42).
+"""Wan's bf16 96- and 192-channel causal Conv3d as a warp-specialized Gluon kernel for sm_90 (experiments.md E42).
 
 E31-E33 left the Triton TMA conv (`tma_conv.py`) for these layers at 57% of the SM's tensor throughput, with two
 warps per scheduler and a third of the stalls waiting on shared memory. What Triton could not express there is a

@@ -154,7 +154,7 @@ def weights_epoch(model) -> tuple:
     """The refresh epoch and the sum of the model's parameters' version counters: any counted in-place edit raises
     the sum (counters only grow). What captured CUDA graphs, which hold derived weights, are checked against before
     every replay. The parameter list is gathered once per model and epoch: walking the modules took ~0.5 ms of host
-    time per SDXL decode, with the GPU idle (docs/perf-notes.md E44); summing a list takes ~0.01 ms. So a parameter
+    time per SDXL decode, with the GPU idle (docs/experiments.md E44); summing a list takes ~0.01 ms. So a parameter
     replaced by a new object, like the edits torch counts no version for, needs vaeopt.refresh()."""
     entry = _TRACKED.get(model)
     if entry is None or entry[0] != _EPOCH:

@@ -488,7 +488,7 @@ def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | 
                   scores_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for (B, H, L, d) tensors with e4m3 GEMMs (FP8 level 2 for the attention core):
     Q, K and V each quantized per tensor (one dynamic scale), S = Q K^T through torch._scaled_mm (fp32 accumulate,
-    `scores_dtype` out: bf16 halves the score traffic at the same error, docs/perf-notes.md E44), the Triton softmax
+    `scores_dtype` out: bf16 halves the score traffic at the same error, docs/experiments.md E44), the Triton softmax
     writing P = exp(S - row max) * 448 in e4m3 with its row scale 1 / (448 * row sum), and O = P V through
     torch._scaled_mm with that row scale: the normalization costs nothing. Lossy (e4m3 Q/K/V/P): the fp8 convs stage
     gates it like a layer. On CUDA with FP8 tensor cores; elsewhere an emulation with the same roundings in fp32 (CPU

@@ -16,7 +16,7 @@ was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere.
 the TMA conv kernel runs (kernels/tma_conv.bf16_wan96) and the triton_conv stage will run, the 96-channel convs are
 left to triton_conv, which runs them on that kernel from the plain [history | frames] buffer: no triple write, no 25%
 of cuDNN's 128-wide column tile wasted on Cout = 96. Whole wan21-480p decodes, one process, interleaved, H200:
-609.3 -> 595.6 ms (606.6 -> 589.6 ms of kernels), 720p 1404.4 -> 1377.3 ms (docs/perf-notes.md E28).
+609.3 -> 595.6 ms (606.6 -> 589.6 ms of kernels), 720p 1404.4 -> 1377.3 ms (docs/experiments.md E28).
 
 It runs in vaeopt.video's fused chunk decoder (kernel path, bf16/fp16/fp32 activations, untiled, one GPU): a conv
 marked here and not taken by FP8 level 3 is staged stacked and run as the Conv2d; its causal history is read back
