@@ -178,7 +178,7 @@ def test_model_alone_gets_a_default_shape(samples_dir):
 
 
 def test_bad_values_and_outputs_refused_before_measuring(tmp_path, samples_dir):
-    """Found in review: --repeats 0 crashed after the ladder ('no median for empty data'), a zero dimension reached
+    """Regression: --repeats 0 crashed after the ladder ('no median for empty data'), a zero dimension reached
     torch, --plot could overwrite the model checkpoint, and a --json folder failed only after the whole benchmark."""
     model = samples_dir / "tiny_kl_image.safetensors"
     base = ["benchmark", "--family", "sd15", "--shape", "1,4,8,8"]
@@ -219,7 +219,7 @@ def test_log_does_not_time_skipped_rows(result):
 
 
 def test_json_and_plot_replace_only_their_own_files(tmp_path, samples_dir):
-    """Found by a new-user pass: --json replaced any .json, e.g. a diffusers folder's config.json (the next decode
+    """Regression: --json replaced any .json, e.g. a diffusers folder's config.json (the next decode
     then fell back to default settings: 12.9 dB off, without a word) or a vaeopt.json manifest. Only an earlier
     benchmark result (or chart) is replaced; anything else is refused before measuring and kept."""
     from PIL import Image

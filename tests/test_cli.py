@@ -163,7 +163,7 @@ def test_unexpected_error_is_one_line(tmp_path, samples_dir, monkeypatch):
     assert "Traceback" not in r.output
 
 
-# --- found by a hostile-input review (real files, not ours) ------------------------------------------------------
+# --- hostile inputs (real files, not ours) ---------------------------------------------------------------------
 
 
 def test_nonfinite_decode_is_refused_and_nothing_written(tmp_path, samples_dir):
@@ -248,7 +248,7 @@ def test_gpus_path_notes_an_unused_fps_too(tmp_path, samples_dir, monkeypatch):
 
 
 def test_gpus_path_failure_leaves_no_folder_and_no_class_names(tmp_path, samples_dir, monkeypatch):
-    """Found by a new-user pass: a failed --gpus decode left the -o folder it made (the one-process path removes it),
+    """Regression: a failed --gpus decode left the -o folder it made (the one-process path removes it),
     and its message carried our class names ('ranks 0, 1: NotALatent: ...')."""
     from vaeopt import distributed as D
 
@@ -316,7 +316,7 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, samples_dir):
 
 
 def test_nohup_is_respected(tmp_path, samples_dir):
-    """Found by a new-user pass: the SIGHUP handler replaced the SIG_IGN that `nohup` sets, so closing the terminal
+    """Regression: the SIGHUP handler replaced the SIG_IGN that `nohup` sets, so closing the terminal
     killed a `nohup vaeopt decode ...` (exit 129). An ignored SIGHUP / SIGTERM stays ignored."""
     import signal
 
@@ -397,7 +397,7 @@ def test_triton_cache_count(tmp_path, monkeypatch):
     assert triton_cache_entries() == (str(cache), 2)
 
 
-# found by a new-user pass (seventeenth session)
+# regression tests: unusual inputs and output names
 
 def test_dict_keys_cannot_leave_the_output_folder(tmp_path, samples_dir):
     z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][..., :16, :16]
@@ -458,7 +458,7 @@ def test_plain_pickle_latents_get_the_right_advice(tmp_path, samples_dir):
     assert r.exit_code == 2 and "a plain pickle stream (pickle.dump)" in r.output and "Traceback" not in r.output
 
 
-# found by a hostile-input pass (seventeenth session)
+# regression tests: hostile inputs
 
 def test_folder_made_for_a_failed_decode_is_removed(tmp_path, samples_dir):
     torch.save(torch.full((1, 4, 8, 8), 3e38), tmp_path / "img.pt")  # overflows in the decoder: refused after decode
@@ -526,7 +526,7 @@ def test_manifest_latent_space_and_empty_model(tmp_path, samples_dir):
 
 
 def test_same_named_inputs_are_told_apart_by_their_folders(tmp_path, samples_dir):
-    """Found in the twenty-fifth session's second new-user pass: a/x.pt and b/x.pt into one -o collided (an error,
+    """Regression: a/x.pt and b/x.pt into one -o collided (an error,
     with advice that could not help for -o FILE). Their outputs are now named after their folders, and the log
     says which input went where; a collision that remains still gets the advice that fits."""
     m = samples_dir / "tiny_kl_image.safetensors"
@@ -577,7 +577,7 @@ def test_nan_weights_symlink_loops_and_full_stdout(tmp_path, samples_dir):
 
 
 def test_mp4_without_pyav_is_refused_before_decoding(tmp_path, samples_dir, monkeypatch):
-    """Found on the GPU machine, which has no PyAV: a thread traceback, then "no frames to write" after the decode."""
+    """Regression: without PyAV installed, a thread traceback, then "no frames to write" after the decode."""
     from vaeopt import api, outputs
 
     z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :8, :8]
@@ -628,7 +628,7 @@ def test_a_one_frame_clip_can_be_a_png(tmp_path, samples_dir):
 
 
 def test_key_keeps_the_entry_name_in_default_outputs(tmp_path, samples_dir):
-    """Found by a new-user pass: with --key the default output lost the entry's name (x.png, not x_coffee.png), so
+    """Regression: with --key the default output lost the entry's name (x.png, not x_coffee.png), so
     decoding a second key collided with the first (or replaced it under --overwrite). A file of one latent plus
     other tensors keeps its plain name, with --key or without."""
     lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)
@@ -646,7 +646,7 @@ def test_key_keeps_the_entry_name_in_default_outputs(tmp_path, samples_dir):
 
 
 def test_output_names_past_the_file_system_limit_are_refused_before_decoding(tmp_path, samples_dir, monkeypatch):
-    """Found by a new-user pass: a 252-character latent name gives a 256-byte default output, and a 249-character -o
+    """Regression: a 252-character latent name gives a 256-byte default output, and a 249-character -o
     with a batch of 2 gives ..._000.png: both failed after the decode as 'unexpected OSError ... a vaeopt bug'."""
     from vaeopt import api
 
@@ -663,7 +663,7 @@ def test_output_names_past_the_file_system_limit_are_refused_before_decoding(tmp
 
 
 def test_messages_name_the_source_of_a_mistake(tmp_path, samples_dir):
-    """Found by the nineteenth session's CLI pass, fixed in the twenty-first: four messages that did not say what was
+    """Regression: four messages that did not say what was
     wrong where the user would look. A $VAEOPT_MODEL that points nowhere is named as the source; `--config .` names
     the folder that lacks config.json (it said 'config.json'); `-o /dev/null` says what -o takes (it said
     '/dev/null/x.png: /dev/null is a file'); `--device cpu:5` is refused (it decoded on the CPU)."""
@@ -805,7 +805,7 @@ def test_top_level_manifest_model_and_latent_space_hint(tmp_path, samples_dir, m
         raw_like, sd15, "scaled")
     assert lat.space_hint(raw_like, sd15, "raw") is None and lat.space_hint(scaled, sd15, "scaled") is None
     assert "pass --latent-space scaled" in lat.space_hint(scaled, sd15, "raw")
-    # found by a new user: std 0.19 read as raw was called "near 1"; it fits neither space, and says so
+    # regression: std 0.19 read as raw was called "near 1"; it fits neither space, and says so
     odd = lat.space_hint(scaled * 0.19, sd15, "raw")
     assert "fits neither" in odd and "std 0.19" in odd and "near 1" not in odd.split("(")[0], odd
     assert "fits neither" in lat.space_hint(raw_like * 20, sd15, "scaled")
@@ -877,7 +877,7 @@ def test_bad_dtype_and_device_fail_before_the_checkpoint_loads(tmp_path, samples
 
 
 def test_new_user_pass_errors_come_before_the_load_and_say_what_to_do(tmp_path, samples_dir, monkeypatch):
-    """Found in the twenty-fourth session's new-user pass: a bad -o suffix, an existing output and --peers foo were
+    """Regression: a bad -o suffix, an existing output and --peers foo were
     reported only after the checkpoint had loaded; `decode --json` printed nothing on stdout when it failed; a Hub
     id got a bare 'not found'; a full-size benchmark on the CPU ran for many minutes without a word."""
     from vaeopt import benchmark as bm
@@ -936,7 +936,7 @@ def test_latent_files_named_as_another_format(tmp_path, samples_dir):
 
 
 def test_manifest_typos_and_a_bad_input_among_several(tmp_path, samples_dir):
-    """Found in the twenty-fifth session's new-user pass: a vaeopt.json key spelled like the flag ("latent-space")
+    """Regression: a vaeopt.json key spelled like the flag ("latent-space")
     was ignored and the file decoded in the other latent space; a manifest without an entry for the file gave the
     bare 'no VAE checkpoint'; an unusable decode among several inputs said 'nothing was written' although the
     earlier outputs were."""
@@ -974,7 +974,7 @@ def test_manifest_typos_and_a_bad_input_among_several(tmp_path, samples_dir):
 
 
 def test_second_new_user_pass_leftovers(tmp_path, samples_dir, monkeypatch):
-    """The rest of the twenty-fifth session's second new-user pass: a .latent without ComfyUI's key was read as
+    """Regression: a .latent without ComfyUI's key was read as
     plain safetensors without a word; an output folder that cannot be written was found after the decode; `-o .png`
     made a hidden folder; `--tile 100000` printed the tile asked for, not the one used; `--gpus 1 --device cpu` was
     refused."""
@@ -1035,8 +1035,8 @@ def test_second_new_user_pass_leftovers(tmp_path, samples_dir, monkeypatch):
 
 
 def test_benchmark_hints_name_only_flags_it_has(tmp_path, samples_dir):
-    """The stage lines' hints name `vaeopt decode`'s flags; `vaeopt benchmark` has few of them (found by the
-    twenty-fifth session's second new-user pass): its table and JSON say them as decode's, or as its own."""
+    """The stage lines' hints name `vaeopt decode`'s flags; `vaeopt benchmark` has few of them: its
+    table and JSON say them as decode's, or as its own."""
     r = run("benchmark", samples_dir / "tiny_kl_image.safetensors", "--shape", "1,4,16,16", "--device", "cpu",
             "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", tmp_path / "r.json")
     assert r.exit_code == 0, r.output
@@ -1072,7 +1072,7 @@ def test_decode_tells_the_fp8_gate_the_largest_latent(tmp_path, samples_dir, mon
 
 
 def test_output_names_that_cannot_be_meant(tmp_path, samples_dir, monkeypatch):
-    """Found by a new-user pass: `-o -` made a folder named '-'; `-o out.png.` (a trailing dot) silently became a
+    """Regression: `-o -` made a folder named '-'; `-o out.png.` (a trailing dot) silently became a
     folder; `-o noext` naming an existing file said "pass --overwrite", after which it failed with "noext is a file,
     not a folder". Each is refused before the checkpoint loads, with nothing written."""
     from vaeopt import loading
@@ -1106,7 +1106,7 @@ def test_output_names_that_cannot_be_meant(tmp_path, samples_dir, monkeypatch):
 
 
 def test_latent_space_takes_any_case(tmp_path, samples_dir):
-    """Found by a new-user pass: --latent-space RAW was refused ("must be 'scaled' or 'raw', got 'RAW'")."""
+    """Regression: --latent-space RAW was refused ("must be 'scaled' or 'raw', got 'RAW'")."""
     m = samples_dir / "tiny_kl_image.safetensors"
     torch.save(_small_latents(tmp_path, samples_dir)["coffee"], tmp_path / "l.pt")
     for i, space in enumerate(("RAW", "Scaled")):
@@ -1118,7 +1118,7 @@ def test_latent_space_takes_any_case(tmp_path, samples_dir):
 
 
 def test_clashing_outputs_get_advice_that_helps(tmp_path, samples_dir):
-    """Found by a new-user pass: p.pt holding {'q', 'r'} beside p_q.pt both write p_q.png; the error said "pass -o a
+    """Regression: p.pt holding {'q', 'r'} beside p_q.pt both write p_q.png; the error said "pass -o a
     folder", where they clash again. A folder is suggested only where it tells the outputs apart (the same folder
     reached through a symlink); otherwise: rename an input, or separate runs (--key for the dict's tensor)."""
     m = samples_dir / "tiny_kl_image.safetensors"

@@ -24,7 +24,7 @@ from vaeopt.errors import VaeoptError
 from vaeopt.families import FamilySpec, build_model
 from vaeopt.hw import ClockSampler, machine_info
 
-# Standard workloads (shared/ANCHORS.md): name -> (family, raw latent shape)
+# Standard workloads (docs/benchmarks.md): name -> (family, raw latent shape)
 WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
     "sdxl-1024": ("sdxl", (1, 4, 128, 128)),
     "sdxl-2048": ("sdxl", (1, 4, 256, 256)),
@@ -225,7 +225,7 @@ def clock_note(rows: list[dict]) -> str | None:
     when no clock was sampled: its median SM clock against the rated maximum, the highest power draw against the
     limit, and what slowed the clock in how many readings. Back-to-back decodes that hold the power limit run at a
     lower clock than decodes after an idle GPU (wan21-480p on an H200: 1560-1650 against 1690-1730 MHz per decode,
-    perf-notes E31), and the more work a decode does per second the lower that clock."""
+    experiments.md E31), and the more work a decode does per second the lower that clock."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("gpu_clock") and r.get("kind") == "ladder"]
     if not ok:
         return None

@@ -1,8 +1,8 @@
 """channels_last / channels_last_3d: decoder conv weights and activations in NHWC / NDHWC.
 
 On the GPU it only pays together with NHWC-native norm kernels (fused_norms): aten's CUDA GroupNorm relayouts NHWC
-inputs, which made a channels_last SDXL decode slower in eager mode (84.5 -> 127.6 ms on an H200,
-shared/ANCHORS.md). So there the pipeline applies it only with the fused norms, unless forced. On the CPU, aten's
+inputs, which made a channels_last SDXL decode slower in eager mode (86.6 -> 127.8 ms on an H200,
+docs/benchmarks.md). So there the pipeline applies it only with the fused norms, unless forced. On the CPU, aten's
 convs and norms take NHWC natively, and it pays alone (CPU_MEASURED).
 """
 
