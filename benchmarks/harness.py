@@ -263,6 +263,17 @@ def run_variant(S, variant: str, item, ctx: Ctx, ref: list) -> dict:
     return row
 
 
+def workload_shape(args) -> tuple[tuple, dict]:
+    """(latent shape, model config overrides) of args.workload, narrowed by --tiny."""
+    fam, shape = WORKLOADS[args.workload]
+    if not args.tiny:
+        return tuple(shape), {}
+    cls = get_family(fam).cls_name
+    if cls not in TINY:
+        raise SystemExit(f"--tiny: no narrow config for {cls} (tiny: {', '.join(TINY)})")
+    return tuple(shape[1] if s is None else s for s in TINY[cls][1]), TINY[cls][0]
+
+
 def run_rows(setup_name: str, args: argparse.Namespace) -> dict | None:
     """Every item x variant of a setup on this process (a rank of a multi-process setup: all ranks run the same
     calls, rank 0's rows are the result). -> the result dict on rank 0, None elsewhere."""
@@ -275,15 +286,7 @@ def run_rows(setup_name: str, args: argparse.Namespace) -> dict | None:
     if hasattr(S, "rank_device"):  # a rank of a multi-process setup: its own GPU
         device = S.rank_device(device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    fam, shape = WORKLOADS[args.workload]
-    overrides = {}
-    if args.tiny:
-        cls = get_family(fam).cls_name
-        if cls not in TINY:
-            raise SystemExit(f"--tiny: no narrow config for {cls} (tiny: {', '.join(TINY)})")
-        overrides, tshape = TINY[cls]
-        shape = tuple(shape[1] if s is None else s for s in tshape)
-    ctx = Ctx(args.workload, tuple(shape), overrides, device, dtype, args, rank)
+    ctx = Ctx(args.workload, *workload_shape(args), device, dtype, args, rank)
     rows = []
     for label, item in S.items(ctx):
         ref: list = []
@@ -344,7 +347,7 @@ def result(setup_name: str, args, ctx: Ctx, rows: list[dict]) -> dict:
                      "cudnn": f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if cudnn else None,
                      "triton": _v("triton"), "diffusers": _v("diffusers"), "python": platform.python_version()},
         "git": git_revision(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "repeats": args.repeats,
+        "command": args.command, "repeats": args.repeats,
         "warmup": args.warmup, "variants": args.variants, "rows": rows,
     }
 
@@ -358,6 +361,7 @@ def write_json(res: dict, path: Path) -> None:
 
 
 def parse(setup_name: str, argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
     S = importlib.import_module(setup_name)
     d = {"workload": "sdxl-1024", "repeats": 20, "warmup": 3, **getattr(S, "DEFAULTS", {})}
     ap = argparse.ArgumentParser(prog=setup_name, description=(S.__doc__ or "").strip(),
@@ -374,6 +378,7 @@ def parse(setup_name: str, argv: list[str] | None = None) -> argparse.Namespace:
     if hasattr(S, "add_args"):
         S.add_args(ap)
     args = ap.parse_args(argv)
+    args.command = " ".join([f"python benchmarks/{setup_name}.py", *argv])  # what reproduces this run
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in S.VARIANTS]
     if bad or args.repeats < 1 or args.warmup < 1:
