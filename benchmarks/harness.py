@@ -40,8 +40,8 @@ from vaeopt import fidelity  # noqa: E402
 from vaeopt.benchmark import WORKLOADS, count_flops  # noqa: E402
 from vaeopt.families import build_model, get_family  # noqa: E402
 
-# --tiny: the workload's family at a narrow width and a small latent (same code paths, seconds on a CPU)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --tiny: the workload's family at a narrow width and a small latent (same code paths, seconds on a CPU)
 TINY = {"AutoencoderKL": (dict(block_out_channels=[32, 32, 64, 64], norm_num_groups=8), (1, None, 16, 16)),
         "AutoencoderKLWan": (dict(base_dim=16), (1, None, 3, 8, 8))}
 
@@ -64,8 +64,9 @@ class Case:
     image: bool = False  # outputs are pixels in [-1, 1]: clamped and compared as `vaeopt benchmark` compares them
     flops: float | None = None  # -> TFLOP/s
     bytes: float | None = None  # moved per call -> GB/s
-    graph: bool = False  # on CUDA, time 10 calls captured in one CUDA graph (kernels of ~10-200 us: eager launches
-    info: dict = field(default_factory=dict)  # time the host, not the GPU)
+    # on CUDA, time 10 calls captured in one CUDA graph (kernels of ~10-200 us: eager launches time the host)
+    graph: bool = False
+    info: dict = field(default_factory=dict)  # what the row should carry (the plan, the stages)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Ctx:
     args: argparse.Namespace
     rank: int = 0
     _sd: dict | None = None
+    _flops: float | None = None
 
     @property
     def family(self):
@@ -103,7 +105,10 @@ class Ctx:
         return randn(self.shape, 0).to(self.device, dtype or self.dtype)
 
     def flops(self) -> float:
-        return count_flops(self.family, self.shape, self.overrides)
+        """FLOPs of one diffusers decode of the workload (counted once, on the meta device)."""
+        if self._flops is None:
+            self._flops = count_flops(self.family, self.shape, self.overrides)
+        return self._flops
 
 
 def randn(shape, seed: int, device="cpu", dtype=torch.float32, channels_last: bool = False) -> torch.Tensor:
@@ -138,7 +143,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _call_ms(fn, device) -> tuple[Any, float]:
+def _call_ms(fn, device) -> tuple[Any, float, bool]:
+    """(output, ms, whether the call clocked itself)"""
     if device.type == "cuda":
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -150,17 +156,18 @@ def _call_ms(fn, device) -> tuple[Any, float]:
         t0 = time.perf_counter()
         out = fn()
         ms = (time.perf_counter() - t0) * 1e3
-    return (out.out, out.ms) if isinstance(out, Timed) else (out, ms)
+    return (out.out, out.ms, True) if isinstance(out, Timed) else (out, ms, False)
 
 
 def measure(case: Case, device: torch.device, warmup: int, repeats: int) -> dict:
     """The first call timed on its own (compiles, autotuning, cuDNN's choice), warmup - 1 more, then the peak reset
     and `repeats` timed calls -> times, peak memory above zero and above the start, the last output."""
-    out, first = _call_ms(case.fn, device)
+    out, first, own = _call_ms(case.fn, device)
     for _ in range(warmup - 1):
         out = None
-        out, _ = _call_ms(case.fn, device)
-    fn, per_call, timer = case.fn, 1, "wall" if device.type != "cuda" else "cuda events"
+        out, _, _ = _call_ms(case.fn, device)
+    fn, per_call = case.fn, 1
+    timer = "the call's own clock" if own else "cuda events" if device.type == "cuda" else "wall"
     if case.graph and device.type == "cuda":
         try:
             g = torch.cuda.CUDAGraph()
@@ -178,7 +185,7 @@ def measure(case: Case, device: torch.device, warmup: int, repeats: int) -> dict
     for _ in range(repeats):
         if per_call == 1:
             out = None
-        r, ms = _call_ms(fn, device)
+        r, ms, _ = _call_ms(fn, device)
         out = r if per_call == 1 else out
         times.append(ms / per_call)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -243,6 +250,8 @@ def run_variant(S, variant: str, item, ctx: Ctx, ref: list) -> dict:
         row["setup_s"] = time.perf_counter() - t0
         if not ref and ctx.rank == 0:
             ref.append(reference_of(case))
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()  # the fp32 model's blocks: not this row's to keep
         with torch.inference_mode():
             m = measure(case, ctx.device, ctx.args.warmup, ctx.args.repeats)
             if ctx.args.profile and ctx.device.type == "cuda":
@@ -259,7 +268,8 @@ def run_variant(S, variant: str, item, ctx: Ctx, ref: list) -> dict:
     if case.bytes:
         row["gbps"] = case.bytes / row["median_ms"] / 1e6
     row.update(fidelity_of(m["out"], ref[0] if ref else None, case.image))
-    row["_out"] = m["out"].detach().float().cpu() if isinstance(m["out"], torch.Tensor) else None
+    if isinstance(m["out"], torch.Tensor):  # for max_abs_vs_baseline (pixels clamped, as the PSNR has them)
+        row["_out"] = m["out"].detach().float().cpu().clamp(-1, 1) if case.image else m["out"].detach().float().cpu()
     return row
 
 
