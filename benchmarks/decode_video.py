@@ -4,9 +4,10 @@
     python benchmarks/decode_video.py --workload wan21-720p --variants vaeopt,tiled --vram-budget 8
 
 Variants: diffusers (vae.decode: Wan one latent frame per call), vaeopt (every default stage, the planner's chunk,
-CUDA graphs off), graphs (+ per-chunk CUDA graphs), fp8 (+ FP8), tiled (spatial tiles within --vram-budget). The
-reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without its
-growing torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock.
+CUDA graphs off), graphs (+ Wan's per-chunk CUDA graphs, armed as `vaeopt decode` arms them), fp8 (+ FP8), tiled
+(spatial tiles within --vram-budget). The reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's
+chunk-1 loop, diffusers' schedule without its growing torch.cat), so the PSNRs match its table. vaeopt's rows are
+timed by the pipeline's own clock.
 """
 
 import torch
@@ -31,7 +32,7 @@ def items(ctx):
 
 
 def setup(variant, shape, ctx):
-    from vaeopt import video
+    from vaeopt import video, video_graphs
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import Options, Pipeline
 
@@ -54,6 +55,13 @@ def setup(variant, shape, ctx):
     plan = pipe.plan(tuple(shape))
     if variant == "tiled" and plan.mode != "tiled":
         raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
+    if variant in ("graphs", "fp8") and video_graphs.applies(pipe) and video_graphs.arm(pipe, plan) is None:
+        raise H.Skip("per-chunk CUDA graphs: " + next(s.detail for s in pipe.stages if s.name == "graphs"))
+    if variant == "graphs" and not video_graphs.applies(pipe):
+        raise H.Skip("per-chunk CUDA graphs exist for Wan's chunk decoder only")
+    if variant == "fp8" and not any(s.name.startswith("fp8") and s.status == "applied" for s in pipe.stages):
+        raise H.Skip("FP8 did not run: " + "; ".join(f"{s.name}: {s.detail}" for s in pipe.stages
+                                                    if s.name.startswith("fp8")))
 
     def fn():
         out, stats = pipe.decode(z, plan)
