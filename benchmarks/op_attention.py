@@ -30,8 +30,9 @@ def setup(variant, shape, ctx):
     def ref():
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float())
 
-    fn = (lambda: F.scaled_dot_product_attention(q, k, v)) if variant == "sdpa" else (lambda: chunked_attention(q, k, v))
-    return H.Case(fn, ref, flops=flops, graph=True)
+    if variant == "sdpa":
+        return H.Case(lambda: F.scaled_dot_product_attention(q, k, v), ref, flops=flops, graph=True)
+    return H.Case(lambda: chunked_attention(q, k, v), ref, flops=flops, graph=True)
 
 
 if __name__ == "__main__":

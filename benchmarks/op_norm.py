@@ -9,7 +9,6 @@ kernel on channels-last input, as the fused_norms stage calls it). Wan's shapes 
 latent frames (the first frame's smaller calls left out).
 """
 
-import torch
 import torch.nn.functional as F
 
 import harness as H
