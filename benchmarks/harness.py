@@ -40,6 +40,8 @@ from vaeopt import fidelity  # noqa: E402
 from vaeopt.benchmark import WORKLOADS, count_flops  # noqa: E402
 from vaeopt.families import build_model, get_family  # noqa: E402
 
+SETUPS = ("op_norm", "op_conv", "op_attention", "op_upsample", "decode_image", "decode_video", "decode_band",
+          "decode_cold")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # --tiny: the workload's family at a narrow width and a small latent (same code paths, seconds on a CPU)
 TINY = {"AutoencoderKL": (dict(block_out_channels=[32, 32, 64, 64], norm_num_groups=8), (1, None, 16, 16)),
@@ -372,6 +374,8 @@ def write_json(res: dict, path: Path) -> None:
 
 def parse(setup_name: str, argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
+    if not (Path(__file__).parent / f"{setup_name}.py").is_file() or setup_name in ("harness", "make_tables"):
+        raise SystemExit(f"unknown setup {setup_name!r}: one of {', '.join(SETUPS)}")
     S = importlib.import_module(setup_name)
     d = {"workload": "sdxl-1024", "repeats": 20, "warmup": 3, **getattr(S, "DEFAULTS", {})}
     ap = argparse.ArgumentParser(prog=setup_name, description=(S.__doc__ or "").strip(),
@@ -401,8 +405,7 @@ def main(setup_name: str | None = None, argv: list[str] | None = None) -> dict |
     argv = sys.argv[1:] if argv is None else argv
     if setup_name is None:
         if not argv or argv[0].startswith("-"):
-            raise SystemExit("usage: python benchmarks/harness.py SETUP [options]  (SETUP: op_norm, op_conv, "
-                             "op_attention, op_upsample, decode_image, decode_video, decode_band, decode_cold)")
+            raise SystemExit(f"usage: python benchmarks/harness.py SETUP [options]  (SETUP: {', '.join(SETUPS)})")
         setup_name, argv = argv[0].removesuffix(".py"), argv[1:]
     args = parse(setup_name, argv)
     import harness as H  # by module name: a multi-process setup's ranks unpickle it
