@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from starlette.applications import Starlette
@@ -161,28 +162,30 @@ class TokenCheck:
     """Every request carries the token: `Authorization: Bearer TOKEN`, or HTTP Basic with the token as the password
     (what diffusers' remote_decode sends for an endpoint written http://user:TOKEN@host:port/, or from ~/.netrc)."""
 
-    def __init__(self, app, token: str):
+    def __init__(self, app, token: Callable[[], str | None]):
         self.app = app
-        self.token = token.encode()
+        self.token = token  # read at each request
 
-    def _ok(self, value: bytes) -> bool:
+    @staticmethod
+    def _ok(value: bytes, want: bytes) -> bool:
         scheme, _, cred = value.partition(b" ")
         cred = cred.strip()
         if scheme.lower() == b"bearer":
-            return hmac.compare_digest(cred, self.token)
+            return hmac.compare_digest(cred, want)
         if scheme.lower() == b"basic":
             try:
                 _, _, pw = base64.b64decode(cred, validate=True).partition(b":")
             except (binascii.Error, ValueError):
                 return False
-            return hmac.compare_digest(pw, self.token)
+            return hmac.compare_digest(pw, want)
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        token = self.token()
+        if scope["type"] != "http" or not token:
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not self._ok(auth):
+        if not self._ok(auth, token.encode()):
             resp = _error(401, "this server needs its token: Authorization: Bearer TOKEN (or http://user:TOKEN@host/ "
                                "as the endpoint)", {"WWW-Authenticate": 'Bearer realm="vaeopt"'})
             return await resp(scope, receive, send)
@@ -210,7 +213,7 @@ class Server:
         app.add_exception_handler(404, lambda r, e: _error(404, f"nothing at {r.url.path} (POST latents to "
                                                                + ", ".join(f"/{m}" for m in self.cfg.models) + ")"))
         app.add_exception_handler(405, lambda r, e: _error(405, f"{r.method} {r.url.path}: not allowed"))
-        return TokenCheck(app, self.cfg.token) if self.cfg.token else app
+        return TokenCheck(app, lambda: self.cfg.token)
 
     async def health(self, request: Request):
         workers = [{"device": str(w.device), "state": w.state, "queue": w.depth, **({"error": w.error} if w.error
