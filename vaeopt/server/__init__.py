@@ -120,6 +120,9 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, token: s
     log.info("workers: %s; queue %d each%s; GET /health answers 200 once the models are loaded and optimized",
              ", ".join(map(str, devs)), max_queue, f"; batches of up to {batch}" if batch > 1 else "")
     server = Server(cfg)
-    server.run(sock, log_level)
+    try:
+        server.run(sock, log_level)
+    except KeyboardInterrupt:  # uvicorn stopped gracefully on Ctrl-C / SIGTERM, then passed the signal on
+        log.info("stopped")
     if server.pool.failed:
         raise VaeoptError(f"a model did not load: {server.pool.failed}")
