@@ -303,6 +303,7 @@ def main() -> None:
                 "exact": sum(1 for r in ok if r.get("exact")), "by_status": by_status,
                 "retried_503": sum(1 for r in rs if r.get("tries", 1) > 1),
                 "latency": summary([r["ms"] for r in ok]), "by_kind": kinds_,
+                "server_decode": summary([r["server_decode_ms"] for r in ok]),  # the worker's part of it
                 "failures": [r for r in rs if not (r.get("status") == 200 and r.get("match"))][:10]}
 
     first = "x".join(map(str, shapes[0]))

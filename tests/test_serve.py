@@ -119,6 +119,9 @@ def test_image_pt_is_bitwise_in_the_latents_dtype(srv, ref, z_img):
     z16 = z_img.half()  # what a fp16 pipeline hands out: the answer comes back in float16
     pt16 = remote_decode(srv.base + "/img", z16, scaling_factor=scaling(ref), output_type="pt", return_type="pt")
     assert pt16.dtype == torch.float16 and torch.equal(pt16, vaeopt.decode(z16, ref["img"]).half())
+    zb = z_img.bfloat16()
+    ptb = remote_decode(srv.base + "/img", zb, scaling_factor=scaling(ref), output_type="pt", return_type="pt")
+    assert ptb.dtype == torch.bfloat16 and torch.equal(ptb, vaeopt.decode(zb, ref["img"]).bfloat16())
     u8 = remote_decode(srv.base + "/img", z32, scaling_factor=scaling(ref), output_type="pt", return_type="pt",
                        partial_postprocess=True)
     assert u8.dtype == torch.uint8 and torch.equal(u8, outputs.to_uint8_images(direct))  # (N, H, W, 3)
@@ -169,6 +172,23 @@ def test_video_mp4_and_pt(srv, ref, z_vid):
     u8 = remote_decode(srv.base + "/vid", z_vid, do_scaling=False, output_type="pt", return_type="pt",
                        partial_postprocess=True)
     assert torch.equal(u8, outputs.to_uint8_images(direct)[0])  # one clip: its (T, H, W, 3) frames
+
+
+@pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")  # the client's own, on its default
+def test_video_pipeline_latents_and_processor(srv, ref, z_vid):
+    """remote_decode's defaults (do_scaling, no factor): the model's own scaling, Wan's per-channel mean/std; with a
+    VideoProcessor, output_type=pil comes back as [0, 1] frames that the client turns into PIL images."""
+    from diffusers.video_processor import VideoProcessor
+
+    scaled = ref["vid"].family.scale(z_vid)  # as WanPipeline(output_type="latent") hands them out
+    pt = remote_decode(srv.base + "/vid", scaled, output_type="pt", return_type="pt")
+    direct = vaeopt.decode(scaled, ref["vid"], latent_space="scaled")
+    assert torch.equal(pt, direct)
+    frames = remote_decode(srv.base + "/vid", scaled, processor=VideoProcessor(), output_type="pil",
+                           return_type="pil")
+    assert len(frames) == 5 and frames[0].size == (64, 64)
+    want = outputs.to_uint8_images(direct)[0].numpy()
+    assert psnr(np.stack([np.asarray(f) for f in frames]), want) > 50
 
 
 # ---------------------------------------------------------------------------------------------- bad input
