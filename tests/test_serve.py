@@ -9,7 +9,6 @@ import io
 import json
 import math
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -428,13 +427,18 @@ def test_cli_refuses_open_host_without_token_and_bad_models(tmp_path):
     assert r.exit_code == 2 and "16 characters" in r.output
 
 
-def test_load_script_against_the_server(srv, tmp_path):
+def test_load_script_against_the_server(srv, tmp_path, monkeypatch):
+    """benchmarks/serve_load.py, 4 clients x 20 requests (run in this process: no second torch import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    load_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load_mod)
     out = tmp_path / "load.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", srv.base + "/img",
-                        "--model", str(IMG), "--shapes", "8x8,6x10", "--clients", "4", "--requests", "20",
-                        "--single", "3", "--out", str(out)], capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout + r.stderr
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--url", srv.base + "/img", "--model", str(IMG), "--shapes",
+                                      "8x8,6x10", "--clients", "4", "--requests", "20", "--single", "3", "--out",
+                                      str(out)])
+    load_mod.main()  # (exits non-zero where a request failed or did not match)
     res = json.loads(out.read_text())
     load = res["load"]
     assert load["requests"] == load["answered"] == load["ok"] == 20
@@ -443,3 +447,27 @@ def test_load_script_against_the_server(srv, tmp_path):
     assert set(load["by_kind"]) <= {"png", "jpg", "pt", "pt-uint8"} and len(load["by_kind"]) >= 3
     assert res["single_client"]["ok"] == 3 and res["single_client"]["overhead_p50_ms"] is not None
     assert set(res["direct_decode"]) == {"8x8", "6x10"}
+
+
+def test_pool_sends_each_job_to_the_shortest_queue():
+    """Dispatch over several workers (no threads started: the queues only fill)."""
+    import asyncio
+
+    from vaeopt.server.protocol import ProtocolError
+
+    ws = [worker_mod.Worker(torch.device("cpu"), {"img": str(IMG)}, vaeopt.Options(), max_queue=2) for _ in range(3)]
+    pool = worker_mod.Pool(ws)
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ProtocolError, match="still loading"):
+            pool.submit(worker_mod.Job("img", torch.zeros(1, 4, 8, 8), loop, True))
+        for w in ws:
+            w.state = "ready"
+        for _ in range(6):
+            pool.submit(worker_mod.Job("img", torch.zeros(1, 4, 8, 8), loop, True))
+        assert [w.depth for w in ws] == [2, 2, 2]  # spread, not piled on the first
+        with pytest.raises(ProtocolError, match="queue is full") as e:
+            pool.submit(worker_mod.Job("img", torch.zeros(1, 4, 8, 8), loop, True))
+        assert e.value.status == 503 and int(e.value.headers["Retry-After"]) >= 1
+    finally:
+        loop.close()

@@ -209,8 +209,10 @@ class Worker(threading.Thread):
         self.decode_ewma = dt if self.decode_ewma == 0 else 0.8 * self.decode_ewma + 0.2 * dt
 
     def _free(self) -> None:
-        gc.collect()
+        """After an out-of-memory error: what the failed attempt held back to the device (a collection first, for
+        tensors kept alive by reference cycles through its traceback)."""
         if self.device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
 
     def _decode(self, loaded, z: torch.Tensor, job: Job) -> torch.Tensor:
