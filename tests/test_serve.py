@@ -379,6 +379,7 @@ def test_health_and_metrics(srv):
     assert h["status"] == "ready" and h["models"]["img"]["family"] == "sd15" and h["models"]["vid"]["family"] == "wan21"
     assert h["workers"] == [{"device": "cpu", "state": "ready", "queue": 0}]
     assert post(srv, path="/vid", shape=(1, 4, 8, 8)).status_code == 422  # counted under its status
+    assert post(srv, path="/nope").status_code == 404
     text = requests.get(srv.base + "/metrics", timeout=5).text
     samples = {}
     for line in text.splitlines():
@@ -386,6 +387,8 @@ def test_health_and_metrics(srv):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     assert samples['vaeopt_requests_total{model="vid",output_type="pt",status="422"}'] >= 1
+    assert samples['vaeopt_requests_total{model="(unknown)",output_type="pt",status="404"}'] >= 1  # not "nope"
+    assert not any("nope" in k for k in samples)
     assert samples['vaeopt_requests_total{model="img",output_type="pt",status="200"}'] >= 1
     assert samples['vaeopt_queue_depth{device="cpu"}'] == 0
     assert samples['vaeopt_request_seconds_bucket{model="img",le="+Inf"}'] == \

@@ -82,6 +82,7 @@ class DecodeEndpoint:
         t0 = time.monotonic()
         s = self.s
         model = scope.get("path_params", {}).get("model", "")
+        label = model if model in s.cfg.models else "(unknown)"  # metrics' labels: only the names served
         request = Request(scope, receive)
         out_type = request.query_params.get("output_type", "pil")
         if out_type not in ("pil", "pt", "mp4"):
@@ -92,7 +93,7 @@ class DecodeEndpoint:
             status = response.status_code
         except ClientGone:
             s.metrics.disconnects += 1
-            s.metrics.request(model, out_type, 499)
+            s.metrics.request(label, out_type, 499)
             return
         except ProtocolError as e:
             response = _error(e.status, e.message, e.headers)
@@ -100,7 +101,7 @@ class DecodeEndpoint:
         except Exception as e:  # noqa: BLE001 — a bug: one request fails, the server stays up
             log.exception("request failed")
             response = _error(500, f"internal error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
-        s.metrics.request(model, out_type, status, time.monotonic() - t0 if status < 300 else None, decode_s)
+        s.metrics.request(label, out_type, status, time.monotonic() - t0 if status < 300 else None, decode_s)
         await response(scope, receive, send)
 
     async def _handle(self, request: Request, model: str, receive, t0: float):
