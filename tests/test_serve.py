@@ -380,6 +380,7 @@ def test_health_and_metrics(srv):
     assert h["workers"] == [{"device": "cpu", "state": "ready", "queue": 0}]
     assert post(srv, path="/vid", shape=(1, 4, 8, 8)).status_code == 422  # counted under its status
     assert post(srv, path="/nope").status_code == 404
+    assert post(srv).status_code == 200
     text = requests.get(srv.base + "/metrics", timeout=5).text
     samples = {}
     for line in text.splitlines():
