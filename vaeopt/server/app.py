@@ -41,7 +41,7 @@ class Config:
     max_queue: int = 64  # per worker; beyond it 503 + Retry-After
     max_batch: int = 1  # latents per batched decode of same-shape images (1: no batching)
     jpeg_quality: int = 95
-    png_level: int = 1  # zlib level: 1 is lossless like the others and several times faster to encode at 1024²
+    png_level: int = 1  # zlib level of PNG answers (vaeopt.server.png: lossless at any level)
     encode_threads: int = max(1, min(8, os.cpu_count() or 1))
 
 

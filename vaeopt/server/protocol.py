@@ -33,6 +33,7 @@ import torch
 from vaeopt import outputs
 from vaeopt.families import FamilySpec
 from vaeopt.latents import LatentEntry, validate
+from vaeopt.server import png
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 OUTPUT_TYPES = ("pil", "pt", "mp4")
@@ -272,12 +273,10 @@ def encode_reply(decoded: torch.Tensor, req: DecodeRequest, jpeg_quality: int = 
             path = Path(d) / "clip.mp4"
             outputs.write_mp4(path, [u8[0]], fps=req.fps)
             return Reply(path.read_bytes(), "video/mp4", {})
+    if req.image_format == "png":
+        return Reply(png.encode(u8[0].numpy(), level=png_level), "image/png", {})
     from PIL import Image
 
     buf = io.BytesIO()
-    img = Image.fromarray(u8[0].numpy())
-    if req.image_format == "png":
-        img.save(buf, format="PNG", compress_level=png_level)
-        return Reply(buf.getvalue(), "image/png", {})
-    img.save(buf, format="JPEG", quality=jpeg_quality, subsampling=0)
+    Image.fromarray(u8[0].numpy()).save(buf, format="JPEG", quality=jpeg_quality, subsampling=0)
     return Reply(buf.getvalue(), "image/jpeg", {})
