@@ -185,24 +185,29 @@ class Worker(threading.Thread):
                 self._timed(dt)
                 for j, part in zip(batch, torch.split(out, [j.z.shape[0] for j in batch])):
                     j.seconds, j.batch = dt, len(batch)
-                    j.resolve(part)
+                    self._answer(j, part)
                 return
         for j in batch:
             t1 = time.perf_counter()
             try:
                 out = self._decode(loaded, j.z, j)
             except ProtocolError as e:
-                j.resolve(error=e)
+                self._answer(j, error=e)
             except VaeoptError as e:  # latents the model cannot decode, a NaN/Inf output
-                j.resolve(error=ProtocolError(422, str(e)))
+                self._answer(j, error=ProtocolError(422, str(e)))
             except Exception as e:  # noqa: BLE001 — a bug: this request fails, the worker goes on
                 log.exception("decode failed on %s", self.device)
-                j.resolve(error=ProtocolError(500, f"decode failed: {type(e).__name__}: "
-                                                   f"{(str(e).splitlines() or [''])[0][:200]}"))
+                self._answer(j, error=ProtocolError(500, f"decode failed: {type(e).__name__}: "
+                                                         f"{(str(e).splitlines() or [''])[0][:200]}"))
             else:
                 j.seconds = time.perf_counter() - t1
                 self._timed(j.seconds)
-                j.resolve(out)
+                self._answer(j, out)
+
+    def _answer(self, job: Job, result=None, error: BaseException | None = None) -> None:
+        with self._cv:  # off the queue depth before the client can see its answer (and read /metrics)
+            self._running = max(0, self._running - 1)
+        job.resolve(result, error)
 
     def _timed(self, dt: float) -> None:
         self.done += 1
