@@ -224,8 +224,8 @@ def test_bad_input_gets_clear_json_errors_and_memory_stays(srv):
 
 
 def test_slow_body_and_disconnect(srv):
-    head = (f"POST /img?shape=1&shape=4&shape=8&shape=8&dtype=float32&output_type=pt HTTP/1.1\r\n"
-            f"Host: 127.0.0.1\r\nContent-Type: tensor/binary\r\nContent-Length: 1024\r\n\r\n").encode()
+    head = ("POST /img?shape=1&shape=4&shape=8&shape=8&dtype=float32&output_type=pt HTTP/1.1\r\n"
+            "Host: 127.0.0.1\r\nContent-Type: tensor/binary\r\nContent-Length: 1024\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:  # half the body, then nothing
         s.sendall(head + bytes(512))
         reply = b""
