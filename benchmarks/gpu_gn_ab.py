@@ -22,22 +22,22 @@ from _common import graphed_pipe, interleaved_graph_ms, out_dir, run_meta  # noq
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 
 gns = importlib.import_module("vaeopt.kernels.group_norm_silu")
-rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+common = importlib.import_module("vaeopt.kernels.common")  # SILU_MODE: the SiLU policy of every norm kernel
 ap = argparse.ArgumentParser()
 ap.add_argument("--workloads", default="sd15-512,flux-1024,sdxl-2048")
 ap.add_argument("--rounds", type=int, default=15)
 args = ap.parse_args()
 dev = torch.device("cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-shipped = (gns._stats_cl_defaults, gns.APPLY_CL_CUDA, rms.SILU_MODE)
+shipped = (gns._stats_cl_defaults, gns.APPLY_CL_CUDA, common.SILU_MODE)
 
 
 def setting(name):
     if name == "before":
         gns._stats_cl_defaults = lambda C, d: (4096, 4, 8 * SMS, 1) if d.type == "cuda" else shipped[0](C, d)
-        gns.APPLY_CL_CUDA, rms.SILU_MODE = (4096, 4), 0
+        gns.APPLY_CL_CUDA, common.SILU_MODE = (4096, 4), 0
     else:
-        gns._stats_cl_defaults, gns.APPLY_CL_CUDA, rms.SILU_MODE = shipped
+        gns._stats_cl_defaults, gns.APPLY_CL_CUDA, common.SILU_MODE = shipped
 
 
 res = {}

@@ -7,7 +7,7 @@ Why (perf-notes E31): Nsight Compute on the 96-ch call (H200, base clock) reads 
 bandwidth: the kernel is bound by the instructions it issues, ~26 per element, of which the exact SiLU's range
 fix-ups around its two MUFU ops are ~12.
 
-Variants: rms_norm_silu.SILU_MODE 0 (exact) / 2 (tanh.approx) / 3 (ftz ex2 + rcp). Per call: median over `rounds`
+Variants: common.SILU_MODE 0 (exact) / 2 (tanh.approx) / 3 (ftz ex2 + rcp). Per call: median over `rounds`
 interleaved rounds of a CUDA-event median of `reps` calls; max |diff| against mode 0's output. Decodes: each mode,
 interleaved, with the PSNR of each against mode 0 and against an fp32 decode (vaeopt.fidelity.psnr: identical
 outputs read 200 dB; the committed E31 runs, from a local copy of it, wrote 99.0).
@@ -31,6 +31,7 @@ from _common import event_ms, out_dir, run_meta, wan_norm_inputs  # noqa: E402
 from vaeopt.fidelity import psnr  # noqa: E402
 
 rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+common = importlib.import_module("vaeopt.kernels.common")  # SILU_MODE: the SiLU policy of every norm kernel
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=5)
 ap.add_argument("--reps", type=int, default=20)
@@ -44,7 +45,7 @@ VARIANTS = [(f"silu{m}", m) for m in (0, 2, 3)]  # (name, SILU_MODE)
 
 
 def apply(v):
-    rms.SILU_MODE = v[1]
+    common.SILU_MODE = v[1]
 
 
 g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""SiLU's arithmetic in the fused norm kernels (`rms_norm_silu._silu` MODE): 0 = y / (1 + exp(-y)) (as shipped
+"""SiLU's arithmetic in the fused norm kernels (`common.silu` MODE): 0 = y / (1 + exp(-y)) (as shipped
 before this script), 1 = the same with tl.fdiv's fast division, 2 = y * (1 + tanh.approx(y / 2)) / 2.
 Per call (GroupNorm apply at SDXL shapes, bf16 and e4m3 out; Wan RMS norm at 480p shapes) and in whole decodes
 (wan21-480p; sdxl-1024 with CUDA graphs, bf16 and e4m3 gate 30), interleaved in one process.
@@ -26,6 +26,7 @@ from vaeopt.benchmark import WORKLOADS  # noqa: E402
 
 gns = importlib.import_module("vaeopt.kernels.group_norm_silu")
 rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+common = importlib.import_module("vaeopt.kernels.common")  # SILU_MODE: the SiLU policy of every norm kernel
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=6)
 args = ap.parse_args()
@@ -82,10 +83,10 @@ for name, C, H, W, taps in (("96ch-480p-stacked", 96, 480, 832, 3), ("192ch-240x
     u = torch.empty_like(h)
     row = {}
     for m in MODES:
-        rms.SILU_MODE = m
+        common.SILU_MODE = m
         row[f"mode{m}"] = {"ms": graph_ms(lambda: rms.rms_norm_silu(h, gamma, beta, x_bias=xb, residual=r,
                                                                      sum_out=u, **kw), n=5, reps=10)}
-    rms.SILU_MODE = None
+    common.SILU_MODE = None
     res["rms"][name] = row
     print(f"rms {name}: " + ", ".join(f"{k} {v['ms']:.3f} ms" for k, v in row.items()), flush=True)
     del h, r, u, kw
@@ -104,14 +105,14 @@ r = {"chunk": plan.chunk, "ms": {m: [] for m in MODES}}
 with torch.inference_mode():
     outs = {}
     for m in MODES:
-        rms.SILU_MODE = m
+        common.SILU_MODE = m
         outs[m] = pipe._decode_video(z, plan, None)
         torch.cuda.synchronize()
     r["psnr_vs_mode0_db"] = {m: psnr(outs[m], outs[0]) for m in MODES}
     del outs
     r["ms"] = interleaved_ms(lambda: pipe._decode_video(z, plan, None), MODES, args.rounds,
-                             lambda m: setattr(rms, "SILU_MODE", m))
-rms.SILU_MODE = None
+                             lambda m: setattr(common, "SILU_MODE", m))
+common.SILU_MODE = None
 r["median_ms"] = {m: statistics.median(v) for m, v in r["ms"].items()}
 res["decode"]["wan21-480p"] = r
 print("wan21-480p: " + ", ".join(f"mode{m} {r['median_ms'][m]:.1f} ms ({r['psnr_vs_mode0_db'][m]:.1f} dB vs mode 0)"
@@ -124,10 +125,10 @@ zz = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dev, torc
 for mode in ("bf16", "fp8-gate30"):
     pipes, outs = {}, {}
     for m in MODES:
-        rms.SILU_MODE = m  # captured with this mode
+        common.SILU_MODE = m  # captured with this mode
         pipes[m], y = graphed_pipe(fam, zz, None if mode == "bf16" else 30.0, "gpu_silu")
         outs[m] = y.float()
-    rms.SILU_MODE = None
+    common.SILU_MODE = None
     ms = interleaved_graph_ms(pipes, zz, 15)
     res["decode"][f"sdxl-1024 {mode}"] = {"median_ms": {m: statistics.median(v) for m, v in ms.items()}, "ms": ms,
                                           "psnr_vs_mode0_db": {m: psnr(outs[m], outs[0]) for m in MODES}}

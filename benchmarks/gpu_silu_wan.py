@@ -27,7 +27,7 @@ from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.loading import load_vae  # noqa: E402
 from vaeopt.pipeline import Options, Pipeline  # noqa: E402
 
-rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+common = importlib.import_module("vaeopt.kernels.common")  # SILU_MODE: the SiLU policy of every norm kernel
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=8)
 args = ap.parse_args()
@@ -50,15 +50,15 @@ MODES = (0, 2)
 r = {"chunk": plan.chunk, "ms": {m: [] for m in MODES}, "psnr_vs_fp32_db": {}, "max_abs_vs_fp32": {}}
 with torch.inference_mode():
     for m in MODES:
-        rms.SILU_MODE = m
+        common.SILU_MODE = m
         y = pipe._decode_video(z, plan, None).float().clamp(-1, 1)
         mse = ((y - ref) ** 2).mean().item()
         r["psnr_vs_fp32_db"][m] = 10 * math.log10(4.0 / mse)
         r["max_abs_vs_fp32"][m] = (y - ref).abs().max().item()
         del y
     r["ms"] = interleaved_ms(lambda: pipe._decode_video(z, plan, None), MODES, args.rounds,
-                             lambda m: setattr(rms, "SILU_MODE", m))
-rms.SILU_MODE = None
+                             lambda m: setattr(common, "SILU_MODE", m))
+common.SILU_MODE = None
 r["median_ms"] = {m: statistics.median(v) for m, v in r["ms"].items()}
 meta = run_meta("python3 benchmarks/gpu_silu_wan.py " + " ".join(sys.argv[1:]))
 (out_dir() / "silu_wan.json").write_text(json.dumps({**meta, "wan21-480p": r}, indent=1))

@@ -22,7 +22,7 @@ from vaeopt.kernels.rms_norm_silu import rms_norm_silu  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("--silu-mode", type=int, default=None)
 args = ap.parse_args()
-importlib.import_module("vaeopt.kernels.rms_norm_silu").SILU_MODE = args.silu_mode
+importlib.import_module("vaeopt.kernels.common").SILU_MODE = args.silu_mode
 g = torch.Generator().manual_seed(0)
 calls = []
 for C, H, W in ((96, 480, 832), (192, 240, 416)):

@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels import default_tile, flat_layout, n_programs_target, new_like
+from vaeopt.kernels.common import (accumulate_shifted, cl_store_partials, default_tile, first_block_shift, flat_layout,
+                                   n_programs_target, new_like, sat_e4m3, silu, silu_mode)
 from vaeopt.kernels.fp8_quant import E4M3
-from vaeopt.kernels.rms_norm_silu import _sat_e4m3, _silu, silu_mode
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
@@ -166,72 +166,8 @@ def _stats_cl_kernel(
             if MINMAX:  # one op on the shifted value the sums already need (masked rows are 0)
                 am = tl.maximum(am, tl.abs(d))
     cnt = tl.minimum(lim, iters * BLOCK_S * UNROLL).to(tl.float32)  # rows seen; same for every channel
-    _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG,
+    cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG,
                        cols, cm, BLOCK_G, CG_POW2, MINMAX)
-
-
-@triton.jit
-def _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, N, G, CG, cols, cm, BLOCK_G: tl.constexpr,
-                       CG_POW2: tl.constexpr, MINMAX: tl.constexpr):
-    """Store one chunk's partials of sample n from its running [rows, BLOCK_C] tiles of shifted sums (s1: x - k,
-    s2: (x - k)^2, am: max |x - k|; k: the per-channel shift, cnt: rows seen): planes count, mean, M2 (and the
-    max / min bounds when MINMAX) of each group, at [plane, n * G + g, chunk]. Shared by the stats kernel and the
-    residual epilogue that takes the next norm's statistics on its way (kernels/epilogue.py)."""
-    t1 = tl.sum(s1, axis=0)
-    t2 = tl.sum(s2, axis=0)
-    mean_c = k + t1 / cnt  # [BLOCK_C]
-    m2_c = tl.maximum(t2 - t1 * t1 / cnt, 0.0)
-
-    # Channels -> groups, once per program: Chan merge of equal-count parts.
-    ga = tl.arange(0, BLOCK_G)
-    if CG_POW2 > 0:  # CG_POW2 == CG: the groups tile BLOCK_C exactly -> reshape [BLOCK_G, CG] (real decoder widths)
-        mean_2d = tl.reshape(mean_c, [BLOCK_G, CG_POW2])
-        mean_g = tl.sum(mean_2d, axis=1) / CG_POW2  # [BLOCK_G]
-        dev = mean_2d - mean_g[:, None]
-        m2_g = tl.sum(tl.reshape(m2_c, [BLOCK_G, CG_POW2]) + cnt * dev * dev, axis=1)
-    else:  # odd group sizes: one-hot [BLOCK_G, BLOCK_C] mask
-        ohf = (((cols[None, :] // CG) == ga[:, None]) & cm[None, :]).to(tl.float32)
-        mean_g = tl.sum(ohf * mean_c[None, :], axis=1) / CG
-        dev = mean_c[None, :] - mean_g[:, None]
-        m2_g = tl.sum(ohf * (m2_c[None, :] + cnt * dev * dev), axis=1)
-
-    gm = ga < G
-    out = part_ptr + (n * G + ga) * n_chunks + chunk
-    plane = n_chunks * G * N
-    tl.store(out, tl.zeros([BLOCK_G], dtype=tl.float32) + cnt * CG, mask=gm)
-    tl.store(out + plane, mean_g, mask=gm)
-    tl.store(out + 2 * plane, m2_g, mask=gm)
-    if MINMAX:
-        # x lies in [k - max|x - k|, k + max|x - k|]: bounds of the channel's max and min. The finalize kernel
-        # uses the larger distance of either end from the group mean, which this widens by at most |k - mean|
-        # (k is the chunk's first-block mean). Tracking max and min themselves took two more ops and registers
-        # per element: the e4m3 stats pass measured 1.4x the bf16 one (H200, sdxl-1024; perf-notes E21).
-        am_c = tl.max(am, axis=0)  # [BLOCK_C]
-        hi_c = k + am_c
-        lo_c = k - am_c
-        if CG_POW2 > 0:
-            hi_g = tl.max(tl.reshape(hi_c, [BLOCK_G, CG_POW2]), axis=1)
-            lo_g = tl.min(tl.reshape(lo_c, [BLOCK_G, CG_POW2]), axis=1)
-        else:
-            oh = ((cols[None, :] // CG) == ga[:, None]) & cm[None, :]
-            hi_g = tl.max(tl.where(oh, hi_c[None, :], float("-inf")), axis=1)
-            lo_g = tl.min(tl.where(oh, lo_c[None, :], float("inf")), axis=1)
-        tl.store(out + 3 * plane, hi_g, mask=gm)
-        tl.store(out + 4 * plane, lo_g, mask=gm)
-
-
-@triton.jit
-def _first_block_shift(y0, m0, lim, BLOCK_S: tl.constexpr):
-    """The per-channel shift of a chunk's sums: the mean of its first row block y0 (masked by m0), as the stats
-    kernel takes it (for the kernels that write a norm's input and take its statistics on the way)."""
-    return tl.sum(tl.where(m0, y0, 0.0), axis=0) / tl.minimum(lim, BLOCK_S).to(tl.float32)
-
-
-@triton.jit
-def _accumulate_shifted(y, m, k, s1, s2, am):
-    """One row block y (fp32, masked by m) into the running shifted sums, squares and max |y - k|."""
-    d = tl.where(m, y - k[None, :], 0.0)
-    return s1 + d, s2 + d * d, tl.maximum(am, tl.abs(d))
 
 
 @triton.jit
@@ -374,7 +310,7 @@ def _apply_cl_kernel(
     EXACT8: tl.constexpr = False,  # round to the e4m3 grid before the cast (the CPU interpreter's cast misrounds)
     amax_ptr=None,  # [N] fp32 (PRE_AMAX): the largest per-channel bound of each sample, computed once
     PRE_AMAX: tl.constexpr = False,
-    SILU_MODE: tl.constexpr = 0,  # see rms_norm_silu._silu
+    SILU_MODE: tl.constexpr = 0,  # see common.silu
     OUT_I8: tl.constexpr = False,  # with OUT8: y_ptr is int8, y ~= scale * (q + zq) over [lo, max bound] (see below)
     zq_ptr=None,  # [N] fp32 out (OUT_I8): the sample's zero point in units of its scale
 ):
@@ -392,7 +328,7 @@ def _apply_cl_kernel(
     x = tl.load(x_ptr + n.to(tl.int64) * stride_xn + off, mask=m, other=0.0).to(tl.float32)
     y = (x - mu[None, :]) * a[None, :] + b[None, :]
     if SILU:
-        y = _silu(y, SILU_MODE)
+        y = silu(y, SILU_MODE)
     if OUT8:
         if PRE_AMAX:
             amax = tl.maximum(tl.load(amax_ptr + n), 1e-12)
@@ -414,7 +350,7 @@ def _apply_cl_kernel(
                 tl.store(s_ptr + n, sc)
                 tl.store(zq_ptr + n, zq)
         else:
-            y = _sat_e4m3(y * (448.0 / amax), EXACT8)
+            y = sat_e4m3(y * (448.0 / amax), EXACT8)
             if sb == 0:
                 tl.store(s_ptr + n, amax / 448.0)
     tl.store(y_ptr + n.to(tl.int64) * S * C + off, y.to(y_ptr.dtype.element_ty), mask=m)
