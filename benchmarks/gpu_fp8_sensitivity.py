@@ -27,7 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vaeopt import fp8_sensitivity as S  # noqa: E402
+from vaeopt.quant import gate  # noqa: E402
+from vaeopt.quant import sensitivity as S  # noqa: E402
 from vaeopt.loading import load_vae  # noqa: E402
 from vaeopt.stages import fp8  # noqa: E402
 
@@ -58,14 +59,14 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     crop = None
     if dev.type == "cpu":  # smoke test: an 8x8 probe and 16x16 sample crops, so it ends in a minute or two
-        crop, probe_latent = 16, fp8._probe_latent
-        fp8._probe_latent = lambda fam, d: probe_latent(fam, d)[..., :8, :8]
+        crop, probe_latent = 16, gate.probe_latent
+        gate.probe_latent = lambda fam, d: probe_latent(fam, d)[..., :8, :8]
     out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__}
     for name in args.models:
         res = out[name] = {}
         loaded = load_vae(SAMPLES / f"{name}.safetensors", device=dev)
         model, fam = loaded.model.eval(), loaded.family
-        probe = [fp8._probe_latent(fam, dev)]
+        probe = [gate.probe_latent(fam, dev)]
         model.float()
         ref = S.decode_all(model, probe)
         rows = S.measure(model, probe, compute=True, ref=ref)  # emulated in fp32: the ranking the stage uses
