@@ -113,6 +113,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def default_warps(tile: int) -> int:
+    """Warps of a program over `tile` elements: 4 up to 4096, 8 above."""
+    return 4 if tile <= 4096 else 8
+
+
 def default_tile(device: torch.device) -> int:
     """Elements per program tile: 4096 suits a GPU SM; the CPU interpreter wants few, big programs."""
     return 4096 if device.type == "cuda" else 1 << 17

@@ -21,9 +21,9 @@ Split API (vaeopt/tiling.py's exact tiled decoder, whose norms need the statisti
 ever seen a tile at a time): `group_norm_partials` runs the stats kernels on a tile (optionally with `x_bias`) and
 returns the per-chunk (count, mean, M2) partials -- partials of disjoint tiles concatenate into those of their union;
 `group_norm_finalize` merges any number of them exactly in one launch of the finalize kernel; `group_norm_apply`
-normalizes a region with given per-(n, channel) mean/scale (+ x_bias, affine bias, SiLU) in one read and one write
-in the model dtype, reading the region in place from a larger buffer (any strides) and optionally writing a zero ring
-around it (the next conv's padding). `merge_partials` is the float64 torch reference of the merge.
+(gn_window.py) normalizes a region with given per-(n, channel) mean/scale (+ x_bias, affine bias, SiLU) in one read
+and one write in the model dtype, reading the region in place from a larger buffer (any strides) and optionally
+writing a zero ring around it (the next conv's padding). `merge_partials` is the float64 torch reference of the merge.
 
 Layouts: every tensor is seen as (N, C, S) with S = flattened spatial dims; "channels-first" means each sample is a
 contiguous [C, S] block (NCHW, NCDHW, (B, C, L)), "channels-last" means a contiguous [S, C] block (NHWC, NDHWC,
@@ -36,9 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels.common import (accumulate_shifted, cl_store_partials, default_tile, first_block_shift, flat_layout,
-                                   n_programs_target, new_like, sat_e4m3, silu, silu_mode)
+from vaeopt.kernels.common import (accumulate_shifted, cl_store_partials, default_tile, default_warps,
+                                   first_block_shift, flat_layout, n_programs_target, new_like, sat_e4m3, silu,
+                                   silu_mode)
 from vaeopt.kernels.fp8_quant import E4M3
+from vaeopt.kernels.gn_window import group_norm_apply  # noqa: F401  (the split API's last step, re-exported)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
@@ -356,88 +358,7 @@ def _apply_cl_kernel(
     tl.store(y_ptr + n.to(tl.int64) * S * C + off, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-# Sizes/offsets that differ between the tiles of one layer (border vs interior tiles, the last row band) are not
-# specialized on, so a layer compiles one variant instead of one per divisibility pattern.
-@triton.jit(do_not_specialize=["Hi", "Wi", "Wo", "P", "syn", "syh", "pt", "pl", "n_p_blocks"])
-def _apply_win_kernel(
-    x_ptr,  # (N, C, Hi, Wi) with any strides (e.g. a window of a larger NHWC / NCHW buffer), read in place
-    y_ptr,  # (N, C, Ho, Wo) with any strides (dense output, or a window of a buffer)
-    mean_ptr,  # [N, C] fp32: group mean of (x + x_bias)
-    a_ptr,  # [N, C] fp32: rstd * weight
-    b_ptr,  # [C] affine bias
-    xb_ptr,  # [C] input bias (read only when XB)
-    C,
-    Hi,
-    Wi,
-    Wo,
-    P,  # output pixels per sample: Ho * Wo
-    sxn,
-    sxc,
-    sxh,
-    sxw,
-    syn,
-    syc,
-    syh,
-    syw,
-    pt,  # output (i, j) reads input (i - pt, j - pl); outside the input the output is 0 (a conv's zero padding)
-    pl,
-    n_p_blocks,
-    n_c_blocks,
-    BLOCK_P: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    SILU: tl.constexpr,
-    XB: tl.constexpr,
-    PAD: tl.constexpr,  # some output pixels lie outside the input
-    CF: tl.constexpr,  # channels-first tile [BLOCK_C, BLOCK_P] (pixels contiguous); else [BLOCK_P, BLOCK_C]
-):
-    pid = tl.program_id(0)
-    cb = pid % n_c_blocks
-    t = pid // n_c_blocks
-    pb = t % n_p_blocks
-    n = t // n_p_blocks
-    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    pm = p < P
-    cm = c < C
-    i = p // Wo
-    j = p - i * Wo
-    si = i - pt
-    sj = j - pl
-    if PAD:
-        inside = pm & (si >= 0) & (si < Hi) & (sj >= 0) & (sj < Wi)
-    else:
-        inside = pm
-    xo = n.to(tl.int64) * sxn + si.to(tl.int64) * sxh + sj.to(tl.int64) * sxw  # [BLOCK_P]
-    yo = n.to(tl.int64) * syn + i.to(tl.int64) * syh + j.to(tl.int64) * syw
-    mu = tl.load(mean_ptr + n * C + c, mask=cm, other=0.0)
-    if XB:  # same association as the fused path's finalize: (x - (mean - xb)) * a + b
-        mu = mu - tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + n * C + c, mask=cm, other=0.0)
-    b = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    cx = c.to(tl.int64) * sxc
-    cy = c.to(tl.int64) * syc
-    if CF:
-        m = cm[:, None] & inside[None, :]
-        x = tl.load(x_ptr + cx[:, None] + xo[None, :], mask=m, other=0.0).to(tl.float32)
-        y = (x - mu[:, None]) * a[:, None] + b[:, None]
-        if SILU:
-            y = y / (1.0 + tl.exp(-y))
-        if PAD:
-            y = tl.where(m, y, 0.0)
-        tl.store(y_ptr + cy[:, None] + yo[None, :], y.to(y_ptr.dtype.element_ty), mask=cm[:, None] & pm[None, :])
-    else:
-        m = inside[:, None] & cm[None, :]
-        x = tl.load(x_ptr + xo[:, None] + cx[None, :], mask=m, other=0.0).to(tl.float32)
-        y = (x - mu[None, :]) * a[None, :] + b[None, :]
-        if SILU:
-            y = y / (1.0 + tl.exp(-y))
-        if PAD:
-            y = tl.where(m, y, 0.0)
-        tl.store(y_ptr + yo[:, None] + cy[None, :], y.to(y_ptr.dtype.element_ty), mask=pm[:, None] & cm[None, :])
-
-
-def _warps(tile: int) -> int:
-    return 4 if tile <= 4096 else 8
+_warps = default_warps  # (the name callers outside the package have read it by)
 
 
 def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:
@@ -455,7 +376,7 @@ def _stats_cl_defaults(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     into the same accumulators. C <= 128: 2048-element tiles, 8 warps, 4 programs per SM. The stats kernels of an sdxl-1024 decode: 1.70 -> 1.26 ms (bf16), 2.05 -> 1.30 ms (e4m3)."""
     tile = default_tile(dev)
     if dev.type != "cuda":
-        return tile, _warps(tile), n_programs_target(dev), 1
+        return tile, default_warps(tile), n_programs_target(dev), 1
     per_sm = n_programs_target(dev) // 8  # SMs
     if C <= 128:
         return 2048, 8, 4 * per_sm, 1
@@ -595,10 +516,10 @@ def _stats_params(kind: str, C: int, dev: torch.device, tile: int | None, num_wa
     if kind == "cl":
         t, w, p, u = _stats_cl_defaults(C, dev)
         if tile is not None and tile != t:  # an explicit tile keeps the generic warps rule
-            w = _warps(tile)
+            w = default_warps(tile)
         return tile or t, num_warps or w, target or p, u
     tile = tile or default_tile(dev)
-    return tile, num_warps or _warps(tile), target or n_programs_target(dev), 1
+    return tile, num_warps or default_warps(tile), target or n_programs_target(dev), 1
 
 
 def _stats_geometry(N: int, C: int, G: int, kind: str, S: int, tile: int, target: int, unroll: int = 1) -> dict:
@@ -740,7 +661,7 @@ def _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, n
         tile, nw = APPLY_CL_CUDA[0], num_warps or APPLY_CL_CUDA[1]
     else:
         tile = tile or default_tile(dev)
-        nw = num_warps or _warps(tile)
+        nw = num_warps or default_warps(tile)
     has_xb = x_bias is not None
     xb = x_bias.reshape(C) if has_xb else w  # a valid pointer either way; read only under the XB flags
     y = new_like(x, kind, (torch.int8 if i8 else E4M3) if out8 else None)
@@ -889,86 +810,6 @@ def group_norm_finalize(
         BLOCK_NG=BLOCK_NG, BLOCK_P=BLOCK_P, BLOCK_CG=triton.next_power_of_2(C // G), XB=False, num_warps=4,
     )  # fmt: skip
     return mean, a
-
-
-def group_norm_apply(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    silu: bool = True,
-    *,
-    x_bias: torch.Tensor | None = None,
-    pad: tuple[int, int, int, int] = (0, 0, 0, 0),
-    out: torch.Tensor | None = None,
-    tile: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """y = silu((x + x_bias[c] - mean[n, c]) * scale[n, c] + bias[c]) (silu optional) for x (N, C, H, W) with GIVEN
-    statistics (e.g. `group_norm_finalize` of partials merged over all tiles of an activation). One read of x, one
-    write of y, fp32 math, one rounding to the output dtype (no fp32 intermediate tensor).
-
-    x may have any strides -- a window of a larger NHWC/NCHW buffer is read in place. pad = (top, bottom, left,
-    right): the output is (N, C, H + top + bottom, W + left + right) with x at offset (top, left) and ZEROS in the
-    ring (after the activation: a following conv's zero padding, so it can run with padding=0). Output: dense, in x's
-    layout (channels-last when x's channel stride is 1, else contiguous), x's dtype; or written into `out` (any
-    strides, any float dtype). mean/scale: float32 (N, C) or (C,).
-    """
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"group_norm_apply: dtype {x.dtype} not supported")
-    if x.dim() != 4:
-        raise ValueError(f"group_norm_apply: expected (N, C, H, W), got {tuple(x.shape)}")
-    N, C, Hi, Wi = x.shape
-    pt, pb, pl, pr = (int(v) for v in pad)
-    if min(pt, pb, pl, pr) < 0:
-        raise ValueError(f"group_norm_apply: negative pad {pad}")
-    Ho, Wo = Hi + pt + pb, Wi + pl + pr
-    dev = x.device
-
-    def vec(name, v, per_sample):
-        if v is None:
-            return None
-        v = v.to(device=dev)
-        if per_sample and v.numel() == C and N > 1:
-            v = v.reshape(1, C).expand(N, C)
-        if v.numel() != (N * C if per_sample else C):
-            raise ValueError(f"group_norm_apply: {name} has {v.numel()} values for {N} x {C}")
-        return v.reshape(N, C).float().contiguous() if per_sample else v.reshape(C)
-
-    mean, scale = vec("mean", mean, True), vec("scale", scale, True)
-    b = vec("bias", bias, False)
-    xb = vec("x_bias", x_bias, False)
-    if b is None:
-        b = torch.zeros(C, device=dev, dtype=torch.float32)
-    cl = C > 1 and x.stride(1) == 1 and Hi * Wi > 1
-    if out is None:
-        if cl:
-            out = torch.empty((N, Ho, Wo, C), device=dev, dtype=x.dtype).permute(0, 3, 1, 2)
-        else:
-            out = torch.empty((N, C, Ho, Wo), device=dev, dtype=x.dtype)
-    elif tuple(out.shape) != (N, C, Ho, Wo) or out.dtype not in SUPPORTED_DTYPES or out.device != dev:
-        raise ValueError(f"group_norm_apply: out must be a float tensor {(N, C, Ho, Wo)} on {dev}")
-    if out.numel() == 0:
-        return out
-    tile = tile or default_tile(dev)
-    nw = num_warps or _warps(tile)
-    P = Ho * Wo
-    CF = not (out.stride(1) == 1 or C == 1)  # channels-first output: tile with pixels fastest
-    if CF:
-        BLOCK_P = min(triton.next_power_of_2(P), max(256, tile // 4))
-        BLOCK_C = max(1, min(tile // BLOCK_P, triton.next_power_of_2(C)))
-    else:
-        BLOCK_C = min(triton.next_power_of_2(C), max(16, tile // 4))
-        BLOCK_P = max(1, min(tile // BLOCK_C, triton.next_power_of_2(P)))
-    npb, ncb = triton.cdiv(P, BLOCK_P), triton.cdiv(C, BLOCK_C)
-    _apply_win_kernel[(N * npb * ncb,)](
-        x, out, mean, scale, b, xb if xb is not None else b, C, Hi, Wi, Wo, P,
-        *x.stride(), *out.stride(), pt, pl, npb, ncb,
-        BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, SILU=bool(silu), XB=xb is not None, PAD=(Ho, Wo) != (Hi, Wi),
-        CF=CF, num_warps=nw,
-    )  # fmt: skip
-    return out
-
 
 
 def group_norm_silu_reference(x, num_groups, weight, bias, eps=1e-6, silu=True, x_bias=None):
