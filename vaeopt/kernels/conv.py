@@ -31,7 +31,7 @@ import triton.language as tl
 from vaeopt.kernels import tma_conv, ws_conv
 from vaeopt.kernels.conv_args import (ConvArgs, PackedWeight, check_args, check_residual, pack_weight,  # noqa: F401
                                       per_sample_scales, residual_fits, tap_sums)
-from vaeopt.kernels.fp8_quant import E4M3
+from vaeopt.kernels.fp8_quant import E4M3, quantize_per_tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -256,10 +256,9 @@ def conv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor e4m3 quantization of an activation (keeps its memory format) -> (x_fp8, scale)."""
-    amax = x.detach().abs().amax().float().clamp_min(1e-12)
-    s = amax / 448.0
-    return (x.float() / s).clamp(-448.0, 448.0).to(E4M3), s
+    """Per-tensor e4m3 quantization of an activation (keeps its memory format) -> (x_fp8, scale):
+    fp8_quant.quantize_per_tensor, the one definition of the dynamic activation scale."""
+    return quantize_per_tensor(x)
 
 
 def flops(x_shape: tuple, pw: PackedWeight) -> int:
