@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels.conv import ConvArgs, PackedWeight, check_args
+from vaeopt.kernels.conv_args import ConvArgs, PackedWeight, check_args
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vaeopt.kernels import _interpret, triton_available
+from vaeopt.kernels import interpreting, triton_available
 from vaeopt.stages import (BoundForward, StageResult, class_forward, foreign_global_hooks, foreign_hooks,
                            unhooked)
 
@@ -572,7 +572,7 @@ def _make_processor_class():
                 return False
             if x.is_cuda:
                 return x.dtype in (torch.bfloat16, torch.float16)
-            return x.device.type == "cpu" and _interpret()  # CPU: tests only (the interpreter runs the softmax kernel)
+            return x.device.type == "cpu" and interpreting()  # CPU: tests only (the interpreter runs the softmax kernel)
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                      *args, **kwargs):

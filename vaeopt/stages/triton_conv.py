@@ -361,11 +361,11 @@ def _decode(model: nn.Module, z: torch.Tensor) -> torch.Tensor:
 
 def _references(model: nn.Module, z: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(the fp32 decode of the same weights, TF32 off; the decode in `dtype`) of the probe z. Call with no fp8 marks."""
-    from vaeopt.stages.fp8 import _exact_fp32
+    from vaeopt.quant.gate import exact_fp32
 
     try:
         model.float()
-        with _exact_fp32():
+        with exact_fp32():
             ref = _decode(model, z.float()).float()
         model.to(dtype)
         base = _decode(model, z.to(dtype)).float()

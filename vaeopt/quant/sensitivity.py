@@ -31,24 +31,14 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from vaeopt.stages import fp8
+from vaeopt.fidelity import PSNR_CAP
+from vaeopt.quant.numerics import E4M3, E4M3_MAX, fake_quant  # noqa: F401
+from vaeopt.quant.plan import KEEP, MODES, candidates, is_kept, recipe  # noqa: F401
 
-MODES = ("stage", "w8a8")
-STORED = Path(__file__).resolve().parent / "configs" / "fp8_sensitivity.json"
+STORED = Path(__file__).resolve().parent.parent / "configs" / "fp8_sensitivity.json"
 
 
 # ---- emulated quantization ---------------------------------------------------------------------------------------
-
-def fake_quant(x: torch.Tensor, per_channel: bool) -> torch.Tensor:
-    """x rounded through e4m3 and back, in x's dtype: one scale per output channel (dim 0) or one for the tensor."""
-    if per_channel:
-        q, s = fp8.quantize_per_channel(x)
-        return fp8.dequantize(q, s, x.dtype)
-    from vaeopt.kernels.fp8_quant import quantize_per_tensor
-
-    q, s = quantize_per_tensor(x)
-    return (q.float() * s).to(x.dtype)
-
 
 def _act_pre_hook(mod, args):
     """Per-tensor e4m3 input, as FP8GemmLinear quantizes it. A causal conv's cache (args[1]) is concatenated in front
@@ -58,29 +48,13 @@ def _act_pre_hook(mod, args):
     amax = x.detach().abs().amax().float()
     if cache is not None:
         amax = torch.maximum(amax, cache.detach().abs().amax().float().to(amax.device))
-    s = amax.clamp_min(1e-12) / fp8.E4M3_MAX
+    s = amax.clamp_min(1e-12) / E4M3_MAX
 
     def q(t):
-        return ((t.float() / s.to(t.device)).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3).float()
+        return ((t.float() / s.to(t.device)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float()
                 * s.to(t.device)).to(t.dtype)
 
     return (q(x),) + ((q(cache),) if cache is not None else args[1:2]) + tuple(args[2:])
-
-
-def recipe(path: str, mode: str) -> tuple[bool, bool]:
-    """(weights per output channel?, activations quantized?) for a layer on the stage's `path` under `mode`."""
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: one of {MODES}")
-    if mode == "w8a8":
-        return True, True
-    return (False, True) if path == "gemm" else (True, False)
-
-
-def candidates(model: nn.Module, compute: bool = True) -> list[tuple[str, nn.Module, str]]:
-    """(name, layer, path) of every layer the fp8 stage could convert, conv_in/conv_out included (so they get
-    measured too); path is what the stage would do with it on an FP8 GPU ("gemm" or "storage")."""
-    return [(n, layer, "gemm" if p == "gemm" else "storage")
-            for n, _parent, _attr, layer, p in fp8.plan_layers(model, keep=(), compute=compute)]
 
 
 @contextmanager
@@ -124,8 +98,6 @@ def mse(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> float:
 
 def psnr_of(m: float) -> float:
     """PSNR in dB for an MSE on [-1, 1] images (data range 2), capped like vaeopt.fidelity."""
-    from vaeopt.fidelity import PSNR_CAP
-
     return PSNR_CAP if m <= 0 else min(PSNR_CAP, 10.0 * math.log10(4.0 / m))
 
 
@@ -172,7 +144,7 @@ def cumulative(model: nn.Module, latents: Sequence[torch.Tensor], rows: Sequence
 
 # ---- the policy --------------------------------------------------------------------------------------------------
 
-def choose_keep(rows: Sequence[dict], target_db: float, keep: Sequence[str] = fp8.KEEP, floor_mse: float = 0.0,
+def choose_keep(rows: Sequence[dict], target_db: float, keep: Sequence[str] = KEEP, floor_mse: float = 0.0,
                 calib: float = 1.0, dominant_share: float = 0.25) -> tuple[list[str], float, dict[str, str]]:
     """The layers to keep out of fp8, from single-layer measurements (`rows` as `measure` returns them):
       1. `keep` (conv_in, conv_out by default);
@@ -183,8 +155,8 @@ def choose_keep(rows: Sequence[dict], target_db: float, keep: Sequence[str] = fp
     calib scales the emulated sum to what a real decode measured (1: trust the sum).
     Returns (kept names, predicted PSNR, {name: why}) with why one of "first/last", "dominant", "gate"."""
     kept = list(keep)
-    why = {k: "first/last" if k in fp8.KEEP else "kept" for k in kept}
-    rest = sorted((r for r in rows if not fp8.is_kept(r["layer"], kept)), key=lambda r: -r["mse"])
+    why = {k: "first/last" if k in KEEP else "kept" for k in kept}
+    rest = sorted((r for r in rows if not is_kept(r["layer"], kept)), key=lambda r: -r["mse"])
     total = sum(r["mse"] for r in rest)
     for r in [r for r in rest if total > 0 and r["mse"] >= dominant_share * total]:
         kept.append(r["layer"])
@@ -224,5 +196,5 @@ def stored_keep(model: nn.Module, path: Path | None = None) -> tuple[str, list[s
     fp = fingerprint(model)
     for name, entry in load_stored(path).get("models", {}).items():
         if entry.get("fingerprint") == fp:
-            return name, [n for n in entry.get("keep", []) if not fp8.is_kept(n, fp8.KEEP)]
+            return name, [n for n in entry.get("keep", []) if not is_kept(n, KEEP)]
     return None
