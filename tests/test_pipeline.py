@@ -1,5 +1,7 @@
 """The plain path equals diffusers' own decode; the Python API; optimize() keeps pipe.vae usable."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -45,7 +47,9 @@ def test_stage_log_is_honest_on_cpu(samples_dir):
     text = "\n".join(lines)
     assert "precision" in text and "float32 on CPU" in text
     assert "fp8: skipped" in text
-    assert "channels_last: converted" in text and "CPU: 1.4x faster on a 2-core CPU" in text  # measured, files cited
+    assert "channels_last: converted" in text and "on the CPU it pays without the fused kernels" in text
+    # what this run did, not benchmark anecdotes (those live in docs/benchmarks.md)
+    assert not re.search(r"\d ms\b|faster|H[12]00|2-core", text), text
     assert "graphs" not in text  # decided per decode, not at load
 
 
