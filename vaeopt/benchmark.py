@@ -193,6 +193,9 @@ class Bench:
             t0 = time.perf_counter()
             fn = make()
             row.setup_s = time.perf_counter() - t0
+            if skip := getattr(fn, "skip_reason", None):  # known from the built model: not timed
+                row.status, row.reason = "skipped", skip
+                return row
             built = getattr(fn, "built_stages", None)
             if precheck is not None and built is not None and (skip := precheck(built())):
                 row.status, row.reason = skip
@@ -276,6 +279,11 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
                 return real(*a, **k)
 
             model.tiled_decode = tiled_decode
+            if _would_tile(model, b.shape) is False:  # the same untiled decode as the row above: not run again
+                fn = lambda: model.decode(z).sample  # noqa: E731
+                fn.skip_reason = (f"diffusers' enable_tiling() does not tile a {b.shape[-2]}x{b.shape[-1]} latent "
+                                  "(below its tile size): the same untiled decode as the diffusers row above")
+                return fn
         if compile_:
             model.to(memory_format=torch.channels_last) if not b.spec.is_video else None
             model.decoder = torch.compile(model.decoder)
@@ -289,6 +297,18 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
 
     make.tiled_decodes = counted
     return make
+
+
+def _would_tile(model, shape: tuple) -> bool | None:
+    """Whether diffusers' decode with enable_tiling() tiles this latent (its _decode's own test: a side above the
+    tile's latent size); None where the model has no such settings."""
+    h, w = shape[-2], shape[-1]
+    if isinstance(getattr(model, "tile_latent_min_size", None), int):  # AutoencoderKL
+        return h > model.tile_latent_min_size or w > model.tile_latent_min_size
+    r = getattr(model, "spatial_compression_ratio", None)
+    if isinstance(r, int) and r > 0 and isinstance(getattr(model, "tile_sample_min_height", None), int):
+        return h > model.tile_sample_min_height // r or w > model.tile_sample_min_width // r  # Wan, HunyuanVideo
+    return None
 
 
 LADDER = (
@@ -651,37 +671,84 @@ def _speedups(rows: list[Row], dtype) -> str | None:
     return base.name if base else None
 
 
+PLOT_MISSING = "--plot draws with matplotlib, which is not installed: pip install 'vaeopt[plot]' (or matplotlib)"
+_KIND_COLORS = {"reference": "#9e9e9e", "peer": "#4a78c2", "ladder": "#e8782a", "fp8": "#6aa84f"}
+_KIND_LABELS = {"reference": "fp32 reference", "peer": "diffusers peers", "ladder": "vaeopt ladder",
+                "fp8": "FP8 levels alone"}
+
+
+def plot_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def hardware_line(result: dict) -> str:
+    """What the numbers were measured on, for a chart's title: the device and the versions that set the speed."""
+    v = result.get("versions") or {}
+    where = result.get("gpu") or "CPU (CPU numbers, not GPU performance)"
+    soft = ", ".join(f"{k} {v[k]}" for k in ("torch", "cuda", "diffusers") if v.get(k))
+    return f"{where}" + (f" · {soft}" if soft else "")
+
+
 def plot(result: dict, path: Path) -> None:
-    """Bar chart of time and PSNR per row, drawn with Pillow (no plotting dependency)."""
-    from PIL import Image, ImageDraw
+    """Horizontal bars of the median time per measured row (min-max whiskers), each labelled with its time, its
+    speedup and its PSNR vs the fp32 reference; the skipped rows listed under the chart with their reasons; the
+    hardware line as the title. Needs matplotlib (the `plot` extra)."""
+    if not plot_available():
+        raise VaeoptError(PLOT_MISSING)
+    import textwrap
+
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     from vaeopt.outputs import atomic_path
 
-    rows = [r for r in result["rows"] if r["status"] == "ok"]
-    W, rowh, left = 1000, 34, 260
-    H = 70 + rowh * len(rows) + 30
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    title = f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} on " \
-            f"{result.get('gpu') or 'CPU'}"
-    d.text((10, 10), title, fill="black")
-    d.text((left, 35), "median time (ms)", fill="black")
-    d.text((W - 150, 35), "PSNR vs fp32", fill="black")
-    tmax = max(r["median_ms"] for r in rows)
-    for i, r in enumerate(rows):
-        y = 60 + i * rowh
-        d.text((10, y + 8), r["name"][:38], fill="black")
-        wbar = int((W - left - 240) * r["median_ms"] / tmax)  # room for the number before the PSNR column
-        color = {"reference": (150, 150, 150), "peer": (90, 130, 200), "ladder": (230, 120, 40),
-                 "fp8": (120, 170, 90)}[r["kind"]]
-        d.rectangle([left, y + 4, left + max(wbar, 1), y + rowh - 6], fill=color)
-        d.text((left + wbar + 5, y + 8), f"{r['median_ms']:.1f}", fill="black")
-        p = r.get("psnr_db")
-        label = "ref" if r["kind"] == "reference" else (fidelity.psnr_text(p) if p is not None else "—")
-        d.text((W - 150, y + 8), label, fill="black")
-    from PIL.PngImagePlugin import PngInfo
-
-    meta = PngInfo()
-    meta.add_text("Software", CHART_SOFTWARE)  # how a later --plot knows the file it would replace is a chart of ours
+    rows = [r for r in result["rows"] if r["status"] == "ok" and r.get("median_ms")]
+    skipped = [r for r in result["rows"] if r["status"] != "ok"]
+    base = result.get("speedup_baseline")
+    skip_lines = [textwrap.shorten(f"{r['name']} ({r['status']}): {r['reason']}", 118, placeholder=" ...")
+                  for r in skipped]
+    bar_h = 0.42  # inches per row
+    foot = 0.45 + 0.19 * (len(skip_lines) + 1) if skip_lines else 0.5
+    fig = Figure(figsize=(11, 1.5 + bar_h * max(len(rows), 1) + foot), dpi=110)
+    top = 1 - 1.05 / fig.get_figheight()
+    bottom = (foot + 0.45) / fig.get_figheight()
+    ax = fig.add_axes((0.27, bottom, 0.58, top - bottom))
+    y = list(range(len(rows)))[::-1]  # the first row on top
+    med = [r["median_ms"] for r in rows]
+    err = [[r["median_ms"] - r["min_ms"] for r in rows], [r["max_ms"] - r["median_ms"] for r in rows]]
+    ax.barh(y, med, height=0.62, color=[_KIND_COLORS.get(r["kind"], "#777777") for r in rows],
+            xerr=err, error_kw={"ecolor": "#333333", "elinewidth": 0.8, "capsize": 2.5})
+    ax.set_yticks(y, [textwrap.shorten(r["name"], 40, placeholder="...") for r in rows], fontsize=10)
+    ax.set_xlabel("median decode time (ms; whiskers: min-max of the timed repeats)", fontsize=10)
+    ax.set_xlim(0, max(max(r["max_ms"] for r in rows), 1e-9) * 1.02 if rows else 1)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.8)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    # each row's numbers in a column right of the axes: time, speedup, PSNR
+    tx = ax.get_xaxis_transform()
+    for yi, r in zip(y, rows):
+        sp = r.get("speedup_vs_baseline")
+        psnr = "reference" if r["kind"] == "reference" else fidelity.psnr_text(r.get("psnr_db"))
+        ax.text(1.02, yi, f"{r['median_ms']:.1f} ms", transform=tx, va="center", fontsize=9.5)
+        ax.text(1.13, yi, f"{sp:.2f}x" if sp else "-", transform=tx, va="center", fontsize=9.5,
+                fontweight="bold" if sp and sp > 1.005 and r["kind"] != "reference" else "normal")
+        ax.text(1.21, yi, psnr, transform=tx, va="center", fontsize=9.5)
+    for x, head in ((1.02, "time"), (1.13, "speedup"), (1.21, "PSNR")):
+        ax.text(x, 1.0, head, transform=ax.transAxes, va="bottom", fontsize=9.5, fontweight="bold")
+    kinds = [k for k in _KIND_COLORS if any(r["kind"] == k for r in rows)]
+    ax.legend(handles=[Patch(color=_KIND_COLORS[k], label=_KIND_LABELS[k]) for k in kinds], loc="lower right",
+              fontsize=8.5, frameon=False)
+    fig.suptitle(hardware_line(result), fontsize=12.5, fontweight="bold", y=1 - 0.18 / fig.get_figheight())
+    what = (f"{result.get('workload') or result['family']}, latent {tuple(result['latent_shape'])}, "
+            f"{result['dtype']}, median of {result.get('repeats', '?')} repeats; speedup vs '{base}', PSNR vs the "
+            "fp32 reference")
+    fig.text(0.5, 1 - 0.5 / fig.get_figheight(), what, ha="center", fontsize=9.5, color="#444444")
+    if skip_lines:
+        fig.text(0.02, (foot - 0.2) / fig.get_figheight(), "Not timed:\n" + "\n".join(skip_lines), fontsize=8.5,
+                 va="top", color="#555555", linespacing=1.35)
     with atomic_path(path) as tmp:
-        img.save(tmp, format="PNG", pnginfo=meta)
+        # "Software": how a later --plot knows the file it would replace is a chart of ours
+        fig.savefig(tmp, format="png", metadata={"Software": CHART_SOFTWARE})
