@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -663,7 +664,9 @@ def benchmark(
     dtype: str = typer.Option("auto", "--dtype", help="Precision of the peers and the ladder: auto | fp32 | bf16 | "
                                                       "fp16 (auto: bf16 on GPUs that have it, fp32 on CPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed repeats per row (median reported)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", show_default=False,
+                                          help="Timed repeats per row, median reported (default 5; 3 on the CPU, "
+                                               "where each decode takes seconds)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
     fp8: bool = typer.Option(False, "--fp8", help="Include FP8 in the ladder, and measure its three levels each "
                                                   "on its own after it (weight storage, fp8 GEMMs, 8-bit convs)."),
@@ -671,13 +674,25 @@ def benchmark(
     cudnn_autotune: bool = typer.Option(False, "--cudnn-autotune", help="cuDNN autotuning on for every row, peers "
                                                                         "included (each row's warm-up pays the tuning)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all numbers to this JSON file."),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG bar chart (time and PSNR per row)."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart: time, speedup and PSNR per "
+                                                                 "row, the rows not timed (needs matplotlib: "
+                                                                 "pip install 'vaeopt[plot]')."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print each row as it starts and every skip reason "
+                                                                "in full."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; the results go to --json / "
+                                                            "--plot."),
 ):
-    """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last."""
+    """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last.
+
+    A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors (a 256x256 decode, under a minute)."""
+    _set_verbosity(verbose, quiet)
     from vaeopt import benchmark as bm
     from vaeopt.hw import resolve_device, resolve_dtype
 
-    if repeats < 1:
+    if plot_out is not None and not bm.plot_available():  # before minutes of measuring, not after
+        raise VaeoptError(bm.PLOT_MISSING)
+
+    if repeats is not None and repeats < 1:
         raise VaeoptError(f"--repeats must be at least 1, got {repeats}")
     if warmup < 0:
         raise VaeoptError(f"--warmup must be 0 or more, got {warmup}")
@@ -692,31 +707,34 @@ def benchmark(
         raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(bm.PEERS)})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if repeats is None:
+        repeats = 5 if dev.type == "cuda" else 3
     spec, sd, shp, wl, notes = _bench_inputs(model, family, workload, shape, dev)
     for n in notes:
-        _log(n)
+        _detail(n)
     where = torch_device_name(dev)
-    console.print(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
-                  + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
+    _say(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
+         + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
     if dev.type != "cuda" and math.prod(shp[2:]) > 64 * 64:
-        console.print(f"  [yellow]a {'x'.join(map(str, shp[2:]))} latent on the CPU: each decode takes a minute or "
+        _say(f"  [yellow]a {'x'.join(map(str, shp[2:]))} latent on the CPU: each decode takes a minute or "
                       f"more, and the ladder runs {repeats + warmup} per row (Ctrl-C stops it; --shape "
                       f"1,{shp[1]},{'1,' if len(shp) == 5 else ''}32,32 is a quick CPU run)[/]")
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
-                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, workload=wl,
-                              command=" ".join(["vaeopt"] + sys.argv[1:]))
-    _print_bench(result)
+                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, detail=_detail,
+                              workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
+    if _verbosity >= 1:  # -q: the results are in --json / --plot
+        _print_bench(result)
     if json_out:
         from vaeopt.outputs import atomic_path
 
         replaced = _replacing(json_out)
         with atomic_path(json_out) as tmp:
             tmp.write_text(json.dumps(result, indent=1))
-        console.print(f"[bold green]wrote[/] {escape(str(json_out))}{replaced}")
+        _say(f"[bold green]wrote[/] {escape(str(json_out))}{replaced}")
     if plot_out:
         replaced = _replacing(plot_out)
         bm.plot(result, plot_out)
-        console.print(f"[bold green]wrote[/] {escape(str(plot_out))}{replaced}")
+        _say(f"[bold green]wrote[/] {escape(str(plot_out))}{replaced}")
 
 
 def _replacing(p: Path) -> str:
@@ -860,8 +878,10 @@ def _print_bench(result: dict) -> None:
 
     if note := clock_note(result["rows"]):
         out_console.print(note, style="dim", highlight=False)
-    for r in skipped:
-        out_console.print(f"  [yellow]{r['status']}[/] {r['name']}: {r['reason']}", highlight=False)
+    for r in skipped:  # the reasons in full with -v (and in --json)
+        why = r["reason"] if _verbosity >= 2 else textwrap.shorten(r["reason"], max(40, 96 - len(r["name"])),
+                                                                    placeholder=" ...")
+        out_console.print(f"  [yellow]{r['status']}[/] {escape(r['name'])}: {escape(why)}", highlight=False)
     for line in level_lines(result.get("fp8_levels") or []):
         out_console.print(line, highlight=False)
 
@@ -882,20 +902,20 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
     if gpus > n_cuda and "WORLD_SIZE" not in os.environ:  # under torchrun the ranks exist already (gloo on CPU)
         raise VaeoptError(f"--gpus {gpus}: only {n_cuda} CUDA GPU(s) visible" + (
             " (on CPU: torchrun --nproc-per-node N -m vaeopt decode ... --gpus N runs the same code on gloo)" if not n_cuda else ""))
-    console.print(f"[bold]distributed[/] {gpus} ranks ({'NCCL' if n_cuda >= gpus else 'gloo, CPU'}), "
+    _say(f"[bold]distributed[/] {gpus} ranks ({'NCCL' if n_cuda >= gpus else 'gloo, CPU'}), "
                   f"{len(latents)} input file(s)")
     try:
         summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
                          str(model) if model else None,
                          kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
                                      overwrite=overwrite, options=opts, fps=fps,
-                                     log=_log_stderr))  # stdout: --json only
+                                     log=_log_stderr if _verbosity >= 2 else None))  # stdout: --json only
     except DistributedError as e:
         raise VaeoptError(str(e).splitlines()[0]) from None
     for r in summary or []:
         for p in r["written"]:
-            console.print(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
-                          highlight=False)
+            _say(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
+                 highlight=False)
     if fps_given and summary is not None and not any(str(p).lower().endswith(".mp4") for r in summary
                                                       for p in r["written"]):
         _fps_unused(fps)
