@@ -444,9 +444,13 @@ _STAGE_WORDS = {"fp8": "FP8", "fp8 convs": "FP8 convs", "channels_last": "channe
                 "cudnn_autotune": "cuDNN autotuning"}
 
 
+_DTYPE_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # as --dtype spells them
+
+
 def optimizer_summary(stages, device, dtype) -> str:
     """One line for what the optimizer did in this run: the stages applied, or that the plain path ran and why."""
-    where = f"{str(dtype).replace('torch.', '')} on {'CPU' if device.type == 'cpu' else device}"
+    dt = str(dtype).replace("torch.", "")
+    where = f"{_DTYPE_WORDS.get(dt, dt)} on {'CPU' if device.type == 'cpu' else device}"
     applied = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "applied" and s.name != "precision"]
     fell = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "fallback"]
     skipped = [s for s in stages if s.status == "skipped"]
@@ -512,7 +516,7 @@ class _DecodeProgress:
             self.prog.start()
         if job is not self.job:
             self.job = job
-            unit = "frames" if job.kind == "mp4" else "tiles"
+            unit = "frames" if job.kind == "mp4" else "tiles"  # (tiles of every pass: the stats pass too)
             name = job.source.name + (f"[{job.entry}]" if job.entry else "")
             self.task = self.prog.add_task(f"{name} {unit}", total=total, rate="")
             self.job_t0 = self.t0
