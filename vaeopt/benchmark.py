@@ -715,8 +715,8 @@ def plot(result: dict, path: Path) -> None:
     rows = [r for r in result["rows"] if r["status"] == "ok" and r.get("median_ms")]
     skipped = [r for r in result["rows"] if r["status"] != "ok"]
     base = result.get("speedup_baseline")
-    skip_lines = [textwrap.shorten(f"{r['name']} ({r['status']}): {r['reason']}", 118, placeholder=" ...")
-                  for r in skipped]
+    skip_lines = [textwrap.shorten(f"{r['name']}{'' if r['status'] == 'skipped' else ' (' + r['status'] + ')'}: "
+                                   f"{r['reason']}", 118, placeholder=" ...") for r in skipped]
     bar_h = 0.42  # inches per row
     foot = 0.3 + 0.165 * (len(skip_lines) + 1) if skip_lines else 0.3
     fig = Figure(figsize=(11, 1.5 + bar_h * max(len(rows), 1) + foot), dpi=110)
@@ -755,7 +755,7 @@ def plot(result: dict, path: Path) -> None:
             "fp32 reference")
     fig.text(0.5, 1 - 0.5 / fig.get_figheight(), what, ha="center", fontsize=9.5, color="#444444")
     if skip_lines:
-        fig.text(0.02, (foot - 0.05) / fig.get_figheight(), "Not timed:\n" + "\n".join(skip_lines), fontsize=8.5,
+        fig.text(0.02, (foot - 0.05) / fig.get_figheight(), "Not timed (the reasons in full: --json, or the table's foot with -v):\n" + "\n".join(skip_lines), fontsize=8.5,
                  va="top", color="#555555", linespacing=1.35)
     with atomic_path(path) as tmp:
         # "Software": how a later --plot knows the file it would replace is a chart of ours

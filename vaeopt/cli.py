@@ -280,8 +280,8 @@ def decode(
                                                                       "the low-res input (4/9 of the FLOPs): auto | on | off"),
     stack_conv3d: str = typer.Option("auto", "--stack-conv3d", help="Wan's causal Conv3d as one Conv2d over "
                                                                     "time-stacked channels: auto | on | off"),
-    conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
-                                                                  "faster than cuDNN: Wan's 96-ch Conv3d (bf16 on "
+    conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv for the layers it "
+                                                                  "beats cuDNN on: Wan's 96-ch Conv3d (bf16 on "
                                                                   "sm_90: alongside --stack-conv3d, which then "
                                                                   "stacks the 384-ch ones; else with --stack-conv3d "
                                                                   "off), and the e4m3 convs of --fp8: auto | on | off"),
