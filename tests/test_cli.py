@@ -1256,3 +1256,8 @@ def test_api_decode_reports_tile_progress(samples_dir):
                         progress=lambda d, t: calls.append((d, t)))
     assert out.shape == (1, 3, 128, 128)
     assert calls and calls[-1][0] == calls[-1][1] and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    zv = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :3, :8, :8].float()
+    calls = []
+    out = vaeopt.decode(zv, samples_dir / "tiny_wan_video.safetensors", latent_space="raw",
+                        options=vaeopt.Options(device="cpu", chunk=1), progress=lambda d, t: calls.append((d, t)))
+    assert out.shape[2] == 9 and calls == [(1, 9), (5, 9), (9, 9)]  # frames out after each latent frame's call

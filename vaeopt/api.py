@@ -88,7 +88,8 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W).
     A vaeopt.load_vae(...) result is optimized in place on its first decode, and later decodes of it reuse that
     pipeline (options=None, or the same options); other options need the checkpoint loaded again.
-    progress(done, total): called after each tile of a tiled decode (a whole decode has no steps to report)."""
+    progress(done, total): called after each tile of a tiled image decode (a whole one has no steps to report) and
+    with the frames done after each chunk of a video decode (Wan)."""
     if vae is None:
         raise VaeoptError("vaeopt.decode(latents, vae) needs the VAE: a checkpoint path or vaeopt.load_vae(...)")
     if isinstance(vae, torch.nn.Module):
@@ -668,8 +669,8 @@ def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[
 def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
              progress: Callable[[DecodeJob, int, int], None] | None = None,
              on_result: Callable[[DecodeResult], None] | None = None) -> list[DecodeResult]:
-    """Decode and write every job. `progress(job, done, total)` is called as a job's decode advances: frames written
-    of an MP4 job, tiles of a tiled image decode (a whole decode is one call, with no steps to report); a caller
+    """Decode and write every job. `progress(job, done, total)` is called as a job's decode advances: frames of a
+    video job, tiles of a tiled image decode (a whole decode is one call, with no steps to report); a caller
     draws its own bar from it. `on_result` sees each result as soon as its outputs are on disk, so that a later
     failure or Ctrl-C does not hide what was already written. A job whose decode is unusable (NaN/Inf) stops the run;
     its error then says which outputs of earlier jobs were written and kept, and how many inputs were not decoded."""

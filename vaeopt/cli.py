@@ -516,13 +516,14 @@ class _DecodeProgress:
             self.prog.start()
         if job is not self.job:
             self.job = job
-            unit = "frames" if job.kind == "mp4" else "tiles"  # (tiles of every pass: the stats pass too)
+            video = job.z_raw.dim() == 5
+            unit = "frames" if video else "tiles"  # (tiles of every pass: the stats pass too)
             name = job.source.name + (f"[{job.entry}]" if job.entry else "")
             self.task = self.prog.add_task(f"{name} {unit}", total=total, rate="")
             self.job_t0 = self.t0
         rate = done / max(now - self.job_t0, 1e-9)
         self.prog.update(self.task, completed=done, total=total,
-                         rate=f"{rate:.1f} frames/s" if job.kind == "mp4" else f"{rate:.1f} tiles/s")
+                         rate=f"{rate:.1f} frames/s" if job.z_raw.dim() == 5 else f"{rate:.1f} tiles/s")
 
     def _stop(self) -> None:
         if self.prog is not None:
@@ -680,7 +681,8 @@ def benchmark(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all numbers to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart: time, speedup and PSNR per "
                                                                  "row, the rows not timed (needs matplotlib: "
-                                                                 "pip install 'vaeopt[plot]')."),
+                                                                 "the package's plot extra, or pip install "
+                                                                 "matplotlib)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print each row as it starts and every skip reason "
                                                                 "in full."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; the results go to --json / "

@@ -554,7 +554,7 @@ class Pipeline:
             # vaeopt.video's exact chunk decoder covers Wan; HunyuanVideo runs diffusers' decode (planner._plan_hunyuan)
             return self._decode_hunyuan(z, plan, stats)
         info: dict = {}
-        out = video.decode_video(self.model, z, **self._video_kwargs(plan, info))
+        out = video.decode_video(self.model, z, progress=progress, **self._video_kwargs(plan, info))
         self._video_report(info, stats)
         return out
 
