@@ -1172,7 +1172,7 @@ def test_default_output_is_short_quiet_is_silent_verbose_has_the_stages(tmp_path
     r = run("decode", tmp_path / "l.pt", "-o", tmp_path / "v.png", "-v")
     assert r.exit_code == 0, r.output
     assert "✓ channels_last: converted" in r.output and "– fp8: skipped" in r.output and "plan l.pt[coffee]" in r.output
-    assert "family sd15 as requested" in r.output
+    assert "family sd15 as requested" in r.output and "(family sd15: named by vaeopt.json beside the latents)" in r.output
     r = run("decode", tmp_path / "l.pt", "-v", "-q")
     assert r.exit_code == 2 and "contradict" in r.output
     # without the manifest's family the guess is said in one short line (in full with -v)

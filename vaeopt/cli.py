@@ -346,8 +346,9 @@ def decode(
 
         outputs.check_writable([output], overwrite)
     model_path, why = api.resolve_model(model, files)
-    if family is None and model is None:  # the manifest that named the model may name its family too
-        family = api.manifest_family(files)
+    from_manifest = None
+    if family is None and why.startswith(lat.MANIFEST):  # the manifest that named the model may name its family too
+        family = from_manifest = api.manifest_family(files)
     t0 = time.perf_counter()
     import diffusers  # noqa: F401  (a few seconds on first import; timed apart from reading the checkpoint)
 
@@ -355,6 +356,8 @@ def decode(
     t0 = time.perf_counter()
     loaded = load_vae(model_path, family=family, config=config)
     _report_model(loaded, model_path, why, time.perf_counter() - t0, t_import)
+    if from_manifest:
+        _detail(f"(family {from_manifest}: named by {lat.MANIFEST} beside the latents)")
     if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
         _detail(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
     raw_tiny = loaded.family.config.get("_raw_latents") if loaded.family.cls_name == "AutoencoderTiny" else None
