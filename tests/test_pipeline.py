@@ -267,13 +267,14 @@ def test_hunyuan_out_of_memory_retries_in_tiles(monkeypatch):
     assert not m.use_tiling
 
 
-def test_hunyuan_skips_channels_last_with_the_measured_reason():
+def test_hunyuan_skips_channels_last_with_the_reason():
     from vaeopt.pipeline import HUNYUAN_CL_SKIP
 
     pipe, _ = _hunyuan_pipe(triton="on")  # fused norms wanted: channels_last would follow for other families
     cl = next(r for r in pipe.stages if r.name == "channels_last")
     assert cl.status == "skipped" and cl.detail == HUNYUAN_CL_SKIP
-    assert "1162 ms with it, 581 ms without" in cl.detail
+    # why, in this run's terms (the measurement itself lives in the docs)
+    assert "NCDHW" in cl.detail and "--channels-last on" in cl.detail and " ms" not in cl.detail
     assert all(p.is_contiguous() for p in pipe.model.parameters())
 
 
