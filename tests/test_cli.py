@@ -1159,7 +1159,7 @@ def test_default_output_is_short_quiet_is_silent_verbose_has_the_stages(tmp_path
     assert len(lines) <= 8 and all(len(ln) <= 100 + len(str(tmp_path)) for ln in lines), r.output
     assert lines[0].startswith("read l.pt: astronaut 1x4x8x8, coffee 1x4x8x8")
     assert lines[1].startswith("model tiny_kl_image.safetensors: Stable Diffusion 1.x")
-    assert lines[2].startswith("optimized: channels_last (fp32 on CPU") and "-v for details" in lines[2]
+    assert lines[2].startswith("optimized: channels_last (fp32, CPU") and "-v for details" in lines[2]
     assert "assumed" not in r.output  # the manifest names the family
     assert "✓" not in r.output and "fp8: skipped" not in r.output  # the stage lines are -v's
     # -o both.png on a dict of two tensors: both_<key>.png (not both_l_astronaut.png)
@@ -1195,8 +1195,11 @@ def test_optimizer_summary_says_what_ran_or_why_not():
           StageResult("channels_last", "applied", "x"), StageResult("upsample_conv", "applied", "x"),
           StageResult("attention", "applied", "x"), StageResult.skipped("fp8", "off")]
     line = optimizer_summary(st, torch.device("cuda", 0), torch.bfloat16)
-    assert line.startswith("optimized: fused norms, channels_last, upsample convs, attention (bf16 on cuda:0")
+    assert line.startswith("optimized: fused norms, channels_last, upsample convs, attention (bf16, cuda:0")
     assert len(line) <= 100
+    many = st + [StageResult(n, "applied", "x") for n in ("fused_epilogues", "stacked_conv3d", "triton_conv", "graphs")]
+    line = optimizer_summary(many, torch.device("cuda", 0), torch.bfloat16)
+    assert len(line) <= 104 and line.startswith("optimized: fused norms, channels_last") and " more (bf16" in line
     plain = [StageResult("precision", "applied", "fp32")] + [StageResult.skipped(n, "off") for n in ("fp8", "x")]
     assert "plain diffusers decode" in optimizer_summary(plain, cpu, torch.float32) and "switched off" in \
         optimizer_summary(plain, cpu, torch.float32)

@@ -453,7 +453,7 @@ _DTYPE_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # as 
 def optimizer_summary(stages, device, dtype) -> str:
     """One line for what the optimizer did in this run: the stages applied, or that the plain path ran and why."""
     dt = str(dtype).replace("torch.", "")
-    where = f"{_DTYPE_WORDS.get(dt, dt)} on {'CPU' if device.type == 'cpu' else device}"
+    where = f"{_DTYPE_WORDS.get(dt, dt)}, {'CPU' if device.type == 'cpu' else device}"
     applied = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "applied" and s.name != "precision"]
     fell = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "fallback"]
     skipped = [s for s in stages if s.status == "skipped"]
@@ -461,7 +461,18 @@ def optimizer_summary(stages, device, dtype) -> str:
     if applied:
         if device.type != "cuda" and skipped:
             extra += "; the GPU kernels need CUDA"
-        return f"optimized: {', '.join(applied)} ({where}{extra}; -v for details)"
+        tail = f" ({where}{extra}; -v for details)"
+
+        def fits(ns):
+            return len("optimized: " + ", ".join(ns) + tail) <= 104  # (~100: a terminal's width with room)
+
+        names = applied
+        if not fits(names):  # one short line: the first stages, and how many more (-v lists them all)
+            k = len(applied) - 1
+            while k > 1 and not fits(applied[:k] + [f"+{len(applied) - k} more"]):
+                k -= 1
+            names = applied[:k] + [f"+{len(applied) - k} more"]
+        return "optimized: " + ", ".join(names) + tail
     if skipped and all(s.detail == "off" for s in skipped):
         why = "every stage switched off"
     elif device.type != "cuda":
