@@ -99,7 +99,7 @@ def test_decode_batch_numbered_and_safetensors(tmp_path, samples_dir):
     r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o_000.png").exists() and (tmp_path / "o_001.png").exists()
-    assert r.output.count("s decode for the batch of 2") == 2  # one decode made both files: its time, said so
+    assert r.output.count("for the batch of 2)") == 2  # one decode made both files: its time, said so
     assert "--fps" not in r.output
     r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "p.png", "--fps", "24")
     assert r.exit_code == 0 and "--fps 24 ignored: it sets the frame rate of MP4 output" in r.output, r.output
@@ -410,9 +410,9 @@ def test_dict_keys_cannot_leave_the_output_folder(tmp_path, samples_dir):
     assert sorted(p.name for p in (sub / "out").iterdir()) == ["trav_sub_dir.png", "trav_x__________escaped.png"]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png")) == [
         "a/b/out/trav_sub_dir.png", "a/b/out/trav_x__________escaped.png"]
-    r = run("decode", sub / "trav.pt", "-m", model, "-o", sub / "one.png")  # a file name: numbered beside it
+    r = run("decode", sub / "trav.pt", "-m", model, "-o", sub / "one.png")  # a file name: one per key beside it
     assert r.exit_code == 0, r.output
-    assert {p.name for p in sub.glob("one_*.png")} == {"one_trav_sub_dir.png", "one_trav_x__________escaped.png"}
+    assert {p.name for p in sub.glob("one_*.png")} == {"one_sub_dir.png", "one_x__________escaped.png"}
 
 
 def test_video_batch_into_a_folder_goes_inside_it(tmp_path, samples_dir):
@@ -433,7 +433,7 @@ def test_dict_with_other_tensors_decodes_its_latents(tmp_path, samples_dir):
     z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][..., :16, :16]
     torch.save({"latents": z, "prompt_embeds": torch.randn(1, 77, 768)}, tmp_path / "gen.pt")
     model = samples_dir / "tiny_kl_image.safetensors"
-    r = run("decode", tmp_path / "gen.pt", "-m", model, "-o", tmp_path / "gen.png")
+    r = run("decode", tmp_path / "gen.pt", "-m", model, "-o", tmp_path / "gen.png", "-v")
     assert r.exit_code == 0, r.output
     assert "skipped 1 tensor(s) that are not" in r.output and "prompt_embeds (1, 77, 768)" in r.output
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["gen.png"]  # one latent: no entry suffix
@@ -535,7 +535,7 @@ def test_same_named_inputs_are_told_apart_by_their_folders(tmp_path, samples_dir
         (tmp_path / d).mkdir()
         torch.save(z, tmp_path / d / "x.pt")
     a, b = tmp_path / "a" / "x.pt", tmp_path / "b" / "x.pt"
-    r = run("decode", a, b, "-m", m, "-o", str(tmp_path / "out") + "/")
+    r = run("decode", a, b, "-m", m, "-o", str(tmp_path / "out") + "/", "-v")
     assert r.exit_code == 0, r.output
     assert sorted(os.listdir(tmp_path / "out")) == ["a_x.png", "b_x.png"]
     out = r.output.replace("\n", "")
@@ -768,7 +768,9 @@ def test_benchmark_outputs_expand_the_home_folder(tmp_path, samples_dir, monkeyp
     r = run("benchmark", samples_dir / "tiny_kl_image.safetensors", "--shape", "1,4,8,8", "--repeats", "1",
             "--warmup", "0", "--peers", "tiling", "--device", "cpu", "--json=~/r.json", "--plot=~/r.png")
     assert r.exit_code == 0, r.output
-    assert sorted(os.listdir(tmp_path / "home")) == ["r.json", "r.png"] and not (tmp_path / "~").exists()
+    # (matplotlib keeps its font cache in ~/.cache: the dot folders are its, not the outputs)
+    outs = sorted(n for n in os.listdir(tmp_path / "home") if not n.startswith("."))
+    assert outs == ["r.json", "r.png"] and not (tmp_path / "~").exists()
 
 
 def test_batch_numbers_sort_past_999():
@@ -814,7 +816,7 @@ def test_top_level_manifest_model_and_latent_space_hint(tmp_path, samples_dir, m
     # the tiny trained VAE's factor (0.845) is too near 1 to tell the spaces apart: nothing said
     torch.save(raw_like, tmp_path / "rawlike.pt")
     (tmp_path / "vaeopt.json").write_text(json.dumps({"model": str(samples_dir / "tiny_kl_image.safetensors")}))
-    r = run("decode", tmp_path / "rawlike.pt", "-o", tmp_path / "a.png")
+    r = run("decode", tmp_path / "rawlike.pt", "-o", tmp_path / "a.png", "-v")
     assert r.exit_code == 0 and "vaeopt.json beside the latents" in r.output and "look" not in r.output, r.output
     monkeypatch.setattr(lat, "space_hint", lambda z, fam, space: f"these latents look odd for {space}")
     r = run("decode", tmp_path / "rawlike.pt", "-o", tmp_path / "b.png", "--latent-space", "raw")
@@ -1020,7 +1022,7 @@ def test_second_new_user_pass_leftovers(tmp_path, samples_dir, monkeypatch):
         assert not os.path.lexists(bare) and not os.path.lexists("sub")
     assert "a bare suffix (-o .png) is refused" in " ".join(re.sub("[│─╭╮╰╯]", " ", run("decode", "--help").output)
                                                             .split())
-    r = run("decode", "l.pt", "-m", m, "-o", "t.png", "--tile", "100000")
+    r = run("decode", "l.pt", "-m", m, "-o", "t.png", "--tile", "100000", "-v")
     assert r.exit_code == 0 and Image.open("t.png").size == (64, 64), r.output
     assert "tile 64px (--tile 100000 is larger than the 8x8 latent: one tile, the whole image)" in r.output, r.output
     assert "800000px" not in r.output
@@ -1038,8 +1040,8 @@ def test_benchmark_hints_name_only_flags_it_has(tmp_path, samples_dir):
     """The stage lines' hints name `vaeopt decode`'s flags; `vaeopt benchmark` has few of them: its
     table and JSON say them as decode's, or as its own."""
     r = run("benchmark", samples_dir / "tiny_kl_image.safetensors", "--shape", "1,4,16,16", "--device", "cpu",
-            "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", tmp_path / "r.json")
-    assert r.exit_code == 0, r.output
+            "--repeats", "1", "--warmup", "0", "--peers", "tiling", "--json", tmp_path / "r.json", "-v")
+    assert r.exit_code == 0, r.output  # (-v: the skip reasons in full)
     out = " ".join(r.output.split())
     assert "plus `vaeopt decode --triton on` forces it" in out and "plus --triton on" not in out
     assert "`vaeopt decode --triton on --conv-kernel on` forces it" in out
@@ -1110,7 +1112,7 @@ def test_latent_space_takes_any_case(tmp_path, samples_dir):
     m = samples_dir / "tiny_kl_image.safetensors"
     torch.save(_small_latents(tmp_path, samples_dir)["coffee"], tmp_path / "l.pt")
     for i, space in enumerate(("RAW", "Scaled")):
-        r = run("decode", tmp_path / "l.pt", "-m", m, "-o", tmp_path / f"o{i}.png", "--latent-space", space)
+        r = run("decode", tmp_path / "l.pt", "-m", m, "-o", tmp_path / f"o{i}.png", "--latent-space", space, "-v")
         assert r.exit_code == 0 and f"(pt, {space.lower()} latents)" in r.output, r.output
     r = run("decode", tmp_path / "l.pt", "-m", m, "-o", tmp_path / "o.png", "--latent-space", "Pixel")
     assert r.exit_code == 2 and "--latent-space must be 'scaled' or 'raw', got 'Pixel'" in r.output
@@ -1142,3 +1144,123 @@ def test_clashing_outputs_get_advice_that_helps(tmp_path, samples_dir):
                                                                      f"{d / 'p_q.png'}: pass -o a folder"), r.output
     r = run("decode", d / "p_q.pt", tmp_path / "link" / "p_q.pt", "-m", m, "-o", str(tmp_path / "out") + "/")
     assert r.exit_code == 0 and sorted(os.listdir(tmp_path / "out")) == ["cc_p_q.png", "link_p_q.png"], r.output
+
+
+def test_default_output_is_short_quiet_is_silent_verbose_has_the_stages(tmp_path, samples_dir):
+    """A default decode says what was read, the model, one line of what the optimizer did, and each file with its
+    plan and time, in a few short lines; -q prints nothing on success; -v has every stage's line."""
+    (tmp_path / "l.pt").write_bytes(b"")
+    torch.save(_small_latents(tmp_path, samples_dir), tmp_path / "l.pt")
+    (tmp_path / "vaeopt.json").write_text(json.dumps(
+        {"files": {"l.pt": {"model": str(samples_dir / "tiny_kl_image.safetensors"), "family": "sd15"}}}))
+    r = run("decode", tmp_path / "l.pt", "-o", tmp_path / "both.png")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert len(lines) <= 8 and all(len(ln) <= 100 + len(str(tmp_path)) for ln in lines), r.output
+    assert lines[0].startswith("read l.pt: astronaut 1x4x8x8, coffee 1x4x8x8")
+    assert lines[1].startswith("model tiny_kl_image.safetensors: Stable Diffusion 1.x")
+    assert lines[2].startswith("optimized: channels_last (fp32, CPU") and "-v for details" in lines[2]
+    assert "assumed" not in r.output  # the manifest names the family
+    assert "✓" not in r.output and "fp8: skipped" not in r.output  # the stage lines are -v's
+    # -o both.png on a dict of two tensors: both_<key>.png (not both_l_astronaut.png)
+    assert sorted(p.name for p in tmp_path.glob("both*.png")) == ["both_astronaut.png", "both_coffee.png"]
+    assert f"wrote {tmp_path / 'both_astronaut.png'}  (whole decode in " in r.output
+    r = run("decode", tmp_path / "l.pt", "-o", tmp_path / "q.png", "-q")
+    assert r.exit_code == 0 and r.output == "" and (tmp_path / "q_coffee.png").is_file()
+    r = run("decode", tmp_path / "l.pt", "-o", tmp_path / "q.png", "-q")  # errors still print under -q
+    assert r.exit_code == 2 and r.output.startswith("error:") and "already exists" in r.output
+    r = run("decode", tmp_path / "l.pt", "-o", tmp_path / "v.png", "-v")
+    assert r.exit_code == 0, r.output
+    assert "✓ channels_last: converted" in r.output and "– fp8: skipped" in r.output and "plan l.pt[coffee]" in r.output
+    assert "family sd15 as requested" in r.output and "(family sd15: named by vaeopt.json beside the latents)" in r.output
+    r = run("decode", tmp_path / "l.pt", "-v", "-q")
+    assert r.exit_code == 2 and "contradict" in r.output
+    # without the manifest's family the guess is said in one short line (in full with -v)
+    (tmp_path / "vaeopt.json").write_text(json.dumps(
+        {"files": {"l.pt": {"model": str(samples_dir / "tiny_kl_image.safetensors")}}}))
+    r = run("decode", tmp_path / "l.pt", "-o", tmp_path / "g.png")
+    guess = [ln for ln in r.output.splitlines() if "assumed" in ln]
+    assert r.exit_code == 0 and len(guess) == 1 and len(guess[0]) <= 100 and "--family sdxl" in guess[0], r.output
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"files": {"l.pt": {"model": "x", "family": 15}}}))
+    r = run("decode", tmp_path / "l.pt")
+    assert r.exit_code == 2 and '"family" must be a family name' in r.output
+
+
+def test_optimizer_summary_says_what_ran_or_why_not():
+    from vaeopt.cli import optimizer_summary
+    from vaeopt.stages import StageResult
+
+    cpu = torch.device("cpu")
+    st = [StageResult("precision", "applied", "bf16"), StageResult("fused_norms", "applied", "x"),
+          StageResult("channels_last", "applied", "x"), StageResult("upsample_conv", "applied", "x"),
+          StageResult("attention", "applied", "x"), StageResult.skipped("fp8", "off")]
+    line = optimizer_summary(st, torch.device("cuda", 0), torch.bfloat16)
+    assert line.startswith("optimized: fused norms, channels_last, upsample convs, attention (bf16, cuda:0")
+    assert len(line) <= 100
+    many = st + [StageResult(n, "applied", "x") for n in ("fused_epilogues", "stacked_conv3d", "triton_conv", "graphs")]
+    line = optimizer_summary(many, torch.device("cuda", 0), torch.bfloat16)
+    assert len(line) <= 104 and line.startswith("optimized: fused norms, channels_last") and " more (bf16" in line
+    plain = [StageResult("precision", "applied", "fp32")] + [StageResult.skipped(n, "off") for n in ("fp8", "x")]
+    assert "plain diffusers decode" in optimizer_summary(plain, cpu, torch.float32) and "switched off" in \
+        optimizer_summary(plain, cpu, torch.float32)
+    fell = st + [StageResult("triton_conv", "fallback", "x")]
+    assert "fell back: Triton convs" in optimizer_summary(fell, torch.device("cuda", 0), torch.bfloat16)
+
+
+def test_argument_mistakes_are_reported_before_torch_loads(tmp_path):
+    """A missing input or a bad -o is reported before torch and diffusers are imported (seconds): at once."""
+    import time
+
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in (([str(tmp_path / "missing.pt")], "missing.pt: no such file"),
+                      ([__file__, "-o", str(tmp_path / "x.jpg")], "unknown output type '.jpg'"),
+                      ([__file__, "-o", ".png"], "a suffix alone is not a file name")):
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-c", code, "decode", *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+        took = time.perf_counter() - t0
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (p.stdout, p.stderr)
+        assert took < 10, took  # (about 0.5 s on an idle machine; the bound is loose for busy test runners)
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path, samples_dir, monkeypatch):
+    """A decode that runs for a while shows a progress bar (tiles or frames done, the rate) on a terminal; not in a
+    log or a pipe, and not with -q."""
+    import io
+
+    from rich.console import Console
+
+    from vaeopt import cli
+
+    torch.save(_small_latents(tmp_path, samples_dir)["coffee"].repeat(1, 1, 2, 2), tmp_path / "l.pt")
+    m = samples_dir / "tiny_kl_image.safetensors"
+    monkeypatch.setattr(cli._DecodeProgress, "SHOW_AFTER_S", 0.0)
+    r = run("decode", tmp_path / "l.pt", "-m", m, "--family", "sd15", "--tile", "8", "-o", tmp_path / "a.png")
+    assert r.exit_code == 0 and "tiles/s" not in r.output and "tiles of 8 latent px" in r.output, r.output
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=buf, force_terminal=True, width=120, highlight=False))
+    r = run("decode", tmp_path / "l.pt", "-m", m, "--family", "sd15", "--tile", "8", "-o", tmp_path / "b.png")
+    assert r.exit_code == 0
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())
+    assert "l.pt tiles" in shown and "tiles/s" in shown and re.search(r"\b(\d+)/\1\b", shown), shown[-400:]
+    buf.truncate(0)
+    r = run("decode", tmp_path / "l.pt", "-m", m, "--family", "sd15", "--tile", "8", "-o", tmp_path / "c.png", "-q")
+    assert r.exit_code == 0 and buf.getvalue().strip("\x00") == ""
+
+
+def test_api_decode_reports_tile_progress(samples_dir):
+    import vaeopt
+
+    z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][:, :, :16, :16].float()
+    calls = []
+    out = vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors", options=vaeopt.Options(device="cpu", tile=8),
+                        progress=lambda d, t: calls.append((d, t)))
+    assert out.shape == (1, 3, 128, 128)
+    assert calls and calls[-1][0] == calls[-1][1] and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    zv = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :3, :8, :8].float()
+    calls = []
+    out = vaeopt.decode(zv, samples_dir / "tiny_wan_video.safetensors", latent_space="raw",
+                        options=vaeopt.Options(device="cpu", chunk=1), progress=lambda d, t: calls.append((d, t)))
+    assert out.shape[2] == 9 and calls == [(1, 9), (5, 9), (9, 9)]  # frames out after each latent frame's call

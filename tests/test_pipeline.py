@@ -1,5 +1,7 @@
 """The plain path equals diffusers' own decode; the Python API; optimize() keeps pipe.vae usable."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -45,7 +47,9 @@ def test_stage_log_is_honest_on_cpu(samples_dir):
     text = "\n".join(lines)
     assert "precision" in text and "float32 on CPU" in text
     assert "fp8: skipped" in text
-    assert "channels_last: converted" in text and "CPU: 1.4x faster on a 2-core CPU" in text  # measured, files cited
+    assert "channels_last: converted" in text and "on the CPU it pays without the fused kernels" in text
+    # what this run did, not benchmark anecdotes (those live in docs/benchmarks.md)
+    assert not re.search(r"\d ms\b|faster|H[12]00|2-core", text), text
     assert "graphs" not in text  # decided per decode, not at load
 
 
@@ -263,13 +267,14 @@ def test_hunyuan_out_of_memory_retries_in_tiles(monkeypatch):
     assert not m.use_tiling
 
 
-def test_hunyuan_skips_channels_last_with_the_measured_reason():
+def test_hunyuan_skips_channels_last_with_the_reason():
     from vaeopt.pipeline import HUNYUAN_CL_SKIP
 
     pipe, _ = _hunyuan_pipe(triton="on")  # fused norms wanted: channels_last would follow for other families
     cl = next(r for r in pipe.stages if r.name == "channels_last")
     assert cl.status == "skipped" and cl.detail == HUNYUAN_CL_SKIP
-    assert "1162 ms with it, 581 ms without" in cl.detail
+    # why, in this run's terms (the measurement itself lives in the docs)
+    assert "NCDHW" in cl.detail and "--channels-last on" in cl.detail and " ms" not in cl.detail
     assert all(p.is_contiguous() for p in pipe.model.parameters())
 
 

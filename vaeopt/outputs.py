@@ -19,8 +19,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import torch
-
 from vaeopt.errors import OutputError
 
 IMAGE_SUFFIXES = (".png",)
@@ -264,6 +262,8 @@ _OS_FILES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # a file brows
 def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
     """Decoder output in [-1, 1], (N,3,H,W) or (N,3,T,H,W) -> uint8 channels-last (N,H,W,3) / (N,T,H,W,3) on CPU."""
     x = x.detach()
+    import torch  # here, not at the top: the CLI checks -o with this module before torch loads
+
     y = ((x.float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
     y = y.movedim(1, -1)
     return y.cpu().contiguous()

@@ -107,9 +107,9 @@ class ChunkGraphs:
             return False, (f"{steady} chunks of {k} latent frame(s) after the first: {self.mode} captures from "
                            f"{self.min_steady} (--graphs on forces it)")
         if self.mode == "auto" and chunk_pixels is not None and chunk_pixels > self.max_chunk_pixels:
-            return False, (f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound (wan21-480p, 3.2 MP, on an H200: "
-                           "a replayed chunk 72.6 vs 72.5 ms eager, the decode +1.6% with the capture); auto "
-                           f"captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk (--graphs on forces it)")
+            return False, (f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound, a replay would not beat the eager "
+                           f"chunk; auto captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk (--graphs on "
+                           "forces it)")
         return True, f"{steady} chunks of {k} latent frame(s) after the first"
 
     def new_record(self, z: Tensor, sched: Sequence[int], tiles: int, use: bool, why: str) -> dict:

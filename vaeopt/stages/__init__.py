@@ -43,7 +43,7 @@ def unmeasured_gpu(device, measured_sm: tuple, kept: str, flag: str) -> str | No
     if cap in measured_sm:
         return None
     where = ", ".join(f"sm_{a}{b}" for a, b in measured_sm)
-    return f"measured only on {where} (H200); {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
+    return f"tuned for {where} only; {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
 
 
 class BoundForward:

@@ -88,11 +88,11 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     skip = (96,) if not force and triton_conv_runs and tma_takes_96(device, dtype) else ()
     convs = candidates(model, every=force, skip=skip)
     left = len(candidates(model)) - len(convs) if skip else 0
-    note = f"; {left} with 96 ch left to triton_conv (its TMA kernel, bf16: faster there)" if left else ""
+    note = f"; {left} with 96 ch left to triton_conv (its TMA kernel)" if left else ""
     if not convs:
         widths = [c for c in MEASURED_CHANNELS if c not in skip]
         return StageResult.skipped(NAME, f"no causal 3x3x3 Conv3d with {' or '.join(map(str, widths))} "
-                                         f"channels (where stacking measured faster){note}")
+                                         f"channels (the widths it is used for){note}")
     mark(convs)
     shapes = sorted({m.in_channels for m in convs})
     return StageResult(NAME, "applied",

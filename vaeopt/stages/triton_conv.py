@@ -100,7 +100,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         model, "decoder") else [model]
     convs = [m for p in parts if p is not None for m in p.modules() if isinstance(m, nn.Conv3d)]
     if not convs:
-        return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
+        return StageResult.skipped(NAME, "no Conv3d layers: 2D convs stay with cuDNN")
     chosen = [m for m in convs if _eligible(m, device, dtype)]
     if not chosen:
         from vaeopt.stages.stacked_conv3d import marked
@@ -507,8 +507,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     att = fp8_attention_candidates(model, torch.device(device)) if cands or ups else []
     cands = cands + ups + att
     if not cands:
-        why = "" if wan else (f" with >= {image_min_channels(device)} channels (narrower ones measured slower in "
-                              "e4m3 than cuDNN bf16, H200)")
+        why = "" if wan else (f" with >= {image_min_channels(device)} channels (narrower ones stay with "
+                              "cuDNN bf16)")
         return StageResult.skipped(name, f"no residual-block 3x3 convs fed by a fused norm{why} in this decoder")
     g = torch.Generator().manual_seed(0)
     if probe is None:
@@ -572,8 +572,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     stats["gate_s"] = time.perf_counter() - t0
     note += f"; gate probes {stats['gate_s']:.1f} s (the first use on a machine includes compiling the 8-bit kernels)"
     if n_tma:
-        note += (f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py, tiles "
-                 "measured on sm_90)")
+        note += f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py)"
     if i8 and not wan:  # fused_epilogues._residual_in_conv: a conv2 of a resnet without a shortcut
         from vaeopt.stages.fused_epilogues import takes_residual_in_conv
 
