@@ -1142,3 +1142,20 @@ def test_clashing_outputs_get_advice_that_helps(tmp_path, samples_dir):
                                                                      f"{d / 'p_q.png'}: pass -o a folder"), r.output
     r = run("decode", d / "p_q.pt", tmp_path / "link" / "p_q.pt", "-m", m, "-o", str(tmp_path / "out") + "/")
     assert r.exit_code == 0 and sorted(os.listdir(tmp_path / "out")) == ["cc_p_q.png", "link_p_q.png"], r.output
+
+
+def test_output_links_are_never_followed_and_devices_refused_before_the_load(tmp_path, samples_dir):
+    """-o a dangling link: refused (exit 2) without --overwrite, nothing written where it points; with --overwrite
+    the link itself becomes the PNG. -o /dev/null: refused before the model is loaded."""
+    torch.save(torch.randn(1, 4, 4, 4), tmp_path / "l.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    out = tmp_path / "out.png"
+    out.symlink_to(tmp_path / "elsewhere.png")
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", out)
+    assert r.exit_code == 2 and "as a symbolic link" in r.output and "load" not in r.output, r.output
+    assert not (tmp_path / "elsewhere.png").exists() and out.is_symlink()
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert not out.is_symlink() and out.is_file() and not (tmp_path / "elsewhere.png").exists()
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", "/dev/null", "--overwrite")
+    assert r.exit_code == 2 and "is a device" in r.output and "load" not in r.output, r.output

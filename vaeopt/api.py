@@ -639,14 +639,15 @@ def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[
                              overwrite=job.overwrite)
         return [job.outputs[0]]
     imgs = outputs.to_uint8_images(decoded)
-    for i, path in enumerate(job.outputs):
-        if job.kind == "png":
-            outputs.write_png(path, imgs[i][0] if imgs.ndim == 5 else imgs[i], job.overwrite)  # video: its one frame
-        elif job.kind == "mp4":
-            outputs.write_mp4(path, [imgs[i]], fps=fps, overwrite=job.overwrite)
-        elif job.kind == "frames":
-            outputs.write_frames_dir(path, [imgs[i]], job.overwrite)
-        written.append(path)
+    with outputs.land_together(job.outputs, job.overwrite):  # a batch's files land whole, or none of them
+        for i, path in enumerate(job.outputs):
+            if job.kind == "png":
+                outputs.write_png(path, imgs[i][0] if imgs.ndim == 5 else imgs[i], job.overwrite)  # video: one frame
+            elif job.kind == "mp4":
+                outputs.write_mp4(path, [imgs[i]], fps=fps, overwrite=job.overwrite)
+            elif job.kind == "frames":
+                outputs.write_frames_dir(path, [imgs[i]], job.overwrite)
+            written.append(path)
     return written
 
 
@@ -659,16 +660,16 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
     done: list[DecodeResult] = []
     try:
         return _run_jobs(pipe, jobs, fps, progress, on_result, done)
-    except DecodeError as e:
+    except VaeoptError as e:  # NaN/Inf output, a full disk...: what is on disk now, exactly
         if not done:
             raise
         kept = [p for r in done for p in r.written]
         rest = len(jobs) - len(done) - 1
-        raise DecodeError(f"{e}; kept the {len(kept)} output(s) written before it ({', '.join(map(str, kept[:3]))}"
-                          f"{', ...' if len(kept) > 3 else ''})" + (f", {rest} input(s) after it not decoded"
-                                                                    if rest else "")
-                          + "; to go on, decode the remaining inputs alone (--overwrite replaces what is there)"
-                          ) from None
+        msg = (f"{e}; kept the {len(kept)} output(s) written before it ({', '.join(map(str, kept[:3]))}"
+               f"{', ...' if len(kept) > 3 else ''})" + (f", {rest} input(s) after it not decoded" if rest else "")
+               + "; to go on, decode the remaining inputs alone (--overwrite replaces what is there)")
+        raise (type(e) if type(e) in (DecodeError, outputs.OutputError, outputs.AppearedError) else VaeoptError)(
+            msg) from None
 
 
 def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult]) -> list[DecodeResult]:

@@ -263,7 +263,9 @@ def decode(
                                         help="Frames per second of MP4 output (default 16, Wan's rate)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
                                                             "split into bands, many inputs are spread over ranks)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs. An output's name is never "
+                                   "followed: a symbolic link there is refused without --overwrite and replaced by "
+                                   "the output itself with it (what the link points to is left alone)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Decode latents to PNG / MP4 / frames / safetensors with the optimized pipeline."""
@@ -318,7 +320,8 @@ def decode(
                 console.print(f"    [{e.name}]: {shown(e)}", markup=False)
         for n in f.notes:
             _log(n)
-    if output is not None and not out_folder and output.is_file() and sum(len(f.entries) for f in files) == 1:
+    if (output is not None and not out_folder and (output.is_file() or output.is_symlink())
+            and sum(len(f.entries) for f in files) == 1):
         from vaeopt import outputs  # one output file named by -o: an existing one fails now, not after the load
 
         outputs.check_writable([output], overwrite)
