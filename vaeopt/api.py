@@ -40,8 +40,10 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
     if os.environ.get("VAEOPT_MODEL"):
         return _existing(Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL")
     if USER_CONFIG.is_file():
+        from vaeopt.loading import parse_json
+
         try:
-            cfg = json.loads(USER_CONFIG.read_text())
+            cfg = parse_json(USER_CONFIG.read_text())
         except ValueError as e:
             raise VaeoptError(f"{USER_CONFIG}: not valid JSON ({e})") from e
         except OSError as e:
@@ -49,7 +51,10 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
         if not isinstance(cfg, dict) or not isinstance(cfg.get("model", ""), str):
             raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
         if cfg.get("model"):  # a relative path is taken from the config's folder, as a vaeopt.json's is from its own
-            return _existing(USER_CONFIG.parent / Path(cfg["model"]).expanduser(), str(USER_CONFIG))
+            from vaeopt.loading import expand_user
+
+            model = expand_user(cfg["model"], f"{USER_CONFIG}: \"model\"")
+            return _existing(USER_CONFIG.parent / model, str(USER_CONFIG))
     unlisted = next((f for f in latent_files or [] if f.manifest.get("unlisted_in")), None)
     if unlisted is not None:  # a manifest was found, but names other files (case, wildcards are not matched)
         m = unlisted.manifest
@@ -67,7 +72,10 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
 
 def _existing(path: Path, source: str) -> tuple[Path, str]:
     """A checkpoint path that did not come from --model, checked here so that the error names where it came from."""
-    if not path.expanduser().exists() and not path.expanduser().is_symlink():
+    from vaeopt.loading import expand_user
+
+    full = expand_user(path, f"the checkpoint named by {source}:")
+    if not full.exists() and not full.is_symlink():
         raise VaeoptError(f"checkpoint not found: {path} (named by {source}; pass --model to use another)")
     return path, source
 
