@@ -1,5 +1,6 @@
 """The CLI as a user runs it: real files in, real files out, clear one-line errors, no tracebacks."""
 
+import errno
 import json
 import os
 import re
@@ -1160,3 +1161,50 @@ def test_output_links_are_never_followed_and_devices_refused_before_the_load(tmp
     assert not out.is_symlink() and out.is_file() and not (tmp_path / "elsewhere.png").exists()
     r = run("decode", tmp_path / "l.pt", "-m", model, "-o", "/dev/null", "--overwrite")
     assert r.exit_code == 2 and "is a device" in r.output and "load" not in r.output, r.output
+
+
+def test_work_per_input_file_is_bounded_before_the_first_decode(tmp_path, samples_dir):
+    """A 40 KB .pt whose list holds one 1x1 latent 20,000 times is refused when read (before the model loads); a batch
+    asking for more outputs or more GB than allowed is refused after planning, before anything is decoded; each
+    bound says how to allow more."""
+    model = samples_dir / "tiny_kl_image.safetensors"
+    one = torch.randn(1, 4, 1, 1)
+    torch.save([one] * 20000, tmp_path / "many.pt")
+    r = run("decode", tmp_path / "many.pt", "-m", model, "-o", tmp_path / "out/")
+    assert r.exit_code == 2 and "20000 tensors (1 distinct" in r.output and "--max-outputs 20000" in r.output
+    assert "load" not in r.output and not (tmp_path / "out").exists(), r.output
+    torch.save(torch.randn(5, 4, 64, 64), tmp_path / "b.pt")
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png", "--max-outputs", "3")
+    assert r.exit_code == 2 and "asks for 5 outputs" in r.output and "pass --max-outputs 5" in r.output, r.output
+    assert "optimize" not in r.output and not list(tmp_path.glob("o*.png"))
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png", "--max-output-gb", "0.001")
+    assert r.exit_code == 2 and "would be 3.9 MB decoded (8-bit RGB)" in r.output, r.output
+    assert "--max-output-gb 1 to allow it" in r.output and "optimize" not in r.output
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png", "--max-outputs", "0")
+    assert r.exit_code == 2 and "--max-outputs must be" in r.output
+
+
+def test_a_full_disk_mid_batch_leaves_nothing_and_says_so(tmp_path, samples_dir, monkeypatch):
+    """A batch of 3 into a folder vaeopt makes (-o out/): the disk fills at the 2nd PNG. No PNG of the batch stays,
+    no temporary, and the folder vaeopt made is removed; the message says none of the batch was written."""
+    from vaeopt import outputs
+
+    calls = []
+    real_save = outputs._save_png
+
+    def full_on_second(t, im):
+        calls.append(t)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(t, im)
+
+    monkeypatch.setattr(outputs, "_save_png", full_on_second)
+    torch.save(torch.randn(3, 4, 8, 8), tmp_path / "b.pt")
+    for out in (f"{tmp_path / 'out'}/", tmp_path / "new" / "out.png"):  # a folder the CLI makes; one a write makes
+        calls.clear()
+        r = run("decode", tmp_path / "b.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", out)
+        assert r.exit_code == 2, r.output
+        line = next(ln for ln in r.output.splitlines() if ln.startswith("error"))
+        assert "disk full" in line and "none of the batch's 3 outputs was written" in line, r.output
+        assert "wrote" not in r.output and "nothing was left behind" not in r.output
+        assert sorted(os.listdir(tmp_path)) == ["b.pt"]

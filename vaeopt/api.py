@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -514,13 +515,59 @@ def _have_pyav() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The work one input file may ask for (vaeopt decode --max-outputs, --max-output-gb): outputs (images, clips)
+    and decoded size, counted as 8-bit RGB pixels (4x that for a .safetensors output). Decode time grows with the
+    same pixels, so the size also bounds the work."""
+
+    max_outputs: int = lat.DEFAULT_MAX_OUTPUTS
+    max_output_gb: float = lat.DEFAULT_MAX_OUTPUT_GB
+
+    def check(self) -> None:
+        if isinstance(self.max_outputs, bool) or not isinstance(self.max_outputs, int) or self.max_outputs < 1:
+            raise VaeoptError(f"--max-outputs must be a whole number of at least 1, got {self.max_outputs}")
+        if not (isinstance(self.max_output_gb, int | float) and 0 < self.max_output_gb < float("inf")):
+            raise VaeoptError(f"--max-output-gb must be a positive number of GB, got {self.max_output_gb}")
+
+
+def _check_limits(lf: lat.LatentFile, entries: list[lat.LatentEntry], fam, limits: Limits, raw_floats: bool) -> None:
+    """Refuse a file that asks for more outputs or output than `limits` allow, from shapes alone (before any value
+    is looked at, and before the first decode). Each entry counts, also where several are one shared tensor."""
+    outs = nbytes = 0
+    biggest = None
+    for e in entries:
+        t = lat.validate(e, fam, lf.path, values=False)
+        n = t.shape[0]
+        frames = fam.output_frames(t.shape[2]) if fam.is_video else 1
+        h, w = t.shape[-2] * fam.spatial_factor, t.shape[-1] * fam.spatial_factor
+        outs += n
+        nbytes += n * frames * h * w * 3 * (4 if raw_floats else 1)
+        biggest = max(biggest or (0, 0, 0), (h * w * frames, h, w))
+    if outs > limits.max_outputs:
+        raise VaeoptError(f"{lf.path}: asks for {outs} outputs (images or clips), more than the {limits.max_outputs} "
+                          "one input file may make (--max-outputs, a guard against files that ask for unbounded "
+                          f"work); nothing was decoded: pass --max-outputs {outs} to allow it")
+    gb = nbytes / 1e9
+    if gb > limits.max_output_gb:
+        _, h, w = biggest
+        raise VaeoptError(f"{lf.path}: its {outs} output(s) (up to {h}x{w} pixels{' per frame' if fam.is_video else ''})"
+                          f" would be {f'{gb:.1f} GB' if gb >= 1 else f'{nbytes / 1e6:.1f} MB'} decoded ({'float32' if raw_floats else '8-bit RGB'}), more than the "
+                          f"{limits.max_output_gb:g} GB one input file may make (--max-output-gb, a guard against files "
+                          f"that ask for unbounded work); nothing was decoded: pass --max-output-gb {math.ceil(gb)} to "
+                          "allow it")
+
+
 def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path | None, latent_space: str | None,
-              overwrite: bool, out_is_folder: bool = False, log: Callable[[str], None] | None = None
-              ) -> list[DecodeJob]:
-    """The decode jobs and their output paths, checked (shapes, duplicates, inputs, writability) before any work.
+              overwrite: bool, out_is_folder: bool = False, log: Callable[[str], None] | None = None,
+              limits: Limits | None = None) -> list[DecodeJob]:
+    """The decode jobs and their output paths, checked (shapes, duplicates, inputs, writability, the work each file
+    asks for: `limits`, default Limits()) before any work.
     out_is_folder: `out` is a folder whatever its name (typed with a trailing '/'), even if it does not exist yet.
     log: where to say which tensors of a file were skipped as not latents for this VAE."""
     fam = loaded.family
+    limits = limits or Limits()
+    limits.check()
     jobs: list[DecodeJob] = []
     tags: list[str] = []  # per job: the tensor name its outputs carry ("" for none)
     given: dict[str, Path] = {}
@@ -530,6 +577,9 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             raise VaeoptError(f"{lf.path}: given twice (also as {given[r]}); name each latent file once")
         given[r] = lf.path
     entries = {lf.path: _latent_entries(lf, fam, log) for lf in latent_files}
+    raw_floats = out is not None and not out_is_folder and out.suffix.lower() in outputs.TENSOR_SUFFIXES
+    for lf in latent_files:
+        _check_limits(lf, entries[lf.path], fam, limits, raw_floats)
     multi = sum(len(v) for v in entries.values()) > 1
     # inputs with one name (a/lat.pt, b/lat.pt into -o out/): outputs named after their folders (out/a_lat.png)
     stems = outputs.distinct_stems([lf.path for lf in latent_files], one_folder=out is not None and multi)

@@ -266,6 +266,12 @@ def decode(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs. An output's name is never "
                                    "followed: a symbolic link there is refused without --overwrite and replaced by "
                                    "the output itself with it (what the link points to is left alone)."),
+    max_outputs: int = typer.Option(1000, "--max-outputs", help="Most outputs (images, clips) and tensors one input "
+                                     "file may ask for; checked before anything is decoded (a small file can repeat "
+                                     "one tensor thousands of times)."),
+    max_output_gb: float = typer.Option(64.0, "--max-output-gb", help="Most decoded output one input file may ask "
+                                        "for, in GB of 8-bit RGB pixels (4x for .safetensors output); bounds the "
+                                        "decode work too. Checked before anything is decoded."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Decode latents to PNG / MP4 / frames / safetensors with the optimized pipeline."""
@@ -302,7 +308,10 @@ def decode(
                                 as_json, fps_given)
         return
     t0 = time.perf_counter()
-    files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
+    limits = api.Limits(max_outputs, max_output_gb)
+    limits.check()  # (before anything is read)
+    files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space), max_tensors=max_outputs)
+             for p in latents]
     console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
     def shown(e):
         return f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"
@@ -346,7 +355,8 @@ def decode(
         big = get_family(raw_tiny["vae"])
         _log(f"raw latents are the {big.title} VAE's: the tiny decoder takes them scaled with {big.describe_scaling()}"
              " (as the pipeline hands them over, and as ComfyUI's TAESD does)")
-    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
+    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log,
+                         limits=limits)
     if fps_given and not any(j.kind == "mp4" for j in jobs):
         _fps_unused(fps)
     if chunk is not None and not loaded.family.is_video:

@@ -192,6 +192,7 @@ class _Landing:
         self.paths = list(paths)
         self.overwrite = overwrite
         self.ready: list[tuple[Path, Path]] = []  # (temporary, output), in order
+        self.made: list[Path] = []  # folders made for the batch's outputs (removed with it, when empty)
 
     def names(self) -> str:
         ps = self.paths
@@ -201,6 +202,7 @@ class _Landing:
         for tmp, _ in self.ready:
             _remove(tmp)
         self.ready.clear()
+        _remove_empty(self.made)
 
     def commit(self) -> None:
         placed: list[Path] = []
@@ -215,6 +217,7 @@ class _Landing:
             if not self.overwrite:  # the ones placed are new files of this run: removed, so none of the batch stays
                 for p in placed:
                     _remove(p)
+                _remove_empty(self.made)
                 what = f"none of the batch's {len(self.paths)} outputs was written"
             else:
                 what = (f"{len(placed)} of the batch's {len(self.paths)} outputs were replaced"
@@ -269,29 +272,55 @@ def atomic_path(path: Path, overwrite: bool = True, folder: bool = False) -> Ite
     this one was made is kept, and AppearedError raised (nothing of ours left). Inside land_together the rename waits
     for the end of the batch."""
     path = Path(path)
-    parent = path.parent
-    if not parent.exists():
+    land = _landing.get()
+    made = _make_parents(path.parent)  # removed again (if still empty) when this output, or its batch, fails
+    if land is not None:
+        land.made += made
+    try:
         try:
-            parent.mkdir(parents=True, exist_ok=True)
+            tmp = _new_temp(path, folder)
         except OSError as e:
             raise _os_error(path, e) from e
-    try:
-        tmp = _new_temp(path, folder)
-    except OSError as e:
-        raise _os_error(path, e) from e
-    try:
-        yield tmp
-        land = _landing.get()
-        if land is not None and path in land.paths:
-            land.ready.append((tmp, path))
-        else:
-            _commit(tmp, path, overwrite)
-    except OSError as e:
-        _remove(tmp)
-        raise _os_error(path, e) from e
+        try:
+            yield tmp
+            if land is not None and path in land.paths:
+                land.ready.append((tmp, path))
+            else:
+                _commit(tmp, path, overwrite)
+        except OSError as e:
+            _remove(tmp)
+            raise _os_error(path, e) from e
+        except BaseException:
+            _remove(tmp)
+            raise
     except BaseException:
-        _remove(tmp)
+        _remove_empty(made)
         raise
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Make `folder` and the folders above it that are missing; return those made, innermost first."""
+    made = []
+    p = folder
+    while not os.path.lexists(p) and p != p.parent:
+        made.append(p)
+        p = p.parent
+    if made:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            _remove_empty(made)
+            raise _os_error(folder, e) from e
+    return made
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this process made, innermost first, as far as they are empty."""
+    for p in folders:
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def _filled_in_place(folder: Path) -> bool:
