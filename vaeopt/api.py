@@ -354,7 +354,9 @@ class _WanChunkDecode:
     """`vae._decode` of an AutoencoderKLWan after `optimize`: the clip through vaeopt.video.decode_video (the exact
     multi-frame chunk decoder, the same output as diffusers' frame loop), with the chunk planned per clip as
     `vaeopt decode` plans it, OOM retries included. diffusers' `_decode` runs where it must: autograd (our kernels
-    have no backward) and enable_tiling() on a latent larger than diffusers' tile (the user asked for its tiles).
+    have no backward), enable_tiling() on a latent larger than diffusers' tile (the user asked for its tiles), and
+    training mode with an active dropout (p > 0; its random drops are diffusers'). Training mode alone (a model
+    built with from_config, or a frozen VAE in a training script) decodes here: nothing in the decoder differs.
     A class, not a closure: the model still pickles and deep-copies."""
 
     def __init__(self, vae, family):
@@ -373,7 +375,8 @@ class _WanChunkDecode:
         from vaeopt.stages import foreign_hooked, needs_autograd
 
         v = self.vae
-        if needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling():
+        if (needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling()
+                or video.active_dropout(v)):  # (training mode with dropout p > 0: diffusers' decode, dropout included)
             return type(v)._decode(v, z, return_dict=return_dict)  # (compile: dynamo traces diffusers' loop)
         hooked = foreign_hooked(v.decoder)
         if hooked is not None:  # the chunk decoder calls no block's forward: a user's hook there would not fire
