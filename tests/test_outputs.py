@@ -1,5 +1,6 @@
 """Output files: contents are right, writes are atomic, failures leave nothing behind."""
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -500,3 +501,46 @@ def test_mp4_frame_rate_fractions():
     assert frame_rate(59.94) == Fraction(60000, 1001) and frame_rate(24000 / 1001) == Fraction(24000, 1001)
     assert frame_rate(16) == 16 and frame_rate(24) == 24 and frame_rate(12.5) == Fraction(25, 2)
     assert frame_rate(23.9) == Fraction(239, 10)
+
+
+def test_sigterm_inside_one_long_operation_takes_effect_promptly(tmp_path):
+    """SIGTERM while the main thread is inside one long C call (as in one torch op of a large CPU decode, where
+    Python cannot run its handler): the watchdog ends the process within its grace, exit 143, with the temporary
+    outputs removed; a signal the main thread handles itself is left to it (exit 143 from the handler)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "long.py"
+    script.write_text(
+        "import ctypes, sys\n"
+        "from pathlib import Path\n"
+        "import typer\n"
+        "from vaeopt import cli, outputs\n"
+        "@cli.clean_errors\n"
+        "def work():\n"
+        "    outputs._new_temp(Path(sys.argv[1]) / 'out.png')\n"
+        "    ctypes.CDLL(None).system(b'echo ready; sleep 30')  # 'ready' once inside the C call\n"
+        "try:\n"
+        "    work()\n"
+        "except typer.Exit as e:\n"
+        "    sys.exit(e.exit_code)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    root = str(Path(outputs.__file__).parent.parent)
+    p = subprocess.Popen([sys.executable, str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=root, env={**os.environ, "PYTHONPATH": root}, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        assert len(os.listdir(out)) == 1  # the temporary
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the `sleep 30` child
+    assert rc == 143 and took < 10, (rc, took)
+    assert os.listdir(out) == []
+    assert b"SIGTERM during a long operation" in p.stderr.read()

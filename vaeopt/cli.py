@@ -108,6 +108,9 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _raise_interrupt(signum, frame):
+    from vaeopt import cleanup
+
+    cleanup.handled()  # the main thread got here: its watchdog stands down
     raise _Terminated(signum)
 
 
@@ -137,6 +140,9 @@ def clean_errors(fn):
             with contextlib.suppress(ValueError, OSError, AttributeError):  # not the main thread / no SIGHUP
                 if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup` / a supervisor ignoring it: keep that
                     signal.signal(sig, _raise_interrupt)
+        from vaeopt import cleanup
+
+        cleanup.exit_promptly_on_signals()  # also inside one long torch op (cleanup's docstring says how)
         try:
             return fn(*a, **kw)
         except VaeoptError as e:
@@ -464,6 +470,9 @@ def _output_folder(path: Path | None):
             made.append(p)
             p = p.parent
         _make_output_folder(path)
+        from vaeopt import cleanup
+
+        cleanup.add_folders(made)  # (removed if still empty when a signal must end the process at once)
     try:
         yield
     except BaseException:

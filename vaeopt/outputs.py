@@ -22,6 +22,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from vaeopt import cleanup
 from vaeopt.errors import OutputError
 
 IMAGE_SUFFIXES = (".png",)
@@ -141,14 +142,7 @@ def _commit_replacing(tmp: Path, path: Path) -> None:
 
 def _commit(tmp: Path, path: Path, overwrite: bool) -> None:
     (_commit_replacing if overwrite else _commit_no_clobber)(tmp, path)
-    with _live_lock:
-        _live.discard(tmp)
-
-
-# Temporaries of this process not yet renamed into place: what the signal watchdog removes if it must end the process
-# while the main thread is inside a long torch operation (see exit_promptly_on_signals).
-_live: set[Path] = set()
-_live_lock = threading.Lock()
+    cleanup.drop_temp(tmp)
 
 
 def _read_umask() -> int:
@@ -176,8 +170,7 @@ def _new_temp(path: Path, folder: bool = False) -> Path:
         fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=parent)
         os.close(fd)
         tmp, mode = Path(name), 0o666
-    with _live_lock:
-        _live.add(tmp)
+    cleanup.add_temp(tmp)  # (removed by its signal watchdog if the process must end inside a long operation)
     with contextlib.suppress(OSError):
         os.chmod(tmp, mode & ~_UMASK)
     return tmp
@@ -311,6 +304,7 @@ def _make_parents(folder: Path) -> list[Path]:
         except OSError as e:
             _remove_empty(made)
             raise _os_error(folder, e) from e
+        cleanup.add_folders(made)
     return made
 
 
@@ -331,8 +325,7 @@ def _filled_in_place(folder: Path) -> bool:
 
 
 def _remove(p: Path) -> None:
-    with _live_lock:
-        _live.discard(p)
+    cleanup.drop_temp(p)
     try:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
