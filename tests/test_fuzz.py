@@ -254,3 +254,17 @@ def test_a_pickle_that_would_run_code_is_refused(seeds, tmp_path):
 
     torch.save({"z": torch.randn(1, 4, 4, 4), "x": Evil()}, box / "evil.pt")
     check_run([box / "evil.pt", "-m", seeds / "vae.safetensors", "-o", f"{box / 'out'}/"], box, box / "out")
+
+
+# ---------------------------------------------------------------------------------------------------- findings, kept
+
+
+def test_finding_npy_header_split_by_a_newline(seeds, tmp_path):
+    """A .npy header with a newline inside its dict: numpy's header parser (Python's tokenize) raised TokenError,
+    reported as an internal error (exit 1)."""
+    box = _box(tmp_path, "box")
+    data = bytearray((seeds / "l.npy").read_bytes())
+    data[8] += 1  # the header length one more: the header then ends in its "\n" and the first data byte,
+    data[128] = ord("(")  # here an open parenthesis (tokenize: "EOF in multi-line statement")
+    (box / "l.npy").write_bytes(bytes(data))
+    check_run([box / "l.npy", "-m", seeds / "vae.safetensors", "-o", f"{box / 'out'}/"], box, box / "out")

@@ -159,7 +159,7 @@ def as_float(t: torch.Tensor, where: str) -> torch.Tensor:
         return t.float()
     except (RuntimeError, NotImplementedError, TypeError) as e:
         raise LatentError(f"{where}: latents of dtype {str(t.dtype).replace('torch.', '')} cannot be decoded (torch "
-                          f"does not convert them to float32: {str(e).splitlines()[0][:80]}); save them as float32, "
+                          f"does not convert them to float32: {(str(e).splitlines() or [type(e).__name__])[0][:80]}); save them as float32, "
                           "bfloat16 or float16") from None
 
 
@@ -208,14 +208,22 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     """One .npy array from the open binary stream fh (a file, or a member of an .npz) of `size` bytes, as a tensor
     (float16/32/64 kept, other floats as float32, native byte order). Never unpickles. A non-float array returns
     the message that says so (an .npz may hold a seed beside its latents); unreadable ones raise LatentError."""
+    import lzma
+    import zlib
+
     import numpy as np
 
     try:
         version = np.lib.format.read_magic(fh)
         shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                            else np.lib.format.read_array_header_2_0)(fh)
-    except (ValueError, OSError, EOFError) as e:
-        raise LatentError(f"{where}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+    except (zlib.error, lzma.LZMAError):
+        raise  # a damaged .npz stream: the member loop names it
+    except Exception as e:  # noqa: BLE001  numpy parses the header as Python text (tokenize: TokenError, SyntaxError)
+        if isinstance(e, MemoryError):
+            raise
+        raise LatentError(f"{where}: not a readable .npy file ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
+                          ) from e
     if dtype.hasobject:
         raise LatentError(f"{where}: refusing a pickled .npy of Python objects (allow_pickle=False)")
     if dtype.kind != "f":
@@ -232,8 +240,11 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     try:
         fh.seek(0)
         arr = np.lib.format.read_array(fh, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise LatentError(f"{where}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+    except (zlib.error, lzma.LZMAError):
+        raise
+    except (ValueError, OSError, EOFError, TypeError) as e:
+        raise LatentError(f"{where}: not a readable .npy file ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
+                          ) from e
     native = arr.dtype.newbyteorder("=")  # big-endian files: torch takes native byte order only
     keep = native in (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))  # shown as stored
     return torch.from_numpy(np.ascontiguousarray(arr.astype(native if keep else "float32", copy=False)))
