@@ -268,3 +268,12 @@ def test_finding_npy_header_split_by_a_newline(seeds, tmp_path):
     data[128] = ord("(")  # here an open parenthesis (tokenize: "EOF in multi-line statement")
     (box / "l.npy").write_bytes(bytes(data))
     check_run([box / "l.npy", "-m", seeds / "vae.safetensors", "-o", f"{box / 'out'}/"], box, box / "out")
+
+
+def test_finding_config_class_name_not_text(seeds, tmp_path):
+    """"_class_name": [] in --config: a dict lookup with a list raised TypeError (exit 1)."""
+    box = _box(tmp_path, "box")
+    shutil.copy(seeds / "l.pt", box / "l.pt")
+    (box / "config.json").write_text('{"norm_num_groups": 4, "scaling_factor": 0.18215, "_class_name": []}')
+    check_run([box / "l.pt", "-m", seeds / "vae.safetensors", "--config", box / "config.json", "-o",
+               f"{box / 'out'}/"], box, box / "out")

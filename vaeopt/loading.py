@@ -1011,6 +1011,9 @@ def _load_config_arg(config) -> dict | None:
     if config is None:
         return None
     if isinstance(config, dict):
+        if not isinstance(config.get("_class_name", ""), str):
+            raise CheckpointError(f"config: \"_class_name\" must be the name of a diffusers class, got "
+                                  f"{config['_class_name']!r:.40}")
         return copy.deepcopy(config)
     p = expand_user(config, "--config")
     if p.is_dir():
@@ -1027,6 +1030,9 @@ def _load_config_arg(config) -> dict | None:
         raise CheckpointError(f"{p}: config is not valid JSON ({_short(e)})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{p}: config must be a JSON object")
+    if not isinstance(cfg.get("_class_name", ""), str):
+        raise CheckpointError(f"{p}: \"_class_name\" must be the name of a diffusers class, got "
+                              f"{json.dumps(cfg['_class_name'])[:40]}")
     return cfg
 
 
@@ -1038,6 +1044,9 @@ def _meta_config(metadata: dict | None, notes: list[str]) -> dict | None:
         cfg = parse_json(raw) if isinstance(raw, str) else raw
     except Exception:
         notes.append("metadata 'config' is not valid JSON: ignored")
+        return None
+    if isinstance(cfg, dict) and not isinstance(cfg.get("_class_name", ""), str):
+        notes.append("metadata 'config' names no class (its \"_class_name\" is not text): ignored")
         return None
     return cfg if isinstance(cfg, dict) else None
 

@@ -162,7 +162,8 @@ def _new_temp(path: Path, folder: bool = False) -> Path:
     prefix = f".{path.name}."
     if len(os.fsencode(prefix)) > 200:  # a long but valid name: keep the temp name within the file system's limit
         prefix = f".vaeopt.{hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]}."
-    suffix = ".partial" + path.suffix  # the suffix kept: writers that pick a format by it (matplotlib) still can
+    # the suffix kept (writers that pick a format by it still can), unless a folder's name has a long dotted part
+    suffix = ".partial" + (path.suffix if len(path.suffix) <= 16 else "")
     if folder:
         tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=parent))
         mode = 0o777
