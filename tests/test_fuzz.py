@@ -277,3 +277,12 @@ def test_finding_config_class_name_not_text(seeds, tmp_path):
     (box / "config.json").write_text('{"norm_num_groups": 4, "scaling_factor": 0.18215, "_class_name": []}')
     check_run([box / "l.pt", "-m", seeds / "vae.safetensors", "--config", box / "config.json", "-o",
                f"{box / 'out'}/"], box, box / "out")
+
+
+def test_finding_config_shift_factor_a_list(seeds, tmp_path):
+    """"shift_factor": [null]: family detection compared it as a number before any check (TypeError, exit 1)."""
+    box = _box(tmp_path, "box")
+    shutil.copy(seeds / "l.pt", box / "l.pt")
+    (box / "config.json").write_text('{"norm_num_groups": 4, "scaling_factor": 0.18215, "shift_factor": [null]}')
+    check_run([box / "l.pt", "-m", seeds / "vae.safetensors", "--config", box / "config.json", "-o",
+               f"{box / 'out'}/"], box, box / "out")

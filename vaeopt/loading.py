@@ -1180,17 +1180,13 @@ _MAX_CONFIG_INT = 65536  # no VAE setting (widths, channels, groups, blocks) com
 # refused only after allocating (or failing to allocate) its weights
 
 
-def _check_config_values(cls_name: str, cfg: dict, source_of, label: str) -> None:
-    """Every setting the model class takes, checked against the type its __init__ declares before the model is built:
-    a whole number >= 1 (0 where that is the default) for an int, a finite number for a float, true/false for a bool,
-    text for a str, a short list of those for a list or tuple. Caught here, such a value is an error naming the
-    setting and where it came from; caught by torch, it was a crash at the first decode (norm_num_groups -4, true)."""
+def _value_problem(param: inspect.Parameter, v) -> str | None:
+    """None if v fits the type a model class's __init__ declares for this setting, else what it should be: a whole
+    number >= 1 (0 where that is the default) for an int, a finite number for a float, true/false for a bool, text
+    for a str, a list of those for a list or tuple. Settings of no such type are left to the class."""
     import typing
 
-    sig = inspect.signature(model_class(cls_name).__init__).parameters
-
     def kind_ok(want, v, default) -> str | None:
-        """None if v fits `want`, else what it should be."""
         if want is bool:
             return None if isinstance(v, bool) else "true or false"
         if want is int:
@@ -1204,33 +1200,52 @@ def _check_config_values(cls_name: str, cfg: dict, source_of, label: str) -> Non
             return None if isinstance(v, str) else "text"
         return None
 
+    ann = param.annotation
+    if isinstance(ann, str) or ann is inspect.Parameter.empty:
+        return None
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    origin = typing.get_origin(ann)
+    if v is None and type(None) in typing.get_args(ann):
+        return None
+    if origin in (list, tuple) or (origin is not None and args and typing.get_origin(args[0]) in (list, tuple)):
+        inner = args if origin in (list, tuple) else typing.get_args(args[0])
+        inner = [a for a in inner if a is not Ellipsis][:1]
+        if not isinstance(v, list | tuple) or len(v) > 1024:
+            return "a list"
+        why = next((w for x in v if (w := kind_ok(inner[0], x, None) if inner else None)), None)
+        return f"a list of {why.replace('a ', '', 1)}s" if why else None
+    if ann in (bool, int, float, str):
+        return kind_ok(ann, v, param.default)
+    if args and all(a in (bool, int, float, str) for a in args):  # e.g. float | None, int | None
+        return kind_ok(args[0], v, param.default)
+    return None
+
+
+def _check_config_values(cls_name: str, cfg: dict, source_of, label: str) -> None:
+    """Every setting the model class takes, checked against the type its __init__ declares (_value_problem) before
+    the model is built. Caught here, a bad value is an error naming the setting and where it came from; caught by
+    torch, it was a crash at the first decode (norm_num_groups -4, true)."""
+    sig = inspect.signature(model_class(cls_name).__init__).parameters
     for k, v in cfg.items():
-        if k not in sig or k.startswith("_"):
-            continue
-        param = sig[k]
-        ann = param.annotation
-        if isinstance(ann, str) or ann is inspect.Parameter.empty:
-            continue
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        origin = typing.get_origin(ann)
-        if v is None and type(None) in typing.get_args(ann):
-            continue
-        if origin in (list, tuple) or (origin is not None and args and typing.get_origin(args[0]) in (list, tuple)):
-            inner = args if origin in (list, tuple) else typing.get_args(args[0])
-            inner = [a for a in inner if a is not Ellipsis][:1]
-            if not isinstance(v, list | tuple) or len(v) > 1024:
-                why = "a list"
-            else:
-                why = next((w for x in v if (w := kind_ok(inner[0], x, None) if inner else None)), None)
-                why = f"a list of {why.replace('a ', '', 1)}s" if why else None
-        elif ann in (bool, int, float, str):
-            why = kind_ok(ann, v, param.default)
-        elif args and all(a in (bool, int, float, str) for a in args):  # e.g. float | None, int | None
-            why = kind_ok(args[0], v, param.default)
-        else:
-            continue
-        if why:
+        if k in sig and not k.startswith("_") and (why := _value_problem(sig[k], v)):
             raise CheckpointError(f"{label}: {k} {json.dumps(v)[:40]} in {source_of(k)} is not {why}")
+
+
+_DETECT_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderTiny")
+
+
+def _precheck_config(cfg: dict | None, source: str, label: str) -> None:
+    """Before detection reads a config (scaling_factor, shift_factor, latent_channels decide families): a setting
+    that fits no model class's declared type is refused now (the class is not known yet)."""
+    if not cfg:
+        return
+    sigs = [inspect.signature(model_class(c).__init__).parameters for c in _DETECT_CLASSES]
+    for k, v in cfg.items():
+        if k.startswith("_"):
+            continue
+        problems = [_value_problem(sig[k], v) for sig in sigs if k in sig]
+        if problems and all(problems):
+            raise CheckpointError(f"{label}: {k} {json.dumps(v)[:40]} in {source} is not {problems[0]}")
 
 
 def _post_quant_expected(spec: FamilySpec, meta_use: dict, explicit) -> bool:
@@ -1265,6 +1280,8 @@ def _detect(
         a.layout = "diffusers-dir" if a.layout == "diffusers" else f"{a.layout} (directory)"
     explicit = _alias_config(_load_config_arg(config), "the given config", notes)
     meta_cfg = _alias_config(_meta_config(metadata, notes), "the checkpoint's config", notes)
+    _precheck_config(explicit, "the given config", label)
+    _precheck_config(meta_cfg, "the checkpoint's config", label)
     if names is None:
         names = [Path(filename).name] if filename else []
     spec = _choose_family(a, family, explicit, meta_cfg, metadata, other_keys or list(state_dict), names, notes, label)
