@@ -1160,7 +1160,7 @@ def test_output_links_are_never_followed_and_devices_refused_before_the_load(tmp
     assert r.exit_code == 0, r.output
     assert not out.is_symlink() and out.is_file() and not (tmp_path / "elsewhere.png").exists()
     r = run("decode", tmp_path / "l.pt", "-m", model, "-o", "/dev/null", "--overwrite")
-    assert r.exit_code == 2 and "is a device" in r.output and "load" not in r.output, r.output
+    assert r.exit_code == 2 and "never replaces a device" in r.output and "load" not in r.output, r.output
 
 
 def test_work_per_input_file_is_bounded_before_the_first_decode(tmp_path, samples_dir):

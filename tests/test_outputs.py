@@ -248,10 +248,10 @@ def test_fifo_or_device_as_output_is_refused_before_anything(tmp_path):
     fifo = tmp_path / "pipe.png"
     os.mkfifo(fifo)
     for p in (fifo, Path("/dev/null")):
-        with pytest.raises(OutputError, match="not a file or folder"):
+        with pytest.raises(OutputError, match="a device, pipe or socket, not a folder or a .png"):
             outputs.check_output_folder(p, False, f"-o {p}")
         for ow in (False, True):
-            with pytest.raises(OutputError, match="never replaces such a name"):
+            with pytest.raises(OutputError, match=r"never replaces (a FIFO \(named pipe\)|a device), even with"):
                 outputs.check_writable([p], overwrite=ow)
 
 

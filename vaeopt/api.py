@@ -554,8 +554,9 @@ def _check_limits(lf: lat.LatentFile, entries: list[lat.LatentEntry], fam, limit
     gb = nbytes / 1e9
     if gb > limits.max_output_gb:
         _, h, w = biggest
+        size = f"{gb:.1f} GB" if gb >= 1 else f"{nbytes / 1e6:.1f} MB"
         raise VaeoptError(f"{lf.path}: its {outs} output(s) (up to {h}x{w} pixels{' per frame' if fam.is_video else ''})"
-                          f" would be {f'{gb:.1f} GB' if gb >= 1 else f'{nbytes / 1e6:.1f} MB'} decoded ({'float32' if raw_floats else '8-bit RGB'}), more than the "
+                          f" would be {size} decoded ({'float32' if raw_floats else '8-bit RGB'}), more than the "
                           f"{limits.max_output_gb:g} GB one input file may make (--max-output-gb, a guard against files "
                           f"that ask for unbounded work); nothing was decoded: pass --max-output-gb {math.ceil(gb)} to "
                           "allow it")

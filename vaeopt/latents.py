@@ -158,9 +158,10 @@ def as_float(t: torch.Tensor, where: str) -> torch.Tensor:
     try:
         return t.float()
     except (RuntimeError, NotImplementedError, TypeError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:80]
         raise LatentError(f"{where}: latents of dtype {str(t.dtype).replace('torch.', '')} cannot be decoded (torch "
-                          f"does not convert them to float32: {(str(e).splitlines() or [type(e).__name__])[0][:80]}); save them as float32, "
-                          "bfloat16 or float16") from None
+                          f"does not convert them to float32: {why}); save them as float32, bfloat16 or float16"
+                          ) from None
 
 
 def _text_file(head: bytes) -> str | None:

@@ -1195,6 +1195,8 @@ def _value_problem(param: inspect.Parameter, v) -> str | None:
             return None if ok else f"a whole number from {lo} to {_MAX_CONFIG_INT}"
         if want is float:
             ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            if param.name == "scaling_factor":  # latents are divided by it
+                return None if ok and v > 0 else "a positive finite number"
             return None if ok else "a finite number"
         if want is str:
             return None if isinstance(v, str) else "text"

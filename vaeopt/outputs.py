@@ -214,9 +214,9 @@ class _Landing:
                 _remove_empty(self.made)
                 what = f"none of the batch's {len(self.paths)} outputs was written"
             else:
+                shown = ", ".join(map(str, placed[:3])) + (", ..." if len(placed) > 3 else "")
                 what = (f"{len(placed)} of the batch's {len(self.paths)} outputs were replaced"
-                        + (f" ({', '.join(map(str, placed[:3]))}{', ...' if len(placed) > 3 else ''})" if placed else "")
-                        + ", the others keep what was there")
+                        + (f" ({shown})" if placed else "") + ", the others keep what was there")
             if isinstance(e, AppearedError):
                 raise AppearedError(f"{e}; {what}") from None
             if isinstance(e, OSError):
@@ -363,9 +363,9 @@ def _kind_of(p: Path) -> str | None:
 
 
 def _not_a_file(shown, kind: str) -> OutputError:
-    return OutputError(f"{shown}: is {kind}, not a file or folder; vaeopt writes only files and folders and never "
-                       "replaces such a name, even with --overwrite (to decode without writing, time it with vaeopt "
-                       "benchmark): choose another -o")
+    return OutputError(f"{shown}: a device, pipe or socket, not a folder or a .png/.mp4/.safetensors file, which is "
+                       f"what -o takes; vaeopt never replaces {kind}, even with --overwrite (to decode without "
+                       "writing, time it with vaeopt benchmark)")
 
 
 def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | frozenset = frozenset()) -> None:
