@@ -1208,3 +1208,29 @@ def test_a_full_disk_mid_batch_leaves_nothing_and_says_so(tmp_path, samples_dir,
         assert "disk full" in line and "none of the batch's 3 outputs was written" in line, r.output
         assert "wrote" not in r.output and "nothing was left behind" not in r.output
         assert sorted(os.listdir(tmp_path)) == ["b.pt"]
+
+
+def test_a_full_disk_at_a_later_input_says_what_was_kept(tmp_path, samples_dir, monkeypatch):
+    """Two inputs, the disk fills at the second's PNG: the first input's output stays (it landed whole), and the
+    message says so, naming it, instead of claiming nothing was left."""
+    from vaeopt import outputs
+
+    calls = []
+    real_save = outputs._save_png
+
+    def full_on_second(t, im):
+        calls.append(t)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(t, im)
+
+    monkeypatch.setattr(outputs, "_save_png", full_on_second)
+    for n in ("a", "b"):
+        torch.save(torch.randn(1, 4, 8, 8), tmp_path / f"{n}.pt")
+    out = tmp_path / "out"
+    r = run("decode", tmp_path / "a.pt", tmp_path / "b.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o",
+            f"{out}/")
+    assert r.exit_code == 2, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("error"))
+    assert "b.png: disk full" in line and "kept the 1 output(s) written before it" in line and "a.png" in line, line
+    assert sorted(os.listdir(out)) == ["a.png"]
