@@ -1,5 +1,6 @@
 """The CLI as a user runs it: real files in, real files out, clear one-line errors, no tracebacks."""
 
+import errno
 import json
 import os
 import re
@@ -602,7 +603,8 @@ def test_broken_manifest_ignored_when_flags_say_it_all_and_dangling_output_paren
     r = run("decode", tmp_path / "l.pt", "-m", model, "-o", tmp_path / "o.png")  # the latent space could come from it
     assert r.exit_code == 2 and "unreadable manifest" in r.output
     r = run("decode", tmp_path / "l.pt", "-m", model, "--latent-space", "scaled", "-o", tmp_path / "o.png")
-    assert r.exit_code == 0 and "ignored (" in r.output and (tmp_path / "o.png").is_file(), r.output
+    # --model and --latent-space say all a manifest could: it is not read (nor able to fail the run)
+    assert r.exit_code == 0 and "vaeopt.json" not in r.output and (tmp_path / "o.png").is_file(), r.output
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     r = run("decode", tmp_path / "l.pt", "-m", model, "--latent-space", "scaled", "-o", tmp_path / "dangling" / "x.png")
     assert r.exit_code == 2 and "is a broken symlink" in r.output and "wrote" not in r.output, r.output
@@ -1264,3 +1266,93 @@ def test_api_decode_reports_tile_progress(samples_dir):
     out = vaeopt.decode(zv, samples_dir / "tiny_wan_video.safetensors", latent_space="raw",
                         options=vaeopt.Options(device="cpu", chunk=1), progress=lambda d, t: calls.append((d, t)))
     assert out.shape[2] == 9 and calls == [(1, 9), (5, 9), (9, 9)]  # frames out after each latent frame's call
+
+
+def test_output_links_are_never_followed_and_devices_refused_before_the_load(tmp_path, samples_dir):
+    """-o a dangling link: refused (exit 2) without --overwrite, nothing written where it points; with --overwrite
+    the link itself becomes the PNG. -o /dev/null: refused before the model is loaded."""
+    torch.save(torch.randn(1, 4, 4, 4), tmp_path / "l.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    out = tmp_path / "out.png"
+    out.symlink_to(tmp_path / "elsewhere.png")
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", out)
+    assert r.exit_code == 2 and "as a symbolic link" in r.output and "load" not in r.output, r.output
+    assert not (tmp_path / "elsewhere.png").exists() and out.is_symlink()
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert not out.is_symlink() and out.is_file() and not (tmp_path / "elsewhere.png").exists()
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", "/dev/null", "--overwrite")
+    assert r.exit_code == 2 and "never replaces a device" in r.output and "load" not in r.output, r.output
+
+
+def test_work_per_input_file_is_bounded_before_the_first_decode(tmp_path, samples_dir):
+    """A 40 KB .pt whose list holds one 1x1 latent 20,000 times is refused when read (before the model loads); a batch
+    asking for more outputs or more GB than allowed is refused after planning, before anything is decoded; each
+    bound says how to allow more."""
+    model = samples_dir / "tiny_kl_image.safetensors"
+    one = torch.randn(1, 4, 1, 1)
+    torch.save([one] * 20000, tmp_path / "many.pt")
+    r = run("decode", tmp_path / "many.pt", "-m", model, "-o", tmp_path / "out/")
+    assert r.exit_code == 2 and "20000 tensors (1 distinct" in r.output and "--max-outputs 20000" in r.output
+    assert "load" not in r.output and not (tmp_path / "out").exists(), r.output
+    torch.save(torch.randn(5, 4, 64, 64), tmp_path / "b.pt")
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png", "--max-outputs", "3")
+    assert r.exit_code == 2 and "asks for 5 outputs" in r.output and "pass --max-outputs 5" in r.output, r.output
+    assert "optimize" not in r.output and not list(tmp_path.glob("o*.png"))
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png", "--max-output-gb", "0.001")
+    assert r.exit_code == 2 and "would be 3.9 MB decoded (8-bit RGB)" in r.output, r.output
+    assert "--max-output-gb 1 to allow it" in r.output and "optimize" not in r.output
+    r = run("decode", tmp_path / "b.pt", "-m", model, "-o", tmp_path / "o.png", "--max-outputs", "0")
+    assert r.exit_code == 2 and "--max-outputs must be" in r.output
+
+
+def test_a_full_disk_mid_batch_leaves_nothing_and_says_so(tmp_path, samples_dir, monkeypatch):
+    """A batch of 3 into a folder vaeopt makes (-o out/): the disk fills at the 2nd PNG. No PNG of the batch stays,
+    no temporary, and the folder vaeopt made is removed; the message says none of the batch was written."""
+    from vaeopt import outputs
+
+    calls = []
+    real_save = outputs._save_png
+
+    def full_on_second(t, im):
+        calls.append(t)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(t, im)
+
+    monkeypatch.setattr(outputs, "_save_png", full_on_second)
+    torch.save(torch.randn(3, 4, 8, 8), tmp_path / "b.pt")
+    for out in (f"{tmp_path / 'out'}/", tmp_path / "new" / "out.png"):  # a folder the CLI makes; one a write makes
+        calls.clear()
+        r = run("decode", tmp_path / "b.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", out)
+        assert r.exit_code == 2, r.output
+        line = next(ln for ln in r.output.splitlines() if ln.startswith("error"))
+        assert "disk full" in line and "none of the batch's 3 outputs was written" in line, r.output
+        assert "wrote" not in r.output and "nothing was left behind" not in r.output
+        assert sorted(os.listdir(tmp_path)) == ["b.pt"]
+
+
+def test_a_full_disk_at_a_later_input_says_what_was_kept(tmp_path, samples_dir, monkeypatch):
+    """Two inputs, the disk fills at the second's PNG: the first input's output stays (it landed whole), and the
+    message says so, naming it, instead of claiming nothing was left."""
+    from vaeopt import outputs
+
+    calls = []
+    real_save = outputs._save_png
+
+    def full_on_second(t, im):
+        calls.append(t)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(t, im)
+
+    monkeypatch.setattr(outputs, "_save_png", full_on_second)
+    for n in ("a", "b"):
+        torch.save(torch.randn(1, 4, 8, 8), tmp_path / f"{n}.pt")
+    out = tmp_path / "out"
+    r = run("decode", tmp_path / "a.pt", tmp_path / "b.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o",
+            f"{out}/")
+    assert r.exit_code == 2, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("error"))
+    assert "b.png: disk full" in line and "kept the 1 output(s) written before it" in line and "a.png" in line, line
+    assert sorted(os.listdir(out)) == ["a.png"]

@@ -1,5 +1,6 @@
 """Latent files: every format, scaled vs raw, validation errors."""
 
+import json
 import re
 import sys
 
@@ -445,3 +446,103 @@ def test_unbatched_non_latents_are_not_counted_in_channels(tmp_path):
     with pytest.raises(lat.NotALatent, match="16 latent channels, but the Stable Diffusion XL VAE takes 4"):
         lat.validate(lat.LatentEntry("", torch.randn(16, 8, 8)), SDXL, tmp_path / "f.pt")  # one FLUX latent: real
     assert lat.validate(lat.LatentEntry("", torch.randn(4, 8, 8)), SDXL, tmp_path / "f.pt").shape == (1, 4, 8, 8)
+
+
+# ---- hostile files: input faults are one-line LatentErrors naming the file, never crashes ------------------------------
+
+def _npz_bytes(tmp_path):
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    np.save(buf, np.random.randn(1, 4, 4, 4).astype("float32"))
+    with zipfile.ZipFile(tmp_path / "ok.npz", "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("a.npy", buf.getvalue())
+    raw = (tmp_path / "ok.npz").read_bytes()
+    return raw, raw.find(b"PK\x03\x04"), raw.find(b"PK\x01\x02")
+
+
+def test_npz_members_encrypted_unknown_compression_or_damaged(tmp_path):
+    raw, local, central = _npz_bytes(tmp_path)
+    enc = bytearray(raw)
+    enc[local + 6] |= 1  # the "encrypted" flag bit, in the local and the central header
+    enc[central + 8] |= 1
+    comp = bytearray(raw)
+    comp[local + 8] = comp[central + 10] = 99  # compression method 99 (AES): zipfile cannot unpack it
+    dmg = bytearray(raw)
+    start = local + 30 + len("a.npy") + 10
+    for i in range(start, start + 20):
+        dmg[i] ^= 0x5A  # a damaged deflate stream
+    for name, data, expect in (("enc", enc, "encrypted member"), ("comp", comp, "compression method"),
+                               ("dmg", dmg, "corrupt member")):
+        p = tmp_path / f"{name}.npz"
+        p.write_bytes(bytes(data))
+        with pytest.raises(LatentError, match=expect) as e:
+            lat.read_latents(p)
+        assert str(e.value).startswith(f"{p} [a]") and "\n" not in str(e.value)
+
+
+def test_deeply_nested_manifest_is_an_input_error_and_not_read_when_not_needed(tmp_path):
+    torch.save(torch.randn(1, 4, 4, 4), tmp_path / "l.pt")
+    (tmp_path / "vaeopt.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(LatentError, match="unreadable manifest .nested more than"):
+        lat.read_latents(tmp_path / "l.pt")
+    (tmp_path / "vaeopt.json").write_text(json.dumps({"files": {"l.pt": {"model": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[
+        ]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}}))
+    with pytest.raises(LatentError, match="nested more than"):
+        lat.read_latents(tmp_path / "l.pt")
+    # --model and --latent-space given: the manifest is not read at all
+    lf = lat.read_latents(tmp_path / "l.pt", manifest_needed=False)
+    assert lf.manifest == {} and not any("vaeopt.json" in n for n in lf.notes)
+
+
+def test_float4_latents_and_parameters(tmp_path, recwarn):
+    fam = get_family("sd15")
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        t = torch.zeros(1, 4, 4, 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+        torch.save(t, tmp_path / "f4.pt")
+        lf = lat.read_latents(tmp_path / "f4.pt")
+        with pytest.raises(LatentError, match="float4_e2m1fn_x2 cannot be decoded") as e:
+            lat.validate(lf.entries[0], fam, lf.path)
+        assert str(e.value).startswith(str(tmp_path / "f4.pt"))
+    # an nn.Parameter (what a training script saves): read as plain data, and no torch warning on the way
+    torch.save({"z": torch.nn.Parameter(torch.randn(1, 4, 8, 8))}, tmp_path / "p.pt")
+    lf = lat.read_latents(tmp_path / "p.pt")
+    t = lf.entries[0].tensor
+    assert type(t) is torch.Tensor and not t.requires_grad
+    z = lat.validate(lf.entries[0], fam, lf.path)
+    lat.space_hint(z, fam, "scaled")
+    lat.to_raw(z, fam, "scaled")
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+
+
+def test_absurd_safetensors_header_length_reads_the_same_in_both_readers(tmp_path, samples_dir):
+    import struct
+
+    from vaeopt.errors import CheckpointError
+    from vaeopt.loading import read_state_dict
+
+    save_file({"x": torch.randn(1, 4, 4, 4)}, str(tmp_path / "l.safetensors"))
+    for src, dst in ((tmp_path / "l.safetensors", tmp_path / "bad_l.safetensors"),
+                     (samples_dir / "tiny_kl_image.safetensors", tmp_path / "bad_m.safetensors")):
+        dst.write_bytes(struct.pack("<Q", 10**12) + src.read_bytes()[8:])
+    with pytest.raises(LatentError, match=r"header too large") as e1:
+        lat.read_latents(tmp_path / "bad_l.safetensors")
+    with pytest.raises(CheckpointError, match=r"header too large") as e2:
+        read_state_dict(tmp_path / "bad_m.safetensors")
+    strip = lambda e: str(e.value).split(": ", 1)[1]  # noqa: E731  (past the file name)
+    assert strip(e1) == strip(e2)
+
+
+def test_a_file_repeating_one_tensor_is_bounded_before_any_decode(tmp_path):
+    """A small .pt whose list holds one 1x1 latent 20,000 times: refused when read, naming the bound and how to
+    allow it; shared references count each time."""
+    one = torch.randn(1, 4, 1, 1)
+    torch.save([one] * 20000, tmp_path / "many.pt")
+    assert (tmp_path / "many.pt").stat().st_size < 200_000
+    with pytest.raises(LatentError) as e:
+        lat.read_latents(tmp_path / "many.pt")
+    msg = str(e.value)
+    assert "20000 tensors (1 distinct" in msg and "--max-outputs 20000" in msg and "\n" not in msg
+    assert len(lat.read_latents(tmp_path / "many.pt", max_tensors=20000).entries) == 20000
+    assert len(lat.read_latents(tmp_path / "many.pt", key="7").entries) == 1  # --key: one tensor

@@ -920,3 +920,59 @@ def test_plain_pickle_model_is_named_as_one(tmp_path):
                 f"{name}: a plain pickle stream (pickle.dump), not a torch.save file: vaeopt does not unpickle")):
             load_vae(tmp_path / name)
     assert not marker.exists()
+
+
+# ---- hostile configs and paths: one-line CheckpointErrors naming the file, never crashes -------------------------------
+
+@pytest.mark.parametrize("value", [-4, 1.5, True, 0, "x", 10**30, [8]])
+def test_config_values_are_checked_against_the_model_class(tmp_path, samples_dir, value):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"norm_num_groups": value}))
+    with pytest.raises(CheckpointError, match=r"norm_num_groups .* in the given config is not a whole number") as e:
+        load_vae(samples_dir / "tiny_kl_image.safetensors", config=cfg)
+    assert str(e.value).startswith(str(samples_dir / "tiny_kl_image.safetensors")) and "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="is not a whole number"):  # random weights with a config: the same
+        load_vae(None, family="sd15", config={"norm_num_groups": value})
+
+
+def test_config_value_kinds(tmp_path, samples_dir):
+    model = samples_dir / "tiny_kl_image.safetensors"
+    for bad, why in (({"force_upcast": "yes"}, "true or false"), ({"act_fn": 3}, "text"),
+                     ({"block_out_channels": [32, -1]}, "a list of whole number"),
+                     ({"scaling_factor": float("nan")}, "finite number")):
+        with pytest.raises(CheckpointError, match=why):
+            load_vae(model, config=bad)
+    load_vae(model, config={"force_upcast": False})  # a right value passes
+
+
+def test_nested_json_tilde_users_and_fifos(tmp_path, samples_dir, monkeypatch):
+    import os
+
+    from vaeopt import api
+
+    model = samples_dir / "tiny_kl_image.safetensors"
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(CheckpointError, match="nested more than"):
+        load_vae(model, config=tmp_path / "deep.json")
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(CheckpointError, match="not a regular file"):  # (not "not found"; and not read: no hang)
+        load_vae(model, config=tmp_path / "fifo.json")
+    for call, what in ((lambda: load_vae("~nosuchuser_vaeopt/vae.safetensors"), "checkpoint"),
+                       (lambda: load_vae(model, config="~nosuchuser_vaeopt/c.json"), "--config")):
+        with pytest.raises(CheckpointError, match="'~nosuchuser_vaeopt' names no user") as e:
+            call()
+        assert str(e.value).startswith(what)
+    monkeypatch.setenv("VAEOPT_MODEL", "~nosuchuser_vaeopt/vae.safetensors")
+    with pytest.raises(CheckpointError, match=r"\$VAEOPT_MODEL.*names no user"):
+        api.resolve_model(None, [])
+    monkeypatch.delenv("VAEOPT_MODEL")
+    user = tmp_path / "cfg" / "config.json"
+    user.parent.mkdir()
+    monkeypatch.setattr(api, "USER_CONFIG", user)
+    user.write_text('{"model": ' + "[" * 50000 + "]" * 50000 + "}")
+    with pytest.raises(Exception, match="not valid JSON .nested more than") as e:
+        api.resolve_model(None, [])
+    assert isinstance(e.value, api.VaeoptError)
+    user.write_text(json.dumps({"model": "~nosuchuser_vaeopt/v.safetensors"}))
+    with pytest.raises(CheckpointError, match="names no user"):
+        api.resolve_model(None, [])

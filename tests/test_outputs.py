@@ -1,5 +1,6 @@
 """Output files: contents are right, writes are atomic, failures leave nothing behind."""
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -194,35 +195,128 @@ def _frames(n, v=0):
     return torch.full((n, 4, 4, 3), v, dtype=torch.uint8)
 
 
-def test_symlinked_outputs_are_written_through(tmp_path):
-    """-o through a symlink writes where it points and keeps the link (it used to replace the link with a folder
-    and leave a stray `.link.<pid>.old` behind)."""
+def test_writes_never_follow_a_link(tmp_path):
+    """An output's own name is never followed. Without --overwrite a symbolic link there, dangling or not, is an
+    existing name and refused (a dangling `out.png` -> elsewhere in a shared folder would otherwise redirect the write
+    onto any file the user can write); with --overwrite the link itself is replaced by the output and what it points
+    to is left alone. Folders above the output are followed as usual (`-o renders/x.png`, renders a link)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    dangling = tmp_path / "dangling.png"
+    dangling.symlink_to(tmp_path / "elsewhere" / "made.png")
+    to_file = tmp_path / "latest.png"
+    to_file.symlink_to(victim)
+    img = torch.full((4, 4, 3), 7, dtype=torch.uint8)
+    for link in (dangling, to_file):
+        with pytest.raises(OutputError, match="already exists, as a symbolic link") as e:
+            outputs.check_writable([link], overwrite=False)
+        assert str(e.value).startswith(str(link))  # named as typed
+        with pytest.raises(OutputError, match="appeared while"):  # appeared after the check: kept, not written through
+            outputs.write_png(link, img, overwrite=False)
+        assert link.is_symlink()
+    assert victim.read_text() == "keep me" and not (tmp_path / "elsewhere").exists()
+    # --overwrite: the link is replaced by the file; its target is untouched
+    for link in (dangling, to_file):
+        outputs.check_writable([link], overwrite=True)
+        outputs.write_png(link, img, overwrite=True)
+        assert not link.is_symlink() and np.asarray(Image.open(link)).max() == 7
+    assert victim.read_text() == "keep me" and not (tmp_path / "elsewhere").exists()
+    # a frames folder named by a link to a folder: the same rule (the folder it points to is left alone)
     real = tmp_path / "real"
     real.mkdir()
+    (real / "frame_00000.png").write_bytes(b"old")
     link = tmp_path / "link"
     link.symlink_to(real)
-    outputs.check_writable([link], overwrite=False, folders={link})
-    assert outputs.write_frames_dir(link, [_frames(2)]) == 2
-    assert link.is_symlink() and sorted(os.listdir(real)) == ["frame_00000.png", "frame_00001.png"]
+    with pytest.raises(OutputError, match="symbolic link"):
+        outputs.check_writable([link], overwrite=False, folders={link})
     outputs.check_writable([link], overwrite=True, folders={link})
-    outputs.write_frames_dir(link, [_frames(1, 9)])  # --overwrite: the folder it points to is replaced
-    assert link.is_symlink() and os.listdir(real) == ["frame_00000.png"]
-    assert np.asarray(Image.open(real / "frame_00000.png")).max() == 9
-    f = tmp_path / "img.png"
-    outputs.write_png(f, torch.zeros(4, 4, 3, dtype=torch.uint8))
-    flink = tmp_path / "latest.png"
-    flink.symlink_to(f)
-    outputs.write_png(flink, torch.full((4, 4, 3), 7, dtype=torch.uint8))
-    assert flink.is_symlink() and np.asarray(Image.open(f)).max() == 7
-    assert sorted(os.listdir(tmp_path)) == ["img.png", "latest.png", "link", "real"]
-    with pytest.raises(OutputError, match="already exists") as e:  # named as typed, not where it points
-        outputs.check_writable([flink], overwrite=False)
-    assert str(e.value).startswith(str(flink))
-    gone = tmp_path / "gone.png"
-    gone.symlink_to(tmp_path / "no" / "such" / "x.png")
-    with pytest.raises(OutputError, match="is a symlink into a folder that does not exist"):
-        outputs.check_writable([gone], overwrite=False)
-    assert not (tmp_path / "no").exists()
+    assert outputs.write_frames_dir(link, [_frames(2)], overwrite=True) == 2
+    assert not link.is_symlink() and sorted(os.listdir(link)) == ["frame_00000.png", "frame_00001.png"]
+    assert os.listdir(real) == ["frame_00000.png"] and (real / "frame_00000.png").read_bytes() == b"old"
+    # a folder above the output may be a link: written inside it
+    (tmp_path / "renders").symlink_to(real)
+    outputs.check_writable([tmp_path / "renders" / "x.png"], overwrite=False)
+    outputs.write_png(tmp_path / "renders" / "x.png", img, overwrite=False)
+    assert (real / "x.png").is_file()
+    # nothing else was left: no temporaries
+    assert sorted(os.listdir(tmp_path)) == ["dangling.png", "latest.png", "link", "real", "renders", "victim.txt"]
+
+
+def test_fifo_or_device_as_output_is_refused_before_anything(tmp_path):
+    """-o /dev/null or a FIFO: refused by the early check (before the model loads), also with --overwrite, which
+    would otherwise replace the device node."""
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    for p in (fifo, Path("/dev/null")):
+        with pytest.raises(OutputError, match="a device, pipe or socket, not a folder or a .png"):
+            outputs.check_output_folder(p, False, f"-o {p}")
+        for ow in (False, True):
+            with pytest.raises(OutputError, match=r"never replaces (a FIFO \(named pipe\)|a device), even with"):
+                outputs.check_writable([p], overwrite=ow)
+
+
+def test_temporaries_are_private_names_made_exclusively(tmp_path, monkeypatch):
+    """A temporary is created with O_EXCL under an unpredictable name, with an ordinary file's permissions."""
+    seen = []
+    real_save = outputs._save_png
+    monkeypatch.setattr(outputs, "_save_png", lambda t, im: (seen.append((t, os.stat(t).st_mode & 0o777)),
+                                                            real_save(t, im)))
+    outputs.write_png(tmp_path / "a.png", torch.zeros(4, 4, 3, dtype=torch.uint8))
+    outputs.write_png(tmp_path / "b.png", torch.zeros(4, 4, 3, dtype=torch.uint8))
+    (t1, mode), (t2, _) = seen
+    assert t1.name.startswith(".a.png.") and t1.name.endswith(".partial.png") and t1.parent == tmp_path
+    assert len({t1.name[7:], t2.name[7:]}) == 2  # random parts differ
+    assert mode == 0o666 & ~outputs._UMASK
+    assert (tmp_path / "a.png").stat().st_mode & 0o777 == 0o666 & ~outputs._UMASK
+    assert sorted(os.listdir(tmp_path)) == ["a.png", "b.png"]
+
+
+def test_a_batch_lands_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A full disk at the 2nd image of a batch of 3: no image of the batch is left (the 1st waited under a temporary
+    name), no temporary either, and the message says exactly that."""
+    from vaeopt import api
+
+    calls = []
+    real_save = outputs._save_png
+
+    def full_on_second(t, im):
+        calls.append(t)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(t, im)
+
+    monkeypatch.setattr(outputs, "_save_png", full_on_second)
+    paths = [tmp_path / f"out_{i:03d}.png" for i in range(3)]
+    job = api.DecodeJob(tmp_path / "l.pt", "", torch.zeros(3, 4, 1, 1), paths, "png", overwrite=False)
+    with pytest.raises(OutputError) as e:
+        api.write_job(job, torch.zeros(3, 3, 8, 8))
+    msg = str(e.value)
+    assert "disk full" in msg and "none of the batch's 3 outputs was written" in msg, msg
+    assert "out_001.png" in msg and "\n" not in msg
+    assert os.listdir(tmp_path) == []
+    # and when it fits, all three land
+    monkeypatch.setattr(outputs, "_save_png", real_save)
+    assert api.write_job(job, torch.zeros(3, 3, 8, 8)) == paths
+    assert sorted(os.listdir(tmp_path)) == [p.name for p in paths]
+
+
+def test_a_batch_whose_commit_meets_an_output_that_appeared_leaves_none(tmp_path, monkeypatch):
+    """Without --overwrite, a file that appeared at the 3rd name while the batch was written: the two already
+    renamed into place are removed again, the other's file is kept."""
+    paths = [tmp_path / f"o_{i}.png" for i in range(3)]
+    real_save = outputs._save_png
+
+    def appear(t, im):
+        real_save(t, im)
+        if t.name.startswith(".o_2.png"):
+            paths[2].write_bytes(b"someone else's")
+
+    monkeypatch.setattr(outputs, "_save_png", appear)
+    with pytest.raises(outputs.AppearedError, match="none of the batch's 3 outputs was written"):
+        with outputs.land_together(paths, overwrite=False):
+            for p in paths:
+                outputs.write_png(p, torch.zeros(4, 4, 3, dtype=torch.uint8), overwrite=False)
+    assert os.listdir(tmp_path) == ["o_2.png"] and paths[2].read_bytes() == b"someone else's"
 
 
 def test_an_empty_folder_is_filled_in_place(tmp_path, monkeypatch):
@@ -407,3 +501,46 @@ def test_mp4_frame_rate_fractions():
     assert frame_rate(59.94) == Fraction(60000, 1001) and frame_rate(24000 / 1001) == Fraction(24000, 1001)
     assert frame_rate(16) == 16 and frame_rate(24) == 24 and frame_rate(12.5) == Fraction(25, 2)
     assert frame_rate(23.9) == Fraction(239, 10)
+
+
+def test_sigterm_inside_one_long_operation_takes_effect_promptly(tmp_path):
+    """SIGTERM while the main thread is inside one long C call (as in one torch op of a large CPU decode, where
+    Python cannot run its handler): the watchdog ends the process within its grace, exit 143, with the temporary
+    outputs removed; a signal the main thread handles itself is left to it (exit 143 from the handler)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "long.py"
+    script.write_text(
+        "import ctypes, sys\n"
+        "from pathlib import Path\n"
+        "import typer\n"
+        "from vaeopt import cli, outputs\n"
+        "@cli.clean_errors\n"
+        "def work():\n"
+        "    outputs._new_temp(Path(sys.argv[1]) / 'out.png')\n"
+        "    ctypes.CDLL(None).system(b'echo ready; sleep 30')  # 'ready' once inside the C call\n"
+        "try:\n"
+        "    work()\n"
+        "except typer.Exit as e:\n"
+        "    sys.exit(e.exit_code)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    root = str(Path(outputs.__file__).parent.parent)
+    p = subprocess.Popen([sys.executable, str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=root, env={**os.environ, "PYTHONPATH": root}, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        assert len(os.listdir(out)) == 1  # the temporary
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the `sleep 30` child
+    assert rc == 143 and took < 10, (rc, took)
+    assert os.listdir(out) == []
+    assert b"SIGTERM during a long operation" in p.stderr.read()

@@ -210,3 +210,44 @@ def test_rejects_non_wan():
     vae = build_model(get_family("sd15"), block_out_channels=[8, 8, 8, 8], norm_num_groups=4)
     with pytest.raises(Exception, match="AutoencoderKLWan"):
         video.decode_video(vae, torch.zeros(1, 4, 2, 4, 4), 1)
+
+
+def test_training_mode_decodes_as_diffusers_does(wan21, latents):
+    """A drop-in never refuses what diffusers accepts: an AutoencoderKLWan in training mode (built with from_config,
+    as diffusers' own model tests build it, or after .train()) decodes after vaeopt.optimize, equal to the stock
+    model; with an active dropout (p > 0) the decode is diffusers' own, its random drops included (same seed, same
+    output)."""
+    import copy
+
+    from diffusers import AutoencoderKLWan
+
+    import vaeopt
+
+    z = latents["bikes"][:, :, :3]
+    built = AutoencoderKLWan.from_config(wan21.config)
+    built.load_state_dict(wan21.state_dict())
+    assert built.training  # from_config leaves a model in training mode, as nn.Module does
+    stock = copy.deepcopy(built)
+    fast = vaeopt.optimize(copy.deepcopy(built), log=None)
+    assert fast.training and not video.active_dropout(fast)
+    with torch.no_grad():
+        ref = stock.decode(z).sample
+        out = fast.decode(z).sample
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    drop = AutoencoderKLWan.from_config({**wan21.config, "dropout": 0.5})
+    drop.load_state_dict(wan21.state_dict())
+    stock = copy.deepcopy(drop)
+    fast = vaeopt.optimize(copy.deepcopy(drop), log=None)
+    assert video.active_dropout(fast)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        ref = stock.decode(z).sample
+        torch.manual_seed(1)
+        out = fast.decode(z).sample
+    # the same drops (other drops would differ by whole units); the optimized layers' float rounding only
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    with pytest.raises(Exception, match="training mode with active dropout"):
+        video.decode_video(fast, z)  # the chunk decoder itself says why, and what to call instead
+    fast.eval()  # eval: the fast path again, equal to the stock model in eval mode
+    with torch.no_grad():
+        torch.testing.assert_close(fast.decode(z).sample, stock.eval().decode(z).sample, atol=2e-5, rtol=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -40,8 +41,10 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
     if os.environ.get("VAEOPT_MODEL"):
         return _existing(Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL")
     if USER_CONFIG.is_file():
+        from vaeopt.loading import parse_json
+
         try:
-            cfg = json.loads(USER_CONFIG.read_text())
+            cfg = parse_json(USER_CONFIG.read_text())
         except ValueError as e:
             raise VaeoptError(f"{USER_CONFIG}: not valid JSON ({e})") from e
         except OSError as e:
@@ -49,7 +52,10 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
         if not isinstance(cfg, dict) or not isinstance(cfg.get("model", ""), str):
             raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
         if cfg.get("model"):  # a relative path is taken from the config's folder, as a vaeopt.json's is from its own
-            return _existing(USER_CONFIG.parent / Path(cfg["model"]).expanduser(), str(USER_CONFIG))
+            from vaeopt.loading import expand_user
+
+            model = expand_user(cfg["model"], f"{USER_CONFIG}: \"model\"")
+            return _existing(USER_CONFIG.parent / model, str(USER_CONFIG))
     unlisted = next((f for f in latent_files or [] if f.manifest.get("unlisted_in")), None)
     if unlisted is not None:  # a manifest was found, but names other files (case, wildcards are not matched)
         m = unlisted.manifest
@@ -77,7 +83,10 @@ def manifest_family(latent_files: list[lat.LatentFile]) -> str | None:
 
 def _existing(path: Path, source: str) -> tuple[Path, str]:
     """A checkpoint path that did not come from --model, checked here so that the error names where it came from."""
-    if not path.expanduser().exists() and not path.expanduser().is_symlink():
+    from vaeopt.loading import expand_user
+
+    full = expand_user(path, f"the checkpoint named by {source}:")
+    if not full.exists() and not full.is_symlink():
         raise VaeoptError(f"checkpoint not found: {path} (named by {source}; pass --model to use another)")
     return path, source
 
@@ -358,7 +367,9 @@ class _WanChunkDecode:
     """`vae._decode` of an AutoencoderKLWan after `optimize`: the clip through vaeopt.video.decode_video (the exact
     multi-frame chunk decoder, the same output as diffusers' frame loop), with the chunk planned per clip as
     `vaeopt decode` plans it, OOM retries included. diffusers' `_decode` runs where it must: autograd (our kernels
-    have no backward) and enable_tiling() on a latent larger than diffusers' tile (the user asked for its tiles).
+    have no backward), enable_tiling() on a latent larger than diffusers' tile (the user asked for its tiles), and
+    training mode with an active dropout (p > 0; its random drops are diffusers'). Training mode alone (a model
+    built with from_config, or a frozen VAE in a training script) decodes here: nothing in the decoder differs.
     A class, not a closure: the model still pickles and deep-copies."""
 
     def __init__(self, vae, family):
@@ -377,7 +388,8 @@ class _WanChunkDecode:
         from vaeopt.stages import foreign_hooked, needs_autograd
 
         v = self.vae
-        if needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling():
+        if (needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling()
+                or video.active_dropout(v)):  # (training mode with dropout p > 0: diffusers' decode, dropout included)
             return type(v)._decode(v, z, return_dict=return_dict)  # (compile: dynamo traces diffusers' loop)
         hooked = foreign_hooked(v.decoder)
         if hooked is not None:  # the chunk decoder calls no block's forward: a user's hook there would not fire
@@ -519,13 +531,60 @@ def _have_pyav() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The work one input file may ask for (vaeopt decode --max-outputs, --max-output-gb): outputs (images, clips)
+    and decoded size, counted as 8-bit RGB pixels (4x that for a .safetensors output). Decode time grows with the
+    same pixels, so the size also bounds the work."""
+
+    max_outputs: int = lat.DEFAULT_MAX_OUTPUTS
+    max_output_gb: float = lat.DEFAULT_MAX_OUTPUT_GB
+
+    def check(self) -> None:
+        if isinstance(self.max_outputs, bool) or not isinstance(self.max_outputs, int) or self.max_outputs < 1:
+            raise VaeoptError(f"--max-outputs must be a whole number of at least 1, got {self.max_outputs}")
+        if not (isinstance(self.max_output_gb, int | float) and 0 < self.max_output_gb < float("inf")):
+            raise VaeoptError(f"--max-output-gb must be a positive number of GB, got {self.max_output_gb}")
+
+
+def _check_limits(lf: lat.LatentFile, entries: list[lat.LatentEntry], fam, limits: Limits, raw_floats: bool) -> None:
+    """Refuse a file that asks for more outputs or output than `limits` allow, from shapes alone (before any value
+    is looked at, and before the first decode). Each entry counts, also where several are one shared tensor."""
+    outs = nbytes = 0
+    biggest = None
+    for e in entries:
+        t = lat.validate(e, fam, lf.path, values=False)
+        n = t.shape[0]
+        frames = fam.output_frames(t.shape[2]) if fam.is_video else 1
+        h, w = t.shape[-2] * fam.spatial_factor, t.shape[-1] * fam.spatial_factor
+        outs += n
+        nbytes += n * frames * h * w * 3 * (4 if raw_floats else 1)
+        biggest = max(biggest or (0, 0, 0), (h * w * frames, h, w))
+    if outs > limits.max_outputs:
+        raise VaeoptError(f"{lf.path}: asks for {outs} outputs (images or clips), more than the {limits.max_outputs} "
+                          "one input file may make (--max-outputs, a guard against files that ask for unbounded "
+                          f"work); nothing was decoded: pass --max-outputs {outs} to allow it")
+    gb = nbytes / 1e9
+    if gb > limits.max_output_gb:
+        _, h, w = biggest
+        size = f"{gb:.1f} GB" if gb >= 1 else f"{nbytes / 1e6:.1f} MB"
+        raise VaeoptError(f"{lf.path}: its {outs} output(s) (up to {h}x{w} pixels{' per frame' if fam.is_video else ''})"
+                          f" would be {size} decoded ({'float32' if raw_floats else '8-bit RGB'}), more than the "
+                          f"{limits.max_output_gb:g} GB one input file may make (--max-output-gb, a guard against files "
+                          f"that ask for unbounded work); nothing was decoded: pass --max-output-gb {math.ceil(gb)} to "
+                          "allow it")
+
+
 def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path | None, latent_space: str | None,
-              overwrite: bool, out_is_folder: bool = False, log: Callable[[str], None] | None = None
-              ) -> list[DecodeJob]:
-    """The decode jobs and their output paths, checked (shapes, duplicates, inputs, writability) before any work.
+              overwrite: bool, out_is_folder: bool = False, log: Callable[[str], None] | None = None,
+              limits: Limits | None = None) -> list[DecodeJob]:
+    """The decode jobs and their output paths, checked (shapes, duplicates, inputs, writability, the work each file
+    asks for: `limits`, default Limits()) before any work.
     out_is_folder: `out` is a folder whatever its name (typed with a trailing '/'), even if it does not exist yet.
     log: where to say which tensors of a file were skipped as not latents for this VAE."""
     fam = loaded.family
+    limits = limits or Limits()
+    limits.check()
     jobs: list[DecodeJob] = []
     tags: list[str] = []  # per job: the tensor name its outputs carry ("" for none)
     given: dict[str, Path] = {}
@@ -535,6 +594,9 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             raise VaeoptError(f"{lf.path}: given twice (also as {given[r]}); name each latent file once")
         given[r] = lf.path
     entries = {lf.path: _latent_entries(lf, fam, log) for lf in latent_files}
+    raw_floats = out is not None and not out_is_folder and out.suffix.lower() in outputs.TENSOR_SUFFIXES
+    for lf in latent_files:
+        _check_limits(lf, entries[lf.path], fam, limits, raw_floats)
     multi = sum(len(v) for v in entries.values()) > 1
     # inputs with one name (a/lat.pt, b/lat.pt into -o out/): outputs named after their folders (out/a_lat.png)
     stems = outputs.distinct_stems([lf.path for lf in latent_files], one_folder=out is not None and multi)
@@ -655,14 +717,15 @@ def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[
                              overwrite=job.overwrite)
         return [job.outputs[0]]
     imgs = outputs.to_uint8_images(decoded)
-    for i, path in enumerate(job.outputs):
-        if job.kind == "png":
-            outputs.write_png(path, imgs[i][0] if imgs.ndim == 5 else imgs[i], job.overwrite)  # video: its one frame
-        elif job.kind == "mp4":
-            outputs.write_mp4(path, [imgs[i]], fps=fps, overwrite=job.overwrite)
-        elif job.kind == "frames":
-            outputs.write_frames_dir(path, [imgs[i]], job.overwrite)
-        written.append(path)
+    with outputs.land_together(job.outputs, job.overwrite):  # a batch's files land whole, or none of them
+        for i, path in enumerate(job.outputs):
+            if job.kind == "png":
+                outputs.write_png(path, imgs[i][0] if imgs.ndim == 5 else imgs[i], job.overwrite)  # video: one frame
+            elif job.kind == "mp4":
+                outputs.write_mp4(path, [imgs[i]], fps=fps, overwrite=job.overwrite)
+            elif job.kind == "frames":
+                outputs.write_frames_dir(path, [imgs[i]], job.overwrite)
+            written.append(path)
     return written
 
 
@@ -677,16 +740,16 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
     done: list[DecodeResult] = []
     try:
         return _run_jobs(pipe, jobs, fps, progress, on_result, done)
-    except DecodeError as e:
+    except VaeoptError as e:  # NaN/Inf output, a full disk...: what is on disk now, exactly
         if not done:
             raise
         kept = [p for r in done for p in r.written]
         rest = len(jobs) - len(done) - 1
-        raise DecodeError(f"{e}; kept the {len(kept)} output(s) written before it ({', '.join(map(str, kept[:3]))}"
-                          f"{', ...' if len(kept) > 3 else ''})" + (f", {rest} input(s) after it not decoded"
-                                                                    if rest else "")
-                          + "; to go on, decode the remaining inputs alone (--overwrite replaces what is there)"
-                          ) from None
+        msg = (f"{e}; kept the {len(kept)} output(s) written before it ({', '.join(map(str, kept[:3]))}"
+               f"{', ...' if len(kept) > 3 else ''})" + (f", {rest} input(s) after it not decoded" if rest else "")
+               + "; to go on, decode the remaining inputs alone (--overwrite replaces what is there)")
+        raise (type(e) if type(e) in (DecodeError, outputs.OutputError, outputs.AppearedError) else VaeoptError)(
+            msg) from None
 
 
 def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult]) -> list[DecodeResult]:

@@ -109,6 +109,9 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _raise_interrupt(signum, frame):
+    from vaeopt import cleanup
+
+    cleanup.handled()  # the main thread got here: its watchdog stands down
     raise _Terminated(signum)
 
 
@@ -138,6 +141,9 @@ def clean_errors(fn):
             with contextlib.suppress(ValueError, OSError, AttributeError):  # not the main thread / no SIGHUP
                 if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup` / a supervisor ignoring it: keep that
                     signal.signal(sig, _raise_interrupt)
+        from vaeopt import cleanup
+
+        cleanup.exit_promptly_on_signals()  # also inside one long torch op (cleanup's docstring says how)
         try:
             return fn(*a, **kw)
         except VaeoptError as e:
@@ -297,7 +303,15 @@ def decode(
                                         help="Frames per second of MP4 output (default 16, Wan's rate)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
                                                             "split into bands, many inputs are spread over ranks)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs. An output's name is never "
+                                   "followed: a symbolic link there is refused without --overwrite and replaced by "
+                                   "the output itself with it (what the link points to is left alone)."),
+    max_outputs: int = typer.Option(1000, "--max-outputs", help="Most outputs (images, clips) and tensors one input "
+                                     "file may ask for; checked before anything is decoded (a small file can repeat "
+                                     "one tensor thousands of times)."),
+    max_output_gb: float = typer.Option(64.0, "--max-output-gb", help="Most decoded output one input file may ask "
+                                        "for, in GB of 8-bit RGB pixels (4x for .safetensors output); bounds the "
+                                        "decode work too. Checked before anything is decoded."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
@@ -339,9 +353,13 @@ def decode(
                                 as_json, fps_given)
         return
     t0 = time.perf_counter()
-    files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
+    limits = api.Limits(max_outputs, max_output_gb)
+    limits.check()  # (before anything is read)
+    files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space), max_tensors=max_outputs)
+             for p in latents]
     _report_read(files, latent_space, time.perf_counter() - t0)
-    if output is not None and not out_folder and output.is_file() and sum(len(f.entries) for f in files) == 1:
+    if (output is not None and not out_folder and (output.is_file() or output.is_symlink())
+            and sum(len(f.entries) for f in files) == 1):
         from vaeopt import outputs  # one output file named by -o: an existing one fails now, not after the load
 
         outputs.check_writable([output], overwrite)
@@ -367,7 +385,8 @@ def decode(
         big = get_family(raw_tiny["vae"])
         _detail(f"raw latents are the {big.title} VAE's: the tiny decoder takes them scaled with "
                 f"{big.describe_scaling()} (as the pipeline hands them over, and as ComfyUI's TAESD does)")
-    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
+    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log,
+                         limits=limits)
     if fps_given and not any(j.kind == "mp4" for j in jobs):
         _fps_unused(fps)
     if chunk is not None and not loaded.family.is_video:
@@ -644,6 +663,9 @@ def _output_folder(path: Path | None):
             made.append(p)
             p = p.parent
         _make_output_folder(path)
+        from vaeopt import cleanup
+
+        cleanup.add_folders(made)  # (removed if still empty when a signal must end the process at once)
     try:
         yield
     except BaseException:

@@ -24,6 +24,12 @@ from vaeopt.families import FamilySpec, get_family
 
 LATENT_SUFFIXES = (".pt", ".pth", ".safetensors", ".latent", ".npy", ".npz")
 MANIFEST = "vaeopt.json"
+# Bounds on the work one input file may ask for, checked before anything is decoded (vaeopt decode --max-outputs,
+# --max-output-gb): a 40 KB .pt can hold one tensor referenced 20,000 times, or a batch dimension of 20,000. The
+# outputs (images, clips; the tensors a file holds) and the decoded size, counted as 8-bit RGB pixels (what the
+# decode computes and a PNG/MP4 holds before compression; a .safetensors output is 4x that).
+DEFAULT_MAX_OUTPUTS = 1000
+DEFAULT_MAX_OUTPUT_GB = 64.0
 # Refuse decodes whose output alone would exceed this many pixels per frame (64k x 64k would need >16 GiB per frame).
 MAX_OUTPUT_PIXELS = 16384 * 16384
 # .npy/.npz headers are checked before their data is read: a latent frame too large to decode within MAX_OUTPUT_PIXELS
@@ -64,10 +70,12 @@ def read_manifest(path: Path) -> dict:
     mpath = path.parent / MANIFEST
     if not mpath.is_file():
         return {}
+    from vaeopt.loading import parse_json
+
     try:
-        data = json.loads(mpath.read_text())
+        data = parse_json(mpath.read_text())
     except (OSError, ValueError) as e:
-        raise LatentError(f"{mpath}: unreadable manifest ({e})") from e
+        raise LatentError(f"{mpath}: unreadable manifest ({str(e)[:160]})") from e
     files = data.get("files", {}) if isinstance(data, dict) else None
     if isinstance(data, dict):
         _known_keys(mpath, data, ("files", "model", "family", "latent_space"), "at the top level")
@@ -101,7 +109,11 @@ def read_manifest(path: Path) -> dict:
             # found, but nothing in it for this file: said where the model lookup fails ("LAT.npy", "*.npy")
             hint.update(unlisted_in=str(mpath), listed=sorted(files)[:4])
     else:
-        hint["model"] = str((mpath.parent / hint["model"]).resolve())
+        try:
+            hint["model"] = str((mpath.parent / hint["model"]).resolve())
+        except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL byte in the name
+            raise LatentError(f"{mpath}: \"model\" {json.dumps(hint['model'])[:60]} is not a usable path "
+                              f"({getattr(e, 'strerror', None) or e})") from None
     return hint
 
 
@@ -144,6 +156,18 @@ def _collect(obj, prefix: str, out: list[LatentEntry], where: str = "") -> None:
         items = o.items() if isinstance(o, dict) else enumerate(o)
         inner = ancestors + (id(o),)
         stack.extend(reversed([(v, f"{name}.{k}" if name else str(k), depth + 1, inner) for k, v in items]))
+
+
+def as_float(t: torch.Tensor, where: str) -> torch.Tensor:
+    """t as float32 (float8 latents, float64...); a dtype torch cannot convert (float4's packed pairs) is an input
+    error naming the file, not a crash."""
+    try:
+        return t.float()
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:80]
+        raise LatentError(f"{where}: latents of dtype {str(t.dtype).replace('torch.', '')} cannot be decoded (torch "
+                          f"does not convert them to float32: {why}); save them as float32, bfloat16 or float16"
+                          ) from None
 
 
 def _text_file(head: bytes) -> str | None:
@@ -191,14 +215,22 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     """One .npy array from the open binary stream fh (a file, or a member of an .npz) of `size` bytes, as a tensor
     (float16/32/64 kept, other floats as float32, native byte order). Never unpickles. A non-float array returns
     the message that says so (an .npz may hold a seed beside its latents); unreadable ones raise LatentError."""
+    import lzma
+    import zlib
+
     import numpy as np
 
     try:
         version = np.lib.format.read_magic(fh)
         shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                            else np.lib.format.read_array_header_2_0)(fh)
-    except (ValueError, OSError, EOFError) as e:
-        raise LatentError(f"{where}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+    except (zlib.error, lzma.LZMAError):
+        raise  # a damaged .npz stream: the member loop names it
+    except Exception as e:  # noqa: BLE001  numpy parses the header as Python text (tokenize: TokenError, SyntaxError)
+        if isinstance(e, MemoryError):
+            raise
+        raise LatentError(f"{where}: not a readable .npy file ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
+                          ) from e
     if dtype.hasobject:
         raise LatentError(f"{where}: refusing a pickled .npy of Python objects (allow_pickle=False)")
     if dtype.kind != "f":
@@ -215,16 +247,22 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     try:
         fh.seek(0)
         arr = np.lib.format.read_array(fh, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise LatentError(f"{where}: not a readable .npy file ({str(e).splitlines()[0][:120]})") from e
+    except (zlib.error, lzma.LZMAError):
+        raise
+    except (ValueError, OSError, EOFError, TypeError) as e:
+        raise LatentError(f"{where}: not a readable .npy file ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
+                          ) from e
     native = arr.dtype.newbyteorder("=")  # big-endian files: torch takes native byte order only
     keep = native in (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))  # shown as stored
     return torch.from_numpy(np.ascontiguousarray(arr.astype(native if keep else "float32", copy=False)))
 
 
-def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool = True) -> LatentFile:
+def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool = True,
+                 max_tensors: int | None = DEFAULT_MAX_OUTPUTS) -> LatentFile:
     """manifest_needed=False: the caller has the model and latent space from elsewhere (both given on the command
-    line), so a broken vaeopt.json beside the file is noted and ignored instead of stopping the run."""
+    line), so a vaeopt.json beside the file is not read at all (a broken one cannot stop the run).
+    max_tensors: the most tensors the file may hold (each reference counted: a list of one tensor 20,000 times is
+    20,000 decodes); None for no bound. Without --key only: with it, one tensor is decoded."""
     path = Path(path)
     if not path.exists():
         raise LatentError(f"{path}: " + ("a broken or looping symlink" if path.is_symlink() else "no such file"))
@@ -327,6 +365,14 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     elif suffix in (".safetensors", ".latent"):
         from safetensors import SafetensorError, safe_open
 
+        from vaeopt.loading import _magic_name, safetensors_header_problem
+
+        with open(path, "rb") as fh:
+            head = fh.read(32)
+        problem = safetensors_header_problem(path, head, path.stat().st_size) if head[8:9] == b"{" else (
+            f"corrupt or truncated safetensors file (no safetensors header: {_magic_name(head)})")
+        if problem:  # in the words the checkpoint reader uses for the same fault
+            raise LatentError(f"{path}: {problem}")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = f.metadata() or {}
@@ -338,7 +384,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             default_space = "raw"
             t = tensors["latent_tensor"]
             if "latent_format_version_0" not in tensors:
-                t = t.float() / _COMFY_LEGACY_SCALE
+                t = as_float(t, str(path)) / _COMFY_LEGACY_SCALE
                 notes.append("legacy ComfyUI latent (no version marker): divided by 0.18215 as ComfyUI does")
             entries.append(LatentEntry("latent_tensor", t))
         else:
@@ -355,7 +401,9 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             raise LatentError(t)
         entries.append(LatentEntry("", t))
     elif suffix == ".npz":  # numpy.savez(_compressed): a zip of .npy members, read one by one without pickles
+        import lzma
         import zipfile
+        import zlib
 
         fmt = "npz"
         try:
@@ -370,8 +418,16 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
                 try:
                     with zf.open(info) as fh:
                         t = _read_npy(fh, f"{path} [{name}]", info.file_size)
-                except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+                except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error, lzma.LZMAError) as e:
                     raise LatentError(f"{path} [{name}]: corrupt member of the .npz file ({str(e)[:120]})") from e
+                except NotImplementedError:  # a compression method zipfile does not know
+                    raise LatentError(f"{path} [{name}]: stored with a compression method (#{info.compress_type}) "
+                                      "that numpy.savez never uses and Python cannot unpack") from None
+                except RuntimeError as e:  # zipfile: "File ... is encrypted, password required for extraction"
+                    if "encrypted" not in str(e):
+                        raise
+                    raise LatentError(f"{path} [{name}]: an encrypted member of the .npz file; vaeopt reads "
+                                      "numpy.savez files, which are never encrypted") from None
                 if isinstance(t, str):  # not floating point (e.g. a saved seed or index array)
                     skipped.append((name, t))
                 else:
@@ -386,6 +442,15 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
 
     if not entries:
         raise LatentError(f"{path}: contains no tensors")
+    if key is None and max_tensors is not None and len(entries) > max_tensors:
+        distinct = len({id(e.tensor) for e in entries})
+        raise LatentError(f"{path}: holds {len(entries)} tensors" + (f" ({distinct} distinct, the others repeats of "
+                          "them)" if distinct < len(entries) else "") + f", more than the {max_tensors} one input file "
+                          "may hold (--max-outputs, a guard against files that ask for unbounded work): pass "
+                          f"--max-outputs {len(entries)} to allow it, or --key NAME to decode one of them")
+    for e in entries:  # latents saved as an nn.Parameter (or with requires_grad): data here, no autograd warnings
+        if e.tensor.requires_grad or type(e.tensor) is not torch.Tensor:
+            e.tensor = e.tensor.detach().as_subclass(torch.Tensor)
     params = [e.name for e in entries if e.name.rsplit(".", 1)[-1] in ("weight", "bias")]
     if key is None and len(params) >= 4 and 2 * len(params) >= len(entries):
         raise LatentError(f"{path}: holds model weights ({len(entries)} tensors such as {params[0]}, {params[1]}), "
@@ -401,16 +466,12 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     if key is not None:
         picked = [e for e in entries if e.name == key]
         if not picked:
-            raise LatentError(f"{path}: no tensor named '{key}'; found: {', '.join(e.name or '<tensor>' for e in entries)}")
+            names = [e.name or "<tensor>" for e in entries]
+            raise LatentError(f"{path}: no tensor named '{key}'; found: {', '.join(names[:8])}"
+                              + (f", ... ({len(names)} in all)" if len(names) > 8 else ""))
         all_entries = entries
         entries = picked
-    try:
-        manifest = read_manifest(path)
-    except LatentError as e:
-        if manifest_needed:
-            raise
-        notes.append(f"ignored ({e}): --model and --latent-space were given")
-        manifest = {}
+    manifest = read_manifest(path) if manifest_needed else {}  # not needed: not read (nor able to fail the run)
     if manifest.get("latent_space") in ("raw", "scaled"):
         default_space = manifest["latent_space"]
     elif manifest.get("folder_latent_space") in ("raw", "scaled") and fmt in ("pt", "npy", "npz", "safetensors") \
@@ -449,7 +510,7 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     if not torch.is_floating_point(t):
         raise LatentError(f"{where}: latents must be floating point, got {t.dtype}")
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        t = t.float()  # e.g. float8 latents: upcast (and so isfinite works)
+        t = as_float(t, where)  # e.g. float8 latents: upcast (and so isfinite works)
     want = 5 if family.is_video else 4
     cin = family.latent_channels
     unbatched = None

@@ -77,6 +77,50 @@ _DIR_WEIGHTS = (
 )
 _NESTING_KEYS = ("state_dict", "model", "module", "model_state_dict", "net", "vae")
 _MAX_HEADER = 100 * 1024 * 1024
+# JSON (config.json, vaeopt.json, the user config, a checkpoint's config metadata) nested deeper than this is refused:
+# real ones nest 2-3 levels, and Python's parser and copy.deepcopy recurse per level (a file of 100k '[' would raise
+# RecursionError).
+MAX_JSON_DEPTH = 32
+
+
+def parse_json(text: str | bytes):
+    """json.loads for files vaeopt is given: nesting beyond MAX_JSON_DEPTH raises ValueError, as malformed JSON does."""
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep") from None
+    stack = [(obj, 0)]
+    while stack:
+        o, depth = stack.pop()
+        if isinstance(o, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+            stack.extend((v, depth + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return obj
+
+
+def expand_user(path, what: str) -> Path:
+    """Path(path).expanduser(), with a '~name' whose user does not exist reported as an input error naming `what`."""
+    p = Path(path)
+    try:
+        return p.expanduser()
+    except (RuntimeError, KeyError):  # "Could not determine home directory."
+        user = str(path).split("/", 1)[0]
+        raise CheckpointError(f"{what} {path}: '{user}' names no user on this system (so no home folder)") from None
+
+
+def safetensors_header_problem(path: Path, head: bytes, size: int) -> str | None:
+    """What is wrong with a safetensors file's 8-byte header length, in the words both the checkpoint and the latent
+    readers use ("header too large", "truncated"); None when it is plausible."""
+    if len(head) < 8:
+        return f"corrupt or truncated safetensors file ({size} bytes)"
+    n = struct.unpack("<Q", head[:8])[0]
+    if n > _MAX_HEADER:
+        return (f"corrupt safetensors file (header too large: its first 8 bytes declare a {n}-byte header, more than "
+                f"the {_MAX_HEADER} bytes vaeopt reads)")
+    if n + 8 > size:
+        return f"corrupt or truncated safetensors file (header says {n} bytes, file has {size})"
+    return None
 
 
 def _short(e: BaseException, n: int = 160) -> str:
@@ -115,11 +159,10 @@ def _sniff(path: Path) -> str:
     # safetensors first: a header of 640, 896, 1152 or 1408 bytes makes the file start 80 02..05 like a pickle
     if len(head) >= 9 and head[8:9] == b"{":
         n = struct.unpack("<Q", head[:8])[0]
-        if 0 < n <= _MAX_HEADER:
-            if n + 8 > size:
-                raise CheckpointError(
-                    f"{path}: corrupt or truncated safetensors file (header says {n} bytes, file has {size})"
-                )
+        if n > 0:
+            problem = safetensors_header_problem(path, head, size)
+            if problem:
+                raise CheckpointError(f"{path}: {problem}")
             return "safetensors"
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return "pickle"
@@ -262,7 +305,9 @@ def _resolve_dir(path: Path) -> tuple[Path, list[Path]]:
         if name is not None and ".index." in name:
             idx = d / name
             try:
-                shards = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+                shards = sorted(set(parse_json(idx.read_text())["weight_map"].values()))
+                if not all(isinstance(s, str) and s for s in shards):
+                    raise ValueError("its weight_map must map tensor names to file names")
             except Exception as e:
                 raise CheckpointError(f"{idx}: unreadable shard index ({_short(e)})") from None
             # by name, not by where a file points: a Hugging Face cache links every shard into ../../blobs/
@@ -322,7 +367,7 @@ def _hub_hint(path: Path) -> str:
 
 
 def _read(path: Path, select_vae: bool = False) -> _Source:
-    path = Path(path).expanduser()
+    path = expand_user(path, "checkpoint")
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}" + (" (a broken or looping symlink)" if path.is_symlink()
                                                                  else _hub_hint(path)))
@@ -337,7 +382,7 @@ def _read(path: Path, select_vae: bool = False) -> _Source:
             meta.update(m)
         try:
             cfg_text = (d / "config.json").read_text()
-            cfg = json.loads(cfg_text)
+            cfg = parse_json(cfg_text)
         except Exception as e:
             raise CheckpointError(f"{d / 'config.json'}: not valid JSON ({_short(e)})") from None
         if not isinstance(cfg, dict):  # (was ignored: default settings, a wrong decode without a word)
@@ -981,20 +1026,28 @@ def _load_config_arg(config) -> dict | None:
     if config is None:
         return None
     if isinstance(config, dict):
+        if not isinstance(config.get("_class_name", ""), str):
+            raise CheckpointError(f"config: \"_class_name\" must be the name of a diffusers class, got "
+                                  f"{config['_class_name']!r:.40}")
         return copy.deepcopy(config)
-    p = Path(config).expanduser()
+    p = expand_user(config, "--config")
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise CheckpointError(f"config file not found: the folder {p.resolve()} has no config.json")
         p = p / "config.json"
+    if p.exists() and not p.is_file():  # a FIFO or a device: it exists, and reading it could block for ever
+        raise CheckpointError(f"--config {p}: not a regular file (a FIFO, socket or device); give a config.json file")
     if not p.is_file():
         raise CheckpointError(f"config file not found: {p}")
     try:
-        cfg = json.loads(p.read_text())
+        cfg = parse_json(p.read_text())
     except Exception as e:
         raise CheckpointError(f"{p}: config is not valid JSON ({_short(e)})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{p}: config must be a JSON object")
+    if not isinstance(cfg.get("_class_name", ""), str):
+        raise CheckpointError(f"{p}: \"_class_name\" must be the name of a diffusers class, got "
+                              f"{json.dumps(cfg['_class_name'])[:40]}")
     return cfg
 
 
@@ -1003,9 +1056,12 @@ def _meta_config(metadata: dict | None, notes: list[str]) -> dict | None:
     if raw is None:
         return None
     try:
-        cfg = json.loads(raw) if isinstance(raw, str) else raw
+        cfg = parse_json(raw) if isinstance(raw, str) else raw
     except Exception:
         notes.append("metadata 'config' is not valid JSON: ignored")
+        return None
+    if isinstance(cfg, dict) and not isinstance(cfg.get("_class_name", ""), str):
+        notes.append("metadata 'config' names no class (its \"_class_name\" is not text): ignored")
         return None
     return cfg if isinstance(cfg, dict) else None
 
@@ -1033,7 +1089,10 @@ _GROUPS_HINT = ("give its group count (CLI: --config with a config.json holding 
 
 
 def _norm_groups(cfg: dict, widths: list[int], source: str, notes: list[str]) -> None:
-    g = int(cfg.get("norm_num_groups") or 32)
+    g = cfg.get("norm_num_groups") or 32
+    if (isinstance(g, bool) or not isinstance(g, int) or g < 1
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths)):
+        return  # not a usable number: _check_config_values says so, naming where it came from
     if source == "family default" and any(w % g for w in widths):
         g2 = max(d for d in range(1, g + 1) if all(w % d == 0 for w in widths))
         notes.append(
@@ -1126,8 +1185,84 @@ def _build_spec(a: _Analysis, spec: FamilySpec, meta_cfg, explicit, notes, label
                               or (k == "scaling_factor" and v <= 0)):
             raise CheckpointError(f"{label}: {k} {v!r} in the config is not a "
                                   f"{'positive ' if k == 'scaling_factor' else ''}finite number")
+    _check_config_values(a.cls_name, cfg, lambda k: "the given config" if explicit and k in explicit else (
+        "the checkpoint's config" if k in meta_use else f"{spec.name}'s settings"), label)
     cfg["_class_name"] = a.cls_name
     return FamilySpec(spec.name, spec.title, cfg)
+
+
+_MAX_CONFIG_INT = 65536  # no VAE setting (widths, channels, groups, blocks) comes near it; a width of 10**9 would be
+# refused only after allocating (or failing to allocate) its weights
+
+
+def _value_problem(param: inspect.Parameter, v) -> str | None:
+    """None if v fits the type a model class's __init__ declares for this setting, else what it should be: a whole
+    number >= 1 (0 where that is the default) for an int, a finite number for a float, true/false for a bool, text
+    for a str, a list of those for a list or tuple. Settings of no such type are left to the class."""
+    import typing
+
+    def kind_ok(want, v, default) -> str | None:
+        if want is bool:
+            return None if isinstance(v, bool) else "true or false"
+        if want is int:
+            lo = 0 if default == 0 else 1
+            ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v <= _MAX_CONFIG_INT
+            return None if ok else f"a whole number from {lo} to {_MAX_CONFIG_INT}"
+        if want is float:
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            if param.name == "scaling_factor":  # latents are divided by it
+                return None if ok and v > 0 else "a positive finite number"
+            return None if ok else "a finite number"
+        if want is str:
+            return None if isinstance(v, str) else "text"
+        return None
+
+    ann = param.annotation
+    if isinstance(ann, str) or ann is inspect.Parameter.empty:
+        return None
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    origin = typing.get_origin(ann)
+    if v is None and type(None) in typing.get_args(ann):
+        return None
+    if origin in (list, tuple) or (origin is not None and args and typing.get_origin(args[0]) in (list, tuple)):
+        inner = args if origin in (list, tuple) else typing.get_args(args[0])
+        inner = [a for a in inner if a is not Ellipsis][:1]
+        if not isinstance(v, list | tuple) or len(v) > 1024:
+            return "a list"
+        why = next((w for x in v if (w := kind_ok(inner[0], x, None) if inner else None)), None)
+        return f"a list of {why.replace('a ', '', 1)}s" if why else None
+    if ann in (bool, int, float, str):
+        return kind_ok(ann, v, param.default)
+    if args and all(a in (bool, int, float, str) for a in args):  # e.g. float | None, int | None
+        return kind_ok(args[0], v, param.default)
+    return None
+
+
+def _check_config_values(cls_name: str, cfg: dict, source_of, label: str) -> None:
+    """Every setting the model class takes, checked against the type its __init__ declares (_value_problem) before
+    the model is built. Caught here, a bad value is an error naming the setting and where it came from; caught by
+    torch, it was a crash at the first decode (norm_num_groups -4, true)."""
+    sig = inspect.signature(model_class(cls_name).__init__).parameters
+    for k, v in cfg.items():
+        if k in sig and not k.startswith("_") and (why := _value_problem(sig[k], v)):
+            raise CheckpointError(f"{label}: {k} {json.dumps(v)[:40]} in {source_of(k)} is not {why}")
+
+
+_DETECT_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderTiny")
+
+
+def _precheck_config(cfg: dict | None, source: str, label: str) -> None:
+    """Before detection reads a config (scaling_factor, shift_factor, latent_channels decide families): a setting
+    that fits no model class's declared type is refused now (the class is not known yet)."""
+    if not cfg:
+        return
+    sigs = [inspect.signature(model_class(c).__init__).parameters for c in _DETECT_CLASSES]
+    for k, v in cfg.items():
+        if k.startswith("_"):
+            continue
+        problems = [_value_problem(sig[k], v) for sig in sigs if k in sig]
+        if problems and all(problems):
+            raise CheckpointError(f"{label}: {k} {json.dumps(v)[:40]} in {source} is not {problems[0]}")
 
 
 def _post_quant_expected(spec: FamilySpec, meta_use: dict, explicit) -> bool:
@@ -1162,6 +1297,8 @@ def _detect(
         a.layout = "diffusers-dir" if a.layout == "diffusers" else f"{a.layout} (directory)"
     explicit = _alias_config(_load_config_arg(config), "the given config", notes)
     meta_cfg = _alias_config(_meta_config(metadata, notes), "the checkpoint's config", notes)
+    _precheck_config(explicit, "the given config", label)
+    _precheck_config(meta_cfg, "the checkpoint's config", label)
     if names is None:
         names = [Path(filename).name] if filename else []
     spec = _choose_family(a, family, explicit, meta_cfg, metadata, other_keys or list(state_dict), names, notes, label)
@@ -1320,6 +1457,7 @@ def load_vae(
         explicit = _load_config_arg(config)
         if explicit:
             spec = spec.with_config({k: v for k, v in explicit.items() if k in _init_params(spec.cls_name)})
+            _check_config_values(spec.cls_name, spec.config, lambda k: "the given config", spec.name)
         model = _instantiate(spec, spec.name)
         model = _to(model, device, dtype)
         return LoadedVAE(model, spec, "random-init", None, ["no checkpoint: random weights"], None)

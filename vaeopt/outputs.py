@@ -7,6 +7,7 @@ error, a full disk or Ctrl-C never leaves a half-written output.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import hashlib
 import os
@@ -19,6 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from vaeopt import cleanup
 from vaeopt.errors import OutputError
 
 IMAGE_SUFFIXES = (".png",)
@@ -55,9 +57,9 @@ def frame_rate(fps: float) -> Fraction:
     return Fraction(fps).limit_denominator(1001)
 
 
-def _os_error(path: Path, e: OSError) -> OutputError:
+def _os_error(path: Path, e: OSError, left: str = "nothing of it was left behind") -> OutputError:
     if e.errno == errno.ENOSPC:
-        return OutputError(f"{path}: disk full while writing (nothing was left behind)")
+        return OutputError(f"{path}: disk full while writing ({left})")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return OutputError(f"{path}: not writable ({e.strerror})")
     return OutputError(f"{path}: cannot write ({e.strerror or e})")
@@ -72,19 +74,24 @@ def _appeared(path: Path) -> AppearedError:
                          "it was kept and this output was not written (pass --overwrite to replace it)")
 
 
+def _empty_real_dir(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink() and not any(p.iterdir())
+
+
 def _commit_no_clobber(tmp: Path, path: Path) -> None:
-    """Move the finished temp file or folder to `path` unless something is there by now: an output checked free
-    before a minutes-long decode can have been written meanwhile (two runs with the same -o). A file is hard-linked
-    into place (atomic, fails if the name exists), then its temp name removed; where the file system has no hard
-    links, the name is checked just before the rename. A folder is renamed: rename(2) replaces only an empty folder
-    (the one `-o clip/` makes before decoding) and fails on one that holds files."""
+    """Move the finished temp file or folder to `path` unless something is there by now (a symlink included, dangling
+    or not): an output checked free before a minutes-long decode can have been written meanwhile (two runs with the
+    same -o). A file is hard-linked into place (atomic, fails if the name exists, never follows a link there), then
+    its temp name removed; where the file system has no hard links, the name is checked just before the rename. A
+    folder is renamed: rename(2) replaces only an empty folder (the one `-o clip/` makes before decoding) and fails
+    on one that holds files, on a file and on a link."""
     if tmp.is_dir():
-        if os.path.lexists(path) and not (path.is_dir() and not any(path.iterdir())):
+        if os.path.lexists(path) and not _empty_real_dir(path):
             raise _appeared(path)
         try:
             os.rename(tmp, path)
         except OSError as e:
-            if path.is_dir() and not any(path.iterdir()):  # Windows: rename never replaces a folder, even empty
+            if _empty_real_dir(path):  # Windows: rename never replaces a folder, even empty
                 try:
                     path.rmdir()
                     os.rename(tmp, path)
@@ -96,12 +103,13 @@ def _commit_no_clobber(tmp: Path, path: Path) -> None:
             raise
         return
     try:
-        os.link(tmp, path)
+        os.link(tmp, path, follow_symlinks=False)
     except FileExistsError:
         raise _appeared(path) from None
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS,
-                           errno.EINVAL):  # (EINVAL: FAT / exFAT on Windows)
+    except (OSError, NotImplementedError) as e:
+        if isinstance(e, OSError) and e.errno not in (
+                errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS,
+                errno.EINVAL):  # (EINVAL: FAT / exFAT on Windows)
             raise
         if os.path.lexists(path):  # no hard links here (FAT, some FUSE mounts): the check is as late as it can be
             raise _appeared(path) from None
@@ -110,59 +118,215 @@ def _commit_no_clobber(tmp: Path, path: Path) -> None:
     _remove(tmp)
 
 
-@contextlib.contextmanager
-def atomic_path(path: Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it to `path` on success, delete it on any failure. A symlink is
-    followed: what it points to is replaced, the link stays (as `cp` writes through one). overwrite=False: an output
-    that appeared at `path` while this one was made is kept, and AppearedError raised (nothing of ours left)."""
-    path = _followed(Path(path))
-    parent = path.parent
-    if not parent.exists():
+def _commit_replacing(tmp: Path, path: Path) -> None:
+    """--overwrite: put the finished temp file or folder at `path`, replacing what is there. A symbolic link there is
+    replaced by the output (the link itself, never the file it points to); a frames folder is swapped for the new
+    one (moved aside, the new one renamed in, the old one removed; put back if the rename fails)."""
+    if tmp.is_dir() and path.is_dir() and not path.is_symlink():  # os.replace cannot replace a non-empty folder
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name[:180]}.", suffix=".old", dir=path.parent))
+        os.replace(path, old)  # (onto the empty folder just made)
         try:
-            parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)  # put the previous output back
+            raise
+        _remove(old)
+    elif tmp.is_dir() and os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+        os.unlink(path)  # a link (or file) where a folder goes: rename(2) puts a folder only on a folder or nothing
+        os.rename(tmp, path)
+    else:
+        os.replace(tmp, path)  # rename(2): replaces a link itself, never writes through it
+
+
+def _commit(tmp: Path, path: Path, overwrite: bool) -> None:
+    (_commit_replacing if overwrite else _commit_no_clobber)(tmp, path)
+    cleanup.drop_temp(tmp)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # once, at import: setting it briefly races with other threads creating files
+
+
+def _new_temp(path: Path, folder: bool = False) -> Path:
+    """A fresh temporary file (or folder) beside `path`, created exclusively under an unpredictable name: O_EXCL
+    refuses any name that exists, a symbolic link included, so no one can point the write elsewhere by placing a link
+    where vaeopt will write. Permissions as an ordinary new file's (umask applied), not mkstemp's 0600."""
+    parent = path.parent
+    prefix = f".{path.name}."
+    if len(os.fsencode(prefix)) > 200:  # a long but valid name: keep the temp name within the file system's limit
+        prefix = f".vaeopt.{hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]}."
+    # the suffix kept (writers that pick a format by it still can), unless a folder's name has a long dotted part
+    suffix = ".partial" + (path.suffix if len(path.suffix) <= 16 else "")
+    if folder:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=parent))
+        mode = 0o777
+    else:
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=parent)
+        os.close(fd)
+        tmp, mode = Path(name), 0o666
+    cleanup.add_temp(tmp)  # (removed by its signal watchdog if the process must end inside a long operation)
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, mode & ~_UMASK)
+    return tmp
+
+
+class _Landing:
+    """Outputs that land together (the images of one batch): each finished one waits under its temporary name, and
+    all are renamed into place at the end; on any failure every temporary and every output this batch already put
+    in place are removed again."""
+
+    def __init__(self, paths: list[Path], overwrite: bool):
+        self.paths = list(paths)
+        self.overwrite = overwrite
+        self.ready: list[tuple[Path, Path]] = []  # (temporary, output), in order
+        self.made: list[Path] = []  # folders made for the batch's outputs (removed with it, when empty)
+
+    def names(self) -> str:
+        ps = self.paths
+        return ", ".join(map(str, ps)) if len(ps) <= 3 else f"{ps[0]} .. {ps[-1].name}"
+
+    def discard(self) -> None:
+        for tmp, _ in self.ready:
+            _remove(tmp)
+        self.ready.clear()
+        _remove_empty(self.made)
+
+    def commit(self) -> None:
+        placed: list[Path] = []
+        try:
+            for tmp, path in self.ready:
+                _commit(tmp, path, self.overwrite)
+                placed.append(path)
+        except BaseException as e:
+            left = [tmp for tmp, path in self.ready if path not in placed]
+            for tmp in left:
+                _remove(tmp)
+            if not self.overwrite:  # the ones placed are new files of this run: removed, so none of the batch stays
+                for p in placed:
+                    _remove(p)
+                _remove_empty(self.made)
+                what = f"none of the batch's {len(self.paths)} outputs was written"
+            else:
+                shown = ", ".join(map(str, placed[:3])) + (", ..." if len(placed) > 3 else "")
+                what = (f"{len(placed)} of the batch's {len(self.paths)} outputs were replaced"
+                        + (f" ({shown})" if placed else "") + ", the others keep what was there")
+            if isinstance(e, AppearedError):
+                raise AppearedError(f"{e}; {what}") from None
+            if isinstance(e, OSError):
+                raise _os_error(self.ready[len(placed)][1], e, what) from None
+            raise
+        finally:
+            self.ready.clear()
+
+
+_landing: contextvars.ContextVar[_Landing | None] = contextvars.ContextVar("vaeopt_landing", default=None)
+
+
+@contextlib.contextmanager
+def land_together(paths: list[Path], overwrite: bool) -> Iterator[None]:
+    """The outputs written inside this block (by write_png, write_mp4, write_frames_dir, write_tensor) are renamed
+    into place together when it ends, or none of them is: a full disk at the 2nd of 4 images leaves no 1st image
+    behind, and the error says so."""
+    if len(paths) < 2:
+        yield
+        return
+    land = _Landing(paths, overwrite)
+    token = _landing.set(land)
+    try:
+        yield
+    except OutputError as e:
+        land.discard()
+        msg = str(e)
+        if msg.endswith("(nothing of it was left behind)"):
+            msg = msg[: -len("(nothing of it was left behind)")] + f"(none of the batch's {len(paths)} outputs " \
+                                                                   f"was written: {land.names()})"
+        else:
+            msg += f"; none of the batch's {len(paths)} outputs was written"
+        raise type(e)(msg) from None
+    except BaseException:
+        land.discard()
+        raise
+    finally:
+        _landing.reset(token)
+    land.commit()
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path, overwrite: bool = True, folder: bool = False) -> Iterator[Path]:
+    """Yield a temporary file (folder=True: folder) made beside `path`; rename it to `path` on success, delete it on any
+    failure. The name `path` is never followed: a symbolic link there is refused (overwrite=False) or replaced by the
+    output itself (overwrite=True), never written through. overwrite=False: an output that appeared at `path` while
+    this one was made is kept, and AppearedError raised (nothing of ours left). Inside land_together the rename waits
+    for the end of the batch."""
+    path = Path(path)
+    land = _landing.get()
+    made = _make_parents(path.parent)  # removed again (if still empty) when this output, or its batch, fails
+    if land is not None:
+        land.made += made
+    try:
+        try:
+            tmp = _new_temp(path, folder)
         except OSError as e:
             raise _os_error(path, e) from e
-    tmp = parent / f".{path.name}.{os.getpid()}.partial{path.suffix}"
-    if len(os.fsencode(tmp.name)) > 255:  # a long but valid name: keep the temp name within the file system's limit
-        tmp = parent / f".vaeopt.{os.getpid()}.{hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]}.partial{path.suffix}"
-    try:
-        yield tmp
-        if not overwrite:
-            _commit_no_clobber(tmp, path)
-        elif tmp.is_dir() and path.is_dir():  # --overwrite of a frames folder: os.replace cannot replace a non-empty one
-            old = parent / f".{path.name}.{os.getpid()}.old"
-            os.replace(path, old)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                os.replace(old, path)  # put the previous output back
-                raise
-            _remove(old)
-        else:
-            os.replace(tmp, path)
-    except OSError as e:
-        _remove(tmp)
-        raise _os_error(path, e) from e
+        try:
+            yield tmp
+            if land is not None and path in land.paths:
+                land.ready.append((tmp, path))
+            else:
+                _commit(tmp, path, overwrite)
+        except OSError as e:
+            _remove(tmp)
+            raise _os_error(path, e) from e
+        except BaseException:
+            _remove(tmp)
+            raise
     except BaseException:
-        _remove(tmp)
+        _remove_empty(made)
         raise
 
 
-def _followed(p: Path) -> Path:
-    """p, or where it points if it is a symlink (whose target may not exist yet)."""
-    return Path(os.path.realpath(p)) if p.is_symlink() else p
+def _make_parents(folder: Path) -> list[Path]:
+    """Make `folder` and the folders above it that are missing; return those made, innermost first."""
+    made = []
+    p = folder
+    while not os.path.lexists(p) and p != p.parent:
+        made.append(p)
+        p = p.parent
+    if made:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            _remove_empty(made)
+            raise _os_error(folder, e) from e
+        cleanup.add_folders(made)
+    return made
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this process made, innermost first, as far as they are empty."""
+    for p in folders:
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def _filled_in_place(folder: Path) -> bool:
     """An existing empty frames folder that no rename can replace (a mount point, or its parent not writable):
     write_frames_dir fills it file by file instead, and check_writable checks the folder itself."""
-    return (folder.is_dir() and not any(folder.iterdir())
+    return (folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
             and (os.path.ismount(folder) or not os.access(folder.parent, os.W_OK)))
 
 
 def _remove(p: Path) -> None:
+    cleanup.drop_temp(p)
     try:
-        if p.is_dir():
+        if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
             p.unlink()
@@ -182,46 +346,73 @@ def check_name_length(p: Path) -> None:
                           "system takes; give a shorter -o (or rename the input)")
 
 
+def _kind_of(p: Path) -> str | None:
+    """What a name that exists but is neither a file, a folder nor a link is ("a FIFO"...), else None."""
+    import stat
+
+    try:
+        m = os.lstat(p).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(m) or stat.S_ISDIR(m) or stat.S_ISLNK(m):
+        return None
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(m) else "a socket" if stat.S_ISSOCK(m)
+            else "a device" if stat.S_ISCHR(m) or stat.S_ISBLK(m) else "not a regular file")
+
+
+def _not_a_file(shown, kind: str) -> OutputError:
+    return OutputError(f"{shown}: a device, pipe or socket, not a folder or a .png/.mp4/.safetensors file, which is "
+                       f"what -o takes; vaeopt never replaces {kind}, even with --overwrite (to decode without "
+                       "writing, time it with vaeopt benchmark)")
+
+
 def check_writable(paths: list[Path], overwrite: bool, folders: set[Path] | frozenset = frozenset()) -> None:
     """Fail before decoding (not after minutes of work) if an output exists or its folder can't be written.
     folders: the outputs that are folders (PNG frames); --overwrite replaces a file with a file, a folder with a
     folder, and only a folder of frames (an existing folder is a folder output whatever its name, so `-o renders`
     may name one that holds other files). An empty folder where a frames folder goes is used as it is (nothing in it
-    to lose: e.g. `-o clip/`, which the CLI makes before planning)."""
+    to lose: e.g. `-o clip/`, which the CLI makes before planning). The output's own name is never followed: a
+    symbolic link there, dangling or not, is an existing name (refused without --overwrite; with it, the link itself
+    is replaced by the output, and what it points to is left alone). A FIFO, socket or device is never replaced."""
     probed: set[Path] = set()
     for p in paths:
         folder = p in folders
         check_name_length(p)
-        shown, p = p, _followed(p)  # checked where a symlink points; named as the user typed it
-        if shown.is_symlink() and not p.parent.is_dir():
-            raise OutputError(f"{shown}: is a symlink into a folder that does not exist ({p.parent})")
-        empty_folder = folder and p.is_dir() and not any(p.iterdir())
+        if (kind := _kind_of(p)) is not None:
+            raise _not_a_file(p, kind)
+        if p.is_symlink():
+            if not overwrite:
+                raise OutputError(f"{p}: already exists, as a symbolic link (to {os.readlink(p)}); vaeopt never writes "
+                                  "through a link: pass --overwrite to replace the link itself with the output (what "
+                                  "it points to is left alone), or choose another -o")
+            check_folder(p.parent, str(p), probed)
+            continue
+        empty_folder = folder and _empty_real_dir(p)
         if p.exists() and not overwrite and not empty_folder:
-            raise OutputError(f"{shown}: already exists (pass --overwrite to replace it)")
+            raise OutputError(f"{p}: already exists (pass --overwrite to replace it)")
         if p.exists() and p.is_dir() != folder:
             what, want = ("a folder", "a file") if p.is_dir() else ("a file", "a folder of frames")
-            raise OutputError(f"{shown}: is {what}; this output is {want}, so --overwrite cannot replace it")
+            raise OutputError(f"{p}: is {what}; this output is {want}, so --overwrite cannot replace it")
         other = next((q.name for q in p.iterdir() if not _FRAME_NAME.fullmatch(q.name) and q.name not in _OS_FILES),
                      None) if p.is_dir() else None
         if other is not None:
-            raise OutputError(f"{shown}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
+            raise OutputError(f"{p}: holds files other than PNG frames (e.g. {other}); --overwrite replaces only a "
                               "folder of frames: choose another -o")
         if folder and _filled_in_place(p):
             if not os.access(p, os.W_OK):
-                raise OutputError(f"{shown}: folder is not writable")
+                raise OutputError(f"{p}: folder is not writable")
             continue
         if folder and p.is_dir() and os.path.ismount(p):
-            raise OutputError(f"{shown}: is a mount point holding frames; --overwrite replaces a frames folder as a whole "
+            raise OutputError(f"{p}: is a mount point holding frames; --overwrite replaces a frames folder as a whole "
                               "(a rename), which a mount point does not allow: empty it, or choose a folder inside it")
-        check_folder(p.parent, str(shown), probed)
+        check_folder(p.parent, str(p), probed)
 
 
 def check_output_folder(output: Path, is_folder: bool, shown: str) -> None:
-    """-o checked before anything is loaded: the folder its files go to (it, when it is a folder; else the one it
-    is in) can be written (check_folder)."""
-    output = _followed(output)
-    if output.exists() and not output.is_file() and not output.is_dir():
-        return  # /dev/null, a FIFO: no folder of ours (planning says what -o takes)
+    """-o checked before anything is loaded: not a FIFO, socket or device (`-o /dev/null`), and the folder its files
+    go to (it, when it is a folder; else the one it is in) can be written (check_folder)."""
+    if (kind := _kind_of(output)) is not None:
+        raise _not_a_file(shown, kind)
     check_folder(output if is_folder or output.is_dir() else output.parent, shown)
 
 
@@ -269,11 +460,16 @@ def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
     return y.cpu().contiguous()
 
 
-def write_png(path: Path, image_hwc: torch.Tensor, overwrite: bool = True) -> None:
+def _save_png(target: Path, image_hwc: torch.Tensor) -> None:
+    """One uint8 (H,W,3) image as a PNG file at `target` (a temporary that atomic_path made)."""
     from PIL import Image
 
+    Image.fromarray(image_hwc.numpy()).save(target, format="PNG")
+
+
+def write_png(path: Path, image_hwc: torch.Tensor, overwrite: bool = True) -> None:
     with atomic_path(path, overwrite) as tmp:
-        Image.fromarray(image_hwc.numpy()).save(tmp, format="PNG")
+        _save_png(tmp, image_hwc)
 
 
 def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor], overwrite: bool = True) -> int:
@@ -281,9 +477,7 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor], overwrite:
     the folder in place, an existing empty one is filled in place instead, one atomic file at a time, and emptied
     again on failure: a mount point (a Docker volume), or a folder whose parent is not writable. (A killed process
     can leave some frames there, which a rename would not.)"""
-    from PIL import Image
-
-    path = _followed(Path(path))
+    path = Path(path)
     n = 0
     if _filled_in_place(path):
         written = []
@@ -292,7 +486,7 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor], overwrite:
                 for frame in chunk:
                     f = path / f"frame_{n:05d}.png"
                     with atomic_path(f, overwrite) as tmp:
-                        Image.fromarray(frame.numpy()).save(tmp, format="PNG")
+                        _save_png(tmp, frame)
                     written.append(f)  # (after the commit: a frame another run put there is not ours to remove)
                     n += 1
         except BaseException:
@@ -300,22 +494,12 @@ def write_frames_dir(path: Path, frames_thwc: Iterable[torch.Tensor], overwrite:
                 _remove(f)
             raise
         return n
-    with atomic_path(path, overwrite) as tmp:
-        tmp.mkdir()
+    with atomic_path(path, overwrite, folder=True) as tmp:
         for chunk in frames_thwc:
             for frame in chunk:
-                Image.fromarray(frame.numpy()).save(tmp / f"frame_{n:05d}.png", format="PNG")
+                _save_png(tmp / f"frame_{n:05d}.png", frame)
                 n += 1
     return n
-
-
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()  # once, at import: setting it briefly races with other threads creating files
 
 
 def write_tensor(path: Path, x: torch.Tensor, metadata: dict | None = None, overwrite: bool = True) -> None:

@@ -109,8 +109,18 @@ def _check_vae(vae) -> None:
             f"vaeopt.video decodes AutoencoderKLWan (Wan 2.1 / 2.2) only, not {type(vae).__name__}; "
             "use the model's own decode for other video VAEs"
         )
-    if vae.training:
-        raise CheckpointError("vaeopt.video decodes in eval mode only (call vae.eval())")
+    if active_dropout(vae):
+        raise CheckpointError("vaeopt.video decodes without dropout, and this model is in training mode with active "
+                              "dropout (p > 0): decode with vae.decode (diffusers' own decode, its dropout included), "
+                              "or call vae.eval()")
+
+
+def active_dropout(vae) -> bool:
+    """Whether a decode in the model's current mode would drop activations: training mode (a model built with
+    __init__ / from_config, or after .train()) with a dropout of p > 0 in its decoder. Training mode alone changes
+    nothing in Wan's decoder (no batch norm), so the chunk decoder's result is diffusers' own there."""
+    return any(m.training and getattr(m, "p", 0) > 0 for m in vae.decoder.modules()
+               if isinstance(m, torch.nn.modules.dropout._DropoutNd))
 
 
 def _temporal_factor(vae) -> int:
@@ -599,7 +609,7 @@ class _ChunkDecoder:
 
     # -- blocks -------------------------------------------------------------------------------------------------
     def _resblock(self, blk, box: list[Tensor]) -> Tensor:
-        # dropout is identity in eval mode (checked in _check_vae)
+        # dropout is the identity here: eval mode, or p = 0 (_check_vae refuses an active one)
         x = box.pop()
         act = blk.nonlinearity
         y = self._run(blk.conv1, self._stage(blk.conv1, x, blk.norm1, act))
