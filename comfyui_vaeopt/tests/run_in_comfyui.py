@@ -13,8 +13,9 @@ workflows
     (LoadLatent feeds the decode)
 
 run through ComfyUI's PromptExecutor. The IMAGE each SaveImage receives is kept (float, before the PNG) and compared
-with the untiled VAEDecode's: PSNR in dB over [0, 1]; also the largest step across the tile seams of each tiled
-output against the same step in VAEDecode's. With --repeat N the decode nodes are also run N more times each on the
+with the untiled VAEDecode's: PSNR in dB over [0, 1]; the node's log lines (memory request, plan, stages) are kept
+with it. A small decode through the node then checks that every weight of ComfyUI's VAE is one of the tensors vaeopt
+decodes with, and records the memory the node asked ComfyUI's model manager for. With --repeat N the decode nodes are also run N more times each on the
 same loaded VAE (after one warm-up run) and timed, with the peak of torch.cuda.max_memory_allocated. One JSON per
 workload goes to --out.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -145,20 +147,6 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
-def seam_step(img: torch.Tensor, every: int) -> float:
-    """Mean absolute step between neighbouring columns and rows at multiples of `every` px (where tiles meet), over
-    the mean step elsewhere: ~1 for a seamless image, > 1 where the tiles show."""
-    x = img.float()
-    dx = (x[:, :, 1:] - x[:, :, :-1]).abs().mean(dim=(0, 1, 3))  # per column boundary
-    dy = (x[:, 1:] - x[:, :-1]).abs().mean(dim=(0, 2, 3))
-    at = lambda d: [i - 1 for i in range(every, d.numel() + 1, every) if i - 1 < d.numel()]  # noqa: E731
-    steps = [d[at(d)] for d in (dx, dy) if at(d)]
-    if not steps:
-        return 1.0
-    seam = torch.cat(steps).mean()
-    return float(seam / torch.cat([dx, dy]).mean())
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--comfyui", required=True, type=Path, help="a scratch copy of ComfyUI's source")
@@ -192,6 +180,15 @@ def main() -> int:
     assert asyncio.run(nodes.load_custom_node(str(NODE_DIR))) is not False
     assert "VAEDecodeVaeopt" in nodes.NODE_CLASS_MAPPINGS, "the vaeopt nodes did not load"
 
+    lines: list[str] = []  # what the node logs (its memory request, plan, stage lines)
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    node_log = logging.getLogger("vaeopt.comfyui")
+    node_log.addHandler(Keep())
+    node_log.setLevel(logging.INFO)
     captured: dict[str, torch.Tensor] = {}
     save = nodes.SaveImage.save_images
 
@@ -248,28 +245,54 @@ def main() -> int:
                 print(f"error: ComfyUI refused the {tag} workflow: {valid[1]} {valid[3]}", file=sys.stderr)
                 return 1
             t0 = time.perf_counter()
+            lines.clear()
             ex.execute(prompt, prefix, {}, ["4"])
             if not ex.success or prefix not in captured:
                 msgs = [m for m in ex.status_messages if m[0] == "execution_error"]
                 print(f"error: the {tag} workflow failed: {msgs}", file=sys.stderr)
                 return 1
             result["variants"][tag] = {"node": cls, "inputs": extra, "workflow_s": round(time.perf_counter() - t0, 3),
-                                       "shape": list(captured[prefix].shape)}
+                                       "shape": list(captured[prefix].shape), "node_log": list(lines)}
         ref = captured[f"{wl}-comfy_untiled"]
-        every = {"comfy_tiled": comfy_tiled["tile_size"], "vaeopt_tiled": node_tiled.get("tile_size", 0)}
         for tag in variants:
             img = captured[f"{wl}-{tag}"]
             v = result["variants"][tag]
             v["psnr_vs_comfy_untiled_db"] = round(psnr(img, ref), 2) if img.shape == ref.shape else None
-            if every.get(tag):
-                v["seam_step_ratio"] = round(seam_step(img, every[tag]), 3)
-                v["seam_step_ratio_comfy_untiled"] = round(seam_step(ref, every[tag]), 3)
+        result["sharing"] = check_sharing(vae_name, shape, node, nodes, mm)
         if a.repeat > 0:
             time_variants(result, variants, vae_name, lat_name, a.repeat, a.skip_comfy_untiled, nodes, mm)
         path = a.out / f"comfyui_{wl}.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
     return 0
+
+
+def check_sharing(vae_name, shape, node, nodes, mm) -> dict:
+    """The node's side effects in ComfyUI, on a small latent: the memory it asked ComfyUI's model manager for, and
+    whether every weight of ComfyUI's VAE is one of the tensors vaeopt decodes with (no second copy)."""
+    calls = []
+    load = mm.load_models_gpu
+
+    def record(models, memory_required=0, **kw):
+        calls.append({"memory_required_gb": round(memory_required / 2**30, 4), **{k: v for k, v in kw.items()
+                                                                                 if k == "force_full_load"}})
+        return load(models, memory_required=memory_required, **kw)
+
+    small = (*shape[:-2], 8, 8)
+    g = torch.Generator().manual_seed(1)
+    obj = nodes.NODE_CLASS_MAPPINGS[node]()
+    bridge = type(obj).decode.__globals__["bridge"]  # the node package's module, as ComfyUI imported it
+    mm.load_models_gpu = record
+    try:
+        with torch.inference_mode():
+            vae = nodes.VAELoader().load_vae(vae_name)[0]
+            (img,) = getattr(obj, obj.FUNCTION)(samples={"samples": torch.randn(small, generator=g)}, vae=vae)
+    finally:
+        mm.load_models_gpu = load
+    ours = {p.data_ptr() for p in bridge.entry_for(vae).loaded.model.parameters()}
+    theirs = [p.data_ptr() for p in vae.first_stage_model.parameters()]
+    return {"latent": list(small), "image": list(img.shape), "load_models_gpu": calls,
+            "comfy_weights": len(theirs), "comfy_weights_shared": sum(t in ours for t in theirs)}
 
 
 def time_variants(result, variants, vae_name, lat_name, repeat, skip_untiled, nodes, mm) -> None:
