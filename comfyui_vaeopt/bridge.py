@@ -65,7 +65,7 @@ def _mm():
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the decoder's weights (what ComfyUI's model loader accounts for itself, apart from the decode's need)."""
+    """Bytes of the decoder's weights: ComfyUI's model loader counts those itself, apart from the decode's need."""
     parts = [m for m in (getattr(model, "post_quant_conv", None), getattr(model, "decoder", None)) if m is not None]
     return sum(p.numel() * p.element_size() for m in parts for p in m.parameters())
 
