@@ -216,6 +216,12 @@ def main() -> int:
     hw = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86'})"
     import vaeopt
 
+    try:
+        import comfyui_version
+
+        comfy_version = comfyui_version.__version__
+    except (ImportError, AttributeError):
+        comfy_version = None
     for wl in a.workload or ["cpu-sd"]:
         family, shape, comfy_tiled, node_tiled = WORKLOADS[wl]
         video = len(shape) == 5
@@ -229,7 +235,8 @@ def main() -> int:
             "vaeopt_tiled": (node, node_tiled),
         }
         result = {"workload": wl, "family": family, "latent_shape": list(shape), "hardware": hw,
-                  "torch": torch.__version__, "vaeopt": vaeopt.__version__, "stubs": stubs,
+                  "torch": torch.__version__, "vaeopt": vaeopt.__version__, "comfyui": comfy_version,
+                  "stubs": stubs,
                   "comfy_tiled_settings": comfy_tiled, "vaeopt_tiled_settings": node_tiled, "variants": {}}
         ex = execution.PromptExecutor(Server(), cache_type=execution.CacheType.CLASSIC)
         for tag, (cls, extra) in variants.items():
