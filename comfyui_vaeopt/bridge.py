@@ -87,6 +87,9 @@ def _build(vae) -> Entry:
     fsm = getattr(vae, "first_stage_model", None)
     if not isinstance(fsm, torch.nn.Module):
         raise Unsupported("the VAE has no first_stage_model module")
+    for p in fsm.parameters():
+        if not p.is_contiguous():  # relaid out by an earlier build: back to the standard layout, so that the new
+            p.data = p.data.contiguous()  # model can take these very tensors (it assigns contiguous ones only)
     sd = fsm.state_dict()
     groups = _norm_groups(fsm)
     try:

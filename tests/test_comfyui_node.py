@@ -269,3 +269,22 @@ def test_fallback_for_wrong_latent_rank(mm, wan, caplog):
     with caplog.at_level(logging.WARNING, logger="vaeopt.comfyui"):
         (img,) = NODE_CLASS_MAPPINGS["VAEDecodeVaeopt"]().decode({"samples": z[:, :, 0]}, vae)
     assert img.shape == (1, 8, 8, 3) and "takes 5-D latents" in caplog.text
+
+
+def test_rebuilt_for_other_model_options_still_shares(mm, kl):
+    """fp8 changes the model in place, so switching it rebuilds from ComfyUI's weights, which the first build had
+    re-laid out (channels_last on the CPU too): the new model must take those same tensors again."""
+    ref, z = kl
+    z = z[..., :8, :8]
+    vae = kl_vae(ref)
+    node = NODE_CLASS_MAPPINGS["VAEDecodeVaeopt"]()
+    node.decode({"samples": z}, vae)
+    first = bridge.entry_for(vae)
+    relaid = sum(not p.is_contiguous() for p in vae.first_stage_model.parameters())
+    (img,) = node.decode({"samples": z}, vae, fp8=True)
+    second = bridge.entry_for(vae)
+    assert second is not first and second.loaded.model is not first.loaded.model
+    n = sum(1 for _ in vae.first_stage_model.parameters())
+    assert len(second.pairs) == n  # every ComfyUI weight is tracked by the new model (none copied at the build)
+    assert relaid == 0 or any(not p.is_contiguous() for p in vae.first_stage_model.parameters())
+    assert psnr(img, expected(ref, z), data_range=1.0) >= 30
