@@ -154,6 +154,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("comfyui-check"))
     ap.add_argument("--repeat", type=int, default=0, help="timed runs per decode node (0: correctness only)")
     ap.add_argument("--stub-missing", action="store_true", help="empty torchvision/torchaudio if they do not import")
+    ap.add_argument("--variants", default="comfy_untiled,vaeopt,comfy_tiled,vaeopt_tiled",
+                    help="comma-separated subset (comfy_untiled, the reference, always runs)")
     ap.add_argument("--skip-comfy-untiled", action="store_true",
                     help="time VAEDecode only once (a 4096² decode without tiling takes most of a large GPU)")
     a = ap.parse_args()
@@ -234,6 +236,11 @@ def main() -> int:
             "comfy_tiled": ("VAEDecodeTiled", comfy_tiled),
             "vaeopt_tiled": (node, node_tiled),
         }
+        wanted = {"comfy_untiled", *a.variants.split(",")}
+        if wanted - set(variants):
+            print(f"error: unknown variant(s) {', '.join(sorted(wanted - set(variants)))}", file=sys.stderr)
+            return 2
+        variants = {k: v for k, v in variants.items() if k in wanted}
         result = {"workload": wl, "family": family, "latent_shape": list(shape), "hardware": hw,
                   "torch": torch.__version__, "vaeopt": vaeopt.__version__, "comfyui": comfy_version,
                   "stubs": stubs,
