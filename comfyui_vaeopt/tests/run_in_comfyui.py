@@ -154,6 +154,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("comfyui-check"))
     ap.add_argument("--repeat", type=int, default=0, help="timed runs per decode node (0: correctness only)")
     ap.add_argument("--stub-missing", action="store_true", help="empty torchvision/torchaudio if they do not import")
+    ap.add_argument("--fp32-vae", action="store_true", help="ComfyUI's --fp32-vae: decode in fp32, not its bf16")
     ap.add_argument("--variants", default="comfy_untiled,vaeopt,comfy_tiled,vaeopt_tiled",
                     help="comma-separated subset (comfy_untiled, the reference, always runs)")
     ap.add_argument("--skip-comfy-untiled", action="store_true",
@@ -171,6 +172,7 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         comfy.cli_args.args.cpu = True
+    comfy.cli_args.args.fp32_vae = a.fp32_vae
     import asyncio
 
     import comfy.model_management as mm
@@ -243,7 +245,7 @@ def main() -> int:
         variants = {k: v for k, v in variants.items() if k in wanted}
         result = {"workload": wl, "family": family, "latent_shape": list(shape), "hardware": hw,
                   "torch": torch.__version__, "vaeopt": vaeopt.__version__, "comfyui": comfy_version,
-                  "stubs": stubs,
+                  "stubs": stubs, "fp32_vae": a.fp32_vae,
                   "comfy_tiled_settings": comfy_tiled, "vaeopt_tiled_settings": node_tiled, "variants": {}}
         ex = execution.PromptExecutor(Server(), cache_type=execution.CacheType.CLASSIC)
         for tag, (cls, extra) in variants.items():
@@ -308,7 +310,8 @@ def check_sharing(vae_name, shape, node, nodes, mm) -> dict:
         mm.load_models_gpu = load
     ours = {p.data_ptr() for p in bridge.entry_for(vae).loaded.model.parameters()}
     theirs = [p.data_ptr() for p in vae.first_stage_model.parameters()]
-    return {"latent": list(small), "image": list(img.shape), "load_models_gpu": calls,
+    return {"latent": list(small), "image": list(img.shape), "vae_device": str(vae.device),
+            "vae_dtype": str(vae.vae_dtype).replace("torch.", ""), "load_models_gpu": calls,
             "comfy_weights": len(theirs), "comfy_weights_shared": sum(t in ours for t in theirs)}
 
 
