@@ -186,6 +186,8 @@ def entry_for(vae) -> Entry:
 
 
 def _options(vae, fp8: bool, vram_budget_gb: float, tile: int, chunk: int, family) -> vaeopt.Options:
+    if torch.device(vae.device).type not in ("cuda", "cpu"):
+        raise Unsupported(f"vaeopt decodes on CUDA GPUs and the CPU, not on {vae.device}")
     dtype = _DTYPE_NAMES.get(getattr(vae, "vae_dtype", torch.float32))
     if dtype is None:
         raise Unsupported(f"ComfyUI runs this VAE in {vae.vae_dtype}, which vaeopt does not decode in")
@@ -225,7 +227,11 @@ def _pipeline(vae, entry: Entry, opts: vaeopt.Options) -> object:
         # another device, precision or fp8 changes the model in place: start again from ComfyUI's weights
         entry = _CACHE[vae] = _build(vae)
     if entry.pipe is None:
-        entry.pipe = vaeopt.Pipeline(entry.loaded, dataclasses.replace(opts), log=_log_line, entry="api")
+        try:
+            entry.pipe = vaeopt.Pipeline(entry.loaded, dataclasses.replace(opts), log=_log_line, entry="api")
+        except VaeoptError as e:  # e.g. a setting this GPU cannot run
+            _CACHE.pop(vae, None)  # the half-set-up model goes; the next decode starts from ComfyUI's weights again
+            raise Unsupported(f"vaeopt cannot set this VAE up here ({e})") from None
         entry.key = key
         n = _share_with_comfy(entry)
         if n:

@@ -288,3 +288,12 @@ def test_rebuilt_for_other_model_options_still_shares(mm, kl):
     assert len(second.pairs) == n  # every ComfyUI weight is tracked by the new model (none copied at the build)
     assert relaid == 0 or any(not p.is_contiguous() for p in vae.first_stage_model.parameters())
     assert psnr(img, expected(ref, z), data_range=1.0) >= 30
+
+
+def test_fallback_on_other_devices(mm, kl, caplog):
+    ref, z = kl
+    vae = kl_vae(ref, decode=lambda s: torch.zeros(1, 8, 8, 3))
+    vae.device = torch.device("mps")  # ComfyUI on a Mac: vaeopt's stages are for CUDA and the CPU
+    with caplog.at_level(logging.WARNING, logger="vaeopt.comfyui"):
+        (img,) = NODE_CLASS_MAPPINGS["VAEDecodeVaeopt"]().decode({"samples": z}, vae)
+    assert img.shape == (1, 8, 8, 3) and "not on mps" in caplog.text and mm.calls == []
