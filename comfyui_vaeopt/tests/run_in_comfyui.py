@@ -164,6 +164,7 @@ def main() -> int:
     if not (comfy_root / "comfy" / "sd.py").is_file():
         print(f"error: {comfy_root} is not a ComfyUI source folder (no comfy/sd.py)", file=sys.stderr)
         return 2
+    a.out = a.out.resolve()  # (ComfyUI is imported from its own folder, which becomes the working directory)
     a.out.mkdir(parents=True, exist_ok=True)
     stubs = stub_missing() if a.stub_missing else []
     sys.path.insert(0, str(comfy_root))
