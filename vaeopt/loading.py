@@ -1498,3 +1498,31 @@ def load_vae(
         name = lambda d: str(d).replace("torch.", "")  # noqa: E731
         notes.append(f"weights on disk: {name(disk)}, loaded as {name(dtype)}")
     return LoadedVAE(model, spec, a.layout, src.path, notes, disk)
+
+
+def load_vae_from_state_dict(
+    state_dict: dict[str, Tensor],
+    *,
+    family: str | None = None,
+    metadata: dict | None = None,
+    config: dict | None = None,
+    label: str = "state dict",
+    dtype: torch.dtype | None = None,
+) -> LoadedVAE:
+    """A LoadedVAE built from tensors already in memory (another program's loaded VAE, e.g. ComfyUI's
+    `first_stage_model.state_dict()`), in any layout load_vae reads (LDM, original Wan 2.1 / 2.2, diffusers...).
+
+    The model is built on the meta device and the tensors are assigned, not copied: where a tensor already has the
+    wanted dtype and is contiguous, the model's parameter shares its memory (and device) with the caller's, so a VAE
+    on the GPU is not held twice. dtype=None keeps the tensors' own dtype. family and config (e.g. the
+    norm_num_groups that the weights cannot show) as load_vae takes them. Nothing is moved; no NaN scan (the
+    caller's weights already decode in its own program)."""
+    if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
+        raise VaeoptError(f"{label}: expected a dict of name -> tensor, got {type(state_dict).__name__}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise VaeoptError(f"{label}: dtype must be a torch.dtype or None (keep the tensors' own), got {dtype!r}")
+    spec, a, notes = _detect(state_dict, filename=label, metadata=metadata, family=family, config=config, names=[])
+    disk = _dtype_on_disk(a.sd, notes)
+    model = _load_into_model(spec, a, label, notes, dtype or disk or torch.float32)
+    model.eval().requires_grad_(False)
+    return LoadedVAE(model, spec, f"{a.layout} (state dict)", None, notes, disk)
