@@ -107,13 +107,13 @@ def test_optimize_keeps_gradients_and_dtype():
     assert gz is not None and gw is not None
     assert torch.allclose(gz, rz, atol=1e-5) and torch.allclose(gw, rw, atol=1e-4)
     calls = []
-    real = fused_norms._use_kernel
-    fused_norms._use_kernel = lambda *a: calls.append(real(*a)) or calls[-1]
+    real = fused_norms.use_kernel
+    fused_norms.use_kernel = lambda *a: calls.append(real(*a)) or calls[-1]
     try:
         with torch.no_grad():
             vae.decode(torch.randn(1, 4, 8, 8))
     finally:
-        fused_norms._use_kernel = real
+        fused_norms.use_kernel = real
     assert calls and all(calls)  # no gradient needed: the kernels run
 
     half = build_model(spec, **TINY_KL).to(torch.bfloat16)

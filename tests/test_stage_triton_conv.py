@@ -119,7 +119,8 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     z = lat["bunny"].float()[:, :, :2, 10:11, 20:22].contiguous()
     vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
-    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z)
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z,
+                              decode=video.decode_video)
     n = len(triton_conv.fp8_candidates(vae))
     assert r.status == "applied" and r.data["layers"] == n > 0, r.line()
     print(r.line())
@@ -137,7 +138,8 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     triton_conv.revert(vae)
     two = triton_conv.fp8_candidates(vae)[-2:]
     monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: two)
-    r2 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z)
+    r2 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z,
+                               decode=video.decode_video)
     assert r2.status == "fallback" and f"{r2.data['probe_db']:.1f} dB" in r2.detail and "< gate 99" in r2.detail
     assert not any(getattr(m, "_vaeopt_fp8conv", False) for m in vae.modules())
     out, st = decode(vae, z, 2)
@@ -149,7 +151,7 @@ def test_fp8_convs_need_the_fused_path(samples_dir, monkeypatch):
     assert not ok and "no CUDA GPU" in why
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
     vae = _tiny_wan21(samples_dir, fused=False, channels_last=True)
-    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32)
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, decode=video.decode_video)
     assert r.status == "skipped" and "fused path" in r.detail and "RMS-norm" in r.detail
 
 
@@ -170,9 +172,11 @@ def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
     with torch.no_grad():  # channel 0 of the norm output becomes ~1e4x the rest; the conv undoes it exactly
         norm.gamma.data[0] *= 1e4
         bad.weight.data[:, 0] /= 1e4
-    r0 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z)
+    r0 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z,
+                              decode=video.decode_video)
     gate = r0.data["probe_db"] + 10  # above all-fp8, so the sensitivity pass must run
-    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0)
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0,
+                              decode=video.decode_video)
     assert r.status == "applied", r.line()
     assert r.data["kept"] == [bad_name] and r.data["layers"] == 2
     assert r.data["probe_db"] >= gate

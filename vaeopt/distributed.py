@@ -72,6 +72,7 @@ from torch import Tensor, nn
 
 from vaeopt import video
 from vaeopt.errors import VaeoptError
+from vaeopt.stages import fused_norms
 from vaeopt.video import _unhooked
 
 __all__ = [
@@ -361,11 +362,7 @@ def _gn_module():
 
 
 def _kernels_possible(x: Tensor) -> bool:
-    try:
-        from vaeopt.stages.fused_norms import _use_kernel
-    except ImportError:
-        return False
-    return _use_kernel(x)
+    return fused_norms.use_kernel(x)
 
 
 def _torch_group_moments(x: Tensor, G: int, xb: Tensor | None = None) -> tuple[int, Tensor, Tensor]:

@@ -74,6 +74,9 @@ import torch.utils._pytree
 from torch import Tensor, nn
 
 from vaeopt.errors import CheckpointError, DecodeError, LatentError, VaeoptError
+from vaeopt.kernels import triton_available
+from vaeopt.stages import fused_norms
+from vaeopt.stages.marks import is_2x_nearest, packed_fp8, wan_channels_last
 
 __all__ = [
     "chunk_schedule",
@@ -201,20 +204,8 @@ def _rms_params(norm: nn.Module, act: nn.Module | None):
     return None
 
 
-def _has_fused_norms(dec: nn.Module) -> bool:
-    from vaeopt.stages.fused_norms import FusedRMSNormSiLU
-
-    return any(type(m) is FusedRMSNormSiLU for m in dec.modules())
-
-
-def _is_2x_nearest(up: nn.Module) -> bool:
-    """An nn.Upsample (e.g. WanUpsample) doing exactly a 2x nearest / nearest-exact upsample of H and W (for a 2x
-    factor both modes pick source pixel i // 2: the same copy)."""
-    if not isinstance(up, nn.Upsample) or up.mode not in ("nearest", "nearest-exact") or up.size is not None:
-        return False
-    sf = up.scale_factor
-    sf = tuple(sf) if isinstance(sf, (tuple, list)) else (sf, sf)
-    return len(sf) == 2 and all(float(f) == 2.0 for f in sf) and _unhooked(up)
+_has_fused_norms = fused_norms.has_fused_rms_norms
+_is_2x_nearest = is_2x_nearest
 
 
 def _plain_conv2d(m: nn.Module) -> bool:
@@ -360,14 +351,7 @@ class _ChunkDecoder:
             return False
         if z.is_meta:  # dry run of the fused path (estimate_chunk_bytes(fused=True))
             return bool(self.fused)
-        try:
-            from vaeopt.stages.fused_norms import _use_kernel
-            from vaeopt.kernels import triton_available
-        except ImportError as e:  # pragma: no cover - broken install
-            if self.fused:
-                raise VaeoptError(f"fused video decode requested, but the kernels do not import ({e})") from e
-            return False
-        if not _use_kernel(z):
+        if not fused_norms.use_kernel(z):
             if self.fused:
                 raise VaeoptError("fused video decode requested, but the Triton kernels cannot run for these latents "
                                   f"({triton_available(z.device)[1]}; dtype {z.dtype}, autocast/compile off needed)")
@@ -554,8 +538,6 @@ class _ChunkDecoder:
         cb = conv.bias if bias else None
         if x.dtype == _E4M3:  # staged in e4m3 by _stage_k: the fp8 implicit-GEMM conv, output in the compute dtype
             from vaeopt.kernels.conv import conv_igemm
-            from vaeopt.stages.triton_conv import packed_fp8
-
             y = conv_igemm(x, packed_fp8(conv), cb, pad[1:], x_scale=self.fp8_scales[conv],
                            out_dtype=conv.weight.dtype)
             self.stats["fp8_conv"] += 1
@@ -1027,11 +1009,7 @@ def _suggest_2d(t: Tensor) -> torch.memory_format:
         else torch.contiguous_format
 
 
-def _channels_last(vae, channels_last: bool | None) -> bool:
-    if channels_last is not None:
-        return bool(channels_last)
-    w = vae.decoder.conv_in.weight
-    return w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
+_channels_last = wan_channels_last
 
 
 def _prepare(vae, z_raw: Tensor) -> Tensor:

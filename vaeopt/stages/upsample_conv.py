@@ -25,14 +25,15 @@ import time
 import torch
 from torch import nn
 
-from vaeopt.stages import StageResult, cached_weight, drop_attrs, unhooked
+from vaeopt.stages import StageResult, cached_weight, drop_attrs, needs_autograd, unhooked
+from vaeopt.stages.marks import CONV8, CONV8_INT8, FUSED_EPILOGUES, UPCONV, interpolating_upsampler, is_2x_nearest
 
 NAME = "upsample_conv"
-_MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
+_MARK = UPCONV  # on the nn.Conv2d: run as phase convs
 _W4 = "_vaeopt_upconv_w4"  # on the nn.Conv2d: (weight key, dtype) -> phase kernels
 _W4_8 = "_vaeopt_upconv_w4_e4m3"  # on the nn.Conv2d: (weight key) -> the e4m3 phase kernels (one PackedWeight)
-_FP8 = "_vaeopt_fp8conv"  # set on the conv by FP8 level 3 (stages/triton_conv.apply_fp8)
-_INT8 = "_vaeopt_conv8_int8"  # set with it where the 8-bit format is int8 (stages/triton_conv._INT8)
+_FP8 = CONV8  # set on the conv by FP8 level 3 (stages/triton_conv.apply_fp8)
+_INT8 = CONV8_INT8  # set with it where the 8-bit format is int8
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -50,26 +51,22 @@ def _conv3x3(m) -> bool:
 def _image_candidates(model: nn.Module) -> list[nn.Conv2d]:
     """Convs of the Upsample2D modules that fused_epilogues patched (their forward is the one that consumes the
     mark) with an interpolating, conv-ending stock layout."""
-    from vaeopt.stages import fused_epilogues as fe
-
-    record = getattr(model, fe._MARK, None) or {}
+    record = getattr(model, FUSED_EPILOGUES, None) or {}
     out = []
     for u in record.get("upsamplers", []):
         conv = getattr(u, "conv", None) if getattr(u, "name", "conv") == "conv" else None
-        if u.use_conv and fe._upsample_static_ok(u) and conv is not None and _conv3x3(conv):
+        if u.use_conv and interpolating_upsampler(u) and conv is not None and _conv3x3(conv):
             out.append(conv)
     return out
 
 
 def _wan_candidates(model: nn.Module) -> list[nn.Conv2d]:
-    from vaeopt.video import _is_2x_nearest
-
     out = []
     for m in model.decoder.modules():
         if type(m).__name__ != "WanResample" or m.mode not in ("upsample2d", "upsample3d"):
             continue
         rs = m.resample
-        if isinstance(rs, nn.Sequential) and len(rs) == 2 and _is_2x_nearest(rs[0]) and _conv3x3(rs[1]):
+        if isinstance(rs, nn.Sequential) and len(rs) == 2 and is_2x_nearest(rs[0]) and _conv3x3(rs[1]):
             out.append(rs[1])
     return out
 
@@ -91,9 +88,7 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     if wan:
         convs = _wan_candidates(model)
     else:
-        from vaeopt.stages import fused_epilogues as fe
-
-        if not getattr(model, fe._MARK, None):
+        if not getattr(model, FUSED_EPILOGUES, None):
             return StageResult.skipped(NAME, "needs fused_epilogues (its Upsample2D forward runs the phase convs)")
         convs = _image_candidates(model)
     if not convs:
@@ -124,8 +119,6 @@ def applies(conv, dtype: torch.dtype, device: torch.device, x: torch.Tensor | No
     """conv is marked and activations of this dtype / device can run through its phase kernels (the weights'
     own; anything else, e.g. autocast or a dry run on meta, takes the plain composition). With x: not when autograd
     needs gradients of x or of the weights (the phase kernels are derived once, without a backward)."""
-    from vaeopt.stages import needs_autograd
-
     return (marked(conv) and dtype == conv.weight.dtype and device == conv.weight.device
             and not needs_autograd(x, conv.weight, conv.bias))
 
