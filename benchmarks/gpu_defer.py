@@ -1,4 +1,4 @@
-"""A residual block's output formed by the next norm (video._Pending, rms_norm_silu / rms_norm_taps `residual=`)
+"""A residual block's output formed by the next norm (Pending, rms_norm_silu / rms_norm_taps `residual=`)
 instead of by its own epilogue pass: whole Wan decodes with it on and off, and the two passes it replaces per call.
 
     python3 benchmarks/gpu_defer.py [--workloads wan21-480p,wan21-720p] [--rounds 8] [--profile]
@@ -25,6 +25,8 @@ from vaeopt import video  # noqa: E402
 from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.kernels.epilogue import bias_residual  # noqa: E402
 from vaeopt.kernels.rms_norm_silu import rms_norm_silu  # noqa: E402
+from vaeopt.engine.wan import ChunkDecoder  # noqa: E402
+from vaeopt.engine.wan_ops import Pending  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--workloads", default="wan21-480p,wan21-720p")
@@ -66,7 +68,7 @@ for wl in args.workloads.split(","):
     outs = {}
     with torch.inference_mode():
         for mode in ("on", "off"):  # warm-up (compiles, allocates); peaks and outputs
-            video._ChunkDecoder.DEFER = mode == "on"
+            ChunkDecoder.DEFER = mode == "on"
             torch.cuda.reset_peak_memory_stats()
             outs[mode] = pipe._decode_video(z, plan, None)
             torch.cuda.synchronize()
@@ -76,7 +78,7 @@ for wl in args.workloads.split(","):
         del outs
         for _ in range(args.rounds):
             for mode in ("on", "off"):
-                video._ChunkDecoder.DEFER = mode == "on"
+                ChunkDecoder.DEFER = mode == "on"
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 y = pipe._decode_video(z, plan, None)
@@ -89,9 +91,9 @@ for wl in args.workloads.split(","):
 
             res["profile"] = {}
             for mode in ("on", "off"):
-                video._ChunkDecoder.DEFER = mode == "on"
+                ChunkDecoder.DEFER = mode == "on"
                 res["profile"][mode] = profile(lambda: pipe._decode_video(z, plan, None), n=2, top=20)
-    video._ChunkDecoder.DEFER = True
+    ChunkDecoder.DEFER = True
     r["median_ms"] = {m: statistics.median(v) for m, v in r["ms"].items()}
     res["workloads"][wl] = r
     del pipe

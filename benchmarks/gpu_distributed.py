@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from vaeopt import bands  # noqa: E402
 from vaeopt import distributed as D  # noqa: E402
 
 GiB = 2**30
@@ -109,14 +110,14 @@ def time_band(pipe, z, group, chunk, repeats, dev, in_group: bool):
 
 
 def time_band_ab(pipe, z, group, chunk, repeats, dev, in_group: bool) -> dict:
-    """--stack-ab: band decodes with the bands' time-stacked convs on / off (D.BAND_STACK), interleaved rounds
+    """--stack-ab: band decodes with the bands' time-stacked convs on / off (bands.BAND_STACK), interleaved rounds
     after one warm-up of each; rank 0's median seconds per variant."""
     res: dict = {}
-    saved = D.BAND_STACK
+    saved = bands.BAND_STACK
     try:
         for i in range(repeats + 1):
             for v in (True, False):
-                D.BAND_STACK = v
+                bands.BAND_STACK = v
                 dist.barrier()
                 sync(dev)
                 t0 = time.perf_counter()
@@ -127,7 +128,7 @@ def time_band_ab(pipe, z, group, chunk, repeats, dev, in_group: bool) -> dict:
                 if i > 0:
                     res.setdefault("stacked" if v else "conv3d", []).append(time.perf_counter() - t0)
     finally:
-        D.BAND_STACK = saved
+        bands.BAND_STACK = saved
     return {k: {"median_s": statistics.median(t), "times": t} for k, t in res.items()}
 
 
@@ -233,7 +234,7 @@ def run_workload(name: str, args, rank: int, world: int, dev: torch.device, sub2
         med, times, out, pk = time_band(pipe, z, group, chunk, args.repeats, dev, member)
         peaks = [None] * world
         dist.all_gather_object(peaks, pk if member else None)
-        r = {"ranks": n, "seconds": med, "times": times, "chunk": chunk, "band_stack": D.BAND_STACK,
+        r = {"ranks": n, "seconds": med, "times": times, "chunk": chunk, "band_stack": bands.BAND_STACK,
              "peak_gib_per_rank": [p / GiB if p else None for p in peaks[:n]]}
         if args.stack_ab and len(shape) == 5:
             r["stack_ab"] = time_band_ab(pipe, z, group, chunk, args.repeats, dev, member)
@@ -386,7 +387,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=1500.0)
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/distributed.json)")
     ap.add_argument("--stack-ab", action="store_true",
-                    help="Wan: also time the bands with their time-stacked convs off (D.BAND_STACK), interleaved")
+                    help="Wan: also time the bands with their time-stacked convs off (bands.BAND_STACK), interleaved")
     ap.add_argument("--profile", action="store_true",
                     help="one profiled decode each (single GPU; rank 0 of the bands): kernel ms by category")
     ap.add_argument("--trace", action="store_true", help="--profile, plus every rank's chrome trace to $OUT")

@@ -44,6 +44,7 @@ from vaeopt import video  # noqa: E402
 from vaeopt.families import build_model, get_family  # noqa: E402
 from vaeopt.loading import LoadedVAE  # noqa: E402
 from vaeopt.pipeline import Options, Pipeline  # noqa: E402
+from vaeopt.engine.wan import ChunkDecoder  # noqa: E402
 
 LATENT = (1, 16, 21, 60, 104)
 SMALL = (1, 16, 9, 30, 52)
@@ -135,18 +136,18 @@ def fused_stats(vae, z, chunk) -> dict:
     """What the fused decoder did over one decode (counts of folded biases, epilogues, kernels)."""
     made = []
 
-    class Recording(video._ChunkDecoder):
+    class Recording(ChunkDecoder):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             made.append(self)
 
-    orig = video._ChunkDecoder
-    video._ChunkDecoder = Recording
+    orig = video.ChunkDecoder
+    video.ChunkDecoder = Recording
     try:
         with torch.inference_mode():
             video.decode_video(vae, z, chunk, fused=True)
     finally:
-        video._ChunkDecoder = orig
+        video.ChunkDecoder = orig
     return dict(made[0].stats)
 
 

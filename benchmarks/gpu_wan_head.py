@@ -21,6 +21,7 @@ from vaeopt.benchmark import WORKLOADS  # noqa: E402
 from vaeopt.fidelity import psnr  # noqa: E402
 from vaeopt.kernels import tapconv  # noqa: E402
 from vaeopt.kernels.rms_norm_silu import rms_norm_silu  # noqa: E402
+from vaeopt.engine.wan import ChunkDecoder  # noqa: E402
 
 dev = "cuda"
 res = {"per_call": [], "decodes": []}
@@ -70,7 +71,7 @@ for name, H, W in (("480p", 480, 832), ("720p", 720, 1280)):
     torch.cuda.empty_cache()
 
 # ---- whole decodes through the pipeline's path (OOM-retry runner, planner's chunk)
-orig_attn = video._ChunkDecoder._attn_fusable
+orig_attn = ChunkDecoder._attn_fusable
 for wl in ("wan21-480p", "wan21-720p"):
     fam, shape = WORKLOADS[wl]
     pipe = make_pipe(fam)
@@ -80,8 +81,8 @@ for wl in ("wan21-480p", "wan21-720p"):
     with torch.inference_mode():
         for label, taps_on, attn_on in (("taps+chunked_attn", True, True), ("conv3d+chunked_attn", False, True),
                                         ("taps+sdpa", True, False)):
-            video._ChunkDecoder.TAPS = taps_on
-            video._ChunkDecoder._attn_fusable = orig_attn if attn_on else (lambda self, blk, x: False)
+            ChunkDecoder.TAPS = taps_on
+            ChunkDecoder._attn_fusable = orig_attn if attn_on else (lambda self, blk, x: False)
             ms = event_ms(lambda: pipe._decode_video(z, plan, None), 3, warmup=1)
             outs[label] = pipe._decode_video(z, plan, None).float()
             row = {"workload": wl, "variant": label, "chunk": plan.chunk, "ms": ms}
@@ -89,8 +90,8 @@ for wl in ("wan21-480p", "wan21-720p"):
                 row["psnr_vs_conv3d"] = psnr(outs[label], outs["conv3d+chunked_attn"])
             res["decodes"].append(row)
             print(row, flush=True)
-    video._ChunkDecoder.TAPS = True
-    video._ChunkDecoder._attn_fusable = orig_attn
+    ChunkDecoder.TAPS = True
+    ChunkDecoder._attn_fusable = orig_attn
     del pipe, z, outs
     torch.cuda.empty_cache()
 

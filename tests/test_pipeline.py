@@ -8,6 +8,7 @@ import vaeopt
 from vaeopt.families import build_model, get_family
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import Options, Pipeline
+from vaeopt.engine.memory import meta_skeleton
 
 
 def test_plain_decode_equals_diffusers_on_trained_sample(samples_dir):
@@ -608,7 +609,7 @@ def test_wan_through_the_api_prints_no_diffusers_cast_warning(samples_dir, capfd
     from vaeopt import video
 
     vae = load_vae(samples_dir / "tiny_wan_video.safetensors").model
-    video._meta_skeleton.cache_clear()  # (another test may have built it already)
+    meta_skeleton.cache_clear()  # (another test may have built it already)
     level = dlog.get_verbosity()
     dlog.set_verbosity_warning()  # a user's default (conftest quiets diffusers for the suite)
     try:

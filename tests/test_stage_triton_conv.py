@@ -6,7 +6,8 @@ import torch
 
 from vaeopt import video
 from vaeopt.kernels import triton_available
-from vaeopt.stages import triton_conv
+from vaeopt.stages import marks, triton_conv
+from vaeopt.engine.wan_ops import wan_module
 
 from test_video_fused import _tiny_wan21, decode
 
@@ -31,7 +32,7 @@ def ref(samples_dir, z):
 
 
 def _eligible_count(vae, max_cout):
-    wan = video._wan()
+    wan = wan_module()
     return sum(isinstance(m, wan.WanCausalConv3d) and tuple(m.kernel_size) == (3, 3, 3)
                and 16 <= m.out_channels <= max_cout for m in vae.decoder.modules())
 
@@ -374,8 +375,8 @@ def test_fp8_pack_cache_accepts_inference_tensors(samples_dir):
     with torch.inference_mode():
         conv.weight.data = conv.weight.data.clone()
         assert conv.weight.is_inference()
-        pw = triton_conv.packed_fp8(conv)
-        assert triton_conv.packed_fp8(conv) is pw  # cached
+        pw = marks.packed_fp8(conv)
+        assert marks.packed_fp8(conv) is pw  # cached
     assert pw.w.dtype == torch.float8_e4m3fn and pw.cout == 8
 
 
@@ -453,7 +454,7 @@ def test_192_channel_layers_go_back_to_cudnn_where_the_gluon_kernel_does_not_run
     """The stage marks Wan's 192-ch convs only for the warp-specialized kernel (E42); if that kernel does not run
     for a call (switched off after a failed launch, another dtype or device), packed_for hands the layer back to
     cuDNN instead of the pointer kernel, which is slower there."""
-    conv = video._wan().WanCausalConv3d(192, 192, 3, padding=1).to(torch.bfloat16)
+    conv = wan_module().WanCausalConv3d(192, 192, 3, padding=1).to(torch.bfloat16)
     conv._vaeopt_igemm = True
     x = torch.zeros(1, 192, 3, 2, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
     assert triton_conv.packed_for(conv, x) is None  # CPU: no Gluon kernel here

@@ -51,9 +51,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import _interpret, triton_available
+from vaeopt.kernels import tapconv
+from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX, quantize_per_tensor
+from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS, SUPPORTED_DTYPES, fits
 from vaeopt.stages import fused_norms, upsample_conv
-from vaeopt.stages import (BoundForward, StageResult, class_forward, foreign_global_hooks, foreign_hooks,
-                           unhooked)
+from vaeopt.stages import (BoundForward, StageResult, cached_weight, class_forward, foreign_global_hooks,
+                           foreign_hooks, unhooked)
 from vaeopt.stages.marks import (FP8_ATTR, FUSED_EPILOGUES, head_dim, interpolating_upsampler, packed_fp8,
                                  wan_channels_last)
 
@@ -225,7 +228,7 @@ def _residual_in_conv(conv, h: torch.Tensor, x: torch.Tensor) -> bool:
     if pw is None or pw.w.dtype != torch.int8:
         return False
     if h.is_cuda:  # measured on the row tile only (widths that are a multiple of 128; E47)
-        from vaeopt.kernels import tma_conv
+        from vaeopt.kernels import tma_conv  # (imports Triton)
 
         if tma_conv.int8_config(conv.in_channels, conv.out_channels, h.shape[-1]) != tma_conv.ROW_TILE:
             return False
@@ -279,7 +282,7 @@ def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
+def upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
     """Upsample2D.forward: skips the interpolate for the tensor its resnet already upsampled; otherwise the 2x2 phase
     convs (stages/upsample_conv) or our NHWC/NCHW nearest-2x kernel where they apply, else the stock forward."""
     pending = self.__dict__.pop(_PENDING, None)
@@ -316,8 +319,6 @@ HEAD_MAX_SAMPLE = 2**31  # elements per sample: the statistics kernels address a
 
 
 def _head_static_ok(dec) -> bool:
-    from vaeopt.kernels.tapconv import fits
-
     c = dec.conv_out
     return (_fused_gn(dec.conv_norm_out) and type(dec.conv_act) is nn.Identity and _no_hooks(dec.conv_act)
             and _plain_conv(c)
@@ -370,8 +371,6 @@ def _decoder_call(self, *args, **kwargs):
 
 def _head_norm(norm, conv, x, *args, **kwargs):
     """conv_norm_out within the decoder call: the GroupNorm statistics of x for conv_out, and x itself."""
-    from vaeopt.kernels.tapconv import SUPPORTED_DTYPES
-
     if (args or kwargs or x.dim() != 4 or x.numel() == 0 or x[0].numel() >= HEAD_MAX_SAMPLE
             or x.dtype not in SUPPORTED_DTYPES or conv.weight.dtype != x.dtype
             or not x.is_contiguous(memory_format=torch.channels_last)
@@ -391,9 +390,6 @@ def _head_conv(conv, x, *args, **kwargs):
     pending = conv.__dict__.pop(_HEAD, None)
     if pending is None or args or kwargs or pending[0]() is not x:
         return type(conv).forward(conv, x, *args, **kwargs)
-    from vaeopt.kernels import tapconv
-    from vaeopt.stages import cached_weight
-
     _, mean, scale, norm = pending
     N, C, H, W = x.shape
     co = conv.out_channels
@@ -467,8 +463,6 @@ def _e4m3_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         q, s = quantize_e4m3_per_sample(x.contiguous()[None])
         return q[0], s
-    from vaeopt.kernels.fp8_quant import quantize_per_tensor
-
     q, s = quantize_per_tensor(x)
     return q.contiguous(), s.reshape(1)
 
@@ -483,8 +477,6 @@ def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | 
     gates it like a layer. On CUDA with FP8 tensor cores; elsewhere an emulation with the same roundings in fp32 (CPU
     tests). fast_accum (cuBLAS's fp8 accumulation without promotion) is off: over 16384 keys it measured 2e-1
     relative error. Queries in chunks whose fp32-sized scores stay under max_score_bytes. Output in v's dtype."""
-    from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX
-
     B, H, L, d = q.shape
     Lk, dv = k.shape[2], v.shape[-1]
     q3, k3, v3 = q.reshape(B * H, L, d), k.reshape(B * H, Lk, d), v.reshape(B * H, Lk, dv)
@@ -718,7 +710,7 @@ def apply(
         m.forward = BoundForward(_resnet_forward, m)
         record["resnets"].append(m)
     for u in upsamplers:
-        u.forward = BoundForward(_upsample_forward, u)
+        u.forward = BoundForward(upsample_forward, u)
         record["upsamplers"].append(u)
     cls = chunked_processor_class()
     for a in attns:
@@ -807,8 +799,6 @@ def _apply_wan(model: nn.Module, device) -> StageResult:
         return StageResult.skipped(NAME, why)
     names = [type(m).__name__ for m in model.decoder.modules()]
     n_res, n_rs, n_attn = names.count("WanResidualBlock"), names.count("WanResample"), names.count("WanAttentionBlock")
-    from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS, fits
-
     co = getattr(getattr(model.decoder, "conv_out", None), "out_channels", 0)
     cl = wan_channels_last(model, None)  # the chunk decoder runs these two on channels_last_3d activations only
     head = fits(co) and cl

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from vaeopt.fidelity import psnr
+from vaeopt.kernels import triton_available, ws_conv
 from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, unmeasured_gpu,
                            upsample_conv, weight_version)
 from vaeopt.stages.fp8 import available as fp8_stage_available
@@ -36,7 +37,7 @@ from vaeopt.stages.fp8 import _exact_fp32 as exact_fp32
 from vaeopt.stages.marks import CONV8 as _MARK8
 from vaeopt.stages.marks import CONV8_INT8 as _INT8
 from vaeopt.stages.marks import CONV8_PACKED as _PACKED8
-from vaeopt.stages.marks import FP8_ATTR, head_dim, is_wan, packed_fp8, stacked  # noqa: F401 (packed_fp8: re-export)
+from vaeopt.stages.marks import FP8_ATTR, head_dim, is_wan, stacked
 from vaeopt.stages.marks import IGEMM as _MARK
 from vaeopt.stages.marks import IGEMM_PACKED as _PACKED
 from vaeopt.stages.marks import wan_conv_fits as _kernel_fits
@@ -48,8 +49,6 @@ MEASURED_SM = ((9, 0),)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
-    from vaeopt.kernels import triton_available
-
     if device.type != "cuda":
         return False, "no CUDA GPU (the kernel runs on CPU only through the Triton interpreter, for tests)"
     return triton_available(device)
@@ -67,8 +66,6 @@ def _eligible(m: nn.Module, device: torch.device | None = None, dtype: torch.dty
 def _on_ws(conv: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> bool:
     """Whether conv_igemm runs this layer on the warp-specialized Gluon kernel (kernels/ws_conv.py): bf16 on sm_90
     with Gluon, and a channel count it has a measured config for (96, 192)."""
-    from vaeopt.kernels import ws_conv
-
     return (device is not None and dtype is not None and ws_conv.takes(conv.in_channels, conv.out_channels)
             and ws_conv.available(torch.device(device), dtype))
 
@@ -78,8 +75,6 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     device = device or next(model.parameters()).device
     ok, why = available(device)
     if not ok:
-        from vaeopt.kernels import triton_available
-
         if not (force and device.type == "cpu" and triton_available(device)[0]):  # CPU: interpreter, tests only
             return StageResult.skipped(NAME, why)
     why = None if force else unmeasured_gpu(device, MEASURED_SM, "cuDNN", "--conv-kernel")
@@ -131,7 +126,7 @@ def _bf16_tma(conv: nn.Module, device: torch.device, dtype: torch.dtype) -> bool
     """Whether conv_igemm hands this marked bf16 layer to the TMA kernel: bf16 on sm_90 with TMA, and a layer with a
     bf16 tile (Wan's 96-ch causal convs, E28). Its weights are then packed K-major; every other layer keeps the
     pointer kernel's measured layout."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     return (tma_conv.bf16_wan96(device, dtype)
             and tma_conv.tuned_config(conv.in_channels, conv.out_channels, 0, False, video=True) is not None
@@ -205,7 +200,7 @@ def _conv2d_fits(m: nn.Module) -> bool:
 
 def image_min_channels(device: torch.device | None) -> int:
     """The narrowest AutoencoderKL resnet conv (min of Cin, Cout) that measured faster in e4m3 on this device."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     return IMAGE_FP8_MIN_CH_TMA if device is not None and tma_conv.available(torch.device(device)) else IMAGE_FP8_MIN_CH
 
@@ -303,7 +298,7 @@ INT8_FORMAT = True
 
 def int8_convs(model: nn.Module, device: torch.device) -> bool:
     """Whether this model's image resnet convs run their 8-bit path in int8 here (else e4m3)."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     return (INT8_FORMAT and not is_wan(model) and getattr(model, "decoder", None) is not None
             and tma_conv.available(torch.device(device)))
@@ -522,7 +517,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     chosen = [(n, m) for n, m in chosen if not _is_attention(m)]  # the convs, for what follows
     stats["upsampler_layers"] = n_up
     stats["attention_cores"] = n_att
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     n_tma = sum(id(m) in up_ids or (tma_conv.available(torch.device(device)) and tma_conv.tuned_config(
         m.in_channels, m.out_channels, 1 << 30, True) is not None) for _, m in chosen)

@@ -12,7 +12,7 @@ the code that runs them decides per call:
 - AutoencoderKL (SD/SDXL/SD3/FLUX): Upsample2D modules patched by `fused_epilogues` run the phase conv, and the
   up-block's last resnet stops writing its output 2x-upsampled (stages/fused_epilogues.py).
 - Wan: WanResample's `resample` (nn.Upsample 2x nearest + Conv2d 3x3) runs as the phase conv in vaeopt.video's chunk
-  decoder, on the fused path and the torch path alike (video._frames_up_conv).
+  decoder, on the fused path and the torch path alike (vaeopt.engine.wan_ops.frames_up_conv).
 Numerics: an exact rewrite of the same linear map; only rounding differs (the summed taps are rounded once to the
 weight dtype), which the benchmark's PSNR vs fp32 measures. On CPU, auto keeps the stock composition (CPU decodes
 stay bitwise diffusers); `--upsample-conv on` forces it anywhere.
@@ -25,6 +25,8 @@ import time
 import torch
 from torch import nn
 
+from vaeopt.kernels import interpreter_hint
+from vaeopt.kernels.upconv import phase_weights, phase_weights_8bit, upconv2x, upconv2x_8bit
 from vaeopt.stages import StageResult, cached_weight, drop_attrs, needs_autograd, unhooked
 from vaeopt.stages.marks import CONV8, CONV8_INT8, FUSED_EPILOGUES, UPCONV, interpolating_upsampler, is_2x_nearest
 
@@ -77,8 +79,6 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     ok, why = available(device)
     if not ok and not force:
         if type(model).__name__ != "AutoencoderKLWan" and device.type != "cuda":
-            from vaeopt.kernels import interpreter_hint  # image VAEs run the phase convs inside the fused path
-
             why = ("CPU decode: the stock upsample + conv kept (bitwise diffusers); image VAEs run the phase convs "
                    f"inside the fused Triton path ({interpreter_hint('--triton on --upsample-conv on')})")
         return StageResult.skipped(NAME, why)
@@ -126,8 +126,6 @@ def applies(conv, dtype: torch.dtype, device: torch.device, x: torch.Tensor | No
 def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
     """The conv's phase kernels (4*Cout, Cin, 2, 2) in `dtype` (channels_last for cuDNN's NHWC kernels), computed
     once per weight version and dtype."""
-    from vaeopt.kernels.upconv import phase_weights
-
     def make():
         w = conv.weight
         w4 = phase_weights(w.detach()).to(dtype)
@@ -141,7 +139,7 @@ def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
 def fp8_ready(conv: nn.Conv2d, device: torch.device) -> bool:
     """The conv's phase convs can run in e4m3 here: the TMA conv kernel is available (sm_90) and has a measured tile
     for its channels (kernels/tma_conv.tuned_upconv_config)."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     return (marked(conv) and tma_conv.available(torch.device(device))
             and tma_conv.tuned_upconv_config(conv.in_channels, conv.out_channels) is not None)
@@ -154,8 +152,6 @@ def _fp8_phase(conv: nn.Conv2d, x: torch.Tensor):
         return None
     if not x.is_contiguous(memory_format=torch.channels_last) or not fp8_ready(conv, x.device):
         return None
-    from vaeopt.kernels.upconv import phase_weights_8bit
-
     if getattr(conv, _INT8, False):
         return cached_weight(conv, _W4_8, "int8", lambda: phase_weights_8bit(conv.weight, torch.int8))
     return cached_weight(conv, _W4_8, "e4m3", lambda: phase_weights_8bit(conv.weight))
@@ -173,10 +169,6 @@ def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
     pw4 = _fp8_phase(conv, x) if fp8 else None
     if pw4 is not None:
         from vaeopt.kernels.act_quant import quantize_e4m3_per_sample, quantize_int8_per_sample
-        from vaeopt.kernels.upconv import upconv2x_8bit
-
         x8, s = (quantize_int8_per_sample if pw4.w.dtype == torch.int8 else quantize_e4m3_per_sample)(x)
         return upconv2x_8bit(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
-    from vaeopt.kernels.upconv import upconv2x
-
     return upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None, stats_groups)
