@@ -4,7 +4,7 @@ instead of by its own epilogue pass: whole Wan decodes with it on and off, and t
     python3 benchmarks/gpu_defer.py [--workloads wan21-480p,wan21-720p] [--rounds 8] [--profile]
         -> $OUT/defer_<workloads>.json
 
-Whole decodes: one pipeline per workload (the pipeline's own path, `_decode_video`), `_ChunkDecoder.DEFER` toggled
+Whole decodes: one pipeline per workload (the pipeline's own path, `_decode_video`), `ChunkDecoder.DEFER` toggled
 between interleaved decodes, CUDA events around each; the outputs of the two settings compared bit for bit.
 Per call (12 output frames + 2 history, bf16): bias_residual then rms_norm_silu vs rms_norm_silu(residual=), for the
 time-stacked 96-ch input (taps=3) and the 192-ch conv buffer.

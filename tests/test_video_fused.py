@@ -5,7 +5,7 @@ stock diffusers, under the Triton interpreter on CPU (tests/conftest.py sets TRI
 Trained tiny Wan 2.1 (real latents, 2x2 latent-pixel crops: the interpreter is slow) with the fused_norms stage
 applied, NCDHW and channels_last_3d; Wan 2.2 topology (residual up blocks with DupUp3D, patch 2, batch 2), random
 small weights. Chunk sizes 1, 2, 3 on 5 latent frames: schedules [1,1,1,1,1], [1,2,2], [2,3]. The counts in
-`_ChunkDecoder.stats` are checked against spies on the real kernel launchers and conv calls.
+`ChunkDecoder.stats` are checked against spies on the real kernel launchers and conv calls.
 """
 
 import json
@@ -271,10 +271,10 @@ def test_fallbacks(stock21, fused21, z21, ref21, monkeypatch):
     assert st["fused_blocks"] == 3 * _structure(stock21)[0] and (out - ref21).abs().max().item() <= 1e-4
     vae = fused21["cl"]
     # $VAEOPT_VIDEO_FUSED=0 switches it off; an explicit argument wins
-    monkeypatch.setenv(video.FUSED_ENV, "0")
+    monkeypatch.setenv(wan_ops.FUSED_ENV, "0")
     assert decode(vae, z21, 3)[1] == {}
     assert decode(vae, z21, 3, fused=True)[1]["fused_blocks"] > 0
-    monkeypatch.delenv(video.FUSED_ENV)
+    monkeypatch.delenv(wan_ops.FUSED_ENV)
     # a hook on one block's norm: that block takes the torch path (its hook sees its call), the others stay fused
     blk = vae.decoder.up_blocks[1].resnets[0]
     seen = []

@@ -15,6 +15,8 @@ import torch
 
 from vaeopt import planner, video
 from vaeopt import video_tiling as vt
+from vaeopt.engine import wan_ops
+from vaeopt.engine.regions import tile_grid
 from vaeopt.errors import VaeoptError
 from vaeopt.families import build_model, get_family
 from vaeopt.tiling import TilingError
@@ -209,7 +211,7 @@ def test_caches_come_from_one_allocation(wan21, z21, refs21, monkeypatch):
     for storage, tile in (("device", (2, 6)), ("host", (1, 6))):
         plan = vt.TiledVideoPlan(2, tile, 3, storage)
         sizes = vt.cache_bytes_per_decoder(wan21, z21.shape, plan)
-        assert len(sizes) == 1 + len(vt._regions((6, 6), *tile)) and min(sizes) > 0
+        assert len(sizes) == 1 + len(tile_grid(6, 6, *tile)) and min(sizes) > 0
         clip = vt._TiledClip(wan21, (6, 6), plan, False, None, force_copy=True, arena_bytes=sizes)
         out = []
         for t0, k in ((0, 1), (1, 2), (3, 2)):
@@ -368,7 +370,7 @@ def test_planner_tiles_only_when_the_budget_needs_it(wan21_full, monkeypatch):
     spec, m = wan21_full
     shape = (1, 16, 21, 90, 160)  # wan21-720p
     cuda = torch.device("cuda")  # only the device type matters: budgets are given
-    monkeypatch.setenv(video.FUSED_ENV, "1")  # estimate the fused kernel path, as the GPU pipeline runs it
+    monkeypatch.setenv(wan_ops.FUSED_ENV, "1")  # estimate the fused kernel path, as the GPU pipeline runs it
 
     def plan(gb, **kw):
         return planner.plan_decode(spec, m, shape, torch.bfloat16, cuda, vram_budget_gb=gb, **kw)

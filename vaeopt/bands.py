@@ -485,132 +485,124 @@ class _ImageBandDecoder:
 # ================================================================================================================
 
 
-BAND_STACK = True  # bands run stacked_conv3d's time-stacked convs (benchmarks' A/B switch; read per decoder class)
+BAND_STACK = True  # bands run stacked_conv3d's time-stacked convs (benchmarks' A/B switch; read per decode)
 
 
-def _band_chunk_decoder_class():
-    class _BandChunkDecoder(ChunkDecoder):
-        """vaeopt.video's chunk decoder on one band of rows: every spatial conv exchanges the boundary rows of its
-        staged input ([causal history | new frames], i.e. including the history), runs on the band with zero
-        padding, and adds the neighbours' rows to its edge rows (add_halo: the received row through the kernel's
-        first / last row). The mid-block attention gathers its latent-resolution input. Each band keeps its own
-        causal caches. A conv stacked_conv3d marked runs time-stacked as on one GPU: the rows exchanged are the
-        stack's (each holds the 3 frames its output frame reads). The head conv on tapconv exchanges rows of its
-        GEMM output (the 27 taps per pixel)."""
+class WanBandHalo:
+    """The rows beyond a band's edges for Wan's chunk decoder (ChunkDecoder(halo=...)), from the neighbour ranks:
+    every spatial conv exchanges the boundary rows of its staged input ([causal history | new frames], i.e. including
+    the history), runs on the band with zero padding, and adds the neighbours' rows to its edge rows (add_halo: the
+    received row through the kernel's first / last row). The mid-block attention gathers its latent-resolution
+    input. Each band keeps its own causal caches. A conv stacked_conv3d marked runs time-stacked as on one GPU: the
+    rows exchanged are the stack's (each holds the 3 frames its output frame reads). The head conv on tapconv
+    exchanges rows of its GEMM output (the 27 taps per pixel)."""
 
-        STACK = BAND_STACK
+    def __init__(self, vae, comm: BandComm):
+        self.comm = comm
+        self.halo_seen: set[int] = set()
+        self.attn_calls = 0
+        wan = wan_module()
+        self.expected = {}
+        for name, m in vae.decoder.named_modules():
+            if isinstance(m, wan.WanCausalConv3d) and m.kernel_size[1] > 1:
+                self.expected[id(m)] = name
+            elif isinstance(m, wan.WanResample) and isinstance(getattr(m, "resample", None), nn.Sequential):
+                c = m.resample[-1] if len(m.resample) else None
+                if c is not None and kernel_hw(c)[0] > 1:
+                    self.expected[id(c)] = name + ".resample"
 
-        def __init__(self, vae, channels_last: bool, fused, comm: BandComm):
-            super().__init__(vae, channels_last, fused)
-            self.comm = comm
-            self.halo_seen: set[int] = set()
-            self.attn_calls = 0
-            wan = wan_module()
-            self.expected = {}
-            for name, m in self.dec.named_modules():
-                if isinstance(m, wan.WanCausalConv3d) and m.kernel_size[1] > 1:
-                    self.expected[id(m)] = name
-                elif isinstance(m, wan.WanResample) and isinstance(getattr(m, "resample", None), nn.Sequential):
-                    c = m.resample[-1] if len(m.resample) else None
-                    if c is not None and kernel_hw(c)[0] > 1:
-                        self.expected[id(c)] = name + ".resample"
+    def run(self, dec: ChunkDecoder, conv, x: Tensor, bias: bool) -> Tensor:
+        if isinstance(x, Stacked):
+            return self.run_stacked(dec, conv, x, bias)
+        kh, kw = kernel_hw(conv)
+        if kh == 1:
+            return dec.run_local(conv, x, bias)
+        if not dec._plain(conv) or kh != 3 or tuple(conv.stride) != (1, 1, 1) or conv._padding[2] != 1:
+            raise DistributedError(f"band decoding needs stock 3x3x3 WanCausalConv3d convs; {type(conv).__name__}"
+                                   " is patched/hooked or of another shape (decode on one GPU instead)")
+        self.halo_seen.add(id(conv))
+        pend = self.comm.exchange_start(x, 3)
+        y = dec.run_local(conv, x, bias)
+        top, bot = pend.wait()
+        pw = conv._padding[0]
 
-        # The fused resample path runs its 2D conv inline; the halo-aware _resample below takes over instead.
-        def _up_fusable(self, rs) -> bool:
-            return False
+        def halo(r: Tensor, i: int) -> Tensor:  # (N, C, hist + k, 1, W) -> (N, C', k, 1, W): no temporal padding
+            return F.conv3d(r, halo_weight(conv, conv.weight, i, 3), None, 1, (0, 0, pw), 1, conv.groups)
 
-        def _run(self, conv, x: Tensor, bias: bool = True) -> Tensor:
-            if isinstance(x, Stacked):
-                return self._run_stacked(conv, x, bias)
-            kh, kw = kernel_hw(conv)
-            if kh == 1:
-                return super()._run(conv, x, bias)
-            if not self._plain(conv) or kh != 3 or tuple(conv.stride) != (1, 1, 1) or conv._padding[2] != 1:
-                raise DistributedError(f"band decoding needs stock 3x3x3 WanCausalConv3d convs; {type(conv).__name__}"
-                                       " is patched/hooked or of another shape (decode on one GPU instead)")
-            self.halo_seen.add(id(conv))
-            pend = self.comm.exchange_start(x, 3)
-            y = super()._run(conv, x, bias)
-            top, bot = pend.wait()
-            pw = conv._padding[0]
+        add_halo(top, bot, y, halo, 3)
+        return y
 
-            def halo(r: Tensor, i: int) -> Tensor:  # (N, C, hist + k, 1, W) -> (N, C', k, 1, W): no temporal padding
-                return F.conv3d(r, halo_weight(conv, conv.weight, i, 3), None, 1, (0, 0, pw), 1, conv.groups)
+    def run_stacked(self, dec: ChunkDecoder, conv, st: Stacked, bias: bool) -> Tensor:
+        """The time-stacked Conv2d on this band's stack S (N*k, 3C, h, W): S's boundary rows go to the
+        neighbours while it runs, then the received rows complete its first / last output rows (add_halo)."""
+        S = st.S
+        self.halo_seen.add(id(conv))
+        pend = self.comm.exchange_start(S, 2)
+        w = stacked_w(conv, S.dtype)
+        pw = conv._padding[0]
+        y4 = F.conv2d(S, w, conv.bias if bias else None, 1, (conv._padding[2], pw))
+        top, bot = pend.wait()
+        add_halo(top, bot, y4, lambda r, i: F.conv2d(r, halo_weight(conv, w, i, 2), None, 1, (0, pw)), 2)
+        return dec._unstack(y4, st)
 
-            add_halo(top, bot, y, halo, 3)
-            return y
+    def tap_sum(self, dec: ChunkDecoder, conv, Y: Tensor, y: Tensor) -> None:
+        """The head conv as tapconv's GEMM + tap sum: the rows exchanged are those of the planar GEMM output Y
+        (27 taps x Co channels); a received row's taps of kernel row 0 (from above) / 2 (from below), summed
+        with kernel (3, 1, 3), complete the edge rows."""
+        self.halo_seen.add(id(conv))
+        pend = self.comm.exchange_start(Y, 3)
+        co = conv.out_channels
+        tapconv.tap_sum(Y, co, (3, 3, 3), conv.bias, y)
+        top, bot = pend.wait()
 
-        def _run_stacked(self, conv, st, bias: bool) -> Tensor:
-            """The time-stacked Conv2d on this band's stack S (N*k, 3C, h, W): S's boundary rows go to the
-            neighbours while it runs, then the received rows complete its first / last output rows (add_halo)."""
-            S = st.S
-            self.halo_seen.add(id(conv))
-            pend = self.comm.exchange_start(S, 2)
-            w = stacked_w(conv, S.dtype)
-            pw = conv._padding[0]
-            y4 = F.conv2d(S, w, conv.bias if bias else None, 1, (conv._padding[2], pw))
-            top, bot = pend.wait()
-            add_halo(top, bot, y4, lambda r, i: F.conv2d(r, halo_weight(conv, w, i, 2), None, 1, (0, pw)), 2)
-            return self._unstack(y4, st)
+        def halo(r: Tensor, i: int) -> Tensor:  # Y's row (n, 27 Co, hist + k, 1, W) -> its taps of kernel row i
+            n, _, ts, _, w = r.shape
+            taps = r.reshape(n, 3, 3, 3, co, ts, 1, w)[:, :, i].reshape(n, 9 * co, ts, 1, w)  # (dt, dw, o)
+            o = torch.empty((n, co, ts - 2, 1, w), dtype=y.dtype, device=y.device)
+            return tapconv.tap_sum(taps, co, (3, 1, 3), None, o)
 
-        def _tap_sum(self, conv, Y: Tensor, y: Tensor) -> None:
-            """The head conv as tapconv's GEMM + tap sum: the rows exchanged are those of the planar GEMM output Y
-            (27 taps x Co channels); a received row's taps of kernel row 0 (from above) / 2 (from below), summed
-            with kernel (3, 1, 3), complete the edge rows."""
-            self.halo_seen.add(id(conv))
-            pend = self.comm.exchange_start(Y, 3)
-            super()._tap_sum(conv, Y, y)
-            top, bot = pend.wait()
-            co = conv.out_channels
+        add_halo(top, bot, y, halo, 3)
 
-            def halo(r: Tensor, i: int) -> Tensor:  # Y's row (n, 27 Co, hist + k, 1, W) -> its taps of kernel row i
-                n, _, ts, _, w = r.shape
-                taps = r.reshape(n, 3, 3, 3, co, ts, 1, w)[:, :, i].reshape(n, 9 * co, ts, 1, w)  # (dt, dw, o)
-                o = torch.empty((n, co, ts - 2, 1, w), dtype=y.dtype, device=y.device)
-                return tapconv.tap_sum(taps, co, (3, 1, 3), None, o)
+    def attention(self, dec: ChunkDecoder, blk, x: Tensor) -> Tensor | None:
+        """The kernel path's mid-block attention for this band's query rows (None: the decoder calls blk)."""
+        if isinstance(blk, _WanBandAttention) and dec._attn_fusable(blk.inner, x):
+            return blk.fused(x, dec)
+        return None
 
-            add_halo(top, bot, y, halo, 3)
+    def upsample_conv2d(self, dec: ChunkDecoder, up, conv2d, x2: Tensor) -> Tensor:
+        """The resample's 2x upsample + 2D conv on the band's frames, with a halo exchange around the frame-group
+        conv (frames_up_conv) and the edge rows recomputed from slabs of the upsampled neighbour rows."""
+        # not the single-GPU choice, on purpose: the edge slabs below assume 2x; a hooked Upsample runs with its hooks
+        if dec.kern and is_2x_nearest(up):
+            up_fn = functools.partial(dec._br, upsample2x=True)  # the kernel: bitwise the same copy
+            dec.stats["upsample_kernel"] += 1
+        elif is_2x_nearest(up) or (isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact")
+                                   and unhooked(up)):
+            up_fn = lambda t_: F.interpolate(t_, scale_factor=2.0, mode="nearest")  # noqa: E731 (a copy)
+        else:
+            up_fn = up
+        if kernel_hw(conv2d)[0] != 3:
+            raise DistributedError("band decoding: the Wan resample conv is not 3x3")
+        self.halo_seen.add(id(conv2d))
+        pend = self.comm.exchange_start(x2, 2)
+        phase = phase_ok(conv2d, up, x2)  # stages/upsample_conv's 2x2 phase convs: the same map
+        dec.stats["upsample_phase"] += phase
+        y = frames_up_conv(conv2d, up_fn, x2, phase)  # its rows 0 / -1 are fixed below
+        top, bot = pend.wait()
+        rows = conv2d_rows(conv2d)
+        if top is not None:  # upsampled rows 2a-1, 2a, 2a+1 = [top, x0, x0]
+            slab = up_fn(torch.cat([top, x2[:, :, :1]], 2)).narrow(2, 1, 3)
+            y[:, :, :1].copy_(rows(slab))
+        if bot is not None:  # upsampled rows 2b-2, 2b-1, 2b = [x_last, x_last, bot]
+            slab = up_fn(torch.cat([x2[:, :, -1:], bot], 2)).narrow(2, 0, 3)
+            y[:, :, -1:].copy_(rows(slab))
+        return y
 
-        def _attention(self, blk, x: Tensor) -> Tensor:
-            if isinstance(blk, _WanBandAttention) and self._attn_fusable(blk.inner, x):
-                return blk.fused(x, self)
-            return super()._attention(blk, x)
-
-        # the chunk decoder's resample step with a halo exchange around its frame-group conv (frames_up_conv)
-        def _upsample_conv2d(self, up, conv2d, x2: Tensor) -> Tensor:
-            # not video's choice, on purpose: the edge slabs below assume 2x; a hooked Upsample runs with its hooks
-            if self.kern and is_2x_nearest(up) and hasattr(self, "_br"):
-                up_fn = functools.partial(self._br, upsample2x=True)  # the kernel: bitwise the same copy
-                self.stats["upsample_kernel"] += 1
-            elif is_2x_nearest(up) or (isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact")
-                                              and unhooked(up)):
-                up_fn = lambda t_: F.interpolate(t_, scale_factor=2.0, mode="nearest")  # noqa: E731 (a copy)
-            else:
-                up_fn = up
-            if kernel_hw(conv2d)[0] != 3:
-                raise DistributedError("band decoding: the Wan resample conv is not 3x3")
-            self.halo_seen.add(id(conv2d))
-            pend = self.comm.exchange_start(x2, 2)
-            phase = phase_ok(conv2d, up, x2)  # stages/upsample_conv's 2x2 phase convs: the same map
-            self.stats["upsample_phase"] += phase
-            y = frames_up_conv(conv2d, up_fn, x2, phase)  # its rows 0 / -1 are fixed below
-            top, bot = pend.wait()
-            rows = conv2d_rows(conv2d)
-            if top is not None:  # upsampled rows 2a-1, 2a, 2a+1 = [top, x0, x0]
-                slab = up_fn(torch.cat([top, x2[:, :, :1]], 2)).narrow(2, 1, 3)
-                y[:, :, :1].copy_(rows(slab))
-            if bot is not None:  # upsampled rows 2b-2, 2b-1, 2b = [x_last, x_last, bot]
-                slab = up_fn(torch.cat([x2[:, :, -1:], bot], 2)).narrow(2, 0, 3)
-                y[:, :, -1:].copy_(rows(slab))
-            return y
-
-        def check_coverage(self) -> None:
-            missing = [n for i, n in self.expected.items() if i not in self.halo_seen]
-            if missing:
-                raise DistributedError("band decoding: these convs ran without the halo exchange (vaeopt.video's "
-                                       f"decoder changed?): {', '.join(sorted(missing)[:6])}")
-
-    return _BandChunkDecoder
+    def check_coverage(self) -> None:
+        missing = [n for i, n in self.expected.items() if i not in self.halo_seen]
+        if missing:
+            raise DistributedError("band decoding: these convs ran without the halo exchange (the chunk decoder "
+                                   f"changed?): {', '.join(sorted(missing)[:6])}")
 
 
 class _WanBandAttention(nn.Module):
@@ -680,8 +672,8 @@ def _decode_wan_band(vae, z: Tensor, comm: BandComm, chunk, fused, channels_last
     for i, m in enumerate(mid.attentions):
         if m is not None and not isinstance(m, wan.WanAttentionBlock):
             raise DistributedError(f"mid_block.attentions.{i}: {type(m).__name__} is not a WanAttentionBlock")
-    cls = _band_chunk_decoder_class()
-    dec = cls(vae, wan_channels_last(vae, channels_last), fused, comm)
+    halo = WanBandHalo(vae, comm)
+    dec = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused, stack=BAND_STACK, halo=halo)
     p = patch_size(vae)
     sched = video.chunk_schedule(z.shape[2], chunk)
     total = sum(video.output_frame_counts(sched, temporal_factor(vae)))
@@ -691,13 +683,13 @@ def _decode_wan_band(vae, z: Tensor, comm: BandComm, chunk, fused, channels_last
     try:
         for i, m in enumerate(orig):
             if m is not None:
-                mid.attentions[i] = _WanBandAttention(m, comm, dec)
+                mid.attentions[i] = _WanBandAttention(m, comm, halo)
         t0 = f0 = 0
         for k in sched:
             y = dec.step(zb[:, :, t0 : t0 + k])
             if t0 == 0:
-                dec.check_coverage()
-                if any(m is not None for m in orig) and dec.attn_calls == 0:
+                halo.check_coverage()
+                if any(m is not None for m in orig) and halo.attn_calls == 0:
                     raise DistributedError("band decoding: the Wan mid-block attention was not reached")
             t0 += k
             if band is None:

@@ -27,7 +27,7 @@ Two implementations of the per-tile math, same structure:
   ``group_norm_apply``: one kernel reads the halo'd region *in place* from the storage buffer (any strides), applies
   (x + bias - mean) * scale + beta and SiLU in fp32, and writes the model dtype once -- already zero-padded to the
   conv's full halo, so every conv runs with ``padding=0`` and returns exactly its tile (no crops). Convs run WITHOUT
-  their bias: the bias stays *pending* on the activation (``_Act.bias``) and is added where the value is next read --
+  their bias: the bias stays *pending* on the activation (``Activation.bias``) and is added where the value is next read --
   inside the next norm's stats/apply (``x_bias``), in the residual epilogue (``residual_bias``; through a 1x1
   shortcut conv as ``W @ bias``), or in the nearest-2x upsample kernel. Resnet outputs are one ``bias_residual``
   kernel (conv2 bias + residual + shortcut bias + output scale), written straight into the storage buffer when the
@@ -83,6 +83,7 @@ from vaeopt.engine.image import Pass, is_plain_upsampler, kl_decoder, plan_passe
 from vaeopt.engine.regions import (TilingError, conv_region, halo_region, is_plain_conv, pair, tile_geometry,
                                    tile_grid)
 from vaeopt.engine.stats import KernelStats, Moments
+from vaeopt.engine.store import Activation, RegionStore, layout_of
 from vaeopt.kernels import flat_layout, triton_available
 from vaeopt.stages import unhooked, upsample_conv
 
@@ -101,7 +102,6 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CUDNN_WORKSPACE_BYTES = 256 << 20  # allowance for cuDNN conv workspaces in estimate_tiled_bytes (CUDA only)
 CUDA_MARGIN = 1.10  # allocator rounding / fragmentation on CUDA; CPU keeps the validated 1.125
-MAX_INFLIGHT_WRITES = 2  # device->host tile writes allowed in flight before the host waits (bounds memory)
 _STATS_MAX_NUMEL = 2**31  # the stats kernels use int32 in-sample offsets: bigger tiles are reduced in row pieces
 
 
@@ -118,23 +118,6 @@ def tile_from_pixels(vae: nn.Module, tile_px: int | Sequence[int]) -> tuple[int,
     f = _factor(vae)
     th, tw = pair(tile_px)
     return max(1, th // f), max(1, tw // f)
-
-
-# --------------------------------------------------------------------------------------------------- activations
-
-
-class _Act:
-    """A full-size activation (1, C, H, W) on the storage device, its statistics, and its pending per-channel bias
-    (kernel path: the true activation is ``t + bias[c]``; the producing conv ran without its bias)."""
-
-    def __init__(self, t: torch.Tensor, stats: Moments | KernelStats | None, bias: torch.Tensor | None = None):
-        self.t = t
-        self.stats = stats
-        self.bias = bias
-
-    @property
-    def hw(self) -> tuple[int, int]:
-        return self.t.shape[-2], self.t.shape[-1]
 
 
 # ------------------------------------------------------------------------------------------------ module helpers
@@ -158,18 +141,6 @@ def _act_mode(norm: nn.Module, nonlin: nn.Module) -> tuple[bool, Callable | None
     if type(nonlin) is nn.SiLU and unhooked(nonlin):
         return True, (None if not fused else (lambda t: F.silu(t, inplace=True)))
     return fused, nonlin
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
-
-
-def _layout_of(t: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if (t.dim() == 4 and t.stride(1) == 1 and t.shape[1] > 1) else torch.contiguous_format
-
-
-def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
 
 
 def _flat(t: torch.Tensor) -> bool:
@@ -205,118 +176,6 @@ def _use_bands(shape: str, kernels: bool, device: torch.device) -> bool:
     if shape not in ("auto", "bands", "tiles"):
         raise ValueError(f"shape must be 'auto', 'bands' or 'tiles', got {shape!r}")
     return shape == "bands" or (shape == "auto" and (kernels or device.type == "cuda"))
-
-
-# ------------------------------------------------------------------------------------------------------ transfers
-
-
-class _Mover:
-    """Tile regions between the storage device and the compute device.
-
-    Local storage: a region is a view of the buffer, a write one in-place copy. Remote storage (CPU buffers, CUDA
-    compute): dense regions of pinned buffers are copied by a host->device stream (prefetched one tile ahead, so the
-    copy overlaps the current tile's kernels) and written back by a device->host stream (in parallel: PCIe is full
-    duplex). Ordering is by CUDA events, never by host waits: the compute stream waits for the read of its region;
-    the device->host stream waits for the compute stream; a read waits only for the in-flight writes that overlap its
-    rows (so the first band of a pass does not wait for the last band of the previous one); ``record_stream`` keeps
-    the allocator from reusing a tile's memory while a copy still uses it. At most MAX_INFLIGHT_WRITES writes are in
-    flight (the host waits on the oldest), which bounds the device memory they hold. Non-dense regions (2D tiles of a
-    buffer) take torch's synchronous path. ``force_copy`` (tests): treat a same-device storage as remote, with plain
-    copies."""
-
-    def __init__(self, device: torch.device, storage: torch.device, overlap: bool = True, force_copy: bool = False):
-        self.device = device
-        self.remote = force_copy or storage != device
-        self.async_ = bool(overlap and self.remote and device.type == "cuda" and storage.type == "cpu")
-        self.h2d = torch.cuda.Stream(device) if self.async_ else None
-        self.d2h = torch.cuda.Stream(device) if self.async_ else None
-        self.cache: dict[tuple, tuple[torch.Tensor, object]] = {}
-        self.inflight: deque = deque()  # events of device->host writes, oldest first (throttle)
-        self.writes: list[tuple] = []  # (buffer ptr, y0, y1, x0, x1, event) of writes that may be in flight
-        self.bytes_h2d = 0
-        self.bytes_d2h = 0
-        self.prefetch_hits = 0
-
-    def begin_pass(self) -> None:
-        self.cache.clear()
-
-    def drop(self) -> None:
-        self.cache.clear()
-
-    def _fetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> tuple[torch.Tensor, object]:
-        view = t[:, :, ya:yb, xa:xb]
-        self.bytes_h2d += view.numel() * view.element_size()
-        if self.async_ and _is_dense(view) and view.is_pinned():
-            ptr = t.data_ptr()
-            for wp, y0, y1, x0, x1, ev in self.writes:  # read-after-write: only the overlapping writes
-                if wp == ptr and y0 < yb and ya < y1 and x0 < xb and xa < x1:
-                    self.h2d.wait_event(ev)
-            with torch.cuda.stream(self.h2d):
-                dev = torch.empty_like(view, device=self.device)  # dense: keeps the view's strides
-                dev.copy_(view, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.h2d)
-            return dev, ev
-        if self.async_:  # host-side gather of a non-dense region: pending writes must have landed
-            self.d2h.synchronize()
-        if view.device == self.device:  # force_copy
-            return view.clone(memory_format=torch.preserve_format), None
-        return view.to(self.device, memory_format=_layout_of(view)), None
-
-    def prefetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> None:
-        if not self.remote:
-            return
-        key = (t.data_ptr(), ya, yb, xa, xb)
-        if key not in self.cache:
-            self.cache[key] = self._fetch(t, ya, yb, xa, xb)
-
-    def get(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> torch.Tensor:
-        if not self.remote:
-            return t[:, :, ya:yb, xa:xb]
-        hit = self.cache.pop((t.data_ptr(), ya, yb, xa, xb), None)
-        if hit is not None:
-            self.prefetch_hits += 1
-        dev, ev = hit if hit is not None else self._fetch(t, ya, yb, xa, xb)
-        if ev is not None:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(ev)
-            dev.record_stream(cur)  # allocated on the copy stream, used on this one
-        return dev
-
-    def put(self, t: torch.Tensor, y0: int, y1: int, x0: int, x1: int, val: torch.Tensor) -> None:
-        view = t[:, :, y0:y1, x0:x1]
-        if not self.remote:
-            view.copy_(val)
-            return
-        self.bytes_d2h += val.numel() * val.element_size()
-        if self.async_ and _is_dense(view) and view.is_pinned():
-            if not _same_strides(val, view):
-                val = val.contiguous(memory_format=_layout_of(view))  # same strides: one DMA, no host staging
-            cur = torch.cuda.current_stream(self.device)
-            self.d2h.wait_stream(cur)
-            with torch.cuda.stream(self.d2h):
-                view.copy_(val, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.d2h)
-            val.record_stream(self.d2h)
-            self.inflight.append(ev)
-            self.writes.append((t.data_ptr(), y0, y1, x0, x1, ev))
-            while len(self.inflight) > MAX_INFLIGHT_WRITES:  # bound the device memory held by pending writes
-                self.inflight.popleft().synchronize()
-            if len(self.writes) > 4 * MAX_INFLIGHT_WRITES:
-                self.writes = [w for w in self.writes if not w[5].query()]
-            return
-        if self.async_:
-            self.d2h.synchronize()
-        view.copy_(val)
-
-    def finish(self) -> None:
-        self.cache.clear()
-        if self.async_:
-            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
-            self.d2h.synchronize()
-            self.inflight.clear()
-            self.writes.clear()
 
 
 # ------------------------------------------------------------------------------------------------------ decoder
@@ -399,7 +258,7 @@ class TiledDecoder:
         n, _, h, w = z.shape
         self.lat_hw = (h, w)
         self.storage, self.start_tile = self._choose_storage((h, w), n)
-        self.mover = _Mover(self.device, self.storage, self.overlap, self._force_copy)
+        self.mover = RegionStore(self.device, self.storage, self.overlap, self._force_copy)
         # NHWC buffers whenever they are remote: a row band is then one contiguous block (one DMA per region)
         remote = self.mover.remote
         self.storage_format = torch.channels_last if (remote or self.memory_format is torch.channels_last) else (
@@ -515,12 +374,12 @@ class TiledDecoder:
         if not self.kernels:
             return Moments.of_tile(o)
         if not _flat(o):
-            o = o.contiguous(memory_format=_layout_of(o))
+            o = o.contiguous(memory_format=layout_of(o))
         pieces = self._stat_pieces(o)
         outs = out if out is not None else [None] * len(pieces)
         return [self._k["partials"](p, int(norm.num_groups), x_bias=bias, out=b) for p, b in zip(pieces, outs)]
 
-    def _to_storage(self, x: torch.Tensor, norm: nn.Module | None) -> _Act:
+    def _to_storage(self, x: torch.Tensor, norm: nn.Module | None) -> Activation:
         part = self._stats(x, None, norm)
         x = x.contiguous(memory_format=self.storage_format)
         if self.mover.remote:
@@ -528,18 +387,18 @@ class TiledDecoder:
             self.mover.put(t, 0, x.shape[2], 0, x.shape[3], x)
         else:
             t = x
-        a = _Act(t, self._new_stats(x.shape[1], norm))
+        a = Activation(t, self._new_stats(x.shape[1], norm))
         a.stats.add(part) if a.stats is not None else None
         return a
 
-    def _read(self, act: _Act, y0: int, y1: int, x0: int, x1: int, hy: int, hx: int | None = None):
+    def _read(self, act: Activation, y0: int, y1: int, x0: int, x1: int, hy: int, hx: int | None = None):
         """Tile [y0:y1, x0:x1] of `act` plus up to (hy, hx) px of context, clamped to the image, on the compute
         device (a view when storage is the compute device). Returns (region, oy, ox): the tile's offset in it."""
         hx = hy if hx is None else hx
         ya, yb, xa, xb = halo_region(act.hw, y0, y1, x0, x1, hy, hx)
         return self.mover.get(act.t, ya, yb, xa, xb), y0 - ya, x0 - xa
 
-    def _norm_act(self, x: torch.Tensor, act: _Act, norm: nn.Module, nonlin: nn.Module) -> torch.Tensor:
+    def _norm_act(self, x: torch.Tensor, act: Activation, norm: nn.Module, nonlin: nn.Module) -> torch.Tensor:
         """Torch path: GroupNorm with the statistics of the whole activation, then the model's nonlinearity. Always
         returns a fresh tensor (never a view of a storage buffer)."""
         shift, scale = act.stats.affine(norm, self.device)
@@ -561,7 +420,7 @@ class TiledDecoder:
             return conv.kernel_size[0] // 2, conv.kernel_size[1] // 2
         return 1, 1
 
-    def _norm_conv(self, src: _Act, norm, nonlin, conv, y0, y1, x0, x1, drop=None):
+    def _norm_conv(self, src: Activation, norm, nonlin, conv, y0, y1, x0, x1, drop=None):
         """conv(drop(act(norm(src)))) on tile [y0:y1, x0:x1] -> (output tile, bias still to add or None)."""
         h, w = y1 - y0, x1 - x0
         hy, hx = self._halo(conv, norm, nonlin)
@@ -589,7 +448,7 @@ class TiledDecoder:
         if drop is not None:
             a = drop(a)
         o = conv_region(conv, a, oy, ox, h, w)
-        return (o if _flat(o) else o.contiguous(memory_format=_layout_of(o))), None
+        return (o if _flat(o) else o.contiguous(memory_format=layout_of(o))), None
 
     # -- the tile loop -----------------------------------------------------------------------------------------------
 
@@ -652,7 +511,7 @@ class TiledDecoder:
         del x
         h, w = cur.hw
         # ---- tiled passes; each pass method returns its output activation and drops its inputs
-        h1: _Act | None = None
+        h1: Activation | None = None
         for i, ps in enumerate(self.passes):
             hw = (h * ps.scale, w * ps.scale)
             if ps.kind == "res1":
@@ -669,7 +528,7 @@ class TiledDecoder:
 
     # -- passes ------------------------------------------------------------------------------------------------------
 
-    def _reads(self, act: _Act, hy: int, hx: int, extra: _Act | None = None):
+    def _reads(self, act: Activation, hy: int, hx: int, extra: Activation | None = None):
         """The `reads` callback of a pass that reads `act` with a (hy, hx) halo (+ `extra` at the tile itself)."""
 
         def reads(y0, y1, x0, x1):
@@ -680,12 +539,12 @@ class TiledDecoder:
 
         return reads
 
-    def _pass_res1(self, i: int, ps: Pass, hw: tuple[int, int], src: _Act) -> _Act:
+    def _pass_res1(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation) -> Activation:
         """h1 = conv1(act(norm1(x))) -- x is kept (it is the residual)."""
         blk = ps.module
         norm_next = self._consumer(i + 1)
         fold = self._folds(blk.conv1, blk.norm1, blk.nonlinearity) and blk.conv1.bias is not None
-        dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
+        dst = Activation(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
                    blk.conv1.bias.detach() if fold else None)
         self.info["bias_folded"] += int(fold)
 
@@ -699,7 +558,7 @@ class TiledDecoder:
         self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv1, blk.norm1, blk.nonlinearity)))
         return dst
 
-    def _pass_res2(self, i: int, ps: Pass, hw: tuple[int, int], res: _Act, src: _Act) -> _Act:
+    def _pass_res2(self, i: int, ps: Pass, hw: tuple[int, int], res: Activation, src: Activation) -> Activation:
         """out = (shortcut(x) + conv2(dropout(act(norm2(h1))))) / output_scale_factor."""
         blk = ps.module
         sc_conv = getattr(blk, "conv_shortcut", None)
@@ -710,7 +569,7 @@ class TiledDecoder:
         res_t, res_bias = res.t, res.bias
         # The block output may overwrite its input in place: a tile reads the residual only at its own pixels.
         inplace = sc_conv is None and ps.cout == ps.sc_cin
-        dst = _Act(res_t if inplace else self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next))
+        dst = Activation(res_t if inplace else self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next))
         del res
         sc_plain = (k and sc_conv is not None and is_plain_conv(sc_conv) and tuple(sc_conv.kernel_size) == (1, 1)
                     and sc_conv.groups == 1)
@@ -758,10 +617,10 @@ class TiledDecoder:
                 dst.stats.add(part)
 
         self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv2, blk.norm2, blk.nonlinearity),
-                                          extra=_Act(res_t, None)))
+                                          extra=Activation(res_t, None)))
         return dst
 
-    def _pass_up(self, i: int, ps: Pass, hw: tuple[int, int], src: _Act) -> _Act:
+    def _pass_up(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation) -> Activation:
         """2x nearest upsampling + 3x3 conv, computed per output tile from a source tile with a 1-px halo."""
         up = ps.module
         plain = is_plain_upsampler(up)
@@ -770,7 +629,7 @@ class TiledDecoder:
         fold = bool(k and plain and is_plain_conv(conv) and tuple(conv.kernel_size) == (3, 3))
         phase = fold and upsample_conv.applies(conv, self.dtype, self.device)  # the tiles compute in self.dtype / self.device
         norm_next = self._consumer(i + 1)
-        dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
+        dst = Activation(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
                    conv.bias.detach() if fold and conv.bias is not None else None)
         self.info["bias_folded"] += int(fold and conv.bias is not None)
         H, W = hw
@@ -783,7 +642,7 @@ class TiledDecoder:
             if phase:  # 2x2 phase convs on t itself (stages/upsample_conv): rows of the result at distance >= 1
                 # from a non-border edge of t's upsampled extent are exact, as for any padding-preserving operator
                 if src.bias is not None:
-                    t = self._k["epilogue"](t if _flat(t) else t.contiguous(memory_format=_layout_of(t)), src.bias)
+                    t = self._k["epilogue"](t if _flat(t) else t.contiguous(memory_format=layout_of(t)), src.bias)
                 u = upsample_conv.run(conv, t, bias=False)
                 del t
                 self.info["upsample_phase"] += 1
@@ -791,7 +650,7 @@ class TiledDecoder:
             elif plain:
                 if k:  # one kernel: (t + pending bias) written 2x nearest-upsampled, in t's layout
                     if not _flat(t):
-                        t = t.contiguous(memory_format=_layout_of(t))
+                        t = t.contiguous(memory_format=layout_of(t))
                     u = self._k["epilogue"](t, src.bias, upsample2x=True)
                 else:
                     u = F.interpolate(t, scale_factor=2.0, mode="nearest")
@@ -830,7 +689,7 @@ class TiledDecoder:
         self._run(ps, hw, fn, reads)
         return dst
 
-    def _pass_head(self, i: int, ps: Pass, hw: tuple[int, int], src: _Act, out: torch.Tensor) -> None:
+    def _pass_head(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation, out: torch.Tensor) -> None:
         """conv_norm_out -> conv_act -> conv_out, written straight into the output image."""
         dec = self.dec
         if self._folds(dec.conv_out, dec.conv_norm_out, dec.conv_act) and dec.conv_out.bias is not None:

@@ -1,4 +1,4 @@
-"""Per-chunk CUDA graphs for Wan's chunked video decode (vaeopt.video's `_ChunkDecoder`).
+"""Per-chunk CUDA graphs for Wan's chunked video decode (vaeopt.engine.wan's `ChunkDecoder`).
 
 Every decoder call after a clip's first has one static shape by the chunk schedule's construction ([1, K, K, ...]
 for Wan's usual T = 1 + 4n), and all state a call carries to the next -- the causal caches -- lives in static
@@ -306,7 +306,7 @@ _OOM = tuple({e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torc
 
 
 class GraphedSteps:
-    """Wraps a `_ChunkDecoder` (same `step` / `stats`): the clip's first call and calls of another shape run eagerly,
+    """Wraps a `ChunkDecoder` (same `step` / `stats`): the clip's first call and calls of another shape run eagerly,
     the first steady call is the warm-up on the capture stream, the second is captured and every steady call from
     then on is a replay. `finish()` ends the clip: totals into the record, the graph and its pool freed."""
 

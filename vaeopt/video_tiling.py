@@ -7,13 +7,13 @@ spatial tiles (full-width row bands by default) for the high-resolution end of t
 How, per chunk of latent frames (the chunk schedule is vaeopt.video's):
 
 * The *front* -- post_quant_conv, conv_in, the mid-block (per-frame attention over the whole frame: global, so it is
-  never tiled) and the first `split` up blocks -- runs once on the whole frame with its own `_ChunkDecoder`
-  (`_ChunkDecoder.front`). These layers run at 1/8-1/2 of the output resolution (at split = the last up block its
+  never tiled) and the first `split` up blocks -- runs once on the whole frame with its own `ChunkDecoder`
+  (`ChunkDecoder.front`). These layers run at 1/8-1/2 of the output resolution (at split = the last up block its
   largest tensor is the 2x upsample into full resolution).
-* The *back* -- up_blocks[split:], norm_out, conv_out -- runs tile by tile (`_ChunkDecoder.back`): each tile crops
+* The *back* -- up_blocks[split:], norm_out, conv_out -- runs tile by tile (`ChunkDecoder.back`): each tile crops
   the front's output with a halo of R pixels (R = the receptive field of the back, counted from its modules by
   `receptive_field`), runs the back on that crop with zero padding at the crop's edges, and keeps the interior.
-  Every tile owns a `_ChunkDecoder`, i.e. its own causal caches, which persist across all chunks of the clip: a
+  Every tile owns a `ChunkDecoder`, i.e. its own causal caches, which persist across all chunks of the clip: a
   cache is never restarted inside a clip, so chunking and tiling compose exactly.
 
 Why that is exact: everything in the back is per pixel (RMS norm over channels, SiLU, residual adds, 1x1x1
@@ -145,34 +145,6 @@ class _Arena:
         t = self.buf[self.off : self.off + nb].view(dtype).as_strided(shape, stride)
         self.off += -(-nb // _ALIGN) * _ALIGN
         return t
-
-
-class _Decoder(ChunkDecoder):
-    """vaeopt.video's chunk decoder taking new causal caches from `arena` when one is set (else as before). A tile's
-    convs run on the 5-D staged input (no time-stacked Conv2d: its 3x input is not in the tiled plan's estimate);
-    the untiled plan's decoder (stack=True) stacks like vaeopt.video's, which its estimate counts."""
-
-    STACK = False
-
-    def __init__(self, *a, stack: bool = False, **k):
-        super().__init__(*a, **k)
-        self.STACK = bool(stack)
-        self.arena: _Arena | None = None
-
-    def _update(self, conv, stream_tail: Tensor, fmt: torch.memory_format | None = None) -> None:
-        if self.arena is not None and conv not in self.cache:
-            N, C, _, H, W = stream_tail.shape
-            c = self.arena.take((N, C, self._hist(conv), H, W), stream_tail.dtype, memory_format=fmt or self.mf)
-            if c is not None:
-                self.cache[conv] = c
-        super()._update(conv, stream_tail, fmt)
-
-    def _history(self, conv, shape, like: Tensor) -> Tensor:
-        if self.arena is not None and conv not in self.cache:
-            c = self.arena.take(tuple(shape), like.dtype, memory_format=self.mf)
-            if c is not None:
-                self.cache[conv] = c.zero_()
-        return super()._history(conv, shape, like)
 
 
 def _aligned(nbytes: int) -> int:
@@ -318,8 +290,7 @@ class _CacheStore:
         if not self.host_mode:
             return
         dev, dec.cache = dec.cache, {}
-        if isinstance(dec, _Decoder):
-            dec.arena = None
+        dec.arena = None
         if self.meta:
             self.host[i] = {k: (tuple(v.shape), v.stride(), v.dtype) for k, v in dev.items()}
             self._retire(None, dev)
@@ -370,8 +341,8 @@ class _CacheStore:
 
 class _TiledClip:
     """Decodes consecutive chunks of one clip: the front once per chunk on the whole frame, the back per tile, each
-    tile with its own _ChunkDecoder (own causal caches) for the whole clip. step() returns the decoder's raw output
-    for the chunk, like _ChunkDecoder.step."""
+    tile with its own ChunkDecoder (own causal caches) for the whole clip. step() returns the decoder's raw output
+    for the chunk, like ChunkDecoder.step."""
 
     def __init__(self, vae, latent_hw: tuple[int, int], plan: TiledVideoPlan, channels_last: bool,
                  fused: bool | None, overlap: bool = True, force_copy: bool = False, device=None,
@@ -391,8 +362,9 @@ class _TiledClip:
         H, W = h * s, w * s
         self.ext = [(max(0, y0 - self.halo), min(H, y1 + self.halo), max(0, x0 - self.halo), min(W, x1 + self.halo))
                     for y0, y1, x0, x1 in self.regions]
-        self.front = _Decoder(vae, channels_last, fused)
-        self.tiles = [_Decoder(vae, channels_last, fused) for _ in self.regions]
+        # a tile's convs run on the 5-D staged input: a time-stacked Conv2d's 3x input is not in the tiled estimate
+        self.front = ChunkDecoder(vae, channels_last, fused, stack=False)
+        self.tiles = [ChunkDecoder(vae, channels_last, fused, stack=False) for _ in self.regions]
         self.mf = self.front.mf
         dev = torch.device(device or vae.post_quant_conv.weight.device)
         # arena_bytes (real runs; cache_bytes_per_decoder): the front's and, with device storage, all tiles' caches
@@ -639,7 +611,7 @@ def iter_raw(
         try:
             arena_bytes = cache_bytes_per_decoder(vae, z.shape, plan, cl) if arena else None
             if plan.tile is None:
-                runner = _Decoder(vae, cl, fused, stack=True)  # as the untiled estimate assumes
+                runner = ChunkDecoder(vae, cl, fused, stack=True)  # as the untiled estimate assumes
                 if arena_bytes:
                     runner.arena = _Arena(arena_bytes[0], z.device)
                 info.update(tiles=1, halo=0)
@@ -707,7 +679,7 @@ def estimate_tiled_video_bytes(
     t = None if tile is None else resolve_tile(tile, shape[-2:])
     split = default_split(vae) if split is None else int(split)
     config = json.dumps(dict(vae.config), sort_keys=True, default=str)
-    stacked = memory.stacked_names(vae) if t is None and fused else ()  # tiles never run stacked (_Decoder.STACK)
+    stacked = memory.stacked_names(vae) if t is None and fused else ()  # tiles never run stacked (stack=False)
     return _estimate(type(vae), config, shape, K, t, dtype, bool(channels_last), bool(fused), split, storage,
                      stacked)
 

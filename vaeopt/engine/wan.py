@@ -15,7 +15,7 @@ behind the 1 cached frame, later calls use 2 cached frames. Two places need more
 Everything else is per frame (RMS norm over channels, per-frame attention, 2D upsampling) or a causal conv, so a call
 of K latent frames gives the same result as K one-frame calls, up to float summation order.
 
-`_ChunkDecoder` below runs the decoder's own submodules (weights, norms, attention, upsamplers are not copied or
+`ChunkDecoder` below runs the decoder's own submodules (weights, norms, attention, upsamplers are not copied or
 changed) with this control flow instead of diffusers' forwards:
 
 * the causal history of each conv is one static buffer of 2 frames, zero at the start and updated in place;
@@ -52,7 +52,7 @@ their biases too: the next block folds them into its norm1 (x_bias) and its resi
 shortcut as W @ bias). PyTorch's cuDNN path would add every conv bias as a separate broadcast pass. Blocks or
 resamplers that do not match (hooks, other modules) take the torch path; a bias they cannot fold is added first.
 The sums are formed in fp32 inside the kernels (one rounding), so bf16 results differ from diffusers' by bf16
-rounding; fp32 agrees to ~1e-6. Counts of what was fused: `_ChunkDecoder.stats`.
+rounding; fp32 agrees to ~1e-6. Counts of what was fused: `ChunkDecoder.stats`.
 Notes and measurements: docs/notes-video.md.
 """
 
@@ -96,7 +96,18 @@ class ChunkDecoder:
     DEFER = True  # a residual block followed by another one (or by the head) leaves its output Pending: the next
     # norm adds the residual itself (no epilogue pass, one read less)
 
-    def __init__(self, vae, channels_last: bool, fused: bool | None = None):
+    def __init__(self, vae, channels_last: bool, fused: bool | None = None, stack: bool | None = None, arena=None,
+                 halo=None):
+        """stack: whether stacked_conv3d's time-stacked convs may run (None: the class default, STACK). arena: where
+        new causal caches come from (anything with take(shape, dtype, memory_format=) -> Tensor | None, e.g. one
+        block reserved up front by vaeopt.video_tiling); None, or a None from take(): allocated one by one.
+        halo: None for a whole frame; else the source of the rows beyond a band's edges, which completes every
+        spatial conv of the band (run, run_stacked, tap_sum, upsample_conv2d; attention may take over the mid-block
+        attention; vaeopt.bands.WanBandHalo exchanges them with the neighbour ranks)."""
+        if stack is not None:
+            self.STACK = bool(stack)
+        self.arena = arena
+        self.halo = halo
         self.vae = vae
         self.dec = vae.decoder
         self.mf = torch.channels_last_3d if channels_last else torch.contiguous_format
@@ -206,6 +217,8 @@ class ChunkDecoder:
         attention is fused_epilogues' exact query-chunked GEMM attention (fp32 scores and softmax; SDPA has only its
         memory-efficient kernel for head_dim 384), the 1x1 convs are GEMMs on the channels-last rows, and one
         epilogue adds proj's bias and the residual. Else diffusers' forward."""
+        if self.halo is not None and (y := self.halo.attention(self, blk, x)) is not None:
+            return y
         if not self._attn_fusable(blk, x):
             return blk(x)
         N, C, T, H, W = x.shape
@@ -276,7 +289,13 @@ class ChunkDecoder:
 
     def _run(self, conv, x: Tensor, bias: bool = True) -> Tensor:
         """The conv over a staged input (updates its history). bias=False (plain convs only): without the conv's
-        bias, which the caller has folded into the next kernel."""
+        bias, which the caller has folded into the next kernel. A band's conv also takes its halo rows."""
+        if self.halo is not None:
+            return self.halo.run(self, conv, x, bias)
+        return self.run_local(conv, x, bias)
+
+    def run_local(self, conv, x: Tensor, bias: bool = True) -> Tensor:
+        """_run on this decoder's rows only (zero padding at their edges)."""
         if isinstance(x, Stacked):
             return self._run_stacked(conv, x, bias)
         hist = self._hist(conv)
@@ -318,6 +337,10 @@ class ChunkDecoder:
 
     def _history(self, conv, shape, like: Tensor) -> Tensor:
         c = self.cache.get(conv)
+        if c is None and self.arena is not None:
+            c = self.arena.take(tuple(shape), like.dtype, memory_format=self.mf)
+            if c is not None:
+                self.cache[conv] = c = c.zero_()
         if c is None:
             c = torch.zeros(shape, dtype=like.dtype, device=like.device).contiguous(memory_format=self.mf)
             self.cache[conv] = c
@@ -328,6 +351,11 @@ class ChunkDecoder:
         tensor gets the decode's layout, or `fmt`."""
         c = self.cache.get(conv)
         hist = self._hist(conv)
+        if c is None and self.arena is not None:
+            N, C, _, H, W = stream_tail.shape
+            c = self.arena.take((N, C, hist, H, W), stream_tail.dtype, memory_format=fmt or self.mf)
+            if c is not None:
+                self.cache[conv] = c
         if c is None:
             N, C, _, H, W = stream_tail.shape
             c = torch.empty((N, C, hist, H, W), dtype=stream_tail.dtype, device=stream_tail.device,
@@ -571,7 +599,10 @@ class ChunkDecoder:
 
     def _tap_sum(self, conv, Y: Tensor, y: Tensor) -> None:
         """y <- conv's bias + the tap sum of the planar GEMM output Y (kernels/tapconv.tap_sum)."""
-        tapconv.tap_sum(Y, conv.out_channels, (3, 3, 3), conv.bias, y)
+        if self.halo is not None:
+            self.halo.tap_sum(self, conv, Y, y)
+        else:
+            tapconv.tap_sum(Y, conv.out_channels, (3, 3, 3), conv.bias, y)
 
     def _fp8_scale(self, conv, p, src: Tensor) -> float | None:
         """The e4m3 scale of this conv's input when it runs on fp8 (triton_conv stage, fp8 on), else None. Static:
@@ -622,6 +653,8 @@ class ChunkDecoder:
         return y, c2.bias, r, shortcut_bias(sc, xb)  # a 1x1x1 conv without padding: xb folds through it exactly
 
     def _up_fusable(self, rs) -> bool:
+        if self.halo is not None:  # a band's resample runs its 2D conv through the halo (_upsample_conv2d)
+            return False
         if rs.mode not in ("upsample2d", "upsample3d") or not isinstance(rs.resample, nn.Sequential):
             return False
         if len(rs.resample) != 2 or not is_2x_nearest(rs.resample[0]) or not plain_conv2d(rs.resample[1]):
@@ -730,6 +763,8 @@ class ChunkDecoder:
         """conv2d(up(x2)) for the frames x2 (n, c, h, w) of a resample: the 2x2 phase convs where stages/upsample_conv
         marked conv2d, else the nearest-2x copy (our kernel on the fused path) and the conv, in frame groups. The step
         a band-parallel decode does with its neighbours' rows."""
+        if self.halo is not None:
+            return self.halo.upsample_conv2d(self, up, conv2d, x2)
         phase = phase_ok(conv2d, up, x2)
         if phase:
             self.stats["upsample_phase"] += 1
