@@ -302,9 +302,7 @@ class Pipeline:
         self._apply_triton_conv()
         if conv8 and o.conv_kernel == "off":
             self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
-        elif conv8:
-            from vaeopt import video  # (the gate decodes Wan with the chunk decoder the decodes will use)
-
+        elif conv8:  # the gate decodes Wan with the chunk decoder the decodes will use
             decode = video.decode_video if self.family.cls_name == "AutoencoderKLWan" else None
             self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db,
                                                               decode_shape=o.decode_shape, decode=decode))
