@@ -27,8 +27,8 @@ Two implementations of the per-tile math, same structure:
   ``group_norm_apply``: one kernel reads the halo'd region *in place* from the storage buffer (any strides), applies
   (x + bias - mean) * scale + beta and SiLU in fp32, and writes the model dtype once -- already zero-padded to the
   conv's full halo, so every conv runs with ``padding=0`` and returns exactly its tile (no crops). Convs run WITHOUT
-  their bias: the bias stays *pending* on the activation (``Activation.bias``) and is added where the value is next read --
-  inside the next norm's stats/apply (``x_bias``), in the residual epilogue (``residual_bias``; through a 1x1
+  their bias: the bias stays *pending* on the activation (``Activation.bias``) and is added where the value is next
+  read -- inside the next norm's stats/apply (``x_bias``), in the residual epilogue (``residual_bias``; through a 1x1
   shortcut conv as ``W @ bias``), or in the nearest-2x upsample kernel. Resnet outputs are one ``bias_residual``
   kernel (conv2 bias + residual + shortcut bias + output scale), written straight into the storage buffer when the
   region is addressable (row bands of an NHWC buffer). Nothing is materialised in fp32.
@@ -627,7 +627,7 @@ class TiledDecoder:
         conv = up_conv(up) if plain else None
         k = self.kernels
         fold = bool(k and plain and is_plain_conv(conv) and tuple(conv.kernel_size) == (3, 3))
-        phase = fold and upsample_conv.applies(conv, self.dtype, self.device)  # the tiles compute in self.dtype / self.device
+        phase = fold and upsample_conv.applies(conv, self.dtype, self.device)  # the tiles compute in self.dtype
         norm_next = self._consumer(i + 1)
         dst = Activation(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
                    conv.bias.detach() if fold and conv.bias is not None else None)

@@ -3,14 +3,12 @@
 A tiled decode computes an activation tile by tile on one GPU; a band-parallel decode computes one band per rank.
 Either way the GroupNorm that reads it needs the statistics of the whole activation, which parts give exactly: each
 part's (count, mean, M2) merge by Chan et al.'s parallel rule (`chan_merge`, in fp64 where the device has it). The
-parts are the tiles this GPU computed (`Moments.add`), then, in a band-parallel decode, every rank's (`reduce`: an
-all-gather over torch.distributed). The Triton path keeps its partials in the kernel's own layout (`KernelStats`) and
-merges them in one finalize launch, as the untiled fused kernel does.
+parts are the tiles this GPU computed (`Moments.add`), or every rank's band in a band-parallel decode (an
+all-gather over torch.distributed: vaeopt.engine.halo.BandComm.merge_moments). The Triton path keeps its partials in
+the kernel's own layout (`KernelStats`) and merges them in one finalize launch, as the untiled fused kernel does.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import nn
@@ -72,16 +70,15 @@ def norm_affine(n: int, mean_g: torch.Tensor, m2_g: torch.Tensor, norm: nn.Modul
 
 
 class Moments:
-    """Torch path: per-channel (count, mean, M2) of one activation, merged from its parts as they come (`add`),
-    then, where `reduce` is given (band-parallel decodes), with every rank's. Per-channel moments give per-group
-    ones for any `num_groups` at `affine`."""
+    """Torch path: per-channel (count, mean, M2) of one activation, merged from its tiles as they come (`add`).
+    Per-channel moments give per-group ones for any `num_groups` at `affine`. (A band-parallel decode merges each
+    norm's per-group moments across the ranks the same way: vaeopt.engine.halo.BandComm.merge_moments.)"""
 
-    def __init__(self, channels: int, device: torch.device, reduce: Callable[[Part], Part] | None = None):
+    def __init__(self, channels: int, device: torch.device):
         self.dt = stats_dtype(device)
         self.n = 0
         self.mean = torch.zeros(channels, dtype=self.dt, device=device)
         self.m2 = torch.zeros(channels, dtype=self.dt, device=device)
-        self.reduce = reduce
         self._affine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     of_tile = staticmethod(channel_moments)
@@ -107,11 +104,8 @@ class Moments:
         the statistics of the whole activation."""
         key = id(norm)
         if key not in self._affine:
-            n, mean, m2 = self.n, self.mean, self.m2
-            if self.reduce is not None:
-                n, mean, m2 = self.reduce((n, mean, m2))
-            c = mean.numel()
-            ng, mean_g, m2_g = group_moments(n, mean, m2, int(norm.num_groups))
+            c = self.mean.numel()
+            ng, mean_g, m2_g = group_moments(self.n, self.mean, self.m2, int(norm.num_groups))
             scale, shift = norm_affine(ng, mean_g, m2_g, norm, c)
             f = dict(dtype=torch.float32, device=device)
             self._affine[key] = (shift.view(1, c, 1, 1).to(**f), scale.view(1, c, 1, 1).to(**f))

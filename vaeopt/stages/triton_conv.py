@@ -88,7 +88,8 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
     chosen = [m for m in convs if _eligible(m, device, dtype)]
     if not chosen:
-        if any(stacked(m) for m in convs) and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT for m in convs):
+        if any(stacked(m) for m in convs) and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT
+                                                  for m in convs):
             return StageResult.skipped(NAME, f"the {MIN_COUT}-{MAX_COUT}-channel Conv3d layers run as stacked Conv2d "
                                              "(stacked_conv3d took them)")
         return StageResult.skipped(NAME, f"none of {len(convs)} Conv3d layers has {MIN_COUT}-{MAX_COUT} output channels "
