@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from vaeopt.kernels import interpreter_hint
-from vaeopt.kernels.upconv import phase_weights, phase_weights_8bit, upconv2x, upconv2x_8bit
+from vaeopt.kernels import upconv  # (the module: tests watch its launchers)
 from vaeopt.stages import StageResult, cached_weight, drop_attrs, needs_autograd, unhooked
 from vaeopt.stages.marks import CONV8, CONV8_INT8, FUSED_EPILOGUES, UPCONV, interpolating_upsampler, is_2x_nearest
 
@@ -128,7 +128,7 @@ def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
     once per weight version and dtype."""
     def make():
         w = conv.weight
-        w4 = phase_weights(w.detach()).to(dtype)
+        w4 = upconv.phase_weights(w.detach()).to(dtype)
         if w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous():
             w4 = w4.contiguous(memory_format=torch.channels_last)
         return w4
@@ -153,8 +153,8 @@ def _fp8_phase(conv: nn.Conv2d, x: torch.Tensor):
     if not x.is_contiguous(memory_format=torch.channels_last) or not fp8_ready(conv, x.device):
         return None
     if getattr(conv, _INT8, False):
-        return cached_weight(conv, _W4_8, "int8", lambda: phase_weights_8bit(conv.weight, torch.int8))
-    return cached_weight(conv, _W4_8, "e4m3", lambda: phase_weights_8bit(conv.weight))
+        return cached_weight(conv, _W4_8, "int8", lambda: upconv.phase_weights_8bit(conv.weight, torch.int8))
+    return cached_weight(conv, _W4_8, "e4m3", lambda: upconv.phase_weights_8bit(conv.weight))
 
 
 def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
@@ -170,5 +170,5 @@ def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
     if pw4 is not None:
         from vaeopt.kernels.act_quant import quantize_e4m3_per_sample, quantize_int8_per_sample
         x8, s = (quantize_int8_per_sample if pw4.w.dtype == torch.int8 else quantize_e4m3_per_sample)(x)
-        return upconv2x_8bit(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
-    return upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None, stats_groups)
+        return upconv.upconv2x_8bit(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
+    return upconv.upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None, stats_groups)
