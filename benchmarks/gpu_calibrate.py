@@ -19,10 +19,26 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import make_pipe  # noqa: E402
-from vaeopt.hw import machine_info
-from vaeopt import planner
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
+from vaeopt import planner  # noqa: E402
+from vaeopt.families import build_model, get_family  # noqa: E402
+from vaeopt.hw import machine_info  # noqa: E402
+from vaeopt.loading import LoadedVAE  # noqa: E402
+from vaeopt.pipeline import Options, Pipeline  # noqa: E402
+
+
+def make_pipe(fam: str, **opts) -> Pipeline:
+    """The family's full-size model with random N(0, 0.02) weights (memory and time equal real weights') in vaeopt's
+    pipeline, on CUDA in bf16, CUDA graphs off."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        m = build_model(get_family(fam))
+    m = m.to_empty(device="cpu")
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    o = {"device": "cuda", "dtype": "bf16", "graphs": "off", "tiling": "off", **opts}
+    return Pipeline(LoadedVAE(m, get_family(fam), "random", None, [], None), Options(**o))
+
 
 OUT = Path(os.environ.get("OUT", "out"))
 OUT.mkdir(parents=True, exist_ok=True)

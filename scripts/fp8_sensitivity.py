@@ -1,9 +1,9 @@
 """Per-layer FP8 sensitivity of the bundled trained VAEs (tiny_kl_image, tiny_wan_video) on their real latents.
 
-For every conv/linear the fp8 stage would convert: only that layer in e4m3 (emulated, see vaeopt/fp8_sensitivity.py),
+For every conv/linear the fp8 stage would convert: only that layer in e4m3 (emulated, see vaeopt/quant/sensitivity.py),
 decode the sample latents, PSNR vs the unquantized fp32 decode. Then the cumulative curve: layers converted from least
 to most sensitive, measured PSNR after each, next to the PSNR predicted by adding single-layer MSEs. Then the policy
-(vaeopt.fp8_sensitivity.choose_keep) on the "stage" ranking: which layers stay in bf16.
+(vaeopt.quant.sensitivity.choose_keep) on the "stage" ranking: which layers stay in bf16.
 
     python scripts/fp8_sensitivity.py                       # CPU, one cropped latent a model: 11 min (2 busy cores)
     python scripts/fp8_sensitivity.py --full --device cuda --cumulative all   # whole sample latents, GPU: seconds
@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vaeopt import fp8_sensitivity as S  # noqa: E402
+from vaeopt.quant import sensitivity as S  # noqa: E402
 from vaeopt.loading import load_vae  # noqa: E402
 from vaeopt.stages import fp8  # noqa: E402
 
@@ -154,7 +154,7 @@ def main() -> None:
         stored = S.load_stored() or {}
         stored["_doc"] = ("Per-layer FP8 sensitivity of the bundled trained VAEs, written by "
                           "scripts/fp8_sensitivity.py. The fp8 stage keeps `keep` in the compute dtype for a decoder "
-                          "with this fingerprint (and still gates on its probe). See docs/perf-notes.md, E11.")
+                          "with this fingerprint (and still gates on its probe). See docs/experiments.md, E11.")
         stored.setdefault("models", {})
         for name, res in out.items():
             stored["models"][name] = compact(res, args.from_json)

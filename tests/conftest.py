@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-# One intra-op thread: on a 2-core CI box (often shared) torch's default of 2 threads made small ops several times
-# slower (measured: a 64x64 tiny-VAE decode 0.06 s with 1 thread, 0.37 s with 2 under load).
+# One intra-op thread: on a small CPU shared by other jobs torch's default of 2 threads made small ops several
+# times slower (measured: a 64x64 tiny-VAE decode 0.06 s with 1 thread, 0.37 s with 2 under load).
 torch.set_num_threads(1)
 
 

@@ -17,7 +17,8 @@ def _bench(tmp_path, samples_dir, *extra):
     out = tmp_path / "r.json"
     r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,16,16",
                             "--repeats", "2", "--warmup", "0", "--peers", "tiling", "--json", str(out),
-                            "--plot", str(tmp_path / "r.png"), "--device", "cpu", *extra], catch_exceptions=False)
+                            "--plot", str(tmp_path / "r.png"), "--device", "cpu", "-v", *extra],
+                      catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return json.loads(out.read_text()), r.output
 
@@ -56,6 +57,7 @@ def test_the_tiling_peer_says_when_diffusers_does_not_tile(result, tmp_path, sam
     data, _ = result
     row = next(r for r in data["rows"] if r["name"] == "diffusers fp32 + tiling")
     assert row["status"] == "skipped" and "does not tile a 16x16 latent" in row["reason"]
+    assert row["median_ms"] is None and not row["times_ms"]  # known from diffusers' tile size: not run at all
     out = tmp_path / "big.json"
     out.write_text(json.dumps(data))  # a re-run replaces its own earlier results file, and says so
     r = runner.invoke(app, ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,80,8",
@@ -101,17 +103,55 @@ def test_fp8_levels_are_each_reported(tmp_path, samples_dir):
     assert "FP8 level 2 (fp8 GEMMs): skipped" in out and "FP8 level 3 (8-bit convs): skipped" in out
 
 
-def test_plot_written(result, tmp_path_factory):
+def test_plot_written(result, tmp_path_factory, monkeypatch):
+    """The chart (matplotlib): one bar per measured row, a row of numbers beside each, the rows not timed listed
+    below, tagged as ours so that a re-run may replace it; without matplotlib a one-line error before measuring."""
+    import numpy as np
     from PIL import Image
 
-    data, _ = result
-    # the fixture's plot lives next to its json; regenerate to a known place
-    from vaeopt.benchmark import plot
+    from vaeopt import benchmark as bm
 
-    p = tmp_path_factory.mktemp("p") / "plot.png"
-    plot(data, p)
+    data, _ = result
+    d = tmp_path_factory.mktemp("p")
+    p = d / "plot.png"
+    bm.plot(data, p)
     im = Image.open(p)
-    assert im.size[0] == 1000 and im.size[1] > 100
+    assert im.format == "PNG" and im.info.get("Software") == bm.CHART_SOFTWARE and bm.is_own_output(p)
+    ok = [r for r in data["rows"] if r["status"] == "ok"]
+    skipped = [r for r in data["rows"] if r["status"] != "ok"]
+    assert len(ok) >= 3 and len(skipped) >= 5
+    w, h = im.size
+    assert w >= 1000 and h > 100 + 30 * len(ok)  # room for every bar and the list of skipped rows
+    px = np.asarray(im.convert("RGB")).astype(int)
+    orange = (abs(px - np.array([0xE8, 0x78, 0x2A])).sum(-1) < 30).sum()  # the vaeopt rows' bars are drawn
+    assert orange > 1000, orange
+    more = dict(data, rows=data["rows"] + [dict(skipped[0], name="+ an extra skipped row")])
+    bm.plot(more, d / "more.png")
+    assert Image.open(d / "more.png").size[1] > h  # each skipped row gets a line
+    assert "CPU" in bm.hardware_line(data) and "torch" in bm.hardware_line(data)
+    monkeypatch.setattr(bm, "plot_available", lambda: False)
+    r = runner.invoke(app, ["benchmark", "--family", "sd15", "--shape", "1,4,8,8", "--plot", str(d / "x.png")])
+    assert r.exit_code == 2 and "pip install 'vaeopt[plot]'" in r.output and len(r.output.splitlines()) == 1
+    assert not (d / "x.png").exists()
+
+
+def test_default_quiet_and_verbose_output(tmp_path, samples_dir):
+    """Default: a header, one line per measured row, the table, the skipped rows in short; -q: nothing but the
+    files; -v: each row as it starts and every reason in full."""
+    base = ["benchmark", str(samples_dir / "tiny_kl_image.safetensors"), "--shape", "1,4,8,8", "--repeats", "1",
+            "--warmup", "0", "--peers", "", "--device", "cpu"]
+    r = runner.invoke(app, base + ["--json", str(tmp_path / "a.json")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "vaeopt plain ...\n" not in r.output and "vaeopt plain:" in r.output and "skipped + CUDA graphs" in r.output
+    foot = [ln for ln in r.output.splitlines() if ln.startswith("  skipped ")]
+    assert foot and all(len(ln) <= 110 for ln in foot), foot
+    r = runner.invoke(app, base + ["-q", "--json", str(tmp_path / "q.json")], catch_exceptions=False)
+    assert r.exit_code == 0 and r.output == "" and json.loads((tmp_path / "q.json").read_text())["rows"]
+    r = runner.invoke(app, base + ["-v"], catch_exceptions=False)
+    assert r.exit_code == 0 and "vaeopt plain ...\n" in r.output
+    assert any(len(ln) > 110 for ln in r.output.splitlines() if ln.startswith("  skipped "))  # reasons in full
+    r = runner.invoke(app, base + ["-v", "-q"])
+    assert r.exit_code == 2 and "contradict" in r.output
 
 
 def test_broken_stage_is_reported_not_hidden(tmp_path, samples_dir, monkeypatch):
@@ -178,7 +218,7 @@ def test_model_alone_gets_a_default_shape(samples_dir):
 
 
 def test_bad_values_and_outputs_refused_before_measuring(tmp_path, samples_dir):
-    """Found in review: --repeats 0 crashed after the ladder ('no median for empty data'), a zero dimension reached
+    """Regression: --repeats 0 crashed after the ladder ('no median for empty data'), a zero dimension reached
     torch, --plot could overwrite the model checkpoint, and a --json folder failed only after the whole benchmark."""
     model = samples_dir / "tiny_kl_image.safetensors"
     base = ["benchmark", "--family", "sd15", "--shape", "1,4,8,8"]
@@ -219,7 +259,7 @@ def test_log_does_not_time_skipped_rows(result):
 
 
 def test_json_and_plot_replace_only_their_own_files(tmp_path, samples_dir):
-    """Found by a new-user pass: --json replaced any .json, e.g. a diffusers folder's config.json (the next decode
+    """Regression: --json replaced any .json, e.g. a diffusers folder's config.json (the next decode
     then fell back to default settings: 12.9 dB off, without a word) or a vaeopt.json manifest. Only an earlier
     benchmark result (or chart) is replaced; anything else is refused before measuring and kept."""
     from PIL import Image
@@ -266,7 +306,7 @@ def test_hunyuan_video_benchmarks_against_diffusers_own_decode(tmp_path):
     assert "whole frames through diffusers' HunyuanVideo decode" in rows["+ planner (tile/chunk)"]["reason"]
     assert rows["+ attention backend"]["status"] == "ok"
     # the ladder follows the decode's own choice: channels_last_3d measured slower for HunyuanVideo
-    assert rows["+ channels_last"]["status"] == "skipped" and "1162 ms" in rows["+ channels_last"]["reason"]
+    assert rows["+ channels_last"]["status"] == "skipped" and "NCDHW" in rows["+ channels_last"]["reason"]
     assert all(s["status"] != "applied" for row in ok for s in row["stages"] if s["name"] == "channels_last")
 
 

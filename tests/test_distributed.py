@@ -5,7 +5,7 @@ Real data: the trained tiny_kl_image VAE (astronaut and coffee latents, cropped;
 which split 6/7 and 4/4/5) and the trained tiny_wan_video VAE (3 latent frames of a 5x4 crop: bands of 1 and 2 latent
 rows with 3 ranks; chunks [1, 2], so the causal caches carry across calls); plus a random small Wan 2.2 (patch 2,
 DupUp3D, batch 2) and, on the Triton interpreter, the GPU path (fused stages applied, kernels, folded biases).
-Every rank count runs in ONE launch (process start + imports dominate on a shared 2-core box): the ranks run all
+Every rank count runs in ONE launch (process start + imports dominate on a small CPU): the ranks run all
 cases and rank 0 returns the results.
 """
 

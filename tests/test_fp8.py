@@ -164,7 +164,7 @@ def test_scaled_mm_linear_on_gpu():
     assert psnr(y.float() / ref.abs().max(), ref.float() / ref.abs().max(), data_range=2) > 25
 
 
-# ---- per-layer sensitivity and the keep policy (vaeopt/fp8_sensitivity.py; emulated, so CPU-testable) -----------
+# ---- per-layer sensitivity and the keep policy (vaeopt/quant/sensitivity.py; emulated, so CPU-testable) -----------
 
 PLANTED = "up_blocks.1.resnets.1.conv1"
 
@@ -201,7 +201,7 @@ def _plant_outlier_channel(model, factor=1e6):
 
 
 def test_fake_quant_is_the_stage_quantization():
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
 
     torch.manual_seed(0)
     w = torch.randn(64, 32, 3, 3)
@@ -217,7 +217,7 @@ def test_fake_quant_is_the_stage_quantization():
 
 
 def test_emulation_restores_weights_and_matches_storage(samples_dir):
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
 
     model, z = _tiny_kl(samples_dir)
     ref = sens.decode_all(model, [z])
@@ -232,7 +232,7 @@ def test_emulation_restores_weights_and_matches_storage(samples_dir):
 
 
 def test_sensitivity_ranks_planted_conv_first(samples_dir):
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
 
     model, z = _tiny_kl(samples_dir)
     _plant_sensitive_conv(model)
@@ -245,7 +245,7 @@ def test_sensitivity_ranks_planted_conv_first(samples_dir):
 
 
 def test_sensitivity_finds_outlier_channel_with_activation_quantization(samples_dir):
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
 
     model, z = _tiny_kl(samples_dir)
     ref = sens.decode_all(model, [z])
@@ -265,7 +265,7 @@ def test_sensitivity_finds_outlier_channel_with_activation_quantization(samples_
 
 
 def test_cumulative_curve_is_close_to_the_sum_of_single_layer_errors(samples_dir):
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
 
     model, z = _tiny_kl(samples_dir)
     names = ["up_blocks.0.resnets.0.conv1", "up_blocks.1.resnets.2.conv2", "up_blocks.2.upsamplers.0.conv",
@@ -279,7 +279,7 @@ def test_cumulative_curve_is_close_to_the_sum_of_single_layer_errors(samples_dir
 
 
 def test_choose_keep_policy():
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
 
     def row(n, db):
         return {"layer": n, "mse": 4.0 / 10 ** (db / 10)}
@@ -331,7 +331,7 @@ def test_gate_without_sensitivity_and_fallback_when_nothing_passes(samples_dir):
 
 
 def test_retry_that_misses_the_gate_falls_back_with_its_numbers(samples_dir, monkeypatch):
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
 
     model, z = _tiny_kl(samples_dir)
     _plant_sensitive_conv(model)
@@ -355,7 +355,7 @@ def test_retry_that_misses_the_gate_falls_back_with_its_numbers(samples_dir, mon
 
 
 def test_stored_measurements_match_the_bundled_models(samples_dir):
-    from vaeopt import fp8_sensitivity as sens
+    from vaeopt.quant import sensitivity as sens
     from vaeopt.loading import load_vae
 
     stored = sens.load_stored()["models"]

@@ -113,7 +113,7 @@ def test_split_reduction_is_exact_and_cancellation_free(device, layout):
 @pytest.mark.parametrize("unroll", [2, 4])
 def test_stats_row_blocks_per_iteration(device, unroll, monkeypatch):
     """The channels-last stats kernel loading several row blocks per loop iteration (its CUDA launch at C >= 256,
-    perf-notes E24): exact sums with a ragged last block, partials shaped as group_norm_partials_shape says, and
+    experiments.md E24): exact sums with a ragged last block, partials shaped as group_norm_partials_shape says, and
     the e4m3 path's bounds still bound the output."""
     _need(device)
     import importlib

@@ -322,11 +322,12 @@ def test_gpu_silu_modes_bf16(mode, monkeypatch):
     import importlib
 
     rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    common = importlib.import_module("vaeopt.kernels.common")
     x, gamma, beta = _inputs((1, 96, 4, 60, 104), torch.bfloat16, "cuda")
     x = _layout(x, "cl")
-    monkeypatch.setattr(rms, "SILU_MODE", 0)
+    monkeypatch.setattr(common, "SILU_MODE", 0)
     y0 = rms.rms_norm_silu(x, gamma, beta).float()
-    monkeypatch.setattr(rms, "SILU_MODE", mode)
+    monkeypatch.setattr(common, "SILU_MODE", mode)
     y = rms.rms_norm_silu(x, gamma, beta).float()
     step = torch.maximum(y0.abs(), torch.full_like(y0, 2.0**-126)) * 2.0**-7
     assert bool(((y - y0).abs() <= step).all())
@@ -340,23 +341,25 @@ def test_silu_mode_policy(monkeypatch):
     SILU_MODE overrides."""
     import importlib
 
-    rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    common = importlib.import_module("vaeopt.kernels.common")  # the one SiLU policy of the norm kernels
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setattr(rms, "_interpret", lambda: False)
-    assert rms.silu_mode(torch.bfloat16, cpu, wan_rms=True) == 0
-    assert rms.silu_mode(torch.float32, cuda, wan_rms=True) == 0
-    assert rms.silu_mode(torch.bfloat16, cuda) == 0 and rms.silu_mode(torch.float16, cuda) == 0
-    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 3
-    assert rms.silu_mode(torch.float8_e4m3fn, cuda) == 2 and rms.silu_mode(torch.float8_e4m3fn, cuda, wan_rms=True) == 2
-    monkeypatch.setattr(rms, "SILU_MODE", 0)
-    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0
-    monkeypatch.setattr(rms, "_interpret", lambda: True)
-    monkeypatch.setattr(rms, "SILU_MODE", 2)
-    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0  # modes 2/3 are PTX: never under the interpreter
-    monkeypatch.setattr(rms, "_interpret", lambda: False)
-    monkeypatch.setattr(rms, "SILU_MODE", None)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    assert common.silu_mode(torch.bfloat16, cpu, wan_rms=True) == 0
+    assert common.silu_mode(torch.float32, cuda, wan_rms=True) == 0
+    assert common.silu_mode(torch.bfloat16, cuda) == 0 and common.silu_mode(torch.float16, cuda) == 0
+    assert common.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 3
+    assert common.silu_mode(torch.float8_e4m3fn, cuda) == 2
+    assert common.silu_mode(torch.float8_e4m3fn, cuda, wan_rms=True) == 2
+    monkeypatch.setattr(common, "SILU_MODE", 0)
+    assert common.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0
+    monkeypatch.setattr(common, "interpreting", lambda: True)
+    monkeypatch.setattr(common, "SILU_MODE", 2)
+    assert common.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0  # modes 2/3 are PTX: never under the interpreter
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "SILU_MODE", None)
     monkeypatch.setattr(torch.version, "hip", "6.2")  # nor on ROCm, whose "cuda" devices run no PTX
-    assert rms.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0 and rms.silu_mode(torch.float8_e4m3fn, cuda) == 0
+    assert common.silu_mode(torch.bfloat16, cuda, wan_rms=True) == 0
+    assert common.silu_mode(torch.float8_e4m3fn, cuda) == 0
 
 
 @pytest.mark.parametrize("out_scale", [1.0, 0.25, 3.0, 0.005])  # 0.005: |y| / out_scale beyond 448, saturated

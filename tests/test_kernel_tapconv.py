@@ -178,17 +178,14 @@ def test_image_head_group_norm_taps(device, dtype):
 
 
 def test_silu_mode_asked_per_norm(monkeypatch):
-    """The norm + tap GEMM kernel asks rms_norm_silu.silu_mode for its SiLU: as a Wan RMS kernel for the RMS head
+    """The norm + tap GEMM kernel asks common.silu_mode for its SiLU: as a Wan RMS kernel for the RMS head
     (mode 3 on CUDA for 16-bit) and as a GroupNorm kernel for the image head (exact)."""
     _need("cpu")
-    import importlib
-
-    rms = importlib.import_module("vaeopt.kernels.rms_norm_silu")
     from vaeopt.kernels.group_norm_silu import group_norm_finalize, group_norm_partials
 
     asked = []
-    real = rms.silu_mode
-    monkeypatch.setattr(rms, "silu_mode",
+    real = T.silu_mode
+    monkeypatch.setattr(T, "silu_mode",
                         lambda dt, dev, wan_rms=False: asked.append(wan_rms) or real(dt, dev, wan_rms))
     x, gamma, beta, xb, w, bias, hx = _case("cpu", torch.bfloat16, 1, 16, 1, 3, 5, 3, 2)
     _run(x, gamma, beta, xb, w, bias, hx)

@@ -16,7 +16,7 @@ if WS.gluon is None:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
 
-TESTED_TRITON = ("3.6.", "3.9.")  # the GPU machine's and this project's CPU Triton: the kernel must build there
+TESTED_TRITON = ("3.6.", "3.9.")  # the Triton versions it is measured and tested with: it must build there
 
 _COMPILE = r"""
 import inspect, json, sys

@@ -264,7 +264,7 @@ def test_comfyui_latent_dict_is_raw_and_only_samples_decode(tmp_path):
     assert [e.name for e in lat.read_latents(p, key="noise_mask").entries] == ["noise_mask"]
 
 
-# found by a hostile-input pass (seventeenth session)
+# regression tests: hostile inputs
 
 def test_hostile_latent_files_get_true_messages(tmp_path):
     import gzip
@@ -296,7 +296,7 @@ def test_hostile_latent_files_get_true_messages(tmp_path):
 
 
 def test_deep_and_self_holding_pt_files_are_refused(tmp_path):
-    """Found by a new-user pass: 300 nested dicts, or a 40-byte list inside itself, crashed the reader with a
+    """Regression: 300 nested dicts, or a 40-byte list inside itself, crashed the reader with a
     RecursionError ("this is a vaeopt bug"). Refused with the path of keys; ordinary nesting still reads in order."""
     d = torch.randn(1, 4, 8, 8)
     for _ in range(300):
@@ -310,7 +310,7 @@ def test_deep_and_self_holding_pt_files_are_refused(tmp_path):
     with pytest.raises(LatentError, match=r"cyc.pt: 0 holds itself"):
         lat.read_latents(tmp_path / "cyc.pt")
     a, b = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
-    size = (1024, 1024)  # pickle writes a shared tuple once: met twice, not a cycle (found in review)
+    size = (1024, 1024)  # pickle writes a shared tuple once: met twice, not a cycle
     torch.save({"x": {"y": [a, b]}, "z": (a,), "original_size": size, "target_size": size}, tmp_path / "ok.pt")
     f = lat.read_latents(tmp_path / "ok.pt")
     assert [e.name for e in f.entries] == ["x.y.0", "x.y.1", "z.0"]
@@ -361,7 +361,7 @@ def test_npz(tmp_path):
 
 
 def test_zip_bombs_are_refused_before_unpacking(tmp_path, monkeypatch):
-    """Found by a new-user pass: a 1 MB deflated .npz or .pt declaring a (1,4,8192,8192) tensor took 1.5 GB of RAM
+    """Regression: a 1 MB deflated .npz or .pt declaring a (1,4,8192,8192) tensor took 1.5 GB of RAM
     before the size check refused it (a 20 MB one could be OOM-killed). Refused from the zip directory or the .npy
     header now, before any data is unpacked; ordinary savez_compressed files still read."""
     import zipfile
@@ -414,7 +414,7 @@ def test_zip_bombs_are_refused_before_unpacking(tmp_path, monkeypatch):
 
 
 def test_text_files_and_torch_internal_errors_say_what_the_file_is(tmp_path):
-    """Found by a new-user pass: "hello world" as a latent file said "corrupt or truncated? (101)", "abc" said "(pop
+    """Regression: "hello world" as a latent file said "corrupt or truncated? (101)", "abc" said "(pop
     from empty list)": torch's legacy reader's KeyError / IndexError. A text file is named as one; binary garbage is
     "corrupt or truncated?" without a bare exception text."""
     for name, text in (("h.pt", b"hello world\n"), ("abc.pt", b"abc"), ("u.pt", "héllo wörld, ünïcode".encode())):
@@ -431,7 +431,7 @@ def test_text_files_and_torch_internal_errors_say_what_the_file_is(tmp_path):
 
 
 def test_unbatched_non_latents_are_not_counted_in_channels(tmp_path):
-    """Found by a new-user pass: prompt embeddings (1, 77, 768) were "skipped (1 channel, not 4)": a batch dim is
+    """Regression: prompt embeddings (1, 77, 768) were "skipped (1 channel, not 4)": a batch dim is
     added to 3-D tensors before channels are counted. They are not a latent shape at all, and say so."""
     with pytest.raises(lat.NotALatent) as e:
         lat.validate(lat.LatentEntry("emb", torch.randn(1, 77, 768)), SDXL, tmp_path / "f.npz")

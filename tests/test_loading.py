@@ -162,7 +162,7 @@ def assert_same_decoder(loaded, ref_model, z=None, fam=None):
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    # Tiny tensors: on a shared 2-core box, thread-pool wake-ups cost more than the work (~100x here).
+    # Tiny tensors: on a small shared CPU, thread-pool wake-ups cost more than the work (~100x here).
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -726,7 +726,7 @@ def test_real_tiny_wan_video(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# found by a new-user pass (seventeenth session)
+# regression tests: unusual checkpoints and arguments
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -795,7 +795,7 @@ def test_16_channel_tiny_decoder_raw_latents(name, base, tmp_path):
 
 
 def test_real_world_layouts_and_hostile_folders(models, tmp_path):
-    """Found by a new-user pass:
+    """Regression:
     - a Lightning checkpoint whose step count is a tensor ({"state_dict": ..., "global_step": tensor(1000)}) was
       refused ("found 1 tensors, e.g. global_step"): the nested state dict is used;
     - a diffusers folder whose config.json is valid JSON but not an object ([1, 2, 3], null) was decoded with default
@@ -825,7 +825,7 @@ def test_real_world_layouts_and_hostile_folders(models, tmp_path):
     idx.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=r"shard '\.\./elsewhere/.*' is outside the model folder"):
         load_vae(tmp_path / "sharded")
-    # a Hugging Face cache: every file a symlink into ../blobs/ (found in review: refused by a check of targets)
+    # a Hugging Face cache: every file a symlink into ../blobs/ (it loads: shards are checked by name)
     model.save_pretrained(tmp_path / "snap", max_shard_size="1MB")
     (tmp_path / "blobs").mkdir()
     for f in list((tmp_path / "snap").iterdir()):
@@ -835,7 +835,7 @@ def test_real_world_layouts_and_hostile_folders(models, tmp_path):
 
 
 def test_safetensors_whose_header_length_looks_like_a_pickle(tmp_path):
-    """Found in review: a header of 640 bytes makes a safetensors file start 80 02, pickle protocol 2's opening, and
+    """Regression: a header of 640 bytes makes a safetensors file start 80 02, pickle protocol 2's opening, and
     it was refused as a pickle (a shard of a small save_pretrained hit it). The safetensors header is read first."""
     from vaeopt.loading import _sniff
 
@@ -872,7 +872,7 @@ def test_weights_file_of_a_diffusers_folder_reads_the_config_beside_it(tmp_path)
 
 def test_a_given_config_says_which_factor_it_replaced(samples_dir):
     """--config {"scaling_factor": 0.5} over a checkpoint whose metadata says 0.84481: the load used to report the
-    metadata's value and then unscale with the config's (found by a new user); now the note names both."""
+    metadata's value and then unscale with the config's; now the note names both."""
     from vaeopt.loading import load_vae
 
     lv = load_vae(samples_dir / "tiny_kl_image.safetensors", config={"scaling_factor": 0.5})
@@ -883,7 +883,7 @@ def test_a_given_config_says_which_factor_it_replaced(samples_dir):
 
 
 def test_load_vae_arguments_are_checked_before_reading(tmp_path):
-    """Found by a new-user pass: dtype=torch.int8 leaked torch's load_state_dict RuntimeError, device='tpu' torch's
+    """Regression: dtype=torch.int8 leaked torch's load_state_dict RuntimeError, device='tpu' torch's
     device-string RuntimeError, device='cuda' on a CPU build "AssertionError: Torch not compiled with CUDA enabled",
     and load_vae(123) a pathlib TypeError. One-line VaeoptErrors now, before the checkpoint is read (a missing file
     is not even looked at)."""
@@ -908,7 +908,7 @@ def test_load_vae_arguments_are_checked_before_reading(tmp_path):
 
 
 def test_plain_pickle_model_is_named_as_one(tmp_path):
-    """Found by a new-user pass: a pickle.dump file given as the model said "(Weights only load failed)", torch's
+    """Regression: a pickle.dump file given as the model said "(Weights only load failed)", torch's
     boilerplate; the latent reader said what it is. The loader says the same now (and never unpickles it)."""
     import pickle
 

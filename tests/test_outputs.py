@@ -286,7 +286,7 @@ def test_names():
     assert outputs.numbered(Path("/a/o.png"), 0, 1) == Path("/a/o.png")
 
 
-# found by a hostile-input pass (seventeenth session)
+# regression tests: hostile inputs
 
 def test_tensor_output_disk_full_and_file_mode(tmp_path, monkeypatch):
     import safetensors

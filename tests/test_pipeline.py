@@ -1,5 +1,7 @@
 """The plain path equals diffusers' own decode; the Python API; optimize() keeps pipe.vae usable."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -46,7 +48,9 @@ def test_stage_log_is_honest_on_cpu(samples_dir):
     text = "\n".join(lines)
     assert "precision" in text and "float32 on CPU" in text
     assert "fp8: skipped" in text
-    assert "channels_last: converted" in text and "CPU: 1.4x faster on a 2-core CPU" in text  # measured, files cited
+    assert "channels_last: converted" in text and "on the CPU it pays without the fused kernels" in text
+    # what this run did, not benchmark anecdotes (those live in docs/benchmarks.md)
+    assert not re.search(r"\d ms\b|faster|H[12]00|2-core", text), text
     assert "graphs" not in text  # decided per decode, not at load
 
 
@@ -83,7 +87,7 @@ def _need_cpu_triton():
 
 
 def test_optimize_keeps_gradients_and_dtype():
-    """Found in review. (1) The Triton kernels have no backward: with autograd on, optimize()'d kernels returned no
+    """Regressions. (1) The Triton kernels have no backward: with autograd on, optimize()'d kernels returned no
     gradient for the latents or the weights, silently. Now such calls take the torch ops (here forced through the
     interpreter with triton='on'): gradients equal the stock model's; under no_grad the kernels still run.
     (2) optimize(pipe.vae) turned an fp16/bf16 VAE into fp32 on CPU, so the pipeline's own-dtype latents raised."""
@@ -125,7 +129,7 @@ def test_optimize_keeps_gradients_and_dtype():
 
 
 def test_optimized_model_pickles(tmp_path):
-    """Found in review: torch.save of a whole optimized VAE failed (the channels_last input hook was a lambda, the
+    """Regression: torch.save of a whole optimized VAE failed (the channels_last input hook was a lambda, the
     patched forwards bound methods). Saved and loaded, it decodes as before, still through the patched forwards."""
     from vaeopt.stages import BoundForward, fused_epilogues
 
@@ -264,13 +268,14 @@ def test_hunyuan_out_of_memory_retries_in_tiles(monkeypatch):
     assert not m.use_tiling
 
 
-def test_hunyuan_skips_channels_last_with_the_measured_reason():
+def test_hunyuan_skips_channels_last_with_the_reason():
     from vaeopt.pipeline import HUNYUAN_CL_SKIP
 
     pipe, _ = _hunyuan_pipe(triton="on")  # fused norms wanted: channels_last would follow for other families
     cl = next(r for r in pipe.stages if r.name == "channels_last")
     assert cl.status == "skipped" and cl.detail == HUNYUAN_CL_SKIP
-    assert "1162 ms with it, 581 ms without" in cl.detail
+    # why, in this run's terms (the measurement itself lives in the docs)
+    assert "NCDHW" in cl.detail and "--channels-last on" in cl.detail and " ms" not in cl.detail
     assert all(p.is_contiguous() for p in pipe.model.parameters())
 
 
@@ -350,7 +355,7 @@ def test_api_argument_errors_are_clear(samples_dir):
             vaeopt.optimize(bad)
     with pytest.raises(VaeoptError, match=r"channels_last \(--channels-last\) must be one of auto, on, off, got True"):
         vaeopt.optimize(loaded.model, channels_last=True)
-    # found by a new-user pass: these raised TypeErrors from deep inside, or named a `family` decode does not take
+    # regression: these raised TypeErrors from deep inside, or named a `family` decode does not take
     z = torch.randn(1, 4, 8, 8)
     for opts, msg in ((Options(tile=8.5), r"tile \(--tile\) must be a whole number of latent pixels, got 8.5"),
                       (Options(tile="16"), r"tile \(--tile\) must be a whole number"),
@@ -378,7 +383,7 @@ def test_api_argument_errors_are_clear(samples_dir):
 
 
 def test_api_vae_and_log_arguments_are_checked(samples_dir):
-    """Found by a new-user pass: vaeopt.decode(z, 5) raised pathlib's TypeError, log=5 "'int' object is not
+    """Regression: vaeopt.decode(z, 5) raised pathlib's TypeError, log=5 "'int' object is not
     callable" once the first stage line was logged. Refused up front with what the argument takes."""
     from vaeopt.errors import VaeoptError
 
@@ -438,7 +443,7 @@ def test_optimize_twice_is_a_no_op_and_the_output_stays_nchw():
 
 
 def test_optimized_wan_decode_runs_the_chunk_decoder(samples_dir, monkeypatch):
-    """Found by a new-user pass: optimize(AutoencoderKLWan) logged the fused chunk decoder's work, but vae.decode ran
+    """Regression: optimize(AutoencoderKLWan) logged the fused chunk decoder's work, but vae.decode ran
     diffusers' frame loop, so a WanPipeline user got none of it. vae.decode now goes through vaeopt.video's exact
     chunk decoder (with the planner's chunk), and equals diffusers' decode; diffusers' own _decode still runs where
     autograd is needed and for enable_tiling() on a latent larger than its tile. The model still pickles."""
@@ -483,7 +488,7 @@ def test_optimized_wan_decode_runs_the_chunk_decoder(samples_dir, monkeypatch):
 
 def test_optimized_wan_decode_honours_hooks_and_compile(samples_dir, monkeypatch):
     """The chunk decoder calls no block's forward, so a user's hook on the decoder or one of its blocks did not fire
-    (new-user pass: 21-23 dB off stock with the same hook). Such a hook now sends vae.decode to diffusers' frame loop,
+    (21-23 dB off stock with the same hook). Such a hook now sends vae.decode to diffusers' frame loop,
     with a warning; removed, the chunk decoder is back. torch.compile(vae.decode) traces diffusers' loop (it failed
     inside the planner)."""
     import copy
@@ -522,7 +527,7 @@ def test_optimized_wan_decode_honours_hooks_and_compile(samples_dir, monkeypatch
 
 
 def test_optimized_state_dict_saves_with_safetensors(tmp_path):
-    """Found by a new-user pass: after optimize, save_file(vae.state_dict()) raised 'non contiguous tensor' (the
+    """Regression: after optimize, save_file(vae.state_dict()) raised 'non contiguous tensor' (the
     decoder's conv weights are channels_last). The state dict now holds them in the standard layout, with the same
     values, and loads back into a stock model that decodes the same; keep_vars still hands out the Parameters."""
     from diffusers import AutoencoderKL
@@ -545,7 +550,7 @@ def test_optimized_state_dict_saves_with_safetensors(tmp_path):
 
 
 def test_weight_edits_that_torch_does_not_count_are_seen():
-    """Found by a new-user pass: derived weights (here the head's tap matrix, kernel path through the interpreter)
+    """Regression: derived weights (here the head's tap matrix, kernel path through the interpreter)
     are cached per weight version, and torch counts no version for edits through `.data` or of inference tensors
     (ComfyUI builds its models under inference_mode): the decode went on with the old weights (21.7 dB). Now
     load_state_dict refreshes by itself, and vaeopt.refresh() covers the rest."""
@@ -594,7 +599,7 @@ def test_weight_edits_that_torch_does_not_count_are_seen():
 
 
 def test_stack_conv3d_on_for_an_image_vae_says_why_nothing_happens(samples_dir):
-    """--stack-conv3d on for an image VAE used to leave no line at all (found by a new user)."""
+    """--stack-conv3d on for an image VAE used to leave no line at all."""
     loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
     lines = [s for s in Pipeline(loaded, Options(device="cpu", stack_conv3d="on")).stages if s.name == "stacked_conv3d"]
     assert len(lines) == 1 and lines[0].status == "skipped" and "Wan's causal Conv3d" in lines[0].detail
@@ -602,7 +607,7 @@ def test_stack_conv3d_on_for_an_image_vae_says_why_nothing_happens(samples_dir):
 
 
 def test_wan_through_the_api_prints_no_diffusers_cast_warning(samples_dir, capfd):
-    """Found by a new user: each `vae.decode` of an optimized Wan VAE printed diffusers' 'modules ... should be kept
+    """Regression: each `vae.decode` of an optimized Wan VAE printed diffusers' 'modules ... should be kept
     in float32' warning, from the planner's meta-device skeleton being cast."""
     from diffusers.utils import logging as dlog
 
@@ -648,7 +653,7 @@ def test_weights_epoch_follows_counted_edits_and_refresh():
 
 @pytest.mark.gpu
 def test_graph_replays_follow_weight_edits(samples_dir):
-    """Found in review: a captured CUDA graph holds the derived weights (tap matrix, phase weights) of capture time,
+    """Regression: a captured CUDA graph holds the derived weights (tap matrix, phase weights) of capture time,
     so an in-place weight edit between decodes replayed the old ones. The pipeline now recaptures when the weights'
     version counters or the refresh epoch change."""
     if not torch.cuda.is_available():
@@ -727,7 +732,7 @@ def test_hunyuan_tile_strides_are_whole_latent_pixels(monkeypatch):
 
 
 def test_optimize_leaves_layer_by_layer_offloading_alone():
-    """Found in the twenty-first session: hooks that place weights one layer at a time (diffusers' group offloading,
+    """Regression: hooks that place weights one layer at a time (diffusers' group offloading,
     accelerate's sequential CPU offload) would be undone by the precision stage's move and bypassed by fused layers.
     optimize leaves such a VAE unchanged and says why, naming a hooked module."""
     spec = get_family("sd15")
@@ -747,8 +752,8 @@ def test_optimize_leaves_layer_by_layer_offloading_alone():
 
 
 def test_optimize_keeps_layerwise_casting_storage():
-    """diffusers' enable_layerwise_casting stores conv weights in float8 and casts them per call. Found in the
-    twenty-first session: optimize took the VAE's dtype from its first parameter (float8: 'auto') and the precision
+    """diffusers' enable_layerwise_casting stores conv weights in float8 and casts them per call. Regression:
+    optimize took the VAE's dtype from its first parameter (float8: 'auto') and the precision
     stage cast every weight to it, undoing the memory saving. Now the compute dtype comes from the fp32/bf16/fp16
     weights, the float8 ones stay float8, the fused path leaves the hooked convs to their hooks, and the decode equals
     the stock layerwise-cast model's."""
@@ -780,7 +785,7 @@ def test_optimize_keeps_layerwise_casting_storage():
 @pytest.mark.parametrize("fam", ["sdxl", "wan21"])
 def test_optimize_follows_model_cpu_offload(samples_dir, fam):
     """pipe.enable_model_cpu_offload() puts accelerate's CpuOffload hook on the VAE: it lives on the CPU and moves to
-    the GPU for each decode (diffusers' apply_forward_hook). Found in the twenty-first session: optimize planned for
+    the GPU for each decode (diffusers' apply_forward_hook). Regression: optimize planned for
     the weights' device, the CPU, so every GPU stage was skipped as 'CPU decode' and the decode ran without them.
     Now it plans for the hook's device, puts the weights back on the CPU, and the decode (onloaded, offloaded,
     onloaded again) matches the stock model's."""
@@ -847,8 +852,8 @@ def test_optimize_under_model_offload_keeps_nothing_on_the_device(monkeypatch):
             vae.decode(z)
         cached = [n for n, m in vae.named_modules() if "_vaeopt_tap_matrix" in m.__dict__]
         assert cached == ([] if offloaded else ["decoder.conv_out"]), (offloaded, cached)
-    # once per vae.decode call, not per decoder call (diffusers' tiling calls the decoder once per tile; the review
-    # found a free, and so a rebuild, per tile)
+    # once per vae.decode call, not per decoder call (diffusers' tiling calls the decoder once per tile; a free per
+    # decoder call would rebuild the derived weights per tile)
     frees.clear()
     vae.enable_tiling()
     vae.tile_sample_min_size, vae.tile_latent_min_size = 8, 4  # (TINY_KL upsamples 2x)
@@ -858,7 +863,7 @@ def test_optimize_under_model_offload_keeps_nothing_on_the_device(monkeypatch):
 
 
 def test_optimize_with_other_offload_targets_and_restored_forwards():
-    """From the review of the twenty-first session's change. (1) accelerate's remove_hook_from_module (which
+    """Regressions around offload hooks. (1) accelerate's remove_hook_from_module (which
     enable_model_cpu_offload runs first) and diffusers' remove_hook put the class's forward back as a bound method in
     the instance dict: that is not a hook, and the stages fuse such modules. (2) An offload hook to a device vaeopt
     has no stages for (mps) is named and not followed; it raised '--device mps'. (3) Only float8 weights of hooked
@@ -941,7 +946,7 @@ def test_optimize_refuses_before_changing_anything():
 
 def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
     """The stage lines' hints named CLI flags (`--triton on forces it`) in vaeopt.optimize() and vaeopt.decode(),
-    which take keyword arguments and Options fields (found by the twenty-fifth session's second new-user pass)."""
+    which take keyword arguments and Options fields."""
     import re
 
     from vaeopt.pipeline import spell_flags

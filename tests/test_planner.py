@@ -33,13 +33,13 @@ def test_whole_when_it_fits_tiled_when_not(sdxl_meta):
     assert planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, tile=64).tile == 64
     assert "over the budget" not in p16.reason
     tight = planner.plan_decode(spec, m, (1, 4, 512, 512), torch.bfloat16, cpu, vram_budget_gb=0.01)
-    assert tight.mode == "tiled" and tight.est_bytes > tight.budget_bytes  # said, not hidden (new-user pass)
+    assert tight.mode == "tiled" and tight.est_bytes > tight.budget_bytes  # said, not hidden
     assert "over the budget even at the smallest tile: the decode may run out of memory" in tight.reason
 
 
 def test_cpu_plans_only_what_would_not_fit_in_host_memory(sdxl_meta, monkeypatch):
-    """A CPU decode stays whole where it fits in half the available host memory. One that would not (a new-user pass
-    decoded a 384² latent, est. 47 GB whole, for minutes on a 23 GB machine) is tiled as on a GPU."""
+    """A CPU decode stays whole where it fits in half the available host memory. One that would not (a 384² latent,
+    est. 47 GB whole, decoded for minutes on a 23 GB host) is tiled as on a GPU."""
     spec, m = sdxl_meta
     monkeypatch.setattr(planner, "_host_budget", lambda: 1 << 50)
     p = planner.plan_decode(spec, m, (1, 4, 128, 128), torch.float32, torch.device("cpu"))

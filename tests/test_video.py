@@ -18,7 +18,7 @@ from vaeopt.engine import wan_ops
 from vaeopt.stages.marks import wan_channels_last
 
 CHUNKS = [1, 2, 3, None]
-# Latent crops (rows, cols): 5 frames each, small enough for a shared 2-core CPU.
+# Latent crops (rows, cols): 5 frames each, small enough for a quick CPU test.
 CROPS = {"bikes": (slice(12, 15), slice(30, 33)), "bunny": (slice(10, 13), slice(20, 23))}
 
 
@@ -202,7 +202,7 @@ def test_estimate_chunk_bytes(wan21):
         full = build_model(get_family("wan21"))
     one = video.estimate_chunk_bytes(full, (1, 16, 21, 60, 104), 1, torch.bfloat16)
     four = video.estimate_chunk_bytes(full, (1, 16, 21, 60, 104), 4, torch.bfloat16)
-    # wan21-480p: diffusers' one-frame bf16 decode peaks at 4.7 GiB on an H200 (ANCHORS.md), weights and its
+    # wan21-480p: diffusers' one-frame bf16 decode peaks at 4.7 GiB on an H200, weights and its
     # whole-clip output included; per chunk we should land in the same range, and grow sub-linearly with K
     assert 2.5 * 2**30 < one < 6 * 2**30, one / 2**30
     assert one < four < 4 * one

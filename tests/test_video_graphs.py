@@ -246,7 +246,7 @@ def _cli(tmp_path, samples_dir, z21, name, *extra):
     torch.save(z21, tmp_path / "clip.pt")
     r = CliRunner().invoke(app, [str(a) for a in ("decode", tmp_path / "clip.pt", "--model",
                                                   samples_dir / "tiny_wan_video.safetensors", "--latent-space",
-                                                  "raw", "-o", tmp_path / f"{name}.safetensors", "--json", *extra)],
+                                                  "raw", "-o", tmp_path / f"{name}.safetensors", "--json", "-v", *extra)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     from safetensors.torch import load_file

@@ -417,7 +417,7 @@ def test_cli_tile(tmp_path, samples_dir):
     torch.save(lat[:, :, :3, 10:16, 30:50].contiguous(), tmp_path / "clip.pt")  # 6x20 latent: --tile 8 -> 3 rows
     model = samples_dir / "tiny_wan_video.safetensors"
     outs = {}
-    for name, extra in (("plain", []), ("tiled", ["--tile", "8"])):
+    for name, extra in (("plain", []), ("tiled", ["--tile", "8", "-v"])):  # -v: the plan's own line
         r = CliRunner().invoke(app, [str(a) for a in ("decode", tmp_path / "clip.pt", "--model", model,
                                                       "--latent-space", "raw", "-o", tmp_path / f"{name}.safetensors",
                                                       "--chunk", "2", *extra)], catch_exceptions=False)

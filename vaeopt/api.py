@@ -67,6 +67,16 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
     )
 
 
+def manifest_family(latent_files: list[lat.LatentFile]) -> str | None:
+    """The family the vaeopt.json beside the latents names for its model (taken where that manifest's model is the
+    one decoding and no family is given), or None."""
+    fams = {f.manifest["family"] for f in latent_files if f.manifest.get("family")}
+    if len(fams) > 1:
+        raise VaeoptError(f"the latent files' {lat.MANIFEST} name different families ({', '.join(sorted(fams))}) for "
+                          "one model: pass --family")
+    return next(iter(fams), None)
+
+
 def _existing(path: Path, source: str) -> tuple[Path, str]:
     """A checkpoint path that did not come from --model, checked here so that the error names where it came from."""
     if not path.expanduser().exists() and not path.expanduser().is_symlink():
@@ -75,10 +85,13 @@ def _existing(path: Path, source: str) -> tuple[Path, str]:
 
 
 def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: str = "scaled",
-           options: Options | None = None, log: Callable[[str], None] | None = None) -> torch.Tensor:
+           options: Options | None = None, log: Callable[[str], None] | None = None,
+           progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W).
     A vaeopt.load_vae(...) result is optimized in place on its first decode, and later decodes of it reuse that
-    pipeline (options=None, or the same options); other options need the checkpoint loaded again."""
+    pipeline (options=None, or the same options); other options need the checkpoint loaded again.
+    progress(done, total): called after each tile of a tiled image decode (a whole one has no steps to report) and
+    with the frames done after each chunk of a video decode (Wan)."""
     if vae is None:
         raise VaeoptError("vaeopt.decode(latents, vae) needs the VAE: a checkpoint path or vaeopt.load_vae(...)")
     if isinstance(vae, torch.nn.Module):
@@ -103,7 +116,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
     vg = video_graphs.arm(pipe, plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
-    out, _ = pipe.decode(z, plan)
+    out, _ = pipe.decode(z, plan, progress=progress)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
     bad = _nonfinite(out)
@@ -531,8 +544,11 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
                 base = outputs.default_output(lf.path, fam.is_video, e.name if named else "", stem=stems[lf.path])
             elif multi:
                 folder = out_is_folder or out.suffix == "" or out.is_dir()
+                # -o both.png for several outputs: both_<tensor>.png from one file's tensors, both_<file>.png from
+                # several files (both_<file>_<tensor>.png where those hold several): the input's name is said once
+                tag = outputs.safe_name(e.name) if len(latent_files) == 1 and e.name and named else stem
                 base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if folder \
-                    else out.with_name(f"{out.stem}_{stem}{out.suffix}")
+                    else out.with_name(f"{out.stem}_{tag}{out.suffix}")
             else:
                 base = out
             outputs.check_name_length(base)
@@ -642,9 +658,11 @@ def write_job(job: DecodeJob, decoded: torch.Tensor, fps: float = 16.0) -> list[
 
 
 def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
-             progress: Callable[[str, int, int], None] | None = None,
+             progress: Callable[[DecodeJob, int, int], None] | None = None,
              on_result: Callable[[DecodeResult], None] | None = None) -> list[DecodeResult]:
-    """Decode and write every job; `on_result` sees each result as soon as its outputs are on disk, so that a later
+    """Decode and write every job. `progress(job, done, total)` is called as a job's decode advances: frames of a
+    video job, tiles of a tiled image decode (a whole decode is one call, with no steps to report); a caller
+    draws its own bar from it. `on_result` sees each result as soon as its outputs are on disk, so that a later
     failure or Ctrl-C does not hide what was already written. A job whose decode is unusable (NaN/Inf) stops the run;
     its error then says which outputs of earlier jobs were written and kept, and how many inputs were not decoded."""
     done: list[DecodeResult] = []
@@ -684,7 +702,7 @@ def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult])
                 pipe._record(StageResult.skipped("graphs", why))
             graphs_logged = True
         pipe.autotune(shapes.count(shape), plan)  # before the shape's first decode: cuDNN keeps its first choice
-        cb = (lambda d, t: progress(job.source.name, d, t)) if progress else None
+        cb = (lambda d, t, job=job: progress(job, d, t)) if progress else None
         if job.kind == "mp4" and job.z_raw.shape[0] == 1:
             t0 = time.perf_counter()
             writer = outputs.Mp4Writer(job.outputs[0], fps=fps, overwrite=job.overwrite)

@@ -58,7 +58,7 @@ from vaeopt.engine.wan import ChunkDecoder
 from vaeopt.engine.wan_ops import (Stacked, frames_up_conv, patch_size, phase_ok, prepare_latents, stacked_w,
                                    temporal_factor, wan_module)
 from vaeopt.errors import DistributedError, VaeoptError
-from vaeopt.kernels import default_tile, flat_layout, n_programs_target, new_like, tapconv
+from vaeopt.kernels import default_tile, default_warps, flat_layout, n_programs_target, new_like, tapconv
 from vaeopt.stages import fused_norms, unhooked
 from vaeopt.stages.fused_epilogues import chunked_attention
 from vaeopt.stages.marks import is_2x_nearest, wan_channels_last
@@ -105,7 +105,7 @@ def triton_group_moments(x: Tensor, G: int, xb: Tensor | None = None, public: bo
     CG = C // G
     dev = x.device
     tile, target = default_tile(dev), n_programs_target(dev)
-    nw = K._warps(tile)
+    nw = default_warps(tile)
     xbp = xb.reshape(C) if xb is not None else torch.zeros(1, device=dev, dtype=torch.float32)
     if kind == "cf":
         L = CG * S
@@ -157,7 +157,7 @@ def triton_apply(x: Tensor, mean_c: Tensor, a_c: Tensor, bias: Tensor, silu: boo
     kind, S, stride_n = lay
     dev = x.device
     tile = default_tile(dev)
-    nw = K._warps(tile)
+    nw = default_warps(tile)
     y = new_like(x, kind)
     mean = mean_c.reshape(1, C).contiguous()
     a = a_c.reshape(1, C).contiguous()

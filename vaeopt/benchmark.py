@@ -28,7 +28,7 @@ from vaeopt.outputs import atomic_path
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, channels_last_veto
 from vaeopt.stages import StageResult, cudnn_autotune, triton_conv
 
-# Standard workloads (shared/ANCHORS.md): name -> (family, raw latent shape)
+# Standard workloads (docs/benchmarks.md): name -> (family, raw latent shape)
 WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
     "sdxl-1024": ("sdxl", (1, 4, 128, 128)),
     "sdxl-2048": ("sdxl", (1, 4, 256, 256)),
@@ -149,9 +149,11 @@ def time_fn(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, r
 
 class Bench:
     def __init__(self, spec: FamilySpec, state_dict: dict, shape: tuple, device: torch.device, dtype: torch.dtype,
-                 repeats: int, warmup: int, log: Callable[[str], None], model_overrides: dict | None = None):
+                 repeats: int, warmup: int, log: Callable[[str], None], model_overrides: dict | None = None,
+                 detail: Callable[[str], None] | None = None):
         self.spec, self.sd, self.shape, self.device, self.dtype = spec, state_dict, shape, device, dtype
         self.repeats, self.warmup, self.log = repeats, warmup, log
+        self.detail = detail or log  # the progress lines a short log leaves out (a row starting, a skipped row)
         self.overrides = model_overrides or {}
         g = torch.Generator().manual_seed(0)
         self.z = torch.randn(shape, generator=g)
@@ -189,7 +191,7 @@ class Bench:
             precheck: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> Row:
         """Build (`make`), then time. precheck(stage lines) -> (status, reason) marks the row so without timing it."""
         row = Row(name, kind)
-        self.log(f"{name} ...")
+        self.detail(f"{name} ...")
         gc.collect()  # the rows before: their models (and graph pools) gone before this row's peak is measured
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -197,6 +199,9 @@ class Bench:
             t0 = time.perf_counter()
             fn = make()
             row.setup_s = time.perf_counter() - t0
+            if skip := getattr(fn, "skip_reason", None):  # known from the built model: not timed
+                row.status, row.reason = "skipped", skip
+                return row
             built = getattr(fn, "built_stages", None)
             if precheck is not None and built is not None and (skip := precheck(built())):
                 row.status, row.reason = skip
@@ -220,8 +225,11 @@ class Bench:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         if log_row:
-            self.log(f"  {_fmt_row(row)}")
+            self.log_row(row)
         return row
+
+    def log_row(self, row: Row) -> None:
+        (self.log if row.status != "skipped" else self.detail)(f"  {_fmt_row(row)}")
 
 
 def clock_note(rows: list[dict]) -> str | None:
@@ -229,7 +237,7 @@ def clock_note(rows: list[dict]) -> str | None:
     when no clock was sampled: its median SM clock against the rated maximum, the highest power draw against the
     limit, and what slowed the clock in how many readings. Back-to-back decodes that hold the power limit run at a
     lower clock than decodes after an idle GPU (wan21-480p on an H200: 1560-1650 against 1690-1730 MHz per decode,
-    perf-notes E31), and the more work a decode does per second the lower that clock."""
+    experiments.md E31), and the more work a decode does per second the lower that clock."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("gpu_clock") and r.get("kind") == "ladder"]
     if not ok:
         return None
@@ -278,6 +286,11 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
                 return real(*a, **k)
 
             model.tiled_decode = tiled_decode
+            if _would_tile(model, b.shape) is False:  # the same untiled decode as the row above: not run again
+                fn = lambda: model.decode(z).sample  # noqa: E731
+                fn.skip_reason = (f"diffusers' enable_tiling() does not tile a {b.shape[-2]}x{b.shape[-1]} latent "
+                                  "(below its tile size): the same untiled decode as the diffusers row above")
+                return fn
         if compile_:
             model.to(memory_format=torch.channels_last) if not b.spec.is_video else None
             model.decoder = torch.compile(model.decoder)
@@ -291,6 +304,18 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
 
     make.tiled_decodes = counted
     return make
+
+
+def _would_tile(model, shape: tuple) -> bool | None:
+    """Whether diffusers' decode with enable_tiling() tiles this latent (its _decode's own test: a side above the
+    tile's latent size); None where the model has no such settings."""
+    h, w = shape[-2], shape[-1]
+    if isinstance(getattr(model, "tile_latent_min_size", None), int):  # AutoencoderKL
+        return h > model.tile_latent_min_size or w > model.tile_latent_min_size
+    r = getattr(model, "spatial_compression_ratio", None)
+    if isinstance(r, int) and r > 0 and isinstance(getattr(model, "tile_sample_min_height", None), int):
+        return h > model.tile_sample_min_height // r or w > model.tile_sample_min_width // r  # Wan, HunyuanVideo
+    return None
 
 
 LADDER = (
@@ -367,7 +392,10 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
 def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: torch.device, dtype: torch.dtype,
                   peers: tuple[str, ...], repeats: int, warmup: int, fp8: bool, log: Callable[[str], None],
                   workload: str | None, command: str, model_overrides: dict | None = None,
-                  ladder_hook: Callable | None = None, gate_db: float = 40.0, autotune: bool = False) -> dict:
+                  ladder_hook: Callable | None = None, gate_db: float = 40.0, autotune: bool = False,
+                  detail: Callable[[str], None] | None = None) -> dict:
+    """`log` gets each measured row as it lands; `detail` (default: log) the rest: each row starting, the skipped
+    rows (also in the result, with their reasons), the decode's FLOPs."""
     tuned = None
     if autotune:  # for every row, peers included: on before any conv shape is seen (torch caches its first choice)
         ok, why = cudnn_autotune.available(device)
@@ -379,16 +407,16 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         return _run_benchmark(spec, state_dict, shape, device=device, dtype=dtype, peers=peers, repeats=repeats,
                               warmup=warmup, fp8=fp8, log=log, workload=workload, command=command,
                               model_overrides=model_overrides, ladder_hook=ladder_hook, gate_db=gate_db,
-                              tuned=tuned)
+                              tuned=tuned, detail=detail or log)
     finally:
         if tuned is not None:
             cudnn_autotune.revert(tuned)
 
 
 def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
-                   log, workload, command, model_overrides, ladder_hook, gate_db, tuned) -> dict:
-    b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides)
-    log(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
+                   log, workload, command, model_overrides, ladder_hook, gate_db, tuned, detail) -> dict:
+    b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides, detail)
+    detail(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
     wan = spec.cls_name == "AutoencoderKLWan"
     ref_name = "fp32 reference (chunk-1 = diffusers)" if wan else "diffusers fp32 (reference)"
@@ -405,7 +433,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             row.status = "skipped"
             row.reason = (f"diffusers' enable_tiling() does not tile a {shape[-2]}x{shape[-1]} latent (below its tile "
                           "size): the same untiled decode as the diffusers row above")
-        log(f"  {_fmt_row(row)}")  # after that check: the log and the table tell the same story
+        b.log_row(row)  # after that check: the log and the table tell the same story
         rows.append(row)
     if "compile" in peers:
         rows.append(b.run(f"diffusers {_dt_name(dtype)} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
@@ -418,7 +446,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             continue
         if name == "+ channels_last" and (veto := channels_last_veto(spec)):  # the decode's auto choice, not the
             rows.append(Row(name, "ladder", status="skipped", reason=veto))  # row's forced "on"
-            log(f"  {_fmt_row(rows[-1])}")
+            b.log_row(rows[-1])
             acc["channels_last"] = "off"
             continue
         make = _ladder_fn(b, dict(acc), tuned)
@@ -429,7 +457,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
                   precheck=lambda stages, name=name: _row_skipped(name, stages, spec))
         if r.status == "ok" and (skip := _row_skipped(name, r.stages, spec)):
             r.status, r.reason = skip  # known only after the timed runs (graphs that were never captured)
-        log(f"  {_fmt_row(r)}")
+        b.log_row(r)
         rows.append(r)
     levels = _fp8_levels(b, rows, acc, tuned, spec) if fp8 else None
     baseline = _speedups(rows, dtype)
@@ -487,7 +515,7 @@ def _fp8_levels(b: Bench, rows: list[Row], acc: dict, tuned, spec: FamilySpec) -
                   precheck=lambda stages: _row_skipped("+ fp8", stages, spec))
         if r.status == "ok" and (skip := _row_skipped("+ fp8", r.stages, spec)):
             r.status, r.reason = skip
-        b.log(f"  {_fmt_row(r)}")
+        b.log_row(r)
         rows.append(r)
         line = _stage_line(r, "fp8") or {}
         d = line.get("data") or {}
@@ -642,36 +670,83 @@ def _speedups(rows: list[Row], dtype) -> str | None:
     return base.name if base else None
 
 
+PLOT_MISSING = "--plot draws with matplotlib, which is not installed: pip install 'vaeopt[plot]' (or matplotlib)"
+_KIND_COLORS = {"reference": "#9e9e9e", "peer": "#4a78c2", "ladder": "#e8782a", "fp8": "#6aa84f"}
+_KIND_LABELS = {"reference": "fp32 reference", "peer": "diffusers peers", "ladder": "vaeopt ladder",
+                "fp8": "FP8 levels alone"}
+
+
+def plot_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def hardware_line(result: dict) -> str:
+    """What the numbers were measured on, for a chart's title: the device and the versions that set the speed."""
+    v = result.get("versions") or {}
+    where = result.get("gpu") or "CPU (CPU numbers, not GPU performance)"
+    soft = ", ".join(f"{k} {v[k]}" for k in ("torch", "cuda", "diffusers") if v.get(k))
+    return f"{where}" + (f" · {soft}" if soft else "")
+
+
 def plot(result: dict, path: Path) -> None:
-    """Bar chart of time and PSNR per row, drawn with Pillow (no plotting dependency)."""
-    from PIL import Image, ImageDraw
+    """Horizontal bars of the median time per measured row (min-max whiskers), each labelled with its time, its
+    speedup and its PSNR vs the fp32 reference; the skipped rows listed under the chart with their reasons; the
+    hardware line as the title. Needs matplotlib (the `plot` extra)."""
+    if not plot_available():
+        raise VaeoptError(PLOT_MISSING)
+    import textwrap
+
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
 
-    rows = [r for r in result["rows"] if r["status"] == "ok"]
-    W, rowh, left = 1000, 34, 260
-    H = 70 + rowh * len(rows) + 30
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    title = f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} on " \
-            f"{result.get('gpu') or 'CPU'}"
-    d.text((10, 10), title, fill="black")
-    d.text((left, 35), "median time (ms)", fill="black")
-    d.text((W - 150, 35), "PSNR vs fp32", fill="black")
-    tmax = max(r["median_ms"] for r in rows)
-    for i, r in enumerate(rows):
-        y = 60 + i * rowh
-        d.text((10, y + 8), r["name"][:38], fill="black")
-        wbar = int((W - left - 240) * r["median_ms"] / tmax)  # room for the number before the PSNR column
-        color = {"reference": (150, 150, 150), "peer": (90, 130, 200), "ladder": (230, 120, 40),
-                 "fp8": (120, 170, 90)}[r["kind"]]
-        d.rectangle([left, y + 4, left + max(wbar, 1), y + rowh - 6], fill=color)
-        d.text((left + wbar + 5, y + 8), f"{r['median_ms']:.1f}", fill="black")
-        p = r.get("psnr_db")
-        label = "ref" if r["kind"] == "reference" else (fidelity.psnr_text(p) if p is not None else "—")
-        d.text((W - 150, y + 8), label, fill="black")
-    from PIL.PngImagePlugin import PngInfo
-
-    meta = PngInfo()
-    meta.add_text("Software", CHART_SOFTWARE)  # how a later --plot knows the file it would replace is a chart of ours
+    rows = [r for r in result["rows"] if r["status"] == "ok" and r.get("median_ms")]
+    skipped = [r for r in result["rows"] if r["status"] != "ok"]
+    base = result.get("speedup_baseline")
+    skip_lines = [textwrap.shorten(f"{r['name']}{'' if r['status'] == 'skipped' else ' (' + r['status'] + ')'}: "
+                                   f"{r['reason']}", 118, placeholder=" ...") for r in skipped]
+    bar_h = 0.42  # inches per row
+    foot = 0.3 + 0.165 * (len(skip_lines) + 1) if skip_lines else 0.3
+    fig = Figure(figsize=(11, 1.5 + bar_h * max(len(rows), 1) + foot), dpi=110)
+    top = 1 - 1.05 / fig.get_figheight()
+    bottom = (foot + 0.45) / fig.get_figheight()
+    ax = fig.add_axes((0.22, bottom, 0.55, top - bottom))
+    y = list(range(len(rows)))[::-1]  # the first row on top
+    med = [r["median_ms"] for r in rows]
+    err = [[r["median_ms"] - r["min_ms"] for r in rows], [r["max_ms"] - r["median_ms"] for r in rows]]
+    ax.barh(y, med, height=0.62, color=[_KIND_COLORS.get(r["kind"], "#777777") for r in rows],
+            xerr=err, error_kw={"ecolor": "#333333", "elinewidth": 0.8, "capsize": 2.5})
+    ax.set_yticks(y, [textwrap.shorten(r["name"], 40, placeholder="...") for r in rows], fontsize=10)
+    ax.set_xlabel("median decode time (ms; whiskers: min-max of the timed repeats)", fontsize=10)
+    ax.set_xlim(0, max(max(r["max_ms"] for r in rows), 1e-9) * 1.02 if rows else 1)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.8)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    # each row's numbers in a column right of the axes: time, speedup, PSNR
+    tx = ax.get_yaxis_transform()  # x in axes fractions, y in rows
+    for yi, r in zip(y, rows):
+        sp = r.get("speedup_vs_baseline")
+        psnr = "reference" if r["kind"] == "reference" else fidelity.psnr_text(r.get("psnr_db"))
+        ax.text(1.03, yi, f"{r['median_ms']:.1f} ms", transform=tx, va="center", fontsize=9.5)
+        ax.text(1.18, yi, f"{sp:.2f}x" if sp else "-", transform=tx, va="center", fontsize=9.5,
+                fontweight="bold" if sp and sp > 1.005 and r["kind"] != "reference" else "normal")
+        ax.text(1.31, yi, psnr, transform=tx, va="center", fontsize=9.5)
+    for x, head in ((1.03, "time"), (1.18, "speedup"), (1.31, "PSNR")):
+        ax.text(x, 1.0, head, transform=ax.transAxes, va="bottom", fontsize=9.5, fontweight="bold")
+    kinds = [k for k in _KIND_COLORS if any(r["kind"] == k for r in rows)]
+    ax.legend(handles=[Patch(color=_KIND_COLORS[k], label=_KIND_LABELS[k]) for k in kinds], loc="lower left",
+              bbox_to_anchor=(0, 1.0), ncol=len(kinds), fontsize=8.5, frameon=False, borderaxespad=0.2)
+    fig.suptitle(hardware_line(result), fontsize=12.5, fontweight="bold", y=1 - 0.18 / fig.get_figheight())
+    what = (f"{result.get('workload') or result['family']}, latent {tuple(result['latent_shape'])}, "
+            f"{result['dtype']}, median of {result.get('repeats', '?')} repeats; speedup vs '{base}', PSNR vs the "
+            "fp32 reference")
+    fig.text(0.5, 1 - 0.5 / fig.get_figheight(), what, ha="center", fontsize=9.5, color="#444444")
+    if skip_lines:
+        fig.text(0.02, (foot - 0.05) / fig.get_figheight(), "Not timed (the reasons in full: --json, or the table's foot with -v):\n" + "\n".join(skip_lines), fontsize=8.5,
+                 va="top", color="#555555", linespacing=1.35)
     with atomic_path(path) as tmp:
-        img.save(tmp, format="PNG", pnginfo=meta)
+        # "Software": how a later --plot knows the file it would replace is a chart of ours
+        fig.savefig(tmp, format="png", metadata={"Software": CHART_SOFTWARE})

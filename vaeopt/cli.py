@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -168,8 +169,38 @@ def clean_errors(fn):
     return wrapper
 
 
+# How much a command prints on stderr: 0 = errors only (-q), 1 = a short summary (default), 2 = every stage's line and
+# note (-v). Set by each command from its flags; stdout (--json, the benchmark table) is not affected.
+_verbosity = 1
+
+
+def _set_verbosity(verbose: bool, quiet: bool) -> None:
+    global _verbosity
+    if verbose and quiet:
+        raise VaeoptError("-v/--verbose and -q/--quiet contradict each other: give one of them")
+    _verbosity = 2 if verbose else 0 if quiet else 1
+
+
+def _say(text: str, **kw) -> None:
+    """A summary line (rich markup): printed unless -q."""
+    if _verbosity >= 1:
+        console.print(text, **kw)
+
+
 def _log(msg: str) -> None:
-    console.print(f"  {msg}", markup=False)
+    """A note the user should see (a flag ignored, a tensor skipped, a retry): printed unless -q."""
+    if _verbosity >= 1:
+        console.print(f"  {msg}", markup=False)
+
+
+def _detail(msg: str) -> None:
+    """A stage line or loading note: printed with -v only."""
+    if _verbosity >= 2:
+        console.print(f"  {msg}", markup=False)
+
+
+VERBOSE_HELP = "Print every stage's line and the loading notes."
+QUIET_HELP = "Print nothing but errors (the exit code still tells success)."
 
 
 # ---------------------------------------------------------------------------------------------------- info
@@ -225,6 +256,9 @@ def decode(
                                               "PNG per image, or one PNG per frame of a clip (one MP4 per "
                                               "clip when there are several); a trailing / always means a "
                                               "folder (made if missing); a bare suffix (-o .png) is refused. "
+                                              "Several outputs to one file name: a batch is numbered "
+                                              "(out_000.png, out_001.png), a dict's tensors take their key "
+                                              "(out_<key>.png), several inputs their file name (out_<file>.png). "
                                               "Default: beside the input."),
     family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
     config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
@@ -246,8 +280,8 @@ def decode(
                                                                       "the low-res input (4/9 of the FLOPs): auto | on | off"),
     stack_conv3d: str = typer.Option("auto", "--stack-conv3d", help="Wan's causal Conv3d as one Conv2d over "
                                                                     "time-stacked channels: auto | on | off"),
-    conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv where it measured "
-                                                                  "faster than cuDNN: Wan's 96-ch Conv3d (bf16 on "
+    conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv for the layers it "
+                                                                  "beats cuDNN on: Wan's 96-ch Conv3d (bf16 on "
                                                                   "sm_90: alongside --stack-conv3d, which then "
                                                                   "stacks the 384-ch ones; else with --stack-conv3d "
                                                                   "off), and the e4m3 convs of --fp8: auto | on | off"),
@@ -265,14 +299,12 @@ def decode(
                                                             "split into bands, many inputs are spread over ranks)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ):
     """Decode latents to PNG / MP4 / frames / safetensors with the optimized pipeline."""
-
-    from vaeopt import api
-    from vaeopt import latents as lat
-    from vaeopt.loading import load_vae
-    from vaeopt.pipeline import Options
-
+    _set_verbosity(verbose, quiet)
+    # Argument mistakes first, before torch and diffusers load (seconds): a typo is reported at once.
     if latent_space is not None and latent_space.lower() in ("scaled", "raw"):
         latent_space = latent_space.lower()  # any case: RAW, Scaled
     if latent_space not in (None, "scaled", "raw"):
@@ -281,6 +313,14 @@ def decode(
     fps = 16.0 if fps is None else fps
     if not 0.01 <= fps <= 1000:  # also NaN/inf; an MP4 frame rate is a fraction with a bounded denominator
         raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
+    _check_inputs_exist(latents)
+    output, out_folder = _output_arg(output)
+
+    from vaeopt import api
+    from vaeopt import latents as lat
+    from vaeopt.loading import load_vae
+    from vaeopt.pipeline import Options
+
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
                    upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
@@ -293,7 +333,6 @@ def decode(
         from vaeopt import hw
 
         hw.resolve_dtype(dtype, hw.resolve_device(device))
-    output, out_folder = _output_arg(output)
     if gpus is not None:
         with _output_folder(output if out_folder else None):  # removed again if the ranks fail before writing
             _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
@@ -301,48 +340,33 @@ def decode(
         return
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
-    console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
-    def shown(e):
-        return f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"
-
-    names = [f.path.name for f in files]
-    for f in files:
-        space = f"{f.format}, {latent_space or f.default_space} latents"
-        name = f.path if names.count(f.path.name) > 1 else f.path.name  # a/lat.pt, b/lat.pt: which is which
-        if len(f.entries) == 1:
-            e = f.entries[0]
-            console.print(f"  {name}{'[' + e.name + ']' if e.name else ''}: {shown(e)} ({space})", markup=False)
-        else:  # which of them are latents is known once the VAE is (the others are skipped with a reason then)
-            console.print(f"  {name}: {len(f.entries)} tensors ({space} where they fit the VAE)", markup=False)
-            for e in f.entries:
-                console.print(f"    [{e.name}]: {shown(e)}", markup=False)
-        for n in f.notes:
-            _log(n)
+    _report_read(files, latent_space, time.perf_counter() - t0)
     if output is not None and not out_folder and output.is_file() and sum(len(f.entries) for f in files) == 1:
         from vaeopt import outputs  # one output file named by -o: an existing one fails now, not after the load
 
         outputs.check_writable([output], overwrite)
     model_path, why = api.resolve_model(model, files)
+    from_manifest = None
+    if family is None and why.startswith(lat.MANIFEST):  # the manifest that named the model may name its family too
+        family = from_manifest = api.manifest_family(files)
     t0 = time.perf_counter()
     import diffusers  # noqa: F401  (a few seconds on first import; timed apart from reading the checkpoint)
 
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
     loaded = load_vae(model_path, family=family, config=config)
-    console.print(f"[bold]load[/] {escape(str(model_path))} ({escape(why)}) in {time.perf_counter() - t0:.2f} s "
-                  f"(+{t_import:.1f} s importing diffusers): "
-                  f"{loaded.family.title} [{loaded.family.cls_name}], layout {loaded.layout}", highlight=False)
-    for n in loaded.notes:
-        _log(n)
+    _report_model(loaded, model_path, why, time.perf_counter() - t0, t_import)
+    if from_manifest:
+        _detail(f"(family {from_manifest}: named by {lat.MANIFEST} beside the latents)")
     if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
-        _log(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
+        _detail(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
     raw_tiny = loaded.family.config.get("_raw_latents") if loaded.family.cls_name == "AutoencoderTiny" else None
     if raw_tiny and any((latent_space or f.default_space) == "raw" for f in files):
         from vaeopt.families import get_family
 
         big = get_family(raw_tiny["vae"])
-        _log(f"raw latents are the {big.title} VAE's: the tiny decoder takes them scaled with {big.describe_scaling()}"
-             " (as the pipeline hands them over, and as ComfyUI's TAESD does)")
+        _detail(f"raw latents are the {big.title} VAE's: the tiny decoder takes them scaled with "
+                f"{big.describe_scaling()} (as the pipeline hands them over, and as ComfyUI's TAESD does)")
     jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=_log)
     if fps_given and not any(j.kind == "mp4" for j in jobs):
         _fps_unused(fps)
@@ -353,43 +377,212 @@ def decode(
         _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
 
 
-def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+def _check_inputs_exist(latents: List[Path]) -> None:
+    """A missing latent file, said before torch loads (vaeopt.latents.read_latents checks the rest)."""
+    for p in latents:
+        if not p.exists():
+            raise VaeoptError(f"{p}: " + ("a broken or looping symlink" if p.is_symlink() else "no such file"))
 
+
+def _shape(t) -> str:
+    return "x".join(map(str, t.shape))
+
+
+def _report_read(files, latent_space, seconds: float) -> None:
+    """What was read: one line (each file's tensors in -v)."""
+    if _verbosity >= 2:
+        console.print(f"[bold]read[/] {len(files)} latent file(s) in {seconds:.2f} s")
+        names = [f.path.name for f in files]
+        for f in files:
+            space = f"{f.format}, {latent_space or f.default_space} latents"
+            name = f.path if names.count(f.path.name) > 1 else f.path.name  # a/lat.pt, b/lat.pt: which is which
+            shown = lambda e: f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"  # noqa: E731
+            if len(f.entries) == 1:
+                e = f.entries[0]
+                console.print(f"  {name}{'[' + e.name + ']' if e.name else ''}: {shown(e)} ({space})", markup=False)
+            else:  # which of them are latents is known once the VAE is (the others are skipped with a reason then)
+                console.print(f"  {name}: {len(f.entries)} tensors ({space} where they fit the VAE)", markup=False)
+                for e in f.entries:
+                    console.print(f"    [{e.name}]: {shown(e)}", markup=False)
+    spaces = "/".join(sorted({latent_space or f.default_space for f in files}))
+    if len(files) == 1:
+        f = files[0]
+        what = ", ".join(f"{e.name + ' ' if e.name else ''}{_shape(e.tensor)}" for e in f.entries)
+        if len(what) > 60:
+            what = f"{len(f.entries)} tensors"
+        line = f"read {f.path.name}: {what} ({spaces} latents)"
+    else:
+        n = sum(len(f.entries) for f in files)
+        line = f"read {len(files)} latent files, {n} tensor(s) ({spaces} latents)"
+    if _verbosity == 1:
+        console.print(line, markup=False, highlight=False)
+    for f in files:
+        for n in f.notes:
+            _log(n)
+
+
+def _report_model(loaded, model_path, why: str, seconds: float, t_import: float) -> None:
+    """The model: one line; the loading notes in -v (a guessed family in short without it)."""
+    from vaeopt.loading import Notice
+
+    fam = loaded.family
+    if _verbosity >= 2:
+        console.print(f"[bold]load[/] {escape(str(model_path))} ({escape(why)}) in {seconds:.2f} s "
+                      f"(+{t_import:.1f} s importing diffusers): {fam.title} [{fam.cls_name}], layout {loaded.layout}",
+                      highlight=False)
+        for n in loaded.notes:
+            _detail(n)
+        return
+    _say(f"model {Path(model_path).name}: {fam.title} ({fam.cls_name}), loaded in {seconds:.1f} s",
+         markup=False, highlight=False)
+    for n in loaded.notes:
+        if isinstance(n, Notice):
+            _log(n.short)
+
+
+# What the one-line optimizer summary calls each stage.
+_STAGE_WORDS = {"fp8": "FP8", "fp8 convs": "FP8 convs", "channels_last": "channels_last", "fused_norms": "fused norms",
+                "fused_epilogues": "fused epilogues", "upsample_conv": "upsample convs", "triton_conv": "Triton convs",
+                "stacked_conv3d": "stacked Conv3d", "attention": "attention", "graphs": "CUDA graphs",
+                "cudnn_autotune": "cuDNN autotuning"}
+
+
+_DTYPE_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # as --dtype spells them
+
+
+def optimizer_summary(stages, device, dtype) -> str:
+    """One line for what the optimizer did in this run: the stages applied, or that the plain path ran and why."""
+    dt = str(dtype).replace("torch.", "")
+    where = f"{_DTYPE_WORDS.get(dt, dt)}, {'CPU' if device.type == 'cpu' else device}"
+    applied = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "applied" and s.name != "precision"]
+    fell = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "fallback"]
+    skipped = [s for s in stages if s.status == "skipped"]
+    extra = f"; fell back: {', '.join(fell)}" if fell else ""
+    if applied:
+        if device.type != "cuda" and skipped:
+            extra += "; the GPU kernels need CUDA"
+        tail = f" ({where}{extra}; -v for details)"
+
+        def fits(ns):
+            return len("optimized: " + ", ".join(ns) + tail) <= 104  # (~100: a terminal's width with room)
+
+        names = applied
+        if not fits(names):  # one short line: the first stages, and how many more (-v lists them all)
+            k = len(applied) - 1
+            while k > 1 and not fits(applied[:k] + [f"+{len(applied) - k} more"]):
+                k -= 1
+            names = applied[:k] + [f"+{len(applied) - k} more"]
+        return "optimized: " + ", ".join(names) + tail
+    if skipped and all(s.detail == "off" for s in skipped):
+        why = "every stage switched off"
+    elif device.type != "cuda":
+        why = "the GPU kernels need CUDA"
+    else:
+        why = "no stage applies to this model"
+    return f"plain diffusers decode ({where}): {why}{extra} (-v for details)"
+
+
+def _plan_words(plan: dict) -> str:
+    """A decode plan in a few words: whole, tiled, chunks."""
+    if plan.get("mode") == "whole":
+        return "whole decode"
+    tile, chunk = plan.get("tile"), plan.get("chunk")
+    if isinstance(tile, (list, tuple)):
+        tile = "x".join(map(str, tile))
+    parts = []
+    if chunk:
+        parts.append(f"chunks of {chunk} latent frame{'s' if chunk != 1 else ''}")
+    if tile:
+        parts.append(f"tiles of {tile} latent px" if not isinstance(tile, str) else f"{tile} tiles")
+    return ", ".join(parts) or str(plan.get("mode"))
+
+
+class _DecodeProgress:
+    """A rich progress bar for a decode that has run over SHOW_AFTER_S seconds (tiles, or frames and frames/s);
+    only on a terminal and not with -q: a log or a pipe gets the summary lines alone."""
+
+    SHOW_AFTER_S = 2.0
+
+    def __init__(self):
+        self.enabled = _verbosity >= 1 and console.is_terminal
+        self.prog = None
+        self.task = None
+        self.job = None
+        self.t0 = time.perf_counter()
+
+    def restart(self) -> None:  # after each output: the next decode's time counts from here
+        self._stop()
+        self.t0 = time.perf_counter()
+        self.job = None
+
+    def __call__(self, job, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self.prog is None:
+            if now - self.t0 < self.SHOW_AFTER_S or done >= total:
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.prog = Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console,
+                                 transient=True)
+            self.prog.start()
+        if job is not self.job:
+            self.job = job
+            video = job.z_raw.dim() == 5
+            unit = "frames" if video else "tiles"  # (tiles of every pass: the stats pass too)
+            name = job.source.name + (f"[{job.entry}]" if job.entry else "")
+            self.task = self.prog.add_task(f"{name} {unit}", total=total, rate="")
+            self.job_t0 = self.t0
+        rate = done / max(now - self.job_t0, 1e-9)
+        self.prog.update(self.task, completed=done, total=total,
+                         rate=f"{rate:.1f} frames/s" if job.z_raw.dim() == 5 else f"{rate:.1f} tiles/s")
+
+    def _stop(self) -> None:
+        if self.prog is not None:
+            self.prog.stop()
+            self.prog = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stop()
+
+
+def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
     from vaeopt import api
     from vaeopt.pipeline import Pipeline
 
-    console.print("[bold]optimize[/]")
+    if _verbosity >= 2:
+        console.print("[bold]optimize[/]")
     images = [j.z_raw.shape for j in jobs if j.z_raw.dim() == 4]
     if images and opts.fp8 != "off":  # the int8 convs' gate measures at the largest decode (stages/triton_conv)
         opts = dataclasses.replace(opts, decode_shape=(1, *max(images, key=lambda s: s[-2] * s[-1])[1:]))
-    pipe = Pipeline(loaded, opts, log=_log)
-    console.print("[bold]decode[/]")
-    with Progress(TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as prog:
-        tasks: dict[str, int] = {}
-
-        def progress(name: str, done: int, total: int):
-            if name not in tasks:
-                tasks[name] = prog.add_task(name, total=total)
-            prog.update(tasks[name], completed=done, total=total)
-
+    pipe = Pipeline(loaded, opts, log=_detail)
+    if _verbosity >= 2:
+        console.print("[bold]decode[/]")
+    else:
+        _say(optimizer_summary(pipe.stages, pipe.device, pipe.dtype), markup=False, highlight=False)
+    with _DecodeProgress() as bar:
         def report(r):  # as each output lands, not after the last one: an error or Ctrl-C later keeps these lines
+            bar.restart()
             peak = f", peak VRAM {r.peak_bytes / 2**30:.2f} GiB" if r.peak_bytes else ""
             batch = f" for the batch of {len(r.written)}" if len(r.written) > 1 else ""  # one decode, n files
+            took = (f"{r.seconds:.2f} s decode" if _verbosity >= 2 else f"{_plan_words(r.plan)} in {r.seconds:.2f} s")
             for p in r.written:
-                console.print(f"[bold green]wrote[/] {escape(str(p))}  ({r.seconds:.2f} s decode{batch}{peak})",
-                              highlight=False)
+                _say(f"[bold green]wrote[/] {escape(str(p))}  ({took}{batch}{peak})", highlight=False)
             for msg in r.retries:
                 _log("↩ " + msg)
 
         from vaeopt.kernels import triton_cache_entries
 
         tc0 = triton_cache_entries() if pipe.device.type == "cuda" else None
-        results = api.run_jobs(pipe, jobs, fps=fps, progress=progress, on_result=report)
+        results = api.run_jobs(pipe, jobs, fps=fps, progress=bar, on_result=report)
     if tc0 is not None and (tc := triton_cache_entries())[1] > tc0[1]:
-        _log(f"Triton compiled kernels on first use ({tc[1] - tc0[1]} new entries in its cache, {tc[0]}): the decode "
-             "times above include that; later runs reuse them")
+        _log(f"Triton compiled {tc[1] - tc0[1]} kernels on first use (in the times above; later runs reuse them)")
+        _detail(f"Triton's cache: {tc[0]}")
     if as_json:
         out_console.print_json(json.dumps({
             "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,
@@ -490,7 +683,9 @@ def benchmark(
     dtype: str = typer.Option("auto", "--dtype", help="Precision of the peers and the ladder: auto | fp32 | bf16 | "
                                                       "fp16 (auto: bf16 on GPUs that have it, fp32 on CPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed repeats per row (median reported)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", show_default=False,
+                                          help="Timed repeats per row, median reported (default 5; 3 on the CPU, "
+                                               "where each decode takes seconds)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
     fp8: bool = typer.Option(False, "--fp8", help="Include FP8 in the ladder, and measure its three levels each "
                                                   "on its own after it (weight storage, fp8 GEMMs, 8-bit convs)."),
@@ -498,13 +693,26 @@ def benchmark(
     cudnn_autotune: bool = typer.Option(False, "--cudnn-autotune", help="cuDNN autotuning on for every row, peers "
                                                                         "included (each row's warm-up pays the tuning)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all numbers to this JSON file."),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG bar chart (time and PSNR per row)."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart: time, speedup and PSNR per "
+                                                                 "row, the rows not timed (needs matplotlib: "
+                                                                 "the package's plot extra, or pip install "
+                                                                 "matplotlib)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print each row as it starts and every skip reason "
+                                                                "in full."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; the results go to --json / "
+                                                            "--plot."),
 ):
-    """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last."""
+    """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last.
+
+    A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors (a 256x256 decode, under a minute)."""
+    _set_verbosity(verbose, quiet)
     from vaeopt import benchmark as bm
     from vaeopt.hw import resolve_device, resolve_dtype
 
-    if repeats < 1:
+    if plot_out is not None and not bm.plot_available():  # before minutes of measuring, not after
+        raise VaeoptError(bm.PLOT_MISSING)
+
+    if repeats is not None and repeats < 1:
         raise VaeoptError(f"--repeats must be at least 1, got {repeats}")
     if warmup < 0:
         raise VaeoptError(f"--warmup must be 0 or more, got {warmup}")
@@ -519,31 +727,34 @@ def benchmark(
         raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(bm.PEERS)})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if repeats is None:
+        repeats = 5 if dev.type == "cuda" else 3
     spec, sd, shp, wl, notes = _bench_inputs(model, family, workload, shape, dev)
     for n in notes:
-        _log(n)
+        _detail(n)
     where = torch_device_name(dev)
-    console.print(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
-                  + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
+    _say(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
+         + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
     if dev.type != "cuda" and math.prod(shp[2:]) > 64 * 64:
-        console.print(f"  [yellow]a {'x'.join(map(str, shp[2:]))} latent on the CPU: each decode takes a minute or "
+        _say(f"  [yellow]a {'x'.join(map(str, shp[2:]))} latent on the CPU: each decode takes a minute or "
                       f"more, and the ladder runs {repeats + warmup} per row (Ctrl-C stops it; --shape "
                       f"1,{shp[1]},{'1,' if len(shp) == 5 else ''}32,32 is a quick CPU run)[/]")
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
-                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, workload=wl,
-                              command=" ".join(["vaeopt"] + sys.argv[1:]))
-    _print_bench(result)
+                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, detail=_detail,
+                              workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
+    if _verbosity >= 1:  # -q: the results are in --json / --plot
+        _print_bench(result)
     if json_out:
         from vaeopt.outputs import atomic_path
 
         replaced = _replacing(json_out)
         with atomic_path(json_out) as tmp:
             tmp.write_text(json.dumps(result, indent=1))
-        console.print(f"[bold green]wrote[/] {escape(str(json_out))}{replaced}")
+        _say(f"[bold green]wrote[/] {escape(str(json_out))}{replaced}")
     if plot_out:
         replaced = _replacing(plot_out)
         bm.plot(result, plot_out)
-        console.print(f"[bold green]wrote[/] {escape(str(plot_out))}{replaced}")
+        _say(f"[bold green]wrote[/] {escape(str(plot_out))}{replaced}")
 
 
 def _replacing(p: Path) -> str:
@@ -687,8 +898,10 @@ def _print_bench(result: dict) -> None:
 
     if note := clock_note(result["rows"]):
         out_console.print(note, style="dim", highlight=False)
-    for r in skipped:
-        out_console.print(f"  [yellow]{r['status']}[/] {r['name']}: {r['reason']}", highlight=False)
+    for r in skipped:  # the reasons in full with -v (and in --json)
+        why = r["reason"] if _verbosity >= 2 else textwrap.shorten(r["reason"], max(40, 96 - len(r["name"])),
+                                                                    placeholder=" ...")
+        out_console.print(f"  [yellow]{r['status']}[/] {escape(r['name'])}: {escape(why)}", highlight=False)
     for line in level_lines(result.get("fp8_levels") or []):
         out_console.print(line, highlight=False)
 
@@ -709,25 +922,58 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
     if gpus > n_cuda and "WORLD_SIZE" not in os.environ:  # under torchrun the ranks exist already (gloo on CPU)
         raise VaeoptError(f"--gpus {gpus}: only {n_cuda} CUDA GPU(s) visible" + (
             " (on CPU: torchrun --nproc-per-node N -m vaeopt decode ... --gpus N runs the same code on gloo)" if not n_cuda else ""))
-    console.print(f"[bold]distributed[/] {gpus} ranks ({'NCCL' if n_cuda >= gpus else 'gloo, CPU'}), "
+    _say(f"[bold]distributed[/] {gpus} ranks ({'NCCL' if n_cuda >= gpus else 'gloo, CPU'}), "
                   f"{len(latents)} input file(s)")
     try:
         summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
                          str(model) if model else None,
                          kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
                                      overwrite=overwrite, options=opts, fps=fps,
-                                     log=_log_stderr))  # stdout: --json only
+                                     log=_log_stderr if _verbosity >= 2 else None))  # stdout: --json only
     except DistributedError as e:
         raise VaeoptError(str(e).splitlines()[0]) from None
     for r in summary or []:
         for p in r["written"]:
-            console.print(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
-                          highlight=False)
+            _say(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
+                 highlight=False)
     if fps_given and summary is not None and not any(str(p).lower().endswith(".mp4") for r in summary
                                                       for p in r["written"]):
         _fps_unused(fps)
     if as_json and summary is not None:  # under torchrun only rank 0 has the summary: one JSON document
         out_console.print_json(json.dumps({"distributed": gpus, "outputs": summary}, default=str))
+
+
+# ---------------------------------------------------------------------------------------------------- serve
+@app.command()
+@clean_errors
+def serve(
+    model: List[str] = typer.Option(..., "--model", "-m", help="VAE checkpoint to serve at http://HOST:PORT/, or "
+                                    "NAME=PATH (repeatable) to serve each at /NAME."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; any but loopback needs a token."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: a free one)."),
+    token: Optional[str] = typer.Option(None, "--token", envvar="VAEOPT_TOKEN", show_envvar=True,
+                                        help="Require Authorization: Bearer TOKEN on every request (prefer the "
+                                             "environment variable: the command line shows in `ps`)."),
+    device: Optional[str] = typer.Option(None, "--device", help="One device to serve on (cpu, cuda:1)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="One worker on each of the first N GPUs (default: all "
+                                                            "visible GPUs, else the CPU)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 | fp16."),
+    queue: int = typer.Option(64, "--queue", help="Requests waiting per worker before 503 + Retry-After."),
+    batch: int = typer.Option(1, "--batch", help="Decode up to N queued same-shape image latents as one batch."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds per request (body, queue, decode, encoding)."),
+    body_timeout: float = typer.Option(30.0, "--body-timeout", help="Seconds to receive a request's body."),
+    max_body_mb: float = typer.Option(256.0, "--max-body-mb", help="Largest latents accepted per request (MiB)."),
+    max_megapixels: float = typer.Option(128.0, "--max-megapixels", help="Largest output per request (Mi pixels, "
+                                                                        "all frames and images)."),
+    jpeg_quality: int = typer.Option(95, "--jpeg-quality", help="Quality of image_format=jpg answers."),
+    log_level: str = typer.Option("info", "--log-level", help="debug (one line per request) | info | warning."),
+):
+    """Serve decodes over HTTP to diffusers' remote_decode client (needs starlette and uvicorn: the 'serve' extra)."""
+    from vaeopt.server import serve as run_server
+
+    run_server(model, host=host, port=port, token=token, device=device, gpus=gpus, dtype=dtype, max_queue=queue,
+               batch=batch, timeout_s=timeout, body_timeout_s=body_timeout, max_body_mb=max_body_mb,
+               max_megapixels=max_megapixels, jpeg_quality=jpeg_quality, log_level=log_level)
 
 
 def run():  # console-script entry

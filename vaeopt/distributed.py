@@ -54,7 +54,8 @@ __all__ = [
     "assign_jobs",
 ]
 
-# NCCL's NVLink SHARP / multicast stay off (see docs/multi-gpu.md).
+# NVLink SHARP / multicast off: the decode's collectives are small halos and all-gathers that gain nothing from
+# it, and setting multicast up can take a shared host's GPUs out of service for other jobs (docs/multi-gpu.md).
 ENV_RULES = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 

@@ -220,7 +220,7 @@ class ClockSampler:
         cs.summary  # summarize_clocks(...) or None
 
     A decode that runs back to back at the GPU's power limit is clocked down (wan21-480p on an H200 at 700 W:
-    1560-1650 MHz per decode against 1690-1730 with 2 s idle gaps, perf-notes E31), so benchmark rows carry this to tell apart what the code and what the
+    1560-1650 MHz per decode against 1690-1730 with 2 s idle gaps, experiments.md E31), so benchmark rows carry this to tell apart what the code and what the
     power budget did. nvidia-smi writes to a temporary file (no pipe to fill on long rows). Does nothing (summary
     None) off CUDA, on ROCm, on a MIG slice, without nvidia-smi, with VAEOPT_GPU_CLOCKS=0, or when anything about it
     fails: it never raises into the timed work."""

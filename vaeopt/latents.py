@@ -57,8 +57,9 @@ class LatentFile:
 
 
 def read_manifest(path: Path) -> dict:
-    """Hints from a ``vaeopt.json`` beside the latents: {"files": {name: {"model": ..., "latent_space": ...}}}; a
-    top-level "model" / "latent_space" applies to every file of the folder that does not name its own (the
+    """Hints from a ``vaeopt.json`` beside the latents: {"files": {name: {"model": ..., "latent_space": ...}}}, and
+    optionally the model's "family" (for a checkpoint whose family its shapes cannot tell, e.g. SD 1.x vs SDXL); a
+    top-level "model" / "family" / "latent_space" applies to every file of the folder that does not name its own (the
     top-level latent_space, as "folder_latent_space", only where the file's format or metadata does not say)."""
     mpath = path.parent / MANIFEST
     if not mpath.is_file():
@@ -69,22 +70,27 @@ def read_manifest(path: Path) -> dict:
         raise LatentError(f"{mpath}: unreadable manifest ({e})") from e
     files = data.get("files", {}) if isinstance(data, dict) else None
     if isinstance(data, dict):
-        _known_keys(mpath, data, ("files", "model", "latent_space"), "at the top level")
+        _known_keys(mpath, data, ("files", "model", "family", "latent_space"), "at the top level")
     if isinstance(files, dict):
         for name, entry in files.items():
             if isinstance(entry, dict):
-                _known_keys(mpath, entry, ("model", "latent_space"), f"for {name}")
+                _known_keys(mpath, entry, ("model", "family", "latent_space"), f"for {name}")
     hint = files.get(path.name, {}) if isinstance(files, dict) else None
     if isinstance(hint, dict):  # top-level "model" / "latent_space": defaults for every file of the folder
         if not isinstance(data.get("model", ""), str):
             raise LatentError(f"{mpath}: the top-level \"model\" must be a path, got {json.dumps(data['model'])[:40]}")
         hint = {**({"model": data["model"]} if data.get("model") and "model" not in hint else {}), **hint}
+        if data.get("family") and "family" not in hint:  # the family of the folder's model
+            hint["family"] = data["family"]
         if "latent_space" in data and "latent_space" not in hint:  # weaker than the file's own format / metadata
             hint["folder_latent_space"] = data["latent_space"]
     if not isinstance(hint, dict) or not isinstance(hint.get("model", ""), str):
         raise LatentError(f"{mpath}: manifest must look like {{\"files\": {{\"{path.name}\": {{\"model\": \"vae.safetensors\", "
                           f"\"latent_space\": \"scaled\"}}}}}}")
     hint = dict(hint)
+    if not isinstance(hint.get("family", ""), str):
+        raise LatentError(f"{mpath}: \"family\" must be a family name such as \"sd15\", got "
+                          f"{json.dumps(hint['family'])[:40]}")
     for k in ("latent_space", "folder_latent_space"):
         if hint.get(k, "scaled") not in ("scaled", "raw"):
             raise LatentError(f"{mpath}: latent_space {'for ' + path.name + ' ' if k == 'latent_space' else ''}"

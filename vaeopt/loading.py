@@ -5,7 +5,7 @@ LDM / A1111 / ComfyUI files (with or without `first_stage_model.` / `vae.` prefi
 FLUX's `ae.safetensors`, the original Wan 2.1 / 2.2 `.pth` files, and the original TAESD decoder files. The family is
 read from the weights (class, latent channels, quant convs) and, where weights cannot tell (SD 1.x vs SD 2.x vs SDXL,
 SD3 vs FLUX, TAESD vs TAESDXL), from the `family=` argument, the file's metadata, the other weights in a full
-checkpoint, then the file name; else a documented default (see docs/notes-loading.md). Nothing is downloaded.
+checkpoint, then the file name; else a documented default (see docs/user-guide.md). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -30,6 +30,21 @@ from vaeopt.errors import CheckpointError, VaeoptError
 from vaeopt.families import FamilySpec, family_names, get_family, model_class
 
 __all__ = ["LoadedVAE", "read_state_dict", "detect", "load_vae"]
+
+
+class Notice(str):
+    """A loading note worth showing without -v (a guess the user may need to correct); `short` is its one-line
+    form, the full text stays the note."""
+
+    short: str
+
+    def __new__(cls, text: str, short: str) -> "Notice":
+        obj = super().__new__(cls, text)
+        obj.short = short
+        return obj
+
+    def __reduce__(self):  # pickles (spawned ranks) as what it is, short form included
+        return Notice, (str(self), self.short)
 
 
 @dataclass
@@ -912,27 +927,27 @@ def _choose_family(a: _Analysis, family, explicit, meta_cfg, metadata, other_key
     # Defaults.
     if a.cls_name == "AutoencoderKL":
         if a.latent == 4:
-            notes.append(
+            notes.append(Notice(
                 "family sd15 assumed: SD 1.x, SD 2.x and SDXL VAEs have identical shapes and nothing in the metadata "
                 "or file name tells them apart (sd15's scaling_factor 0.18215 is also SD 2.x's); for an SDXL "
-                "VAE pass family='sdxl' (--family sdxl)"
-            )
+                "VAE pass family='sdxl' (--family sdxl)",
+                "family sd15 assumed (SD 1.x/2.x and SDXL VAEs look alike): --family sdxl for an SDXL VAE"))
             return get_family("sd15")
         if a.latent == 16:
-            notes.append(
+            notes.append(Notice(
                 "family flux assumed: SD3 and FLUX VAEs have identical shapes (16 channels, no quant convs) and "
                 "nothing in the metadata or file name tells them apart; for an SD3/3.5 VAE pass family='sd3' "
-                "(--family sd3)"
-            )
+                "(--family sd3)",
+                "family flux assumed (SD3 and FLUX VAEs look alike): --family sd3 for an SD3 VAE"))
             return get_family("flux")
     elif a.cls_name in _DEFAULTS:
         name = _DEFAULTS[a.cls_name]
         spec = get_family(name)
         if a.cls_name == "AutoencoderTiny":
             if a.latent == spec.latent_channels:
-                notes.append(
-                    "family taesd assumed: TAESD and TAESDXL have identical shapes; for TAESDXL pass family='taesdxl'"
-                )
+                notes.append(Notice(
+                    "family taesd assumed: TAESD and TAESDXL have identical shapes; for TAESDXL pass family='taesdxl'",
+                    "family taesd assumed (TAESD and TAESDXL look alike): --family taesdxl for TAESDXL"))
             else:
                 notes.append(f"{a.latent}-channel tiny autoencoder (e.g. TAESD3/TAEF1): no family of its own, using "
                              f"taesd settings with latent_channels {a.latent}")

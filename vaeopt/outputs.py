@@ -19,8 +19,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import torch
-
 from vaeopt.errors import OutputError
 
 IMAGE_SUFFIXES = (".png",)
@@ -35,7 +33,7 @@ def unknown_type(where: str, suffix: str) -> str:
     return f"{where}: unknown output type '{suffix}' (use .png, .mp4, .safetensors, or a folder for frames)"
 # libx264's threading in Mp4Writer. PyAV's default is slice threads; frame threads encode 481 frames at 480x832 about
 # twice as fast on a 16-core host (2.66 vs 5.05 s), fast enough that a Wan decode no longer waits for the encoder
-# (h100_stream_mp4_2026-11-22b.json, perf-notes E34). None: PyAV's default. MP4_THREADS: the encoder's thread
+# (h100_stream_mp4_2026-11-22b.json, experiments.md E34). None: PyAV's default. MP4_THREADS: the encoder's thread
 # count (None or 0: libx264's own choice, from the CPU count).
 MP4_THREAD_TYPE: str | None = "FRAME"
 MP4_THREADS: int | None = None
@@ -264,6 +262,8 @@ _OS_FILES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # a file brows
 def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
     """Decoder output in [-1, 1], (N,3,H,W) or (N,3,T,H,W) -> uint8 channels-last (N,H,W,3) / (N,T,H,W,3) on CPU."""
     x = x.detach()
+    import torch  # here, not at the top: the CLI checks -o with this module before torch loads
+
     y = ((x.float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
     y = y.movedim(1, -1)
     return y.cpu().contiguous()

@@ -37,10 +37,10 @@ GRAPH_MIN_REPEATS = 12
 GRAPH_MAX_PIXELS = 512 * 512 * 2
 
 
-# measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/perf-notes.md E39)
+# measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/experiments.md E39: about 2x slower with it)
 HUNYUAN_CL_SKIP = ("HunyuanVideo's causal convs pad with F.pad(mode='replicate'), which returns NCDHW, so with "
-                   "channels_last_3d weights every conv converts its input and output (measured on an H100, 17 frames "
-                   "at 480x848: 1162 ms with it, 581 ms without; --channels-last on to force)")
+                   "channels_last_3d weights every conv would convert its input and output (--channels-last on to "
+                   "force)")
 
 
 def channels_last_veto(family) -> str | None:
@@ -275,7 +275,7 @@ class Pipeline:
             self._record(StageResult.skipped("channels_last", veto))
         elif o.channels_last == "auto" and cl_mod.alone_pays(self.device) and not want_fused:
             r = cl_mod.apply(self.model)
-            r.detail += f" (CPU: {cl_mod.CPU_MEASURED})"
+            r.detail += " (on the CPU it pays without the fused kernels)"
             self._record(r)
         elif o.channels_last == "on" or (want_fused and fam.cls_name != "AutoencoderTiny"):
             self._record(cl_mod.apply(self.model))
@@ -435,8 +435,8 @@ class Pipeline:
         if latent_shape is not None:
             px = latent_shape[0] * latent_shape[-2] * latent_shape[-1] * self.family.spatial_factor ** 2
             if px > GRAPH_MAX_PIXELS:
-                return False, (f"{px / 1e6:.1f} MP per decode: GPU-bound, replay saved ~1% at 1 MP on an H200 "
-                               "(--graphs on to force)")
+                return False, (f"{px / 1e6:.1f} MP per decode: GPU-bound, launch overhead is negligible "
+                               f"above {GRAPH_MAX_PIXELS / 1e6:.1f} MP (--graphs on to force)")
         if repeats < GRAPH_MIN_REPEATS:
             return False, (f"{repeats} decode(s) of this shape: capture costs a warm-up decode and pays only from "
                            f"{GRAPH_MIN_REPEATS} same-shape decodes (--graphs on to force)")
@@ -548,7 +548,7 @@ class Pipeline:
             # vaeopt.video's exact chunk decoder covers Wan; HunyuanVideo runs diffusers' decode (planner._plan_hunyuan)
             return self._decode_hunyuan(z, plan, stats)
         info: dict = {}
-        out = video.decode_video(self.model, z, **self._video_kwargs(plan, info))
+        out = video.decode_video(self.model, z, progress=progress, **self._video_kwargs(plan, info))
         self._video_report(info, stats)
         return out
 

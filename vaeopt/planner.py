@@ -26,7 +26,7 @@ from vaeopt.stages.fused_norms import has_fused_rms_norms
 
 RESERVE_FRACTION = 0.10  # headroom kept free for the allocator's fragmentation and cuDNN workspaces
 RESERVE_MIN = 512 * 2**20
-# Latent frames per decoder call. Measured on an H200 (docs/perf-notes.md E5/E9): 2 frames ~2% faster than 1 on
+# Latent frames per decoder call. Measured on an H200 (docs/experiments.md E5/E9): 2 frames ~2% faster than 1 on
 # Wan 2.1; 8 frames -4% (480p), -0.4% (720p) on Wan 2.1 but +9% slower on Wan 2.2, at 2.5-3.5x the memory.
 MAX_CHUNK = 2
 # With Wan 2.1's convs time-stacked (stages/stacked_conv3d) the untiled decode gains from 3 (h200_wan_stack_2026-11-21:
@@ -331,7 +331,7 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
     chunks = [chunk] if chunk is not None else list(range(min(top, max(t_lat - 1, 1)), 0, -1))
     if budget is None:
         # CPU: bigger chunks are much faster here (fewer, larger convs: 15.8 s -> 4.4 s for a 5-frame clip of the tiny
-        # model, docs/notes-video.md); plan them from half the available host memory.
+        # model, docs/video.md); plan them from half the available host memory.
         budget, why = _host_budget(), "half of the available host memory"
 
 

@@ -2,7 +2,7 @@
 
 Why not diffusers' ``enable_tiling()``: it decodes overlapping latent tiles *independently* and blends them. Every
 GroupNorm inside a tile then normalizes with that tile's own statistics, so tiles come out with different tones; on
-the trained ``tiny_kl_image`` VAE that is only 26-28 dB PSNR against the untiled decode (see docs/notes-tiling.md),
+the trained ``tiny_kl_image`` VAE that is only 26-28 dB PSNR against the untiled decode (see docs/tiling.md),
 and the overlap costs ~2.4x the compute at 1024^2.
 
 What this module does instead ("layer streaming"): the whole decode is run *layer by layer* over the full image, but
@@ -847,7 +847,7 @@ def estimate_tiled_bytes(
         ``shape`` as tiled_decode decides them for the model's ``device`` when None): see `_pass_bytes`,
     times 1.125 (CPU) or 1.10 plus CUDNN_WORKSPACE_BYTES for cuDNN workspaces (CUDA). The tiled part grows with the
     tile area, the latent-resolution part with the latent area. Validated against a live-tensor tracker on CPU
-    (docs/notes-tiling.md).
+    (docs/tiling.md).
     """
     h, w = latent_hw
     th, tw = pair(tile)

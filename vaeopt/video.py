@@ -5,13 +5,13 @@ The decoder itself, and why a chunk of several latent frames decodes exactly, is
 This module chooses how it runs: untiled, or in spatial tiles with one causal cache per tile (vaeopt.video_tiling),
 with or without per-chunk CUDA graphs (vaeopt.video_graphs), and finishes each chunk's output the way diffusers
 does (unpatchify for Wan 2.2, clamp to [-1, 1]; uint8 frames rounded from fp32) straight into its destination.
-Notes and measurements: docs/notes-video.md.
+Notes and measurements: docs/video.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -104,7 +104,7 @@ def to_uint8_frames(video: Tensor) -> Tensor:
 
 def decode_video(
     vae, z_raw: Tensor, chunk: Chunk = 4, *, channels_last: bool | None = None, out: Tensor | None = None,
-    fused: bool | None = None, tile=None, graphs=None, **tiling,
+    fused: bool | None = None, tile=None, graphs=None, progress: Callable[[int, int], None] | None = None, **tiling,
 ) -> Tensor:
     """Decode a whole clip like diffusers' `vae.decode(z_raw).sample`: (N, C, T_out, H, W) in the VAE's dtype on its
     device, clamped to [-1, 1], T_out = 1 + 4(T-1). `chunk` latent frames per decoder call (see chunk_schedule);
@@ -115,7 +115,8 @@ def decode_video(
     `tile` (latent px: an int side -> row bands of that area, or (rows, cols)) decodes in spatial tiles with one causal
     cache per tile; `tiling` keywords (split, storage, oom_retry, info, ...) go to vaeopt.video_tiling.iter_raw.
     `graphs`: per-chunk CUDA graphs (vaeopt.video_graphs): None = the policy attached to the model by
-    vaeopt.video_graphs.enable (the pipeline's --graphs), else none; "on" / "auto" / "off" / a ChunkGraphs."""
+    vaeopt.video_graphs.enable (the pipeline's --graphs), else none; "on" / "auto" / "off" / a ChunkGraphs.
+    `progress(frames done, total frames)` after each chunk."""
     z = prepare_latents(vae, z_raw)
     p = patch_size(vae)
     sched = chunk_schedule(z.shape[2], chunk)
@@ -126,6 +127,8 @@ def decode_video(
         elif tuple(out.shape) != final_shape(y, p, total):
             raise LatentError(f"`out` has shape {tuple(out.shape)}, the clip needs {final_shape(y, p, total)}")
         finish_float(y, p, out[:, :, f0 : f0 + y.shape[2]])
+        if progress is not None:
+            progress(f0 + y.shape[2], total)
     return out
 
 

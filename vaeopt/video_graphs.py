@@ -33,7 +33,7 @@ AUTO_MAX_CHUNK_PIXELS output pixels per chunk (GPU-bound: no gain measured at 0.
 Policy and bookkeeping: a `ChunkGraphs` attached to the model (`enable`, done by vaeopt.api for `--graphs auto|on`)
 is read by vaeopt.video / vaeopt.video_tiling at each clip; it keeps one record per clip (captured or why not,
 replays, eager chunks, capture ms, pool bytes, reserved memory vs the budget) and renders the graphs stage line.
-Measurements: docs/notes-video.md ("Per-chunk CUDA graphs"), docs/perf-notes.md E14.
+Measurements: docs/video.md, docs/experiments.md E14.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ __all__ = ["AUTO_MIN_STEADY", "ChunkGraphs", "GraphedSteps", "disable", "enable"
 
 ATTR = "_vaeopt_chunk_graphs"
 # auto: graphs for clips with at least AUTO_MIN_STEADY steady chunks (after the first) whose output is at most
-# AUTO_MAX_CHUNK_PIXELS per call. Measured on an H200 (docs/perf-notes.md E14, h200_wan_graphs_2026-11-21.json):
+# AUTO_MAX_CHUNK_PIXELS per call. Measured on an H200 (docs/experiments.md E14, h200_wan_graphs_2026-11-21.json):
 # at wan21-480p (K=2: 3.2 MP per call) a replayed chunk took 72.6 ms against 72.5 eager (GPU-bound: the Python and
 # the launches run ahead of the GPU), while the capture (9 ms), a slower first replay (+7 ms) and the drains cost
 # ~12 ms per clip: a 735 ms decode became 747 ms (+1.2 to +1.9% over three runs); 240x416 (0.8 MP): 191 -> 198 ms.
@@ -113,9 +113,9 @@ class ChunkGraphs:
             return False, (f"{steady} chunks of {k} latent frame(s) after the first: {self.mode} captures from "
                            f"{self.min_steady} (--graphs on forces it)")
         if self.mode == "auto" and chunk_pixels is not None and chunk_pixels > self.max_chunk_pixels:
-            return False, (f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound (wan21-480p, 3.2 MP, on an H200: "
-                           "a replayed chunk 72.6 vs 72.5 ms eager, the decode +1.6% with the capture); auto "
-                           f"captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk (--graphs on forces it)")
+            return False, (f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound, a replay would not beat the eager "
+                           f"chunk; auto captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk (--graphs on "
+                           "forces it)")
         return True, f"{steady} chunks of {k} latent frame(s) after the first"
 
     def new_record(self, z: Tensor, sched: Sequence[int], tiles: int, use: bool, why: str) -> dict:

@@ -42,7 +42,7 @@ live-storage counter); vaeopt.planner searches tiles, splits, chunks and cache s
 `oom_retry=True` restarts the clip with a smaller plan after a CUDA out-of-memory error (the cheapest candidate
 estimated at <= 80% of the failed plan's memory; else tile, then chunk, then host caches; never the same plan
 twice) and skips the frames it has already handed out.
-Notes and measurements: docs/notes-video.md ("Spatial tiling").
+Notes and measurements: docs/video.md.
 """
 
 from __future__ import annotations
@@ -463,7 +463,7 @@ class _TiledClip:
 # The planner and the OOM fallback order plans by a rough relative decode time (1 = untiled, device caches): the
 # halo rows every interior band edge recomputes (2 * halo per edge at the split's resolution, counted as if all of
 # the decode were tiled: an upper bound), CHUNK_COST per latent frame per call below MAX_CHUNK (H200: 2 frames per
-# call ~2% faster than 1 on Wan 2.1, docs/perf-notes.md), and for host cache storage HOST_COST / chunk (every tile's
+# call ~2% faster than 1 on Wan 2.1, docs/experiments.md), and for host cache storage HOST_COST / chunk (every tile's
 # caches cross PCIe twice per call; at wan21-720p that is ~2.4 GB per call against ~0.1 s of compute per latent
 # frame, so roughly doubling the time).
 CHUNK_COST = 0.02

@@ -53,7 +53,7 @@ shortcut as W @ bias). PyTorch's cuDNN path would add every conv bias as a separ
 resamplers that do not match (hooks, other modules) take the torch path; a bias they cannot fold is added first.
 The sums are formed in fp32 inside the kernels (one rounding), so bf16 results differ from diffusers' by bf16
 rounding; fp32 agrees to ~1e-6. Counts of what was fused: `ChunkDecoder.stats`.
-Notes and measurements: docs/notes-video.md.
+Notes and measurements: docs/video.md.
 """
 
 from __future__ import annotations

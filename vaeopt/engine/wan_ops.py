@@ -145,7 +145,7 @@ def igemm_weights(conv: nn.Module, x: Tensor):
 def copy_lastdim(dst: Tensor, src: Tensor) -> None:
     """dst.copy_(src), bitwise, for same-dtype views whose last dim is contiguous (channels of a channels-last
     activation): moved as 8-byte words where the strides allow, so torch's strided copy kernel handles 4x fewer
-    bf16 elements (the stacked convs' history copies; docs/perf-notes.md E18)."""
+    bf16 elements (the stacked convs' history copies; docs/experiments.md E18)."""
     w = 8 // dst.element_size() if dst.element_size() in (1, 2, 4) else 0
     if (w and not dst.is_meta and dst.dtype == src.dtype and dst.shape == src.shape and dst.dim() > 0
             and dst.stride(-1) == 1 and src.stride(-1) == 1 and dst.shape[-1] % w == 0

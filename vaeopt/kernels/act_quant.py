@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX
-from vaeopt.kernels.rms_norm_silu import _sat_e4m3
+from vaeopt.kernels.common import sat_e4m3
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _quant_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, L, BLOCK: tl.constexpr, EXACT8:
         y = y.to(tl.int32, bitcast=True)
     else:
         top = 448.0
-        y = _sat_e4m3(v * (448.0 / amax), EXACT8)
+        y = sat_e4m3(v * (448.0 / amax), EXACT8)
     tl.store(q_ptr + base + offs, y.to(q_ptr.dtype.element_ty), mask=offs < L)
     if b == 0:
         tl.store(s_ptr + n, amax / top)

@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels import default_tile, flat_layout
-from vaeopt.kernels.group_norm_silu import (_accumulate_shifted, _cl_store_partials, _first_block_shift,
-                                           attach_partials, drop_partials, producer_partials, producer_stats_ok)
-from vaeopt.kernels.rms_norm_silu import _sat_e4m3
+from vaeopt.kernels.common import (accumulate_shifted, cl_store_partials, default_tile, first_block_shift, flat_layout,
+                                   sat_e4m3)
+from vaeopt.kernels.group_norm_silu import attach_partials, drop_partials, producer_partials, producer_stats_ok
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -230,7 +229,7 @@ def _epi_cl_stats_kernel(
 
     m0 = (rows < lim)[:, None] & cm[None, :]  # the shift: mean of the first row block (read again below, from L2)
     y0 = _epi_rows(h_row, r_row, rows, cols, m0, b, rbv, scale, C, rsc, rss, HAS_R, SCALE, R_LIKE_H)
-    k = _first_block_shift(y0.to(y_ptr.dtype.element_ty).to(tl.float32), m0, lim, BLOCK_S)
+    k = first_block_shift(y0.to(y_ptr.dtype.element_ty).to(tl.float32), m0, lim, BLOCK_S)
     s1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     s2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     am = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
@@ -241,9 +240,9 @@ def _epi_cl_stats_kernel(
             y = _epi_rows(h_row, r_row, r, cols, m, b, rbv, scale, C, rsc, rss, HAS_R, SCALE, R_LIKE_H)
             yq = y.to(y_ptr.dtype.element_ty)
             tl.store(y_row + r.to(tl.int64)[:, None] * C + cols[None, :], yq, mask=m)
-            s1, s2, am = _accumulate_shifted(yq.to(tl.float32), m, k, s1, s2, am)
+            s1, s2, am = accumulate_shifted(yq.to(tl.float32), m, k, s1, s2, am)
     cnt = tl.minimum(lim, iters * BLOCK_S * UNROLL).to(tl.float32)
-    _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG, cols, cm,
+    cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG, cols, cm,
                        BLOCK_G, CG_POW2, True)
 
 
@@ -405,7 +404,7 @@ def _softmax_rows_kernel(
         x = tl.load(src + offs, mask=m, other=-float("inf")).to(tl.float32) * scale
         e = tl.exp(x - tl.max(x, axis=0))
         if UNNORM:
-            tl.store(dst + offs, _sat_e4m3(e * pscale, EXACT8).to(p_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + offs, sat_e4m3(e * pscale, EXACT8).to(p_ptr.dtype.element_ty), mask=m)
             tl.store(rs_ptr + row, 1.0 / (pscale * tl.sum(e, axis=0)))
         else:
             tl.store(dst + offs, (e / tl.sum(e, axis=0)).to(p_ptr.dtype.element_ty), mask=m)
@@ -431,7 +430,7 @@ def _softmax_rows_kernel(
             x = tl.load(src + o, mask=o < L, other=-float("inf")).to(tl.float32) * scale
             y = tl.exp(x - gmax) * inv
             if UNNORM:
-                y = _sat_e4m3(y, EXACT8)
+                y = sat_e4m3(y, EXACT8)
             tl.store(dst + o, y.to(p_ptr.dtype.element_ty), mask=o < L)
 
 
@@ -612,7 +611,7 @@ def bias_residual(
 
 def _epi_stats_launch(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     """(tile, warps, programs per SM, row blocks per iteration) of the epilogue that also takes GroupNorm statistics,
-    on CUDA. Measured on an H100 at SDXL's shapes (benchmarks/gpu_epi_stats.py, perf-notes E26): the stats kernel's
+    on CUDA. Measured on an H100 at SDXL's shapes (benchmarks/gpu_epi_stats.py, experiments.md E26): the stats kernel's
     own launch (8192-element tiles, 2 programs per SM, 4 row blocks per iteration) made it 1.1-3.2x slower."""
     return (4096, 4, 4, 1) if C <= 128 else (4096, 4, 4, 2)
 

@@ -21,9 +21,9 @@ Split API (vaeopt/tiling.py's exact tiled decoder, whose norms need the statisti
 ever seen a tile at a time): `group_norm_partials` runs the stats kernels on a tile (optionally with `x_bias`) and
 returns the per-chunk (count, mean, M2) partials -- partials of disjoint tiles concatenate into those of their union;
 `group_norm_finalize` merges any number of them exactly in one launch of the finalize kernel; `group_norm_apply`
-normalizes a region with given per-(n, channel) mean/scale (+ x_bias, affine bias, SiLU) in one read and one write
-in the model dtype, reading the region in place from a larger buffer (any strides) and optionally writing a zero ring
-around it (the next conv's padding). `merge_partials` is the float64 torch reference of the merge.
+(gn_window.py) normalizes a region with given per-(n, channel) mean/scale (+ x_bias, affine bias, SiLU) in one read
+and one write in the model dtype, reading the region in place from a larger buffer (any strides) and optionally
+writing a zero ring around it (the next conv's padding). `merge_partials` is the float64 torch reference of the merge.
 
 Layouts: every tensor is seen as (N, C, S) with S = flattened spatial dims; "channels-first" means each sample is a
 contiguous [C, S] block (NCHW, NCDHW, (B, C, L)), "channels-last" means a contiguous [S, C] block (NHWC, NDHWC,
@@ -36,13 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels import default_tile, flat_layout, n_programs_target, new_like
+from vaeopt.kernels.common import (accumulate_shifted, cl_store_partials, default_tile, default_warps,
+                                   first_block_shift, flat_layout, n_programs_target, new_like, sat_e4m3, silu,
+                                   silu_mode)
 from vaeopt.kernels.fp8_quant import E4M3
-from vaeopt.kernels.rms_norm_silu import _sat_e4m3, _silu, silu_mode
+from vaeopt.kernels.gn_window import group_norm_apply  # noqa: F401  (the split API's last step, re-exported)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
-# (benchmarks/gpu_gn_apply.py, perf-notes E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
+# (benchmarks/gpu_gn_apply.py, experiments.md E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
 # (e4m3 out) against the shared (4096, 4).
 APPLY_CL_CUDA = (8192, 4)
 
@@ -166,72 +168,8 @@ def _stats_cl_kernel(
             if MINMAX:  # one op on the shifted value the sums already need (masked rows are 0)
                 am = tl.maximum(am, tl.abs(d))
     cnt = tl.minimum(lim, iters * BLOCK_S * UNROLL).to(tl.float32)  # rows seen; same for every channel
-    _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG,
+    cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG,
                        cols, cm, BLOCK_G, CG_POW2, MINMAX)
-
-
-@triton.jit
-def _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, N, G, CG, cols, cm, BLOCK_G: tl.constexpr,
-                       CG_POW2: tl.constexpr, MINMAX: tl.constexpr):
-    """Store one chunk's partials of sample n from its running [rows, BLOCK_C] tiles of shifted sums (s1: x - k,
-    s2: (x - k)^2, am: max |x - k|; k: the per-channel shift, cnt: rows seen): planes count, mean, M2 (and the
-    max / min bounds when MINMAX) of each group, at [plane, n * G + g, chunk]. Shared by the stats kernel and the
-    residual epilogue that takes the next norm's statistics on its way (kernels/epilogue.py)."""
-    t1 = tl.sum(s1, axis=0)
-    t2 = tl.sum(s2, axis=0)
-    mean_c = k + t1 / cnt  # [BLOCK_C]
-    m2_c = tl.maximum(t2 - t1 * t1 / cnt, 0.0)
-
-    # Channels -> groups, once per program: Chan merge of equal-count parts.
-    ga = tl.arange(0, BLOCK_G)
-    if CG_POW2 > 0:  # CG_POW2 == CG: the groups tile BLOCK_C exactly -> reshape [BLOCK_G, CG] (real decoder widths)
-        mean_2d = tl.reshape(mean_c, [BLOCK_G, CG_POW2])
-        mean_g = tl.sum(mean_2d, axis=1) / CG_POW2  # [BLOCK_G]
-        dev = mean_2d - mean_g[:, None]
-        m2_g = tl.sum(tl.reshape(m2_c, [BLOCK_G, CG_POW2]) + cnt * dev * dev, axis=1)
-    else:  # odd group sizes: one-hot [BLOCK_G, BLOCK_C] mask
-        ohf = (((cols[None, :] // CG) == ga[:, None]) & cm[None, :]).to(tl.float32)
-        mean_g = tl.sum(ohf * mean_c[None, :], axis=1) / CG
-        dev = mean_c[None, :] - mean_g[:, None]
-        m2_g = tl.sum(ohf * (m2_c[None, :] + cnt * dev * dev), axis=1)
-
-    gm = ga < G
-    out = part_ptr + (n * G + ga) * n_chunks + chunk
-    plane = n_chunks * G * N
-    tl.store(out, tl.zeros([BLOCK_G], dtype=tl.float32) + cnt * CG, mask=gm)
-    tl.store(out + plane, mean_g, mask=gm)
-    tl.store(out + 2 * plane, m2_g, mask=gm)
-    if MINMAX:
-        # x lies in [k - max|x - k|, k + max|x - k|]: bounds of the channel's max and min. The finalize kernel
-        # uses the larger distance of either end from the group mean, which this widens by at most |k - mean|
-        # (k is the chunk's first-block mean). Tracking max and min themselves took two more ops and registers
-        # per element: the e4m3 stats pass measured 1.4x the bf16 one (H200, sdxl-1024; perf-notes E21).
-        am_c = tl.max(am, axis=0)  # [BLOCK_C]
-        hi_c = k + am_c
-        lo_c = k - am_c
-        if CG_POW2 > 0:
-            hi_g = tl.max(tl.reshape(hi_c, [BLOCK_G, CG_POW2]), axis=1)
-            lo_g = tl.min(tl.reshape(lo_c, [BLOCK_G, CG_POW2]), axis=1)
-        else:
-            oh = ((cols[None, :] // CG) == ga[:, None]) & cm[None, :]
-            hi_g = tl.max(tl.where(oh, hi_c[None, :], float("-inf")), axis=1)
-            lo_g = tl.min(tl.where(oh, lo_c[None, :], float("inf")), axis=1)
-        tl.store(out + 3 * plane, hi_g, mask=gm)
-        tl.store(out + 4 * plane, lo_g, mask=gm)
-
-
-@triton.jit
-def _first_block_shift(y0, m0, lim, BLOCK_S: tl.constexpr):
-    """The per-channel shift of a chunk's sums: the mean of its first row block y0 (masked by m0), as the stats
-    kernel takes it (for the kernels that write a norm's input and take its statistics on the way)."""
-    return tl.sum(tl.where(m0, y0, 0.0), axis=0) / tl.minimum(lim, BLOCK_S).to(tl.float32)
-
-
-@triton.jit
-def _accumulate_shifted(y, m, k, s1, s2, am):
-    """One row block y (fp32, masked by m) into the running shifted sums, squares and max |y - k|."""
-    d = tl.where(m, y - k[None, :], 0.0)
-    return s1 + d, s2 + d * d, tl.maximum(am, tl.abs(d))
 
 
 @triton.jit
@@ -374,7 +312,7 @@ def _apply_cl_kernel(
     EXACT8: tl.constexpr = False,  # round to the e4m3 grid before the cast (the CPU interpreter's cast misrounds)
     amax_ptr=None,  # [N] fp32 (PRE_AMAX): the largest per-channel bound of each sample, computed once
     PRE_AMAX: tl.constexpr = False,
-    SILU_MODE: tl.constexpr = 0,  # see rms_norm_silu._silu
+    SILU_MODE: tl.constexpr = 0,  # see common.silu
     OUT_I8: tl.constexpr = False,  # with OUT8: y_ptr is int8, y ~= scale * (q + zq) over [lo, max bound] (see below)
     zq_ptr=None,  # [N] fp32 out (OUT_I8): the sample's zero point in units of its scale
 ):
@@ -392,7 +330,7 @@ def _apply_cl_kernel(
     x = tl.load(x_ptr + n.to(tl.int64) * stride_xn + off, mask=m, other=0.0).to(tl.float32)
     y = (x - mu[None, :]) * a[None, :] + b[None, :]
     if SILU:
-        y = _silu(y, SILU_MODE)
+        y = silu(y, SILU_MODE)
     if OUT8:
         if PRE_AMAX:
             amax = tl.maximum(tl.load(amax_ptr + n), 1e-12)
@@ -414,94 +352,13 @@ def _apply_cl_kernel(
                 tl.store(s_ptr + n, sc)
                 tl.store(zq_ptr + n, zq)
         else:
-            y = _sat_e4m3(y * (448.0 / amax), EXACT8)
+            y = sat_e4m3(y * (448.0 / amax), EXACT8)
             if sb == 0:
                 tl.store(s_ptr + n, amax / 448.0)
     tl.store(y_ptr + n.to(tl.int64) * S * C + off, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-# Sizes/offsets that differ between the tiles of one layer (border vs interior tiles, the last row band) are not
-# specialized on, so a layer compiles one variant instead of one per divisibility pattern.
-@triton.jit(do_not_specialize=["Hi", "Wi", "Wo", "P", "syn", "syh", "pt", "pl", "n_p_blocks"])
-def _apply_win_kernel(
-    x_ptr,  # (N, C, Hi, Wi) with any strides (e.g. a window of a larger NHWC / NCHW buffer), read in place
-    y_ptr,  # (N, C, Ho, Wo) with any strides (dense output, or a window of a buffer)
-    mean_ptr,  # [N, C] fp32: group mean of (x + x_bias)
-    a_ptr,  # [N, C] fp32: rstd * weight
-    b_ptr,  # [C] affine bias
-    xb_ptr,  # [C] input bias (read only when XB)
-    C,
-    Hi,
-    Wi,
-    Wo,
-    P,  # output pixels per sample: Ho * Wo
-    sxn,
-    sxc,
-    sxh,
-    sxw,
-    syn,
-    syc,
-    syh,
-    syw,
-    pt,  # output (i, j) reads input (i - pt, j - pl); outside the input the output is 0 (a conv's zero padding)
-    pl,
-    n_p_blocks,
-    n_c_blocks,
-    BLOCK_P: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    SILU: tl.constexpr,
-    XB: tl.constexpr,
-    PAD: tl.constexpr,  # some output pixels lie outside the input
-    CF: tl.constexpr,  # channels-first tile [BLOCK_C, BLOCK_P] (pixels contiguous); else [BLOCK_P, BLOCK_C]
-):
-    pid = tl.program_id(0)
-    cb = pid % n_c_blocks
-    t = pid // n_c_blocks
-    pb = t % n_p_blocks
-    n = t // n_p_blocks
-    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    pm = p < P
-    cm = c < C
-    i = p // Wo
-    j = p - i * Wo
-    si = i - pt
-    sj = j - pl
-    if PAD:
-        inside = pm & (si >= 0) & (si < Hi) & (sj >= 0) & (sj < Wi)
-    else:
-        inside = pm
-    xo = n.to(tl.int64) * sxn + si.to(tl.int64) * sxh + sj.to(tl.int64) * sxw  # [BLOCK_P]
-    yo = n.to(tl.int64) * syn + i.to(tl.int64) * syh + j.to(tl.int64) * syw
-    mu = tl.load(mean_ptr + n * C + c, mask=cm, other=0.0)
-    if XB:  # same association as the fused path's finalize: (x - (mean - xb)) * a + b
-        mu = mu - tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + n * C + c, mask=cm, other=0.0)
-    b = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    cx = c.to(tl.int64) * sxc
-    cy = c.to(tl.int64) * syc
-    if CF:
-        m = cm[:, None] & inside[None, :]
-        x = tl.load(x_ptr + cx[:, None] + xo[None, :], mask=m, other=0.0).to(tl.float32)
-        y = (x - mu[:, None]) * a[:, None] + b[:, None]
-        if SILU:
-            y = y / (1.0 + tl.exp(-y))
-        if PAD:
-            y = tl.where(m, y, 0.0)
-        tl.store(y_ptr + cy[:, None] + yo[None, :], y.to(y_ptr.dtype.element_ty), mask=cm[:, None] & pm[None, :])
-    else:
-        m = inside[:, None] & cm[None, :]
-        x = tl.load(x_ptr + xo[:, None] + cx[None, :], mask=m, other=0.0).to(tl.float32)
-        y = (x - mu[None, :]) * a[None, :] + b[None, :]
-        if SILU:
-            y = y / (1.0 + tl.exp(-y))
-        if PAD:
-            y = tl.where(m, y, 0.0)
-        tl.store(y_ptr + yo[:, None] + cy[None, :], y.to(y_ptr.dtype.element_ty), mask=pm[:, None] & cm[None, :])
-
-
-def _warps(tile: int) -> int:
-    return 4 if tile <= 4096 else 8
+_warps = default_warps  # (the name callers outside the package have read it by)
 
 
 def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:
@@ -512,14 +369,14 @@ def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:
 def _stats_cl_defaults(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     """(tile, num_warps, target programs, unroll) of the channels-last stats kernel where the caller sets none.
 
-    On CUDA, measured on an H200 at SDXL's decoder shapes (benchmarks/gpu_gn_stats.py, perf-notes E24): with the
+    On CUDA, measured on an H200 at SDXL's decoder shapes (benchmarks/gpu_gn_stats.py, experiments.md E24): with the
     shared defaults (4096-element tiles, 8 programs per SM, one row block per iteration) the kernel read 0.9-3.6
     TB/s, against a 4.2 TB/s copy: too few loads in flight per warp (not occupancy: the faster launches use more
     registers). Wider rows (C >= 256): 8192-element tiles, 2 programs per SM, 4 row blocks loaded per iteration
     into the same accumulators. C <= 128: 2048-element tiles, 8 warps, 4 programs per SM. The stats kernels of an sdxl-1024 decode: 1.70 -> 1.26 ms (bf16), 2.05 -> 1.30 ms (e4m3)."""
     tile = default_tile(dev)
     if dev.type != "cuda":
-        return tile, _warps(tile), n_programs_target(dev), 1
+        return tile, default_warps(tile), n_programs_target(dev), 1
     per_sm = n_programs_target(dev) // 8  # SMs
     if C <= 128:
         return 2048, 8, 4 * per_sm, 1
@@ -659,10 +516,10 @@ def _stats_params(kind: str, C: int, dev: torch.device, tile: int | None, num_wa
     if kind == "cl":
         t, w, p, u = _stats_cl_defaults(C, dev)
         if tile is not None and tile != t:  # an explicit tile keeps the generic warps rule
-            w = _warps(tile)
+            w = default_warps(tile)
         return tile or t, num_warps or w, target or p, u
     tile = tile or default_tile(dev)
-    return tile, num_warps or _warps(tile), target or n_programs_target(dev), 1
+    return tile, num_warps or default_warps(tile), target or n_programs_target(dev), 1
 
 
 def _stats_geometry(N: int, C: int, G: int, kind: str, S: int, tile: int, target: int, unroll: int = 1) -> dict:
@@ -732,7 +589,7 @@ def group_norm_silu_e4m3(
     e4m3 range: e4m3's relative step (2^-3) is the same at any magnitude, so this costs precision only for values
     2^17 below the bound (subnormals). The scale tensor stays on the device (no host sync; fits CUDA graphs).
     Cost on an H200, sdxl-1024: the stats kernels of a decode 1.67 ms in bf16, 2.41 ms when tracking max and min,
-    1.93 ms with the one max |x - k| (h200_tma_decode_sdxl-1024-graphs_2026-11-21{d,e}.json, perf-notes E21)."""
+    1.93 ms with the one max |x - k| (h200_tma_decode_sdxl-1024-graphs_2026-11-21{d,e}.json, experiments.md E21)."""
     if E4M3 is None:
         raise TypeError(f"torch {torch.__version__} has no float8_e4m3fn")
     return _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p,
@@ -759,7 +616,7 @@ def group_norm_silu_int8(
     e4m3 variant scales by (group_norm_silu_e4m3), lo SiLU's minimum (-0.27846) with silu, else -hi. A SiLU output
     lies mostly on one side of zero, so this spends no levels on values that cannot occur: on the trained tiny VAE
     and the random-weight SDXL decoder, a conv on these inputs measured 1-11 dB closer to fp32 than on e4m3 ones
-    (docs/perf-notes.md E45). The step is uniform, so a loose bound costs precision everywhere (e4m3 keeps its
+    (docs/experiments.md E45). The step is uniform, so a loose bound costs precision everywhere (e4m3 keeps its
     relative step); the bound is the group's max |x - k| mapped through the affine, as for e4m3."""
     return _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p,
                        x_bias, out8="int8")
@@ -804,7 +661,7 @@ def _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, n
         tile, nw = APPLY_CL_CUDA[0], num_warps or APPLY_CL_CUDA[1]
     else:
         tile = tile or default_tile(dev)
-        nw = num_warps or _warps(tile)
+        nw = num_warps or default_warps(tile)
     has_xb = x_bias is not None
     xb = x_bias.reshape(C) if has_xb else w  # a valid pointer either way; read only under the XB flags
     y = new_like(x, kind, (torch.int8 if i8 else E4M3) if out8 else None)
@@ -953,86 +810,6 @@ def group_norm_finalize(
         BLOCK_NG=BLOCK_NG, BLOCK_P=BLOCK_P, BLOCK_CG=triton.next_power_of_2(C // G), XB=False, num_warps=4,
     )  # fmt: skip
     return mean, a
-
-
-def group_norm_apply(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    silu: bool = True,
-    *,
-    x_bias: torch.Tensor | None = None,
-    pad: tuple[int, int, int, int] = (0, 0, 0, 0),
-    out: torch.Tensor | None = None,
-    tile: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """y = silu((x + x_bias[c] - mean[n, c]) * scale[n, c] + bias[c]) (silu optional) for x (N, C, H, W) with GIVEN
-    statistics (e.g. `group_norm_finalize` of partials merged over all tiles of an activation). One read of x, one
-    write of y, fp32 math, one rounding to the output dtype (no fp32 intermediate tensor).
-
-    x may have any strides -- a window of a larger NHWC/NCHW buffer is read in place. pad = (top, bottom, left,
-    right): the output is (N, C, H + top + bottom, W + left + right) with x at offset (top, left) and ZEROS in the
-    ring (after the activation: a following conv's zero padding, so it can run with padding=0). Output: dense, in x's
-    layout (channels-last when x's channel stride is 1, else contiguous), x's dtype; or written into `out` (any
-    strides, any float dtype). mean/scale: float32 (N, C) or (C,).
-    """
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"group_norm_apply: dtype {x.dtype} not supported")
-    if x.dim() != 4:
-        raise ValueError(f"group_norm_apply: expected (N, C, H, W), got {tuple(x.shape)}")
-    N, C, Hi, Wi = x.shape
-    pt, pb, pl, pr = (int(v) for v in pad)
-    if min(pt, pb, pl, pr) < 0:
-        raise ValueError(f"group_norm_apply: negative pad {pad}")
-    Ho, Wo = Hi + pt + pb, Wi + pl + pr
-    dev = x.device
-
-    def vec(name, v, per_sample):
-        if v is None:
-            return None
-        v = v.to(device=dev)
-        if per_sample and v.numel() == C and N > 1:
-            v = v.reshape(1, C).expand(N, C)
-        if v.numel() != (N * C if per_sample else C):
-            raise ValueError(f"group_norm_apply: {name} has {v.numel()} values for {N} x {C}")
-        return v.reshape(N, C).float().contiguous() if per_sample else v.reshape(C)
-
-    mean, scale = vec("mean", mean, True), vec("scale", scale, True)
-    b = vec("bias", bias, False)
-    xb = vec("x_bias", x_bias, False)
-    if b is None:
-        b = torch.zeros(C, device=dev, dtype=torch.float32)
-    cl = C > 1 and x.stride(1) == 1 and Hi * Wi > 1
-    if out is None:
-        if cl:
-            out = torch.empty((N, Ho, Wo, C), device=dev, dtype=x.dtype).permute(0, 3, 1, 2)
-        else:
-            out = torch.empty((N, C, Ho, Wo), device=dev, dtype=x.dtype)
-    elif tuple(out.shape) != (N, C, Ho, Wo) or out.dtype not in SUPPORTED_DTYPES or out.device != dev:
-        raise ValueError(f"group_norm_apply: out must be a float tensor {(N, C, Ho, Wo)} on {dev}")
-    if out.numel() == 0:
-        return out
-    tile = tile or default_tile(dev)
-    nw = num_warps or _warps(tile)
-    P = Ho * Wo
-    CF = not (out.stride(1) == 1 or C == 1)  # channels-first output: tile with pixels fastest
-    if CF:
-        BLOCK_P = min(triton.next_power_of_2(P), max(256, tile // 4))
-        BLOCK_C = max(1, min(tile // BLOCK_P, triton.next_power_of_2(C)))
-    else:
-        BLOCK_C = min(triton.next_power_of_2(C), max(16, tile // 4))
-        BLOCK_P = max(1, min(tile // BLOCK_C, triton.next_power_of_2(P)))
-    npb, ncb = triton.cdiv(P, BLOCK_P), triton.cdiv(C, BLOCK_C)
-    _apply_win_kernel[(N * npb * ncb,)](
-        x, out, mean, scale, b, xb if xb is not None else b, C, Hi, Wi, Wo, P,
-        *x.stride(), *out.stride(), pt, pl, npb, ncb,
-        BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, SILU=bool(silu), XB=xb is not None, PAD=(Ho, Wo) != (Hi, Wi),
-        CF=CF, num_warps=nw,
-    )  # fmt: skip
-    return out
-
 
 
 def group_norm_silu_reference(x, num_groups, weight, bias, eps=1e-6, silu=True, x_bias=None):

@@ -19,68 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels import _interpret, default_tile, flat_layout, new_like
+from vaeopt.kernels.common import (OUT8, affine_args, channel_vector, default_tile, flat_layout, new_like, sat_e4m3,
+                                   silu, silu_mode)
+from vaeopt.kernels.epilogue import bias_residual
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OUT8 = (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ()
-
-
-SILU_MODE: int | None = None  # None: silu_mode's policy; 0-3 force that `_silu` MODE on CUDA (benchmarks/gpu_silu.py)
-WAN_RMS_16 = 3  # the MODE of Wan's channels-last RMS kernel for 16-bit outputs on CUDA (silu_mode)
-
-
-def silu_mode(out_dtype: torch.dtype, device: torch.device, wan_rms: bool = False) -> int:
-    """The `_silu` MODE of a kernel writing out_dtype on device.
-    - Exact (0) on the CPU, under the interpreter, on ROCm and for fp32 outputs.
-    - tanh.approx (2) for e4m3 outputs on CUDA: there the GroupNorm apply is bound by arithmetic, 7-21% faster per
-      call, and its ~2^-11 relative error is far below e4m3's 2^-4 step (H200, perf-notes E25).
-    - 16-bit outputs: exact (0) in the GroupNorm kernels, bound by memory (the hardware tanh gained nothing there,
-      E25). In Wan's channels-last RMS kernels (`wan_rms`: this module's and tapconv's norm + tap GEMM) WAN_RMS_16:
-      3, the exact formula without its range fix-ups. Nsight Compute finds the RMS kernel bound by the instructions
-      it issues (84% of issue slots busy on the 96-ch call; mode 0's SiLU is ~11 of 25.8 instructions per element).
-      Mode 3 gave outputs bitwise equal to mode 0's on every Wan shape and decode measured, 1-9% faster plain calls,
-      and wan21-480p / 720p decodes as fast as mode 2's (H200, perf-notes E31). (Mode 0 lowers to the same ex2 /
-      reciprocal arithmetic with range fix-ups. The one input window where they differ is y in about (-88.7, -87.3):
-      there mode 3 flushes the subnormal reciprocal and returns -0 for a value of magnitude below ~1e-36.)"""
-    if device.type != "cuda" or torch.version.hip is not None or out_dtype == torch.float32 or _interpret():
-        return 0  # modes 2/3 are NVIDIA PTX
-    if SILU_MODE is not None:
-        return SILU_MODE
-    if out_dtype in OUT8 or out_dtype == torch.int8:  # int8: the approximation is far below its step too
-        return 2
-    return WAN_RMS_16 if wan_rms else 0
-
-
-@triton.jit
-def _silu(y, MODE: tl.constexpr):
-    """SiLU of fp32 y. MODE 0: y / (1 + exp(-y)); 1: the same through tl.fdiv(ieee_rounding=False), measured bitwise
-    equal and as fast (Triton's fp32 `/` already is the fast division); 2: y * (1 + tanh(y / 2)) / 2 with the
-    hardware tanh.approx (one MUFU op; ~2^-11 relative error), CUDA only; 3: y * rcp(1 + ex2(-y log2 e)) with the
-    flush-to-zero ex2.approx / rcp.approx (two MUFU ops, ~2^-21 relative error, none of mode 0's range fix-ups),
-    CUDA only."""
-    if MODE == 2:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * y], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        return y * (0.5 + 0.5 * t)
-    elif MODE == 3:  # y * rcp(1 + 2^(-y log2 e)) with flush-to-zero MUFU ops: no range fix-ups around them
-        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [y * -1.4426950408889634],
-                                      dtype=tl.float32, is_pure=True, pack=1)
-        return y * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-    elif MODE == 1:
-        return tl.fdiv(y, 1.0 + tl.exp(-y), ieee_rounding=False)
-    else:
-        return y / (1.0 + tl.exp(-y))
-
-
-@triton.jit
-def _sat_e4m3(y, EXACT8: tl.constexpr):
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    if EXACT8:  # round half up to the e4m3 grid (3 mantissa bits; subnormal spacing 2^-9), so the cast is exact
-        e = tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625)))
-        step = tl.exp2(e - 3.0)
-        y = tl.floor(y / step + 0.5) * step
-    return y
 
 
 @triton.jit
@@ -131,7 +74,7 @@ def _rms_cf_kernel(
             y = y / (1.0 + tl.exp(-y))  # SiLU
         y = y * out_mul
         if SAT8:
-            y = _sat_e4m3(y, EXACT8)
+            y = sat_e4m3(y, EXACT8)
         tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -160,7 +103,7 @@ def _rms_cf_kernel(
                 y = y / (1.0 + tl.exp(-y))  # SiLU
             y = y * out_mul
             if SAT8:
-                y = _sat_e4m3(y, EXACT8)
+                y = sat_e4m3(y, EXACT8)
             tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -200,7 +143,7 @@ def _rms_cl_kernel(
     stride_un=0,
     HAS_RB: tl.constexpr = False,
     STORE_U: tl.constexpr = False,
-    SILU_MODE: tl.constexpr = 0,  # see _silu
+    SILU_MODE: tl.constexpr = 0,  # see common.silu
     HAS_MUL: tl.constexpr = True,  # out_mul != 1: otherwise the one-pass path leaves the multiply out
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -232,11 +175,11 @@ def _rms_cl_kernel(
         if HAS_BIAS:
             y += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
         if SILU:
-            y = _silu(y, SILU_MODE)
+            y = silu(y, SILU_MODE)
         if HAS_MUL:
             y = y * out_mul
         if SAT8:
-            y = _sat_e4m3(y, EXACT8)
+            y = sat_e4m3(y, EXACT8)
         if TAPS > 0:
             # frame j of sample n is tap dt of output frame j + TAPS - 1 - dt (the first TAPS - 1 frames of the
             # stack are the causal history, written by the caller): up to TAPS stores of the same values
@@ -277,29 +220,11 @@ def _rms_cl_kernel(
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
             if SILU:
-                y = _silu(y, SILU_MODE)
+                y = silu(y, SILU_MODE)
             y = y * out_mul
             if SAT8:
-                y = _sat_e4m3(y, EXACT8)
+                y = sat_e4m3(y, EXACT8)
             tl.store(y_ptr + yo[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-def _affine_args(x: torch.Tensor, gamma, bias, x_bias):
-    """(gamma [C], bias [C] or a placeholder, has_bias, x_bias [C] or None), checked against x's C channels; a
-    nonzero number as bias becomes a [C] vector."""
-    C = x.shape[1]
-    g = gamma.reshape(-1)
-    if g.numel() != C:
-        raise ValueError(f"rms_norm_silu: gamma has {g.numel()} values for {C} channels")
-    if isinstance(bias, torch.Tensor):
-        b, has_bias = bias.reshape(-1), True
-        if b.numel() != C:
-            raise ValueError(f"rms_norm_silu: bias has {b.numel()} values for {C} channels")
-    elif bias:  # a nonzero number
-        b, has_bias = torch.full((C,), float(bias), device=x.device, dtype=torch.float32), True
-    else:
-        b, has_bias = g, False  # placeholder pointer, never read
-    return g, b, has_bias, _vec("x_bias", x_bias, C, x.device)
 
 
 def _res_kwargs(x: torch.Tensor, residual, residual_bias, sum_out, max_block_c: int = 1024) -> dict | None:
@@ -318,7 +243,7 @@ def _res_kwargs(x: torch.Tensor, residual, residual_bias, sum_out, max_block_c: 
                 or sum_out.device != x.device):
             return None
         stride_un = lu[2]
-    rb = _vec("residual_bias", residual_bias, C, x.device)
+    rb = channel_vector("residual_bias", residual_bias, C, x.device)
     return dict(RES=True, r_ptr=residual, rb_ptr=rb if rb is not None else residual, u_ptr=sum_out if sum_out is not
                 None else residual, stride_rn=lr[2], stride_un=stride_un, HAS_RB=rb is not None,
                 STORE_U=sum_out is not None)
@@ -326,8 +251,6 @@ def _res_kwargs(x: torch.Tensor, residual, residual_bias, sum_out, max_block_c: 
 
 def _residual_first(x, x_bias, residual, residual_bias, sum_out):
     """u = (residual + residual_bias) + (x + x_bias) as a tensor (into sum_out if given): the unfused form."""
-    from vaeopt.kernels.epilogue import bias_residual
-
     return bias_residual(x, x_bias, residual, residual_bias=residual_bias, out=sum_out)
 
 
@@ -350,7 +273,7 @@ def _rms_taps(x, gamma, bias, eps, silu, scale, x_bias, out, taps, tile, num_war
                                   or not cache_out.permute(0, 2, 3, 4, 1).is_contiguous()):
         raise ValueError(f"rms_norm_silu(taps={taps}): cache_out must be a dense channels_last_3d ({N}, {C}, "
                          f"{taps - 1}, {H}, {W}) {out.dtype} tensor")
-    g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
+    g, b, has_bias, xb = affine_args(x, gamma, bias, x_bias)
     if x.numel() == 0:
         return out
     S = K * H * W
@@ -386,18 +309,6 @@ def _out_strides(out: torch.Tensor, kind: str, S: int) -> tuple[int, int] | None
     if dims and dims[-1][1] != 1:
         return None
     return st[0], st[1]
-
-
-def _vec(name: str, v, C: int, device) -> torch.Tensor | None:
-    if v is None:
-        return None
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"rms_norm_silu: {name} must be a tensor of {C} values")
-    if v.numel() != C:
-        raise ValueError(f"rms_norm_silu: {name} has {v.numel()} values for {C} channels")
-    if v.device != device:
-        raise ValueError(f"rms_norm_silu: {name} is on {v.device}, x on {device}")
-    return v.reshape(C)
 
 
 def rms_norm_silu(
@@ -459,7 +370,7 @@ def rms_norm_silu(
     if x.dim() < 2:
         raise ValueError(f"rms_norm_silu: expected (N, C, ...), got {tuple(x.shape)}")
     N, C = x.shape[:2]
-    g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
+    g, b, has_bias, xb = affine_args(x, gamma, bias, x_bias)
     if out is not None:
         if tuple(out.shape) != tuple(x.shape):
             raise ValueError(f"rms_norm_silu: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")

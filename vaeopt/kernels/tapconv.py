@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vaeopt.kernels import triton_available
+from vaeopt.kernels.common import affine_args, channel_vector, silu_mode, triton_available
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TAP_COLUMNS = 128  # taps * out channels the GEMM may produce (27 * 4); wider heads (Wan 2.2's 12 channels: 324
@@ -97,8 +97,6 @@ def _taps_launch(x, y, wt, nt, hist, g, b, xb, scale, eps, silu, **flags) -> Non
     absent) or, with GN=True, the statistics in `flags`."""
     import triton
 
-    from vaeopt.kernels.rms_norm_silu import silu_mode
-
     N, C, k, H, W = x.shape
     R = N * k * H * W
     BLOCK_R = 64 if x.is_cuda else 1024  # CPU: few interpreted programs
@@ -122,8 +120,6 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
     residual (x's shape and layout): x is the last residual block's conv output h, and the input of the norm is
     that block's output u = (residual + residual_bias) + (x + x_bias), rounded to x's dtype as
     epilogue.bias_residual would store it. u itself is never written (nothing after the head reads it)."""
-    from vaeopt.kernels.rms_norm_silu import _affine_args, _vec
-
     if residual is not None and x.dim() == 4:
         residual = residual.unsqueeze(2)
     x = _checked("rms_norm_taps", x, y, wt, nt, hist)
@@ -134,9 +130,9 @@ def rms_norm_taps(x: torch.Tensor, gamma: torch.Tensor, bias, eps: float, scale:
                          f"{x.device}")
     if residual is None and residual_bias is not None:
         raise ValueError("rms_norm_taps: residual_bias needs a residual")
-    g, b, has_bias, xb = _affine_args(x, gamma, bias, x_bias)
+    g, b, has_bias, xb = affine_args(x, gamma, bias, x_bias)
     b = b if has_bias else None
-    rb = _vec("residual_bias", residual_bias, C, x.device)
+    rb = channel_vector("residual_bias", residual_bias, C, x.device)
     if N * k * H * W == 0:
         return
     if not _use_triton(x, impl):  # the kernel's math in torch: fp32 norm, input rounded once, fp32 GEMM
@@ -221,7 +217,7 @@ except Exception:  # pragma: no cover - no triton: the torch versions above (imp
     triton = None
 
 if triton is not None:
-    from vaeopt.kernels.rms_norm_silu import _silu
+    from vaeopt.kernels.common import silu
 
     @triton.jit
     def _rms_taps_kernel(
@@ -255,7 +251,7 @@ if triton is not None:
         GN: tl.constexpr = False,  # GroupNorm with given statistics instead of the RMS norm:
         mean_ptr=None,  # [N, C] float32: the mean of channel c's group in sample n
         sc_ptr=None,  # [N, C] float32: rstd * weight[c]
-        SILU_MODE: tl.constexpr = 0,  # rms_norm_silu._silu's MODE (silu_mode)
+        SILU_MODE: tl.constexpr = 0,  # common.silu's MODE (silu_mode)
     ):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < R
@@ -280,7 +276,7 @@ if triton is not None:
         if HAS_BIAS:
             a += tl.load(b_ptr + cc, mask=cm, other=0.0).to(tl.float32)[None, :]
         if SILU:
-            a = _silu(a, SILU_MODE)
+            a = silu(a, SILU_MODE)
         a = tl.where(m, a, 0.0).to(x_ptr.dtype.element_ty)  # the conv input as the torch path rounds it
         n = r // KHW
         q = r % KHW

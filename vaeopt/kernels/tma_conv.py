@@ -15,7 +15,7 @@ Weights are packed K-major ([Cout, taps * Cin], `conv.pack_weight(..., kmajor=Tr
 BK so that a K step never straddles two taps. fp8 (e4m3) operands, fp32 accumulation, per-output-channel weight
 scale times the activation scale in the epilogue, as in `conv.py`.
 
-Where it runs (measured on an H200, docs/perf-notes.md E20): `conv.conv_igemm` hands it the e4m3 layers of FP8 level
+Where it runs (measured on an H200, docs/experiments.md E20): `conv.conv_igemm` hands it the e4m3 layers of FP8 level
 3 that have a tile in `tuned_config`, on sm_90: 11-37% faster per call than the pointer kernel, 658-1129 TFLOP/s.
 In bf16 it reaches 460-570 TFLOP/s, behind cuDNN wherever cuDNN's 128-wide column tiles are full. The one bf16 use
 is Wan 2.1's 96-channel causal Conv3d (E28): there cuDNN's time-stacked Conv2d fills 96 of 128 columns and needs the
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels.conv import ConvArgs, PackedWeight, check_args
+from vaeopt.kernels.conv_args import ConvArgs, PackedWeight, check_args
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -125,7 +125,7 @@ def _tma_epilogue(acc, n, co, f, h0, w0, y_desc, s_ptr, b_ptr, xs, BH: tl.conste
     taps inside the image). For interior pixels that is every tap, one value per column: it is folded into the bias
     here, at no per-element cost. The border pixels' difference (the taps outside) is subtracted after the store by
     _int8_border_kernel. Per-pixel terms in this epilogue cost ~1.3 ms per sdxl-1024 decode on an H200 (nine
-    in-place [BM, BN] passes, which at K = 9 * Cin are as long as the main loop; docs/perf-notes.md E45, E46).
+    in-place [BM, BN] passes, which at K = 9 * Cin are as long as the main loop; docs/experiments.md E45, E46).
     RES: + the residual's tile (a box of r_desc, like the output's), added in fp32 as diffusers' resnet adds
     (input + hidden): the resnet's separate residual pass disappears (E47)."""
     cols = n + tl.arange(0, BN)
@@ -303,7 +303,7 @@ def bf16_wan96(device: torch.device, dtype: torch.dtype) -> bool:
 
 def tuned_config(cin: int, cout: int, w: int, fp8: bool, video: bool = False) -> TmaConfig | None:
     """The measured best tile for an e4m3 layer class, or None where the pointer kernel stays: Wan's 96/192 ch from
-    H200 sweeps (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/perf-notes.md E20); 128-512 ch: one
+    H200 sweeps (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/experiments.md E20); 128-512 ch: one
     128-pixel row with 3 stages for 2D convs whose width w is a multiple of 128 (the image decoders' measured shapes:
     3-13% faster per call than 4 x 32 on an H100 and an H200 as CUDA-graph replays, whole decodes bitwise equal and
     faster, h{100,200}_tma_conv_2026-11-22g.json, h{100,200}_tma_tiles_2026-11-22.json, E27), else E20's 4 x 32

@@ -24,7 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vaeopt.kernels import flat_layout, triton_available
+from vaeopt.kernels.common import flat_layout, triton_available
+from vaeopt.kernels.conv_args import ConvArgs, PackedWeight, pack_weight, per_sample_scales
+from vaeopt.kernels.fp8_quant import E4M3
 
 # phase a's 2-tap rows as sums of the 3x3 kernel's rows: a=0 -> [w0, w1+w2], a=1 -> [w0+w1, w2]
 _ROWS = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
@@ -60,15 +62,11 @@ def phase_weights_8bit(w: torch.Tensor, dtype: torch.dtype | None = None):
     """(Cout, Cin, 3, 3) -> the phase kernels (4 * Cout, Cin, 2, 2) (phase p = 2a + b in rows [p * Cout, (p + 1) *
     Cout)) as one 8-bit K-major PackedWeight with per-row scales: e4m3, or dtype torch.int8 (symmetric). The taps are
     summed in fp32 and quantized once."""
-    from vaeopt.kernels.conv import E4M3, pack_weight
-
     return pack_weight(phase_weights(w.detach().float()), dtype or E4M3)
 
 
 def _phase_slice(pw4, p: int):
     """Phase p of the packed phase kernels as its own PackedWeight (a view of rows [p * Cout, (p + 1) * Cout))."""
-    from vaeopt.kernels.conv import PackedWeight
-
     co = pw4.cout // 4
     return PackedWeight(pw4.w[p * co:(p + 1) * co], pw4.kernel, pw4.cin, co, pw4.scale[p * co:(p + 1) * co],
                         pw4.kmajor)
@@ -87,9 +85,6 @@ def upconv2x_8bit(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
     merged: the four phases in one launch (tma_conv.upconv_tma_checked); else four launches, one per phase. Needs
     TMA descriptors (sm_90 on a GPU; the interpreter on CPU) and a tile config for the channel counts
     (tma_conv.tuned_upconv_config unless `config` is given)."""
-    from vaeopt.kernels.conv import E4M3, ConvArgs, per_sample_scales
-    from vaeopt.kernels.tma_conv import conv_tma_checked, tuned_upconv_config, upconv_tma_checked
-
     if (x8.dim() != 4 or x8.dtype not in (E4M3, torch.int8)
             or not x8.is_contiguous(memory_format=torch.channels_last)):
         raise ValueError(f"upconv2x_8bit: x must be e4m3 or int8 (N, C, H, W) channels_last, got {x8.dtype} "
@@ -103,17 +98,17 @@ def upconv2x_8bit(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
     if not isinstance(x_scale, torch.Tensor):
         raise ValueError(f"upconv2x_8bit: x_scale must be a tensor of 1 or {N} scales on {x8.device}")
     xs = per_sample_scales("upconv2x_8bit", x_scale, N, x8.device)
-    cfg = config or tuned_upconv_config(C, CO, W)
+    cfg = config or tma_conv.tuned_upconv_config(C, CO, W)
     if cfg is None:
         raise ValueError(f"upconv2x_8bit: no TMA tile for {C}->{CO} channels")
     args = ConvArgs(N, 1, 1, H, W, True, out_dtype, xs, 1.0, False, int8=x8.dtype == torch.int8)
     if merged:
-        return upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)
+        return tma_conv.upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)
     y = torch.empty((N, 2 * H, 2 * W, CO), dtype=out_dtype, device=x8.device)
     y6 = y.view(N, H, 2, W, 2, CO)
     for p in range(4):
         a, b = divmod(p, 2)
-        conv_tma_checked(x8, _phase_slice(pw4, p), bias, (1 - a, 1 - b), args, cfg, yd=y6[:, :, a, :, b, :])
+        tma_conv.conv_tma_checked(x8, _phase_slice(pw4, p), bias, (1 - a, 1 - b), args, cfg, yd=y6[:, :, a, :, b, :])
     return y.permute(0, 3, 1, 2)
 
 
@@ -127,8 +122,6 @@ def interleave_phases(p: torch.Tensor, bias: torch.Tensor | None = None,
     lay = flat_layout(p)
     if lay is not None and lay[0] == "cl" and p.dtype in (torch.float32, torch.bfloat16, torch.float16) \
             and triton_available(p)[0] and not torch.compiler.is_compiling() and p.numel() > 0:
-        from vaeopt.kernels.group_norm_silu import producer_stats_ok
-
         if stats_groups and producer_stats_ok(C, int(stats_groups), 4 * H * W * C, p.device):
             return _interleave_cl_stats(p, lay[2], bias, C, H, W, int(stats_groups))
         return _interleave_cl(p, lay[2], bias, C, H, W)
@@ -167,8 +160,6 @@ def _interleave_cl(p: torch.Tensor, stride_pn: int, bias, C: int, H: int, W: int
 def _interleave_cl_stats(p: torch.Tensor, stride_pn: int, bias, C: int, H: int, W: int, G: int) -> torch.Tensor:
     """_interleave_cl that also writes the next GroupNorm's partials (G groups) and notes them on its output: chunks of
     output pixels per program, 8 programs per SM (the best of 4 launches at SDXL's upsamplers on an H100, E26)."""
-    from vaeopt.kernels.group_norm_silu import attach_partials, producer_partials
-
     N = p.shape[0]
     y = torch.empty((N, 2 * H, 2 * W, C), dtype=p.dtype, device=p.device).permute(0, 3, 1, 2)
     if bias is not None:
@@ -190,8 +181,10 @@ try:
 except Exception:  # pragma: no cover - no triton: the torch path above
     triton = None
 
-if triton is not None:
-    from vaeopt.kernels.group_norm_silu import _accumulate_shifted, _cl_store_partials, _first_block_shift
+if triton is not None:  # the 8-bit path (TMA conv) and the kernels below; the torch path above needs neither
+    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels.common import accumulate_shifted, cl_store_partials, first_block_shift
+    from vaeopt.kernels.group_norm_silu import attach_partials, producer_partials, producer_stats_ok
 
     @triton.jit
     def _interleave_kernel(
@@ -279,7 +272,7 @@ if triton is not None:
             b = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
         m0 = (rows < lim)[:, None] & cm[None, :]  # the shift: mean of the first row block (see the stats kernel)
         y0 = _interleave_vals(p_row, s_start + rows, c, m0, W, C, b, HAS_B)
-        k = _first_block_shift(y0.to(y_ptr.dtype.element_ty).to(tl.float32), m0, lim, BLOCK_S)
+        k = first_block_shift(y0.to(y_ptr.dtype.element_ty).to(tl.float32), m0, lim, BLOCK_S)
         s1 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
         s2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
         am = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
@@ -290,7 +283,7 @@ if triton is not None:
                 s = s_start + r
                 yq = _interleave_vals(p_row, s, c, m, W, C, b, HAS_B).to(y_ptr.dtype.element_ty)
                 tl.store(y_row + s.to(tl.int64)[:, None] * C + c[None, :], yq, mask=m)
-                s1, s2, am = _accumulate_shifted(yq.to(tl.float32), m, k, s1, s2, am)
+                s1, s2, am = accumulate_shifted(yq.to(tl.float32), m, k, s1, s2, am)
         cnt = tl.minimum(lim, iters * BLOCK_S * UNROLL).to(tl.float32)
-        _cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG, c, cm,
+        cl_store_partials(s1, s2, am, k, cnt, part_ptr, n, chunk, n_chunks, tl.num_programs(1), G, CG, c, cm,
                            BLOCK_G, CG_POW2, True)

@@ -1,4 +1,4 @@
-"""Wan's bf16 96- and 192-channel causal Conv3d as a warp-specialized Gluon kernel for sm_90 (perf-notes E42).
+"""Wan's bf16 96- and 192-channel causal Conv3d as a warp-specialized Gluon kernel for sm_90 (experiments.md E42).
 
 E31-E33 left the Triton TMA conv (`tma_conv.py`) for these layers at 57% of the SM's tensor throughput, with two
 warps per scheduler and a third of the stalls waiting on shared memory. What Triton could not express there is a
@@ -52,6 +52,8 @@ try:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 except ImportError:  # pragma: no cover - Triton without Gluon
     gluon = None
+if gluon is not None:  # Gluon comes with triton, so the TMA kernel (its tile choices, `available`) imports too
+    from vaeopt.kernels import tma_conv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +206,6 @@ def kernel_args(xd, wk, yd, bias, T: int, cfg: WsConfig):
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """bf16 on a GPU where the Triton TMA kernel runs (sm_90), with Gluon in this Triton, not switched off."""
-    from vaeopt.kernels import tma_conv
-
     return (gluon is not None and ENABLED and failed is None and dtype == torch.bfloat16
             and tma_conv.available(device))
 

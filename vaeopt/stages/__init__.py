@@ -43,7 +43,7 @@ def unmeasured_gpu(device, measured_sm: tuple, kept: str, flag: str) -> str | No
     if cap in measured_sm:
         return None
     where = ", ".join(f"sm_{a}{b}" for a, b in measured_sm)
-    return f"measured only on {where} (H200); {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
+    return f"tuned for {where} only; {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
 
 
 class BoundForward:
@@ -154,7 +154,7 @@ def weights_epoch(model) -> tuple:
     """The refresh epoch and the sum of the model's parameters' version counters: any counted in-place edit raises
     the sum (counters only grow). What captured CUDA graphs, which hold derived weights, are checked against before
     every replay. The parameter list is gathered once per model and epoch: walking the modules took ~0.5 ms of host
-    time per SDXL decode, with the GPU idle (docs/perf-notes.md E44); summing a list takes ~0.01 ms. So a parameter
+    time per SDXL decode, with the GPU idle (docs/experiments.md E44); summing a list takes ~0.01 ms. So a parameter
     replaced by a new object, like the edits torch counts no version for, needs vaeopt.refresh()."""
     entry = _TRACKED.get(model)
     if entry is None or entry[0] != _EPOCH:

@@ -12,7 +12,7 @@ Here the mid-block's forward is replaced by the same computation without the mas
 (over all frames of the call, as before), to_q/k/v and to_out, and for each query frame an attention over the
 prefix of keys it may see, which is what the mask selects (`frame_causal_attention`): exact, and about half the
 score work, since the masked half is never computed. The prefix attention is `fused_epilogues.chunked_attention`
-(fp32 scores and softmax, query chunks bounded in memory). Measured 1-4% faster per decode (docs/perf-notes.md E39).
+(fp32 scores and softmax, query chunks bounded in memory). Measured 1-4% faster per decode (docs/experiments.md E39).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """channels_last / channels_last_3d: decoder conv weights and activations in NHWC / NDHWC.
 
 On the GPU it only pays together with NHWC-native norm kernels (fused_norms): aten's CUDA GroupNorm relayouts NHWC
-inputs, which made a channels_last SDXL decode slower in eager mode (84.5 -> 127.6 ms on an H200,
-shared/ANCHORS.md). So there the pipeline applies it only with the fused norms, unless forced. On the CPU, aten's
-convs and norms take NHWC natively, and it pays alone (CPU_MEASURED).
+inputs, which made a channels_last SDXL decode slower in eager mode (86.6 -> 127.8 ms on an H200,
+docs/benchmarks.md). So there the pipeline applies it only with the fused norms, unless forced. On the CPU, aten's
+convs and norms take NHWC natively, and it pays alone (see the note above alone_pays).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from vaeopt.stages import StageResult
 NAME = "channels_last"
 
 
-# `vaeopt benchmark` on a 2-core CPU (torch 2.13, fp32), "vaeopt plain" -> "+ channels_last" rows:
-# benchmarks/results/cpu_channels_last_tiny-{kl,wan}_2026-11-21.json
-CPU_MEASURED = ("1.4x faster on a 2-core CPU: tiny KL at 512² 2672 -> 1861 ms, tiny Wan 2.1 at 9x256² "
-                "4363 -> 3019 ms")
+# On the CPU, aten's NHWC convs and norms make channels_last pay on its own (measured with `vaeopt benchmark`,
+# "vaeopt plain" -> "+ channels_last" rows: about 1.4x on the tiny KL and Wan samples; docs/benchmarks.md).
 
 
 def available(device: torch.device) -> tuple[bool, str]:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vaeopt.kernels import _interpret, triton_available
+from vaeopt.kernels import interpreting, triton_available
 from vaeopt.kernels import tapconv
 from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX, quantize_per_tensor
 from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS, SUPPORTED_DTYPES, fits
@@ -471,7 +471,7 @@ def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | 
                   scores_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for (B, H, L, d) tensors with e4m3 GEMMs (FP8 level 2 for the attention core):
     Q, K and V each quantized per tensor (one dynamic scale), S = Q K^T through torch._scaled_mm (fp32 accumulate,
-    `scores_dtype` out: bf16 halves the score traffic at the same error, docs/perf-notes.md E44), the Triton softmax
+    `scores_dtype` out: bf16 halves the score traffic at the same error, docs/experiments.md E44), the Triton softmax
     writing P = exp(S - row max) * 448 in e4m3 with its row scale 1 / (448 * row sum), and O = P V through
     torch._scaled_mm with that row scale: the normalization costs nothing. Lossy (e4m3 Q/K/V/P): the fp8 convs stage
     gates it like a layer. On CUDA with FP8 tensor cores; elsewhere an emulation with the same roundings in fp32 (CPU
@@ -553,7 +553,7 @@ def _make_processor_class():
                 return False
             if x.is_cuda:
                 return x.dtype in (torch.bfloat16, torch.float16)
-            return x.device.type == "cpu" and _interpret()  # CPU: tests only (the interpreter runs the softmax kernel)
+            return x.device.type == "cpu" and interpreting()  # CPU: tests only (the interpreter runs the softmax kernel)
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                      *args, **kwargs):

@@ -16,7 +16,7 @@ was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere.
 the TMA conv kernel runs (kernels/tma_conv.bf16_wan96) and the triton_conv stage will run, the 96-channel convs are
 left to triton_conv, which runs them on that kernel from the plain [history | frames] buffer: no triple write, no 25%
 of cuDNN's 128-wide column tile wasted on Cout = 96. Whole wan21-480p decodes, one process, interleaved, H200:
-609.3 -> 595.6 ms (606.6 -> 589.6 ms of kernels), 720p 1404.4 -> 1377.3 ms (docs/perf-notes.md E28).
+609.3 -> 595.6 ms (606.6 -> 589.6 ms of kernels), 720p 1404.4 -> 1377.3 ms (docs/experiments.md E28).
 
 It runs in vaeopt.video's fused chunk decoder (kernel path, bf16/fp16/fp32 activations, untiled, one GPU): a conv
 marked here and not taken by FP8 level 3 is staged stacked and run as the Conv2d; its causal history is read back
@@ -88,11 +88,11 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     skip = (96,) if not force and triton_conv_runs and tma_takes_96(device, dtype) else ()
     convs = candidates(model, every=force, skip=skip)
     left = len(candidates(model)) - len(convs) if skip else 0
-    note = f"; {left} with 96 ch left to triton_conv (its TMA kernel, bf16: faster there)" if left else ""
+    note = f"; {left} with 96 ch left to triton_conv (its TMA kernel)" if left else ""
     if not convs:
         widths = [c for c in MEASURED_CHANNELS if c not in skip]
         return StageResult.skipped(NAME, f"no causal 3x3x3 Conv3d with {' or '.join(map(str, widths))} "
-                                         f"channels (where stacking measured faster){note}")
+                                         f"channels (the widths it is used for){note}")
     mark(convs)
     shapes = sorted({m.in_channels for m in convs})
     return StageResult(NAME, "applied",

@@ -33,7 +33,7 @@ from vaeopt.kernels import triton_available, ws_conv
 from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, unmeasured_gpu,
                            upsample_conv, weight_version)
 from vaeopt.stages.fp8 import available as fp8_stage_available
-from vaeopt.stages.fp8 import _exact_fp32 as exact_fp32
+from vaeopt.quant.gate import exact_fp32
 from vaeopt.stages.marks import CONV8 as _MARK8
 from vaeopt.stages.marks import CONV8_INT8 as _INT8
 from vaeopt.stages.marks import CONV8_PACKED as _PACKED8
@@ -85,7 +85,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         model, "decoder") else [model]
     convs = [m for p in parts if p is not None for m in p.modules() if isinstance(m, nn.Conv3d)]
     if not convs:
-        return StageResult.skipped(NAME, "no Conv3d layers: for 2D convs cuDNN measured faster (192-512 ch, H200)")
+        return StageResult.skipped(NAME, "no Conv3d layers: 2D convs stay with cuDNN")
     chosen = [m for m in convs if _eligible(m, device, dtype)]
     if not chosen:
         if any(stacked(m) for m in convs) and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT
@@ -168,7 +168,7 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
 # what stages/fused_epilogues' resnet forward does for AutoencoderKL (GroupNorm+SiLU writes e4m3).
 # On sm_90, conv_igemm runs these e4m3 layers on the TMA variant of the kernel (kernels/tma_conv.py), 11-37% faster
 # per call (h200_tma_conv_2026-11-21b.json): wan21-480p with all 28 in e4m3 505.5 -> 452.7 ms, sdxl-1024 (graphs)
-# 19.0 -> 17.4 ms against 18.1 in bf16 (h200_tma_decode_*_2026-11-21.json, docs/perf-notes.md E20).
+# 19.0 -> 17.4 ms against 18.1 in bf16 (h200_tma_decode_*_2026-11-21.json, docs/experiments.md E20).
 # Image decoders' upsampler convs (sm_90 only) can join as e4m3 2x2 phase convs in one TMA launch, their input
 # quantized per sample by kernels/act_quant.py (stages/upsample_conv.run): per call 0.87 -> 0.58 + 0.09 ms (512 ch
 # @256²), 1.12 -> 0.79 + 0.18 (256 ch @512²), but 0.25 -> 0.22 + 0.07 at 512 ch @128² (h200_upconv_fp8_2026-11-21b).
@@ -187,7 +187,7 @@ def fp8_available(device: torch.device) -> tuple[bool, str]:
 # pointer kernel. On sm_90 the TMA kernel (0.409 vs cuDNN's 0.446 ms at 128 ch @1024²) and the cheaper e4m3 stats
 # pass (one max|x - k| instead of max and min: 2.41 -> 1.93 ms of stats kernels per decode) make the 128-ch layers
 # pay too: all 28 in e4m3 16.0 ms vs the 22 wider ones 16.4 ms, bf16 18.6 (CUDA graphs, one process,
-# h200_tma_decode_sdxl-1024-graphs_2026-11-21f.json; perf-notes E21).
+# h200_tma_decode_sdxl-1024-graphs_2026-11-21f.json; experiments.md E21).
 IMAGE_FP8_MIN_CH = 256  # pointer kernel (sm_89, sm_120, or sm_90 without TMA descriptors)
 IMAGE_FP8_MIN_CH_TMA = 128  # TMA kernel (sm_90)
 
@@ -292,7 +292,7 @@ def _is_attention(m: nn.Module) -> bool:
 # measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL). Gated
 # at the decode's size (apply_fp8), sdxl-1024 at the default 40 dB gate took 14.62 vs 15.87 ms (e4m3) on an H200 in
 # one process, 40.2 dB at full size (h200_int8_decode_2026-11-23f.json); ladders 14.67 ms (H200), 16.18 ms (H100)
-# after the FLOPs order (_gate_search; docs/perf-notes.md E45, E46). Benchmarks switch it off to time e4m3
+# after the FLOPs order (_gate_search; docs/experiments.md E45, E46). Benchmarks switch it off to time e4m3
 # (benchmarks/gpu_int8_decode.py).
 INT8_FORMAT = True
 
@@ -387,7 +387,7 @@ def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torc
     10^(-dB/10) of the layer's probe alone) first, so that the noise budget goes where 8 bits save the most time.
     apply_fp8 passes flops for int8: on an H100 the default gate then admitted 10 convs and the attention instead of
     18 and the attention, 15.89 against 16.01 ms per sdxl-1024 decode in a same-process A/B (all 21 paired rounds
-    faster). For e4m3 the FLOPs order admitted 2 layers instead of 5 and measured slower (H200; perf-notes E46)."""
+    faster). For e4m3 the FLOPs order admitted 2 layers instead of 5 and measured slower (H200; experiments.md E46)."""
     dname = str(dtype).replace("torch.", "")
     mark([])
     ref, base = _references(model, probe, dtype, decode)  # once: every probe below is compared with the same decodes
@@ -463,8 +463,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     att = fp8_attention_candidates(model, torch.device(device)) if cands or ups else []
     cands = cands + ups + att
     if not cands:
-        why = "" if wan else (f" with >= {image_min_channels(device)} channels (narrower ones measured slower in "
-                              "e4m3 than cuDNN bf16, H200)")
+        why = "" if wan else (f" with >= {image_min_channels(device)} channels (narrower ones stay with "
+                              "cuDNN bf16)")
         return StageResult.skipped(name, f"no residual-block 3x3 convs fed by a fused norm{why} in this decoder")
     g = torch.Generator().manual_seed(0)
     if probe is None:
@@ -526,8 +526,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     stats["gate_s"] = time.perf_counter() - t0
     note += f"; gate probes {stats['gate_s']:.1f} s (the first use on a machine includes compiling the 8-bit kernels)"
     if n_tma:
-        note += (f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py, tiles "
-                 "measured on sm_90)")
+        note += f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py)"
     if i8 and not wan:  # fused_epilogues._residual_in_conv: a conv2 of a resnet without a shortcut
         blocks = [model.get_submodule(n.rsplit(".", 1)[0]) for n, _ in chosen if n.endswith(".conv2")]
         n_res = sum(fused_epilogues.takes_residual_in_conv(b) for b in blocks)

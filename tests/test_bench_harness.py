@@ -1,0 +1,70 @@
+"""benchmarks/harness.py on the CPU: whole decodes of a narrow SDXL-family model, and the JSON every run writes."""
+
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vaeopt import fidelity
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    sys.path.insert(0, str(BENCH))  # the setups import the harness by module name, as when run as scripts
+    try:
+        yield importlib.import_module("harness")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def run(harness, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "r.json"
+    harness.main("decode_image", ["--tiny", "--device", "cpu", "--variants", "diffusers,vaeopt,graphs",
+                                  "--repeats", "3", "--warmup", "1", "--json", str(path)])
+    return json.loads(path.read_text())
+
+
+def test_json_names_the_run(run):
+    assert run["setup"] == "decode_image" and run["workload"] == "sdxl-1024" and run["tiny"] is True
+    assert run["latent_shape"] == [1, 4, 16, 16] and run["dtype"] == "fp32" and run["device"] == "cpu"
+    assert run["gpu"] is None and run["gpu_count"] == 0  # a CPU run says so; a GPU run carries the GPU's name
+    v = run["versions"]
+    assert v["torch"] == torch.__version__ and v["diffusers"] and set(v) >= {"cuda", "cudnn", "triton", "python"}
+    assert run["git"]["rev"] is None or re.fullmatch(r"[0-9a-f]{40}", run["git"]["rev"])
+    assert run["command"].startswith("python benchmarks/decode_image.py --tiny") and run["date"][:2] == "20"
+    assert (run["repeats"], run["warmup"]) == (3, 1)
+
+
+def test_rows_have_median_spread_and_fidelity(run):
+    rows = {r["variant"]: r for r in run["rows"]}
+    assert list(rows) == ["diffusers", "vaeopt", "graphs"]
+    for name in ("diffusers", "vaeopt"):
+        r = rows[name]
+        assert r["status"] == "ok" and len(r["times_ms"]) == 3 and r["first_call_ms"] > 0
+        assert r["min_ms"] <= r["p20_ms"] <= r["median_ms"] <= r["p80_ms"] <= r["max_ms"]
+        assert r["median_ms"] == pytest.approx(sorted(r["times_ms"])[1], abs=1e-3)
+        assert r["tflops"] > 0 and r["peak_gib"] is None  # no CUDA allocator to read on the CPU
+    # the reference is the same fp32 decode of the same weights and latent: diffusers' row is exact, vaeopt's close
+    assert rows["diffusers"]["psnr_db"] == fidelity.PSNR_CAP and rows["diffusers"]["max_abs"] == 0
+    assert rows["vaeopt"]["psnr_db"] > 100 and rows["vaeopt"]["max_abs_vs_baseline"] < 1e-4
+    assert rows["vaeopt"]["speedup"] == pytest.approx(rows["diffusers"]["median_ms"] / rows["vaeopt"]["median_ms"])
+    assert "plan" in rows["vaeopt"]["info"]
+    # a variant that cannot run here is a row with the reason, not a crash
+    assert rows["graphs"]["status"] == "skipped" and "GPU" in rows["graphs"]["reason"]
+
+
+def test_summary_is_median_with_p20_p80(harness):
+    s = harness.summary([float(t) for t in range(1, 12)])  # 1..11 ms
+    assert (s["median_ms"], s["p20_ms"], s["p80_ms"], s["min_ms"], s["max_ms"]) == (6.0, 3.0, 9.0, 1.0, 11.0)
+
+
+def test_bad_variant_is_refused(harness):
+    with pytest.raises(SystemExit):
+        harness.parse("decode_image", ["--variants", "nope"])
