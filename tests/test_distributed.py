@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from vaeopt import bands
 from vaeopt import distributed as D
 
 SCALING = 0.84481  # tiny_kl_image latents are pipeline-scaled
@@ -376,14 +377,14 @@ def test_triton_statistics_and_apply_match_torch(layout):
     if layout == "nhwc":
         x = x.contiguous(memory_format=torch.channels_last)
     xb = torch.randn(32, generator=g)
-    n0, m0, v0 = D._torch_group_moments(x, 8, xb)
+    n0, m0, v0 = bands.torch_group_moments(x, 8, xb)
     mean_c, a_c, b = torch.randn(32, generator=g), torch.rand(32, generator=g) + 0.5, torch.randn(32, generator=g)
     ref = torch.nn.functional.silu((x - mean_c.view(1, -1, 1, 1)) * a_c.view(1, -1, 1, 1) + b.view(1, -1, 1, 1))
     for public in (True, False):
-        n, m, v = D._triton_group_moments(x, 8, xb, public=public)
+        n, m, v = bands.triton_group_moments(x, 8, xb, public=public)
         assert n == n0 == 7 * 9 * 4
         assert torch.allclose(m, m0, rtol=1e-6, atol=1e-6) and torch.allclose(v, v0, rtol=1e-5)
-        y = D._triton_apply(x, mean_c, a_c, b, True, public=public)
+        y = bands.triton_apply(x, mean_c, a_c, b, True, public=public)
         assert (y - ref).abs().max().item() < 1e-5
 
 

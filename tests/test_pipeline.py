@@ -10,6 +10,7 @@ import vaeopt
 from vaeopt.families import build_model, get_family
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import Options, Pipeline
+from vaeopt.engine.memory import meta_skeleton
 
 
 def test_plain_decode_equals_diffusers_on_trained_sample(samples_dir):
@@ -111,13 +112,13 @@ def test_optimize_keeps_gradients_and_dtype():
     assert gz is not None and gw is not None
     assert torch.allclose(gz, rz, atol=1e-5) and torch.allclose(gw, rw, atol=1e-4)
     calls = []
-    real = fused_norms._use_kernel
-    fused_norms._use_kernel = lambda *a: calls.append(real(*a)) or calls[-1]
+    real = fused_norms.use_kernel
+    fused_norms.use_kernel = lambda *a: calls.append(real(*a)) or calls[-1]
     try:
         with torch.no_grad():
             vae.decode(torch.randn(1, 4, 8, 8))
     finally:
-        fused_norms._use_kernel = real
+        fused_norms.use_kernel = real
     assert calls and all(calls)  # no gradient needed: the kernels run
 
     half = build_model(spec, **TINY_KL).to(torch.bfloat16)
@@ -613,7 +614,7 @@ def test_wan_through_the_api_prints_no_diffusers_cast_warning(samples_dir, capfd
     from vaeopt import video
 
     vae = load_vae(samples_dir / "tiny_wan_video.safetensors").model
-    video._meta_skeleton.cache_clear()  # (another test may have built it already)
+    meta_skeleton.cache_clear()  # (another test may have built it already)
     level = dlog.get_verbosity()
     dlog.set_verbosity_warning()  # a user's default (conftest quiets diffusers for the suite)
     try:

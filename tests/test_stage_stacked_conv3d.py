@@ -16,6 +16,8 @@ from vaeopt import video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
 from vaeopt.stages import channels_last, fused_epilogues, fused_norms, stacked_conv3d, triton_conv, upsample_conv
+from vaeopt.engine.memory import estimate_peak
+from vaeopt.engine.wan_ops import copy_lastdim, wan_module
 
 from test_video_fused import decode as _decode_stats  # noqa: E402 (decode_video + its chunk decoder's stats)
 from test_video_tiling import _wan21  # noqa: E402 (the trained tiny Wan 2.1, fp32)
@@ -152,7 +154,7 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
         assert r.data["ws_channels"] == [96, 192]
         assert "12 causal Conv3d (96->96, 192->192 ch, 3x3x3) on the warp-specialized Gluon TMA kernel" in r.detail
     def packed(c):
-        conv = video._wan().WanCausalConv3d(c, c, 3, padding=1).to(torch.bfloat16)
+        conv = wan_module().WanCausalConv3d(c, c, 3, padding=1).to(torch.bfloat16)
         conv._vaeopt_igemm = True
         x = torch.zeros(1, c, 3, 2, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
         return conv, x
@@ -191,12 +193,12 @@ def test_estimate_counts_the_stack():
     cfg = json.dumps(dict(full.config), sort_keys=True, default=str)
     names = tuple(n for n, m in full.decoder.named_modules() if m in set(stacked_conv3d.candidates(full)))
     shape = (1, 16, 21, 60, 104)
-    plain = video._estimate(type(full), cfg, shape, 1, torch.bfloat16, True, True, ())
-    stacked = video._estimate(type(full), cfg, shape, 1, torch.bfloat16, True, True, names)
+    plain = estimate_peak(type(full), cfg, shape, 1, torch.bfloat16, True, True, ())
+    stacked = estimate_peak(type(full), cfg, shape, 1, torch.bfloat16, True, True, names)
     # the 96-ch stack of 4 output frames at 480x832 in bf16 is 3 * 4 * 96 * 399360 * 2 B = 0.92 GB
     assert 0.2 * 2**30 < stacked - plain < 1.0 * 2**30, ((stacked - plain) / 2**30)
     # the dry run's cached skeleton keeps no marks: the unstacked estimate afterwards is the same as before
-    assert video._estimate(type(full), cfg, shape, 2, torch.bfloat16, True, True, ()) == video._estimate.__wrapped__(
+    assert estimate_peak(type(full), cfg, shape, 2, torch.bfloat16, True, True, ()) == estimate_peak.__wrapped__(
         type(full), cfg, shape, 2, torch.bfloat16, True, True, ())
 
 
@@ -206,8 +208,8 @@ def test_history_copy_is_bitwise():
     bits = torch.randint(-(2**15), 2**15, (2, 3, 5, 8), dtype=torch.int16)
     src = bits.view(torch.bfloat16)  # arbitrary bit patterns, NaNs among them
     dst = torch.zeros(2, 3, 5, 12, dtype=torch.bfloat16)[..., 2:10]  # a row slice: strided, 4-aligned offset
-    video._copy_lastdim(dst, src)
+    copy_lastdim(dst, src)
     assert torch.equal(dst.view(torch.int16), bits)
     odd = torch.zeros(2, 3, 5, 12, dtype=torch.bfloat16)[..., 1:9]  # offset 1: not word-aligned -> plain copy
-    video._copy_lastdim(odd, src)
+    copy_lastdim(odd, src)
     assert torch.equal(odd.view(torch.int16), bits)

@@ -6,7 +6,8 @@ import torch
 
 from vaeopt import video
 from vaeopt.kernels import triton_available
-from vaeopt.stages import triton_conv
+from vaeopt.stages import marks, triton_conv
+from vaeopt.engine.wan_ops import wan_module
 
 from test_video_fused import _tiny_wan21, decode
 
@@ -31,7 +32,7 @@ def ref(samples_dir, z):
 
 
 def _eligible_count(vae, max_cout):
-    wan = video._wan()
+    wan = wan_module()
     return sum(isinstance(m, wan.WanCausalConv3d) and tuple(m.kernel_size) == (3, 3, 3)
                and 16 <= m.out_channels <= max_cout for m in vae.decoder.modules())
 
@@ -119,7 +120,8 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     z = lat["bunny"].float()[:, :, :2, 10:11, 20:22].contiguous()
     vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
-    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z)
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z,
+                              decode=video.decode_video)
     n = len(triton_conv.fp8_candidates(vae))
     assert r.status == "applied" and r.data["layers"] == n > 0, r.line()
     print(r.line())
@@ -137,7 +139,8 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     triton_conv.revert(vae)
     two = triton_conv.fp8_candidates(vae)[-2:]
     monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: two)
-    r2 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z)
+    r2 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=99.0, probe=z,
+                               decode=video.decode_video)
     assert r2.status == "fallback" and f"{r2.data['probe_db']:.1f} dB" in r2.detail and "< gate 99" in r2.detail
     assert not any(getattr(m, "_vaeopt_fp8conv", False) for m in vae.modules())
     out, st = decode(vae, z, 2)
@@ -149,7 +152,7 @@ def test_fp8_convs_need_the_fused_path(samples_dir, monkeypatch):
     assert not ok and "no CUDA GPU" in why
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
     vae = _tiny_wan21(samples_dir, fused=False, channels_last=True)
-    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32)
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, decode=video.decode_video)
     assert r.status == "skipped" and "fused path" in r.detail and "RMS-norm" in r.detail
 
 
@@ -170,9 +173,11 @@ def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
     with torch.no_grad():  # channel 0 of the norm output becomes ~1e4x the rest; the conv undoes it exactly
         norm.gamma.data[0] *= 1e4
         bad.weight.data[:, 0] /= 1e4
-    r0 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z)
+    r0 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z,
+                              decode=video.decode_video)
     gate = r0.data["probe_db"] + 10  # above all-fp8, so the sensitivity pass must run
-    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0)
+    r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0,
+                              decode=video.decode_video)
     assert r.status == "applied", r.line()
     assert r.data["kept"] == [bad_name] and r.data["layers"] == 2
     assert r.data["probe_db"] >= gate
@@ -370,8 +375,8 @@ def test_fp8_pack_cache_accepts_inference_tensors(samples_dir):
     with torch.inference_mode():
         conv.weight.data = conv.weight.data.clone()
         assert conv.weight.is_inference()
-        pw = triton_conv.packed_fp8(conv)
-        assert triton_conv.packed_fp8(conv) is pw  # cached
+        pw = marks.packed_fp8(conv)
+        assert marks.packed_fp8(conv) is pw  # cached
     assert pw.w.dtype == torch.float8_e4m3fn and pw.cout == 8
 
 
@@ -449,7 +454,7 @@ def test_192_channel_layers_go_back_to_cudnn_where_the_gluon_kernel_does_not_run
     """The stage marks Wan's 192-ch convs only for the warp-specialized kernel (E42); if that kernel does not run
     for a call (switched off after a failed launch, another dtype or device), packed_for hands the layer back to
     cuDNN instead of the pointer kernel, which is slower there."""
-    conv = video._wan().WanCausalConv3d(192, 192, 3, padding=1).to(torch.bfloat16)
+    conv = wan_module().WanCausalConv3d(192, 192, 3, padding=1).to(torch.bfloat16)
     conv._vaeopt_igemm = True
     x = torch.zeros(1, 192, 3, 2, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
     assert triton_conv.packed_for(conv, x) is None  # CPU: no Gluon kernel here

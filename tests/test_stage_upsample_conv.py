@@ -18,6 +18,7 @@ from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
 from vaeopt.kernels.upconv import interleave_phases, phase_weights, upconv2x, upconv2x_reference
 from vaeopt.stages import fused_epilogues, fused_norms, upsample_conv
+from vaeopt.engine.wan_ops import phase_ok
 
 from test_video_fused import decode as _decode_stats  # noqa: E402 (decode_video + its chunk decoder's stats)
 from test_video_tiling import _wan21 as _tiny_wan21  # noqa: E402 (the trained tiny Wan 2.1, fp32)
@@ -229,8 +230,8 @@ def test_no_candidates_and_wrong_dtype_fall_back(samples_dir):
     conv = next(m.resample[1] for m in vae.decoder.modules() if type(m).__name__ == "WanResample"
                 and m.mode.startswith("upsample"))
     x = torch.randn(2, conv.in_channels, 3, 4)
-    assert video._phase_ok(conv, None, x) and not video._phase_ok(conv, None, x.double())
-    assert not video._phase_ok(conv, torch.nn.Upsample(scale_factor=3.0), x)
+    assert phase_ok(conv, None, x) and not phase_ok(conv, None, x.double())
+    assert not phase_ok(conv, torch.nn.Upsample(scale_factor=3.0), x)
 
 
 @pytest.mark.gpu

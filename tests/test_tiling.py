@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from vaeopt import tiling
+from vaeopt.engine import image
 from vaeopt.tiling import TilingError, estimate_tiled_bytes, storage_bytes, tile_from_pixels, tiled_decode
 
 SCALING = 0.84481
@@ -394,7 +395,7 @@ def test_kernel_path_pipeline_model(vae, small):
     channels_last.apply(m)
     assert fused_norms.apply(m, device="cpu").status == "applied"
     assert fused_epilogues.apply(m, device="cpu").status == "applied"
-    assert all(tiling._is_plain_upsampler(u) for ub in m.decoder.up_blocks for u in (ub.upsamplers or []))
+    assert all(image.is_plain_upsampler(u) for ub in m.decoder.up_blocks for u in (ub.upsamplers or []))
     out, info = tiled_decode(m, z, tile=8, return_info=True)  # kernels/shape chosen automatically
     assert info["kernels"] and info["shape"] == "bands" and info["bias_folded"] == 30
     assert out.is_contiguous(memory_format=torch.channels_last)
@@ -438,7 +439,7 @@ def test_remote_storage_bookkeeping(vae, small):
     info = td.info
     assert psnr(out, ref) >= 90.0
     h, w = z.shape[-2:]
-    passes = tiling._plan(vae)
+    passes = image.plan_passes(vae)
     written = passes[0].cin * h * w + sum(ps.cout * h * w * ps.scale**2 for ps in passes if ps.kind != "head")
     assert info["bytes_d2h"] == 4 * written
     assert info["bytes_h2d"] >= 4 * (written - passes[-1].cin * h * w * 64)

@@ -14,6 +14,8 @@ import torch
 
 from vaeopt import video
 from vaeopt.families import build_model, get_family
+from vaeopt.engine import wan_ops
+from vaeopt.stages.marks import wan_channels_last
 
 CHUNKS = [1, 2, 3, None]
 # Latent crops (rows, cols): 5 frames each, small enough for a quick CPU test.
@@ -74,9 +76,9 @@ def test_wan21_trained_chunks_match_diffusers(wan21, latents, refs, name):
 
 def test_frame_group_splitting_is_exact(wan21, latents, refs, monkeypatch):
     """Big chunks run convs and the 2x upsample over frame groups (int32 indexing limits on CUDA); force it here."""
-    monkeypatch.setattr(video, "_SPLIT_ELEMS", 2000)
-    monkeypatch.setattr(video, "_INT32_ELEMS", 20000)
-    monkeypatch.setattr(video, "_NORM_SLICE_ELEMS", 500)
+    monkeypatch.setattr(wan_ops, "SPLIT_ELEMS", 2000)
+    monkeypatch.setattr(wan_ops, "INT32_ELEMS", 20000)
+    monkeypatch.setattr(wan_ops, "NORM_SLICE_ELEMS", 500)
     err = (video.decode_video(wan21, latents["bunny"], None) - refs["bunny"]).abs().max().item()
     assert err <= 1e-4, err
 
@@ -119,7 +121,7 @@ def test_wan22_topology_batch2_and_channels_last(wan22):
     for m in cl.modules():
         if isinstance(m, torch.nn.Conv3d):
             m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
-    assert video._channels_last(cl, None)
+    assert wan_channels_last(cl, None)
     err = (video.decode_video(cl, z, 2) - ref).abs().max().item()
     assert err <= 1e-4, err
 

@@ -5,7 +5,7 @@ stock diffusers, under the Triton interpreter on CPU (tests/conftest.py sets TRI
 Trained tiny Wan 2.1 (real latents, 2x2 latent-pixel crops: the interpreter is slow) with the fused_norms stage
 applied, NCDHW and channels_last_3d; Wan 2.2 topology (residual up blocks with DupUp3D, patch 2, batch 2), random
 small weights. Chunk sizes 1, 2, 3 on 5 latent frames: schedules [1,1,1,1,1], [1,2,2], [2,3]. The counts in
-`_ChunkDecoder.stats` are checked against spies on the real kernel launchers and conv calls.
+`ChunkDecoder.stats` are checked against spies on the real kernel launchers and conv calls.
 """
 
 import json
@@ -19,6 +19,9 @@ from vaeopt.errors import VaeoptError
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
 from vaeopt.stages import fused_epilogues, fused_norms
+from vaeopt.engine.wan import ChunkDecoder
+from vaeopt.engine import wan_ops
+from vaeopt.engine.wan_ops import wan_module
 
 
 
@@ -81,25 +84,25 @@ def ref21(stock21, z21):
 
 
 def decode(vae, z, chunk, **kw):
-    """decode_video, also returning the stats of the _ChunkDecoder it used."""
+    """decode_video, also returning the stats of the ChunkDecoder it used."""
     made = []
 
-    class Recording(video._ChunkDecoder):
+    class Recording(ChunkDecoder):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             made.append(self)
 
-    orig = video._ChunkDecoder
-    video._ChunkDecoder = Recording
+    orig = video.ChunkDecoder
+    video.ChunkDecoder = Recording
     try:
         out = video.decode_video(vae, z, chunk, **kw)
     finally:
-        video._ChunkDecoder = orig
+        video.ChunkDecoder = orig
     return out, dict(made[0].stats)
 
 
 def _structure(vae):
-    wan = video._wan()
+    wan = wan_module()
     dec = vae.decoder
     blocks = [m for m in dec.modules() if isinstance(m, wan.WanResidualBlock)]
     shortcuts = sum(not isinstance(b.conv_shortcut, torch.nn.Identity) for b in blocks)
@@ -250,8 +253,8 @@ def test_wan22_fused_batch2_channels_last():
 def test_frame_group_fallbacks_exact(fused21, z21, ref21, monkeypatch):
     """Upsampled tensors over the limit take _resample's frame-grouped path on a materialized block output (with
     the upsample kernel); Conv3d over temporal windows without bias; both exact."""
-    monkeypatch.setattr(video, "_SPLIT_ELEMS", 2000)
-    monkeypatch.setattr(video, "_INT32_ELEMS", 20000)
+    monkeypatch.setattr(wan_ops, "SPLIT_ELEMS", 2000)
+    monkeypatch.setattr(wan_ops, "INT32_ELEMS", 20000)
     for layout in ("cf", "cl"):
         out, st = decode(fused21[layout], z21, None)
         assert (out - ref21).abs().max().item() <= 1e-4
@@ -268,10 +271,10 @@ def test_fallbacks(stock21, fused21, z21, ref21, monkeypatch):
     assert st["fused_blocks"] == 3 * _structure(stock21)[0] and (out - ref21).abs().max().item() <= 1e-4
     vae = fused21["cl"]
     # $VAEOPT_VIDEO_FUSED=0 switches it off; an explicit argument wins
-    monkeypatch.setenv(video.FUSED_ENV, "0")
+    monkeypatch.setenv(wan_ops.FUSED_ENV, "0")
     assert decode(vae, z21, 3)[1] == {}
     assert decode(vae, z21, 3, fused=True)[1]["fused_blocks"] > 0
-    monkeypatch.delenv(video.FUSED_ENV)
+    monkeypatch.delenv(wan_ops.FUSED_ENV)
     # a hook on one block's norm: that block takes the torch path (its hook sees its call), the others stay fused
     blk = vae.decoder.up_blocks[1].resnets[0]
     seen = []

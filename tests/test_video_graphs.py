@@ -18,6 +18,7 @@ import torch
 
 from vaeopt import video, video_graphs
 from vaeopt import video_tiling as vt
+from vaeopt.engine.wan import ChunkDecoder
 
 from test_video_tiling import _wan21, wan21, z21  # noqa: F401 (the same tiny Wan, 6x6 crop and fixtures)
 
@@ -325,14 +326,14 @@ def test_gpu_capture_failure_and_budget(samples_dir, monkeypatch):
         assert torch.equal(video.decode_video(vae, z, 1, graphs=pol), ref)
         assert pol.clips[-1]["status"] == "skipped" and "budget" in pol.clips[-1]["reason"]
         # an OOM inside the capture: the capture is ended, the stream usable, the clip finished eagerly
-        real = video._ChunkDecoder.step
+        real = ChunkDecoder.step
 
         def step(self, zc):
             if torch.cuda.is_current_stream_capturing():
                 raise torch.OutOfMemoryError("CUDA out of memory (injected during capture)")
             return real(self, zc)
 
-        monkeypatch.setattr(video._ChunkDecoder, "step", step)
+        monkeypatch.setattr(ChunkDecoder, "step", step)
         pol = video_graphs.ChunkGraphs("on")
         assert torch.equal(video.decode_video(vae, z, 1, graphs=pol), ref)
     assert pol.clips[-1]["status"] == "fallback" and "out of memory during capture" in pol.clips[-1]["reason"]

@@ -15,9 +15,14 @@ import torch
 
 from vaeopt import planner, video
 from vaeopt import video_tiling as vt
+from vaeopt.engine import wan_ops
+from vaeopt.engine.regions import tile_grid
 from vaeopt.errors import VaeoptError
 from vaeopt.families import build_model, get_family
 from vaeopt.tiling import TilingError
+from vaeopt.engine.memory import LiveBytes, MemEfficientSDPA
+from vaeopt.engine.wan import ChunkDecoder
+from vaeopt.engine.wan_ops import Pending
 
 CROP = (slice(10, 16), slice(30, 36))  # bikes, 6x6 latent pixels -> 48x48 output frames
 
@@ -206,7 +211,7 @@ def test_caches_come_from_one_allocation(wan21, z21, refs21, monkeypatch):
     for storage, tile in (("device", (2, 6)), ("host", (1, 6))):
         plan = vt.TiledVideoPlan(2, tile, 3, storage)
         sizes = vt.cache_bytes_per_decoder(wan21, z21.shape, plan)
-        assert len(sizes) == 1 + len(vt._regions((6, 6), *tile)) and min(sizes) > 0
+        assert len(sizes) == 1 + len(tile_grid(6, 6, *tile)) and min(sizes) > 0
         clip = vt._TiledClip(wan21, (6, 6), plan, False, None, force_copy=True, arena_bytes=sizes)
         out = []
         for t0, k in ((0, 1), (1, 2), (3, 2)):
@@ -245,8 +250,8 @@ def test_estimate_matches_a_real_run(wan21, z21):
     a real CPU run of the same plan, fp32: the estimate is the same code path, so it should be close."""
     for tile, split, storage in (((2, 6), 3, "device"), ((3, 6), 2, "device"), ((2, 6), 3, "host")):
         plan = vt.TiledVideoPlan(2, tile, split, storage)
-        counter = video._LiveBytes()
-        with video._MemEfficientSDPA(), counter, torch.no_grad():
+        counter = LiveBytes()
+        with MemEfficientSDPA(), counter, torch.no_grad():
             clip = vt._TiledClip(wan21, (6, 6), plan, False, None, force_copy=storage == "host")
             for k, t0 in ((2, 0), (2, 2)):
                 y = clip.step(z21[:, :, t0 : t0 + k])
@@ -279,7 +284,7 @@ def test_estimates_at_720p():
 def test_oom_shrinks_and_output_matches(wan21, z21, refs21, monkeypatch):
     """An out-of-memory error in the 3rd call of the untiled decode: the clip is decoded again with a smaller plan,
     frames already handed out are not repeated, the result equals the untiled decode."""
-    real_back = video._ChunkDecoder.back
+    real_back = ChunkDecoder.back
     calls = {"n": 0}
 
     def back(self, box, xb, start):
@@ -289,7 +294,7 @@ def test_oom_shrinks_and_output_matches(wan21, z21, refs21, monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return real_back(self, box, xb, start)
 
-    monkeypatch.setattr(video._ChunkDecoder, "back", back)
+    monkeypatch.setattr(ChunkDecoder, "back", back)
     info = {}
     groups = list(video.iter_decode_video(wan21, z21, 1, output="float", oom_retry=True, info=info))
     assert [g.shape[2] for g in groups] == [1, 4, 4, 4, 4]  # 2 calls out before the OOM, 3 after: none repeated
@@ -312,7 +317,7 @@ def test_oom_shrinks_and_output_matches(wan21, z21, refs21, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real_back(self, box, xb, start)
 
-    monkeypatch.setattr(video._ChunkDecoder, "back", always)
+    monkeypatch.setattr(ChunkDecoder, "back", always)
     info = {}
     with pytest.raises(VaeoptError, match="out of memory"):
         video.decode_video(wan21, z21, 2, oom_retry=True, info=info)
@@ -365,7 +370,7 @@ def test_planner_tiles_only_when_the_budget_needs_it(wan21_full, monkeypatch):
     spec, m = wan21_full
     shape = (1, 16, 21, 90, 160)  # wan21-720p
     cuda = torch.device("cuda")  # only the device type matters: budgets are given
-    monkeypatch.setenv(video.FUSED_ENV, "1")  # estimate the fused kernel path, as the GPU pipeline runs it
+    monkeypatch.setenv(wan_ops.FUSED_ENV, "1")  # estimate the fused kernel path, as the GPU pipeline runs it
 
     def plan(gb, **kw):
         return planner.plan_decode(spec, m, shape, torch.bfloat16, cuda, vram_budget_gb=gb, **kw)
@@ -431,17 +436,17 @@ def test_pipeline_reports_oom_retry(samples_dir, z21, refs21, monkeypatch):
     lines = []
     pipe = Pipeline(load_vae(samples_dir / "tiny_wan_video.safetensors"), Options(device="cpu", chunk=2),
                     log=lines.append)
-    real_back = video._ChunkDecoder.back
+    real_back = ChunkDecoder.back
     state = {"failed": False}
 
     def back(self, box, xb, start):
-        x = box[0].h if isinstance(box[0], video._Pending) else box[0]  # (channels_last_3d: a pending block output)
+        x = box[0].h if isinstance(box[0], Pending) else box[0]  # (channels_last_3d: a pending block output)
         if not x.is_meta and x.shape[3] >= 40 and not state["failed"]:
             state["failed"] = True
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real_back(self, box, xb, start)
 
-    monkeypatch.setattr(video._ChunkDecoder, "back", back)
+    monkeypatch.setattr(ChunkDecoder, "back", back)
     out, stats = pipe.decode(z21)
     assert (out - refs21[2]).abs().max().item() <= 2e-6
     assert len(stats.retries) == 1 and "out of memory in the video decode (untiled, chunk 2)" in stats.retries[0]

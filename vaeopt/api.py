@@ -16,12 +16,14 @@ from typing import Callable
 import torch
 
 from vaeopt import latents as lat
-from vaeopt import outputs, video_graphs
+from vaeopt import outputs, planner, video, video_graphs
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
+from vaeopt.families import FamilySpec, get_family
 from vaeopt.fidelity import count_nonfinite
+from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
-from vaeopt.stages import free_derived
+from vaeopt.stages import StageResult, foreign_hooked, free_derived, needs_autograd, refresh_weights
 
 USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
 
@@ -142,8 +144,6 @@ _MODEL_OPTIONS = ("channels_last", "triton", "epilogues", "attention", "upsample
 
 
 def _model_key(o: Options) -> dict:
-    from vaeopt.hw import resolve_device, resolve_dtype
-
     o.validate()
     dev = resolve_device(o.device)
     return {"device": str(dev), "dtype": str(resolve_dtype(o.dtype, dev)).replace("torch.", ""),
@@ -214,8 +214,6 @@ def _dtype_name(dtype) -> str:
     if isinstance(dtype, str):
         if dtype.lower() == "auto":
             return "auto"
-        from vaeopt.hw import resolve_dtype
-
         return _DTYPE_NAMES[resolve_dtype(dtype, torch.device("cpu"))]
     if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype]
@@ -233,9 +231,6 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     cast it). The Triton kernels run where no gradient is needed (no_grad / inference_mode, as diffusers pipelines
     decode); with autograd on for the input or the weights the torch ops run, so gradients stay right. Add hooks and
     swap modules before calling it; a module compiled with torch.compile is optimized before compiling."""
-    from vaeopt.families import FamilySpec, get_family
-    from vaeopt.loading import LoadedVAE
-
     if isinstance(vae, LoadedVAE):
         raise VaeoptError("vaeopt.optimize takes a diffusers VAE module (e.g. pipe.vae): for a vaeopt.load_vae(...) "
                           "result use vaeopt.decode(latents, loaded), or optimize(loaded.model)")
@@ -358,8 +353,6 @@ def refresh(vae=None) -> None:
     matrices, phase and time-stacked conv weights, packed kernel weights) are rebuilt on their next use, and captured
     CUDA graphs are captured again. Ordinary in-place edits and load_state_dict are seen without it. `vae` is
     accepted for readability; the refresh covers every model."""
-    from vaeopt.stages import refresh_weights
-
     refresh_weights()
 
 
@@ -384,8 +377,6 @@ class _WanChunkDecode:
     def __call__(self, z: torch.Tensor, return_dict: bool = True):
         from diffusers.models.autoencoders.vae import DecoderOutput
 
-        from vaeopt import planner, video
-        from vaeopt.stages import foreign_hooked, needs_autograd
 
         v = self.vae
         if (needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling()
@@ -771,8 +762,6 @@ def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult])
             if use:
                 pipe.enable_graphs(why)
             else:
-                from vaeopt.stages import StageResult
-
                 pipe._record(StageResult.skipped("graphs", why))
             graphs_logged = True
         pipe.autotune(shapes.count(shape), plan)  # before the shape's first decode: cuDNN keeps its first choice

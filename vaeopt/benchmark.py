@@ -19,10 +19,14 @@ from typing import Callable
 
 import torch
 
-from vaeopt import fidelity
+from vaeopt import fidelity, video
 from vaeopt.errors import VaeoptError
 from vaeopt.families import FamilySpec, build_model
 from vaeopt.hw import ClockSampler, machine_info
+from vaeopt.loading import LoadedVAE
+from vaeopt.outputs import atomic_path
+from vaeopt.pipeline import DecodeStats, Options, Pipeline, channels_last_veto
+from vaeopt.stages import StageResult, cudnn_autotune, triton_conv
 
 # Standard workloads (docs/benchmarks.md): name -> (family, raw latent shape)
 WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -263,8 +267,6 @@ def _reference_fn(b: Bench) -> Callable[[], torch.Tensor]:
     model = b.fresh_model(torch.float32)
     z = b.z.to(b.device, torch.float32)
     if b.spec.cls_name == "AutoencoderKLWan":
-        from vaeopt import video
-
         return lambda: video.decode_video(model, z, chunk=1)
     return lambda: model.decode(z).sample  # HunyuanVideo too: diffusers' decode (in its temporal tiles)
 
@@ -336,9 +338,6 @@ LADDER = (
 
 def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
     """`tuned`: the cudnn_autotune StageResult when run_benchmark turned the autotuner on (process-wide, once)."""
-    from vaeopt.loading import LoadedVAE
-    from vaeopt.pipeline import DecodeStats, Options, Pipeline
-
     def make():
         model = b.fresh_model(torch.float32)
         loaded = LoadedVAE(model=model, family=b.spec, layout="benchmark", path=None, notes=[], dtype_on_disk=None)
@@ -357,8 +356,6 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
             if use:
                 pipe.enable_graphs("benchmark repeats")
             else:
-                from vaeopt.stages import StageResult
-
                 pipe._record(StageResult.skipped("graphs", why))
         z = b.z.to(b.device, b.dtype)
 
@@ -399,8 +396,6 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
                   detail: Callable[[str], None] | None = None) -> dict:
     """`log` gets each measured row as it lands; `detail` (default: log) the rest: each row starting, the skipped
     rows (also in the result, with their reasons), the decode's FLOPs."""
-    from vaeopt.stages import cudnn_autotune
-
     tuned = None
     if autotune:  # for every row, peers included: on before any conv shape is seen (torch caches its first choice)
         ok, why = cudnn_autotune.available(device)
@@ -420,8 +415,6 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
 
 def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
                    log, workload, command, model_overrides, ladder_hook, gate_db, tuned, detail) -> dict:
-    from vaeopt.pipeline import channels_last_veto
-
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides, detail)
     detail(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
@@ -540,8 +533,6 @@ def _fp8_levels(b: Bench, rows: list[Row], acc: dict, tuned, spec: FamilySpec) -
     l3 = next((ln for r in reversed(rows) if r.kind == "ladder" for ln in r.stages if ln["name"] == "fp8 convs"), None)
     what3 = "the resnet (and upsampler) 3x3 convs as 8-bit implicit-GEMM Triton kernels, inputs quantized by the norms"
     if first is None:
-        from vaeopt.stages import triton_conv
-
         ok, why = triton_conv.fp8_available(b.device)
         if spec.cls_name not in ("AutoencoderKL", "AutoencoderKLWan"):
             why = f"no 8-bit conv path for {spec.title} (SD/SDXL/SD3/FLUX and Wan decoders)"
@@ -710,7 +701,6 @@ def plot(result: dict, path: Path) -> None:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from vaeopt.outputs import atomic_path
 
     rows = [r for r in result["rows"] if r["status"] == "ok" and r.get("median_ms")]
     skipped = [r for r in result["rows"] if r["status"] != "ok"]

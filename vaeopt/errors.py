@@ -21,3 +21,7 @@ class OutputError(VaeoptError):
 
 class DecodeError(VaeoptError):
     """The decode ran but its result is unusable (NaN/Inf output): nothing is written."""
+
+
+class DistributedError(VaeoptError):
+    """A rank failed, timed out, or the ranks disagree (different latents, unsupported model)."""

@@ -17,12 +17,13 @@ from typing import Callable, Iterator
 import torch
 
 from vaeopt import planner
-from vaeopt.errors import VaeoptError
+from vaeopt import outputs, tiling, video
+from vaeopt.errors import DecodeError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.kernels import interpreter_hint
-from vaeopt.loading import LoadedVAE
-from vaeopt.stages import StageResult, watch_loads, weights_epoch
+from vaeopt.loading import LoadedVAE, quiet_diffusers
+from vaeopt.stages import StageResult, unhooked, watch_loads, weights_epoch
 
 SWITCHES = ("auto", "on", "off")
 # --fp8 also takes one level alone: "weights" (level 1: e4m3 weight storage, any device) and "gemm" (levels 1-2: plus
@@ -101,8 +102,6 @@ def move_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     """model.to(device, dtype), except that float8 weights owned by modules with hooks keep that dtype: diffusers'
     layerwise casting stores them so and casts them per call, and casting them here would undo the memory it saves
     (and the next call would store them again). -> how many were kept."""
-    from vaeopt.stages import unhooked
-
     keep = {id(t) for m in model.modules() if not unhooked(m)
             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
             if t.is_floating_point() and t.element_size() == 1}
@@ -241,8 +240,6 @@ class Pipeline:
             self.log("! fp16 overflows in the SDXL VAE (NaN outputs): using fp32 (or pick --dtype bf16)")
         watch_loads(self.model)
         t0 = time.perf_counter()
-        from vaeopt.loading import quiet_diffusers
-
         with quiet_diffusers():  # diffusers warns about `.to(dtype)` on every model; we cast deliberately
             kept = move_weights(self.model, self.device, self.dtype)
         self._record(StageResult("precision", "applied",
@@ -305,9 +302,10 @@ class Pipeline:
         self._apply_triton_conv()
         if conv8 and o.conv_kernel == "off":
             self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
-        elif conv8:
+        elif conv8:  # the gate decodes Wan with the chunk decoder the decodes will use
+            decode = video.decode_video if self.family.cls_name == "AutoencoderKLWan" else None
             self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db,
-                                                              decode_shape=o.decode_shape))
+                                                              decode_shape=o.decode_shape, decode=decode))
 
         if o.attention == "off":
             self._record(StageResult.skipped("attention", "off"))
@@ -488,8 +486,6 @@ class Pipeline:
         return out.float().cpu(), stats
 
     def _decode_image(self, z, plan, stats: DecodeStats, progress) -> torch.Tensor:
-        from vaeopt import tiling
-
         if plan.mode == "tiled":
             out, info = tiling.tiled_decode(self.model, z, tile=plan.tile, progress=progress,
                                             vram_budget=plan.budget_bytes, return_info=True)
@@ -505,7 +501,7 @@ class Pipeline:
             # OOM: free what the failed attempt held, shrink to a tiled plan at half the estimate, and go on.
             torch.cuda.empty_cache()
             budget = int(plan.est_bytes * 0.5)
-            tile = planner._largest_tile(self.family, self.model, tuple(z.shape), self.dtype, budget)
+            tile = planner.largest_tile(self.family, self.model, tuple(z.shape), self.dtype, budget)
             stats.retries.append(f"out of memory in whole decode (est. {planner.gib(plan.est_bytes)}): "
                                  f"retrying tiled with {tile * self.family.spatial_factor}px tiles")
             self.log("↩ " + stats.retries[-1])
@@ -548,8 +544,6 @@ class Pipeline:
             self.log("↩ " + stats.retries[-1])
 
     def _decode_video(self, z, plan, progress, stats: DecodeStats | None = None) -> torch.Tensor:
-        from vaeopt import video
-
         if self.family.cls_name != "AutoencoderKLWan":
             # vaeopt.video's exact chunk decoder covers Wan; HunyuanVideo runs diffusers' decode (planner._plan_hunyuan)
             return self._decode_hunyuan(z, plan, stats)
@@ -601,15 +595,11 @@ class Pipeline:
                    stats: DecodeStats | None = None) -> Iterator[torch.Tensor]:
         """Stream uint8 (T,H,W,3) frame groups of the first clip in the batch, for MP4 writing. A tiled plan hands
         out each chunk once all its tiles are done. `stats` gets the OOM retries and tiling info at the end."""
-        from vaeopt import outputs, video
-
         z = z_raw.to(self.device, self.dtype)
         with torch.inference_mode():
             if self.family.cls_name != "AutoencoderKLWan":
                 y = self._decode_video(z, plan, None, stats)
                 if count_nonfinite(y):  # uint8 would turn NaN/Inf into black pixels
-                    from vaeopt.errors import DecodeError
-
                     raise DecodeError("the decoder produced non-finite values (NaN/Inf)")
                 yield outputs.to_uint8_images(y)[0]
                 return

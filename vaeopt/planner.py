@@ -15,8 +15,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from vaeopt import tiling
+from vaeopt import video_tiling as vt
+from vaeopt.engine.memory import stacked_names
+from vaeopt.engine.regions import front_scale, tile_grid
+from vaeopt.engine.wan_ops import fused_from_env
 from vaeopt.errors import VaeoptError
 from vaeopt.families import CONFIG_DIR, FamilySpec
+from vaeopt.stages.fused_norms import has_fused_rms_norms
 
 RESERVE_FRACTION = 0.10  # headroom kept free for the allocator's fragmentation and cuDNN workspaces
 RESERVE_MIN = 512 * 2**20
@@ -111,7 +117,7 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
         if whole > host:  # CPU: a decode that would not fit in host memory is tiled like one on the GPU (a 3072²
             budget, why = host, "half of the available host memory"  # SDXL image needs ~47 GB whole)
     if tile is not None or tiling == "on":
-        t = tile or _largest_tile(family, model, latent_shape, dtype, budget or whole // 2)
+        t = tile or largest_tile(family, model, latent_shape, dtype, budget or whole // 2)
         h, w = latent_shape[-2:]
         t = min(t, max(h, w))  # a tile beyond the latent is the latent: said as the size used
         f = family.spatial_factor
@@ -130,7 +136,7 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
         else:
             reason = f"whole decode: est. {gib(whole)} > {gib(budget)}, and {family.cls_name} has no seamless tiler"
         return Plan("whole", budget, whole, reason=reason)
-    t = _largest_tile(family, model, latent_shape, dtype, budget)
+    t = largest_tile(family, model, latent_shape, dtype, budget)
     est = _estimate_tiled(family, model, latent_shape, dtype, t)
     px = t * family.spatial_factor
     over = ("; over the budget even at the smallest tile: the decode may run out of memory" if est > budget
@@ -141,12 +147,12 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
 
 
 def _estimate_tiled(family, model, latent_shape, dtype, tile: int) -> int:
-    from vaeopt import tiling
-
     return int(tiling.estimate_tiled_bytes(model, tuple(latent_shape[-2:]), tile, dtype, batch=latent_shape[0]))
 
 
-def _largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
+def largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
+    """The largest tile side (latent px, a multiple of 8) whose tiled decode is estimated within `budget` bytes: the
+    tiled plan, and the pipeline's re-plan after an out-of-memory error in a whole decode."""
     h, w = latent_shape[-2:]
     t = max(h, w)
     t = (t + 7) // 8 * 8
@@ -157,12 +163,10 @@ def _largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
 
 def _video_flags(model) -> tuple[bool, bool]:
     """(channels_last, fused) as vaeopt.video's decoder will run this model: what the estimates must model."""
-    from vaeopt import video
-
     cl = any(m.weight.is_contiguous(memory_format=torch.channels_last_3d) and not m.weight.is_contiguous()
              for m in model.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.weight is not None)
-    env = video._fused_from_env()
-    fused = env if env is not None else (video._has_fused_norms(model.decoder)
+    env = fused_from_env()
+    fused = env if env is not None else (has_fused_rms_norms(model.decoder)
                                          and bool(getattr(model, "_vaeopt_fused_epilogues", None)))
     return cl, fused
 
@@ -174,10 +178,8 @@ def estimate_video(family, model, latent_shape, dtype, chunk: int, tile=None, sp
     kernels) + weights + the whole-clip output + 15% for allocator rounding and cuDNN workspaces."""
     if family.cls_name != "AutoencoderKLWan":
         return estimate_whole(family, model, latent_shape, dtype, chunk)
-    from vaeopt import video_tiling
-
     cl, fused = _video_flags(model)
-    act = video_tiling.estimate_tiled_video_bytes(model, latent_shape, chunk, tile, dtype, channels_last=cl,
+    act = vt.estimate_tiled_video_bytes(model, latent_shape, chunk, tile, dtype, channels_last=cl,
                                                   fused=fused, split=split, storage=storage)
     return int(1.15 * act) + _video_fixed_bytes(family, model, latent_shape, dtype)
 
@@ -208,17 +210,15 @@ def _host_budget() -> int:
 
 def _tile_words(family, model, latent_shape, p, device, requested: bool = False) -> tuple[str, str]:
     """('tile 1280x240px (3 bands), chunk 1', how the tiles run) for a video plan's reason."""
-    from vaeopt import video_tiling as vt
-
     f = family.spatial_factor
     rows, cols = p.tile
-    n = len(vt._regions(tuple(latent_shape[-2:]), rows, cols))
+    n = len(tile_grid(*latent_shape[-2:], rows, cols))
     shape = ("band" if cols >= latent_shape[-1] else "tile") + ("s" if n != 1 else "")
     halo, _ = vt.receptive_field(model, p.split)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     where = "pinned host memory" if p.storage == "host" else ("the GPU" if dev.type == "cuda" else str(dev))
     return (f"tile {cols * f}x{rows * f}px{' requested' if requested else ''} ({n} {shape}), chunk {p.chunk}",
-            f"tiled from up block {p.split} (halo {halo}px at {vt._front_scale(model, p.split)}x latent "
+            f"tiled from up block {p.split} (halo {halo}px at {front_scale(model, p.split)}x latent "
             f"resolution), one causal cache per tile on {where}")
 
 
@@ -322,8 +322,6 @@ def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling,
 
 def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=None, tiling="auto",
                 device=None) -> Plan:
-    from vaeopt import video_tiling as vt
-
     t_lat = latent_shape[2]
     if family.cls_name != "AutoencoderKLWan":
         return _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling, chunk)
@@ -336,9 +334,8 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
         # model, docs/video.md); plan them from half the available host memory.
         budget, why = _host_budget(), "half of the available host memory"
 
-    from vaeopt import video
 
-    stacked = bool(video._stacked_names(model))
+    stacked = bool(stacked_names(model))
 
     def video_plan(p, est: int, head: str) -> Plan:
         if stacked:  # the stage's line was written before the plan: say that tiles do not use it

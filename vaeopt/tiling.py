@@ -27,8 +27,8 @@ Two implementations of the per-tile math, same structure:
   ``group_norm_apply``: one kernel reads the halo'd region *in place* from the storage buffer (any strides), applies
   (x + bias - mean) * scale + beta and SiLU in fp32, and writes the model dtype once -- already zero-padded to the
   conv's full halo, so every conv runs with ``padding=0`` and returns exactly its tile (no crops). Convs run WITHOUT
-  their bias: the bias stays *pending* on the activation (``_Act.bias``) and is added where the value is next read --
-  inside the next norm's stats/apply (``x_bias``), in the residual epilogue (``residual_bias``; through a 1x1
+  their bias: the bias stays *pending* on the activation (``Activation.bias``) and is added where the value is next
+  read -- inside the next norm's stats/apply (``x_bias``), in the residual epilogue (``residual_bias``; through a 1x1
   shortcut conv as ``W @ bias``), or in the nearest-2x upsample kernel. Resnet outputs are one ``bias_residual``
   kernel (conv2 bias + residual + shortcut bias + output scale), written straight into the storage buffer when the
   region is addressable (row bands of an NHWC buffer). Nothing is materialised in fp32.
@@ -72,14 +72,20 @@ those raise :class:`TilingError`.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vaeopt.errors import VaeoptError
+from vaeopt.engine.fold import shortcut_bias
+from vaeopt.engine.image import Pass, is_plain_upsampler, kl_decoder, plan_passes, up_conv
+from vaeopt.engine.regions import (TilingError, conv_region, halo_region, is_plain_conv, pair, tile_geometry,
+                                   tile_grid)
+from vaeopt.engine.stats import KernelStats, Moments
+from vaeopt.engine.store import Activation, RegionStore, layout_of
+from vaeopt.kernels import flat_layout, triton_available
+from vaeopt.stages import unhooked, upsample_conv
 
 __all__ = [
     "TilingError",
@@ -96,298 +102,25 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CUDNN_WORKSPACE_BYTES = 256 << 20  # allowance for cuDNN conv workspaces in estimate_tiled_bytes (CUDA only)
 CUDA_MARGIN = 1.10  # allocator rounding / fragmentation on CUDA; CPU keeps the validated 1.125
-MAX_INFLIGHT_WRITES = 2  # device->host tile writes allowed in flight before the host waits (bounds memory)
 _STATS_MAX_NUMEL = 2**31  # the stats kernels use int32 in-sample offsets: bigger tiles are reduced in row pieces
-
-
-class TilingError(VaeoptError):
-    """The model's decoder has a structure the exact tiler does not know how to stream."""
 
 
 # ----------------------------------------------------------------------------------------------------------- plan
 
 
-@dataclass
-class _Pass:
-    """One tiled pass over an activation. ``scale`` is the pass's output resolution / latent resolution."""
-
-    kind: str  # "res1" | "res2" | "up" | "head"
-    module: nn.Module
-    cin: int
-    cout: int
-    scale: int
-    name: str
-    sc_cin: int = 0  # res2: channels of the residual input (shortcut conv input)
-
-
-def _decoder(vae: nn.Module) -> nn.Module:
-    dec = getattr(vae, "decoder", None)
-    need = ("conv_in", "mid_block", "up_blocks", "conv_norm_out", "conv_act", "conv_out")
-    if dec is None or not all(hasattr(dec, a) for a in need):
-        raise TilingError(
-            f"{type(vae).__name__}: exact tiling supports diffusers AutoencoderKL-style decoders "
-            "(conv_in, mid_block, up_blocks, conv_norm_out, conv_act, conv_out)"
-        )
-    return dec
-
-
-def _check_norm(norm: nn.Module, where: str) -> None:
-    if not all(hasattr(norm, a) for a in ("num_groups", "eps", "weight", "bias")):
-        raise TilingError(f"{where}: {type(norm).__name__} is not a GroupNorm (needs num_groups/eps/weight/bias)")
-
-
-def _check_resnet(blk: nn.Module, where: str) -> None:
-    need = ("norm1", "conv1", "norm2", "conv2", "nonlinearity")
-    if not all(hasattr(blk, a) for a in need):
-        raise TilingError(f"{where}: {type(blk).__name__} is not a ResnetBlock2D-like block")
-    if getattr(blk, "upsample", None) is not None or getattr(blk, "downsample", None) is not None:
-        raise TilingError(f"{where}: resnets with built-in up/downsampling are not supported")
-    if getattr(blk, "time_emb_proj", None) is not None:
-        raise TilingError(f"{where}: resnets with a time embedding are not supported")
-    if getattr(blk, "time_embedding_norm", "default") not in ("default", "group"):
-        raise TilingError(f"{where}: time_embedding_norm={blk.time_embedding_norm!r} is not supported")
-    _check_norm(blk.norm1, where + ".norm1")
-    _check_norm(blk.norm2, where + ".norm2")
-
-
-def _conv_channels(conv: nn.Module, fallback_in: int, fallback_out: int) -> tuple[int, int]:
-    return int(getattr(conv, "in_channels", fallback_in)), int(getattr(conv, "out_channels", fallback_out))
-
-
-def _plan(vae: nn.Module) -> list[_Pass]:
-    """The tiled passes of the decoder, in order (everything after the mid-block)."""
-    dec = _decoder(vae)
-    passes: list[_Pass] = []
-    scale = 1
-    for bi, ub in enumerate(dec.up_blocks):
-        if getattr(ub, "attentions", None) is not None or not hasattr(ub, "resnets"):
-            raise TilingError(f"up_blocks.{bi}: {type(ub).__name__} is not supported (only UpDecoderBlock2D)")
-        for ri, blk in enumerate(ub.resnets):
-            where = f"up_blocks.{bi}.resnets.{ri}"
-            _check_resnet(blk, where)
-            cin, mid = _conv_channels(blk.conv1, blk.in_channels, blk.out_channels)
-            _, cout = _conv_channels(blk.conv2, mid, blk.out_channels)
-            passes.append(_Pass("res1", blk, cin, mid, scale, where + "[norm1/conv1]"))
-            passes.append(_Pass("res2", blk, mid, cout, scale, where + "[norm2/conv2]", sc_cin=cin))
-        ups = getattr(ub, "upsamplers", None)
-        if ups is not None:
-            for ui, up in enumerate(ups):
-                c = int(getattr(up, "channels", passes[-1].cout if passes else 0))
-                cout = int(getattr(up, "out_channels", c))
-                if getattr(up, "use_conv_transpose", False) or getattr(up, "norm", None) is not None:
-                    raise TilingError(
-                        f"up_blocks.{bi}.upsamplers.{ui}: only nearest-2x + conv upsamplers are supported"
-                    )
-                scale *= 2
-                passes.append(_Pass("up", up, c, cout, scale, f"up_blocks.{bi}.upsamplers.{ui}"))
-    if type(dec.conv_norm_out).__name__ == "SpatialNorm":
-        raise TilingError("decoders with SpatialNorm (norm_type='spatial') are not supported")
-    _check_norm(dec.conv_norm_out, "conv_norm_out")
-    cin, cout = _conv_channels(dec.conv_out, passes[-1].cout if passes else 0, 3)
-    passes.append(_Pass("head", dec, cin, cout, scale, "conv_norm_out/conv_out"))
-    return passes
-
-
 def _factor(vae: nn.Module) -> int:
-    return _plan(vae)[-1].scale
+    return plan_passes(vae)[-1].scale
 
 
 def tile_from_pixels(vae: nn.Module, tile_px: int | Sequence[int]) -> tuple[int, int]:
     """Output-pixel tile side(s) -> latent-pixel tile (what :func:`tiled_decode` takes), rounded down to the VAE's
     spatial factor (8 for SD/SDXL/SD3/FLUX), at least 1 latent px."""
     f = _factor(vae)
-    th, tw = _pair(tile_px)
+    th, tw = pair(tile_px)
     return max(1, th // f), max(1, tw // f)
 
 
-def _pair(t: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(t, int):
-        return int(t), int(t)
-    th, tw = t
-    return int(th), int(tw)
-
-
-# ---------------------------------------------------------------------------------------------------- statistics
-
-
-class _Moments:
-    """Torch path: per-channel running (count, mean, M2) of one activation, merged exactly across tiles (Chan et al.,
-    fp64). Per-channel moments merge into per-group ones for any ``num_groups``."""
-
-    def __init__(self, channels: int, device: torch.device):
-        dt = torch.float32 if device.type == "mps" else torch.float64
-        self.n = 0
-        self.mean = torch.zeros(channels, dtype=dt, device=device)
-        self.m2 = torch.zeros(channels, dtype=dt, device=device)
-        self._affine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @staticmethod
-    def of_tile(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Tile-local moments in fp32 (x: (1, C, h, w)); returns (count, mean, M2) with mean/M2 of shape (C,)."""
-        n = x.shape[0] * x.shape[2] * x.shape[3]
-        xf = x.float()
-        if x.device.type == "cpu":
-            # two-pass (mean, then sum of squared deviations): 6x faster than var_mean's Welford on CPU, as exact
-            mean = xf.mean(dim=(0, 2, 3))
-            m2 = torch.linalg.vector_norm(xf - mean.view(1, -1, 1, 1), 2, dim=(0, 2, 3)).square_()
-            return n, mean, m2
-        var, mean = torch.var_mean(xf, dim=(0, 2, 3), correction=0)  # one-pass Welford reduction on GPUs
-        return n, mean, var * n
-
-    def add(self, part: tuple[int, torch.Tensor, torch.Tensor] | None) -> None:
-        if part is None:
-            return
-        nb, mb, m2b = part
-        if nb == 0:
-            return
-        mb = mb.to(self.mean.dtype)
-        m2b = m2b.to(self.mean.dtype)
-        na, n = self.n, self.n + nb
-        delta = mb - self.mean
-        self.mean += delta * (nb / n)
-        self.m2 += m2b + delta * delta * (na * nb / n)
-        self.n = n
-        self._affine.clear()
-
-    merge = add
-
-    def affine(self, norm: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shift_c, scale_c) as (1, C, 1, 1) fp32 tensors such that GroupNorm(x)_c = x_c * scale_c + shift_c with
-        the statistics of the whole activation (computed in fp64 from the merged per-channel moments)."""
-        key = id(norm)
-        if key not in self._affine:
-            g = int(norm.num_groups)
-            c = self.mean.numel()
-            cg = c // g
-            mean_c = self.mean.view(g, cg)
-            mean_g = mean_c.mean(dim=1, keepdim=True)  # all channels have the same count
-            m2_g = self.m2.view(g, cg).sum(dim=1, keepdim=True) + self.n * ((mean_c - mean_g) ** 2).sum(
-                dim=1, keepdim=True
-            )
-            var_g = m2_g / (self.n * cg)
-            rstd = torch.rsqrt(var_g + float(norm.eps))
-            w = norm.weight.detach().to(self.mean.dtype).view(g, cg) if norm.weight is not None else 1.0
-            b = norm.bias.detach().to(self.mean.dtype).view(g, cg) if norm.bias is not None else 0.0
-            scale = (rstd * w).expand(g, cg)
-            shift = (b - mean_g * scale).expand(g, cg)
-            f = dict(dtype=torch.float32, device=device)
-            self._affine[key] = (shift.reshape(1, c, 1, 1).to(**f), scale.reshape(1, c, 1, 1).to(**f))
-        return self._affine[key]
-
-
-class _KStats:
-    """Kernel path: the ``group_norm_partials`` of every tile of one activation (for the one norm that will read it).
-    Concatenated, they are the partials of the whole activation; ``affine`` merges them exactly in one finalize
-    launch (fp32 Chan merge, as the untiled fused kernel does)."""
-
-    def __init__(self, channels: int, groups: int):
-        self.c, self.groups = channels, groups
-        self.parts: list[torch.Tensor] = []
-        self._affine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def add(self, part: torch.Tensor | list[torch.Tensor] | None) -> None:
-        if part is not None:
-            self.parts.extend(part if isinstance(part, list) else [part])
-            self._affine.clear()
-
-    def affine(self, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, scale) as (1, C) fp32: the group mean of (stored value + pending bias) and rstd * weight."""
-        key = id(norm)
-        if key not in self._affine:
-            if int(norm.num_groups) != self.groups or not self.parts:
-                raise RuntimeError(f"tiling: statistics for {self.groups} groups, norm wants {norm.num_groups}")
-            from vaeopt.kernels.group_norm_silu import group_norm_finalize
-
-            if len(self.parts) > 1:
-                self.parts = [torch.cat(self.parts, dim=2)]
-            self._affine[key] = group_norm_finalize(self.parts[0], self.groups, self.c, norm.weight, float(norm.eps))
-        return self._affine[key]
-
-
-class _Act:
-    """A full-size activation (1, C, H, W) on the storage device, its statistics, and its pending per-channel bias
-    (kernel path: the true activation is ``t + bias[c]``; the producing conv ran without its bias)."""
-
-    def __init__(self, t: torch.Tensor, stats: _Moments | _KStats | None, bias: torch.Tensor | None = None):
-        self.t = t
-        self.stats = stats
-        self.bias = bias
-
-    @property
-    def hw(self) -> tuple[int, int]:
-        return self.t.shape[-2], self.t.shape[-1]
-
-
 # ------------------------------------------------------------------------------------------------ module helpers
-
-
-def _no_hooks(m: nn.Module) -> bool:
-    from vaeopt.stages import unhooked
-
-    return unhooked(m)
-
-
-def _is_plain_conv(m: nn.Module) -> bool:
-    """A stock nn.Conv2d whose forward we may evaluate as F.conv2d(padding=0) on a halo'd tile."""
-    return (
-        isinstance(m, nn.Conv2d)
-        and type(m).forward is nn.Conv2d.forward
-        and _no_hooks(m)
-        and m.padding_mode == "zeros"
-        and tuple(m.stride) == (1, 1)
-        and tuple(m.dilation) == (1, 1)
-        and isinstance(m.padding, tuple)
-        and tuple(m.padding) == (m.kernel_size[0] // 2, m.kernel_size[1] // 2)
-        and m.kernel_size[0] % 2 == 1
-        and m.kernel_size[1] % 2 == 1
-    )
-
-
-def _conv_region(conv: nn.Module, x: torch.Tensor, oy: int, ox: int, h: int, w: int) -> torch.Tensor:
-    """Apply a stride-1, padding-preserving conv to a region `x` of its input and return the (h, w) output tile that
-    starts at (oy, ox) inside the region. The region holds the tile plus the conv's halo wherever the image goes on;
-    where it stops at a true image border the conv's own zero padding supplies the border (no padded copy is made).
-
-    A plain nn.Conv2d on a region with its full halo runs with padding=0 (no wasted ring); everything else runs with
-    the module's own padding (the module itself is called if it is not a plain nn.Conv2d) and is cropped."""
-    if _is_plain_conv(conv):
-        kh, kw = conv.kernel_size[0] // 2, conv.kernel_size[1] // 2
-        if (oy, ox) == (kh, kw) and x.shape[-2] == h + 2 * kh and x.shape[-1] == w + 2 * kw:
-            return F.conv2d(x, conv.weight, conv.bias, 1, 0, 1, conv.groups)
-        y = F.conv2d(x, conv.weight, conv.bias, 1, conv.padding, 1, conv.groups)
-    else:
-        y = conv(x)
-    if y.shape[-2:] != x.shape[-2:]:
-        raise TilingError(f"{type(conv).__name__}: tiling needs stride-1 size-preserving convolutions")
-    if y.shape[-2:] == (h, w):
-        return y
-    return y[..., oy : oy + h, ox : ox + w]
-
-
-def _is_plain_upsampler(up: nn.Module) -> bool:
-    """Upsample2D doing interpolate(nearest, 2x) + conv, with its stock forward -- or with the forward that
-    stages/fused_epilogues.py installs (same result for any tensor its resnet did not already upsample)."""
-    try:
-        from diffusers.models.upsampling import Upsample2D
-    except Exception:  # pragma: no cover - diffusers always present in practice
-        return False
-    fwd = up.__dict__.get("forward")
-    if fwd is not None:
-        try:
-            from vaeopt.stages.fused_epilogues import _upsample_forward
-        except Exception:  # pragma: no cover
-            return False
-        if getattr(fwd, "__func__", None) is not _upsample_forward:
-            return False
-    return (
-        isinstance(up, Upsample2D)
-        and type(up).forward is Upsample2D.forward
-        and _no_hooks(up)
-        and getattr(up, "interpolate", False)
-        and getattr(up, "use_conv", False)
-        and not getattr(up, "use_conv_transpose", False)
-        and getattr(up, "norm", None) is None
-    )
 
 
 def _memory_format(dec: nn.Module) -> torch.memory_format:
@@ -400,35 +133,17 @@ def _memory_format(dec: nn.Module) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _up_conv(up: nn.Module) -> nn.Module:
-    return up.conv if getattr(up, "name", "conv") == "conv" else up.Conv2d_0
-
-
 def _act_mode(norm: nn.Module, nonlin: nn.Module) -> tuple[bool, Callable | None]:
     """How norm -> nonlinearity runs on the kernel path: (SiLU inside the apply kernel?, module to call after)."""
     fused = getattr(norm, "silu", False) is True  # FusedGroupNormSiLU (stages/fused_norms.py)
-    if type(nonlin) is nn.Identity and _no_hooks(nonlin):
+    if type(nonlin) is nn.Identity and unhooked(nonlin):
         return fused, None
-    if type(nonlin) is nn.SiLU and _no_hooks(nonlin):
+    if type(nonlin) is nn.SiLU and unhooked(nonlin):
         return True, (None if not fused else (lambda t: F.silu(t, inplace=True)))
     return fused, nonlin
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
-
-
-def _layout_of(t: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if (t.dim() == 4 and t.stride(1) == 1 and t.shape[1] > 1) else torch.contiguous_format
-
-
-def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
-
-
 def _flat(t: torch.Tensor) -> bool:
-    from vaeopt.kernels import flat_layout
-
     return flat_layout(t) is not None
 
 
@@ -437,10 +152,6 @@ def _kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str
         return False, f"dtype {dtype} has no kernels"
     if torch.is_autocast_enabled(device.type) if device.type in ("cuda", "cpu") else False:
         return False, "autocast is on"
-    try:
-        from vaeopt.kernels import triton_available
-    except Exception as e:  # pragma: no cover
-        return False, f"vaeopt.kernels not importable ({e})"
     return triton_available(device)
 
 
@@ -467,138 +178,7 @@ def _use_bands(shape: str, kernels: bool, device: torch.device) -> bool:
     return shape == "bands" or (shape == "auto" and (kernels or device.type == "cuda"))
 
 
-def _tile_geometry(lat_hw: tuple[int, int], tile: tuple[int, int], scale: int, bands: bool) -> tuple[int, int]:
-    """(rows, cols) of one tile at a layer running at `scale` x latent resolution."""
-    h, w = lat_hw
-    th, tw = tile
-    if bands:
-        rows = max(1, (th * min(tw, w)) // w)
-        return min(rows, h) * scale, w * scale
-    return min(th, h) * scale, min(tw, w) * scale
-
-
-def _region(hw: tuple[int, int], y0: int, y1: int, x0: int, x1: int, hy: int, hx: int) -> tuple[int, int, int, int]:
-    h, w = hw
-    return max(y0 - hy, 0), min(y1 + hy, h), max(x0 - hx, 0), min(x1 + hx, w)
-
-
-# ------------------------------------------------------------------------------------------------------ transfers
-
-
-class _Mover:
-    """Tile regions between the storage device and the compute device.
-
-    Local storage: a region is a view of the buffer, a write one in-place copy. Remote storage (CPU buffers, CUDA
-    compute): dense regions of pinned buffers are copied by a host->device stream (prefetched one tile ahead, so the
-    copy overlaps the current tile's kernels) and written back by a device->host stream (in parallel: PCIe is full
-    duplex). Ordering is by CUDA events, never by host waits: the compute stream waits for the read of its region;
-    the device->host stream waits for the compute stream; a read waits only for the in-flight writes that overlap its
-    rows (so the first band of a pass does not wait for the last band of the previous one); ``record_stream`` keeps
-    the allocator from reusing a tile's memory while a copy still uses it. At most MAX_INFLIGHT_WRITES writes are in
-    flight (the host waits on the oldest), which bounds the device memory they hold. Non-dense regions (2D tiles of a
-    buffer) take torch's synchronous path. ``force_copy`` (tests): treat a same-device storage as remote, with plain
-    copies."""
-
-    def __init__(self, device: torch.device, storage: torch.device, overlap: bool = True, force_copy: bool = False):
-        self.device = device
-        self.remote = force_copy or storage != device
-        self.async_ = bool(overlap and self.remote and device.type == "cuda" and storage.type == "cpu")
-        self.h2d = torch.cuda.Stream(device) if self.async_ else None
-        self.d2h = torch.cuda.Stream(device) if self.async_ else None
-        self.cache: dict[tuple, tuple[torch.Tensor, object]] = {}
-        self.inflight: deque = deque()  # events of device->host writes, oldest first (throttle)
-        self.writes: list[tuple] = []  # (buffer ptr, y0, y1, x0, x1, event) of writes that may be in flight
-        self.bytes_h2d = 0
-        self.bytes_d2h = 0
-        self.prefetch_hits = 0
-
-    def begin_pass(self) -> None:
-        self.cache.clear()
-
-    def drop(self) -> None:
-        self.cache.clear()
-
-    def _fetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> tuple[torch.Tensor, object]:
-        view = t[:, :, ya:yb, xa:xb]
-        self.bytes_h2d += view.numel() * view.element_size()
-        if self.async_ and _is_dense(view) and view.is_pinned():
-            ptr = t.data_ptr()
-            for wp, y0, y1, x0, x1, ev in self.writes:  # read-after-write: only the overlapping writes
-                if wp == ptr and y0 < yb and ya < y1 and x0 < xb and xa < x1:
-                    self.h2d.wait_event(ev)
-            with torch.cuda.stream(self.h2d):
-                dev = torch.empty_like(view, device=self.device)  # dense: keeps the view's strides
-                dev.copy_(view, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.h2d)
-            return dev, ev
-        if self.async_:  # host-side gather of a non-dense region: pending writes must have landed
-            self.d2h.synchronize()
-        if view.device == self.device:  # force_copy
-            return view.clone(memory_format=torch.preserve_format), None
-        return view.to(self.device, memory_format=_layout_of(view)), None
-
-    def prefetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> None:
-        if not self.remote:
-            return
-        key = (t.data_ptr(), ya, yb, xa, xb)
-        if key not in self.cache:
-            self.cache[key] = self._fetch(t, ya, yb, xa, xb)
-
-    def get(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> torch.Tensor:
-        if not self.remote:
-            return t[:, :, ya:yb, xa:xb]
-        hit = self.cache.pop((t.data_ptr(), ya, yb, xa, xb), None)
-        if hit is not None:
-            self.prefetch_hits += 1
-        dev, ev = hit if hit is not None else self._fetch(t, ya, yb, xa, xb)
-        if ev is not None:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(ev)
-            dev.record_stream(cur)  # allocated on the copy stream, used on this one
-        return dev
-
-    def put(self, t: torch.Tensor, y0: int, y1: int, x0: int, x1: int, val: torch.Tensor) -> None:
-        view = t[:, :, y0:y1, x0:x1]
-        if not self.remote:
-            view.copy_(val)
-            return
-        self.bytes_d2h += val.numel() * val.element_size()
-        if self.async_ and _is_dense(view) and view.is_pinned():
-            if not _same_strides(val, view):
-                val = val.contiguous(memory_format=_layout_of(view))  # same strides: one DMA, no host staging
-            cur = torch.cuda.current_stream(self.device)
-            self.d2h.wait_stream(cur)
-            with torch.cuda.stream(self.d2h):
-                view.copy_(val, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.d2h)
-            val.record_stream(self.d2h)
-            self.inflight.append(ev)
-            self.writes.append((t.data_ptr(), y0, y1, x0, x1, ev))
-            while len(self.inflight) > MAX_INFLIGHT_WRITES:  # bound the device memory held by pending writes
-                self.inflight.popleft().synchronize()
-            if len(self.writes) > 4 * MAX_INFLIGHT_WRITES:
-                self.writes = [w for w in self.writes if not w[5].query()]
-            return
-        if self.async_:
-            self.d2h.synchronize()
-        view.copy_(val)
-
-    def finish(self) -> None:
-        self.cache.clear()
-        if self.async_:
-            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
-            self.d2h.synchronize()
-            self.inflight.clear()
-            self.writes.clear()
-
-
 # ------------------------------------------------------------------------------------------------------ decoder
-
-
-def _tiles(h: int, w: int, th: int, tw: int) -> list[tuple[int, int, int, int]]:
-    return [(y, min(y + th, h), x, min(x + tw, w)) for y in range(0, h, th) for x in range(0, w, tw)]
 
 
 class TiledDecoder:
@@ -637,10 +217,10 @@ class TiledDecoder:
     ):
         self.vae = vae
         self.vram_budget = vram_budget
-        self.dec = _decoder(vae)
-        self.passes = _plan(vae)
+        self.dec = kl_decoder(vae)
+        self.passes = plan_passes(vae)
         self.factor = self.passes[-1].scale
-        self.tile = _pair(tile)
+        self.tile = pair(tile)
         if min(self.tile) < 1:
             raise ValueError("tile must be >= 1 latent pixel")
         if shape not in ("auto", "bands", "tiles"):
@@ -678,14 +258,14 @@ class TiledDecoder:
         n, _, h, w = z.shape
         self.lat_hw = (h, w)
         self.storage, self.start_tile = self._choose_storage((h, w), n)
-        self.mover = _Mover(self.device, self.storage, self.overlap, self._force_copy)
+        self.mover = RegionStore(self.device, self.storage, self.overlap, self._force_copy)
         # NHWC buffers whenever they are remote: a row band is then one contiguous block (one DMA per region)
         remote = self.mover.remote
         self.storage_format = torch.channels_last if (remote or self.memory_format is torch.channels_last) else (
             torch.contiguous_format)
         self.cur_tile = self.start_tile
         self.done = 0
-        self.total = n * sum(len(_tiles(h * ps.scale, w * ps.scale, *self._tile_px(ps.scale))) for ps in self.passes)
+        self.total = n * sum(len(tile_grid(h * ps.scale, w * ps.scale, *self._tile_px(ps.scale))) for ps in self.passes)
         self.info = {
             "tile": self.start_tile,
             "planned_tile": self.tile,
@@ -750,10 +330,10 @@ class TiledDecoder:
             return torch.empty(1, h, w, c, dtype=self.dtype, device=self.storage, pin_memory=pin).permute(0, 3, 1, 2)
         return torch.empty(1, c, h, w, dtype=self.dtype, device=self.storage, pin_memory=pin)
 
-    def _new_stats(self, c: int, norm: nn.Module | None) -> _Moments | _KStats | None:
+    def _new_stats(self, c: int, norm: nn.Module | None) -> Moments | KernelStats | None:
         if self.kernels:
-            return _KStats(c, int(norm.num_groups)) if norm is not None else None
-        return _Moments(c, self.device)
+            return KernelStats(c, int(norm.num_groups)) if norm is not None else None
+        return Moments(c, self.device)
 
     def _consumer(self, i: int) -> nn.Module | None:
         """The norm that pass i applies to its main input (the output of pass i-1, or of the mid-block)."""
@@ -769,7 +349,7 @@ class TiledDecoder:
         return None
 
     def _tile_px(self, scale: int) -> tuple[int, int]:
-        return _tile_geometry(self.lat_hw, self.cur_tile, scale, self.bands)
+        return tile_geometry(self.lat_hw, self.cur_tile, scale, self.bands)
 
     # -- per-tile building blocks ----------------------------------------------------------------------------------
 
@@ -792,14 +372,14 @@ class TiledDecoder:
         if norm is None:
             return None
         if not self.kernels:
-            return _Moments.of_tile(o)
+            return Moments.of_tile(o)
         if not _flat(o):
-            o = o.contiguous(memory_format=_layout_of(o))
+            o = o.contiguous(memory_format=layout_of(o))
         pieces = self._stat_pieces(o)
         outs = out if out is not None else [None] * len(pieces)
         return [self._k["partials"](p, int(norm.num_groups), x_bias=bias, out=b) for p, b in zip(pieces, outs)]
 
-    def _to_storage(self, x: torch.Tensor, norm: nn.Module | None) -> _Act:
+    def _to_storage(self, x: torch.Tensor, norm: nn.Module | None) -> Activation:
         part = self._stats(x, None, norm)
         x = x.contiguous(memory_format=self.storage_format)
         if self.mover.remote:
@@ -807,18 +387,18 @@ class TiledDecoder:
             self.mover.put(t, 0, x.shape[2], 0, x.shape[3], x)
         else:
             t = x
-        a = _Act(t, self._new_stats(x.shape[1], norm))
+        a = Activation(t, self._new_stats(x.shape[1], norm))
         a.stats.add(part) if a.stats is not None else None
         return a
 
-    def _read(self, act: _Act, y0: int, y1: int, x0: int, x1: int, hy: int, hx: int | None = None):
+    def _read(self, act: Activation, y0: int, y1: int, x0: int, x1: int, hy: int, hx: int | None = None):
         """Tile [y0:y1, x0:x1] of `act` plus up to (hy, hx) px of context, clamped to the image, on the compute
         device (a view when storage is the compute device). Returns (region, oy, ox): the tile's offset in it."""
         hx = hy if hx is None else hx
-        ya, yb, xa, xb = _region(act.hw, y0, y1, x0, x1, hy, hx)
+        ya, yb, xa, xb = halo_region(act.hw, y0, y1, x0, x1, hy, hx)
         return self.mover.get(act.t, ya, yb, xa, xb), y0 - ya, x0 - xa
 
-    def _norm_act(self, x: torch.Tensor, act: _Act, norm: nn.Module, nonlin: nn.Module) -> torch.Tensor:
+    def _norm_act(self, x: torch.Tensor, act: Activation, norm: nn.Module, nonlin: nn.Module) -> torch.Tensor:
         """Torch path: GroupNorm with the statistics of the whole activation, then the model's nonlinearity. Always
         returns a fresh tensor (never a view of a storage buffer)."""
         shift, scale = act.stats.affine(norm, self.device)
@@ -827,20 +407,20 @@ class TiledDecoder:
             y = y.to(self.dtype)
         if getattr(norm, "silu", False) is True:  # a fused GroupNorm+SiLU module (stages/fused_norms.py)
             y = F.silu(y, inplace=True)
-        if type(nonlin) is nn.SiLU and _no_hooks(nonlin):
+        if type(nonlin) is nn.SiLU and unhooked(nonlin):
             return F.silu(y, inplace=True)
         return nonlin(y)
 
     def _folds(self, conv: nn.Module, norm: nn.Module, nonlin: nn.Module) -> bool:
         """Kernel path, norm -> act -> conv with the conv's bias left pending (and padding done by the apply)."""
-        return self.kernels and _is_plain_conv(conv) and _act_mode(norm, nonlin)[1] is None
+        return self.kernels and is_plain_conv(conv) and _act_mode(norm, nonlin)[1] is None
 
     def _halo(self, conv: nn.Module, norm: nn.Module, nonlin: nn.Module) -> tuple[int, int]:
         if self._folds(conv, norm, nonlin):
             return conv.kernel_size[0] // 2, conv.kernel_size[1] // 2
         return 1, 1
 
-    def _norm_conv(self, src: _Act, norm, nonlin, conv, y0, y1, x0, x1, drop=None):
+    def _norm_conv(self, src: Activation, norm, nonlin, conv, y0, y1, x0, x1, drop=None):
         """conv(drop(act(norm(src)))) on tile [y0:y1, x0:x1] -> (output tile, bias still to add or None)."""
         h, w = y1 - y0, x1 - x0
         hy, hx = self._halo(conv, norm, nonlin)
@@ -850,7 +430,7 @@ class TiledDecoder:
             del t
             if drop is not None:
                 a = drop(a)
-            return _conv_region(conv, a, oy, ox, h, w), None
+            return conv_region(conv, a, oy, ox, h, w), None
         mean, scale = src.stats.affine(norm)
         silu, post = _act_mode(norm, nonlin)
         if self._folds(conv, norm, nonlin):
@@ -867,25 +447,25 @@ class TiledDecoder:
             a = post(a)
         if drop is not None:
             a = drop(a)
-        o = _conv_region(conv, a, oy, ox, h, w)
-        return (o if _flat(o) else o.contiguous(memory_format=_layout_of(o))), None
+        o = conv_region(conv, a, oy, ox, h, w)
+        return (o if _flat(o) else o.contiguous(memory_format=layout_of(o))), None
 
     # -- the tile loop -----------------------------------------------------------------------------------------------
 
-    def _run(self, ps: _Pass, hw: tuple[int, int], fn: Callable[[int, int, int, int], None],
+    def _run(self, ps: Pass, hw: tuple[int, int], fn: Callable[[int, int, int, int], None],
              reads: Callable[[int, int, int, int], list] | None = None) -> None:
         """Run `fn` on every tile of a pass; on OOM halve the tile and resume without redoing finished tiles.
         `reads(tile)` lists the regions a tile reads ((tensor, ya, yb, xa, xb)): with remote storage the current
         tile's and the next tile's regions are requested before the tile runs (the copies overlap its compute)."""
         self.mover.begin_pass()
-        queue = deque(_tiles(*hw, *self._tile_px(ps.scale)))
+        queue = deque(tile_grid(*hw, *self._tile_px(ps.scale)))
         while queue:
             y0, y1, x0, x1 = queue.popleft()
             th, tw = self._tile_px(ps.scale)
             if y1 - y0 > th or x1 - x0 > tw:  # tile shrank since this one was queued: split it
                 sub = [
                     (y0 + a, min(y0 + b, y1), x0 + c, min(x0 + d, x1))
-                    for a, b, c, d in _tiles(y1 - y0, x1 - x0, th, tw)
+                    for a, b, c, d in tile_grid(y1 - y0, x1 - x0, th, tw)
                 ]
                 self.total += len(sub) - 1
                 queue.extendleft(reversed(sub))
@@ -931,7 +511,7 @@ class TiledDecoder:
         del x
         h, w = cur.hw
         # ---- tiled passes; each pass method returns its output activation and drops its inputs
-        h1: _Act | None = None
+        h1: Activation | None = None
         for i, ps in enumerate(self.passes):
             hw = (h * ps.scale, w * ps.scale)
             if ps.kind == "res1":
@@ -948,23 +528,23 @@ class TiledDecoder:
 
     # -- passes ------------------------------------------------------------------------------------------------------
 
-    def _reads(self, act: _Act, hy: int, hx: int, extra: _Act | None = None):
+    def _reads(self, act: Activation, hy: int, hx: int, extra: Activation | None = None):
         """The `reads` callback of a pass that reads `act` with a (hy, hx) halo (+ `extra` at the tile itself)."""
 
         def reads(y0, y1, x0, x1):
-            r = [(act.t, *_region(act.hw, y0, y1, x0, x1, hy, hx))]
+            r = [(act.t, *halo_region(act.hw, y0, y1, x0, x1, hy, hx))]
             if extra is not None:
                 r.append((extra.t, y0, y1, x0, x1))
             return r
 
         return reads
 
-    def _pass_res1(self, i: int, ps: _Pass, hw: tuple[int, int], src: _Act) -> _Act:
+    def _pass_res1(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation) -> Activation:
         """h1 = conv1(act(norm1(x))) -- x is kept (it is the residual)."""
         blk = ps.module
         norm_next = self._consumer(i + 1)
         fold = self._folds(blk.conv1, blk.norm1, blk.nonlinearity) and blk.conv1.bias is not None
-        dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
+        dst = Activation(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
                    blk.conv1.bias.detach() if fold else None)
         self.info["bias_folded"] += int(fold)
 
@@ -978,15 +558,7 @@ class TiledDecoder:
         self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv1, blk.norm1, blk.nonlinearity)))
         return dst
 
-    def _shortcut_bias(self, sc: nn.Module, res_bias: torch.Tensor | None) -> torch.Tensor | None:
-        """Bias of sc(r + res_bias) = sc_nobias(r) + (W @ res_bias + sc.bias) for a plain 1x1 shortcut conv (fp32)."""
-        b = sc.bias.detach().float() if sc.bias is not None else None
-        if res_bias is not None:
-            wb = sc.weight.detach().float().reshape(sc.out_channels, sc.in_channels) @ res_bias.float()
-            b = wb if b is None else b + wb
-        return b
-
-    def _pass_res2(self, i: int, ps: _Pass, hw: tuple[int, int], res: _Act, src: _Act) -> _Act:
+    def _pass_res2(self, i: int, ps: Pass, hw: tuple[int, int], res: Activation, src: Activation) -> Activation:
         """out = (shortcut(x) + conv2(dropout(act(norm2(h1))))) / output_scale_factor."""
         blk = ps.module
         sc_conv = getattr(blk, "conv_shortcut", None)
@@ -997,11 +569,12 @@ class TiledDecoder:
         res_t, res_bias = res.t, res.bias
         # The block output may overwrite its input in place: a tile reads the residual only at its own pixels.
         inplace = sc_conv is None and ps.cout == ps.sc_cin
-        dst = _Act(res_t if inplace else self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next))
+        dst = Activation(res_t if inplace else self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next))
         del res
-        sc_plain = (k and sc_conv is not None and _is_plain_conv(sc_conv) and tuple(sc_conv.kernel_size) == (1, 1)
+        sc_plain = (k and sc_conv is not None and is_plain_conv(sc_conv) and tuple(sc_conv.kernel_size) == (1, 1)
                     and sc_conv.groups == 1)
-        sc_bias = self._shortcut_bias(sc_conv, res_bias) if sc_plain else None
+        sc_bias = shortcut_bias(sc_conv, res_bias) if sc_plain else None  # fp32 where a bias was folded in
+        sc_bias = sc_bias.detach().float() if sc_bias is not None else None
         if k:
             self.info["bias_folded"] += int(self._folds(blk.conv2, blk.norm2, blk.nonlinearity)
                                             and blk.conv2.bias is not None) + int(sc_plain and sc_conv.bias is not None)
@@ -1011,7 +584,7 @@ class TiledDecoder:
             r = self.mover.get(res_t, y0, y1, x0, x1)
             if not k:  # torch path
                 if sc_conv is not None:
-                    r = _conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0)
+                    r = conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0)
                 o = r + o
                 del r
                 if osf != 1.0:
@@ -1026,7 +599,7 @@ class TiledDecoder:
             elif sc_conv is not None:
                 if res_bias is not None:
                     r = r + res_bias.to(r.dtype).view(1, -1, 1, 1)
-                r, rb = _conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0), None
+                r, rb = conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0), None
             view = dst.t[:, :, y0:y1, x0:x1]
             if not self.mover.remote and _flat(view):
                 # straight into the buffer (in place over the residual when there is no shortcut). Every allocation
@@ -1044,21 +617,19 @@ class TiledDecoder:
                 dst.stats.add(part)
 
         self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv2, blk.norm2, blk.nonlinearity),
-                                          extra=_Act(res_t, None)))
+                                          extra=Activation(res_t, None)))
         return dst
 
-    def _pass_up(self, i: int, ps: _Pass, hw: tuple[int, int], src: _Act) -> _Act:
+    def _pass_up(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation) -> Activation:
         """2x nearest upsampling + 3x3 conv, computed per output tile from a source tile with a 1-px halo."""
         up = ps.module
-        plain = _is_plain_upsampler(up)
-        conv = _up_conv(up) if plain else None
+        plain = is_plain_upsampler(up)
+        conv = up_conv(up) if plain else None
         k = self.kernels
-        fold = bool(k and plain and _is_plain_conv(conv) and tuple(conv.kernel_size) == (3, 3))
-        from vaeopt.stages.upsample_conv import applies, run
-
-        phase = fold and applies(conv, self.dtype, self.device)  # the tiles compute in self.dtype / self.device
+        fold = bool(k and plain and is_plain_conv(conv) and tuple(conv.kernel_size) == (3, 3))
+        phase = fold and upsample_conv.applies(conv, self.dtype, self.device)  # the tiles compute in self.dtype
         norm_next = self._consumer(i + 1)
-        dst = _Act(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
+        dst = Activation(self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next),
                    conv.bias.detach() if fold and conv.bias is not None else None)
         self.info["bias_folded"] += int(fold and conv.bias is not None)
         H, W = hw
@@ -1071,15 +642,15 @@ class TiledDecoder:
             if phase:  # 2x2 phase convs on t itself (stages/upsample_conv): rows of the result at distance >= 1
                 # from a non-border edge of t's upsampled extent are exact, as for any padding-preserving operator
                 if src.bias is not None:
-                    t = self._k["epilogue"](t if _flat(t) else t.contiguous(memory_format=_layout_of(t)), src.bias)
-                u = run(conv, t, bias=False)
+                    t = self._k["epilogue"](t if _flat(t) else t.contiguous(memory_format=layout_of(t)), src.bias)
+                u = upsample_conv.run(conv, t, bias=False)
                 del t
                 self.info["upsample_phase"] += 1
                 o, ob = u[:, :, y0 - uy0 : y1 - uy0, x0 - ux0 : x1 - ux0], conv.bias
             elif plain:
                 if k:  # one kernel: (t + pending bias) written 2x nearest-upsampled, in t's layout
                     if not _flat(t):
-                        t = t.contiguous(memory_format=_layout_of(t))
+                        t = t.contiguous(memory_format=layout_of(t))
                     u = self._k["epilogue"](t, src.bias, upsample2x=True)
                 else:
                     u = F.interpolate(t, scale_factor=2.0, mode="nearest")
@@ -1096,7 +667,7 @@ class TiledDecoder:
                         o = o[:, :, oy : oy + h, ox : ox + w]  # rows only for bands: still one dense block
                     ob = conv.bias
                 else:
-                    o, ob = _conv_region(conv, u, y0 - ya, x0 - xa, h, w), None
+                    o, ob = conv_region(conv, u, y0 - ya, x0 - xa, h, w), None
             else:
                 if src.bias is not None:  # (a pending bias reaches an upsampler only in unusual decoders)
                     t = t + src.bias.to(t.dtype).view(1, -1, 1, 1)
@@ -1113,12 +684,12 @@ class TiledDecoder:
                 dst.stats.add(part)
 
         def reads(y0, y1, x0, x1):
-            return [(src.t, *_region(src.hw, y0 // 2, (y1 + 1) // 2, x0 // 2, (x1 + 1) // 2, 1, 1))]
+            return [(src.t, *halo_region(src.hw, y0 // 2, (y1 + 1) // 2, x0 // 2, (x1 + 1) // 2, 1, 1))]
 
         self._run(ps, hw, fn, reads)
         return dst
 
-    def _pass_head(self, i: int, ps: _Pass, hw: tuple[int, int], src: _Act, out: torch.Tensor) -> None:
+    def _pass_head(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation, out: torch.Tensor) -> None:
         """conv_norm_out -> conv_act -> conv_out, written straight into the output image."""
         dec = self.dec
         if self._folds(dec.conv_out, dec.conv_norm_out, dec.conv_act) and dec.conv_out.bias is not None:
@@ -1179,7 +750,7 @@ def storage_bytes(vae: nn.Module, latent_hw: Sequence[int], dtype: torch.dtype =
     h, w = latent_hw
     b = _dtype_bytes(dtype)
     worst = 0
-    passes = _plan(vae)
+    passes = plan_passes(vae)
     for i, ps in enumerate(passes):
         px = h * w * ps.scale * ps.scale
         if ps.kind == "res1":
@@ -1205,7 +776,7 @@ def _attention_extra(dec: nn.Module, tokens: int, b: int) -> int:
     return extra
 
 
-def _pass_bytes(ps: _Pass, ty: int, tx: int, b: int, kernels: bool, remote: bool, tiles2d: bool) -> int:
+def _pass_bytes(ps: Pass, ty: int, tx: int, b: int, kernels: bool, remote: bool, tiles2d: bool) -> int:
     """Compute-device working set of one tile of pass `ps` ((ty, tx) px at its resolution), modelled on the code:
     remote storage adds the fetched regions twice (current + prefetched) and the output of the previous tile whose
     device->host write is still in flight; 2D tiles add the relayout copies that row bands avoid."""
@@ -1279,20 +850,20 @@ def estimate_tiled_bytes(
     (docs/tiling.md).
     """
     h, w = latent_hw
-    th, tw = _pair(tile)
+    th, tw = pair(tile)
     th, tw = min(th, h), min(tw, w)
     b = _dtype_bytes(dtype)
     dev = torch.device(device) if device is not None else _model_device(vae)
     if kernels is None:
         kernels = _kernels_usable(dev, dtype)[0]
     bands = _use_bands(shape, kernels, dev)
-    passes = _plan(vae)
-    dec = _decoder(vae)
+    passes = plan_passes(vae)
+    dec = kl_decoder(vae)
     c_mid = passes[0].cin
     low = b < 4
     peak = h * w * c_mid * (8 * b + (4 if low else 0)) + _attention_extra(dec, h * w, b)
     for ps in passes:
-        ty, tx = _tile_geometry((h, w), (th, tw), ps.scale, bands)
+        ty, tx = tile_geometry((h, w), (th, tw), ps.scale, bands)
         peak = max(peak, _pass_bytes(ps, ty, tx, b, kernels, not storage_on_device, not bands))
     total = peak * CUDA_MARGIN + CUDNN_WORKSPACE_BYTES if dev.type == "cuda" else peak * 1.125
     if include_output:

@@ -1,4 +1,4 @@
-"""Per-chunk CUDA graphs for Wan's chunked video decode (vaeopt.video's `_ChunkDecoder`).
+"""Per-chunk CUDA graphs for Wan's chunked video decode (vaeopt.engine.wan's `ChunkDecoder`).
 
 Every decoder call after a clip's first has one static shape by the chunk schedule's construction ([1, K, K, ...]
 for Wan's usual T = 1 + 4n), and all state a call carries to the next -- the causal caches -- lives in static
@@ -44,6 +44,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from vaeopt.engine.memory import estimate_chunk_bytes
+from vaeopt.engine.regions import spatial_factor
+from vaeopt.engine.wan_ops import temporal_factor
+from vaeopt.stages import StageResult
+from vaeopt.stages import graphs as graphs_stage
 
 __all__ = ["AUTO_MIN_STEADY", "ChunkGraphs", "GraphedSteps", "disable", "enable", "policy_of", "resolve"]
 
@@ -300,7 +306,7 @@ _OOM = tuple({e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torc
 
 
 class GraphedSteps:
-    """Wraps a `_ChunkDecoder` (same `step` / `stats`): the clip's first call and calls of another shape run eagerly,
+    """Wraps a `ChunkDecoder` (same `step` / `stats`): the clip's first call and calls of another shape run eagerly,
     the first steady call is the warm-up on the capture stream, the second is captured and every steady call from
     then on is a replay. `finish()` ends the clip: totals into the record, the graph and its pool freed."""
 
@@ -422,11 +428,9 @@ class GraphedSteps:
     def _pool_estimate(self, z: Tensor) -> int:
         """The graph's pool by the dry run: POOL_FACTOR x (the steady call's peak live bytes minus the causal
         caches, which exist already). 0 when no estimate can be made (the post-capture check still applies)."""
-        from vaeopt import video
-
         try:
             dec = self.dec
-            est = video.estimate_chunk_bytes(self.vae, self.full_shape, self.K, z.dtype,
+            est = estimate_chunk_bytes(self.vae, self.full_shape, self.K, z.dtype,
                                              channels_last=dec.mf is torch.channels_last_3d,
                                              fused=dec._kernels_on(z))
         except Exception:  # noqa: BLE001 - an estimate is a convenience here
@@ -453,11 +457,9 @@ class GraphedSteps:
 def _chunk_pixels(vae, z: Tensor, sched: Sequence[int]) -> int | None:
     """Output pixels of one steady call: batch x 4K frames x H x W."""
     try:
-        from vaeopt import video, video_tiling
-
         k = sched[1] if len(sched) > 1 else sched[0]
-        f = video_tiling._spatial_factor(vae)
-        return int(z.shape[0] * video._temporal_factor(vae) * k * z.shape[3] * f * z.shape[4] * f)
+        f = spatial_factor(vae)
+        return int(z.shape[0] * temporal_factor(vae) * k * z.shape[3] * f * z.shape[4] * f)
     except Exception:  # noqa: BLE001 - a module layout the tiler does not know: no size bound
         return None
 
@@ -489,8 +491,6 @@ def applies(pipe) -> bool:
 def arm(pipe, plan) -> ChunkGraphs | None:
     """Attach the --graphs policy to the pipeline's Wan model before its decodes and log the stage as armed (or
     skipped, with the reason). -> the policy, whose report() gives the measured stage line after the decodes."""
-    from vaeopt.stages import StageResult, graphs as graphs_stage
-
     mode = pipe.opts.graphs
     ok, why = graphs_stage.available(pipe.device)
     if mode == "off" or not ok:

@@ -7,13 +7,13 @@ spatial tiles (full-width row bands by default) for the high-resolution end of t
 How, per chunk of latent frames (the chunk schedule is vaeopt.video's):
 
 * The *front* -- post_quant_conv, conv_in, the mid-block (per-frame attention over the whole frame: global, so it is
-  never tiled) and the first `split` up blocks -- runs once on the whole frame with its own `_ChunkDecoder`
-  (`_ChunkDecoder.front`). These layers run at 1/8-1/2 of the output resolution (at split = the last up block its
+  never tiled) and the first `split` up blocks -- runs once on the whole frame with its own `ChunkDecoder`
+  (`ChunkDecoder.front`). These layers run at 1/8-1/2 of the output resolution (at split = the last up block its
   largest tensor is the 2x upsample into full resolution).
-* The *back* -- up_blocks[split:], norm_out, conv_out -- runs tile by tile (`_ChunkDecoder.back`): each tile crops
+* The *back* -- up_blocks[split:], norm_out, conv_out -- runs tile by tile (`ChunkDecoder.back`): each tile crops
   the front's output with a halo of R pixels (R = the receptive field of the back, counted from its modules by
   `receptive_field`), runs the back on that crop with zero padding at the crop's edges, and keeps the interior.
-  Every tile owns a `_ChunkDecoder`, i.e. its own causal caches, which persist across all chunks of the clip: a
+  Every tile owns a `ChunkDecoder`, i.e. its own causal caches, which persist across all chunks of the clip: a
   cache is never restarted inside a clip, so chunking and tiling compose exactly.
 
 Why that is exact: everything in the back is per pixel (RMS norm over channels, SiLU, residual adds, 1x1x1
@@ -55,11 +55,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from vaeopt import video
+from vaeopt import video_graphs
+from vaeopt.engine import memory
+from vaeopt.engine.regions import (TilingError, band_tiles, default_split, front_scale, min_tile_rows,
+                                   receptive_field, resolve_tile, spatial_factor, tile_grid)
+from vaeopt.engine.wan import ChunkDecoder
+from vaeopt.engine.wan_ops import Chunk, check_vae, chunk_schedule, prepare_latents
 from vaeopt.errors import VaeoptError
-from vaeopt.tiling import TilingError
+from vaeopt.stages.marks import wan_channels_last
 
 __all__ = [
     "TiledVideoPlan",
@@ -83,161 +88,6 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
 MAX_INFLIGHT_WRITES = 1  # host cache storage: tiles whose device caches may still be on their way to the host
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Receptive field of the tiled part, counted from the modules
-
-
-def _causal_radius(conv: nn.Module, where: str) -> int:
-    """Spatial radius of a WanCausalConv3d (or a module with its attributes) with 'same' spatial zero padding."""
-    k = tuple(getattr(conv, "kernel_size", ()))
-    pad = getattr(conv, "_padding", None)
-    if len(k) != 3 or pad is None or tuple(getattr(conv, "stride", (1, 1, 1))) != (1, 1, 1) \
-            or tuple(getattr(conv, "dilation", (1, 1, 1))) != (1, 1, 1):
-        raise TilingError(f"{where}: {type(conv).__name__} is not a stride-1 WanCausalConv3d")
-    kh, kw = k[1], k[2]
-    if kh % 2 == 0 or kw % 2 == 0 or pad[2] != (kh - 1) // 2 or pad[0] != (kw - 1) // 2:
-        raise TilingError(f"{where}: spatial padding {pad[:4]} is not 'same' for kernel {k}")
-    return max(kh, kw) // 2
-
-
-def _conv2d_radius(conv: nn.Module, where: str) -> int:
-    if not isinstance(conv, nn.Conv2d) or conv.padding_mode != "zeros" or tuple(conv.stride) != (1, 1) \
-            or tuple(conv.dilation) != (1, 1) or any(k % 2 == 0 for k in conv.kernel_size) \
-            or tuple(conv.padding) != tuple((k - 1) // 2 for k in conv.kernel_size):
-        raise TilingError(f"{where}: {type(conv).__name__} is not a stride-1 'same' zero-padded Conv2d")
-    return max(conv.kernel_size) // 2
-
-
-def _check_pointwise_norm(norm: nn.Module, where: str) -> None:
-    """RMS norms over channels only (per pixel): Wan's WanRMS_norm (channel_first) or the fused_norms stage's."""
-    if type(norm).__name__ not in ("WanRMS_norm", "FusedRMSNormSiLU") or not getattr(norm, "channel_first", False):
-        raise TilingError(f"{where}: {type(norm).__name__} is not a per-pixel (channel) RMS norm; a norm with "
-                          "spatial statistics cannot be tiled with halos")
-
-
-def _check_pointwise_act(act: nn.Module, where: str) -> None:
-    if not (isinstance(act, nn.Identity) or type(act).__module__ == nn.SiLU.__module__):
-        raise TilingError(f"{where}: {type(act).__name__} is not an elementwise activation")
-
-
-def _resblock_radius(blk: nn.Module, where: str) -> list[tuple[str, int]]:
-    wan = video._wan()
-    if not isinstance(blk, wan.WanResidualBlock):
-        raise TilingError(f"{where}: {type(blk).__name__} is not a WanResidualBlock")
-    _check_pointwise_norm(blk.norm1, where + ".norm1")
-    _check_pointwise_norm(blk.norm2, where + ".norm2")
-    _check_pointwise_act(blk.nonlinearity, where + ".nonlinearity")
-    sc = blk.conv_shortcut
-    if not isinstance(sc, nn.Identity) and _causal_radius(sc, where + ".conv_shortcut") != 0:
-        raise TilingError(f"{where}.conv_shortcut: only 1x1 spatial shortcuts are supported")
-    return [("conv", _causal_radius(blk.conv1, where + ".conv1")),
-            ("conv", _causal_radius(blk.conv2, where + ".conv2"))]
-
-
-def _resample_ops(rs: nn.Module, where: str) -> list[tuple[str, int]]:
-    if rs.mode not in ("upsample2d", "upsample3d") or not isinstance(rs.resample, nn.Sequential) \
-            or len(rs.resample) != 2:
-        raise TilingError(f"{where}: WanResample mode {rs.mode!r} / layout is not a 2x upsample + conv")
-    up, conv = rs.resample[0], rs.resample[1]
-    if not (isinstance(up, nn.Upsample) and up.mode in ("nearest", "nearest-exact") and up.size is None):
-        raise TilingError(f"{where}.resample.0: {type(up).__name__} is not a nearest upsample")
-    sf = up.scale_factor if isinstance(up.scale_factor, (tuple, list)) else (up.scale_factor, up.scale_factor)
-    if tuple(float(f) for f in sf) != (2.0, 2.0):
-        raise TilingError(f"{where}.resample.0: scale {sf} is not 2x")
-    ops = []
-    if rs.mode == "upsample3d":
-        ops.append(("conv", _causal_radius(rs.time_conv, where + ".time_conv")))  # (3,1,1): radius 0
-    return ops + [("up", 2), ("conv", _conv2d_radius(conv, where + ".resample.1"))]
-
-
-def _upblock_ops(ub: nn.Module, where: str) -> list[tuple[str, int]]:
-    wan = video._wan()
-    ops: list[tuple[str, int]] = []
-    for i, res in enumerate(ub.resnets):
-        ops += _resblock_radius(res, f"{where}.resnets.{i}")
-    if isinstance(ub, wan.WanResidualUpBlock):
-        rs = ub.upsampler
-        if ub.avg_shortcut is not None and (rs is None or ub.avg_shortcut.factor_s != 2):
-            raise TilingError(f"{where}.avg_shortcut: DupUp3D factor_s {ub.avg_shortcut.factor_s} does not match "
-                              "the block's upsampler")  # the shortcut is a local pixel shuffle at the same scale
-    elif isinstance(ub, wan.WanUpBlock):
-        rs = ub.upsamplers[0] if ub.upsamplers is not None else None
-    else:
-        raise TilingError(f"{where}: {type(ub).__name__} is not a Wan up block")
-    if rs is not None:
-        ops += _resample_ops(rs, f"{where}.upsampler")
-    return ops
-
-
-def _ops(vae, split: int) -> list[tuple[str, int]]:
-    """The spatial operations of the tiled part, in order: ("conv", radius) / ("up", 2)."""
-    dec = vae.decoder
-    ops: list[tuple[str, int]] = []
-    for i in range(split, len(dec.up_blocks)):
-        ops += _upblock_ops(dec.up_blocks[i], f"decoder.up_blocks.{i}")
-    _check_pointwise_norm(dec.norm_out, "decoder.norm_out")
-    _check_pointwise_act(dec.nonlinearity, "decoder.nonlinearity")
-    return ops + [("conv", _causal_radius(dec.conv_out, "decoder.conv_out"))]
-
-
-def receptive_field(vae, split: int) -> tuple[int, int]:
-    """(halo, scale) of tiling up_blocks[split:] + head: the halo in pixels at the split's resolution (the input of
-    up_blocks[split]) that makes the interior of a crop exact, and the factor from that resolution to the decoder's
-    output. Counted backwards from the output: a conv adds its radius, a 2x upsample halves (rounding up)."""
-    need, scale = 0, 1
-    for kind, v in reversed(_ops(vae, split)):
-        if kind == "conv":
-            need += v
-        else:
-            need, scale = -(-need // v), scale * v
-    return need, scale
-
-
-def _front_scale(vae, split: int) -> int:
-    """Resolution of the input of up_blocks[split] / latent resolution."""
-    return math.prod(v for i in range(split) for k, v in _upblock_ops(vae.decoder.up_blocks[i], f"up_blocks.{i}")
-                     if k == "up")
-
-
-def default_split(vae) -> int:
-    """Tile only the last up block (the full-resolution one) and the head: the smallest halo (7 output rows for
-    Wan 2.1). The planner also tries earlier splits when the front would not fit."""
-    return len(vae.decoder.up_blocks) - 1
-
-
-def min_tile_rows(vae, split: int) -> int:
-    """Smallest tile side in latent pixels for `split`: the halo must not exceed the tile (beyond that a tile would
-    spend more than 3x its interior's compute on halo rows)."""
-    halo, _ = receptive_field(vae, split)
-    return max(1, -(-halo // _front_scale(vae, split)))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Tile geometry
-
-
-def resolve_tile(tile: int | Sequence[int], latent_hw: tuple[int, int]) -> tuple[int, int]:
-    """(rows, cols) of one tile in latent pixels. An int is a square tile side turned into full-width row bands of
-    the same area (as the image tiler's bands; at least one row); (rows, cols) is taken as is (cols >= width:
-    bands). Clamped to the frame."""
-    h, w = latent_hw
-    if isinstance(tile, int):
-        return max(1, min(h, (tile * tile) // w)), w
-    th, tw = (int(t) for t in tile)
-    return min(th, h), min(tw, w)
-
-
-def band_tiles(latent_hw: tuple[int, int], n: int) -> tuple[int, int]:
-    """Full-width bands that split h latent rows into n (the last may be shorter)."""
-    h, w = latent_hw
-    return -(-h // n), w
-
-
-def _regions(hw: tuple[int, int], th: int, tw: int) -> list[tuple[int, int, int, int]]:
-    h, w = hw
-    return [(y, min(y + th, h), x, min(x + tw, w)) for y in range(0, h, th) for x in range(0, w, tw)]
-
-
 @dataclass(frozen=True)
 class TiledVideoPlan:
     """One way to decode a clip: latent frames per call, tile (latent rows, cols) or None (untiled), the split
@@ -254,16 +104,12 @@ class TiledVideoPlan:
             return f"untiled, chunk {self.chunk}"
         s = f"tile {self.tile[0]}x{self.tile[1]} latent"
         if vae is not None:
-            f = _spatial_factor(vae)
+            f = spatial_factor(vae)
             s = f"tile {self.tile[1] * f}x{self.tile[0] * f}px"
             if latent_hw is not None:
-                s += f" ({len(_regions(latent_hw, *self.tile))} tiles)"
+                s += f" ({len(tile_grid(*latent_hw, *self.tile))} tiles)"
         return f"{s}, chunk {self.chunk}, split at up block {self.split}, caches on {self.storage}"
 
-
-def _spatial_factor(vae) -> int:
-    """Output pixels per latent pixel: the decoder's 2x upsamplers, then Wan 2.2's unpatchify."""
-    return _front_scale(vae, len(vae.decoder.up_blocks)) * video._patch(vae)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,34 +147,6 @@ class _Arena:
         return t
 
 
-class _Decoder(video._ChunkDecoder):
-    """vaeopt.video's chunk decoder taking new causal caches from `arena` when one is set (else as before). A tile's
-    convs run on the 5-D staged input (no time-stacked Conv2d: its 3x input is not in the tiled plan's estimate);
-    the untiled plan's decoder (stack=True) stacks like vaeopt.video's, which its estimate counts."""
-
-    STACK = False
-
-    def __init__(self, *a, stack: bool = False, **k):
-        super().__init__(*a, **k)
-        self.STACK = bool(stack)
-        self.arena: _Arena | None = None
-
-    def _update(self, conv, stream_tail: Tensor, fmt: torch.memory_format | None = None) -> None:
-        if self.arena is not None and conv not in self.cache:
-            N, C, _, H, W = stream_tail.shape
-            c = self.arena.take((N, C, self._hist(conv), H, W), stream_tail.dtype, memory_format=fmt or self.mf)
-            if c is not None:
-                self.cache[conv] = c
-        super()._update(conv, stream_tail, fmt)
-
-    def _history(self, conv, shape, like: Tensor) -> Tensor:
-        if self.arena is not None and conv not in self.cache:
-            c = self.arena.take(tuple(shape), like.dtype, memory_format=self.mf)
-            if c is not None:
-                self.cache[conv] = c.zero_()
-        return super()._history(conv, shape, like)
-
-
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -350,11 +168,11 @@ def _decoder_cache_bytes(cls, config_json: str, shape: tuple, K: int, tile, spli
                          channels_last: bool) -> tuple[int, ...]:
     N, C, T, h, w = shape
     sched = [min(K, T)] + ([K] if T > K else [])
-    skel = video._meta_skeleton(cls, config_json, dtype)
-    with video._MemEfficientSDPA(), torch.no_grad():
+    skel = memory.meta_skeleton(cls, config_json, dtype)
+    with memory.MemEfficientSDPA(), torch.no_grad():
         z = torch.empty((N, C, sum(sched), h, w), device="meta", dtype=dtype)
         if tile is None:
-            runner = video._ChunkDecoder(skel, channels_last, fused=True)
+            runner = ChunkDecoder(skel, channels_last, fused=True)
             decs = [runner]
         else:
             runner = _TiledClip(skel, (h, w), TiledVideoPlan(K, tile, split, "device"), channels_last, True,
@@ -444,7 +262,7 @@ class _CacheStore:
         if self.host_mode and self.host[i] is not None and i not in self.ready:
             self.ready[i] = self._load(i)
 
-    def acquire(self, i: int, dec: video._ChunkDecoder) -> None:
+    def acquire(self, i: int, dec: ChunkDecoder) -> None:
         """Give tile i's decoder its caches for the next call."""
         if not self.host_mode:
             return
@@ -467,13 +285,12 @@ class _CacheStore:
             torch.cuda.current_stream(self.device).wait_event(ev)
         dec.cache = dev
 
-    def release(self, i: int, dec: video._ChunkDecoder) -> None:
+    def release(self, i: int, dec: ChunkDecoder) -> None:
         """Tile i has finished a call: write its caches back (host storage) and drop the device copies."""
         if not self.host_mode:
             return
         dev, dec.cache = dec.cache, {}
-        if isinstance(dec, _Decoder):
-            dec.arena = None
+        dec.arena = None
         if self.meta:
             self.host[i] = {k: (tuple(v.shape), v.stride(), v.dtype) for k, v in dev.items()}
             self._retire(None, dev)
@@ -524,8 +341,8 @@ class _CacheStore:
 
 class _TiledClip:
     """Decodes consecutive chunks of one clip: the front once per chunk on the whole frame, the back per tile, each
-    tile with its own _ChunkDecoder (own causal caches) for the whole clip. step() returns the decoder's raw output
-    for the chunk, like _ChunkDecoder.step."""
+    tile with its own ChunkDecoder (own causal caches) for the whole clip. step() returns the decoder's raw output
+    for the chunk, like ChunkDecoder.step."""
 
     def __init__(self, vae, latent_hw: tuple[int, int], plan: TiledVideoPlan, channels_last: bool,
                  fused: bool | None, overlap: bool = True, force_copy: bool = False, device=None,
@@ -536,17 +353,18 @@ class _TiledClip:
         if not 0 <= self.split <= n_up:
             raise TilingError(f"split {self.split}: the decoder has {n_up} up blocks")
         self.halo, self.out_scale = receptive_field(vae, self.split)
-        self.scale = _front_scale(vae, self.split)  # front output / latent resolution
+        self.scale = front_scale(vae, self.split)  # front output / latent resolution
         h, w = latent_hw
         th, tw = plan.tile if plan.tile is not None else (h, w)
         s = self.scale
         # interior regions at the front's output resolution, aligned to latent pixels
-        self.regions = [(y0 * s, y1 * s, x0 * s, x1 * s) for y0, y1, x0, x1 in _regions((h, w), th, tw)]
+        self.regions = [(y0 * s, y1 * s, x0 * s, x1 * s) for y0, y1, x0, x1 in tile_grid(h, w, th, tw)]
         H, W = h * s, w * s
         self.ext = [(max(0, y0 - self.halo), min(H, y1 + self.halo), max(0, x0 - self.halo), min(W, x1 + self.halo))
                     for y0, y1, x0, x1 in self.regions]
-        self.front = _Decoder(vae, channels_last, fused)
-        self.tiles = [_Decoder(vae, channels_last, fused) for _ in self.regions]
+        # a tile's convs run on the 5-D staged input: a time-stacked Conv2d's 3x input is not in the tiled estimate
+        self.front = ChunkDecoder(vae, channels_last, fused, stack=False)
+        self.tiles = [ChunkDecoder(vae, channels_last, fused, stack=False) for _ in self.regions]
         self.mf = self.front.mf
         dev = torch.device(device or vae.post_quant_conv.weight.device)
         # arena_bytes (real runs; cache_bytes_per_decoder): the front's and, with device storage, all tiles' caches
@@ -658,7 +476,7 @@ def plan_cost(vae, latent_hw: tuple[int, int], plan: TiledVideoPlan, max_chunk: 
     if plan.tile is not None:
         h, w = latent_hw
         halo, _ = receptive_field(vae, plan.split)
-        s = _front_scale(vae, plan.split)
+        s = front_scale(vae, plan.split)
         ny, nx = -(-h // plan.tile[0]), -(-w // plan.tile[1])
         cost += 2 * halo * ((ny - 1) / (h * s) + (nx - 1) / (w * s))
         if plan.storage == "host":
@@ -699,8 +517,8 @@ def plan_bytes(vae, latent_shape: Sequence[int], plan: TiledVideoPlan, dtype: to
 SHRINK_FACTOR = 0.8  # an OOM fallback plan must be estimated at <= this fraction of the plan that failed
 
 
-def _shrink(vae, latent_shape: Sequence[int], plan: TiledVideoPlan, tried: set, dtype: torch.dtype,
-            channels_last: bool, fused: bool, host: bool) -> TiledVideoPlan | None:
+def smaller_plan(vae, latent_shape: Sequence[int], plan: TiledVideoPlan, tried: set, dtype: torch.dtype,
+                 channels_last: bool, fused: bool, host: bool) -> TiledVideoPlan | None:
     """The plan to retry with after an out-of-memory error: the cheapest candidate (plan_cost: a smaller tile
     before a smaller chunk where the halo costs less, host caches last) not tried yet, with a chunk no larger than
     the failed one, whose dry-run estimate is at most SHRINK_FACTOR of the failed plan's; failing that, the
@@ -747,38 +565,36 @@ def check_tile(vae, plan: TiledVideoPlan, latent_hw: tuple[int, int]) -> None:
     h, w = latent_hw
     if th < min(m, h) or tw < min(m, w):
         halo, _ = receptive_field(vae, plan.split)
-        f = _spatial_factor(vae)
+        f = spatial_factor(vae)
         raise VaeoptError(
             f"tile {tw * f}x{th * f}px ({th}x{tw} latent): tiling from up block {plan.split} on needs a halo of "
-            f"{halo}px at {_front_scale(vae, plan.split)}x the latent resolution (the receptive field of the layers "
+            f"{halo}px at {front_scale(vae, plan.split)}x the latent resolution (the receptive field of the layers "
             f"after it), so tiles must be at least {m} latent px ({m * f} output px) on each side; smaller tiles "
             "would spend more than 3x their compute on halos")
 
 
 def iter_raw(
-    vae, z: Tensor, chunk: video.Chunk, tile: int | Sequence[int] | None = None, *,
+    vae, z: Tensor, chunk: Chunk, tile: int | Sequence[int] | None = None, *,
     channels_last: bool | None = None, fused: bool | None = None, split: int | None = None,
     storage: str = "device", overlap: bool = True, oom_retry: bool = False, info: dict | None = None,
     arena: bool = True, graphs=None, _force_copy: bool = False,
 ) -> Iterator[tuple[int, Tensor]]:
-    """(first output frame index, raw decoder output) per call, like vaeopt.video._iter_raw, for a tiled plan.
+    """(first output frame index, raw decoder output) per call, like vaeopt.video's untiled loop, for a tiled plan.
 
     tile: None = untiled (vaeopt.video's decoder); an int (square side in latent px -> full-width bands of that
     area) or (rows, cols) in latent px. split: first tiled up block (None: default_split). storage: "device" or
     "host" (pinned; CUDA) for the tiles' causal caches. oom_retry: after a CUDA out-of-memory error, free, take the
-    next smaller plan (see _shrink) and decode the clip again from its first frame, skipping the frames already
+    next smaller plan (see smaller_plan) and decode the clip again from its first frame, skipping the frames already
     handed out; the events go to info["oom_events"]. arena: the causal caches come from one allocation made at the
     start (see _Arena; False: allocated one by one, as vaeopt.video does). graphs: per-chunk CUDA graphs for untiled
     plans (vaeopt.video_graphs; None: the model's policy, if any); each attempt gets a record (info["graphs"]).
     `info` (a dict, filled in): plan, tiles, halo, shrinks, ..."""
-    from vaeopt import video_graphs
-
-    z = video._prepare(vae, z)
+    z = prepare_latents(vae, z)
     N, _, T, h, w = z.shape
-    cl = video._channels_last(vae, channels_last)
-    kern = video._ChunkDecoder(vae, cl, fused)._kernels_on(z)  # what the decoders will run: for the estimates
+    cl = wan_channels_last(vae, channels_last)
+    kern = ChunkDecoder(vae, cl, fused)._kernels_on(z)  # what the decoders will run: for the estimates
     split = default_split(vae) if split is None else int(split)
-    sched0 = video.chunk_schedule(T, chunk)
+    sched0 = chunk_schedule(T, chunk)
     K = max(sched0)
     plan = TiledVideoPlan(K, resolve_tile(tile, (h, w)) if tile is not None else None, split, storage)
     check_tile(vae, plan, (h, w))
@@ -790,12 +606,12 @@ def iter_raw(
     while True:
         tried.add(plan)
         info["plan"] = plan
-        sched = sched0 if plan.chunk == K else video.chunk_schedule(T, plan.chunk)
+        sched = sched0 if plan.chunk == K else chunk_schedule(T, plan.chunk)
         runner = y = None
         try:
             arena_bytes = cache_bytes_per_decoder(vae, z.shape, plan, cl) if arena else None
             if plan.tile is None:
-                runner = _Decoder(vae, cl, fused, stack=True)  # as the untiled estimate assumes
+                runner = ChunkDecoder(vae, cl, fused, stack=True)  # as the untiled estimate assumes
                 if arena_bytes:
                     runner.arena = _Arena(arena_bytes[0], z.device)
                 info.update(tiles=1, halo=0)
@@ -833,7 +649,7 @@ def iter_raw(
         if cuda:
             torch.cuda.synchronize(z.device)
             torch.cuda.empty_cache()
-        nxt = _shrink(vae, z.shape, plan, tried, z.dtype, cl, kern, cuda)
+        nxt = smaller_plan(vae, z.shape, plan, tried, z.dtype, cl, kern, cuda)
         info["oom_events"].append({"plan": plan, "next": nxt, "frames_done": delivered, "error": failed})
         if nxt is None:
             raise VaeoptError(f"out of memory decoding the clip, and no plan needs less memory than "
@@ -847,7 +663,7 @@ def iter_raw(
 
 
 def estimate_tiled_video_bytes(
-    vae, latent_shape: Sequence[int], chunk: video.Chunk, tile: int | Sequence[int] | None,
+    vae, latent_shape: Sequence[int], chunk: Chunk, tile: int | Sequence[int] | None,
     dtype: torch.dtype | None = None, channels_last: bool = False, fused: bool = False, split: int | None = None,
     storage: str = "device",
 ) -> int:
@@ -856,14 +672,14 @@ def estimate_tiled_video_bytes(
     the bytes of all live tensor storages, SDPA as a fused kernel). Includes the front's caches and output, every
     tile's caches (device storage) or those of the tiles in flight (host storage), the crop, the back's working set
     and the chunk's raw output. Cached per argument set; ~0.05 s per tile on a CPU at 720p."""
-    video._check_vae(vae)
+    check_vae(vae)
     dtype = dtype or vae.post_quant_conv.weight.dtype
     shape = tuple(int(s) for s in latent_shape)
-    K = max(video.chunk_schedule(shape[2], chunk))
+    K = max(chunk_schedule(shape[2], chunk))
     t = None if tile is None else resolve_tile(tile, shape[-2:])
     split = default_split(vae) if split is None else int(split)
     config = json.dumps(dict(vae.config), sort_keys=True, default=str)
-    stacked = video._stacked_names(vae) if t is None and fused else ()  # tiles never run stacked (_Decoder.STACK)
+    stacked = memory.stacked_names(vae) if t is None and fused else ()  # tiles never run stacked (stack=False)
     return _estimate(type(vae), config, shape, K, t, dtype, bool(channels_last), bool(fused), split, storage,
                      stacked)
 
@@ -872,10 +688,10 @@ def estimate_tiled_video_bytes(
 def _estimate(cls, config_json: str, shape: tuple, K: int, tile, dtype, channels_last: bool, fused: bool,
               split: int, storage: str, stacked: tuple[str, ...] = ()) -> int:
     if tile is None:
-        return video._estimate(cls, config_json, shape, K, dtype, channels_last, fused, stacked)
-    skel = video._meta_skeleton(cls, config_json, dtype)
+        return memory.estimate_peak(cls, config_json, shape, K, dtype, channels_last, fused, stacked)
+    skel = memory.meta_skeleton(cls, config_json, dtype)
     plan = TiledVideoPlan(K, tile, split, storage)
-    return video._meta_peak(lambda: _TiledClip(skel, shape[-2:], plan, channels_last, fused, device="meta"),
+    return memory.meta_peak(lambda: _TiledClip(skel, shape[-2:], plan, channels_last, fused, device="meta"),
                             shape, K, dtype)
 
 
@@ -884,7 +700,7 @@ def cache_floor_bytes(vae, latent_shape: Sequence[int], dtype: torch.dtype | Non
     """Bytes of the untiled decode's causal caches (2 frames of every causal conv's input, the whole frame): no
     plan with the caches on the device needs less (tiles add their halo rings), which lets the planner skip those
     plans without a dry run each."""
-    video._check_vae(vae)
+    check_vae(vae)
     dtype = dtype or vae.post_quant_conv.weight.dtype
     N, C, T, h, w = (int(s) for s in latent_shape)
     config = json.dumps(dict(vae.config), sort_keys=True, default=str)
@@ -893,10 +709,10 @@ def cache_floor_bytes(vae, latent_shape: Sequence[int], dtype: torch.dtype | Non
 
 @functools.lru_cache(maxsize=64)
 def _cache_floor(cls, config_json: str, shape: tuple, dtype, channels_last: bool) -> int:
-    skel = video._meta_skeleton(cls, config_json, dtype)
-    with video._MemEfficientSDPA(), torch.no_grad():
+    skel = memory.meta_skeleton(cls, config_json, dtype)
+    with memory.MemEfficientSDPA(), torch.no_grad():
         z = torch.empty(shape, device="meta", dtype=dtype)
-        dec = video._ChunkDecoder(skel, channels_last, fused=False)
+        dec = ChunkDecoder(skel, channels_last, fused=False)
         for t in range(shape[2]):
             dec.step(z[:, :, t : t + 1])
         return int(sum(v.nbytes for v in dec.cache.values()))

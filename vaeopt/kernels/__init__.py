@@ -7,7 +7,7 @@ CPU tests); without triton the package still imports and `triton_available()` sa
 
 from __future__ import annotations
 
-from vaeopt.kernels.common import (default_tile, flat_layout, interpreter_hint, interpreting, n_programs_target,
+from vaeopt.kernels.common import (default_tile, default_warps, flat_layout, interpreter_hint, interpreting, n_programs_target,
                                    new_like, triton_available, triton_cache_entries)
 
 _EXPORTS = ["group_norm_silu", "group_norm_silu_reference", "rms_norm_silu", "rms_norm_silu_reference"]
@@ -23,4 +23,4 @@ if _triton is not None:  # our own import errors must surface, so only triton's 
     from vaeopt.kernels.rms_norm_silu import rms_norm_silu, rms_norm_silu_reference
 
 __all__ = ["triton_available", "interpreting", "interpreter_hint", "triton_cache_entries", "flat_layout", "new_like",
-           "default_tile", "n_programs_target", *_EXPORTS]
+           "default_tile", "default_warps", "n_programs_target", *_EXPORTS]

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.stages import BoundForward, StageResult, class_forward, needs_autograd, unhooked
+from vaeopt.stages.fused_epilogues import chunked_attention
+from vaeopt.stages.marks import FP8_ATTR
 
 NAME = "attention"
 _MARK = "_vaeopt_frame_causal"  # model attribute: the mid-blocks whose forward this stage replaced
@@ -68,8 +70,6 @@ def frame_causal_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """HunyuanVideoMidBlock3D's attention step on x (B, C, T, H, W): AttnProcessor2_0 of `attn` with the mask of
     prepare_causal_attention_mask (token of frame f attends to the tokens of frames <= f), computed frame by frame
     over key prefixes instead of through the (T*H*W)^2 mask. Returns (B, C, T, H, W)."""
-    from vaeopt.stages.fused_epilogues import chunked_attention
-
     B, _, T, H, W = x.shape
     hw = H * W
     tokens = x.permute(0, 2, 3, 4, 1).flatten(1, 3)  # (B, T*H*W, C), as the stock block
@@ -157,7 +157,6 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     # xformers, ...) is theirs to keep, and the encoder is not this stage's business.
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    from vaeopt.stages.fused_epilogues import FP8_ATTR
 
     n = chunked = fp8 = 0
     kept = []

@@ -51,17 +51,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import interpreting, triton_available
-from vaeopt.stages import (BoundForward, StageResult, class_forward, foreign_global_hooks, foreign_hooks,
-                           unhooked)
+from vaeopt.kernels import tapconv
+from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX, quantize_per_tensor
+from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS, SUPPORTED_DTYPES, fits
+from vaeopt.stages import fused_norms, upsample_conv
+from vaeopt.stages import (BoundForward, StageResult, cached_weight, class_forward, foreign_global_hooks,
+                           foreign_hooks, unhooked)
+from vaeopt.stages.marks import (FP8_ATTR, FUSED_EPILOGUES, head_dim, interpolating_upsampler, packed_fp8,
+                                 wan_channels_last)
 
 NAME = "fused_epilogues"
-_MARK = "_vaeopt_fused_epilogues"  # model attribute: the record revert() needs
+_MARK = FUSED_EPILOGUES  # model attribute: the record revert() needs
 _PENDING = "_vaeopt_upsampled"  # Upsample2D attribute: weakref to the tensor its resnet already upsampled
 _STATE = "_vaeopt_epi"  # ResnetBlock2D attribute: the Upsample2D whose interpolate it performs, or None
 _NEXT_G = "_vaeopt_next_groups"  # ResnetBlock2D / Attention / Upsample2D attribute: groups of the GroupNorm that
 # reads the module's output next in the stock Decoder (set by apply where that is known from the structure)
 MAX_SCORE_BYTES = 512 << 20
-FP8_ATTR = "_vaeopt_fp8_attention"  # Attention attribute: its core runs as fp8_attention (e4m3 GEMMs)
 MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN attention stop at 256)
 # The residual epilogues of resnets and attention also take the statistics of the GroupNorm that reads their output
 # next (the next block's norm1, the mid-block attention's norm, the head's norm), which then skips its own stats pass
@@ -94,9 +99,7 @@ def available(device: torch.device | str | None = None) -> tuple[bool, str]:
 
 
 def _use_kernel(x: torch.Tensor, *params) -> bool:
-    from vaeopt.stages.fused_norms import _use_kernel as use
-
-    return use(x, *params)
+    return fused_norms.use_kernel(x, *params)
 
 
 def _no_hooks(m: nn.Module) -> bool:
@@ -113,9 +116,7 @@ def _conv_nobias(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_gn(m) -> bool:
-    from vaeopt.stages.fused_norms import FusedGroupNormSiLU
-
-    return type(m) is FusedGroupNormSiLU and m.silu and _no_hooks(m)
+    return type(m) is fused_norms.FusedGroupNormSiLU and m.silu and _no_hooks(m)
 
 
 # --- ResnetBlock2D ---------------------------------------------------------------------------------------------
@@ -205,8 +206,6 @@ def _fp8_weights(conv, x: torch.Tensor):
     if not x.is_contiguous(memory_format=torch.channels_last) or x.dtype not in (torch.bfloat16, torch.float16,
                                                                                  torch.float32):
         return None
-    from vaeopt.stages.triton_conv import packed_fp8
-
     return packed_fp8(conv)
 
 
@@ -214,12 +213,10 @@ def takes_residual_in_conv(block) -> bool:
     """The structural side of _resnet_forward's residual-in-conv path for a resnet whose conv2 is int8 (the fp8
     stage counts these): no shortcut, output_scale_factor 1, and no fused 2x upsample in its epilogue (none, or an
     upsampler on phase convs, which reads the low-resolution output)."""
-    from vaeopt.stages.upsample_conv import marked
-
     up = block.__dict__.get(_STATE)
     return (RESIDUAL_IN_CONV and getattr(block, "conv_shortcut", 1) is None
             and float(getattr(block, "output_scale_factor", 0.0)) == 1.0
-            and (up is None or (getattr(up, "conv", None) is not None and marked(up.conv))))
+            and (up is None or (getattr(up, "conv", None) is not None and upsample_conv.marked(up.conv))))
 
 
 def _residual_in_conv(conv, h: torch.Tensor, x: torch.Tensor) -> bool:
@@ -231,7 +228,7 @@ def _residual_in_conv(conv, h: torch.Tensor, x: torch.Tensor) -> bool:
     if pw is None or pw.w.dtype != torch.int8:
         return False
     if h.is_cuda:  # measured on the row tile only (widths that are a multiple of 128; E47)
-        from vaeopt.kernels import tma_conv
+        from vaeopt.kernels import tma_conv  # (imports Triton)
 
         if tma_conv.int8_config(conv.in_channels, conv.out_channels, h.shape[-1]) != tma_conv.ROW_TILE:
             return False
@@ -271,15 +268,12 @@ def _norm_conv(norm, conv, x: torch.Tensor, x_bias, residual: torch.Tensor | Non
 # --- Upsample2D --------------------------------------------------------------------------------------------------
 
 
-def _upsample_static_ok(m) -> bool:
-    return m.interpolate and not m.use_conv_transpose and m.norm is None
+_upsample_static_ok = interpolating_upsampler
 
 
 def _phase_upsampler(u, x: torch.Tensor) -> bool:
     """u's conv runs as 2x2 phase convs on u's low-resolution input (stages/upsample_conv marked it)."""
-    from vaeopt.stages.upsample_conv import applies
-
-    return u.use_conv and u.name == "conv" and applies(u.conv, x.dtype, x.device, x)
+    return u.use_conv and u.name == "conv" and upsample_conv.applies(u.conv, x.dtype, x.device, x)
 
 
 def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:
@@ -288,7 +282,7 @@ def _upsample_tail(self, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
+def upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
     """Upsample2D.forward: skips the interpolate for the tensor its resnet already upsampled; otherwise the 2x2 phase
     convs (stages/upsample_conv) or our NHWC/NCHW nearest-2x kernel where they apply, else the stock forward."""
     pending = self.__dict__.pop(_PENDING, None)
@@ -300,10 +294,8 @@ def _upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
                 hidden_states = F.interpolate(hidden_states[:, :, ::2, ::2], size=output_size, mode="nearest")
             return _upsample_tail(self, hidden_states)
         if output_size is None and _phase_upsampler(self, hidden_states):
-            from vaeopt.stages.upsample_conv import run
-
             # e4m3 phase convs if FP8 level 3 marked the conv
-            return run(self.conv, hidden_states, fp8=True, stats_groups=_next_groups(self))
+            return upsample_conv.run(self.conv, hidden_states, fp8=True, stats_groups=_next_groups(self))
         if output_size is None and _use_kernel(hidden_states, self):
             from vaeopt.kernels.epilogue import upsample_nearest2x
 
@@ -327,8 +319,6 @@ HEAD_MAX_SAMPLE = 2**31  # elements per sample: the statistics kernels address a
 
 
 def _head_static_ok(dec) -> bool:
-    from vaeopt.kernels.tapconv import fits
-
     c = dec.conv_out
     return (_fused_gn(dec.conv_norm_out) and type(dec.conv_act) is nn.Identity and _no_hooks(dec.conv_act)
             and _plain_conv(c)
@@ -381,8 +371,6 @@ def _decoder_call(self, *args, **kwargs):
 
 def _head_norm(norm, conv, x, *args, **kwargs):
     """conv_norm_out within the decoder call: the GroupNorm statistics of x for conv_out, and x itself."""
-    from vaeopt.kernels.tapconv import SUPPORTED_DTYPES
-
     if (args or kwargs or x.dim() != 4 or x.numel() == 0 or x[0].numel() >= HEAD_MAX_SAMPLE
             or x.dtype not in SUPPORTED_DTYPES or conv.weight.dtype != x.dtype
             or not x.is_contiguous(memory_format=torch.channels_last)
@@ -402,9 +390,6 @@ def _head_conv(conv, x, *args, **kwargs):
     pending = conv.__dict__.pop(_HEAD, None)
     if pending is None or args or kwargs or pending[0]() is not x:
         return type(conv).forward(conv, x, *args, **kwargs)
-    from vaeopt.kernels import tapconv
-    from vaeopt.stages import cached_weight
-
     _, mean, scale, norm = pending
     N, C, H, W = x.shape
     co = conv.out_channels
@@ -478,8 +463,6 @@ def _e4m3_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         q, s = quantize_e4m3_per_sample(x.contiguous()[None])
         return q[0], s
-    from vaeopt.kernels.fp8_quant import quantize_per_tensor
-
     q, s = quantize_per_tensor(x)
     return q.contiguous(), s.reshape(1)
 
@@ -494,8 +477,6 @@ def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | 
     gates it like a layer. On CUDA with FP8 tensor cores; elsewhere an emulation with the same roundings in fp32 (CPU
     tests). fast_accum (cuBLAS's fp8 accumulation without promotion) is off: over 16384 keys it measured 2e-1
     relative error. Queries in chunks whose fp32-sized scores stay under max_score_bytes. Output in v's dtype."""
-    from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX
-
     B, H, L, d = q.shape
     Lk, dv = k.shape[2], v.shape[-1]
     q3, k3, v3 = q.reshape(B * H, L, d), k.reshape(B * H, Lk, d), v.reshape(B * H, Lk, dv)
@@ -566,7 +547,7 @@ def _make_processor_class():
                 return False
             if attn.spatial_norm is not None or attn.norm_q is not None or attn.norm_k is not None:
                 return False
-            if x.dim() not in (3, 4) or attn.to_out is None or _head_dim(attn) <= self.min_head_dim:
+            if x.dim() not in (3, 4) or attn.to_out is None or head_dim(attn) <= self.min_head_dim:
                 return False
             if torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling():
                 return False
@@ -642,9 +623,7 @@ def chunked_processor_class():
 
 
 def _classes() -> dict:
-    from vaeopt.stages.fused_norms import _classes as base
-
-    K = base()
+    K = fused_norms.diffusers_classes()
     try:
         from diffusers.models.attention_processor import AttnProcessor2_0
         from diffusers.models.unets.unet_2d_blocks import UpDecoderBlock2D
@@ -662,10 +641,6 @@ def _classes() -> dict:
 
 def _same_forward(m, cls) -> bool:
     return cls is not None and isinstance(m, cls) and type(m).forward is cls.forward and class_forward(m)
-
-
-def _head_dim(attn) -> int:
-    return attn.to_q.out_features // attn.heads
 
 
 def apply(
@@ -717,7 +692,7 @@ def apply(
     if attention and K["Attention"] is not None and K["AttnProcessor2_0"] is not None:
         for m in decoder.modules():
             if isinstance(m, K["Attention"]) and type(getattr(m, "processor", None)) is K["AttnProcessor2_0"]:
-                if _head_dim(m) > min_head_dim:
+                if head_dim(m) > min_head_dim:
                     attns.append(m)
 
     patch_decoder = _same_forward(decoder, K["Decoder"])
@@ -735,7 +710,7 @@ def apply(
         m.forward = BoundForward(_resnet_forward, m)
         record["resnets"].append(m)
     for u in upsamplers:
-        u.forward = BoundForward(_upsample_forward, u)
+        u.forward = BoundForward(upsample_forward, u)
         record["upsamplers"].append(u)
     cls = chunked_processor_class()
     for a in attns:
@@ -755,7 +730,7 @@ def apply(
         upsample_fused=len(fused_up),
         upsamplers=len(upsamplers),
         attention_chunked=len(attns),
-        head_dims=sorted({_head_dim(a) for a in attns}),
+        head_dims=sorted({head_dim(a) for a in attns}),
         head_taps=decoder.conv_out.out_channels if head else 0,
     )
     return StageResult(NAME, "applied", _describe(n), dict(n, backend=why))
@@ -765,7 +740,7 @@ def _norm_readers(decoder, K) -> dict[int, int]:
     """id(module) -> groups of the fused GroupNorm that reads its output next, for the stock Decoder's data path:
     mid-block resnets and attentions in turn, each up-block's resnets then its upsampler, then the head's norm. Only
     where both sides run their stock forwards (the chain breaks at anything else)."""
-    from vaeopt.stages.fused_norms import FusedGroupNormSiLU
+    FusedGroupNormSiLU = fused_norms.FusedGroupNormSiLU
 
     mid_cls = K.get("UNetMidBlock2D")
     mid = decoder.mid_block
@@ -824,12 +799,8 @@ def _apply_wan(model: nn.Module, device) -> StageResult:
         return StageResult.skipped(NAME, why)
     names = [type(m).__name__ for m in model.decoder.modules()]
     n_res, n_rs, n_attn = names.count("WanResidualBlock"), names.count("WanResample"), names.count("WanAttentionBlock")
-    from vaeopt.kernels.tapconv import MAX_TAP_COLUMNS, fits
-
-    from vaeopt.video import _channels_last
-
     co = getattr(getattr(model.decoder, "conv_out", None), "out_channels", 0)
-    cl = _channels_last(model, None)  # the chunk decoder runs these two on channels_last_3d activations only
+    cl = wan_channels_last(model, None)  # the chunk decoder runs these two on channels_last_3d activations only
     head = fits(co) and cl
     setattr(model, _MARK, {"wan": True, "resnets": [], "upsamplers": [], "attns": []})
     extra = ""

@@ -20,18 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.kernels import triton_available
-from vaeopt.stages import StageResult, unhooked
+from vaeopt.stages import StageResult, needs_autograd, unhooked
+from vaeopt.stages.marks import FUSED_NORMS
 
 NAME = "fused_norms"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MARK = "_vaeopt_fused_norms"  # model attribute: [(parent, attr, original module), ...] for revert
+_MARK = FUSED_NORMS  # model attribute: [(parent, attr, original module), ...] for revert
 
 
-def _use_kernel(x: torch.Tensor, *params) -> bool:
+def use_kernel(x: torch.Tensor, *params) -> bool:
     """`params`: the weights the kernel reads. The kernels have no backward: under grad mode, a tensor that needs a
     gradient takes the torch ops (else autograd would silently return no gradient for it)."""
-    from vaeopt.stages import needs_autograd
-
     if needs_autograd(x, *params):
         return False
     if x.dtype not in _KERNEL_DTYPES or torch.is_autocast_enabled(x.device.type):
@@ -54,7 +53,7 @@ class FusedGroupNormSiLU(nn.Module):
         self.silu = silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernel(x, self.weight, self.bias):
+        if use_kernel(x, self.weight, self.bias):
             from vaeopt.kernels.group_norm_silu import group_norm_silu
 
             return group_norm_silu(x, self.num_groups, self.weight, self.bias, self.eps, self.silu)
@@ -78,7 +77,7 @@ class FusedRMSNormSiLU(nn.Module):
         self.silu = silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernel(x, self.gamma, self.bias):
+        if use_kernel(x, self.gamma, self.bias):
             from vaeopt.kernels.rms_norm_silu import rms_norm_silu
 
             return rms_norm_silu(x, self.gamma, self.bias, self.eps, self.silu, scale=self.scale)
@@ -99,7 +98,7 @@ def available(device: torch.device | str | None = None) -> tuple[bool, str]:
 # --- matching --------------------------------------------------------------------------------------------------
 
 
-def _classes() -> dict[str, type | None]:
+def diffusers_classes() -> dict[str, type | None]:
     """diffusers classes whose forward we rely on (None where this diffusers lacks them)."""
     import importlib
 
@@ -166,7 +165,7 @@ def hooked_parts(decoder: nn.Module, attention: bool = True) -> list[str]:
 
 def _plan(decoder: nn.Module, attention: bool) -> tuple[list[tuple[nn.Module, str, nn.Module]], dict[str, int]]:
     """-> [(parent, attr, new module)], counts. Pure: builds the replacements, changes nothing."""
-    K = _classes()
+    K = diffusers_classes()
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     n = {"gn_silu": 0, "gn": 0, "rms_silu": 0, "rms": 0, "hooked": hooked_parts(decoder, attention)}
     for m in decoder.modules():
@@ -230,6 +229,11 @@ def _hooked_note(hooked: list[str]) -> str:
         return ""
     more = f" and {len(hooked) - 2} more" if len(hooked) > 2 else ""
     return (f"; left unfused where modules carry hooks, so that they still fire ({', '.join(hooked[:2])}{more})")
+
+
+def has_fused_rms_norms(dec: nn.Module) -> bool:
+    """This stage swapped RMS norm + SiLU pairs in `dec` (Wan's fused chunk decode reads its kernels' parameters)."""
+    return any(type(m) is FusedRMSNormSiLU for m in dec.modules())
 
 
 def apply(model: nn.Module, attention: bool = True, device: torch.device | str | None = None) -> StageResult:

@@ -30,9 +30,10 @@ from torch import nn
 
 from vaeopt.kernels import interpreter_hint
 from vaeopt.stages import StageResult, cached_weight, drop_attrs, unmeasured_gpu
+from vaeopt.stages.marks import STACK3D, stacked, wan_conv_fits
 
 NAME = "stacked_conv3d"
-_MARK = "_vaeopt_stack3d"
+_MARK = STACK3D
 _W = "_vaeopt_stack3d_w"
 MEASURED_CHANNELS = (96, 384)  # stacked beat the Conv3d path (and 96: our Triton kernel) at these widths
 MEASURED_SM = ((9, 0),)
@@ -55,12 +56,11 @@ def tma_takes_96(device: torch.device | None, dtype: torch.dtype | None) -> bool
 
 def candidates(model: nn.Module, every: bool = False, skip: tuple[int, ...] = ()) -> list[nn.Module]:
     """The decoder's stock causal 3x3x3 convs with a measured width not in `skip` (every=True: all of them)."""
-    from vaeopt.stages.triton_conv import _kernel_fits  # (a stock, unhooked WanCausalConv3d, 3x3x3, stride 1)
 
     dec = getattr(model, "decoder", None)
     if dec is None:
         return []
-    return [m for m in dec.modules() if isinstance(m, nn.Conv3d) and _kernel_fits(m)
+    return [m for m in dec.modules() if isinstance(m, nn.Conv3d) and wan_conv_fits(m)
             and (every or (m.in_channels == m.out_channels and m.in_channels in MEASURED_CHANNELS
                            and m.in_channels not in skip))]
 
@@ -105,8 +105,7 @@ def revert(model: nn.Module) -> None:
     drop_attrs(model, _MARK, _W)
 
 
-def marked(conv) -> bool:
-    return bool(getattr(conv, _MARK, False))
+marked = stacked
 
 
 def stacked_weight(conv: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -28,48 +28,37 @@ from typing import Callable
 import torch
 from torch import nn
 
-from vaeopt.stages import StageResult, derived, drop_attrs, unhooked, unmeasured_gpu, weight_version
+from vaeopt.fidelity import psnr
+from vaeopt.kernels import triton_available, ws_conv
+from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, unmeasured_gpu,
+                           upsample_conv, weight_version)
+from vaeopt.stages.fp8 import available as fp8_stage_available
+from vaeopt.quant.gate import exact_fp32
+from vaeopt.stages.marks import CONV8 as _MARK8
+from vaeopt.stages.marks import CONV8_INT8 as _INT8
+from vaeopt.stages.marks import CONV8_PACKED as _PACKED8
+from vaeopt.stages.marks import FP8_ATTR, head_dim, is_wan, stacked
+from vaeopt.stages.marks import IGEMM as _MARK
+from vaeopt.stages.marks import IGEMM_PACKED as _PACKED
+from vaeopt.stages.marks import wan_conv_fits as _kernel_fits
 
 NAME = "triton_conv"
 MAX_COUT = 128  # measured: Triton wins at 96 output channels, cuDNN from 192 up
 MIN_COUT = 64  # narrower outputs (conv_out's 3 channels) were not measured: cuDNN
 MEASURED_SM = ((9, 0),)
-_MARK = "_vaeopt_igemm"
-_PACKED = "_vaeopt_igemm_packed"
-_MARK8 = "_vaeopt_fp8conv"
-_PACKED8 = "_vaeopt_fp8conv_packed"
-_INT8 = "_vaeopt_conv8_int8"  # on an image decoder conv: int8 operands, not e4m3 (resnets asymmetric, upsamplers not)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
-    from vaeopt.kernels import triton_available
-
     if device.type != "cuda":
         return False, "no CUDA GPU (the kernel runs on CPU only through the Triton interpreter, for tests)"
     return triton_available(device)
-
-
-def _kernel_fits(m: nn.Module) -> bool:
-    """A stock, unhooked WanCausalConv3d that the kernel computes exactly: 3x3x3, stride/dilation 1, one group,
-    'same' spatial padding done by the cache-aware caller."""
-    try:
-        from diffusers.models.autoencoders import autoencoder_kl_wan as wan
-    except ImportError:  # pragma: no cover
-        return False
-    if type(m).forward is not wan.WanCausalConv3d.forward or not unhooked(m):
-        return False
-    return (tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1) and tuple(m.dilation) == (1, 1, 1)
-            and m.groups == 1 and m.padding == (0, 0, 0) and m._padding[0] == 1 and m._padding[2] == 1
-            and getattr(m, "weight", None) is not None)
 
 
 def _eligible(m: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None) -> bool:
     """_kernel_fits, not taken by stacked_conv3d (its time-stacked cuDNN Conv2d measured faster than this kernel at
     96 channels), and either few enough output channels that the bf16 kernel beats cuDNN, or a layer the
     warp-specialized kernel takes here (Wan's 192-ch convs: faster than cuDNN's Conv3d, E42)."""
-    from vaeopt.stages.stacked_conv3d import marked
-
-    if not _kernel_fits(m) or marked(m):
+    if not _kernel_fits(m) or stacked(m):
         return False
     return MIN_COUT <= m.out_channels <= MAX_COUT or _on_ws(m, device, dtype)
 
@@ -77,8 +66,6 @@ def _eligible(m: nn.Module, device: torch.device | None = None, dtype: torch.dty
 def _on_ws(conv: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> bool:
     """Whether conv_igemm runs this layer on the warp-specialized Gluon kernel (kernels/ws_conv.py): bf16 on sm_90
     with Gluon, and a channel count it has a measured config for (96, 192)."""
-    from vaeopt.kernels import ws_conv
-
     return (device is not None and dtype is not None and ws_conv.takes(conv.in_channels, conv.out_channels)
             and ws_conv.available(torch.device(device), dtype))
 
@@ -88,8 +75,6 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     device = device or next(model.parameters()).device
     ok, why = available(device)
     if not ok:
-        from vaeopt.kernels import triton_available
-
         if not (force and device.type == "cpu" and triton_available(device)[0]):  # CPU: interpreter, tests only
             return StageResult.skipped(NAME, why)
     why = None if force else unmeasured_gpu(device, MEASURED_SM, "cuDNN", "--conv-kernel")
@@ -103,9 +88,8 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
         return StageResult.skipped(NAME, "no Conv3d layers: 2D convs stay with cuDNN")
     chosen = [m for m in convs if _eligible(m, device, dtype)]
     if not chosen:
-        from vaeopt.stages.stacked_conv3d import marked
-
-        if any(marked(m) for m in convs) and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT for m in convs):
+        if any(stacked(m) for m in convs) and any(_kernel_fits(m) and MIN_COUT <= m.out_channels <= MAX_COUT
+                                                  for m in convs):
             return StageResult.skipped(NAME, f"the {MIN_COUT}-{MAX_COUT}-channel Conv3d layers run as stacked Conv2d "
                                              "(stacked_conv3d took them)")
         return StageResult.skipped(NAME, f"none of {len(convs)} Conv3d layers has {MIN_COUT}-{MAX_COUT} output channels "
@@ -132,8 +116,6 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
 
 
 def revert(model: nn.Module) -> None:
-    from vaeopt.stages.fused_epilogues import FP8_ATTR
-
     drop_attrs(model, _MARK, _PACKED, _MARK8, _PACKED8, FP8_ATTR, _INT8)
 
 
@@ -145,7 +127,7 @@ def _bf16_tma(conv: nn.Module, device: torch.device, dtype: torch.dtype) -> bool
     """Whether conv_igemm hands this marked bf16 layer to the TMA kernel: bf16 on sm_90 with TMA, and a layer with a
     bf16 tile (Wan's 96-ch causal convs, E28). Its weights are then packed K-major; every other layer keeps the
     pointer kernel's measured layout."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     return (tma_conv.bf16_wan96(device, dtype)
             and tma_conv.tuned_config(conv.in_channels, conv.out_channels, 0, False, video=True) is not None
@@ -195,9 +177,7 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
 
 def fp8_available(device: torch.device) -> tuple[bool, str]:
     """FP8 tensor cores here (sm_89+), as for the level 1-2 stage."""
-    from vaeopt.stages.fp8 import available
-
-    return available(device)
+    return fp8_stage_available(device)
 
 
 # Image decoders: where (GroupNorm e4m3 + e4m3 conv) measured faster than (GroupNorm bf16 + cuDNN bf16), H200,
@@ -212,10 +192,6 @@ IMAGE_FP8_MIN_CH = 256  # pointer kernel (sm_89, sm_120, or sm_90 without TMA de
 IMAGE_FP8_MIN_CH_TMA = 128  # TMA kernel (sm_90)
 
 
-def _is_wan(model: nn.Module) -> bool:
-    return type(model).__name__ == "AutoencoderKLWan"
-
-
 def _conv2d_fits(m: nn.Module) -> bool:
     """A plain 3x3 Conv2d, stride/dilation 1, one group, zero 'same' padding: what the kernel computes exactly."""
     return (type(m) is nn.Conv2d and unhooked(m) and m.padding_mode == "zeros"
@@ -225,7 +201,7 @@ def _conv2d_fits(m: nn.Module) -> bool:
 
 def image_min_channels(device: torch.device | None) -> int:
     """The narrowest AutoencoderKL resnet conv (min of Cin, Cout) that measured faster in e4m3 on this device."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     return IMAGE_FP8_MIN_CH_TMA if device is not None and tma_conv.available(torch.device(device)) else IMAGE_FP8_MIN_CH
 
@@ -241,7 +217,7 @@ def fp8_candidates(model: nn.Module, device: torch.device | None = None) -> list
     dec = getattr(model, "decoder", None)
     if dec is None:
         return out
-    if _is_wan(model):
+    if is_wan(model):
         for name, m in dec.named_modules():
             if name.endswith((".conv1", ".conv2")) and ".resnets." in name and _kernel_fits(m):
                 out.append((f"decoder.{name}", m))
@@ -261,10 +237,8 @@ def fp8_upsampler_candidates(model: nn.Module, device: torch.device) -> list[tup
     here: the TMA conv kernel with a measured tile (sm_90), >= IMAGE_FP8_MIN_CH_TMA channels. Their input, a residual
     sum that no norm writes, is quantized per sample by kernels/act_quant.py (upsample_conv.run)."""
     dec = getattr(model, "decoder", None)
-    if dec is None or _is_wan(model):
+    if dec is None or is_wan(model):
         return []
-    from vaeopt.stages import upsample_conv
-
     ups = {id(u) for u in (getattr(model, "_vaeopt_fused_epilogues", None) or {}).get("upsamplers", [])}
     min_ch = image_min_channels(device)
     out = []
@@ -285,15 +259,14 @@ def fp8_attention_candidates(model: nn.Module, device: torch.device) -> list[tup
     SD/SDXL/SD3/FLUX), which can run as fp8_attention (e4m3 Q/K/V/P through torch._scaled_mm, row-scaled P @ V)
     here: sm_90, where it was measured (ATTN_FP8_SM), with a torch whose _scaled_mm takes row-wise scales."""
     dec = getattr(model, "decoder", None)
-    if dec is None or _is_wan(model) or not attention_fp8_ready(torch.device(device)):
+    if dec is None or is_wan(model) or not attention_fp8_ready(torch.device(device)):
         return []
-    from vaeopt.stages.fused_epilogues import _head_dim
 
     out = []
     for name, m in dec.named_modules():
         proc = getattr(m, "processor", None)
         if (type(m).__name__ == "Attention" and type(proc).__name__ == "ChunkedAttnProcessor"
-                and _head_dim(m) > proc.min_head_dim and _head_dim(m) % 16 == 0):
+                and head_dim(m) > proc.min_head_dim and head_dim(m) % 16 == 0):
             out.append((f"decoder.{name}", m))
     return out
 
@@ -303,11 +276,9 @@ def attention_fp8_ready(device: torch.device) -> bool:
         return False
     key = str(device)
     if key not in _ATTN_FP8_OK:  # one tiny call: older torch builds lack row-wise scaled fp8 GEMMs
-        from vaeopt.stages.fused_epilogues import fp8_attention
-
         try:
             x = torch.randn(1, 1, 32, 16, device=device, dtype=torch.bfloat16)
-            _ATTN_FP8_OK[key] = bool(torch.isfinite(fp8_attention(x, x, x)).all())
+            _ATTN_FP8_OK[key] = bool(torch.isfinite(fused_epilogues.fp8_attention(x, x, x)).all())
         except (RuntimeError, TypeError, NotImplementedError):
             _ATTN_FP8_OK[key] = False
     return _ATTN_FP8_OK[key]
@@ -315,21 +286,6 @@ def attention_fp8_ready(device: torch.device) -> bool:
 
 def _is_attention(m: nn.Module) -> bool:
     return type(m).__name__ == "Attention"
-
-
-def packed_fp8(conv: nn.Module):
-    """The conv's 8-bit K-major PackedWeight (per-output-channel scales): int8 where apply_fp8 chose int8 for it
-    (`_INT8`), else e4m3; packed once per weight version and format."""
-    w = conv.weight
-    i8 = bool(getattr(conv, _INT8, False))
-    key = (_weight_key(w), i8)
-    cached = getattr(conv, _PACKED8, None)
-    if cached is None or cached[0] != key:
-        from vaeopt.kernels.conv import E4M3, pack_weight
-
-        cached = (key, pack_weight(w.detach(), torch.int8 if i8 else E4M3))
-        setattr(conv, _PACKED8, cached)
-    return cached[1]
 
 
 # int8 for the image resnet convs (sm_90, the TMA kernel): a SiLU output quantized to 255 levels over [-0.28, max]
@@ -343,42 +299,45 @@ INT8_FORMAT = True
 
 def int8_convs(model: nn.Module, device: torch.device) -> bool:
     """Whether this model's image resnet convs run their 8-bit path in int8 here (else e4m3)."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
-    return (INT8_FORMAT and not _is_wan(model) and getattr(model, "decoder", None) is not None
+    return (INT8_FORMAT and not is_wan(model) and getattr(model, "decoder", None) is not None
             and tma_conv.available(torch.device(device)))
 
 
-def _decode(model: nn.Module, z: torch.Tensor) -> torch.Tensor:
-    """The decode the pipeline runs: vaeopt.video's chunk decoder for Wan, the (patched) model.decode otherwise."""
-    if _is_wan(model):
-        from vaeopt import video
+Decode = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
-        return video.decode_video(model, z)
+
+def _decode(model: nn.Module, z: torch.Tensor, decode: Decode | None = None) -> torch.Tensor:
+    """The decode the pipeline runs: `decode` (vaeopt.video.decode_video for Wan, whose chunk decoder is where the
+    marks take effect), else the (patched) model.decode."""
+    if decode is not None:
+        with torch.no_grad():
+            return decode(model, z)
+    if is_wan(model):
+        raise ValueError("the fp8 convs' gate decodes Wan with vaeopt.video's chunk decoder: pass decode=")
     with torch.no_grad():
         return model.decode(z).sample
 
 
-def _references(model: nn.Module, z: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _references(model: nn.Module, z: torch.Tensor, dtype: torch.dtype, decode: Decode | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the fp32 decode of the same weights, TF32 off; the decode in `dtype`) of the probe z. Call with no fp8 marks."""
-    from vaeopt.quant.gate import exact_fp32
-
     try:
         model.float()
         with exact_fp32():
-            ref = _decode(model, z.float()).float()
+            ref = _decode(model, z.float(), decode).float()
         model.to(dtype)
-        base = _decode(model, z.to(dtype)).float()
+        base = _decode(model, z.to(dtype), decode).float()
     finally:
         model.to(dtype)
     return ref, base
 
 
-def _probe_db(model: nn.Module, z: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor) -> float:
+def _probe_db(model: nn.Module, z: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor,
+              decode: Decode | None = None) -> float:
     """PSNR vs ref of the probe decode with the fp8 marks as they are now."""
-    from vaeopt.fidelity import psnr
-
-    return psnr(_decode(model, z.to(dtype)).float(), ref)
+    return psnr(_decode(model, z.to(dtype), decode).float(), ref)
 
 
 def _image_flops(model: nn.Module, cands: list, latent_hw: tuple[int, int]) -> dict | None:
@@ -387,7 +346,7 @@ def _image_flops(model: nn.Module, cands: list, latent_hw: tuple[int, int]) -> d
     twice its block's size as four 2x2 phase convs (4 taps per output pixel), the attention core's two GEMMs at
     4 L^2 d. None where a name or module does not fit that layout."""
     dec = getattr(model, "decoder", None)
-    if dec is None or _is_wan(model) or not hasattr(dec, "up_blocks"):
+    if dec is None or is_wan(model) or not hasattr(dec, "up_blocks"):
         return None
     scale, res = 1, {}
     for i, blk in enumerate(dec.up_blocks):
@@ -407,10 +366,9 @@ def _image_flops(model: nn.Module, cands: list, latent_hw: tuple[int, int]) -> d
         if r is None:
             return None
         if _is_attention(m):
-            from vaeopt.stages.fused_epilogues import _head_dim
-
+        
             tokens = h * w * r * r
-            out[name] = 4 * tokens * tokens * _head_dim(m) * getattr(m, "heads", 1)
+            out[name] = 4 * tokens * tokens * head_dim(m) * getattr(m, "heads", 1)
         elif "upsamplers" in parts:
             out[name] = 2 * (4 * h * w * r * r) * m.in_channels * m.out_channels * 4
         else:
@@ -419,7 +377,8 @@ def _image_flops(model: nn.Module, cands: list, latent_hw: tuple[int, int]) -> d
 
 
 def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torch.dtype, gate_db: float,
-                 margin_db: float, mark: Callable, flops: dict | None = None) -> tuple[list | None, dict, str]:
+                 margin_db: float, mark: Callable, flops: dict | None = None, decode: Decode | None = None
+                 ) -> tuple[list | None, dict, str]:
     """Probe-decode with every candidate in 8 bits; if that misses the gate, measure each layer's sensitivity (the
     probe with only that layer in 8 bits), order the layers, and keep the largest prefix that clears gate + margin
     (binary search on the count). -> (the chosen candidates, or None: no subset passed; stats; note).
@@ -429,14 +388,12 @@ def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torc
     apply_fp8 passes flops for int8: on an H100 the default gate then admitted 10 convs and the attention instead of
     18 and the attention, 15.89 against 16.01 ms per sdxl-1024 decode in a same-process A/B (all 21 paired rounds
     faster). For e4m3 the FLOPs order admitted 2 layers instead of 5 and measured slower (H200; experiments.md E46)."""
-    from vaeopt.fidelity import psnr
-
     dname = str(dtype).replace("torch.", "")
     mark([])
-    ref, base = _references(model, probe, dtype)  # once: every probe below is compared with the same decodes
+    ref, base = _references(model, probe, dtype, decode)  # once: every probe below is compared with the same decodes
     pb = psnr(base, ref)
     mark(cands)
-    p8 = _probe_db(model, probe, dtype, ref)
+    p8 = _probe_db(model, probe, dtype, ref, decode)
     stats = {"layers": len(cands), "probe_db": p8, "bf16_probe_db": pb, "gate_db": gate_db, "kept": [],
              "probe_shape": list(probe.shape)}
     if p8 >= gate_db:
@@ -444,7 +401,7 @@ def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torc
     sens = []
     for c in cands:
         mark([c])
-        sens.append((_probe_db(model, probe, dtype, ref), c))
+        sens.append((_probe_db(model, probe, dtype, ref, decode), c))
     if flops is not None:
         sens.sort(key=lambda t: -flops[t[1][0]] * 10 ** (t[0] / 10))
     else:
@@ -454,7 +411,7 @@ def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torc
     while lo <= hi:
         k = (lo + hi) // 2
         mark(order[:k])
-        pk = _probe_db(model, probe, dtype, ref)
+        pk = _probe_db(model, probe, dtype, ref, decode)
         if pk >= gate_db + margin_db:
             best, lo = (k, pk), k + 1
         else:
@@ -480,23 +437,22 @@ def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torc
 
 def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_db: float = 40.0,
               probe: torch.Tensor | None = None, force: bool = False, margin_db: float = 0.5,
-              decode_shape: tuple | None = None) -> StageResult:
+              decode_shape: tuple | None = None, decode: Decode | None = None) -> StageResult:
     """Mark the fp8 candidates and keep the set that clears the gate (PSNR vs fp32 of a probe decode, _gate_search),
     else fall back. The probe is a 16x16 latent for e4m3, whose relative step does not depend on the image. int8's
     step is the whole tensor's range / 254, and a larger image has larger extremes (E45: a 16x16 probe measured 40.6
     dB where the 1024² decode measured 39.1), so int8 (int8_convs) is gated at decode_shape, the decode's latent
     shape (with `probe` where it has that size, else a seeded N(0, 1) latent): without it, or if that probe does not
-    fit in memory, or if no int8 subset passes there, the resnet convs take e4m3."""
+    fit in memory, or if no int8 subset passes there, the resnet convs take e4m3. `decode`: how the probe is
+    decoded (vaeopt.video.decode_video for Wan; None: model.decode)."""
     name = "fp8 convs"
     ok, why = fp8_available(device)
     if not ok and not force:
         return StageResult.skipped(name, why)
-    wan = _is_wan(model)
+    wan = is_wan(model)
     norm = "RMS-norm" if wan else "GroupNorm"
     if wan:
-        from vaeopt import video
-
-        fused = video._has_fused_norms(model.decoder) and getattr(model, "_vaeopt_fused_epilogues", None)
+        fused = fused_norms.has_fused_rms_norms(model.decoder) and getattr(model, "_vaeopt_fused_epilogues", None)
     else:
         fused = (getattr(model, "_vaeopt_fused_epilogues", None) or {}).get("resnets")
     if not fused:
@@ -515,8 +471,6 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         shape = (1, model.config.z_dim, 3, 16, 16) if wan else (1, model.config.latent_channels, 16, 16)
         probe = torch.randn(shape, generator=g)
     dname = str(dtype).replace("torch.", "")
-
-    from vaeopt.stages.fused_epilogues import FP8_ATTR
 
     up_ids = {id(m) for _, m in ups}
 
@@ -542,7 +496,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         set_format(True)
         try:
             result = _gate_search(model, cands, big, dtype, gate_db, margin_db, mark,
-                                  _image_flops(model, cands, tuple(big.shape[-2:])))
+                                  _image_flops(model, cands, tuple(big.shape[-2:])), decode)
         except torch.cuda.OutOfMemoryError:
             mark([])
             torch.cuda.empty_cache()
@@ -554,7 +508,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         i8 = result is not None
     if result is None:
         set_format(False)
-        result = _gate_search(model, cands, probe.to(device), dtype, gate_db, margin_db, mark)
+        result = _gate_search(model, cands, probe.to(device), dtype, gate_db, margin_db, mark, None, decode)
     chosen, stats, note = result
     if chosen is None:
         return StageResult(name, "fallback", f"{note}: convs kept in {dname}{note8}", stats)
@@ -564,7 +518,7 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     chosen = [(n, m) for n, m in chosen if not _is_attention(m)]  # the convs, for what follows
     stats["upsampler_layers"] = n_up
     stats["attention_cores"] = n_att
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     n_tma = sum(id(m) in up_ids or (tma_conv.available(torch.device(device)) and tma_conv.tuned_config(
         m.in_channels, m.out_channels, 1 << 30, True) is not None) for _, m in chosen)
@@ -574,10 +528,8 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
     if n_tma:
         note += f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py)"
     if i8 and not wan:  # fused_epilogues._residual_in_conv: a conv2 of a resnet without a shortcut
-        from vaeopt.stages.fused_epilogues import takes_residual_in_conv
-
         blocks = [model.get_submodule(n.rsplit(".", 1)[0]) for n, _ in chosen if n.endswith(".conv2")]
-        n_res = sum(takes_residual_in_conv(b) for b in blocks)
+        n_res = sum(fused_epilogues.takes_residual_in_conv(b) for b in blocks)
         stats["residual_in_conv"] = n_res
         if n_res:
             note += (f"; {n_res} int8 conv2 add their resnet's input in the epilogue, no residual pass (where the "

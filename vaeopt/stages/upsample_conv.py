@@ -12,7 +12,7 @@ the code that runs them decides per call:
 - AutoencoderKL (SD/SDXL/SD3/FLUX): Upsample2D modules patched by `fused_epilogues` run the phase conv, and the
   up-block's last resnet stops writing its output 2x-upsampled (stages/fused_epilogues.py).
 - Wan: WanResample's `resample` (nn.Upsample 2x nearest + Conv2d 3x3) runs as the phase conv in vaeopt.video's chunk
-  decoder, on the fused path and the torch path alike (video._frames_up_conv).
+  decoder, on the fused path and the torch path alike (vaeopt.engine.wan_ops.frames_up_conv).
 Numerics: an exact rewrite of the same linear map; only rounding differs (the summed taps are rounded once to the
 weight dtype), which the benchmark's PSNR vs fp32 measures. On CPU, auto keeps the stock composition (CPU decodes
 stay bitwise diffusers); `--upsample-conv on` forces it anywhere.
@@ -25,14 +25,17 @@ import time
 import torch
 from torch import nn
 
-from vaeopt.stages import StageResult, cached_weight, drop_attrs, unhooked
+from vaeopt.kernels import interpreter_hint
+from vaeopt.kernels import upconv  # (the module: tests watch its launchers)
+from vaeopt.stages import StageResult, cached_weight, drop_attrs, needs_autograd, unhooked
+from vaeopt.stages.marks import CONV8, CONV8_INT8, FUSED_EPILOGUES, UPCONV, interpolating_upsampler, is_2x_nearest
 
 NAME = "upsample_conv"
-_MARK = "_vaeopt_upconv"  # on the nn.Conv2d: run as phase convs
+_MARK = UPCONV  # on the nn.Conv2d: run as phase convs
 _W4 = "_vaeopt_upconv_w4"  # on the nn.Conv2d: (weight key, dtype) -> phase kernels
 _W4_8 = "_vaeopt_upconv_w4_e4m3"  # on the nn.Conv2d: (weight key) -> the e4m3 phase kernels (one PackedWeight)
-_FP8 = "_vaeopt_fp8conv"  # set on the conv by FP8 level 3 (stages/triton_conv.apply_fp8)
-_INT8 = "_vaeopt_conv8_int8"  # set with it where the 8-bit format is int8 (stages/triton_conv._INT8)
+_FP8 = CONV8  # set on the conv by FP8 level 3 (stages/triton_conv.apply_fp8)
+_INT8 = CONV8_INT8  # set with it where the 8-bit format is int8
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -50,26 +53,22 @@ def _conv3x3(m) -> bool:
 def _image_candidates(model: nn.Module) -> list[nn.Conv2d]:
     """Convs of the Upsample2D modules that fused_epilogues patched (their forward is the one that consumes the
     mark) with an interpolating, conv-ending stock layout."""
-    from vaeopt.stages import fused_epilogues as fe
-
-    record = getattr(model, fe._MARK, None) or {}
+    record = getattr(model, FUSED_EPILOGUES, None) or {}
     out = []
     for u in record.get("upsamplers", []):
         conv = getattr(u, "conv", None) if getattr(u, "name", "conv") == "conv" else None
-        if u.use_conv and fe._upsample_static_ok(u) and conv is not None and _conv3x3(conv):
+        if u.use_conv and interpolating_upsampler(u) and conv is not None and _conv3x3(conv):
             out.append(conv)
     return out
 
 
 def _wan_candidates(model: nn.Module) -> list[nn.Conv2d]:
-    from vaeopt.video import _is_2x_nearest
-
     out = []
     for m in model.decoder.modules():
         if type(m).__name__ != "WanResample" or m.mode not in ("upsample2d", "upsample3d"):
             continue
         rs = m.resample
-        if isinstance(rs, nn.Sequential) and len(rs) == 2 and _is_2x_nearest(rs[0]) and _conv3x3(rs[1]):
+        if isinstance(rs, nn.Sequential) and len(rs) == 2 and is_2x_nearest(rs[0]) and _conv3x3(rs[1]):
             out.append(rs[1])
     return out
 
@@ -80,8 +79,6 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     ok, why = available(device)
     if not ok and not force:
         if type(model).__name__ != "AutoencoderKLWan" and device.type != "cuda":
-            from vaeopt.kernels import interpreter_hint  # image VAEs run the phase convs inside the fused path
-
             why = ("CPU decode: the stock upsample + conv kept (bitwise diffusers); image VAEs run the phase convs "
                    f"inside the fused Triton path ({interpreter_hint('--triton on --upsample-conv on')})")
         return StageResult.skipped(NAME, why)
@@ -91,9 +88,7 @@ def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dty
     if wan:
         convs = _wan_candidates(model)
     else:
-        from vaeopt.stages import fused_epilogues as fe
-
-        if not getattr(model, fe._MARK, None):
+        if not getattr(model, FUSED_EPILOGUES, None):
             return StageResult.skipped(NAME, "needs fused_epilogues (its Upsample2D forward runs the phase convs)")
         convs = _image_candidates(model)
     if not convs:
@@ -124,8 +119,6 @@ def applies(conv, dtype: torch.dtype, device: torch.device, x: torch.Tensor | No
     """conv is marked and activations of this dtype / device can run through its phase kernels (the weights'
     own; anything else, e.g. autocast or a dry run on meta, takes the plain composition). With x: not when autograd
     needs gradients of x or of the weights (the phase kernels are derived once, without a backward)."""
-    from vaeopt.stages import needs_autograd
-
     return (marked(conv) and dtype == conv.weight.dtype and device == conv.weight.device
             and not needs_autograd(x, conv.weight, conv.bias))
 
@@ -133,11 +126,9 @@ def applies(conv, dtype: torch.dtype, device: torch.device, x: torch.Tensor | No
 def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
     """The conv's phase kernels (4*Cout, Cin, 2, 2) in `dtype` (channels_last for cuDNN's NHWC kernels), computed
     once per weight version and dtype."""
-    from vaeopt.kernels.upconv import phase_weights
-
     def make():
         w = conv.weight
-        w4 = phase_weights(w.detach()).to(dtype)
+        w4 = upconv.phase_weights(w.detach()).to(dtype)
         if w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous():
             w4 = w4.contiguous(memory_format=torch.channels_last)
         return w4
@@ -148,7 +139,7 @@ def phase_for(conv: nn.Conv2d, dtype: torch.dtype) -> torch.Tensor:
 def fp8_ready(conv: nn.Conv2d, device: torch.device) -> bool:
     """The conv's phase convs can run in e4m3 here: the TMA conv kernel is available (sm_90) and has a measured tile
     for its channels (kernels/tma_conv.tuned_upconv_config)."""
-    from vaeopt.kernels import tma_conv
+    from vaeopt.kernels import tma_conv  # (imports Triton)
 
     return (marked(conv) and tma_conv.available(torch.device(device))
             and tma_conv.tuned_upconv_config(conv.in_channels, conv.out_channels) is not None)
@@ -161,11 +152,9 @@ def _fp8_phase(conv: nn.Conv2d, x: torch.Tensor):
         return None
     if not x.is_contiguous(memory_format=torch.channels_last) or not fp8_ready(conv, x.device):
         return None
-    from vaeopt.kernels.upconv import phase_weights_8bit
-
     if getattr(conv, _INT8, False):
-        return cached_weight(conv, _W4_8, "int8", lambda: phase_weights_8bit(conv.weight, torch.int8))
-    return cached_weight(conv, _W4_8, "e4m3", lambda: phase_weights_8bit(conv.weight))
+        return cached_weight(conv, _W4_8, "int8", lambda: upconv.phase_weights_8bit(conv.weight, torch.int8))
+    return cached_weight(conv, _W4_8, "e4m3", lambda: upconv.phase_weights_8bit(conv.weight))
 
 
 def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
@@ -180,10 +169,6 @@ def run(conv: nn.Conv2d, x: torch.Tensor, bias: bool = True, fp8: bool = False,
     pw4 = _fp8_phase(conv, x) if fp8 else None
     if pw4 is not None:
         from vaeopt.kernels.act_quant import quantize_e4m3_per_sample, quantize_int8_per_sample
-        from vaeopt.kernels.upconv import upconv2x_8bit
-
         x8, s = (quantize_int8_per_sample if pw4.w.dtype == torch.int8 else quantize_e4m3_per_sample)(x)
-        return upconv2x_8bit(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
-    from vaeopt.kernels.upconv import upconv2x
-
-    return upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None, stats_groups)
+        return upconv.upconv2x_8bit(x8, s, pw4, conv.bias if bias else None, out_dtype=x.dtype)
+    return upconv.upconv2x(x, phase_for(conv, x.dtype), conv.bias if bias else None, stats_groups)

@@ -1,0 +1,153 @@
+"""Where a tiled decode keeps its full activations: a store of regions, local or on the host.
+
+The image tiler computes one pass over a whole activation tile by tile. Each tile reads a region of the
+activation it depends on, widened by the conv's halo (vaeopt.engine.regions), from the store. The store is the
+"local store and crop" halo source: a band-parallel decode instead gets the rows beyond a band's edges from the
+neighbour ranks (vaeopt.engine.halo). An activation carries its GroupNorm statistics (vaeopt.engine.stats) and
+the bias its producer still owes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from vaeopt.engine.stats import KernelStats, Moments
+
+MAX_INFLIGHT_WRITES = 2  # device->host tile writes allowed in flight before the host waits (bounds memory)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+
+
+def layout_of(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if (t.dim() == 4 and t.stride(1) == 1 and t.shape[1] > 1) else torch.contiguous_format
+
+
+def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+class Activation:
+    """A full-size activation (1, C, H, W) on the storage device, its statistics, and its pending per-channel bias
+    (kernel path: the true activation is ``t + bias[c]``; the producing conv ran without its bias)."""
+
+    def __init__(self, t: torch.Tensor, stats: Moments | KernelStats | None, bias: torch.Tensor | None = None):
+        self.t = t
+        self.stats = stats
+        self.bias = bias
+
+    @property
+    def hw(self) -> tuple[int, int]:
+        return self.t.shape[-2], self.t.shape[-1]
+
+
+class RegionStore:
+    """Tile regions between the storage device and the compute device.
+
+    Local storage: a region is a view of the buffer, a write one in-place copy. Remote storage (CPU buffers, CUDA
+    compute): dense regions of pinned buffers are copied by a host->device stream (prefetched one tile ahead, so the
+    copy overlaps the current tile's kernels) and written back by a device->host stream (in parallel: PCIe is full
+    duplex). Ordering is by CUDA events, never by host waits: the compute stream waits for the read of its region;
+    the device->host stream waits for the compute stream; a read waits only for the in-flight writes that overlap its
+    rows (so the first band of a pass does not wait for the last band of the previous one); ``record_stream`` keeps
+    the allocator from reusing a tile's memory while a copy still uses it. At most MAX_INFLIGHT_WRITES writes are in
+    flight (the host waits on the oldest), which bounds the device memory they hold. Non-dense regions (2D tiles of a
+    buffer) take torch's synchronous path. ``force_copy`` (tests): treat a same-device storage as remote, with plain
+    copies."""
+
+    def __init__(self, device: torch.device, storage: torch.device, overlap: bool = True, force_copy: bool = False):
+        self.device = device
+        self.remote = force_copy or storage != device
+        self.async_ = bool(overlap and self.remote and device.type == "cuda" and storage.type == "cpu")
+        self.h2d = torch.cuda.Stream(device) if self.async_ else None
+        self.d2h = torch.cuda.Stream(device) if self.async_ else None
+        self.cache: dict[tuple, tuple[torch.Tensor, object]] = {}
+        self.inflight: deque = deque()  # events of device->host writes, oldest first (throttle)
+        self.writes: list[tuple] = []  # (buffer ptr, y0, y1, x0, x1, event) of writes that may be in flight
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.prefetch_hits = 0
+
+    def begin_pass(self) -> None:
+        self.cache.clear()
+
+    def drop(self) -> None:
+        self.cache.clear()
+
+    def _fetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> tuple[torch.Tensor, object]:
+        view = t[:, :, ya:yb, xa:xb]
+        self.bytes_h2d += view.numel() * view.element_size()
+        if self.async_ and is_dense(view) and view.is_pinned():
+            ptr = t.data_ptr()
+            for wp, y0, y1, x0, x1, ev in self.writes:  # read-after-write: only the overlapping writes
+                if wp == ptr and y0 < yb and ya < y1 and x0 < xb and xa < x1:
+                    self.h2d.wait_event(ev)
+            with torch.cuda.stream(self.h2d):
+                dev = torch.empty_like(view, device=self.device)  # dense: keeps the view's strides
+                dev.copy_(view, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.h2d)
+            return dev, ev
+        if self.async_:  # host-side gather of a non-dense region: pending writes must have landed
+            self.d2h.synchronize()
+        if view.device == self.device:  # force_copy
+            return view.clone(memory_format=torch.preserve_format), None
+        return view.to(self.device, memory_format=layout_of(view)), None
+
+    def prefetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> None:
+        if not self.remote:
+            return
+        key = (t.data_ptr(), ya, yb, xa, xb)
+        if key not in self.cache:
+            self.cache[key] = self._fetch(t, ya, yb, xa, xb)
+
+    def get(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> torch.Tensor:
+        if not self.remote:
+            return t[:, :, ya:yb, xa:xb]
+        hit = self.cache.pop((t.data_ptr(), ya, yb, xa, xb), None)
+        if hit is not None:
+            self.prefetch_hits += 1
+        dev, ev = hit if hit is not None else self._fetch(t, ya, yb, xa, xb)
+        if ev is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(ev)
+            dev.record_stream(cur)  # allocated on the copy stream, used on this one
+        return dev
+
+    def put(self, t: torch.Tensor, y0: int, y1: int, x0: int, x1: int, val: torch.Tensor) -> None:
+        view = t[:, :, y0:y1, x0:x1]
+        if not self.remote:
+            view.copy_(val)
+            return
+        self.bytes_d2h += val.numel() * val.element_size()
+        if self.async_ and is_dense(view) and view.is_pinned():
+            if not same_strides(val, view):
+                val = val.contiguous(memory_format=layout_of(view))  # same strides: one DMA, no host staging
+            cur = torch.cuda.current_stream(self.device)
+            self.d2h.wait_stream(cur)
+            with torch.cuda.stream(self.d2h):
+                view.copy_(val, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.d2h)
+            val.record_stream(self.d2h)
+            self.inflight.append(ev)
+            self.writes.append((t.data_ptr(), y0, y1, x0, x1, ev))
+            while len(self.inflight) > MAX_INFLIGHT_WRITES:  # bound the device memory held by pending writes
+                self.inflight.popleft().synchronize()
+            if len(self.writes) > 4 * MAX_INFLIGHT_WRITES:
+                self.writes = [w for w in self.writes if not w[5].query()]
+            return
+        if self.async_:
+            self.d2h.synchronize()
+        view.copy_(val)
+
+    def finish(self) -> None:
+        self.cache.clear()
+        if self.async_:
+            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+            self.d2h.synchronize()
+            self.inflight.clear()
+            self.writes.clear()
