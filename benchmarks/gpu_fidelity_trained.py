@@ -3,7 +3,7 @@ decode? (A new-user pass saw, through the CPU Triton interpreter on the tiny tra
 and 54.8 dB for vaeopt with the fused epilogues; the interpreter's bf16 rounding is not the GPU's.)
 
 The bundled trained VAEs and their real latents (samples/): tiny_kl_image (astronaut, coffee) and tiny_wan_video
-(bikes, bunny). Per model and latent: diffusers fp32 (the reference), diffusers bf16, and vaeopt.decode in bf16 with
+(astronaut_pan, coffee_zoom). Per model and latent: diffusers fp32 (the reference), diffusers bf16, and vaeopt.decode in bf16 with
 the default options and with single stages switched off (epilogues, triton, upsample_conv), PSNR and max abs error
 against the reference. Writes $OUT/fidelity_trained.json; prints a table last.
 

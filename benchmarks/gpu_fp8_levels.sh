@@ -34,7 +34,7 @@ for step in $steps; do
         for mode in weights gemm on; do
             for m in kl wan; do
                 if [ $m = kl ]; then lat=(samples/tiny_kl_image_latents.pt); model=samples/tiny_kl_image.safetensors
-                else lat=(samples/tiny_wan_video_latents.pt --key bikes); model=samples/tiny_wan_video.safetensors; fi
+                else lat=(samples/tiny_wan_video_latents.pt --key astronaut_pan); model=samples/tiny_wan_video.safetensors; fi
                 echo "-- $m --fp8 $mode"
                 $py -m vaeopt decode "${lat[@]}" --model "$model" --fp8 "$mode" -o "$OUT/dec_${m}_${mode}/" --overwrite \
                     2>&1 | grep -E "fp8|rror|wrote|Traceback" | head -8
