@@ -21,7 +21,7 @@ def _backend():
 @pytest.fixture(scope="module")
 def z(samples_dir):
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    return lat["bunny"].float()[:, :, :3, 10:11, 20:22].contiguous()  # 1x2 latent px: the interpreter is slow
+    return lat["coffee_zoom"].float()[:, :, :3, 10:11, 20:22].contiguous()  # 1x2 latent px: the interpreter is slow
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     """FP8 level 3 on the trained tiny Wan: the residual-block convs run on e4m3 inputs written by the RMS-norm
     kernel (static scales), the probe PSNR vs fp32 is real, and the gate falls back with the number."""
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    z = lat["bunny"].float()[:, :, :2, 10:11, 20:22].contiguous()
+    z = lat["coffee_zoom"].float()[:, :, :2, 10:11, 20:22].contiguous()
     vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
     r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z)
@@ -158,7 +158,7 @@ def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
     huge input channel that crushes the others' e4m3 precision under a per-tensor scale) is the one kept in the
     compute dtype, and the rest run in fp8 above the gate."""
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    z = lat["bunny"].float()[:, :, :1, 10:11, 20:21].contiguous()
+    z = lat["coffee_zoom"].float()[:, :, :1, 10:11, 20:21].contiguous()
     vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
     cands = triton_conv.fp8_candidates(vae)[-3:]  # three full-resolution convs (fast under the interpreter)
