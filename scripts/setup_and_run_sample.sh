@@ -8,4 +8,4 @@ pip_install -e .
 # python3 -m vaeopt: the interpreter that was just installed into, whatever `vaeopt` on PATH is
 python3 -m vaeopt info
 python3 -m vaeopt decode samples/tiny_kl_image_latents.pt -o samples/out/ --overwrite
-python3 -m vaeopt decode samples/tiny_wan_video_latents.pt --key bikes -o samples/out/bikes.mp4 --overwrite
+python3 -m vaeopt decode samples/tiny_wan_video_latents.pt --key astronaut_pan -o samples/out/astronaut_pan.mp4 --overwrite

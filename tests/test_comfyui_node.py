@@ -134,7 +134,7 @@ def kl():
 @pytest.fixture(scope="module")
 def wan():
     ref = load_vae(SAMPLES / "tiny_wan_video.safetensors")
-    z = torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["bunny"][:, :, :3, :16, :16]
+    z = torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["coffee_zoom"][:, :, :3, :16, :16]
     return ref, ref.family.unscale(z)
 
 

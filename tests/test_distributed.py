@@ -22,9 +22,9 @@ import torch.distributed as dist
 from vaeopt import bands
 from vaeopt import distributed as D
 
-SCALING = 0.84481  # tiny_kl_image latents are pipeline-scaled
+SCALING = 0.30478  # tiny_kl_image latents are pipeline-scaled (the scaling_factor in its metadata)
 IMG_CROPS = {"astronaut": (slice(20, 37), slice(24, 36)), "coffee": (slice(3, 16), slice(5, 16))}
-WAN_CROP = ("bikes", slice(0, 3), slice(10, 15), slice(30, 34))
+WAN_CROP = ("astronaut_pan", slice(0, 3), slice(10, 15), slice(30, 34))
 LAUNCH_TIMEOUT = 150
 
 

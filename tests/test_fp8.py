@@ -50,7 +50,7 @@ def test_storage_works_for_wan_causal_convs(samples_dir):
     from vaeopt.loading import load_vae
 
     model = load_vae(samples_dir / "tiny_wan_video.safetensors").model
-    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["bikes"][:, :, :2, :16, :16].float()
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt", weights_only=True)["astronaut_pan"][:, :, :2, :16, :16].float()
     with torch.no_grad():
         ref = model.decode(z).sample
     stats = fp8.convert(model, compute=False)

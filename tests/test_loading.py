@@ -693,7 +693,7 @@ def test_real_tiny_kl_image():
     f = SAMPLES / "tiny_kl_image.safetensors"
     r = load_vae(f)
     assert (r.family.name, r.layout, r.dtype_on_disk) == ("sd15", "diffusers", torch.float16)
-    assert r.family.config["norm_num_groups"] == 16 and r.family.config["scaling_factor"] == 0.84481
+    assert r.family.config["norm_num_groups"] == 16 and r.family.config["scaling_factor"] == 0.30478
     assert "norm_num_groups 16 from the checkpoint's config metadata" in r.notes
     tensors, meta = read_state_dict(f)
     ref = AutoencoderKL(**json.loads(meta["config"])).eval()
@@ -720,7 +720,7 @@ def test_real_tiny_wan_video(tmp_path):
         assert r.family.config[k] == cfg[k], k
     ref = AutoencoderKLWan(**{k: v for k, v in cfg.items() if not k.startswith("_")}).eval()
     ref.load_state_dict({k: v.float() for k, v in tensors.items()})
-    z = torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["bunny"][:, :, :2, :8, :8].float()
+    z = torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["coffee_zoom"][:, :, :2, :8, :8].float()
     z = r.family.unscale(z)
     torch.testing.assert_close(decode(r.model, z), decode(ref, z), rtol=0, atol=1e-5)
 
@@ -871,15 +871,15 @@ def test_weights_file_of_a_diffusers_folder_reads_the_config_beside_it(tmp_path)
 
 
 def test_a_given_config_says_which_factor_it_replaced(samples_dir):
-    """--config {"scaling_factor": 0.5} over a checkpoint whose metadata says 0.84481: the load used to report the
+    """--config {"scaling_factor": 0.5} over a checkpoint whose metadata says 0.30478: the load used to report the
     metadata's value and then unscale with the config's; now the note names both."""
     from vaeopt.loading import load_vae
 
     lv = load_vae(samples_dir / "tiny_kl_image.safetensors", config={"scaling_factor": 0.5})
     assert lv.family.config["scaling_factor"] == 0.5
     notes = " | ".join(lv.notes)
-    assert "scaling_factor 0.5 from the given config (over 0.84481 in the checkpoint's config metadata)" in notes
-    assert "scaling_factor 0.84481 from the checkpoint's config metadata" not in notes
+    assert "scaling_factor 0.5 from the given config (over 0.30478 in the checkpoint's config metadata)" in notes
+    assert "scaling_factor 0.30478 from the checkpoint's config metadata" not in notes
 
 
 def test_load_vae_arguments_are_checked_before_reading(tmp_path):

@@ -78,7 +78,7 @@ def z_img():
 @pytest.fixture(scope="module")
 def z_vid():
     # 2 latent frames (5 frames out) of 64x64, raw (as the sample is stored)
-    return torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["bunny"][:, :, :2, 12:20, 12:20] \
+    return torch.load(SAMPLES / "tiny_wan_video_latents.pt", weights_only=True)["coffee_zoom"][:, :, :2, 12:20, 12:20] \
         .contiguous().float()
 
 

@@ -70,7 +70,7 @@ def test_norm_writes_the_time_stack(shape):
 @pytest.fixture(scope="module")
 def z21(samples_dir):
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    return lat["bunny"].float()[:, :, :, 10:12, 20:22].contiguous()
+    return lat["coffee_zoom"].float()[:, :, :, 10:12, 20:22].contiguous()
 
 
 @pytest.mark.parametrize("phase", [False, True], ids=["plain-upsample", "phase-upsample"])

@@ -22,7 +22,7 @@ def _backend():
 @pytest.fixture(scope="module")
 def z(samples_dir):
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    return lat["bunny"].float()[:, :, :3, 10:11, 20:22].contiguous()  # 1x2 latent px: the interpreter is slow
+    return lat["coffee_zoom"].float()[:, :, :3, 10:11, 20:22].contiguous()  # 1x2 latent px: the interpreter is slow
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_fp8_convs_on_the_trained_model(samples_dir, monkeypatch):
     """FP8 level 3 on the trained tiny Wan: the residual-block convs run on e4m3 inputs written by the RMS-norm
     kernel (static scales), the probe PSNR vs fp32 is real, and the gate falls back with the number."""
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    z = lat["bunny"].float()[:, :, :2, 10:11, 20:22].contiguous()
+    z = lat["coffee_zoom"].float()[:, :, :2, 10:11, 20:22].contiguous()
     vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
     r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z,
@@ -161,7 +161,7 @@ def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
     huge input channel that crushes the others' e4m3 precision under a per-tensor scale) is the one kept in the
     compute dtype, and the rest run in fp8 above the gate."""
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    z = lat["bunny"].float()[:, :, :1, 10:11, 20:21].contiguous()
+    z = lat["coffee_zoom"].float()[:, :, :1, 10:11, 20:21].contiguous()
     vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
     monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
     cands = triton_conv.fp8_candidates(vae)[-3:]  # three full-resolution convs (fast under the interpreter)
@@ -175,7 +175,9 @@ def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
         bad.weight.data[:, 0] /= 1e4
     r0 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z,
                               decode=video.decode_video)
-    gate = r0.data["probe_db"] + 10  # above all-fp8, so the sensitivity pass must run
+    # above all-fp8 (49.3 dB), so the sensitivity pass must run; below the two unplanted layers together (~58 dB:
+    # 60.2 and 62.1 dB alone), so keeping the planted one alone passes
+    gate = r0.data["probe_db"] + 7
     r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0,
                               decode=video.decode_video)
     assert r.status == "applied", r.line()

@@ -199,7 +199,7 @@ def test_wan_chunk_decoder_phase_convs(samples_dir, fused):
     if fused:
         _need_triton()
     vae = _tiny_wan21(samples_dir)
-    z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["bunny"].float()[:, :, :, 10:12, 20:22].contiguous()
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["coffee_zoom"].float()[:, :, :, 10:12, 20:22].contiguous()
     with torch.no_grad():
         ref = vae.decode(z).sample
     r = upsample_conv.apply(vae, device=CPU, force=True)

@@ -31,7 +31,7 @@ from vaeopt import tiling
 from vaeopt.engine import image
 from vaeopt.tiling import TilingError, estimate_tiled_bytes, storage_bytes, tile_from_pixels, tiled_decode
 
-SCALING = 0.84481
+SCALING = 0.30478  # the scaling_factor in samples/tiny_kl_image.safetensors
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -19,7 +19,7 @@ from vaeopt.stages.marks import wan_channels_last
 
 CHUNKS = [1, 2, 3, None]
 # Latent crops (rows, cols): 5 frames each, small enough for a quick CPU test.
-CROPS = {"bikes": (slice(12, 15), slice(30, 33)), "bunny": (slice(10, 13), slice(20, 23))}
+CROPS = {"astronaut_pan": (slice(12, 15), slice(30, 33)), "coffee_zoom": (slice(10, 13), slice(20, 23))}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_schedule():
     assert video.output_frame_counts([5, 8]) == [17, 32]
 
 
-@pytest.mark.parametrize("name", ["bikes", "bunny"])
+@pytest.mark.parametrize("name", ["astronaut_pan", "coffee_zoom"])
 def test_wan21_trained_chunks_match_diffusers(wan21, latents, refs, name):
     z, ref = latents[name], refs[name]
     assert ref.shape[2] == 17
@@ -79,7 +79,7 @@ def test_frame_group_splitting_is_exact(wan21, latents, refs, monkeypatch):
     monkeypatch.setattr(wan_ops, "SPLIT_ELEMS", 2000)
     monkeypatch.setattr(wan_ops, "INT32_ELEMS", 20000)
     monkeypatch.setattr(wan_ops, "NORM_SLICE_ELEMS", 500)
-    err = (video.decode_video(wan21, latents["bunny"], None) - refs["bunny"]).abs().max().item()
+    err = (video.decode_video(wan21, latents["coffee_zoom"], None) - refs["coffee_zoom"]).abs().max().item()
     assert err <= 1e-4, err
 
 
@@ -89,7 +89,7 @@ def test_diffusers_decoder_takes_k_frames_after_a_single_first_frame(wan21, late
     applies to all of them)."""
 
     def run(schedule):
-        vae, z = wan21, latents["bikes"]
+        vae, z = wan21, latents["astronaut_pan"]
         vae.clear_cache()
         x = vae.post_quant_conv(z)
         outs, t0 = [], 0
@@ -102,7 +102,7 @@ def test_diffusers_decoder_takes_k_frames_after_a_single_first_frame(wan21, late
         return torch.cat(outs, 2).clamp(-1, 1)
 
     with torch.no_grad():
-        assert (run([1, 2, 2]) - refs["bikes"]).abs().max().item() <= 1e-4
+        assert (run([1, 2, 2]) - refs["astronaut_pan"]).abs().max().item() <= 1e-4
         assert run([2, 3]).shape[2] != 17  # the first two latent frames would give 2 frames instead of 5
 
 
@@ -129,7 +129,7 @@ def test_wan22_topology_batch2_and_channels_last(wan22):
 def test_bf16_close(wan21, latents, refs):
     """bf16 chunked vs fp32 diffusers is no worse than bf16 diffusers vs fp32 diffusers (a tiny crop: CPU bf16
     conv3d is slow)."""
-    z = latents["bunny"][:, :, :3, :2, :3]
+    z = latents["coffee_zoom"][:, :, :3, :2, :3]
     with torch.no_grad():
         ref32 = wan21.decode(z).sample
         vb = build_model_like(wan21, torch.bfloat16)
@@ -150,7 +150,7 @@ def build_model_like(vae, dtype):
 
 
 def test_iterator_groups_and_bounded_host_buffers(wan21, latents, refs):
-    z, ref = latents["bunny"], refs["bunny"]
+    z, ref = latents["coffee_zoom"], refs["coffee_zoom"]
     # float groups, chunk 2 on 5 latent frames: calls of [1, 2, 2] frames -> 1, 8, 8 output frames. By default the
     # groups are fresh tensors and the iterator keeps no reference to those it handed out earlier.
     groups, handed = [], []
@@ -184,14 +184,14 @@ def test_uint8_stream_refuses_nonfinite_frames(wan21, latents, device):
     from vaeopt.errors import DecodeError
 
     vae = wan21.to(device)
-    z = latents["bunny"].to(device).clone()
+    z = latents["coffee_zoom"].to(device).clone()
     z[:, :, 3:] = 3e38  # finite latents, non-finite decode from the frame group that sees them
     got = []
     with pytest.raises(DecodeError, match=r"non-finite values \(NaN/Inf\) in output frames"):
         for g in video.iter_decode_video(vae, z, 1):
             got.append(g.shape[0])
     assert got and got[0] == 1  # the groups before the bad one were handed out
-    assert len(list(video.iter_decode_video(vae, latents["bunny"].to(device), 2))) == 3  # a good clip: no error
+    assert len(list(video.iter_decode_video(vae, latents["coffee_zoom"].to(device), 2))) == 3  # a good clip: no error
     wan21.to("cpu")
 
 
@@ -225,7 +225,7 @@ def test_training_mode_decodes_as_diffusers_does(wan21, latents):
 
     import vaeopt
 
-    z = latents["bikes"][:, :, :3]
+    z = latents["astronaut_pan"][:, :, :3]
     built = AutoencoderKLWan.from_config(wan21.config)
     built.load_state_dict(wan21.state_dict())
     assert built.training  # from_config leaves a model in training mode, as nn.Module does

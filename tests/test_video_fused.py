@@ -32,7 +32,7 @@ def _backend(request):
     if not ok:
         pytest.skip(why)
 
-CROP = (slice(10, 12), slice(20, 22))  # bunny, 2x2 latent pixels -> 16x16 output frames
+CROP = (slice(10, 12), slice(20, 22))  # coffee_zoom, 2x2 latent pixels -> 16x16 output frames
 
 
 def _cl_weights(vae):
@@ -74,7 +74,7 @@ def fused21(samples_dir):
 @pytest.fixture(scope="module")
 def z21(samples_dir):
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    return lat["bunny"].float()[:, :, :, CROP[0], CROP[1]].contiguous()
+    return lat["coffee_zoom"].float()[:, :, :, CROP[0], CROP[1]].contiguous()
 
 
 @pytest.fixture(scope="module")
@@ -418,7 +418,7 @@ def test_gpu_tiny_wan21_fused(samples_dir):
     """Compiled kernels: fp32 (TF32 off) fused == diffusers for chunks 1, 2, 3 on the full real latents; bf16 as
     close to the fp32 decode as diffusers' bf16 decode."""
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    z = lat["bunny"].float().cuda()
+    z = lat["coffee_zoom"].float().cuda()
     stock = _tiny_wan21(samples_dir, fused=False, device="cuda")
     vae = _tiny_wan21(samples_dir, channels_last=True, device="cuda")
     tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32

@@ -8,7 +8,7 @@ later replay overwrite what a consumer holds). The fallback reasons (CPU, tiled 
 budget, OOM during capture) and the pipeline's stage line are tested for real. Tests marked gpu capture real CUDA
 graphs and compare replayed with eager output bitwise.
 
-Data: the trained tiny Wan 2.1 and its real latents ('bikes', 6x6 latent crop, 5 latent frames -> 17 frames).
+Data: the trained tiny Wan 2.1 and its real latents ('astronaut_pan', 6x6 latent crop, 5 latent frames -> 17 frames).
 """
 
 import json
@@ -149,7 +149,7 @@ def test_fused_path_stats_match_eager(samples_dir, stand_in):
         pytest.skip("fused norms not applied")
     assert fused_epilogues.apply(vae).status == "applied"
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    z = lat["bunny"].float()[:, :, :, 10:12, 20:22].contiguous()
+    z = lat["coffee_zoom"].float()[:, :, :, 10:12, 20:22].contiguous()
     runs = {}
     for name, g in (("eager", "off"), ("graphs", "on")):
         info: dict = {}
@@ -298,7 +298,7 @@ def _gpu_tiny(samples_dir, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_replayed_equals_eager_bitwise(samples_dir, dtype):
     vae = _gpu_tiny(samples_dir, dtype)
-    z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["bikes"].to("cuda", dtype)  # (1,16,5,h,w)
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["astronaut_pan"].to("cuda", dtype)  # (1,16,5,h,w)
     for chunk in (1, 2):
         with torch.inference_mode():
             ref = video.decode_video(vae, z, chunk, graphs="off", oom_retry=True, info={})
@@ -318,7 +318,7 @@ def test_gpu_replayed_equals_eager_bitwise(samples_dir, dtype):
 @pytest.mark.gpu
 def test_gpu_capture_failure_and_budget(samples_dir, monkeypatch):
     vae = _gpu_tiny(samples_dir, torch.bfloat16)
-    z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["bikes"].to("cuda", torch.bfloat16)
+    z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["astronaut_pan"].to("cuda", torch.bfloat16)
     with torch.inference_mode():
         ref = video.decode_video(vae, z, 1, graphs="off")
         # the pool would not fit: no capture

@@ -1,6 +1,6 @@
 """vaeopt.video_tiling: spatially tiled video decode == the untiled chunked decode, one causal cache per tile.
 
-Real data: the trained tiny Wan 2.1 VAE and its real latents (a 6x6 latent crop of 'bikes': 48x48 px, 17 frames; the
+Real data: the trained tiny Wan 2.1 VAE and its real latents (a 6x6 latent crop of 'astronaut_pan': 48x48 px, 17 frames; the
 tiny decoder has the full Wan 2.1 topology, so the halos are the real ones: 7 px at the last up block, 10 px at 4x
 latent resolution). Tiles that divide the frame and tiles that do not, bands and 2D tiles, chunk sizes 1 / 2 / all
 (schedules [1,1,1,1,1], [1,2,2], [5]); the Wan 2.2 topology (residual up blocks with DupUp3D, patch 2) with random
@@ -24,7 +24,7 @@ from vaeopt.engine.memory import LiveBytes, MemEfficientSDPA
 from vaeopt.engine.wan import ChunkDecoder
 from vaeopt.engine.wan_ops import Pending
 
-CROP = (slice(10, 16), slice(30, 36))  # bikes, 6x6 latent pixels -> 48x48 output frames
+CROP = (slice(10, 16), slice(30, 36))  # astronaut_pan, 6x6 latent pixels -> 48x48 output frames
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,7 +54,7 @@ def wan21(samples_dir):
 @pytest.fixture(scope="module")
 def z21(samples_dir):
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
-    return lat["bikes"].float()[:, :, :, CROP[0], CROP[1]].contiguous()
+    return lat["astronaut_pan"].float()[:, :, :, CROP[0], CROP[1]].contiguous()
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_fused_kernel_path_in_tiles(samples_dir, layout):
         for m in vae.modules():
             if isinstance(m, torch.nn.Conv3d):
                 m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
-    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")["bikes"].float()
+    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")["astronaut_pan"].float()
     z = lat[:, :, :3, 10:16, 30:32].contiguous()  # 6x2 latent -> 48x16 px, 9 frames: the interpreter is slow
     ref = video.decode_video(vae, z, 2)
     stock = video.decode_video(vae, z, 2, fused=False)
@@ -413,8 +413,8 @@ def test_cli_tile(tmp_path, samples_dir):
 
     from vaeopt.cli import app
 
-    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")["bikes"].float()
-    torch.save(lat[:, :, :3, 10:16, 30:50].contiguous(), tmp_path / "clip.pt")  # 6x20 latent: --tile 8 -> 3 rows
+    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")["astronaut_pan"].float()
+    torch.save(lat[:, :, :3, 10:16, 28:48].contiguous(), tmp_path / "clip.pt")  # 6x20 latent: --tile 8 -> 3 rows
     model = samples_dir / "tiny_wan_video.safetensors"
     outs = {}
     for name, extra in (("plain", []), ("tiled", ["--tile", "8", "-v"])):  # -v: the plan's own line

@@ -1,0 +1,472 @@
+#!/usr/bin/env python3
+"""Train the two bundled sample VAEs (samples/tiny_kl_image.safetensors, samples/tiny_wan_video.safetensors) and
+rebuild their held-out latents, so that `vaeopt decode` on the samples shows what a trained VAE gives: the photo,
+with its colours.
+
+Training data are the photos that ship inside installed packages (scikit-image's data folder, scikit-learn's two
+sample images, matplotlib's portrait), so the script needs no download. scikit-image's astronaut and coffee are
+held out: they are the sample latents, and the references the decodes are measured against. Video clips are
+synthesized from the same photos (pans and zooms), and the held-out clips are pans/zooms over the held-out photos.
+
+    python3 scripts/train_sample_vaes.py --which image --minutes 5 --out out/
+    python3 scripts/train_sample_vaes.py --which video --minutes 10 --out out/
+    python3 scripts/train_sample_vaes.py --which frames --out out/   # only the held-out clips' frames (CPU)
+
+The two models are small: run the image and video trainings side by side on one GPU. Video clips are as long as the
+held-out ones (17 frames): trained on 9-frame clips, the causal decoder drifted in colour after the third latent
+frame of a 17-frame clip (frames 9-16 lost 5-7 dB and up to 38/255 of red). `--init` resumes from saved weights.
+
+Each run writes (into --out): the fp16 weights in diffusers key layout with the config in the safetensors metadata
+under "config" (how vaeopt reads the samples), the latents file, for video the held-out frames as lossless MP4s,
+and a JSON of the final measurements (PSNR and per-channel mean error of each held-out decode vs its reference).
+
+Losses: L1 + MSE in RGB, an L1 on 8x8 block means (a colour cast over a region costs as much as it shows), a
+per-channel mean term, and a small KL. Seeds are fixed; cuDNN's autotuned kernels can still make two GPU runs differ
+in the last bits.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HELD_OUT = ("astronaut", "coffee")
+# scikit-image data files that are not photographs (test patterns, masks, renders) or too small to crop
+NOT_PHOTOS = {"chessboard_GRAY", "chessboard_RGB", "horse", "phantom", "color", "logo", "microaneurysms"}
+
+IMAGE_CONFIG = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 4,
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [32, 64, 128, 128], "layers_per_block": 2, "norm_num_groups": 16, "sample_size": 256,
+    "scaling_factor": 1.0,  # replaced by 1/std of the training latents before saving
+}
+VIDEO_CONFIG = {
+    "base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "temperal_downsample": [False, True, True], "dropout": 0.0,
+}
+CLIP_FRAMES = 17
+CLIP_SIZE = (256, 384)  # (height, width) of the held-out clips: 32x48 latents
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+def _rgb(a: np.ndarray) -> np.ndarray | None:
+    if a.ndim == 2:
+        a = np.stack([a] * 3, -1)
+    if a.ndim != 3 or a.shape[-1] not in (3, 4):
+        return None
+    a = a[..., :3]
+    if a.dtype != np.uint8:
+        a = np.clip(a.astype(np.float64) * (255.0 if a.max() <= 1.0 else 1.0), 0, 255).astype(np.uint8)
+    return a
+
+
+def held_out_photo(name: str) -> np.ndarray:
+    import skimage.data
+
+    return _rgb(getattr(skimage.data, name)())
+
+
+def training_photos(min_side: int = 128) -> list[tuple[str, np.ndarray]]:
+    """(name, HxWx3 uint8) of every photo shipped in the installed packages, less the held-out ones."""
+    from PIL import Image
+
+    paths = []
+    try:
+        import skimage.data
+
+        paths += sorted(glob.glob(os.path.join(os.path.dirname(skimage.data.__file__), "*.png")))
+        paths += sorted(glob.glob(os.path.join(os.path.dirname(skimage.data.__file__), "*.jpg")))
+    except ImportError:
+        pass
+    try:
+        import sklearn.datasets
+
+        paths += sorted(glob.glob(os.path.join(os.path.dirname(sklearn.datasets.__file__), "images", "*.jpg")))
+    except ImportError:
+        pass
+    try:
+        import matplotlib
+
+        paths += [os.path.join(matplotlib.get_data_path(), "sample_data", "grace_hopper.jpg")]
+    except ImportError:
+        pass
+    photos = []
+    for p in paths:
+        name = Path(p).stem
+        if name in HELD_OUT or name in NOT_PHOTOS or not os.path.isfile(p):
+            continue
+        a = _rgb(np.array(Image.open(p)))
+        if a is not None and min(a.shape[:2]) >= min_side:
+            photos.append((name, a))
+    if not photos:
+        sys.exit("no training photos found: install scikit-image (its data module ships the photos)")
+    return photos
+
+
+class PhotoSampler:
+    """Random crops of random photos at random scales, with flips and mild colour jitter, made on the device.
+    Colour photos are drawn three times as often as grey ones; grey ones stay grey (they teach neutral tones)."""
+
+    def __init__(self, photos, device, seed: int):
+        self.names = [n for n, _ in photos]
+        self.photos = [torch.from_numpy(np.ascontiguousarray(a)).to(device).permute(2, 0, 1).float().div(255) for _, a in photos]
+        grey = [bool((a[..., 0] == a[..., 1]).all() and (a[..., 1] == a[..., 2]).all()) for _, a in photos]
+        w = np.array([1.0 if g else 3.0 for g in grey])
+        self.p = w / w.sum()
+        self.grey = grey
+        self.rng = np.random.default_rng(seed)
+        self.device = device
+
+    def _scaled(self, i: int, min_h: int, min_w: int, lo: float, hi: float) -> torch.Tensor:
+        img = self.photos[i]
+        h, w = img.shape[1:]
+        need = max(min_h / h, min_w / w)
+        s = max(need, math.exp(self.rng.uniform(math.log(lo), math.log(hi))))
+        if abs(s - 1) < 1e-3:
+            return img
+        size = (max(min_h, round(h * s)), max(min_w, round(w * s)))
+        return F.interpolate(img[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+
+    def jitter(self, x: torch.Tensor, grey: bool) -> torch.Tensor:
+        """x: (3, ...) in [0, 1]. Saturation, contrast, brightness and (rarely) a channel permutation."""
+        r = self.rng
+        m = x.mean(0, keepdim=True)
+        if not grey:
+            x = m + (x - m) * (1 + r.uniform(-0.15, 0.15))
+            if r.random() < 0.2:
+                x = x[torch.as_tensor(r.permutation(3), device=x.device)]
+        mu = x.mean()
+        x = (x - mu) * (1 + r.uniform(-0.1, 0.1)) + mu + r.uniform(-0.06, 0.06)
+        return x.clamp(0, 1)
+
+    def images(self, batch: int, size: int) -> torch.Tensor:
+        out = []
+        for _ in range(batch):
+            i = int(self.rng.choice(len(self.photos), p=self.p))
+            img = self._scaled(i, size, size, 0.35, 1.2)
+            h, w = img.shape[1:]
+            y, x = self.rng.integers(0, h - size + 1), self.rng.integers(0, w - size + 1)
+            c = img[:, y:y + size, x:x + size]
+            if self.rng.random() < 0.5:
+                c = c.flip(-1)
+            out.append(self.jitter(c, self.grey[i]))
+        return torch.stack(out) * 2 - 1
+
+    def clips(self, batch: int, frames: int, size: int) -> torch.Tensor:
+        """(B, 3, T, size, size) in [-1, 1]: pans and zooms over a photo, some still."""
+        out = []
+        for _ in range(batch):
+            i = int(self.rng.choice(len(self.photos), p=self.p))
+            img = self._scaled(i, int(size * 1.5), int(size * 1.5), 0.4, 1.1)
+            h, w = img.shape[1:]
+            r = self.rng
+            kind = r.random()  # still, pan (whole-pixel moves at this scale), or pan + zoom
+            side0 = side1 = float(size)
+            if kind >= 0.55:
+                side0 = size * math.exp(r.uniform(0, 0.3))
+                side1 = side0 * math.exp(r.uniform(-0.25, 0.25))
+            side0, side1 = min(side0, min(h, w)), min(side1, min(h, w))
+            v = 0.0 if kind < 0.15 else r.uniform(0, 8)  # pixels per frame
+            ang = r.uniform(0, 2 * math.pi)
+            cy0, cx0 = r.uniform(side0 / 2, h - side0 / 2), r.uniform(side0 / 2, w - side0 / 2)
+            cy1 = min(max(cy0 + v * (frames - 1) * math.sin(ang), side1 / 2), h - side1 / 2)
+            cx1 = min(max(cx0 + v * (frames - 1) * math.cos(ang), side1 / 2), w - side1 / 2)
+            fr = render_path(img, frames, (size, size), (cy0, cx0, side0, side0), (cy1, cx1, side1, side1))
+            if r.random() < 0.5:
+                fr = fr.flip(-1)
+            if r.random() < 0.5:
+                fr = fr.flip(1)  # time reversed
+            out.append(self.jitter(fr, self.grey[i]))
+        return torch.stack(out) * 2 - 1
+
+
+def render_path(img: torch.Tensor, frames: int, size: tuple[int, int], box0, box1) -> torch.Tensor:
+    """(3, T, H, W) in [0, 1]: each frame the box (cy, cx, box_h, box_w) interpolated from box0 to box1, cut at whole
+    pixels and resized (antialiased) to size; a box of the output's size is a plain crop (a pan moves whole pixels)."""
+    h, w = img.shape[1:]
+    out = []
+    for t in range(frames):
+        a = t / max(1, frames - 1)
+        cy, cx, bh, bw = (p0 + (p1 - p0) * a for p0, p1 in zip(box0, box1))
+        bh, bw = min(h, round(bh)), min(w, round(bw))
+        y0 = min(max(0, round(cy - bh / 2)), h - bh)
+        x0 = min(max(0, round(cx - bw / 2)), w - bw)
+        c = img[:, y0:y0 + bh, x0:x0 + bw]
+        if (bh, bw) != tuple(size):
+            c = F.interpolate(c[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+        out.append(c)
+    return torch.stack(out, 1)
+
+
+def held_out_clips() -> dict[str, np.ndarray]:
+    """The two held-out clips, (T, H, W, 3) uint8, made on the CPU from the held-out photos: a diagonal pan over the
+    astronaut at full resolution (whole-pixel moves) and a slow zoom into the coffee cup."""
+    H, W = CLIP_SIZE
+    a = torch.from_numpy(held_out_photo("astronaut")).permute(2, 0, 1).float() / 255  # 512x512
+    c = torch.from_numpy(held_out_photo("coffee")).permute(2, 0, 1).float() / 255  # 400x600
+    T = CLIP_FRAMES
+    pan = render_path(a, T, (H, W), (H / 2 + 16, W / 2, H, W), (H / 2 + 16 + 8 * (T - 1), W / 2 + 8 * (T - 1), H, W))
+    zoom = render_path(c, T, (H, W), (200, 300, 400, 600), (190, 290, 280, 420))
+    to8 = lambda x: (x.permute(1, 2, 3, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()  # noqa: E731
+    return {"astronaut_pan": to8(pan), "coffee_zoom": to8(zoom)}
+
+
+# ---------------------------------------------------------------------------------------------------------- losses
+def recon_loss(rec: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """rec, x: (N, 3, H, W) in [-1, 1]. Returns the loss and the batch PSNR (dB, on [0, 255])."""
+    rec = rec.float()
+    d = rec - x
+    mse = d.pow(2).mean()
+    loss = d.abs().mean() + mse
+    if min(x.shape[-2:]) >= 8:
+        loss = loss + 0.5 * (F.avg_pool2d(rec, 8) - F.avg_pool2d(x, 8)).abs().mean()
+    loss = loss + 0.5 * (rec.mean((2, 3)) - x.mean((2, 3))).abs().mean()
+    psnr = 10 * math.log10(4.0 / max(mse.item(), 1e-12))
+    return loss, psnr
+
+
+def kl_per_element(post) -> torch.Tensor:
+    return 0.5 * (post.mean.float().pow(2) + post.var.float() - 1.0 - post.logvar.float()).mean()
+
+
+# -------------------------------------------------------------------------------------------------------- models
+def wan_decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """AutoencoderKLWan.decode without its final clamp to [-1, 1]: a clamp passes no gradient, so a pixel decoded
+    above 1 where the photo is 0.9 would never be pulled back. Same frame-by-frame causal loop as diffusers."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    n = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+    cache = [None] * n
+    x = vae.post_quant_conv(z)
+    outs = []
+    for i in range(z.shape[2]):
+        outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)))
+    return torch.cat(outs, 2)
+
+
+def build(which: str, init: str | None):
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    vae = AutoencoderKL(**IMAGE_CONFIG) if which == "image" else AutoencoderKLWan(**VIDEO_CONFIG)
+    if init:
+        from safetensors.torch import load_file
+
+        vae.load_state_dict({k: v.float() for k, v in load_file(init).items()})
+        log(f"init from {init}")
+    return vae
+
+
+def lr_at(step: int, frac: float, base: float, warmup: int) -> float:
+    w = min(1.0, (step + 1) / warmup)
+    return base * w * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def train(which: str, args) -> torch.nn.Module:
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    dev = torch.device(args.device)
+    vae = build(which, args.init).to(dev).train()
+    photos = training_photos()
+    log(f"[{which}] {len(photos)} training photos: {', '.join(n for n, _ in photos)}")
+    sampler = PhotoSampler(photos, dev, args.seed + (0 if which == "image" else 1))
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=1e-4)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    budget = args.minutes * 60
+    t0 = last = time.time()
+    step, hist, skipped = 0, [], 0
+    while True:
+        frac = (time.time() - t0) / budget
+        if frac >= 1 or (args.max_steps and step >= args.max_steps):
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, frac, args.lr, args.warmup)
+        if which == "image":
+            x = sampler.images(args.batch, args.crop)
+            with amp:
+                post = vae.encode(x).latent_dist
+                rec = vae.decode(post.sample()).sample
+            loss, psnr = recon_loss(rec, x)
+        else:
+            x = sampler.clips(args.batch, args.frames, args.crop)
+            with amp:
+                post = vae.encode(x).latent_dist
+                rec = wan_decode_unclamped(vae, post.sample())
+            flat = lambda v: v.transpose(1, 2).flatten(0, 1)  # noqa: E731  (B,3,T,H,W) -> (B*T,3,H,W)
+            loss, psnr = recon_loss(flat(rec), flat(x))
+        kl = kl_per_element(post)
+        total = loss + args.kl * kl
+        opt.zero_grad(set_to_none=True)
+        if not torch.isfinite(total):  # a rare bf16 blow-up: skip the batch rather than poison the weights
+            skipped += 1
+            continue
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        hist.append(psnr)
+        step += 1
+        if time.time() - last > args.log_every or step == 1:
+            last = time.time()
+            log(f"[{which}] step {step} {time.time() - t0:.0f}s loss {loss.item():.4f} kl {kl.item():.2f} "
+                f"train psnr(avg last 50) {np.mean(hist[-50:]):.2f} dB lr {opt.param_groups[0]['lr']:.2e} "
+                f"{step / (time.time() - t0):.1f} it/s")
+    log(f"[{which}] trained {step} steps in {time.time() - t0:.0f}s ({skipped} non-finite batches skipped)")
+    vae.eval()
+    vae.train_steps = step
+    return vae
+
+
+# ------------------------------------------------------------------------------------------------- save + measure
+def measure(dec: np.ndarray, ref: np.ndarray) -> dict:
+    """dec, ref: uint8 (..., 3). PSNR in dB and each channel's mean error in 1/255 units."""
+    d = dec.astype(np.float64) - ref.astype(np.float64)
+    mse = (d ** 2).mean()
+    ch = d.reshape(-1, 3).mean(0)
+    return {"psnr_db": round(10 * math.log10(255 ** 2 / mse), 2), "channel_mean_err": [round(float(v), 2) for v in ch],
+            "worst_channel_mean_err": round(float(np.abs(ch).max()), 2)}
+
+
+def to_uint8(x: torch.Tensor) -> np.ndarray:
+    """(3, ...) in [-1, 1] -> (..., 3) uint8, as vaeopt writes images."""
+    x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return x.movedim(0, -1).cpu().numpy()
+
+
+def save_weights(vae, cfg: dict, path: Path):
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in vae.state_dict().items()}
+    save_file(sd, str(path), metadata={"config": json.dumps(cfg)})
+    return sd
+
+
+def write_lossless_mp4(frames: np.ndarray, path: Path, fps: int = 8) -> Path:
+    """RGB frames, bit-exact (H.264 in its lossless RGB mode), about a tenth of the size of compressed arrays; falls
+    back to a compressed .npz when the encoder is missing."""
+    try:
+        import av
+
+        with av.open(str(path), "w") as c:
+            s = c.add_stream("libx264rgb", rate=fps)
+            s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "rgb24"
+            s.options = {"crf": "0", "preset": "veryslow"}
+            for f in frames:
+                for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                    c.mux(p)
+            for p in s.encode():
+                c.mux(p)
+        with av.open(str(path)) as c:
+            back = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+        if back.shape == frames.shape and (back == frames).all():
+            return path
+        log(f"{path.name}: the MP4 did not read back bit-exact; writing .npz")
+    except Exception as e:  # noqa: BLE001  (no PyAV / no libx264rgb: the frames still ship)
+        log(f"{path.name}: lossless MP4 failed ({type(e).__name__}: {e}); writing .npz")
+    npz = path.with_suffix(".npz")
+    np.savez_compressed(npz, frames=frames)
+    return npz
+
+
+@torch.no_grad()
+def finish_image(vae, args, out: Path) -> dict:
+    from diffusers import AutoencoderKL
+
+    dev = torch.device(args.device)
+    # the shipped weights are fp16: measure those, in fp32 compute
+    sd = save_weights(vae, IMAGE_CONFIG, out / "tiny_kl_image.safetensors")
+    m = AutoencoderKL(**IMAGE_CONFIG).to(dev).eval()
+    m.load_state_dict({k: v.float() for k, v in sd.items()})
+    # scaling_factor = 1/std of the latents (encoder mode) over training crops, as Stable Diffusion's was chosen
+    sampler = PhotoSampler(training_photos(), dev, args.seed + 7)
+    zs = [m.encode(sampler.images(8, min(256, args.crop * 2))).latent_dist.mode().float().cpu()
+          for _ in range(args.sf_batches)]
+    sf = round(1.0 / torch.cat(zs).std().item(), 5)
+    cfg = dict(IMAGE_CONFIG, scaling_factor=sf)
+    save_weights(m, cfg, out / "tiny_kl_image.safetensors")
+    log(f"[image] scaling_factor {sf} (latent std {1 / sf:.4f})")
+    res, lat = {"scaling_factor": sf, "train_steps": getattr(vae, "train_steps", 0)}, {}
+    for name in HELD_OUT:
+        ref = held_out_photo(name)
+        x = torch.from_numpy(ref).to(dev).permute(2, 0, 1)[None].float() / 127.5 - 1
+        z = (m.encode(x).latent_dist.mode() * sf).half()
+        lat[name] = z.cpu()
+        dec = m.decode(z.float() / sf).sample[0]
+        res[name] = measure(to_uint8(dec), ref)
+        log(f"[image] {name} {tuple(z.shape)}: {res[name]}")
+    torch.save(lat, out / "tiny_kl_image_latents.pt")
+    return res
+
+
+@torch.no_grad()
+def finish_video(vae, args, out: Path) -> dict:
+    from diffusers import AutoencoderKLWan
+
+    dev = torch.device(args.device)
+    sd = save_weights(vae, VIDEO_CONFIG, out / "tiny_wan_video.safetensors")
+    m = AutoencoderKLWan(**VIDEO_CONFIG).to(dev).eval()
+    m.load_state_dict({k: v.float() for k, v in sd.items()})
+    res, lat = {"train_steps": getattr(vae, "train_steps", 0)}, {}
+    for name, frames in held_out_clips().items():
+        res[name + "_file"] = write_lossless_mp4(frames, out / f"{name}_frames.mp4").name
+        x = torch.from_numpy(frames).to(dev).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+        z = m.encode(x).latent_dist.mode().half()  # raw latents: Wan's latents_mean/std are not applied
+        lat[name] = z.cpu()
+        dec = m.decode(z.float()).sample[0]
+        res[name] = measure(to_uint8(dec), frames)
+        log(f"[video] {name} {tuple(z.shape)}: {res[name]}")
+    torch.save(lat, out / "tiny_wan_video_latents.pt")
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--which", choices=["image", "video", "frames"], required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--minutes", type=float, default=5.0, help="wall-clock training budget")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: time only)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--crop", type=int, default=None, help="training crop side (pixels)")
+    ap.add_argument("--frames", type=int, default=CLIP_FRAMES, help="frames per training clip (video): 1 + 4k")
+    ap.add_argument("--lr", type=float, default=4e-4)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--kl", type=float, default=1e-6, help="weight of the per-element KL")
+    ap.add_argument("--sf-batches", type=int, default=32, help="batches of 8 crops for the scaling factor")
+    ap.add_argument("--init", default=None, help="fp16 safetensors to start from (resuming)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=float, default=15.0, help="seconds between progress lines")
+    args = ap.parse_args(argv)
+    if args.batch is None:
+        args.batch = 24 if args.which == "image" else 6
+    if args.crop is None:
+        args.crop = 256 if args.which == "image" else 160
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.which == "frames":
+        for name, frames in held_out_clips().items():
+            log(f"wrote {write_lossless_mp4(frames, args.out / f'{name}_frames.mp4')}")
+        return
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 measurements stay fp32
+    if args.device.startswith("cuda"):
+        log(f"[{args.which}] {torch.cuda.get_device_name()} torch {torch.__version__}")
+    vae = train(args.which, args)
+    res = finish_image(vae, args, args.out) if args.which == "image" else finish_video(vae, args, args.out)
+    (args.out / f"{args.which}_results.json").write_text(json.dumps(res, indent=1))
+    log(f"[{args.which}] results: {json.dumps(res)}")
+
+
+if __name__ == "__main__":
+    main()
