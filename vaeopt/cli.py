@@ -177,13 +177,13 @@ def _log(msg: str) -> None:
 @clean_errors
 def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """GPU, VRAM, versions, capabilities, and what each optimization stage will do here."""
-    from vaeopt.info import stage_outlook
+    from vaeopt.info import family_outlook, stage_outlook
     from vaeopt.hw import machine_info
 
     mi = machine_info()
     outlook = stage_outlook(mi)
     if as_json:
-        out_console.print_json(json.dumps({**mi.to_dict(), "stages": outlook}))
+        out_console.print_json(json.dumps({**mi.to_dict(), "stages": outlook, "families": family_outlook()}))
         return
     t = Table(title="vaeopt " + __version__, show_header=False, box=None)
     t.add_row("python", mi.python)
@@ -210,6 +210,12 @@ def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable ou
     for s in outlook:
         st.add_row(s["stage"], "[green]runs[/]" if s["runs"] else "[yellow]skipped[/]", s["why"])
     out_console.print(st)
+    ft = Table(title="Families", show_lines=False)
+    for col in ("family", "title", "latents", "what the stages do"):
+        ft.add_column(col)
+    for f in family_outlook():
+        ft.add_row(f["family"], f"{f['title']} [{f['class']}]", f["latents"], f["stages"])
+    out_console.print(ft)
 
 
 # ---------------------------------------------------------------------------------------------------- decode
@@ -472,7 +478,8 @@ def _make_output_folder(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- benchmark
 # vaeopt.benchmark.WORKLOADS' names, here without importing torch for --help (a test keeps the two equal)
 WORKLOAD_NAMES = ("sdxl-1024", "sdxl-2048", "sdxl-4096", "flux-1024", "sd15-512", "wan21-480p", "wan21-720p",
-                  "wan22-720p", "hunyuan-480p", "taesd-1024")
+                  "wan22-720p", "hunyuan-480p", "taesd-1024", "flux2-1024", "qwenimage-1328", "hunyuan15-480p",
+                  "ltx2-768")
 
 
 @app.command()
