@@ -443,3 +443,47 @@ def test_info_lists_the_families():
     for fam in NEW:
         assert fam in rows and rows[fam]["stages"]
     assert "Wan" in rows["qwenimage"]["stages"] and "tiling" in rows["flux2"]["stages"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 5. the standard workloads (full size on a GPU; here their shapes, and the benchmark on tiny models)
+# ----------------------------------------------------------------------------------------------------------------------
+
+TINY_OVERRIDES = {
+    "flux2": dict(block_out_channels=[32, 32, 64, 64], norm_num_groups=8, layers_per_block=1),
+    "qwenimage": dict(base_dim=8),
+    "hunyuanvideo15": dict(block_out_channels=[16, 32, 32, 32, 32], layers_per_block=1),
+    "ltx2": dict(block_out_channels=[16, 32, 32, 32], decoder_block_out_channels=[16, 32, 64],
+                 layers_per_block=[1, 1, 1, 1, 1], decoder_layers_per_block=[1, 1, 1, 1]),
+}
+
+
+def test_workload_shapes():
+    from vaeopt.benchmark import WORKLOADS
+
+    want = {"flux2-1024": (1, 1024, 1024), "qwenimage-1328": (1, 1328, 1328), "hunyuan15-480p": (121, 480, 848),
+            "ltx2-768": (121, 768, 1280)}
+    for wl, (frames, h, w) in want.items():
+        fam, shape = WORKLOADS[wl]
+        spec = get_family(fam)
+        assert shape[1] == spec.latent_channels
+        got_frames = spec.output_frames(shape[2]) if len(shape) == 5 else 1
+        assert (got_frames, shape[-2] * spec.spatial_factor, shape[-1] * spec.spatial_factor) == (frames, h, w), wl
+
+
+@pytest.mark.parametrize("fam", NEW)
+def test_benchmark_runs_each_family_on_tiny_models(fam):
+    from vaeopt import benchmark as B
+
+    spec = get_family(fam)
+    over = TINY_OVERRIDES[fam]
+    shape = tuple(raw_latent(fam).shape)
+    res = B.run_benchmark(spec, build_model(spec, **over).state_dict(), shape, device=torch.device("cpu"),
+                          dtype=torch.float32, peers=(), repeats=1, warmup=0, fp8=False, log=lambda s: None,
+                          workload=None, command="x", model_overrides=over)
+    rows = {r["name"]: r for r in res["rows"]}
+    assert rows["vaeopt plain"]["status"] == "ok" and rows["vaeopt plain"]["psnr_db"] >= 60, rows["vaeopt plain"]
+    for r in res["rows"]:  # every row ran, or says why not; none failed
+        assert r["status"] in ("ok", "skipped"), (r["name"], r["reason"])
+        if r["status"] == "ok" and r["kind"] == "ladder":
+            assert r["psnr_db"] >= 60, (r["name"], r["psnr_db"])
