@@ -377,6 +377,24 @@ def test_ltx2_latents_as_the_pipeline(models, tmp_path):
     assert fam.output_frames(16) == 121 and fam.spatial_factor == 32
 
 
+def test_comfyui_flux2_latent_is_normalized_and_patchified(models, tmp_path):
+    """ComfyUI's FLUX.2 LATENT is (N, 128, H/16, W/16), normalized: its VAE, like BFL's AutoEncoder.decode
+    (flux2/src/flux2/autoencoder.py: decoder(unpack(inv_normalize(z)))), de-normalizes and unpatchifies inside."""
+    model = models["flux2"]
+    model.save_pretrained(tmp_path / "vae")
+    loaded = load_vae(tmp_path / "vae")
+    z = torch.randn(1, 128, 3, 2, generator=torch.Generator().manual_seed(8))
+    save_file({"latent_tensor": z, "latent_format_version_0": torch.tensor([])}, str(tmp_path / "f.latent"))
+    lf = lat.read_latents(tmp_path / "f.latent")
+    t = lat.validate(lf.entries[0], loaded.family, lf.path)
+    mean = model.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(model.bn.running_var.view(1, -1, 1, 1) + model.config.batch_norm_eps)
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline as P
+
+    want = P._unpatchify_latents(z * std + mean)
+    torch.testing.assert_close(lat.to_raw(t, loaded.family, lf.default_space), want, rtol=0, atol=1e-6)
+
+
 def test_comfyui_latent_files_are_raw(models, tmp_path):
     """ComfyUI .latent files hold raw latents: decoded as they are, for each family."""
     for fam in ("hunyuanvideo15", "ltx2"):
@@ -487,3 +505,66 @@ def test_benchmark_runs_each_family_on_tiny_models(fam):
         assert r["status"] in ("ok", "skipped"), (r["name"], r["reason"])
         if r["status"] == "ok" and r["kind"] == "ladder":
             assert r["psnr_db"] >= 60, (r["name"], r["psnr_db"])
+
+
+def test_cli_packed_latents_with_height_width_or_metadata(models, tmp_path):
+    """`vaeopt decode` of the token sequences the FLUX.2 and Qwen-Image pipelines return: the image size from
+    --height/--width or the file's metadata; without either, one line naming the flags (exit 2)."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline as F2
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline as Q
+    from typer.testing import CliRunner
+
+    from vaeopt.cli import app
+
+    def run(*args):
+        return CliRunner().invoke(app, ["decode", *map(str, args), "--device", "cpu", "--dtype", "fp32"],
+                                  catch_exceptions=False)
+
+    g = torch.Generator().manual_seed(7)
+    for fam in ("flux2", "qwenimage"):
+        model = models[fam]
+        model.save_pretrained(tmp_path / fam)
+        loaded = load_vae(tmp_path / fam)
+        if fam == "flux2":
+            grid = torch.randn(1, 128, 3, 2, generator=g)
+            tokens = F2._pack_latents(grid)
+            raw = loaded.family.unscale(grid)
+        else:
+            grid = torch.randn(1, 16, 6, 4, generator=g)
+            tokens = Q._pack_latents(grid, 1, 16, 6, 4)
+            raw = loaded.family.unscale(grid.unsqueeze(2))
+        ref = reference(model, raw)
+        save_file({"latents": tokens.contiguous()}, str(tmp_path / f"{fam}.safetensors"))
+        r = run(tmp_path / f"{fam}.safetensors", "-m", tmp_path / fam, "-o", tmp_path / f"{fam}_a.safetensors")
+        assert r.exit_code == 2 and "--height" in r.output and "Traceback" not in r.output
+        r = run(tmp_path / f"{fam}.safetensors", "-m", tmp_path / fam, "--height", 48, "--width", 32,
+                "-o", tmp_path / f"{fam}_a.safetensors")
+        assert r.exit_code == 0, r.output
+        assert psnr(load_file(str(tmp_path / f"{fam}_a.safetensors"))["sample"], ref) >= 60
+        save_file({"latents": tokens.contiguous()}, str(tmp_path / f"{fam}_meta.safetensors"), metadata={"height": "48",
+                                                                                             "width": "32"})
+        r = run(tmp_path / f"{fam}_meta.safetensors", "-m", tmp_path / fam, "-o", tmp_path / f"{fam}_b.safetensors")
+        assert r.exit_code == 0, r.output
+        assert psnr(load_file(str(tmp_path / f"{fam}_b.safetensors"))["sample"], ref) >= 60
+
+
+def test_timestep_conditioned_ltx_is_refused_in_one_line(tmp_path):
+    m = build_model(get_family("ltx2"), block_out_channels=[16, 32, 32, 32], decoder_block_out_channels=[16, 32, 64],
+                    layers_per_block=[1, 1, 1, 1, 1], decoder_layers_per_block=[1, 1, 1, 1], timestep_conditioning=True)
+    m.save_pretrained(tmp_path / "vae")
+    with pytest.raises(vaeopt.errors.CheckpointError, match="timestep conditioning"):
+        load_vae(tmp_path / "vae")
+
+
+def test_qwenimage_decodes_to_png_by_default(models, tmp_path):
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from vaeopt.cli import app
+
+    models["qwenimage"].save_pretrained(tmp_path / "qwen-image-vae")
+    torch.save(torch.randn(1, 16, 1, 6, 4), tmp_path / "lat.pt")
+    r = CliRunner().invoke(app, ["decode", str(tmp_path / "lat.pt"), "-m", str(tmp_path / "qwen-image-vae"),
+                                 "--device", "cpu"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert Image.open(tmp_path / "lat.png").size == (32, 48)

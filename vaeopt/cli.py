@@ -235,6 +235,9 @@ def decode(
     family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
     config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
     key: Optional[str] = typer.Option(None, "--key", help="Decode only this tensor of a dict-of-tensors file."),
+    height: Optional[int] = typer.Option(None, "--height", help="Image height in pixels of packed FLUX.2 / "
+                                                                "Qwen-Image latents (batch, sequence, features)."),
+    width: Optional[int] = typer.Option(None, "--width", help="Image width in pixels of packed latents."),
     latent_space: Optional[str] = typer.Option(None, "--latent-space",
                                                help="scaled (pipeline output; default for .pt/.safetensors/.npy/.npz) or "
                                                     "raw (VAE latents; default for ComfyUI .latent)."),
@@ -307,6 +310,12 @@ def decode(
         return
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space)) for p in latents]
+    if height is not None or width is not None:  # packed token sequences: the image size they were made for
+        if height is None or width is None or height <= 0 or width <= 0:
+            raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
+        for f in files:
+            for e in f.entries + (f.all_entries or []):
+                e.size = (height, width)
     console.print(f"[bold]read[/] {len(files)} latent file(s) in {time.perf_counter() - t0:.2f} s")
     def shown(e):
         return f"{tuple(e.tensor.shape)} {str(e.tensor.dtype).replace('torch.', '')}"

@@ -58,6 +58,11 @@ class FamilySpec:
         return self.cls_name in VIDEO_CLASSES
 
     @property
+    def makes_images(self) -> bool:
+        """An image model on a video VAE (Qwen-Image on Wan 2.1's): one-frame latents are pictures (PNG by default)."""
+        return self.name == "qwenimage"
+
+    @property
     def latent_channels(self) -> int:
         c = self.config
         return int(c.get("latent_channels") or c.get("z_dim") or 4)
@@ -224,7 +229,11 @@ def bn_unscale(x: torch.Tensor, c: dict) -> torch.Tensor:
 
 
 def bn_scale(x: torch.Tensor, c: dict) -> torch.Tensor:
-    """Raw (N, C, H, W) latents -> normalized, unpatchified (N, C, H, W) (the inverse of bn_unscale)."""
+    """Raw (N, C, H, W) latents -> normalized, unpatchified (N, C, H, W) (the inverse of bn_unscale); a patchified
+    (N, 4C, h, w) input is normalized as it is."""
+    if x.shape[1] == 4 * int(c.get("latent_channels") or 32):
+        mean, std = bn_stats(c, x.shape[1], x.dtype)
+        return (x - mean) / std
     p = patchify(x)
     mean, std = bn_stats(c, p.shape[1], x.dtype)
     return unpatchify((p - mean) / std)

@@ -583,9 +583,9 @@ def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tenso
     """Latents in the given space -> raw decoder latents (float32)."""
     if space == "raw":
         if family.name == "flux2" and latents.ndim == 4 and latents.shape[1] == 4 * family.latent_channels:
-            from vaeopt.families import unpatchify
-
-            return unpatchify(latents.float())
+            # 128-channel FLUX.2 latents are the normalized ones wherever they come from: BFL's AutoEncoder.decode
+            # and ComfyUI (whose .latent files hold them) de-normalize them inside the VAE, as the pipeline does
+            return family.unscale(latents)
         if family.cls_name == "AutoencoderTiny":  # TAESD decodes pipeline latents: raw = the big VAE's raw latents
             return _tiny_from_raw(latents, family)
         return latents.float()

@@ -1346,9 +1346,15 @@ def _choose_new_family(a: _Analysis, explicit, meta_cfg, metadata, names, notes)
     return None
 
 
-def _attach_latent_stats(spec: FamilySpec, a: _Analysis, explicit, meta_cfg, notes: list[str]) -> None:
+def _finish_new_family_spec(spec: FamilySpec, a: _Analysis, explicit, meta_cfg, notes: list[str], label: str
+                            ) -> None:
     """The checkpoint's own latent statistics into its family config: FLUX.2's BatchNorm running mean/var (and eps,
-    from the config where it says one), LTX-2's latents_mean/std."""
+    from the config where it says one), LTX-2's latents_mean/std. An LTX decoder with timestep conditioning is
+    refused: its pipeline decodes with a timestep and noise (decode_timestep / decode_noise_scale) that the plain
+    decode does not pass, and diffusers' decode without them fails."""
+    if spec.name == "ltx2" and spec.config.get("timestep_conditioning"):
+        raise CheckpointError(f"{label}: an LTX VAE with timestep conditioning (its decoder takes the pipeline's "
+                              "decode_timestep and noise): vaeopt decodes LTX-2 VAEs without it only")
     if spec.name == "flux2":
         bn = a.extra.get("bn", {})
         eps = next((c["_bn_eps"] for c in (explicit, meta_cfg) if isinstance(c, dict) and "_bn_eps" in c),
@@ -1359,7 +1365,7 @@ def _attach_latent_stats(spec: FamilySpec, a: _Analysis, explicit, meta_cfg, not
         want = 4 * spec.latent_channels
         for k in ("mean", "var"):
             if stats[k] is not None and len(stats[k]) != want:
-                raise CheckpointError(f"{a.layout}: FLUX.2 BatchNorm running_{k} has {len(stats[k])} channels, the "
+                raise CheckpointError(f"{label}: FLUX.2 BatchNorm running_{k} has {len(stats[k])} channels, the "
                                       f"2x2-patchified latents {want}")
         if stats["mean"] is None or stats["var"] is None:
             notes.append("no BatchNorm statistics (bn.running_mean/var) in the weights: pipeline (scaled) latents are "
@@ -1393,7 +1399,7 @@ def _detect(
         names = [Path(filename).name] if filename else []
     spec = _choose_family(a, family, explicit, meta_cfg, metadata, other_keys or list(state_dict), names, notes, label)
     spec = _build_spec(a, spec, meta_cfg, explicit, notes, label)
-    _attach_latent_stats(spec, a, explicit, meta_cfg, notes)
+    _finish_new_family_spec(spec, a, explicit, meta_cfg, notes, label)
     if a.cls_name == "AutoencoderTiny" and spec.latent_channels != 4:
         _tiny_raw_latents(spec, names + [label], notes)
     return spec, a, notes
