@@ -568,3 +568,27 @@ def test_qwenimage_decodes_to_png_by_default(models, tmp_path):
                                  "--device", "cpu"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert Image.open(tmp_path / "lat.png").size == (32, 48)
+
+
+def test_flux2_odd_scaled_latents_are_one_clear_error(models, tmp_path):
+    models["flux2"].save_pretrained(tmp_path / "vae")
+    fam = load_vae(tmp_path / "vae").family
+    with pytest.raises(vaeopt.errors.LatentError, match="even"):
+        lat.to_raw(torch.randn(1, 32, 5, 4), fam, "scaled")
+    assert lat.to_raw(torch.randn(1, 32, 5, 4), fam, "raw").shape == (1, 32, 5, 4)
+
+
+@pytest.mark.parametrize("fam", ["hunyuanvideo15", "ltx2"])
+def test_forced_tiles_run_diffusers_tiled_decode(fam, models, tmp_path):
+    """--tile on HunyuanVideo 1.5 / LTX-2: diffusers' own spatial tiles (approximate, blended), with the model's
+    tiling settings put back afterwards."""
+    model = models[fam]
+    model.save_pretrained(tmp_path / "vae")
+    loaded = load_vae(tmp_path / "vae")
+    z = torch.randn(1, get_family(fam).latent_channels, 2, 12, 12, generator=torch.Generator().manual_seed(9))
+    ref = reference(model, z)
+    got = vaeopt.decode(z, loaded, latent_space="raw", options=vaeopt.Options(device="cpu", dtype="fp32", tile=8),
+                        log=None)
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    assert psnr(got, ref) > 20  # blended tiles of a random model: close, not exact
+    assert loaded.model.use_tiling is False

@@ -590,6 +590,10 @@ def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tenso
             return _tiny_from_raw(latents, family)
         return latents.float()
     if space == "scaled":
+        if family.name == "flux2" and latents.ndim == 4 and (latents.shape[-2] % 2 or latents.shape[-1] % 2) \
+                and latents.shape[1] == family.latent_channels:
+            raise LatentError(f"{tuple(latents.shape)}: FLUX.2 pipeline latents are normalized in 2x2 patches, so "
+                              "their height and width are even; odd ones are raw latents (--latent-space raw)")
         return family.unscale(latents)
     raise LatentError(f"latent space must be 'scaled' or 'raw', got '{space}'")
 
