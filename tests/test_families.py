@@ -274,6 +274,10 @@ def test_decode_equals_diffusers(fam, models, tmp_path):
         assert psnr(got, ref) >= 60, psnr(got, ref)
     else:  # diffusers' own decode: bitwise
         assert torch.equal(got, ref)
+    if fam == "flux2":  # NCHW, as diffusers: the same ops, bitwise
+        plain = vaeopt.Options(device="cpu", dtype="fp32", channels_last="off")
+        assert torch.equal(vaeopt.decode(z, load_vae(tmp_path / "vae"), latent_space="raw", options=plain, log=None),
+                           ref)
 
 
 @pytest.mark.parametrize("fam", NEW)
