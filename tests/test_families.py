@@ -596,3 +596,35 @@ def test_forced_tiles_run_diffusers_tiled_decode(fam, models, tmp_path):
     assert got.shape == ref.shape and torch.isfinite(got).all()
     assert psnr(got, ref) > 20  # blended tiles of a random model: close, not exact
     assert loaded.model.use_tiling is False
+
+
+def tiny_ltx23():
+    """LTX-2.3's decoder shape (scripts/convert_ltx2_to_diffusers.py, version "2.3"): four up blocks with factors
+    (2, 2, 1, 2), no residual upsamplers, zero padding; narrow."""
+    import diffusers
+
+    torch.manual_seed(23)
+    m = diffusers.AutoencoderKLLTX2Video(
+        block_out_channels=(16, 32, 32, 32), decoder_block_out_channels=(16, 32, 32, 64),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 2, 1, 1, 1),
+        decoder_spatio_temporal_scaling=(True,) * 4, decoder_inject_noise=(False,) * 5,
+        upsample_type=("spatiotemporal", "spatiotemporal", "temporal", "spatial"), upsample_residual=(False,) * 4,
+        upsample_factor=(2, 2, 1, 2), decoder_causal=False, decoder_spatial_padding_mode="zeros")
+    m.latents_mean.normal_()
+    return _jitter(m)
+
+
+def test_ltx23_folder_and_original_file(tmp_path):
+    model = tiny_ltx23()
+    z = raw_latent("ltx2")
+    ref = reference(model, z)
+    model.save_pretrained(tmp_path / "vae")
+    orig = ltx2_original(model.state_dict(), "vae.")
+    assert any(k.startswith("vae.decoder.up_blocks.8.") for k in orig)  # the fourth up block
+    for path in (tmp_path / "vae", _save(tmp_path / "ltx-2.3-22b-dev.safetensors", orig)):
+        r = load_vae(path)
+        assert r.family.name == "ltx2", r.notes
+        assert r.family.config["decoder_block_out_channels"] == [16, 32, 32, 64]
+        assert r.family.config["decoder_spatial_padding_mode"] == "zeros"
+        check_weights(r, model, "ltx2")
+        assert torch.equal(vaeopt.decode(z, r, latent_space="raw", options=CPU32, log=None), ref)

@@ -1245,6 +1245,10 @@ def _analyse_video_families(sd: dict[str, Tensor], suffix: str, notes: list[str]
             from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
 
             sd = convert_ltx2_vae_to_diffusers(dict(sd))  # (it pops from the dict it is given)
+            # LTX-2.3's fourth up block (scripts/convert_ltx2_to_diffusers.py LTX_2_3_VIDEO_VAE_RENAME_DICT), which
+            # the 2.0 renaming leaves alone
+            sd = {re.sub(r"^decoder\.up_blocks\.7\.", "decoder.up_blocks.3.upsamplers.0.",
+                         re.sub(r"^decoder\.up_blocks\.8\.", "decoder.up_blocks.3.", k)): v for k, v in sd.items()}
         keep = {k: v for k, v in sd.items() if k.startswith(("encoder.", "decoder.", "latents_"))}
         if len(keep) != len(sd):
             notes.append(f"ignored {len(sd) - len(keep)} non-VAE tensors, e.g. {_few(k for k in sd if k not in keep)}")
@@ -1268,26 +1272,44 @@ def _infer_hy15(sd, layout, notes, label) -> _Analysis:
     return _Analysis("AutoencoderKLHunyuanVideo15", layout, sd, inferred, latent, has_encoder, notes, [])
 
 
+# LTX-2 decoders by their number of up blocks (scripts/convert_ltx2_to_diffusers.py get_ltx2_video_vae_config): 2.0's
+# three, each upsampling by 2 in space and time with a residual; 2.3's (and 2.5's) four, with mixed factors
+_LTX_UP = {
+    3: {"upsample_type": ["spatiotemporal"] * 3, "upsample_residual": [True] * 3, "upsample_factor": [2, 2, 2],
+        "decoder_spatio_temporal_scaling": [True] * 3, "decoder_inject_noise": [False] * 4},
+    4: {"upsample_type": ["spatiotemporal", "spatiotemporal", "temporal", "spatial"],
+        "upsample_residual": [False] * 4, "upsample_factor": [2, 2, 1, 2],
+        "decoder_spatio_temporal_scaling": [True] * 4, "decoder_inject_noise": [False] * 5},
+}
+# the padding is not in the weights: each release's, where no config says otherwise
+_LTX_PADDING = {3: "reflect", 4: "zeros"}
+
+
 def _infer_ltx2(sd, layout, notes, label) -> _Analysis:
-    """LTX-2's widths from shapes where its decoder has the released model's shape (three up blocks, each upsampling
-    by 2 with a residual: LTX-2.0); other variants (LTX-2.3's four blocks with mixed factors) take their widths from
-    the checkpoint's config.json or --config, as their factors cannot be read from the weights alone."""
+    """LTX-2's decoder shape from its weights: the number of up blocks tells LTX-2.0 from LTX-2.3 (their upsampler
+    kinds and factors), the shapes then give the widths and depths."""
     latent = int(_shape(sd, "decoder.conv_in.conv.weight", label)[1])
     out_ch = int(_shape(sd, "decoder.conv_out.conv.weight", label)[0])
     has_encoder = any(k.startswith("encoder.") for k in sd)
     ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
     inferred: dict = {"latent_channels": latent}
+    extra: dict = {}
     patch = int(round((out_ch / 3) ** 0.5))
     if patch * patch * 3 == out_ch:
         inferred["patch_size"] = patch
-    if len(ups) == 3 and all(f"decoder.up_blocks.{i}.upsamplers.0.conv.conv.weight" in sd for i in ups):
-        factor = 2
-        rev = [int(_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2.conv.weight", label)[0]) * factor for i in ups]
+    if all(f"decoder.up_blocks.{i}.upsamplers.0.conv.conv.weight" in sd for i in ups) and len(ups) in _LTX_UP:
+        shape = _LTX_UP[len(ups)]
+        rev = [int(_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2.conv.weight", label)[0]) * f
+               for i, f in zip(ups, reversed(shape["upsample_factor"]))]
         n_mid = len(_idx(sd, r"^decoder\.mid_block\.resnets\.(\d+)\."))
         n_up = [len(_idx(sd, rf"^decoder\.up_blocks\.{i}\.resnets\.(\d+)\.")) for i in ups]
+        inferred.update(shape)
+        extra = {"ltx_padding": _LTX_PADDING[len(ups)]}
         inferred["decoder_block_out_channels"] = list(reversed(rev))
         inferred["decoder_layers_per_block"] = list(reversed([n_mid] + n_up))
-    return _Analysis("AutoencoderKLLTX2Video", layout, sd, inferred, latent, has_encoder, notes, [])
+    a = _Analysis("AutoencoderKLLTX2Video", layout, sd, inferred, latent, has_encoder, notes, [])
+    a.extra.update(extra)
+    return a
 
 
 # diffusers classes whose decoders vaeopt runs as another class's (module for module the same): the config of the
@@ -1371,9 +1393,13 @@ def _finish_new_family_spec(spec: FamilySpec, a: _Analysis, explicit, meta_cfg, 
             notes.append("no BatchNorm statistics (bn.running_mean/var) in the weights: pipeline (scaled) latents are "
                          "read with mean 0 and variance 1; pass raw latents (--latent-space raw) for an exact decode")
         spec.config["_bn"] = stats
-    elif spec.name == "ltx2" and "latents_mean" in a.extra:
-        spec.config["latents_mean"] = a.extra["latents_mean"].tolist()
-        spec.config["latents_std"] = a.extra["latents_std"].tolist()
+    elif spec.name == "ltx2":
+        if "latents_mean" in a.extra:
+            spec.config["latents_mean"] = a.extra["latents_mean"].tolist()
+            spec.config["latents_std"] = a.extra["latents_std"].tolist()
+        key = "decoder_spatial_padding_mode"
+        if "ltx_padding" in a.extra and not any(isinstance(c, dict) and key in c for c in (explicit, meta_cfg)):
+            spec.config[key] = a.extra["ltx_padding"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
