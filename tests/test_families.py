@@ -3,6 +3,7 @@ latent conventions match the pipelines' arithmetic, and the plain decode equals 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -550,6 +551,15 @@ def test_cli_packed_latents_with_height_width_or_metadata(models, tmp_path):
         r = run(tmp_path / f"{fam}_meta.safetensors", "-m", tmp_path / fam, "-o", tmp_path / f"{fam}_b.safetensors")
         assert r.exit_code == 0, r.output
         assert psnr(load_file(str(tmp_path / f"{fam}_b.safetensors"))["sample"], ref) >= 60
+        # vaeopt.json beside the latents: per file
+        d = tmp_path / f"{fam}_folder"
+        d.mkdir()
+        torch.save(tokens.clone(), d / "lat.pt")
+        (d / "vaeopt.json").write_text(json.dumps({"files": {"lat.pt": {"model": str(tmp_path / fam), "height": 48,
+                                                                        "width": 32}}}))
+        r = run(d / "lat.pt", "-o", d / "out.safetensors")
+        assert r.exit_code == 0, r.output
+        assert psnr(load_file(str(d / "out.safetensors"))["sample"], ref) >= 60
 
 
 def test_timestep_conditioned_ltx_is_refused_in_one_line(tmp_path):

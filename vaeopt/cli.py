@@ -303,6 +303,9 @@ def decode(
 
         hw.resolve_dtype(dtype, hw.resolve_device(device))
     output, out_folder = _output_arg(output)
+    if gpus is not None and (height is not None or width is not None):
+        raise VaeoptError("--height/--width with --gpus: give the packed latents' image size in the file's metadata "
+                          "(\"height\", \"width\") or in vaeopt.json beside it, which every rank reads")
     if gpus is not None:
         with _output_folder(output if out_folder else None):  # removed again if the ranks fail before writing
             _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,

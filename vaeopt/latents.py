@@ -76,7 +76,8 @@ def read_manifest(path: Path) -> dict:
     if isinstance(files, dict):
         for name, entry in files.items():
             if isinstance(entry, dict):
-                _known_keys(mpath, entry, ("model", "latent_space"), f"for {name}")
+                # (height, width: the image size of packed FLUX.2 / Qwen-Image latents)
+                _known_keys(mpath, entry, ("model", "latent_space", "height", "width"), f"for {name}")
     hint = files.get(path.name, {}) if isinstance(files, dict) else None
     if isinstance(hint, dict):  # top-level "model" / "latent_space": defaults for every file of the folder
         if not isinstance(data.get("model", ""), str):
