@@ -45,7 +45,12 @@ SETUPS = ("op_norm", "op_conv", "op_attention", "op_upsample", "decode_image", "
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # --tiny: the workload's family at a narrow width and a small latent (same code paths, seconds on a CPU)
 TINY = {"AutoencoderKL": (dict(block_out_channels=[32, 32, 64, 64], norm_num_groups=8), (1, None, 16, 16)),
-        "AutoencoderKLWan": (dict(base_dim=16), (1, None, 3, 8, 8))}
+        "AutoencoderKLWan": (dict(base_dim=16), (1, None, 3, 8, 8)),
+        "AutoencoderKLHunyuanVideo15": (dict(block_out_channels=[16, 32, 32, 32, 32], layers_per_block=1),
+                                        (1, None, 2, 4, 4)),
+        "AutoencoderKLLTX2Video": (dict(block_out_channels=[16, 32, 32, 32], decoder_block_out_channels=[16, 32, 64],
+                                        layers_per_block=[1, 1, 1, 1, 1], decoder_layers_per_block=[1, 1, 1, 1]),
+                                   (1, None, 2, 4, 4))}
 
 
 class Skip(Exception):

@@ -27,6 +27,13 @@ SMALL = {
     "wan21": dict(base_dim=8),
     "wan22": dict(base_dim=8, decoder_base_dim=16),
     "hunyuanvideo": dict(block_out_channels=[16, 16, 32, 32], norm_num_groups=8, layers_per_block=1),
+    # (FLUX.2 and Qwen-Image are built here as the classes vaeopt runs them as; their own diffusers classes'
+    # files are tested in test_families.py)
+    "flux2": dict(block_out_channels=[32, 32, 64, 64], norm_num_groups=8, layers_per_block=1),
+    "qwenimage": dict(base_dim=8),
+    "hunyuanvideo15": dict(block_out_channels=[16, 32, 32, 32, 32], layers_per_block=1),
+    "ltx2": dict(block_out_channels=[16, 32, 32, 32], decoder_block_out_channels=[16, 32, 64],
+                 layers_per_block=[1, 1, 1, 1, 1], decoder_layers_per_block=[1, 1, 1, 1]),
     "taesd": dict(encoder_block_out_channels=[16] * 4, decoder_block_out_channels=[16] * 4),
     "taesdxl": dict(encoder_block_out_channels=[16] * 4, decoder_block_out_channels=[16] * 4),
 }
@@ -51,7 +58,7 @@ def small_model(fam: str):
 def latent_for(fam: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     c = get_family(fam).latent_channels
-    if fam.startswith("wan") or fam == "hunyuanvideo":
+    if get_family(fam).is_video:
         return torch.randn(1, c, 2, 4, 4, generator=g)
     return torch.randn(1, c, 8, 8, generator=g)
 
@@ -183,8 +190,8 @@ def _save_st(path: Path, sd: dict, metadata: dict | None = None) -> Path:
     return path
 
 
-@pytest.mark.parametrize("fam", family_names())
-def test_diffusers_single_file_and_dir(fam, models, tmp_path):
+@pytest.mark.parametrize("fam", [f for f in family_names() if f != "qwenimage"])  # (as an AutoencoderKLWan it is Wan
+def test_diffusers_single_file_and_dir(fam, models, tmp_path):  # 2.1: test_families.py saves AutoencoderKLQwenImage)
     model, cfg = models[fam]
     sd = model.state_dict()
     meta = {"config": json.dumps(cfg)}

@@ -417,7 +417,9 @@ def test_decode_output_is_nchw_and_unknown_classes_are_named(samples_dir):
                                            up_block_types=("CogVideoXUpBlock3D",), latent_channels=4),
                     device="cpu", log=lines.append)
     assert lines[0].startswith("! AutoencoderKLCogVideoX is not one of the VAE classes vaeopt was built and measured "
-                               "for (AutoencoderKL, AutoencoderKLWan, AutoencoderKLHunyuanVideo, AutoencoderTiny)")
+                               "for (AutoencoderKL, AutoencoderKLWan, AutoencoderKLHunyuanVideo, AutoencoderTiny, "
+                               "AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderKLHunyuanVideo15, "
+                               "AutoencoderKLLTX2Video)")
 
 
 def test_optimize_twice_is_a_no_op_and_the_output_stays_nchw():

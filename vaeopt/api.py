@@ -191,7 +191,8 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
 
 # the diffusers classes optimize() was built and measured for, and the family whose stages each takes
 _OPTIMIZE_FAMILIES = {"AutoencoderKL": "sdxl", "AutoencoderKLWan": "wan21", "AutoencoderKLHunyuanVideo": "hunyuanvideo",
-                      "AutoencoderTiny": "taesd"}
+                      "AutoencoderTiny": "taesd", "AutoencoderKLFlux2": "flux2", "AutoencoderKLQwenImage": "qwenimage",
+                      "AutoencoderKLHunyuanVideo15": "hunyuanvideo15", "AutoencoderKLLTX2Video": "ltx2"}
 _OPTIMIZE_CLASSES = tuple(_OPTIMIZE_FAMILIES)
 
 
@@ -602,14 +603,15 @@ def plan_jobs(latent_files: list[lat.LatentFile], loaded: LoadedVAE, out: Path |
             z = lat.to_raw(t, fam, space)
             n = z.shape[0]
             stem = stems[lf.path] + (f"_{outputs.safe_name(e.name)}" if e.name and named else "")
+            clip = fam.is_video and not (fam.makes_images and z.shape[2] == 1)  # (Qwen-Image: a picture)
             if out is None:
-                base = outputs.default_output(lf.path, fam.is_video, e.name if named else "", stem=stems[lf.path])
+                base = outputs.default_output(lf.path, clip, e.name if named else "", stem=stems[lf.path])
             elif multi:
                 folder = out_is_folder or out.suffix == "" or out.is_dir()
                 # -o both.png for several outputs: both_<tensor>.png from one file's tensors, both_<file>.png from
                 # several files (both_<file>_<tensor>.png where those hold several): the input's name is said once
                 tag = outputs.safe_name(e.name) if len(latent_files) == 1 and e.name and named else stem
-                base = (out / (stem + (".mp4" if fam.is_video else ".png"))) if folder \
+                base = (out / (stem + (".mp4" if clip else ".png"))) if folder \
                     else out.with_name(f"{out.stem}_{tag}{out.suffix}")
             else:
                 base = out

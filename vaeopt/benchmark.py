@@ -40,6 +40,10 @@ WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
     "wan22-720p": ("wan22", (1, 48, 31, 44, 80)),
     "hunyuan-480p": ("hunyuanvideo", (1, 16, 16, 60, 106)),  # 61 frames at 480x848
     "taesd-1024": ("taesd", (1, 4, 128, 128)),
+    "flux2-1024": ("flux2", (1, 32, 128, 128)),  # a 1024² FLUX.2 image
+    "qwenimage-1328": ("qwenimage", (1, 16, 1, 166, 166)),  # Qwen-Image's default 1328², one latent frame
+    "hunyuan15-480p": ("hunyuanvideo15", (1, 32, 31, 30, 53)),  # 121 frames at 480x848 (16x spatial, 4x time)
+    "ltx2-768": ("ltx2", (1, 128, 16, 24, 40)),  # 121 frames at 768x1280 (32x spatial, 8x time)
 }
 
 

@@ -214,13 +214,13 @@ QUIET_HELP = "Print nothing but errors (the exit code still tells success)."
 @clean_errors
 def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """GPU, VRAM, versions, capabilities, and what each optimization stage will do here."""
-    from vaeopt.info import stage_outlook
+    from vaeopt.info import family_outlook, stage_outlook
     from vaeopt.hw import machine_info
 
     mi = machine_info()
     outlook = stage_outlook(mi)
     if as_json:
-        out_console.print_json(json.dumps({**mi.to_dict(), "stages": outlook}))
+        out_console.print_json(json.dumps({**mi.to_dict(), "stages": outlook, "families": family_outlook()}))
         return
     t = Table(title="vaeopt " + __version__, show_header=False, box=None)
     t.add_row("python", mi.python)
@@ -247,6 +247,12 @@ def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable ou
     for s in outlook:
         st.add_row(s["stage"], "[green]runs[/]" if s["runs"] else "[yellow]skipped[/]", s["why"])
     out_console.print(st)
+    ft = Table(title="Families", show_lines=False)
+    for col in ("family", "title", "latents", "what the stages do"):
+        ft.add_column(col)
+    for f in family_outlook():
+        ft.add_row(f["family"], f"{f['title']} [{f['class']}]", f["latents"], f["stages"])
+    out_console.print(ft)
 
 
 # ---------------------------------------------------------------------------------------------------- decode
@@ -269,6 +275,9 @@ def decode(
     family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
     config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
     key: Optional[str] = typer.Option(None, "--key", help="Decode only this tensor of a dict-of-tensors file."),
+    height: Optional[int] = typer.Option(None, "--height", help="Image height in pixels of packed FLUX.2 / "
+                                                                "Qwen-Image latents (batch, sequence, features)."),
+    width: Optional[int] = typer.Option(None, "--width", help="Image width in pixels of packed latents."),
     latent_space: Optional[str] = typer.Option(None, "--latent-space",
                                                help="scaled (pipeline output; default for .pt/.safetensors/.npy/.npz) or "
                                                     "raw (VAE latents; default for ComfyUI .latent)."),
@@ -347,6 +356,9 @@ def decode(
         from vaeopt import hw
 
         hw.resolve_dtype(dtype, hw.resolve_device(device))
+    if gpus is not None and (height is not None or width is not None):
+        raise VaeoptError("--height/--width with --gpus: give the packed latents' image size in the file's metadata "
+                          "(\"height\", \"width\") or in vaeopt.json beside it, which every rank reads")
     if gpus is not None:
         with _output_folder(output if out_folder else None):  # removed again if the ranks fail before writing
             _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
@@ -357,6 +369,12 @@ def decode(
     limits.check()  # (before anything is read)
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space), max_tensors=max_outputs)
              for p in latents]
+    if height is not None or width is not None:  # packed token sequences: the image size they were made for
+        if height is None or width is None or height <= 0 or width <= 0:
+            raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
+        for f in files:
+            for e in f.entries + (f.all_entries or []):
+                e.size = (height, width)
     _report_read(files, latent_space, time.perf_counter() - t0)
     if (output is not None and not out_folder and (output.is_file() or output.is_symlink())
             and sum(len(f.entries) for f in files) == 1):
@@ -687,7 +705,8 @@ def _make_output_folder(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- benchmark
 # vaeopt.benchmark.WORKLOADS' names, here without importing torch for --help (a test keeps the two equal)
 WORKLOAD_NAMES = ("sdxl-1024", "sdxl-2048", "sdxl-4096", "flux-1024", "sd15-512", "wan21-480p", "wan21-720p",
-                  "wan22-720p", "hunyuan-480p", "taesd-1024")
+                  "wan22-720p", "hunyuan-480p", "taesd-1024", "flux2-1024", "qwenimage-1328", "hunyuan15-480p",
+                  "ltx2-768")
 
 
 @app.command()

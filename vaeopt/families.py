@@ -25,14 +25,22 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sdxl": ("Stable Diffusion XL", ("xl", "sd-xl")),
     "sd3": ("Stable Diffusion 3 / 3.5", ("sd3.5", "sd35")),
     "flux": ("FLUX.1", ("flux1", "flux.1")),
+    "flux2": ("FLUX.2", ("flux.2", "flux-2")),
+    "qwenimage": ("Qwen-Image", ("qwen", "qwen-image", "qwen_image")),
     "wan21": ("Wan 2.1", ("wan", "wan2.1", "wan-2.1")),
     "wan22": ("Wan 2.2 TI2V-5B", ("wan2.2", "wan-2.2")),
     "hunyuanvideo": ("HunyuanVideo", ("hunyuan", "hyvideo")),
+    "hunyuanvideo15": ("HunyuanVideo 1.5", ("hunyuanvideo1.5", "hunyuan15", "hyvideo15")),
+    "ltx2": ("LTX-2", ("ltx", "ltx-2", "ltxv2")),
     "taesd": ("TAESD (tiny SD / SD2 decoder)", ("tiny",)),
     "taesdxl": ("TAESDXL (tiny SDXL decoder)", ()),
 }
 
-VIDEO_CLASSES = {"AutoencoderKLWan", "AutoencoderKLHunyuanVideo"}
+VIDEO_CLASSES = {"AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderKLHunyuanVideo15",
+                 "AutoencoderKLLTX2Video"}
+# video classes whose config names its compression ratios (spatial_compression_ratio / temporal_compression_ratio)
+_RATIO_CLASSES = {"AutoencoderKLHunyuanVideo": (8, 4), "AutoencoderKLHunyuanVideo15": (16, 4),
+                  "AutoencoderKLLTX2Video": (32, 8)}
 
 
 @dataclass
@@ -50,6 +58,11 @@ class FamilySpec:
         return self.cls_name in VIDEO_CLASSES
 
     @property
+    def makes_images(self) -> bool:
+        """An image model on a video VAE (Qwen-Image on Wan 2.1's): one-frame latents are pictures (PNG by default)."""
+        return self.name == "qwenimage"
+
+    @property
     def latent_channels(self) -> int:
         c = self.config
         return int(c.get("latent_channels") or c.get("z_dim") or 4)
@@ -59,8 +72,8 @@ class FamilySpec:
         c = self.config
         if self.cls_name == "AutoencoderKLWan":
             return int(c.get("scale_factor_spatial", 8))
-        if self.cls_name == "AutoencoderKLHunyuanVideo":
-            return int(c.get("spatial_compression_ratio", 8))
+        if self.cls_name in _RATIO_CLASSES:
+            return int(c.get("spatial_compression_ratio") or _RATIO_CLASSES[self.cls_name][0])
         if self.cls_name == "AutoencoderTiny":
             return int(c.get("upsampling_scaling_factor", 2)) ** (len(c.get("decoder_block_out_channels", [0] * 4)) - 1)
         return 2 ** (len(c.get("block_out_channels", [0] * 4)) - 1)
@@ -70,8 +83,8 @@ class FamilySpec:
         c = self.config
         if self.cls_name == "AutoencoderKLWan":
             return int(c.get("scale_factor_temporal", 4))
-        if self.cls_name == "AutoencoderKLHunyuanVideo":
-            return int(c.get("temporal_compression_ratio", 4))
+        if self.cls_name in _RATIO_CLASSES:
+            return int(c.get("temporal_compression_ratio") or _RATIO_CLASSES[self.cls_name][1])
         return 1
 
     def output_frames(self, latent_frames: int) -> int:
@@ -80,6 +93,8 @@ class FamilySpec:
 
     def describe_scaling(self) -> str:
         c = self.config
+        if "_bn" in c:
+            return _bn_describe(c)
         if c.get("latents_mean") is not None and c.get("latents_std") is not None:
             return f"per-channel mean/std ({len(c['latents_mean'])} channels)"
         s = f"scaling_factor {c.get('scaling_factor', 1.0)}"
@@ -91,6 +106,14 @@ class FamilySpec:
         """Pipeline ("scaled") latents -> raw decoder latents, exactly as diffusers' pipelines do before vae.decode."""
         c = self.config
         x = latents.float()
+        if "_bn" in c:
+            return bn_unscale(x, c)
+        if c.get("latents_mean") is not None and c.get("latents_std") is not None and c.get("scaling_factor"):
+            # LTX-2 (pipeline_ltx2.py _denormalize_latents): latents * std / scaling_factor + mean
+            shape = [1, -1] + [1] * (x.ndim - 2)
+            mean = torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape)
+            std = torch.tensor(c["latents_std"], dtype=x.dtype).view(shape)
+            return x * std / float(c["scaling_factor"]) + mean
         if c.get("latents_mean") is not None and c.get("latents_std") is not None:
             # Wan pipelines: latents / (1/std) + mean, per channel (dim 1).
             shape = [1, -1] + [1] * (x.ndim - 2)
@@ -106,6 +129,13 @@ class FamilySpec:
         """Inverse of unscale: raw decoder latents -> pipeline latents."""
         c = self.config
         x = raw.float()
+        if "_bn" in c:
+            return bn_scale(x, c)
+        if c.get("latents_mean") is not None and c.get("latents_std") is not None and c.get("scaling_factor"):
+            shape = [1, -1] + [1] * (x.ndim - 2)  # LTX-2 (pipeline_ltx2.py _normalize_latents)
+            mean = torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape)
+            std = torch.tensor(c["latents_std"], dtype=x.dtype).view(shape)
+            return (x - mean) * float(c["scaling_factor"]) / std
         if c.get("latents_mean") is not None and c.get("latents_std") is not None:
             shape = [1, -1] + [1] * (x.ndim - 2)
             mean = torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape)
@@ -154,3 +184,62 @@ def build_model(spec: FamilySpec, **overrides) -> torch.nn.Module:
     cfg = {k: v for k, v in spec.config.items() if not k.startswith("_")}
     cfg.update(overrides)
     return cls(**cfg).eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FLUX.2's latent normalization (pipeline_flux2.py): the transformer works on 2x2-patchified latents (N, 4C, H/2, W/2),
+# normalized per patchified channel by the VAE's BatchNorm running statistics; before vae.decode the pipeline does
+# latents * sqrt(running_var + eps) + running_mean, then unpatchifies. config["_bn"] = {"mean", "var", "eps",
+# "patch_size"}; mean/var None (a checkpoint without them, or random weights) read as diffusers' init: 0 and 1.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def patchify(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) -> (N, 4C, H/2, W/2), as Flux2Pipeline._patchify_latents."""
+    n, c, h, w = x.shape
+    return x.view(n, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, c * 4, h // 2, w // 2)
+
+
+def unpatchify(x: torch.Tensor) -> torch.Tensor:
+    """(N, 4C, h, w) -> (N, C, 2h, 2w), as Flux2Pipeline._unpatchify_latents."""
+    n, c4, h, w = x.shape
+    return x.reshape(n, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c4 // 4, h * 2, w * 2)
+
+
+def bn_stats(c: dict, channels: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of FLUX.2's latent BatchNorm, each (1, channels, 1, 1): std = sqrt(running_var + eps)."""
+    bn = c["_bn"]
+    mean = torch.tensor(bn["mean"], dtype=dtype) if bn.get("mean") is not None else torch.zeros(channels, dtype=dtype)
+    var = torch.tensor(bn["var"], dtype=dtype) if bn.get("var") is not None else torch.ones(channels, dtype=dtype)
+    if mean.numel() != channels or var.numel() != channels:
+        raise CheckpointError(f"FLUX.2 latent statistics have {mean.numel()} channels, the patchified latents "
+                              f"{channels}")
+    return mean.view(1, -1, 1, 1), torch.sqrt(var.view(1, -1, 1, 1) + float(bn.get("eps", 1e-4)))
+
+
+def bn_unscale(x: torch.Tensor, c: dict) -> torch.Tensor:
+    """Normalized latents -> raw (N, C, H, W) decoder latents. Takes the pipeline's patchified (N, 4C, h, w) form or
+    the same numbers unpatchified (N, C, H, W); both end unpatchified."""
+    lc = int(c.get("latent_channels") or 32)
+    patched = x.shape[1] == 4 * lc
+    if not patched:
+        x = patchify(x)
+    mean, std = bn_stats(c, x.shape[1], x.dtype)
+    return unpatchify(x * std + mean)
+
+
+def bn_scale(x: torch.Tensor, c: dict) -> torch.Tensor:
+    """Raw (N, C, H, W) latents -> normalized, unpatchified (N, C, H, W) (the inverse of bn_unscale); a patchified
+    (N, 4C, h, w) input is normalized as it is."""
+    if x.shape[1] == 4 * int(c.get("latent_channels") or 32):
+        mean, std = bn_stats(c, x.shape[1], x.dtype)
+        return (x - mean) / std
+    p = patchify(x)
+    mean, std = bn_stats(c, p.shape[1], x.dtype)
+    return unpatchify((p - mean) / std)
+
+
+def _bn_describe(c: dict) -> str:
+    bn = c["_bn"]
+    where = "the checkpoint's" if bn.get("mean") is not None else "default (0/1, no statistics in the weights)"
+    return f"BatchNorm latent normalization over 2x2 patches ({where} running mean/var, eps {bn.get('eps', 1e-4)})"

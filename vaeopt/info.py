@@ -65,3 +65,40 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
     else:
         row("planner", True, "CPU: whole decode where it fits in half the available host memory, else tiled (or --tile); video chunks planned from the same")
     return rows
+
+
+# What the stages do for each family's decoder (the same on every machine; stage_outlook says what runs here).
+_PATHS = {
+    "AutoencoderKL": ("image path: fused GroupNorm+SiLU and epilogues, phase upsample convs, channels_last, FP8 convs, "
+                      "exact layer-streamed tiling when a decode does not fit, the OOM fallback, multi-GPU bands"),
+    "AutoencoderKLWan": ("Wan path: exact causal chunk decoder, fused RMSNorm+SiLU and epilogues, time-stacked and "
+                         "Triton convs, per-chunk CUDA graphs, exact spatial tiling of chunks, the OOM fallback"),
+    "AutoencoderKLHunyuanVideo": ("diffusers' decode with vaeopt's precision and attention (channels_last_3d off: "
+                                  "its replicate padding undoes it), diffusers' spatial tiles when over budget"),
+    "AutoencoderKLHunyuanVideo15": ("plain path: diffusers' decode with vaeopt's precision, channels_last_3d and "
+                                    "planning, diffusers' spatial tiles when over budget; no fused kernels, chunk "
+                                    "decoder or exact tiling yet"),
+    "AutoencoderKLLTX2Video": ("plain path: diffusers' decode with vaeopt's precision, channels_last_3d and planning, "
+                               "diffusers' spatial tiles when over budget; no fused kernels, chunk decoder or exact "
+                               "tiling yet"),
+    "AutoencoderTiny": "tiny decoder: precision, channels_last, CUDA graphs for repeated shapes",
+}
+
+
+def family_outlook() -> list[dict]:
+    """One row per family: name, title, the class vaeopt builds it as, its latent scaling and what the stages do."""
+    from vaeopt.families import family_names, get_family
+
+    rows = []
+    for name in family_names():
+        spec = get_family(name)
+        stages = _PATHS.get(spec.cls_name, "plain path: diffusers' decode")
+        if name == "flux2":
+            stages = "as FLUX.1 (an AutoencoderKL decoder): " + stages
+        elif name == "qwenimage":
+            stages = "as Wan 2.1 (its decoder module for module): " + stages
+        rows.append({"family": name, "title": spec.title, "class": spec.cls_name,
+                     "latents": f"{spec.latent_channels} ch, {spec.spatial_factor}x"
+                                + (f", {spec.temporal_factor}x time" if spec.is_video else ""),
+                     "scaling": spec.describe_scaling(), "stages": stages})
+    return rows

@@ -47,6 +47,9 @@ _COMFY_LEGACY_SCALE = 0.18215
 class LatentEntry:
     name: str  # key inside the file ("" for a bare tensor)
     tensor: torch.Tensor
+    # (height, width) in pixels of the image packed latents were made for: FLUX.2's and Qwen-Image's token sequences
+    # do not say it (--height/--width, the file's "height"/"width" metadata, or vaeopt.json's)
+    size: tuple[int, int] | None = None
 
 
 @dataclass
@@ -82,7 +85,8 @@ def read_manifest(path: Path) -> dict:
     if isinstance(files, dict):
         for name, entry in files.items():
             if isinstance(entry, dict):
-                _known_keys(mpath, entry, ("model", "family", "latent_space"), f"for {name}")
+                # (height, width: the image size of packed FLUX.2 / Qwen-Image latents)
+                _known_keys(mpath, entry, ("model", "family", "latent_space", "height", "width"), f"for {name}")
     hint = files.get(path.name, {}) if isinstance(files, dict) else None
     if isinstance(hint, dict):  # top-level "model" / "latent_space": defaults for every file of the folder
         if not isinstance(data.get("model", ""), str):
@@ -288,6 +292,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     entries: list[LatentEntry] = []
     default_space = "scaled"
     space_meta = False  # the file's own metadata names its latent space
+    file_meta: dict = {}
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
         import zipfile
@@ -389,6 +394,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             entries.append(LatentEntry("latent_tensor", t))
         else:
             fmt = "safetensors"
+            file_meta = meta
             space_meta = meta.get("latent_space") in ("raw", "scaled")
             if space_meta:
                 default_space = meta["latent_space"]
@@ -472,6 +478,10 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         all_entries = entries
         entries = picked
     manifest = read_manifest(path) if manifest_needed else {}  # not needed: not read (nor able to fail the run)
+    size = _packed_size(file_meta, manifest, path)
+    if size is not None:
+        for e in entries + (all_entries or []):
+            e.size = size
     if manifest.get("latent_space") in ("raw", "scaled"):
         default_space = manifest["latent_space"]
     elif manifest.get("folder_latent_space") in ("raw", "scaled") and fmt in ("pt", "npy", "npz", "safetensors") \
@@ -516,6 +526,15 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     unbatched = None
     packed = t.shape[-1:] == (4 * cin,) and (t.ndim == 2 or (t.ndim == 3 and (
         t.shape[0] != cin or t.shape[1] >= 16 * t.shape[2])))  # a batch of 16: no real (C, H, W) latent is 16:1
+    if family.name in PACKED_FAMILIES and packed:
+        t = unpack_tokens(t, family, entry.size, where)
+        packed = False
+    if family.name == "flux2" and t.ndim == 4 and t.shape[1] == 4 * cin:
+        # FLUX.2's patchified (N, 128, H/16, W/16) latents, as its transformer and ComfyUI hold them: to_raw
+        # unpatchifies them (after the BatchNorm de-normalization for pipeline latents)
+        if values and not torch.isfinite(t).all():
+            raise LatentError(f"{where}: non-finite values in {tuple(t.shape)} latents")
+        return t
     if family.name == "flux" and packed:
         # (B, (H/16)*(W/16), 64): 2x2 patches of the 16 channels. The sequence does not say H and W (a square count
         # can come from a non-square image: 1152x512 packs to 48*48), so unpacking would be a guess
@@ -631,10 +650,18 @@ def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | N
 def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tensor:
     """Latents in the given space -> raw decoder latents (float32)."""
     if space == "raw":
+        if family.name == "flux2" and latents.ndim == 4 and latents.shape[1] == 4 * family.latent_channels:
+            # 128-channel FLUX.2 latents are the normalized ones wherever they come from: BFL's AutoEncoder.decode
+            # and ComfyUI (whose .latent files hold them) de-normalize them inside the VAE, as the pipeline does
+            return family.unscale(latents)
         if family.cls_name == "AutoencoderTiny":  # TAESD decodes pipeline latents: raw = the big VAE's raw latents
             return _tiny_from_raw(latents, family)
         return latents.float()
     if space == "scaled":
+        if family.name == "flux2" and latents.ndim == 4 and (latents.shape[-2] % 2 or latents.shape[-1] % 2) \
+                and latents.shape[1] == family.latent_channels:
+            raise LatentError(f"{tuple(latents.shape)}: FLUX.2 pipeline latents are normalized in 2x2 patches, so "
+                              "their height and width are even; odd ones are raw latents (--latent-space raw)")
         return family.unscale(latents)
     raise LatentError(f"latent space must be 'scaled' or 'raw', got '{space}'")
 
@@ -647,3 +674,48 @@ def save_latents(path: str | Path, tensors: dict[str, torch.Tensor], latent_spac
 
     with atomic_path(Path(path)) as tmp:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"latent_space": latent_space})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packed token sequences: FLUX.2 (N, (H/16)*(W/16), 128) and Qwen-Image (N, (H/16)*(W/16), 64), as their pipelines
+# return them with output_type="latent" where they do not unpack them first
+# ----------------------------------------------------------------------------------------------------------------------
+
+PACKED_FAMILIES = ("flux2", "qwenimage")
+
+
+def _packed_size(meta: dict, manifest: dict, path) -> tuple[int, int] | None:
+    """(height, width) from the file's metadata or vaeopt.json ("height", "width": the image size in pixels)."""
+    for src in (meta or {}), (manifest or {}):
+        if "height" in src or "width" in src:
+            try:
+                h, w = int(src["height"]), int(src["width"])
+            except (KeyError, TypeError, ValueError):
+                raise LatentError(f"{path}: 'height' and 'width' must both be given, as whole numbers of pixels "
+                                  f"(got {src.get('height')!r}, {src.get('width')!r})") from None
+            if h <= 0 or w <= 0:
+                raise LatentError(f"{path}: height and width must be positive, got {h}x{w}")
+            return h, w
+    return None
+
+
+def unpack_tokens(t: torch.Tensor, family: FamilySpec, size: tuple[int, int] | None, where: str) -> torch.Tensor:
+    """FLUX.2: (N, h*w, 128) -> (N, 128, h, w), the tokens in row-major order, as Flux2Pipeline's
+    _unpack_latents_with_ids scatters them with the ids of _prepare_latent_ids; Qwen-Image: (N, h*w, 64) ->
+    (N, 16, 1, 2h, 2w), as QwenImagePipeline._unpack_latents. h, w = height // 16, width // 16."""
+    if t.ndim == 2:
+        t = t.unsqueeze(0)
+    n, seq, d = t.shape
+    if size is None:
+        raise LatentError(
+            f"{where}: shape {tuple(t.shape)} is packed {family.title} latents (batch, sequence, {d}), as its pipeline "
+            "returns them; the image size is not stored in them: pass --height and --width (the image's pixels), "
+            "or give the file \"height\"/\"width\" metadata")
+    h, w = size[0] // 16, size[1] // 16
+    if h * w != seq:
+        raise LatentError(f"{where}: {seq} packed tokens do not fit a {size[0]}x{size[1]} image ({h}x{w} = {h * w} "
+                          "tokens of 2x2 latent patches): check --height/--width")
+    if family.name == "flux2":
+        return t.reshape(n, h, w, d).permute(0, 3, 1, 2).contiguous()
+    c = d // 4
+    return t.reshape(n, h, w, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, 1, 2 * h, 2 * w)

@@ -616,6 +616,7 @@ class _Analysis:
     notes: list[str]
     unused_decoder: list[str]
     is_residual: bool = False
+    extra: dict = field(default_factory=dict)  # per-checkpoint latent statistics (FLUX.2's bn, LTX-2's mean/std)
 
 
 def _idx(sd, pattern: str) -> list[int]:
@@ -675,6 +676,12 @@ def _analyse(state_dict: dict[str, Tensor], label: str, notes: list[str], n_tota
         _refuse_unbuildable_taesd(sub, label)
         return _finish(_convert_taesd_original(sub, "decoder"), "taesd-original" + suffix, notes, [], label)
 
+    sub, extra = _take_latent_stats(sub, notes)  # FLUX.2's BatchNorm, LTX-2's per-channel statistics
+    special = _analyse_video_families(sub, suffix, notes, label)  # HunyuanVideo 1.5, LTX-2
+    if special is not None:
+        special.extra.update(extra)
+        return special
+
     dkeys = [k for k in sub if k.startswith("decoder.")]
     if any(k.startswith("decoder.layers.") for k in dkeys):
         _refuse_unbuildable_taesd(sub, label)  # TAEF2 under diffusers' AutoencoderTiny names
@@ -715,7 +722,9 @@ def _analyse(state_dict: dict[str, Tensor], label: str, notes: list[str], n_tota
     else:
         sd = sub
     sd = _fix_attention(sd, notes)
-    return _finish(sd, style + suffix, notes, [k for k in unused if k.startswith("decoder.")], label)
+    a = _finish(sd, style + suffix, notes, [k for k in unused if k.startswith("decoder.")], label)
+    a.extra.update(extra)
+    return a
 
 
 def _finish(sd: dict[str, Tensor], layout: str, notes: list[str], unused_dec: list[str], label: str) -> _Analysis:
@@ -863,7 +872,11 @@ _NAME_HINTS = [  # (family, pattern) on the lower-cased file/dir name or metadat
     ("taesd", r"taesd"),
     ("wan22", r"wan[-_ ]?2[._]?2|ti2v"),
     ("wan21", r"wan[-_ ]?2[._]?1"),
+    ("hunyuanvideo15", r"(hunyuan|hy)[-_ ]?video[-_ ]?1[._]?5|hunyuan[-_ ]?1[._]5"),
     ("hunyuanvideo", r"hunyuan|hyvideo"),
+    ("ltx2", r"ltx"),
+    ("qwenimage", r"qwen"),
+    ("flux2", r"flux[-_ .]?2"),
     ("sd3", r"sd[-_ ]?3|stable[-_ ]?diffusion[-_ ]?3"),
     ("flux", r"flux|^ae\.(safetensors|sft)$"),
     ("sdxl", r"sdxl|sd[-_ ]xl|xl(?![a-z])"),
@@ -877,7 +890,8 @@ _KEY_HINTS = [  # other weights of a full checkpoint -> family
     ("sd2", ("cond_stage_model.model.",), "OpenCLIP text encoder (SD 2.x)"),
     ("sd15", ("cond_stage_model.transformer.",), "CLIP text encoder (SD 1.x)"),
 ]
-_DEFAULTS = {"AutoencoderKLHunyuanVideo": "hunyuanvideo", "AutoencoderTiny": "taesd"}
+_DEFAULTS = {"AutoencoderKLHunyuanVideo": "hunyuanvideo", "AutoencoderTiny": "taesd",
+             "AutoencoderKLHunyuanVideo15": "hunyuanvideo15", "AutoencoderKLLTX2Video": "ltx2"}
 
 
 def _name_hint(text: str) -> str | None:
@@ -928,6 +942,8 @@ def _choose_family(a: _Analysis, family, explicit, meta_cfg, metadata, other_key
                 f"match the checkpoint: its weights are an {_structure(a)}"
             )
         notes.append(f"family {spec.name} as requested")
+        return spec
+    if (spec := _choose_new_family(a, explicit, meta_cfg, metadata, names, notes)) is not None:
         return spec
     if a.cls_name == "AutoencoderKLWan":  # shapes decide
         name = "wan22" if a.is_residual or a.latent == 48 else "wan21"
@@ -1281,6 +1297,262 @@ def _norm(v):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# FLUX.2, Qwen-Image, HunyuanVideo 1.5, LTX-2
+# ----------------------------------------------------------------------------------------------------------------------
+
+# FLUX.2's original ae.safetensors (BFL) keeps the quant convs inside the encoder/decoder; diffusers'
+# scripts/convert_flux2_to_diffusers.py (DIFFUSERS_VAE_TO_FLUX2_MAPPING) moves them to the top level, the rest is LDM.
+_FLUX2_ORIGINAL = {"encoder.quant_conv.": "quant_conv.", "decoder.post_quant_conv.": "post_quant_conv."}
+# LTX-2's original per-channel statistics (diffusers' convert_ltx2_vae_to_diffusers: mean-of-means and std-of-means
+# become the latents_mean / latents_std buffers; `channel` and mean-of-stds are dropped)
+_LTX2_STATS = {"per_channel_statistics.mean-of-means": "latents_mean",
+               "per_channel_statistics.std-of-means": "latents_std"}
+
+
+def _take_latent_stats(sd: dict[str, Tensor], notes: list[str]) -> tuple[dict[str, Tensor], dict]:
+    """Per-checkpoint latent statistics out of the state dict: FLUX.2's BatchNorm (`bn.running_mean/var`, which
+    AutoencoderKL, the class vaeopt builds FLUX.2 as, has no place for), and LTX-2's latents_mean/std (kept in the
+    state dict too: they are buffers of AutoencoderKLLTX2Video). FLUX.2's original quant-conv names are moved."""
+    extra: dict = {}
+    if "bn.running_mean" in sd or "bn.running_var" in sd:
+        extra["bn"] = {k: sd[f"bn.{k}"].float() for k in ("running_mean", "running_var") if f"bn.{k}" in sd}
+        sd = {k: v for k, v in sd.items() if not k.startswith("bn.")}
+        moved = [k for k in sd if k.startswith(tuple(_FLUX2_ORIGINAL))]
+        if moved:
+            renamed = {}
+            for k, v in sd.items():
+                for old, new in _FLUX2_ORIGINAL.items():
+                    if k.startswith(old):
+                        k = new + k[len(old):]
+                renamed[k] = v
+            sd = renamed
+            notes.append("original FLUX.2 layout (quant convs inside encoder/decoder) converted")
+    if any(k.startswith("per_channel_statistics.") for k in sd):
+        sd = {_LTX2_STATS.get(k, k): v for k, v in sd.items()
+              if k in _LTX2_STATS or not k.startswith("per_channel_statistics.")}
+    if "latents_mean" in sd and "latents_std" in sd:
+        extra["latents_mean"], extra["latents_std"] = sd["latents_mean"].float(), sd["latents_std"].float()
+    return sd, extra
+
+
+# HunyuanVideo 1.5's original (Tencent) VAE keys -> AutoencoderKLHunyuanVideo15, after diffusers'
+# scripts/convert_hunyuan_video1_5_to_diffusers.py (convert_hunyuan_video_15_vae_checkpoint_to_diffusers): a pure
+# renaming; the attention's q/k/v/proj_out are 1x1x1 convs on both sides.
+_HY15_RENAMES = [
+    (re.compile(r"^(encoder|decoder)\.(down|up)\.(\d+)\.block\.(\d+)\."),
+     lambda m: f"{m[1]}.{m[2]}_blocks.{m[3]}.resnets.{m[4]}."),
+    (re.compile(r"^(encoder|decoder)\.(down|up)\.(\d+)\.(downsample|upsample)\."),
+     lambda m: f"{m[1]}.{m[2]}_blocks.{m[3]}.{m[4]}rs.0."),
+    (re.compile(r"^(encoder|decoder)\.mid\.block_([12])\."), lambda m: f"{m[1]}.mid_block.resnets.{int(m[2]) - 1}."),
+    (re.compile(r"^(encoder|decoder)\.mid\.attn_1\.(q|k|v)\."), lambda m: f"{m[1]}.mid_block.attentions.0.to_{m[2]}."),
+    (re.compile(r"^(encoder|decoder)\.mid\.attn_1\."), lambda m: f"{m[1]}.mid_block.attentions.0."),
+]
+
+
+def _convert_hy15_original(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for k, v in sd.items():
+        for rx, fn in _HY15_RENAMES:
+            if m := rx.match(k):
+                k = fn(m) + k[m.end():]
+                break
+        out[k] = v
+    return out
+
+
+def _is_hy15(sd) -> bool:
+    """Causal-conv wrappers (`.conv.weight`, 5-D) with RMS norms (`.gamma`): HunyuanVideo 1.5 (Wan has `.gamma` with
+    plain conv names; HunyuanVideo 1 and LTX-2 have no `.gamma`)."""
+    w = sd.get("decoder.conv_in.conv.weight")
+    return w is not None and w.ndim == 5 and any(k.startswith("decoder.") and k.endswith(".gamma") for k in sd)
+
+
+def _is_ltx2(sd) -> bool:
+    """LTX-2: causal convs with parameter-free norms (no norm weights in its resnets, unlike HunyuanVideo's
+    GroupNorms), or the original's `res_blocks` names."""
+    w = sd.get("decoder.conv_in.conv.weight")
+    if w is None or w.ndim != 5:
+        return False
+    if any(".res_blocks." in k for k in sd if k.startswith("decoder.")):
+        return True
+    return ("decoder.mid_block.resnets.0.conv1.conv.weight" in sd
+            and not any(k.startswith("decoder.mid_block.resnets.0.norm") for k in sd))
+
+
+def _analyse_video_families(sd: dict[str, Tensor], suffix: str, notes: list[str], label: str) -> _Analysis | None:
+    """HunyuanVideo 1.5 and LTX-2 (diffusers or original keys) -> their analysis; None for every other layout."""
+    if _is_hy15(sd):
+        original = any(re.match(r"^decoder\.(mid\.block_1|up\.\d+\.block)\.", k) for k in sd)
+        if original:
+            sd = _convert_hy15_original(sd)
+        keep = {k: v for k, v in sd.items() if k.startswith(("encoder.", "decoder."))}
+        if len(keep) != len(sd):
+            notes.append(f"ignored {len(sd) - len(keep)} non-VAE tensors, e.g. {_few(k for k in sd if k not in keep)}")
+        return _infer_hy15(keep, ("hunyuanvideo15-original" if original else "diffusers") + suffix, notes, label)
+    if _is_ltx2(sd):
+        original = any(".res_blocks." in k for k in sd)
+        if original:
+            from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
+
+            sd = convert_ltx2_vae_to_diffusers(dict(sd))  # (it pops from the dict it is given)
+            # LTX-2.3's fourth up block (scripts/convert_ltx2_to_diffusers.py LTX_2_3_VIDEO_VAE_RENAME_DICT), which
+            # the 2.0 renaming leaves alone
+            sd = {re.sub(r"^decoder\.up_blocks\.7\.", "decoder.up_blocks.3.upsamplers.0.",
+                         re.sub(r"^decoder\.up_blocks\.8\.", "decoder.up_blocks.3.", k)): v for k, v in sd.items()}
+        keep = {k: v for k, v in sd.items() if k.startswith(("encoder.", "decoder.", "latents_"))}
+        if len(keep) != len(sd):
+            notes.append(f"ignored {len(sd) - len(keep)} non-VAE tensors, e.g. {_few(k for k in sd if k not in keep)}")
+        return _infer_ltx2(keep, ("ltx2-original" if original else "diffusers") + suffix, notes, label)
+    return None
+
+
+def _infer_hy15(sd, layout, notes, label) -> _Analysis:
+    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
+    if not ups or ups != list(range(len(ups))):
+        raise _unrecognised(label, sd, " (HunyuanVideo 1.5 decoder up blocks missing or not numbered 0..n-1)")
+    widths = [int(_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2.conv.weight", label)[0]) for i in ups]
+    n_res = len(_idx(sd, r"^decoder\.up_blocks\.0\.resnets\.(\d+)\."))
+    latent = int(_shape(sd, "decoder.conv_in.conv.weight", label)[1])
+    out_ch = int(_shape(sd, "decoder.conv_out.conv.weight", label)[0])
+    enc = sd.get("encoder.conv_in.conv.weight")
+    has_encoder = any(k.startswith("encoder.") for k in sd)
+    inferred = {"in_channels": int(enc.shape[1]) if enc is not None else out_ch, "out_channels": out_ch,
+                "latent_channels": latent, "block_out_channels": list(reversed(widths)),
+                "layers_per_block": max(n_res - 1, 1)}
+    return _Analysis("AutoencoderKLHunyuanVideo15", layout, sd, inferred, latent, has_encoder, notes, [])
+
+
+# LTX-2 decoders by their number of up blocks (scripts/convert_ltx2_to_diffusers.py get_ltx2_video_vae_config): 2.0's
+# three, each upsampling by 2 in space and time with a residual; 2.3's (and 2.5's) four, with mixed factors
+_LTX_UP = {
+    3: {"upsample_type": ["spatiotemporal"] * 3, "upsample_residual": [True] * 3, "upsample_factor": [2, 2, 2],
+        "decoder_spatio_temporal_scaling": [True] * 3, "decoder_inject_noise": [False] * 4},
+    4: {"upsample_type": ["spatiotemporal", "spatiotemporal", "temporal", "spatial"],
+        "upsample_residual": [False] * 4, "upsample_factor": [2, 2, 1, 2],
+        "decoder_spatio_temporal_scaling": [True] * 4, "decoder_inject_noise": [False] * 5},
+}
+# the padding is not in the weights: each release's, where no config says otherwise
+_LTX_PADDING = {3: "reflect", 4: "zeros"}
+
+
+def _infer_ltx2(sd, layout, notes, label) -> _Analysis:
+    """LTX-2's decoder shape from its weights: the number of up blocks tells LTX-2.0 from LTX-2.3 (their upsampler
+    kinds and factors), the shapes then give the widths and depths."""
+    latent = int(_shape(sd, "decoder.conv_in.conv.weight", label)[1])
+    out_ch = int(_shape(sd, "decoder.conv_out.conv.weight", label)[0])
+    has_encoder = any(k.startswith("encoder.") for k in sd)
+    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
+    inferred: dict = {"latent_channels": latent}
+    extra: dict = {}
+    patch = int(round((out_ch / 3) ** 0.5))
+    if patch * patch * 3 == out_ch:
+        inferred["patch_size"] = patch
+    if all(f"decoder.up_blocks.{i}.upsamplers.0.conv.conv.weight" in sd for i in ups) and len(ups) in _LTX_UP:
+        shape = _LTX_UP[len(ups)]
+        rev = [int(_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2.conv.weight", label)[0]) * f
+               for i, f in zip(ups, reversed(shape["upsample_factor"]))]
+        n_mid = len(_idx(sd, r"^decoder\.mid_block\.resnets\.(\d+)\."))
+        n_up = [len(_idx(sd, rf"^decoder\.up_blocks\.{i}\.resnets\.(\d+)\.")) for i in ups]
+        inferred.update(shape)
+        extra = {"ltx_padding": _LTX_PADDING[len(ups)]}
+        inferred["decoder_block_out_channels"] = list(reversed(rev))
+        inferred["decoder_layers_per_block"] = list(reversed([n_mid] + n_up))
+    a = _Analysis("AutoencoderKLLTX2Video", layout, sd, inferred, latent, has_encoder, notes, [])
+    a.extra.update(extra)
+    return a
+
+
+# diffusers classes whose decoders vaeopt runs as another class's (module for module the same): the config of the
+# first is read as the second's, and the family is remembered
+_NEW_CLASS_ALIASES = {"AutoencoderKLQwenImage": ("AutoencoderKLWan", "qwenimage"),
+                      "AutoencoderKLFlux2": ("AutoencoderKL", "flux2")}
+
+
+def _alias_new_class(cfg: dict | None, where: str, notes: list[str]) -> dict | None:
+    """A Qwen-Image config (AutoencoderKLQwenImage) read as AutoencoderKLWan's (its decoder is Wan 2.1's;
+    input_channels is Wan's in/out_channels), a FLUX.2 config (AutoencoderKLFlux2) as AutoencoderKL's (its
+    encoder/decoder are AutoencoderKL's; batch_norm_eps kept for the latent normalization)."""
+    if not isinstance(cfg, dict) or cfg.get("_class_name") not in _NEW_CLASS_ALIASES:
+        return cfg
+    orig = cfg["_class_name"]
+    cls, fam = _NEW_CLASS_ALIASES[orig]
+    cfg = dict(cfg)
+    if orig == "AutoencoderKLQwenImage" and "input_channels" in cfg:
+        cfg["in_channels"] = cfg["out_channels"] = cfg.pop("input_channels")
+    if orig == "AutoencoderKLFlux2":
+        if "batch_norm_eps" in cfg:
+            cfg["_bn_eps"] = cfg.pop("batch_norm_eps")
+        if cfg.get("decoder_block_out_channels") is None:
+            cfg.pop("decoder_block_out_channels", None)
+    cfg["_class_name"], cfg["_family"] = cls, fam
+    notes.append(f"{where} is for {orig} ({get_family(fam).title}): its decoder is diffusers' {cls}'s, module for "
+                 f"module, so it runs as one")
+    return cfg
+
+
+def _choose_new_family(a: _Analysis, explicit, meta_cfg, metadata, names, notes) -> FamilySpec | None:
+    """FLUX.2 (an AutoencoderKL with 32 latent channels: no other AutoencoderKL family has them) and Qwen-Image (Wan
+    2.1's shapes, named by its config class, the file's metadata or its name); None: the other families' rules."""
+    if a.cls_name in ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video"):  # one family per class
+        name = _DEFAULTS[a.cls_name]
+        notes.append(f"family {name} from the weights ({a.cls_name})")
+        return get_family(name)
+    if a.cls_name == "AutoencoderKL" and a.latent == 32:
+        why = "BatchNorm latent statistics" if a.extra.get("bn") else "no BatchNorm statistics in the weights"
+        notes.append(f"family flux2 from the weights (32 latent channels, {why})")
+        return get_family("flux2")
+    if a.cls_name != "AutoencoderKLWan" or a.is_residual or a.latent != 16:
+        return None
+    for cfg, where in ((explicit, "the given config"), (meta_cfg, "the checkpoint's config")):
+        if isinstance(cfg, dict) and cfg.get("_family") == "qwenimage":
+            notes.append(f"family qwenimage from {where} (AutoencoderKLQwenImage)")
+            return get_family("qwenimage")
+    texts = [str(v) for k, v in (metadata or {}).items() if k != "config" and isinstance(v, str)]
+    if isinstance(meta_cfg, dict) and meta_cfg.get("_name_or_path"):
+        texts.append(str(meta_cfg["_name_or_path"]))
+    for t, where in [(t, f"the file's metadata ('{t[:60]}')") for t in texts] + [(n, f"file name '{n}'") for n in names
+                                                                                   if n]:
+        if _name_hint(t) == "qwenimage":
+            notes.append(f"family qwenimage from {where}")
+            return get_family("qwenimage")
+    return None
+
+
+def _finish_new_family_spec(spec: FamilySpec, a: _Analysis, explicit, meta_cfg, notes: list[str], label: str
+                            ) -> None:
+    """The checkpoint's own latent statistics into its family config: FLUX.2's BatchNorm running mean/var (and eps,
+    from the config where it says one), LTX-2's latents_mean/std. An LTX decoder with timestep conditioning is
+    refused: its pipeline decodes with a timestep and noise (decode_timestep / decode_noise_scale) that the plain
+    decode does not pass, and diffusers' decode without them fails."""
+    if spec.name == "ltx2" and spec.config.get("timestep_conditioning"):
+        raise CheckpointError(f"{label}: an LTX VAE with timestep conditioning (its decoder takes the pipeline's "
+                              "decode_timestep and noise): vaeopt decodes LTX-2 VAEs without it only")
+    if spec.name == "flux2":
+        bn = a.extra.get("bn", {})
+        eps = next((c["_bn_eps"] for c in (explicit, meta_cfg) if isinstance(c, dict) and "_bn_eps" in c),
+                   spec.config["_bn"].get("eps", 1e-4))
+        stats = {"eps": float(eps), "patch_size": [2, 2],
+                 "mean": bn["running_mean"].tolist() if "running_mean" in bn else None,
+                 "var": bn["running_var"].tolist() if "running_var" in bn else None}
+        want = 4 * spec.latent_channels
+        for k in ("mean", "var"):
+            if stats[k] is not None and len(stats[k]) != want:
+                raise CheckpointError(f"{label}: FLUX.2 BatchNorm running_{k} has {len(stats[k])} channels, the "
+                                      f"2x2-patchified latents {want}")
+        if stats["mean"] is None or stats["var"] is None:
+            notes.append("no BatchNorm statistics (bn.running_mean/var) in the weights: pipeline (scaled) latents are "
+                         "read with mean 0 and variance 1; pass raw latents (--latent-space raw) for an exact decode")
+        spec.config["_bn"] = stats
+    elif spec.name == "ltx2":
+        if "latents_mean" in a.extra:
+            spec.config["latents_mean"] = a.extra["latents_mean"].tolist()
+            spec.config["latents_std"] = a.extra["latents_std"].tolist()
+        key = "decoder_spatial_padding_mode"
+        if "ltx_padding" in a.extra and not any(isinstance(c, dict) and key in c for c in (explicit, meta_cfg)):
+            spec.config[key] = a.extra["ltx_padding"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Public: detect / load
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -1295,14 +1567,17 @@ def _detect(
     a = _analyse(state_dict, label, notes, len(other_keys or ()))
     if is_dir:
         a.layout = "diffusers-dir" if a.layout == "diffusers" else f"{a.layout} (directory)"
-    explicit = _alias_config(_load_config_arg(config), "the given config", notes)
-    meta_cfg = _alias_config(_meta_config(metadata, notes), "the checkpoint's config", notes)
+    explicit = _alias_new_class(_alias_config(_load_config_arg(config), "the given config", notes), "the given config",
+                                notes)
+    meta_cfg = _alias_new_class(_alias_config(_meta_config(metadata, notes), "the checkpoint's config", notes),
+                                "the checkpoint's config", notes)
     _precheck_config(explicit, "the given config", label)
     _precheck_config(meta_cfg, "the checkpoint's config", label)
     if names is None:
         names = [Path(filename).name] if filename else []
     spec = _choose_family(a, family, explicit, meta_cfg, metadata, other_keys or list(state_dict), names, notes, label)
     spec = _build_spec(a, spec, meta_cfg, explicit, notes, label)
+    _finish_new_family_spec(spec, a, explicit, meta_cfg, notes, label)
     if a.cls_name == "AutoencoderTiny" and spec.latent_channels != 4:
         _tiny_raw_latents(spec, names + [label], notes)
     return spec, a, notes
@@ -1374,7 +1649,8 @@ def _load_into_model(spec: FamilySpec, a: _Analysis, label: str, notes: list[str
     model = _instantiate(spec, label, meta=True)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     sd = a.sd
-    is_dec = lambda k: k.startswith(("decoder.", "post_quant_conv."))  # noqa: E731
+    # (LTX-2's latents_mean/std buffers go with the decoder: the latent statistics its pipeline decodes with)
+    is_dec = lambda k: k.startswith(("decoder.", "post_quant_conv.", "latents_"))  # noqa: E731
 
     missing = [k for k in expected if k not in sd]
     unexpected = [k for k in sd if k not in expected]

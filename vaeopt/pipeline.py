@@ -579,12 +579,16 @@ class Pipeline:
         (planner.hunyuan_stride), the model's own tiling settings restored afterwards."""
         m = self.model
         keys = ("use_tiling", "tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
-                "tile_sample_stride_width")
-        saved = {k: getattr(m, k) for k in keys}
+                "tile_sample_stride_width", "tile_latent_min_height", "tile_latent_min_width", "tile_overlap_factor")
+        saved = {k: getattr(m, k) for k in keys if hasattr(m, k)}
         f = self.family.spatial_factor
         side, stride = tile * f, planner.hunyuan_stride(tile) * f
-        m.enable_tiling(tile_sample_min_height=side, tile_sample_min_width=side,
-                        tile_sample_stride_height=stride, tile_sample_stride_width=stride)
+        if hasattr(m, "tile_overlap_factor"):  # HunyuanVideo 1.5: latent tile sides and an overlap fraction
+            m.enable_tiling(tile_sample_min_height=side, tile_sample_min_width=side, tile_latent_min_height=tile,
+                            tile_latent_min_width=tile, tile_overlap_factor=1 - stride / side)
+        else:  # HunyuanVideo, LTX-2: sample tile sides and strides
+            m.enable_tiling(tile_sample_min_height=side, tile_sample_min_width=side,
+                            tile_sample_stride_height=stride, tile_sample_stride_width=stride)
         try:
             return m.decode(z).sample.clamp(-1, 1)
         finally:

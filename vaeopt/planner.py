@@ -288,10 +288,10 @@ def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling,
     t_lat, (h, w) = latent_shape[2], latent_shape[-2:]
     k = hunyuan_call_frames(model, t_lat)
     if chunk is not None:
-        raise VaeoptError(f"--chunk: HunyuanVideo decodes through diffusers' own decode"
+        raise VaeoptError(f"--chunk: {family.title} decodes through diffusers' own decode"
                           f"{f', in its temporal tiles of {k} latent frames' if k < t_lat else ''}; its GroupNorms "
                           "take statistics over every frame of a call, so it has no exact chunks to choose")
-    how = "diffusers' HunyuanVideo decode" + (f", in its temporal tiles of {k} latent frames" if k < t_lat else "")
+    how = f"diffusers' {family.title} decode" + (f", in its temporal tiles of {k} latent frames" if k < t_lat else "")
     whole = estimate_hunyuan(family, model, latent_shape, dtype, None)
     forced = tile is not None or tiling == "on"
     tiles = hunyuan_tile(family, model, latent_shape, dtype, budget,
