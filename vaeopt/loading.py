@@ -1238,7 +1238,7 @@ def _value_problem(param: inspect.Parameter, v) -> str | None:
         return None
     args = [a for a in typing.get_args(ann) if a is not type(None)]
     origin = typing.get_origin(ann)
-    if v is None and type(None) in typing.get_args(ann):
+    if v is None and (type(None) in typing.get_args(ann) or param.default is None):  # `x: int = None`: unset
         return None
     if origin in (list, tuple) or (origin is not None and args and typing.get_origin(args[0]) in (list, tuple)):
         inner = args if origin in (list, tuple) else typing.get_args(args[0])
@@ -1264,7 +1264,9 @@ def _check_config_values(cls_name: str, cfg: dict, source_of, label: str) -> Non
             raise CheckpointError(f"{label}: {k} {json.dumps(v)[:40]} in {source_of(k)} is not {why}")
 
 
-_DETECT_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderTiny")
+_DETECT_CLASSES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderTiny",
+                   "AutoencoderKLFlux2", "AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo15",
+                   "AutoencoderKLLTX2Video")
 
 
 def _precheck_config(cfg: dict | None, source: str, label: str) -> None:
