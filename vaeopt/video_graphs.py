@@ -13,7 +13,7 @@ buffers updated in place. So one such call can be captured once per clip and rep
 Replays read the latent chunk from a static input buffer (copied in on the compute stream) and hand out a copy of
 the graph's static output, so a consumer may keep what it got across later replays. The replayed kernels are the
 eager path's own, so replayed output equals eager output bitwise (tests/test_video_graphs.py; on the GPU in
-benchmarks/gpu_wan_graphs.py).
+benchmarks/decode_video.py's graphs variant; docs/experiments.md E14).
 
 Memory: the graph's intermediates live in a private pool about the size of one eager call's reserved transient
 segments (2.0-2.5x the dry run's live bytes; 4.56 GiB at wan21-480p, K=2). Cached segments are returned to the

@@ -83,8 +83,8 @@ def estimate_chunk_bytes(
     per shape) with the VAE's architecture, counting the bytes of every tensor storage alive at each op: a first
     chunk and one full chunk after it (so the static caches are included), peak over both. That is what PyTorch's
     caching allocator must hold in eager mode. Not included: the allocator's block rounding and fragmentation,
-    cuDNN workspaces, the CUDA context -- leave ~15% and some hundreds of MB on top (benchmarks/gpu_video.py prints
-    the estimate next to torch.cuda.max_memory_allocated). Attention counts as a fused kernel (output only), as
+    cuDNN workspaces, the CUDA context -- leave ~15% and some hundreds of MB on top (docs/experiments.md E6 holds
+    the estimate against torch.cuda.max_memory_allocated). Attention counts as a fused kernel (output only), as
     CUDA's SDPA runs it. The iterator adds only the chunk's converted frames (3 channels) on top.
     wan21-480p bf16 (1,16,21,60,104): K=1 3.05 GiB, 2: 3.9, 4: 5.6, 8: 9.05 (+0.24 GiB weights, +0.19 GiB output)."""
     check_vae(vae)

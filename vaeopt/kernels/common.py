@@ -134,7 +134,7 @@ def n_programs_target(device: torch.device) -> int:
 # --- the SiLU each kernel inlines (`silu`'s MODE): one policy for the GroupNorm, RMS and tap kernels -------------
 
 OUT8 = (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ()  # 8-bit float outputs the kernels write
-SILU_MODE: int | None = None  # None: silu_mode's policy; 0-3 force that `silu` MODE on CUDA (benchmarks/gpu_silu.py)
+SILU_MODE: int | None = None  # None: silu_mode's policy; 0-3 force that `silu` MODE on CUDA (experiments.md E25, E31)
 WAN_RMS_16 = 3  # the MODE of Wan's channels-last RMS kernel for 16-bit outputs on CUDA (silu_mode)
 
 

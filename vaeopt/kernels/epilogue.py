@@ -611,7 +611,7 @@ def bias_residual(
 
 def _epi_stats_launch(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     """(tile, warps, programs per SM, row blocks per iteration) of the epilogue that also takes GroupNorm statistics,
-    on CUDA. Measured on an H100 at SDXL's shapes (benchmarks/gpu_epi_stats.py, experiments.md E26): the stats kernel's
+    on CUDA. Measured on an H100 at SDXL's shapes (experiments.md E26): the stats kernel's
     own launch (8192-element tiles, 2 programs per SM, 4 row blocks per iteration) made it 1.1-3.2x slower."""
     return (4096, 4, 4, 1) if C <= 128 else (4096, 4, 4, 2)
 

@@ -44,7 +44,7 @@ from vaeopt.kernels.gn_window import group_norm_apply  # noqa: F401  (the split 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
-# (benchmarks/gpu_gn_apply.py, experiments.md E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
+# (experiments.md E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
 # (e4m3 out) against the shared (4096, 4).
 APPLY_CL_CUDA = (8192, 4)
 
@@ -369,7 +369,7 @@ def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:
 def _stats_cl_defaults(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     """(tile, num_warps, target programs, unroll) of the channels-last stats kernel where the caller sets none.
 
-    On CUDA, measured on an H200 at SDXL's decoder shapes (benchmarks/gpu_gn_stats.py, experiments.md E24): with the
+    On CUDA, measured on an H200 at SDXL's decoder shapes (experiments.md E24): with the
     shared defaults (4096-element tiles, 8 programs per SM, one row block per iteration) the kernel read 0.9-3.6
     TB/s, against a 4.2 TB/s copy: too few loads in flight per warp (not occupancy: the faster launches use more
     registers). Wider rows (C >= 256): 8192-element tiles, 2 programs per SM, 4 row blocks loaded per iteration

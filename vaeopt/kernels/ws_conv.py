@@ -11,7 +11,7 @@ zero-filled by TMA outside H and W; B is the K-major packed weight ([Cout, 27 * 
 rows, so that 96 or 192 output channels need no padding (two accumulators, 64 + 32 or 128 + 64, both wgmmas reading
 A from shared memory). At 96 channels the summation order is the Triton kernel's: outputs are bitwise equal to it.
 
-Measured (H100, `benchmarks/gpu_ws_conv.py`, E42): 96 ch, 4.83 ms per 12-frame 480x832 call against 5.53 ms for the
+Measured (H100, docs/experiments.md E42): 96 ch, 4.83 ms per 12-frame 480x832 call against 5.53 ms for the
 Triton kernel (494 vs 431 TFLOP/s), and whole wan21-480p decodes 579.9 against 605.7 ms; 192 ch, 3.98 ms per
 12-frame 240x416 call against 4.87 ms for cuDNN's Conv3d, which ran those layers before. A variant that fed A to both
 wgmmas from registers was slower (5.05-5.21 ms) and, in one configuration (4 consumer warps, 4 stages, maxnreg

@@ -313,7 +313,7 @@ def upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
 # modules are stock, for the tiler (which runs the head itself) and anyone else.
 
 _HEAD = "_vaeopt_head"  # conv_out attribute during a decoder call: (weakref to x, mean, scale, norm)
-HEAD_TAPS = True  # (benchmarks/gpu_head.py turns it off to time the stock head in the same process)
+HEAD_TAPS = True  # (turned off to time the stock head in the same process: docs/experiments.md E22)
 HEAD_MAX_SAMPLE = 2**31  # elements per sample: the statistics kernels address a sample with int32 offsets (above
 # it, e.g. 128 ch at 4096², the stock fused norm hands over to torch's GroupNorm, and so does the head)
 

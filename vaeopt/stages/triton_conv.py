@@ -293,7 +293,7 @@ def _is_attention(m: nn.Module) -> bool:
 # at the decode's size (apply_fp8), sdxl-1024 at the default 40 dB gate took 14.62 vs 15.87 ms (e4m3) on an H200 in
 # one process, 40.2 dB at full size (h200_int8_decode_2026-11-23f.json); ladders 14.67 ms (H200), 16.18 ms (H100)
 # after the FLOPs order (_gate_search; docs/experiments.md E45, E46). Benchmarks switch it off to time e4m3
-# (benchmarks/gpu_int8_decode.py).
+# (docs/experiments.md E46).
 INT8_FORMAT = True
 
 
