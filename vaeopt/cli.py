@@ -51,7 +51,7 @@ _flags_show_no_type()
 
 app = typer.Typer(
     help="Fast, memory-aware, fidelity-checked VAE decoding for latent diffusion "
-    "(SD 1.x/2.x, SDXL, SD3, FLUX.1, Wan 2.1/2.2, HunyuanVideo, TAESD).",
+    "(SD 1.x/2.x, SDXL, SD3, FLUX.1/FLUX.2, Wan 2.1/2.2, Qwen-Image, HunyuanVideo 1/1.5, LTX-2, TAESD).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
