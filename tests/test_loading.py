@@ -844,7 +844,7 @@ def test_real_world_layouts_and_hostile_folders(models, tmp_path):
 def test_safetensors_whose_header_length_looks_like_a_pickle(tmp_path):
     """Regression: a header of 640 bytes makes a safetensors file start 80 02, pickle protocol 2's opening, and
     it was refused as a pickle (a shard of a small save_pretrained hit it). The safetensors header is read first."""
-    from vaeopt.loading import _sniff
+    from vaeopt.loading import sniff
 
     f = tmp_path / "x.safetensors"
     for pad in range(0, 700):
@@ -853,7 +853,7 @@ def test_safetensors_whose_header_length_looks_like_a_pickle(tmp_path):
             break
     else:
         pytest.skip("no padding gave a 640-byte header")
-    assert _sniff(f) == "safetensors"
+    assert sniff(f) == "safetensors"
 
 
 def test_weights_file_of_a_diffusers_folder_reads_the_config_beside_it(tmp_path):

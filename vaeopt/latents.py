@@ -279,10 +279,10 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     suffix = path.suffix.lower()
     notes: list[str] = []
     if suffix in (".pt", ".pth", ".ckpt", ".bin", ".safetensors"):
-        from vaeopt.loading import _sniff
+        from vaeopt.loading import sniff
 
         with contextlib.suppress(Exception):  # whatever the bytes are, the reader of the suffix says it below
-            kind = _sniff(path)
+            kind = sniff(path)
             if kind == "safetensors" and suffix != ".safetensors":
                 notes.append(f"a safetensors file despite its '{path.suffix}' suffix: read as safetensors")
                 suffix = ".safetensors"
@@ -297,7 +297,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         fmt = "pt"
         import zipfile
 
-        from vaeopt.loading import _magic_name, allow_numpy_scalars, refused_global
+        from vaeopt.loading import magic_name, allow_numpy_scalars, refused_global
 
         infos = []
         with open(path, "rb") as fh:
@@ -319,7 +319,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             if not code and not raw_pickle:  # garbage, not code: say what the bytes are, not torch's boilerplate
                 with open(path, "rb") as fh:
                     head = fh.read(32)
-                what = _magic_name(head)
+                what = magic_name(head)
                 if what == "unrecognised file header":
                     what = _text_file(head) or "corrupt or truncated?"
                 raise LatentError(f"{path}: not a readable torch file ({what})") from e
@@ -348,7 +348,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         except Exception as e:  # noqa: BLE001  (torch's legacy reader raises KeyError on text, and more)
             with open(path, "rb") as fh:
                 head = fh.read(32)
-            what = _magic_name(head)
+            what = magic_name(head)
             if what == "unrecognised file header":
                 what = _text_file(head)
             first = (str(e).splitlines()[0].split(". ")[0][:160] if str(e) else type(e).__name__)  # one sentence
@@ -370,12 +370,12 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     elif suffix in (".safetensors", ".latent"):
         from safetensors import SafetensorError, safe_open
 
-        from vaeopt.loading import _magic_name, safetensors_header_problem
+        from vaeopt.loading import magic_name, safetensors_header_problem
 
         with open(path, "rb") as fh:
             head = fh.read(32)
         problem = safetensors_header_problem(path, head, path.stat().st_size) if head[8:9] == b"{" else (
-            f"corrupt or truncated safetensors file (no safetensors header: {_magic_name(head)})")
+            f"corrupt or truncated safetensors file (no safetensors header: {magic_name(head)})")
         if problem:  # in the words the checkpoint reader uses for the same fault
             raise LatentError(f"{path}: {problem}")
         try:

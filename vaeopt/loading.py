@@ -128,7 +128,7 @@ def _short(e: BaseException, n: int = 160) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-def _magic_name(head: bytes) -> str:
+def magic_name(head: bytes) -> str:
     for magic, name in (
         (b"\x89PNG", "a PNG image"),
         (b"\xff\xd8\xff", "a JPEG image"),
@@ -147,7 +147,7 @@ def _magic_name(head: bytes) -> str:
     return "unrecognised file header"
 
 
-def _sniff(path: Path) -> str:
+def sniff(path: Path) -> str:
     """'safetensors' | 'torch-zip' | 'pickle', or CheckpointError."""
     size = path.stat().st_size
     if size == 0:
@@ -169,7 +169,7 @@ def _sniff(path: Path) -> str:
     if len(head) < 9 and path.suffix.lower() in (".safetensors", ".sft"):
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({size} bytes)")
     raise CheckpointError(
-        f"{path}: not a checkpoint ({_magic_name(head)}); expected a .safetensors file or a torch .pt/.ckpt/.pth/.bin"
+        f"{path}: not a checkpoint ({magic_name(head)}); expected a .safetensors file or a torch .pt/.ckpt/.pth/.bin"
     )
 
 
@@ -398,7 +398,7 @@ def _read(path: Path, select_vae: bool = False) -> _Source:
 
 
 def _read_file(path: Path, select_vae: bool = False) -> tuple[dict[str, Tensor], dict, list[str]]:
-    kind = _sniff(path)
+    kind = sniff(path)
     if kind == "safetensors":
         keys, meta = _safetensors_keys(path)
         prefix = _vae_prefix(keys) if select_vae else None
