@@ -883,7 +883,7 @@ def test_bad_dtype_and_device_fail_before_the_checkpoint_loads(tmp_path, samples
         assert r.exit_code == 2 and msg in r.output, r.output
 
 
-def test_new_user_pass_errors_come_before_the_load_and_say_what_to_do(tmp_path, samples_dir, monkeypatch):
+def test_input_errors_come_before_the_load_and_say_what_to_do(tmp_path, samples_dir, monkeypatch):
     """Regression: a bad -o suffix, an existing output and --peers foo were
     reported only after the checkpoint had loaded; `decode --json` printed nothing on stdout when it failed; a Hub
     id got a bare 'not found'; a full-size benchmark on the CPU ran for many minutes without a word."""
@@ -906,6 +906,9 @@ def test_new_user_pass_errors_come_before_the_load_and_say_what_to_do(tmp_path, 
     assert (tmp_path / "taken.png").read_bytes() == b"mine"
     r = run("benchmark", tmp_path / "nosuch.safetensors", "--peers", "foo")
     assert r.exit_code == 2 and "--peers: unknown foo" in r.output
+    for flag in ("--json", "--plot"):  # a '~user' that does not exist: one line, exit 2 (not an internal error)
+        r = run("benchmark", model, flag, "~nosuchuser_vaeopt/r.json")
+        assert r.exit_code == 2 and f"{flag} ~nosuchuser_vaeopt/r.json: '~nosuchuser_vaeopt' names no user" in r.output
     r = run("decode", z, "-m", "stabilityai/sdxl-vae")
     assert "Hugging Face Hub id" in r.output and "huggingface-cli download stabilityai/sdxl-vae" in r.output
     r = run("decode", z, "-m", "black-forest-labs/FLUX.1-dev/vae")
@@ -980,7 +983,7 @@ def test_manifest_typos_and_a_bad_input_among_several(tmp_path, samples_dir):
     assert sorted(os.listdir(tmp_path / "mix")) == ["lat.png"]
 
 
-def test_second_new_user_pass_leftovers(tmp_path, samples_dir, monkeypatch):
+def test_odd_latents_outputs_and_tiles_are_said_before_work(tmp_path, samples_dir, monkeypatch):
     """Regression: a .latent without ComfyUI's key was read as
     plain safetensors without a word; an output folder that cannot be written was found after the decode; `-o .png`
     made a hidden folder; `--tile 100000` printed the tile asked for, not the one used; `--gpus 1 --device cpu` was

@@ -760,7 +760,10 @@ def benchmark(
     if not 0 <= fp8_gate < float("inf"):
         raise VaeoptError(f"--fp8-gate must be a PSNR in dB, 0 or more, got {fp8_gate}")
     # '--json=~/r.json': the shell leaves a '~' after '=' as it is; decode's -o and --model expand it, so do these
-    json_out, plot_out = (p.expanduser() if p is not None else None for p in (json_out, plot_out))
+    from vaeopt.loading import expand_user  # ('~nosuchuser/r.json': one clear line, not an internal error)
+
+    json_out, plot_out = (expand_user(p, flag) if p is not None else None
+                          for p, flag in ((json_out, "--json"), (plot_out, "--plot")))
     _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
     peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
     bad = [p for p in peer_list if p not in bm.PEERS]
