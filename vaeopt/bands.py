@@ -53,7 +53,7 @@ from vaeopt.engine.fold import shortcut_bias
 from vaeopt.engine.halo import (BandComm, add_halo, band_rows, conv2d_rows, fix_edges, halo_weight, kernel_hw,
                                 plain_same_conv2d)
 from vaeopt.engine.image import check_resnet, kl_decoder, plan_passes, up_conv
-from vaeopt.engine.stats import channel_moments, group_moments
+from vaeopt.engine.stats import chan_merge, channel_moments, group_moments
 from vaeopt.engine.wan import ChunkDecoder
 from vaeopt.engine.wan_ops import (Stacked, frames_up_conv, patch_size, phase_ok, prepare_latents, stacked_w,
                                    temporal_factor, wan_module)
@@ -132,11 +132,8 @@ def triton_group_moments(x: Tensor, G: int, xb: Tensor | None = None, public: bo
             BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, BLOCK_G=triton.next_power_of_2(G),
             CG_POW2=CG if CG & (CG - 1) == 0 else 0, XB=xb is not None, num_warps=nw,
         )  # fmt: skip
-    p = part.double()
-    cnt, mu, m2 = p[0], p[1], p[2]
-    n_g = cnt.sum(dim=1)
-    mean_g = (cnt * mu).sum(dim=1) / n_g
-    m2_g = (m2 + cnt * (mu - mean_g[:, None]) ** 2).sum(dim=1)
+    p = part.double()  # (count, mean, M2) of each chunk: the chunks are the parts of one Chan merge
+    _n, mean_g, m2_g = chan_merge(p[0].t(), p[1].t(), p[2].t())
     return S * CG, mean_g, m2_g
 
 
