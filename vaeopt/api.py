@@ -95,8 +95,10 @@ def _existing(path: Path, source: str) -> tuple[Path, str]:
 
 def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: str = "scaled",
            options: Options | None = None, log: Callable[[str], None] | None = None,
-           progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+           progress: Callable[[int, int], None] | None = None, on_device: bool = False) -> torch.Tensor:
     """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W).
+    on_device=True: the same values, left where the decoder produced them (the GPU for image decodes), for a caller
+    that converts them there (to uint8, to half) and copies fewer bytes to the host.
     A vaeopt.load_vae(...) result is optimized in place on its first decode, and later decodes of it reuse that
     pipeline (options=None, or the same options); other options need the checkpoint loaded again.
     progress(done, total): called after each tile of a tiled image decode (a whole one has no steps to report) and
@@ -125,7 +127,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
     vg = video_graphs.arm(pipe, plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
-    out, _ = pipe.decode(z, plan, progress=progress)
+    out, _ = pipe.decode(z, plan, progress=progress, to_host=not on_device)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
     bad = _nonfinite(out)

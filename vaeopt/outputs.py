@@ -450,14 +450,17 @@ _FRAME_NAME = re.compile(r"frame_\d+\.png")  # what write_frames_dir writes
 _OS_FILES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # a file browser's, in a folder it has shown
 
 
-def to_uint8_images(x: torch.Tensor) -> torch.Tensor:
-    """Decoder output in [-1, 1], (N,3,H,W) or (N,3,T,H,W) -> uint8 channels-last (N,H,W,3) / (N,T,H,W,3) on CPU."""
+def to_uint8_images(x: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+    """Decoder output in [-1, 1], (N,3,H,W) or (N,3,T,H,W) -> uint8 channels-last (N,H,W,3) / (N,T,H,W,3) on CPU
+    (on_device=True: where x is, so that a GPU's output crosses to the host as a quarter of the bytes).
+    For x in [-1, 1] the bytes equal diffusers' VaeImageProcessor.postprocess(x, "pil"), round((x/2 + 0.5) * 255):
+    halving and adding 0.5 is (x + 1) / 2 with the same float32 rounding, and the product is the same real number."""
     x = x.detach()
     import torch  # here, not at the top: the CLI checks -o with this module before torch loads
 
     y = ((x.float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
     y = y.movedim(1, -1)
-    return y.cpu().contiguous()
+    return y.contiguous() if on_device else y.cpu().contiguous()
 
 
 def _save_png(target: Path, image_hwc: torch.Tensor) -> None:

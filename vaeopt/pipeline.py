@@ -465,8 +465,10 @@ class Pipeline:
         return self.model.decode(z).sample
 
     def decode(self, z_raw: torch.Tensor, plan: planner.Plan | None = None,
-               progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, DecodeStats]:
-        """Raw latents -> decoded tensor in [-1, 1] (float32 on CPU). Video: (N,3,T,H,W)."""
+               progress: Callable[[int, int], None] | None = None,
+               to_host: bool = True) -> tuple[torch.Tensor, DecodeStats]:
+        """Raw latents -> decoded tensor in [-1, 1] (float32 on CPU). Video: (N,3,T,H,W). to_host=False: float32
+        where the decoder left it (the GPU for image decodes), for a caller that post-processes it there."""
         plan = plan or self.plan(tuple(z_raw.shape))
         stats = DecodeStats()
         z = z_raw.to(self.device, self.dtype)
@@ -483,7 +485,7 @@ class Pipeline:
             torch.cuda.synchronize(self.device)
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
         stats.seconds = time.perf_counter() - t0
-        return out.float().cpu(), stats
+        return (out.float().cpu() if to_host else out.float()), stats
 
     def _decode_image(self, z, plan, stats: DecodeStats, progress) -> torch.Tensor:
         if plan.mode == "tiled":

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import concurrent.futures
+import functools
 import hmac
 import logging
 import os
@@ -24,7 +25,7 @@ from starlette.routing import Route
 import vaeopt
 from vaeopt.server import worker as worker_mod
 from vaeopt.server.metrics import Metrics
-from vaeopt.server.protocol import Limits, ProtocolError, encode_reply, latents_from_body, parse_request
+from vaeopt.server.protocol import Limits, ProtocolError, encode, latents_from_body, parse_request, prepare
 
 log = logging.getLogger("vaeopt.server")
 
@@ -132,7 +133,7 @@ class DecodeEndpoint:
         loop = asyncio.get_running_loop()
         z = await loop.run_in_executor(s.cpu, latents_from_body, body, req, family)
         del body
-        job = worker_mod.Job(model, z, loop, batchable=not family.is_video)
+        job = worker_mod.Job(model, z, loop, batchable=not family.is_video, prepare=functools.partial(prepare, req=req))
         s.pool.submit(job)
         gone = asyncio.ensure_future(_until_disconnect(receive))
         left = s.cfg.timeout_s - (time.monotonic() - t0)
@@ -148,8 +149,9 @@ class DecodeEndpoint:
             raise ProtocolError(504, f"no answer within the server's {s.cfg.timeout_s:g} s time limit per request "
                                      "(the GPU is busy: retry later, or with a smaller request)",
                                 {"Retry-After": "5"})
-        decoded = job.future.result()  # a ProtocolError from the worker propagates
-        reply = await loop.run_in_executor(s.cpu, encode_reply, decoded, req, s.cfg.jpeg_quality, s.cfg.png_level)
+        answer = job.future.result()  # a worker.Answer; a ProtocolError from the worker propagates
+        reply = await loop.run_in_executor(s.cpu, lambda: encode(answer.wait(), req, s.cfg.jpeg_quality,
+                                                                 s.cfg.png_level))
         headers = dict(reply.headers)
         headers["x-vaeopt-decode-ms"] = f"{job.seconds * 1e3:.1f}"
         if job.batch > 1:

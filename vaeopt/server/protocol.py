@@ -254,29 +254,44 @@ def _tensor_reply(x: torch.Tensor) -> Reply:
                  "tensor/binary", {"shape": json.dumps(list(x.shape)), "dtype": name})
 
 
-def encode_reply(decoded: torch.Tensor, req: DecodeRequest, jpeg_quality: int = 95, png_level: int = 1) -> Reply:
-    """The decoder's output (float32 CPU, [-1, 1]) -> the bytes and headers the client expects for this request."""
+def prepare(decoded: torch.Tensor, req: DecodeRequest) -> torch.Tensor:
+    """The decoder's output (float32 in [-1, 1], on the device that decoded it) -> the tensor this request's answer
+    is made of, computed there: uint8 channels-last for image files, MP4 and partial_postprocess (a quarter of the
+    float32 bytes to copy to the host), the latents' dtype for pt, [0, 1] frames for a client-side processor.
+    Elementwise float32 arithmetic is correctly rounded on every device, so these are the bytes that the same
+    steps on the CPU give: what `vaeopt decode` writes (outputs.to_uint8_images, on the same device)."""
     video = decoded.ndim == 5
     if req.output_type == "pt" and not req.partial_postprocess:
-        return _tensor_reply(decoded.to(req.dtype))
-    if req.output_type == "pt":  # uint8 channels-last, the images (or frames) the client turns into PIL images
-        u8 = outputs.to_uint8_images(decoded)
-        return _tensor_reply(u8[0] if video and u8.shape[0] == 1 else u8)
+        return decoded.to(req.dtype)
     if req.output_type == "pil" and req.tensor_reply:  # [0, 1] frames for the client's processor
         x = (decoded / 2 + 0.5).clamp(0, 1)
         if video:
             x = x.permute(0, 2, 1, 3, 4).reshape(-1, *x.shape[1:2], *x.shape[3:])  # (N*T, 3, H, W)
-        return _tensor_reply(x.to(req.dtype))
-    u8 = outputs.to_uint8_images(decoded)
+        return x.to(req.dtype)
+    u8 = outputs.to_uint8_images(decoded, on_device=True)
+    if req.output_type == "pt":  # uint8 channels-last, the images (or one clip's frames) the client makes PIL of
+        return u8[0] if video and u8.shape[0] == 1 else u8
+    return u8
+
+
+def encode(payload: torch.Tensor, req: DecodeRequest, jpeg_quality: int = 95, png_level: int = 1) -> Reply:
+    """prepare()'s tensor, on the host -> the bytes and headers the client expects for this request."""
+    if req.output_type == "pt" or req.tensor_reply:
+        return _tensor_reply(payload)
     if req.output_type == "mp4":
         with tempfile.TemporaryDirectory(prefix="vaeopt-serve-") as d:  # the encoder seeks: a file, then its bytes
             path = Path(d) / "clip.mp4"
-            outputs.write_mp4(path, [u8[0]], fps=req.fps)
+            outputs.write_mp4(path, [payload[0]], fps=req.fps)
             return Reply(path.read_bytes(), "video/mp4", {})
     if req.image_format == "png":
-        return Reply(png.encode(u8[0].numpy(), level=png_level), "image/png", {})
+        return Reply(png.encode(payload[0].numpy(), level=png_level), "image/png", {})
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(u8[0].numpy()).save(buf, format="JPEG", quality=jpeg_quality, subsampling=0)
+    Image.fromarray(payload[0].numpy()).save(buf, format="JPEG", quality=jpeg_quality, subsampling=0)
     return Reply(buf.getvalue(), "image/jpeg", {})
+
+
+def encode_reply(decoded: torch.Tensor, req: DecodeRequest, jpeg_quality: int = 95, png_level: int = 1) -> Reply:
+    """The decoder's output (float32, [-1, 1], any device) -> the answer: prepare() where it is, then encode()."""
+    return encode(prepare(decoded, req).cpu(), req, jpeg_quality, png_level)

@@ -5,6 +5,11 @@ future. A worker decodes one job at a time (or one batch of same-shape image job
 vaeopt.decode, whose planner sizes each decode against the memory free at that moment; since nothing else decodes on
 that device meanwhile, what the planner sees is what the decode gets. A CUDA out-of-memory error that vaeopt's own
 retries did not absorb is retried once, tiled; if that fails too the request is answered 503 and the worker goes on.
+
+On a GPU the decode's output stays there: each job's answer tensor (uint8 channels-last for images, the latents'
+dtype for pt) is computed on the GPU and its copy to the host is queued behind it (into pinned memory, not waited
+for), so that the worker starts the next decode at once; the encode threads wait for the copy, then encode. The
+worker thread thus spends its time launching decodes, not converting and copying float32 images on the CPU.
 """
 
 from __future__ import annotations
@@ -36,12 +41,45 @@ def _is_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
-class Job:
-    """One request's decode: raw float32 latents on the CPU, the model's name, and the future the HTTP side awaits."""
+# Answers up to this size cross to the host through pinned memory without blocking the worker (torch keeps freed
+# pinned blocks for reuse); larger ones (a long clip's float32 frames) are copied plainly, rather than pinning GBs.
+PINNED_MAX_BYTES = 256 * 2**20
 
-    def __init__(self, model: str, z: torch.Tensor, loop, batchable: bool):
+
+class Answer:
+    """A job's answer tensor on its way to the host; wait() (on an encode thread) returns it there."""
+
+    def __init__(self, t: torch.Tensor, prepare: Callable | None):
+        self.event = None
+        if t.device.type == "cuda":
+            t = prepare(t) if prepare is not None else t
+            self._prepare = None
+            if t.numel() * t.element_size() <= PINNED_MAX_BYTES:
+                self.t = t.to("cpu", non_blocking=True)  # into pinned host memory: a queued copy, not a wait
+                self.event = torch.cuda.Event()
+                self.event.record(torch.cuda.current_stream(t.device))
+            else:
+                self.t = t.cpu()
+        else:  # a CPU worker: the conversion is CPU work too, done on the encode threads rather than the worker's
+            self.t, self._prepare = t, prepare
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        if self._prepare is not None:
+            self.t, self._prepare = self._prepare(self.t), None
+        return self.t
+
+
+class Job:
+    """One request's decode: raw float32 latents on the CPU, the model's name, the future the HTTP side awaits, and
+    `prepare`, which turns the decoder's float32 output into the tensor its answer is made of (on the device)."""
+
+    def __init__(self, model: str, z: torch.Tensor, loop, batchable: bool, prepare: Callable | None = None):
         self.model = model
         self.z = z
+        self.prepare = prepare
         self.loop = loop
         self.future = loop.create_future()
         self.batch_key = (model, tuple(z.shape[1:])) if batchable else None
@@ -176,21 +214,23 @@ class Worker(threading.Thread):
         if len(batch) > 1:
             try:
                 out = self._decode(loaded, torch.cat([j.z for j in batch]), batch[0])
+                answers = [Answer(part, j.prepare) for j, part in zip(batch, out.split([j.z.shape[0] for j in batch]))]
+                del out
             except BaseException as e:
                 if not isinstance(e, ProtocolError):
                     log.warning("batched decode of %d failed (%s): decoding them one by one", len(batch), e)
-                out = None
-            if out is not None:
+                answers = None
+            if answers is not None:
                 dt = time.perf_counter() - t0
                 self._timed(dt)
-                for j, part in zip(batch, torch.split(out, [j.z.shape[0] for j in batch])):
+                for j, a in zip(batch, answers):  # each job its own slice, in the order they were concatenated
                     j.seconds, j.batch = dt, len(batch)
-                    self._answer(j, part)
+                    self._answer(j, a)
                 return
         for j in batch:
             t1 = time.perf_counter()
             try:
-                out = self._decode(loaded, j.z, j)
+                out = Answer(self._decode(loaded, j.z, j), j.prepare)
             except ProtocolError as e:
                 self._answer(j, error=e)
             except VaeoptError as e:  # latents the model cannot decode, a NaN/Inf output
@@ -224,7 +264,7 @@ class Worker(threading.Thread):
         """vaeopt.decode; on an out-of-memory error it did not absorb, once more tiled; then 503."""
         failed = None
         try:
-            return decode(z, loaded, latent_space="raw", options=self.options)
+            return decode(z, loaded, latent_space="raw", options=self.options, on_device=True)
         except BaseException as e:
             if not _is_oom(e):
                 raise
@@ -235,7 +275,8 @@ class Worker(threading.Thread):
         job.retries.append(f"out of memory ({failed}): retried tiled")
         log.warning("out of memory decoding %s on %s: retrying tiled", tuple(z.shape), self.device)
         try:
-            return decode(z, loaded, latent_space="raw", options=dataclasses.replace(self.options, tiling="on"))
+            return decode(z, loaded, latent_space="raw", options=dataclasses.replace(self.options, tiling="on"),
+                          on_device=True)
         except BaseException as e:
             if not (_is_oom(e) or isinstance(e, VaeoptError)):
                 raise
