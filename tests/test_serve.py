@@ -312,6 +312,68 @@ def test_batching_same_shape_images(srv, monkeypatch):
         assert (got - want).abs().max() < 1e-4  # its own image (a batched conv may round differently)
 
 
+def test_a_batch_of_real_client_requests_each_gets_its_own_answer(srv, ref, monkeypatch):
+    """diffusers' remote_decode from several threads at once, different latents and answer kinds (PNG, JPEG, float32
+    and float16 pt, uint8 pt) of one shape: queued behind a held decode, they are decoded as one batch; each answer
+    is its own latents' image (closest to its own expected output, far from the others')."""
+    gate = Gate(worker_mod.decode)
+    monkeypatch.setattr(worker_mod, "decode", gate)
+    monkeypatch.setattr(srv.pool.workers[0], "max_batch", 8)
+    monkeypatch.setattr(srv.pool.workers[0], "max_queue", 8)
+    sf = scaling(ref)
+    zs = [torch.randn(1, 4, 12, 12, generator=torch.Generator().manual_seed(50 + i)) * 4 for i in range(6)]
+    kinds = [dict(image_format="png"), dict(image_format="jpg"), dict(output_type="pt", return_type="pt"),
+             dict(output_type="pt", return_type="pt", dtype16=True),
+             dict(output_type="pt", return_type="pt", partial_postprocess=True), dict(image_format="png")]
+
+    def call(i):
+        kw = dict(kinds[i])
+        z = zs[i].half() if kw.pop("dtype16", False) else zs[i]
+        return remote_decode(srv.base + "/img", z, scaling_factor=sf, **kw)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        futs = []
+        for i in range(6):  # the first decodes (held), the other five queue behind it
+            futs.append(ex.submit(call, i))
+            _wait_depth(srv, i + 1)
+        gate.open.set()
+        answers = [f.result() for f in futs]
+    assert gate.shapes == [(1, 4, 12, 12), (5, 4, 12, 12)]
+    want = [outputs.to_uint8_images(vaeopt.decode(z, ref["img"]))[0].numpy().astype(np.int16) for z in zs]
+
+    def as_u8(a):
+        if isinstance(a, torch.Tensor):
+            return (a[0] if a.dtype == torch.uint8 else outputs.to_uint8_images(a.float())[0]).numpy()
+        return np.asarray(a)
+
+    for i, a in enumerate(answers):
+        got = as_u8(a).astype(np.int16)
+        assert got.shape == (96, 96, 3)
+        err = [np.abs(got - w).mean() for w in want]
+        assert int(np.argmin(err)) == i, (i, err)  # its own, not a neighbour's
+        if kinds[i].get("image_format") != "jpg":
+            assert np.abs(got - want[i]).max() <= 2  # a batched conv may round differently (here: bitwise or 1)
+        else:
+            assert psnr(got, want[i]) >= 40
+
+
+def test_uint8_answers_equal_diffusers_postprocessing():
+    """The server's (and `vaeopt decode`'s) uint8 images are diffusers' VaeImageProcessor.postprocess(..., "pil")
+    bytes, over the whole [-1, 1] range, the values that land exactly between two levels included."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    from vaeopt.server.protocol import DecodeRequest, prepare
+
+    k = torch.arange(256, dtype=torch.float64)
+    halves = ((k + 0.5) / 127.5 - 1).float()  # ties: round half to even on both sides
+    near = torch.cat([halves, torch.nextafter(halves, torch.tensor(2.0)), torch.nextafter(halves, torch.tensor(-2.0))])
+    x = torch.cat([torch.linspace(-1, 1, 3 * 256 * 256 - near.numel()), near]).clamp(-1, 1).view(1, 3, 256, 256)
+    theirs = np.asarray(VaeImageProcessor().postprocess(x, output_type="pil")[0])
+    assert np.array_equal(outputs.to_uint8_images(x)[0].numpy(), theirs)
+    req = DecodeRequest((1, 4, 32, 32), torch.float32, "pil", "png", False, False, None, None, False, None, None, 16)
+    assert np.array_equal(prepare(x, req)[0].numpy(), theirs)
+
+
 def test_out_of_memory_is_retried_then_answered_503(srv, monkeypatch):
     real = worker_mod.decode
     calls = []

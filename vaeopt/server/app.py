@@ -219,7 +219,7 @@ class Server:
         return TokenCheck(app, lambda: self.cfg.token)
 
     async def health(self, request: Request):
-        workers = [{"device": str(w.device), "state": w.state, "queue": w.depth, **({"error": w.error} if w.error
+        workers = [{"device": w.label, "state": w.state, "queue": w.depth, **({"error": w.error} if w.error
                                                                                    else {})} for w in self.pool.workers]
         models = {m or "/": {"path": os.path.basename(p)} for m, p in self.cfg.models.items()}
         if self.pool.ready:

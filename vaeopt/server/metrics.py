@@ -81,16 +81,16 @@ class Metrics:
             L += ["# HELP vaeopt_client_disconnects_total Clients that went away before their answer.",
                   "# TYPE vaeopt_client_disconnects_total counter", f"vaeopt_client_disconnects_total {self.disconnects}"]
         L += ["# HELP vaeopt_queue_depth Requests queued or decoding, per worker.", "# TYPE vaeopt_queue_depth gauge"]
-        L += [f'vaeopt_queue_depth{{device="{w.device}"}} {w.depth}' for w in pool.workers]
+        L += [f'vaeopt_queue_depth{{device="{w.label}"}} {w.depth}' for w in pool.workers]
         L += ["# HELP vaeopt_worker_ready 1 once the worker's models are loaded and optimized.",
               "# TYPE vaeopt_worker_ready gauge"]
-        L += [f'vaeopt_worker_ready{{device="{w.device}"}} {int(w.state == "ready")}' for w in pool.workers]
+        L += [f'vaeopt_worker_ready{{device="{w.label}"}} {int(w.state == "ready")}' for w in pool.workers]
         L += ["# HELP vaeopt_oom_retries_total Decodes retried tiled after running out of memory.",
               "# TYPE vaeopt_oom_retries_total counter"]
-        L += [f'vaeopt_oom_retries_total{{device="{w.device}"}} {w.oom_retries}' for w in pool.workers]
+        L += [f'vaeopt_oom_retries_total{{device="{w.label}"}} {w.oom_retries}' for w in pool.workers]
         L += ["# HELP vaeopt_dropped_total Queued requests skipped because their client had gone.",
               "# TYPE vaeopt_dropped_total counter"]
-        L += [f'vaeopt_dropped_total{{device="{w.device}"}} {w.dropped}' for w in pool.workers]
+        L += [f'vaeopt_dropped_total{{device="{w.label}"}} {w.dropped}' for w in pool.workers]
         gpus = [w.device for w in pool.workers if w.device.type == "cuda"]
         if gpus:
             L += ["# HELP vaeopt_gpu_memory_allocated_bytes Tensor memory allocated by torch on the GPU.",

@@ -108,6 +108,7 @@ class Worker(threading.Thread):
                  max_batch: int = 1):
         super().__init__(name=f"vaeopt-decode-{device}", daemon=True)
         self.device = device
+        self.label = str(device)  # in /health and /metrics (Pool numbers workers that share a device)
         self.model_paths = models
         self.options = dataclasses.replace(options, device=str(device))
         self.max_queue = max_queue
@@ -294,6 +295,10 @@ class Pool:
 
     def __init__(self, workers: list[Worker]):
         self.workers = workers
+        names = [str(w.device) for w in workers]
+        for i, w in enumerate(workers):  # several workers on one device (CPU tests of a multi-GPU server)
+            if names.count(names[i]) > 1:
+                w.label = f"{names[i]}#{i}"
 
     @property
     def ready(self) -> bool:
@@ -301,7 +306,7 @@ class Pool:
 
     @property
     def failed(self) -> str | None:
-        return next((f"{w.device}: {w.error}" for w in self.workers if w.state == "failed"), None)
+        return next((f"{w.label}: {w.error}" for w in self.workers if w.state == "failed"), None)
 
     def family(self, model: str):
         for w in self.workers:
