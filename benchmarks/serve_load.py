@@ -2,15 +2,19 @@
 response checked against its own expected output (a direct vaeopt.decode of that request's latents).
 
 Each request carries its own random latents, so a lost, duplicated or mixed-up answer fails its check. Phases:
-1. reference: vaeopt.decode of every request's latents in this process (also the direct-decode time per shape);
-2. one client: --single sequential PNG requests at the first shape (its p50 vs the direct decode: the server's
-   overhead);
-3. load: --clients concurrent clients share the --requests requests (PNG, JPEG, pt, pt uint8, mixed shapes).
-Writes one JSON document to --out.
+1. servers: one per --batch value, spawned at once (they load and warm up while the references are computed);
+2. references: vaeopt.decode of every request's latents in this process, as uint8 images;
+3. direct: the first shape decoded in this process, timed, as the public API gives it (float32 on the host) and as
+   the server makes a PNG answer (decode, uint8 on the device, PNG encoding): the server's overhead is the one-client
+   latency over the latter;
+4. one client: --single sequential PNG requests at the first shape (on the first server);
+5. load, per server: --clients concurrent clients share the --requests requests (PNG, JPEG, pt, pt uint8, mixed
+   shapes), the same requests for every --batch value.
+Writes one JSON document to --out and prints a short table last.
 
-    # GPU: random-weight SDXL (as `vaeopt benchmark --workload sdxl-1024` builds it), the server spawned here
-    python benchmarks/serve_load.py --family sdxl --shapes 128x128,96x96,64x64 --clients 32 --requests 500 \
-        --out benchmarks/results/serve_load_sdxl.json
+    # GPU: random-weight SDXL (as `vaeopt benchmark --workload sdxl-1024` builds it), the servers spawned here
+    python benchmarks/serve_load.py --family sdxl --shapes 128x128,96x96,64x64 --clients 32 --requests 500 \\
+        --batch 1,2,4,8 --out benchmarks/results/serve_load_sdxl.json
     # against a running server (its model given too, for the expected outputs)
     python benchmarks/serve_load.py --url http://127.0.0.1:8000/ --model vae.safetensors ...
 """
@@ -33,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,7 +49,8 @@ KINDS = ("png", "jpg", "pt", "pt-uint8")
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = float(((a.float() - b.float()) ** 2).mean())
+    d = a.to(torch.int32) - b.to(torch.int32)
+    mse = float((d * d).sum()) / max(1, d.numel())
     return float("inf") if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
@@ -98,10 +104,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, args) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, args, batch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vaeopt", "serve", "--model", str(model), "--port", str(port), "--log-level",
-           "warning", "--queue", str(max(64, args.clients * 2)), "--batch", str(args.batch)]
+           "warning", "--queue", str(max(64, args.clients * 2)), "--batch", str(batch)]
     if args.device:
         cmd += ["--device", args.device]
     if args.gpus:
@@ -168,6 +174,7 @@ async def run_load(url: str, specs: list[dict], clients: int, deadline_s: float,
                     continue
                 if resp.status_code == 200:
                     r["server_decode_ms"] = float(resp.headers.get("x-vaeopt-decode-ms", "nan"))
+                    r["batch"] = int(resp.headers.get("x-vaeopt-batch", "1"))
                     r.update(await loop.run_in_executor(None, check, s, resp.content, resp.headers))
                 else:
                     r["error"] = resp.text[:300]
@@ -192,8 +199,10 @@ def check(spec: dict, body: bytes, headers) -> dict:
     want = spec["expected"]
     if got.shape != want.shape:
         return {"match": False, "check_error": f"shape {tuple(got.shape)} != {tuple(want.shape)}"}
-    own = psnr(got, want)
     other = spec.get("other")
+    if torch.equal(got, want) and (other is None or not torch.equal(want, other)):
+        return {"match": True, "psnr_db": "inf", "exact": True}  # its own image, and no other's
+    own = psnr(got, want)
     vs_other = psnr(got, other) if other is not None and other.shape == got.shape else None
     need = 30.0 if spec["kind"] == "jpg" else 40.0
     ok = own >= need and (vs_other is None or own > vs_other + 3)
@@ -201,47 +210,149 @@ def check(spec: dict, body: bytes, headers) -> dict:
             "psnr_vs_other_db": None if vs_other is None else (round(vs_other, 2) if math.isfinite(vs_other) else "inf")}
 
 
+async def warm(url: str, shapes, batch: int, channels: int, scaling: dict, hdr: dict) -> None:
+    """Untimed: each shape's first decodes on a server, alone and (2 x batch at once) in batches."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=hdr) as http:
+        for sh in shapes:
+            z = torch.zeros(1, channels, *sh, dtype=torch.float16)
+            post = lambda: http.post(url, params=params("png", z.shape, scaling), content=z.numpy().tobytes(),  # noqa
+                                     headers={"Content-Type": "tensor/binary", "Accept": "image/png"})
+            await post()
+            if batch > 1:
+                await asyncio.gather(*[post() for _ in range(2 * batch)])
+
+
+def tally(rs: list[dict], n: int) -> dict:
+    ok = [r for r in rs if r.get("status") == 200 and r.get("match")]
+    ids = [r["i"] for r in rs]
+    by_status: dict[str, int] = {}
+    for r in rs:
+        by_status[str(r["status"])] = by_status.get(str(r["status"]), 0) + 1
+    kinds_ = {k: summary([r["ms"] for r in ok if r["kind"] == k]) for k in sorted({r["kind"] for r in rs})}
+    batches = [r["batch"] for r in ok if "batch" in r]
+    return {"requests": n, "answered": len(rs), "ok": len(ok), "lost": n - len(set(ids)),
+            "duplicated": len(ids) - len(set(ids)),
+            "mismatched": sum(1 for r in rs if r.get("status") == 200 and not r.get("match")),
+            "exact": sum(1 for r in ok if r.get("exact")), "by_status": by_status,
+            "retried_503": sum(1 for r in rs if r.get("tries", 1) > 1),
+            "latency": summary([r["ms"] for r in ok]), "by_kind": kinds_,
+            "server_decode": summary([r["server_decode_ms"] for r in ok]),  # the worker's part of it
+            "mean_batch": round(statistics.fmean(batches), 2) if batches else None,
+            "failures": [r for r in rs if not (r.get("status") == 200 and r.get("match"))][:10]}
+
+
+def table(result: dict) -> str:
+    s = result["single_client"]
+    d = result["direct"]
+    lines = [f"serve_load: {result['gpu'] or 'cpu'}, {result['model']}, {result['clients']} clients",
+             f"one client PNG {s['shape']}: p50 {fmt(s['latency']['p50_ms'])} ms, p99 {fmt(s['latency']['p99_ms'])} ms"
+             f" (direct: decode {fmt(d['decode_p50_ms'])} ms, decode+PNG {fmt(d['png_p50_ms'])} ms; server overhead "
+             f"{fmt(s['overhead_p50_ms'])} ms)",
+             f"{'batch':>6} {'ok':>9} {'lost':>4} {'dup':>4} {'mixed':>5} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
+             f"{'mean batch':>10} {'decode p50':>10}"]
+    for v in result["variants"]:
+        L = v["load"]
+        lines.append(f"{str(v['batch']):>6} {L['ok']:>4}/{L['requests']:<4} {L['lost']:>4} {L['duplicated']:>4} "
+                     f"{L['mismatched']:>5} {fmt(L['latency']['p50_ms']):>8} {fmt(L['latency']['p99_ms']):>8} "
+                     f"{fmt(L['throughput_rps']):>7} {fmt(L['mean_batch']):>10} "
+                     f"{fmt(L['server_decode']['p50_ms']):>10}")
+    return "\n".join(lines)
+
+
+def fmt(v) -> str:
+    return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="checkpoint (served here, and used for the expected outputs)")
     ap.add_argument("--family", help="random-weight model of this family instead (sdxl)")
-    ap.add_argument("--url", help="a running server's endpoint (default: start one here)")
-    ap.add_argument("--device", help="--device for the spawned server and the reference decodes")
-    ap.add_argument("--gpus", type=int, help="--gpus for the spawned server")
-    ap.add_argument("--batch", type=int, default=1, help="--batch for the spawned server")
+    ap.add_argument("--url", help="a running server's endpoint (default: start them here)")
+    ap.add_argument("--device", help="--device for the spawned servers and the reference decodes")
+    ap.add_argument("--gpus", type=int, help="--gpus for the spawned servers")
+    ap.add_argument("--batch", default="1", help="--batch values, one spawned server each: 1,2,4,8")
     ap.add_argument("--shapes", default="128x128", help="latent HxW sizes, comma separated (first: the one-client "
                                                         "phase)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"response kinds to mix: {', '.join(KINDS)}")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--single", type=int, default=20, help="sequential PNG requests of the one-client phase")
-    ap.add_argument("--deadline", type=float, default=1200.0, help="seconds for the load phase at most")
+    ap.add_argument("--direct", type=int, default=20, help="timed direct decodes of the first shape")
+    ap.add_argument("--deadline", type=float, default=120.0, help="seconds for each load phase at most")
     ap.add_argument("--token", default=os.environ.get("VAEOPT_TOKEN"))
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    if not 1 <= a.clients <= 1024 or not 1 <= a.requests <= 100_000 or a.single < 0:
-        raise SystemExit("--clients 1..1024, --requests 1..100000, --single >= 0")
+    t_start = time.perf_counter()
+    if not 1 <= a.clients <= 1024 or not 1 <= a.requests <= 100_000 or a.single < 0 or a.direct < 1:
+        raise SystemExit("--clients 1..1024, --requests 1..100000, --single >= 0, --direct >= 1")
     kinds = [k for k in a.kinds.split(",") if k]
     if not kinds or any(k not in KINDS for k in kinds):
         raise SystemExit(f"--kinds: choose from {', '.join(KINDS)}")
+    try:
+        batches = [int(b) for b in a.batch.split(",") if b]
+    except ValueError:
+        raise SystemExit(f"--batch {a.batch}: whole numbers, comma separated") from None
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"--batch {a.batch}: whole numbers of at least 1")
+    if a.url and len(batches) > 1:
+        raise SystemExit("--url: the running server has its own --batch; give one --batch value (its label)")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     tmp = tempfile.TemporaryDirectory(prefix="vaeopt-load-")
     if a.model is None and a.family != "sdxl":
         raise SystemExit("give --model PATH or --family sdxl")
     model = a.model or random_sdxl(Path(tmp.name) / "sdxl")
 
-    # 1. references: each request's own latents, decoded directly
+    # 1. the servers: started first, they load while the references are computed
+    servers = [(None, a.url)] if a.url else [start_server(model, a, b) for b in batches]
+    try:
+        result = run(a, model, shapes, kinds, batches, servers)
+    finally:
+        for proc, _ in servers:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers:
+            if proc is not None:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        tmp.cleanup()
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = a.out.with_name(f".{a.out.name}.partial")
+    tmp_out.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp_out, a.out)
+    print(f"-> {a.out} ({result['seconds']} s)")
+    print(table(result), flush=True)
+    s_sum = result["single_client"]
+    if s_sum["ok"] != s_sum["requests"] or any(v["load"]["ok"] != v["load"]["requests"] for v in result["variants"]):
+        sys.exit(1)
+
+
+def run(a, model: Path, shapes, kinds, batches, servers) -> dict:
+    import httpx
+
+    from vaeopt.server import png
+
+    # 2. references: each request's own latents, decoded directly (uint8 made on the device: the same bytes as
+    # to_uint8_images of vaeopt.decode's host output, tests/test_serve_gpu.py checks it)
     loaded = vaeopt.load_vae(model)
     fam = loaded.family
     opts = vaeopt.Options(device=a.device) if a.device else None
     scaling = {"scaling_factor": fam.config.get("scaling_factor"), "shift_factor": fam.config.get("shift_factor")}
     if fam.config.get("latents_mean") is not None:
         raise SystemExit("image VAEs with a scalar scaling factor only (SD, SDXL, SD3, FLUX)")
+
+    def as_images(z):
+        return outputs.to_uint8_images(vaeopt.decode(z, loaded, options=opts, on_device=True), on_device=True).cpu()
+
     rng = random.Random(0)
     n_total = a.single + a.requests
-    specs, direct = [], {}
+    specs = []
     for sh in shapes:  # warm: the first decode of a shape builds/tunes, not measured
-        vaeopt.decode(torch.zeros(1, fam.latent_channels, *sh, dtype=torch.float16), loaded, options=opts)
+        as_images(torch.zeros(1, fam.latent_channels, *sh, dtype=torch.float16))
     t_ref = time.perf_counter()
     for i in range(n_total):
         single = i < a.single
@@ -249,105 +360,73 @@ def main() -> None:
         kind = "png" if single else kinds[rng.randrange(len(kinds))]
         g = torch.Generator().manual_seed(1000 + i)
         z = torch.randn(1, fam.latent_channels, *sh, generator=g).to(torch.float16)
-        t0 = time.perf_counter()
-        out = vaeopt.decode(z, loaded, options=opts)
-        direct.setdefault("x".join(map(str, sh)), []).append((time.perf_counter() - t0) * 1e3)
-        body = z.numpy().tobytes()
         accept = {"png": "image/png", "jpg": "image/jpeg"}.get(kind, "tensor/binary")
         specs.append({"i": i, "kind": kind, "shape": list(z.shape), "params": params(kind, z.shape, scaling),
-                      "body": body, "headers": {"Content-Type": "tensor/binary", "Accept": accept},
-                      "expected": outputs.to_uint8_images(out)[0]})
+                      "body": z.numpy().tobytes(), "headers": {"Content-Type": "tensor/binary", "Accept": accept},
+                      "expected": as_images(z)[0]})
     for i, s in enumerate(specs):  # another request's image of the same size: a mix-up would match it better
         s["other"] = next((o["expected"] for o in specs[i + 1:] + specs[:i] if o["shape"] == s["shape"]), None)
     ref_s = time.perf_counter() - t_ref
-    del loaded
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     print(f"references: {n_total} decodes in {ref_s:.1f} s", flush=True)
 
-    proc = None
-    url = a.url
-    if url is None:
-        proc, url = start_server(model, a)
-    try:
-        ready_s = wait_ready(health_url(url), proc, 900)
-        hdr = {"Authorization": f"Bearer {a.token}"} if a.token else {}
-        import httpx
+    ready = [wait_ready(health_url(url), proc, 900) for proc, url in servers]
+    print(f"servers ready ({', '.join(f'{r:.1f}' for r in ready)} s after the references)", flush=True)
 
-        for sh in shapes:  # untimed: each shape's first decode on the server picks its algorithms
-            z = torch.zeros(1, fam.latent_channels, *sh, dtype=torch.float16)
-            httpx.post(url, params=params("png", z.shape, scaling), content=z.numpy().tobytes(),
-                       headers={**hdr, "Content-Type": "tensor/binary", "Accept": "image/png"}, timeout=600)
-        # 2. one client
-        single = asyncio.run(run_load(url, specs[:a.single], 1, a.deadline, hdr)) if a.single else []
-        # 3. load
+    # 3. direct decodes of the first shape, timed while the servers idle: the public API (float32 on the host), and
+    # the server's work for a PNG answer without HTTP (decode, uint8 on the device, copy, PNG encoding)
+    z0 = torch.from_numpy(np.frombuffer(specs[0]["body"], dtype=np.float16).copy()).view(specs[0]["shape"])
+    t_dec, t_png = [], []
+    for _ in range(a.direct):
         t0 = time.perf_counter()
+        vaeopt.decode(z0, loaded, options=opts)
+        t_dec.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        png.encode(as_images(z0)[0].numpy())
+        t_png.append((time.perf_counter() - t0) * 1e3)
+    loaded = None  # its GPU memory back for the servers
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    hdr = {"Authorization": f"Bearer {a.token}"} if a.token else {}
+    variants = []
+    single: list[dict] = []
+    for k, ((proc, url), b) in enumerate(zip(servers, batches)):
+        asyncio.run(warm(url, shapes, b, fam.latent_channels, scaling, hdr))
+        if k == 0 and a.single:  # 4. one client (batching cannot apply)
+            single = asyncio.run(run_load(url, specs[:a.single], 1, a.deadline, hdr))
+        t0 = time.perf_counter()  # 5. load
         load = asyncio.run(run_load(url, specs[a.single:], a.clients, a.deadline, hdr))
         wall = time.perf_counter() - t0
         metrics = httpx.get(health_url(url).replace("/health", "/metrics"), headers=hdr, timeout=10).text
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        tmp.cleanup()
-
-    def tally(rs: list[dict], n: int) -> dict:
-        ok = [r for r in rs if r.get("status") == 200 and r.get("match")]
-        ids = [r["i"] for r in rs]
-        by_status: dict[str, int] = {}
-        for r in rs:
-            by_status[str(r["status"])] = by_status.get(str(r["status"]), 0) + 1
-        kinds_ = {k: summary([r["ms"] for r in ok if r["kind"] == k]) for k in sorted({r["kind"] for r in rs})}
-        return {"requests": n, "answered": len(rs), "ok": len(ok), "lost": n - len(set(ids)),
-                "duplicated": len(ids) - len(set(ids)),
-                "mismatched": sum(1 for r in rs if r.get("status") == 200 and not r.get("match")),
-                "exact": sum(1 for r in ok if r.get("exact")), "by_status": by_status,
-                "retried_503": sum(1 for r in rs if r.get("tries", 1) > 1),
-                "latency": summary([r["ms"] for r in ok]), "by_kind": kinds_,
-                "server_decode": summary([r["server_decode_ms"] for r in ok]),  # the worker's part of it
-                "failures": [r for r in rs if not (r.get("status") == 200 and r.get("match"))][:10]}
+        tl = tally(load, a.requests)
+        tl.update(wall_s=round(wall, 3),
+                  throughput_rps=round(sum(1 for r in load if r.get("status") == 200) / wall, 2) if wall else None)
+        variants.append({"batch": b if proc is not None else "server", "url": url, "load": tl,
+                         "server_metrics": [ln for ln in metrics.splitlines() if ln.startswith((
+                             "vaeopt_requests_total", "vaeopt_gpu_memory", "vaeopt_oom", "vaeopt_dropped",
+                             "vaeopt_host"))]})
+        print(f"batch {b}: {tl['ok']}/{tl['requests']} ok, p50 {fmt(tl['latency']['p50_ms'])} ms, "
+              f"{tl['throughput_rps']} req/s", flush=True)
 
     first = "x".join(map(str, shapes[0]))
-    from PIL import Image
-
-    img = Image.fromarray(specs[0]["expected"].numpy())
-    t_png = []
-    for _ in range(5):  # what PNG encoding alone costs (the server encodes at zlib level 1)
-        t1 = time.perf_counter()
-        img.save(io.BytesIO(), format="PNG", compress_level=1)
-        t_png.append((time.perf_counter() - t1) * 1e3)
     s_sum = tally(single, a.single)
-    d50 = statistics.median(direct[first])
-    result = {
+    d50, p50 = statistics.median(t_dec), statistics.median(t_png)
+    return {
         "model": str(a.model) if a.model else f"{a.family} (random weights)", "family": fam.name,
         "device": a.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__, "vaeopt": vaeopt.__version__, "url": url, "spawned_server": proc is not None,
-        "server_ready_s": round(ready_s, 1), "clients": a.clients, "shapes": [list(s) for s in shapes],
-        "kinds": kinds, "batch": a.batch,
-        "direct_decode": {k: summary(v) for k, v in direct.items()},
-        "png_encode_ms": statistics.median(t_png),
-        "single_client": {**s_sum, "shape": first, "overhead_p50_ms": (s_sum["latency"]["p50_ms"] - d50)
+        "torch": torch.__version__, "vaeopt": vaeopt.__version__, "spawned_server": servers[0][0] is not None,
+        "server_ready_s": [round(r, 1) for r in ready], "clients": a.clients, "shapes": [list(s) for s in shapes],
+        "kinds": kinds, "references_s": round(ref_s, 1),
+        "direct": {"shape": first, "decode": summary(t_dec), "decode_p50_ms": d50, "png": summary(t_png),
+                   "png_p50_ms": p50},
+        "direct_decode": {first: summary(t_dec)},
+        "single_client": {**s_sum, "shape": first,
+                          "overhead_p50_ms": (s_sum["latency"]["p50_ms"] - p50)
                           if s_sum["latency"]["p50_ms"] is not None else None},
-        "load": {**tally(load, a.requests), "wall_s": round(wall, 3),
-                 "throughput_rps": round(sum(1 for r in load if r.get("status") == 200) / wall, 2) if wall else None},
-        "server_metrics": [ln for ln in metrics.splitlines() if ln.startswith(("vaeopt_requests_total",
-                                                                               "vaeopt_gpu_memory", "vaeopt_oom",
-                                                                               "vaeopt_dropped", "vaeopt_host"))],
+        "variants": variants,
+        "load": variants[0]["load"],  # the first --batch value's
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = a.out.with_name(f".{a.out.name}.partial")
-    tmp_out.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(tmp_out, a.out)
-    L = result["load"]
-    print(f"one client PNG {first}: p50 {s_sum['latency']['p50_ms']} ms (direct decode p50 {d50:.1f} ms); load: "
-          f"{L['ok']}/{L['requests']} ok, {L['mismatched']} mismatched, {L['lost']} lost, p50 "
-          f"{L['latency']['p50_ms']} ms, p99 {L['latency']['p99_ms']} ms, {L['throughput_rps']} req/s -> {a.out}")
-    if L["ok"] != L["requests"] or s_sum["ok"] != s_sum["requests"]:
-        sys.exit(1)
 
 
 if __name__ == "__main__":

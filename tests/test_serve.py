@@ -493,7 +493,7 @@ def test_cli_refuses_open_host_without_token_and_bad_models(tmp_path):
     assert r.exit_code == 2 and "16 characters" in r.output
 
 
-def test_load_script_against_the_server(srv, tmp_path, monkeypatch):
+def test_load_script_against_the_server(srv, tmp_path, monkeypatch, capsys):
     """benchmarks/serve_load.py, 4 clients x 20 requests (run in this process: no second torch import)."""
     import importlib.util
 
@@ -502,7 +502,7 @@ def test_load_script_against_the_server(srv, tmp_path, monkeypatch):
     spec.loader.exec_module(load_mod)
     out = tmp_path / "load.json"
     monkeypatch.setattr(sys, "argv", ["serve_load.py", "--url", srv.base + "/img", "--model", str(IMG), "--shapes",
-                                      "8x8,6x10", "--clients", "4", "--requests", "20", "--single", "3", "--out",
+                                      "8x8,6x10", "--clients", "4", "--requests", "20", "--single", "3", "--direct", "2", "--out",
                                       str(out)])
     load_mod.main()  # (exits non-zero where a request failed or did not match)
     res = json.loads(out.read_text())
@@ -512,7 +512,9 @@ def test_load_script_against_the_server(srv, tmp_path, monkeypatch):
     assert load["latency"]["p50_ms"] <= load["latency"]["p99_ms"] and load["throughput_rps"] > 0
     assert set(load["by_kind"]) <= {"png", "jpg", "pt", "pt-uint8"} and len(load["by_kind"]) >= 3
     assert res["single_client"]["ok"] == 3 and res["single_client"]["overhead_p50_ms"] is not None
-    assert set(res["direct_decode"]) == {"8x8", "6x10"}
+    assert res["direct"]["shape"] == "8x8" and res["direct"]["png"]["n"] == 2
+    assert [v["load"] for v in res["variants"]] == [load]
+    assert capsys.readouterr().out.splitlines()[-1].split()[:2] == ["server", "20/20"]  # the table's row, last
 
 
 def test_pool_sends_each_job_to_the_shortest_queue():
