@@ -16,7 +16,8 @@ Response, as the client parses it:
 - output_type=mp4: an H.264 MP4 file (video models, one clip per request).
 Errors are non-2xx answers with a JSON body {"error": "...", "status": N}; the client raises them as RuntimeError.
 
-Everything here is pure (no sockets, no GPU): the HTTP layer calls it, and tests can too.
+Everything here is pure (no sockets, no state; prepare() runs on whatever device holds its tensor): the HTTP
+layer and the worker call it, and tests can too.
 """
 
 from __future__ import annotations
@@ -291,7 +292,3 @@ def encode(payload: torch.Tensor, req: DecodeRequest, jpeg_quality: int = 95, pn
     Image.fromarray(payload[0].numpy()).save(buf, format="JPEG", quality=jpeg_quality, subsampling=0)
     return Reply(buf.getvalue(), "image/jpeg", {})
 
-
-def encode_reply(decoded: torch.Tensor, req: DecodeRequest, jpeg_quality: int = 95, png_level: int = 1) -> Reply:
-    """The decoder's output (float32, [-1, 1], any device) -> the answer: prepare() where it is, then encode()."""
-    return encode(prepare(decoded, req).cpu(), req, jpeg_quality, png_level)
