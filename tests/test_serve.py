@@ -407,6 +407,21 @@ def test_out_of_memory_is_retried_then_answered_503(srv, monkeypatch):
     assert post(srv).status_code == 200  # and it goes on serving
 
 
+def test_out_of_memory_making_the_answer_is_503(srv, monkeypatch):
+    """The answer tensor (uint8, half) is made after the decode (on a CPU server, on the encode threads): running out
+    of memory there is a 503 too, and the server goes on."""
+    from vaeopt.server import app as app_mod
+
+    def oom(decoded, req):
+        raise MemoryError("cannot allocate the answer")
+
+    monkeypatch.setattr(app_mod, "prepare", oom)
+    r = post(srv)
+    assert r.status_code == 503 and "out of memory making the answer" in r.json()["error"] and "Retry-After" in r.headers
+    monkeypatch.undo()
+    assert post(srv).status_code == 200
+
+
 def test_per_request_time_limit(srv, monkeypatch):
     gate = Gate(worker_mod.decode)
     monkeypatch.setattr(worker_mod, "decode", gate)

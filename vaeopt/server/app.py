@@ -150,8 +150,14 @@ class DecodeEndpoint:
                                      "(the GPU is busy: retry later, or with a smaller request)",
                                 {"Retry-After": "5"})
         answer = job.future.result()  # a worker.Answer; a ProtocolError from the worker propagates
-        reply = await loop.run_in_executor(s.cpu, lambda: encode(answer.wait(), req, s.cfg.jpeg_quality,
-                                                                 s.cfg.png_level))
+        try:
+            reply = await loop.run_in_executor(s.cpu, lambda: encode(answer.wait(), req, s.cfg.jpeg_quality,
+                                                                     s.cfg.png_level))
+        except Exception as e:
+            if not worker_mod.is_oom(e):
+                raise
+            raise ProtocolError(503, f"out of memory making the answer ({type(e).__name__}): retry later, or with a "
+                                     "smaller request", {"Retry-After": "5"}) from None
         headers = dict(reply.headers)
         headers["x-vaeopt-decode-ms"] = f"{job.seconds * 1e3:.1f}"
         if job.batch > 1:

@@ -35,7 +35,7 @@ log = logging.getLogger("vaeopt.server")
 decode: Callable = vaeopt.decode
 
 
-def _is_oom(e: BaseException) -> bool:
+def is_oom(e: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError (torch reports a failed host allocation so)."""
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
@@ -237,6 +237,12 @@ class Worker(threading.Thread):
             except VaeoptError as e:  # latents the model cannot decode, a NaN/Inf output
                 self._answer(j, error=ProtocolError(422, str(e)))
             except Exception as e:  # noqa: BLE001 — a bug: this request fails, the worker goes on
+                if is_oom(e):  # making its answer tensor (a large pt answer on a nearly full GPU)
+                    self._free()
+                    self._answer(j, error=ProtocolError(503, f"out of memory on {self.device} converting the decoded "
+                                                             f"{list(j.z.shape)}: retry later or send a smaller batch",
+                                                        {"Retry-After": str(self.retry_after())}))
+                    continue
                 log.exception("decode failed on %s", self.device)
                 self._answer(j, error=ProtocolError(500, f"decode failed: {type(e).__name__}: "
                                                          f"{(str(e).splitlines() or [''])[0][:200]}"))
@@ -267,7 +273,7 @@ class Worker(threading.Thread):
         try:
             return decode(z, loaded, latent_space="raw", options=self.options, on_device=True)
         except BaseException as e:
-            if not _is_oom(e):
+            if not is_oom(e):
                 raise
             failed = f"{type(e).__name__}"
         # (retried outside the except block: its traceback would keep the failed attempt's tensors alive)
@@ -279,7 +285,7 @@ class Worker(threading.Thread):
             return decode(z, loaded, latent_space="raw", options=dataclasses.replace(self.options, tiling="on"),
                           on_device=True)
         except BaseException as e:
-            if not (_is_oom(e) or isinstance(e, VaeoptError)):
+            if not (is_oom(e) or isinstance(e, VaeoptError)):
                 raise
         self._free()
         self.oom_refused += 1
