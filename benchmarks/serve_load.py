@@ -98,10 +98,18 @@ def random_sdxl(folder: Path) -> Path:
     return folder
 
 
+_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, never one already handed to another server spawned here (they bind seconds later)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
 
 
 def start_server(model: Path, args, batch: int) -> tuple[subprocess.Popen, str]:
@@ -236,6 +244,9 @@ def tally(rs: list[dict], n: int) -> dict:
             "duplicated": len(ids) - len(set(ids)),
             "mismatched": sum(1 for r in rs if r.get("status") == 200 and not r.get("match")),
             "exact": sum(1 for r in ok if r.get("exact")), "by_status": by_status,
+            # bytes equal to `vaeopt decode`'s, per kind (PNG and pt uint8 are, unbatched; JPEG and fp16 pt cannot be)
+            "exact_by_kind": {k: f"{sum(1 for r in ok if r['kind'] == k and r.get('exact'))}/"
+                                 f"{sum(1 for r in ok if r['kind'] == k)}" for k in sorted({r["kind"] for r in ok})},
             "retried_503": sum(1 for r in rs if r.get("tries", 1) > 1),
             "latency": summary([r["ms"] for r in ok]), "by_kind": kinds_,
             "server_decode": summary([r["server_decode_ms"] for r in ok]),  # the worker's part of it
@@ -251,13 +262,14 @@ def table(result: dict) -> str:
              f" (direct: decode {fmt(d['decode_p50_ms'])} ms, decode+PNG {fmt(d['png_p50_ms'])} ms; server overhead "
              f"{fmt(s['overhead_p50_ms'])} ms)",
              f"{'batch':>6} {'ok':>9} {'lost':>4} {'dup':>4} {'mixed':>5} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
-             f"{'mean batch':>10} {'decode p50':>10}"]
+             f"{'mean batch':>10} {'decode p50':>10}  exact png / pt-uint8"]
     for v in result["variants"]:
         L = v["load"]
         lines.append(f"{str(v['batch']):>6} {L['ok']:>4}/{L['requests']:<4} {L['lost']:>4} {L['duplicated']:>4} "
                      f"{L['mismatched']:>5} {fmt(L['latency']['p50_ms']):>8} {fmt(L['latency']['p99_ms']):>8} "
                      f"{fmt(L['throughput_rps']):>7} {fmt(L['mean_batch']):>10} "
-                     f"{fmt(L['server_decode']['p50_ms']):>10}")
+                     f"{fmt(L['server_decode']['p50_ms']):>10}  {L['exact_by_kind'].get('png', '-')} / "
+                     f"{L['exact_by_kind'].get('pt-uint8', '-')}")
     return "\n".join(lines)
 
 
