@@ -260,7 +260,8 @@ def table(result: dict) -> str:
     lines = [f"serve_load: {result['gpu'] or 'cpu'}, {result['model']}, {result['clients']} clients",
              f"one client PNG {s['shape']}: p50 {fmt(s['latency']['p50_ms'])} ms, p99 {fmt(s['latency']['p99_ms'])} ms"
              f" (direct: decode {fmt(d['decode_p50_ms'])} ms, decode+PNG {fmt(d['png_p50_ms'])} ms; server overhead "
-             f"{fmt(s['overhead_p50_ms'])} ms)",
+             f"{fmt(s['overhead_p50_ms'])} ms); uint8 made on the device = on the host: "
+             f"{d['uint8_on_device_equals_host']}",
              f"{'batch':>6} {'ok':>9} {'lost':>4} {'dup':>4} {'mixed':>5} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
              f"{'mean batch':>10} {'decode p50':>10}  exact png / pt-uint8"]
     for v in result["variants"]:
@@ -348,8 +349,8 @@ def run(a, model: Path, shapes, kinds, batches, servers) -> dict:
 
     from vaeopt.server import png
 
-    # 2. references: each request's own latents, decoded directly (uint8 made on the device: the same bytes as
-    # to_uint8_images of vaeopt.decode's host output, tests/test_serve_gpu.py checks it)
+    # 2. references: each request's own latents, decoded directly as `vaeopt decode` does (float32 to the host, uint8
+    # made there), so that an exact answer also shows the server's uint8 made on the GPU to be the same bytes
     loaded = vaeopt.load_vae(model)
     fam = loaded.family
     opts = vaeopt.Options(device=a.device) if a.device else None
@@ -357,14 +358,17 @@ def run(a, model: Path, shapes, kinds, batches, servers) -> dict:
     if fam.config.get("latents_mean") is not None:
         raise SystemExit("image VAEs with a scalar scaling factor only (SD, SDXL, SD3, FLUX)")
 
-    def as_images(z):
+    def reference(z):
+        return outputs.to_uint8_images(vaeopt.decode(z, loaded, options=opts))
+
+    def as_server_does(z):  # the float32 output left on the device, uint8 made there
         return outputs.to_uint8_images(vaeopt.decode(z, loaded, options=opts, on_device=True), on_device=True).cpu()
 
     rng = random.Random(0)
     n_total = a.single + a.requests
     specs = []
     for sh in shapes:  # warm: the first decode of a shape builds/tunes, not measured
-        as_images(torch.zeros(1, fam.latent_channels, *sh, dtype=torch.float16))
+        reference(torch.zeros(1, fam.latent_channels, *sh, dtype=torch.float16))
     t_ref = time.perf_counter()
     for i in range(n_total):
         single = i < a.single
@@ -375,7 +379,7 @@ def run(a, model: Path, shapes, kinds, batches, servers) -> dict:
         accept = {"png": "image/png", "jpg": "image/jpeg"}.get(kind, "tensor/binary")
         specs.append({"i": i, "kind": kind, "shape": list(z.shape), "params": params(kind, z.shape, scaling),
                       "body": z.numpy().tobytes(), "headers": {"Content-Type": "tensor/binary", "Accept": accept},
-                      "expected": as_images(z)[0]})
+                      "expected": reference(z)[0]})
     for i, s in enumerate(specs):  # another request's image of the same size: a mix-up would match it better
         s["other"] = next((o["expected"] for o in specs[i + 1:] + specs[:i] if o["shape"] == s["shape"]), None)
     ref_s = time.perf_counter() - t_ref
@@ -386,15 +390,20 @@ def run(a, model: Path, shapes, kinds, batches, servers) -> dict:
 
     # 3. direct decodes of the first shape, timed while the servers idle: the public API (float32 on the host), and
     # the server's work for a PNG answer without HTTP (decode, uint8 on the device, copy, PNG encoding)
-    z0 = torch.from_numpy(np.frombuffer(specs[0]["body"], dtype=np.float16).copy()).view(specs[0]["shape"])
+    def latents(spec):
+        return torch.from_numpy(np.frombuffer(spec["body"], dtype=np.float16).copy()).view(spec["shape"])
+
+    z0 = latents(specs[0])
     t_dec, t_png = [], []
     for _ in range(a.direct):
         t0 = time.perf_counter()
         vaeopt.decode(z0, loaded, options=opts)
         t_dec.append((time.perf_counter() - t0) * 1e3)
         t0 = time.perf_counter()
-        png.encode(as_images(z0)[0].numpy())
+        png.encode(as_server_does(z0)[0].numpy())
         t_png.append((time.perf_counter() - t0) * 1e3)
+    same_bytes = all(torch.equal(as_server_does(latents(o)), reference(latents(o)))  # 8 of them, every shape
+                     for o in specs[:: max(1, len(specs) // 8)])
     loaded = None  # its GPU memory back for the servers
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -431,7 +440,7 @@ def run(a, model: Path, shapes, kinds, batches, servers) -> dict:
         "server_ready_s": [round(r, 1) for r in ready], "clients": a.clients, "shapes": [list(s) for s in shapes],
         "kinds": kinds, "references_s": round(ref_s, 1),
         "direct": {"shape": first, "decode": summary(t_dec), "decode_p50_ms": d50, "png": summary(t_png),
-                   "png_p50_ms": p50},
+                   "png_p50_ms": p50, "uint8_on_device_equals_host": same_bytes},
         "direct_decode": {first: summary(t_dec)},
         "single_client": {**s_sum, "shape": first,
                           "overhead_p50_ms": (s_sum["latency"]["p50_ms"] - p50)

@@ -528,6 +528,7 @@ def test_load_script_against_the_server(srv, tmp_path, monkeypatch, capsys):
     assert set(load["by_kind"]) <= {"png", "jpg", "pt", "pt-uint8"} and len(load["by_kind"]) >= 3
     assert res["single_client"]["ok"] == 3 and res["single_client"]["overhead_p50_ms"] is not None
     assert res["direct"]["shape"] == "8x8" and res["direct"]["png"]["n"] == 2
+    assert res["direct"]["uint8_on_device_equals_host"] is True
     assert [v["load"] for v in res["variants"]] == [load]
     assert capsys.readouterr().out.splitlines()[-1].split()[:2] == ["server", "20/20"]  # the table's row, last
 
