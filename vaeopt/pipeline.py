@@ -406,7 +406,7 @@ class Pipeline:
                                                            if "tensor cores" in why or "GPU" in why else "")))
             return
         self._record(mod.apply(self.model, family=self.family, gate_db=self.opts.gate_db, device=self.device,
-                               dtype=self.dtype, compute=compute))
+                               dtype=self.dtype, compute=compute, log=self.log))
 
     # ---- planning -----------------------------------------------------------------------------------------
     def plan(self, latent_shape: tuple) -> planner.Plan:
