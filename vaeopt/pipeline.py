@@ -305,7 +305,8 @@ class Pipeline:
         elif conv8:  # the gate decodes Wan with the chunk decoder the decodes will use
             decode = video.decode_video if self.family.cls_name == "AutoencoderKLWan" else None
             self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db,
-                                                              decode_shape=o.decode_shape, decode=decode))
+                                                              decode_shape=o.decode_shape, decode=decode,
+                                                              log=self.log))
 
         if o.attention == "off":
             self._record(StageResult.skipped("attention", "off"))
