@@ -39,6 +39,7 @@ FP8 = [  # `vaeopt benchmark --fp8 [--fp8-gate G]`: lossy, gated on PSNR vs fp32
 FP8_LEVELS = ["h200_sdxl-1024-fp8-gate30-levels_2026-11-28b.json", "h200_sdxl-1024-fp8-levels_2026-11-28b.json"]
 OTHER_LADDERS = ["h100_hunyuan-480p_2026-11-22.json"]
 DISTRIBUTED = ["h200x2_distributed_2026-11-22.json", "h200x4_distributed_2026-11-22.json"]
+ONE_SHOT = []  # benchmarks/one_shot.py: the whole `vaeopt decode` process against a plain diffusers script
 
 
 def load(name: str) -> dict:
@@ -111,6 +112,28 @@ def distributed() -> str:
             f"random weights, median of 3.{fp32} Sources: " + ", ".join(f"`{f}`" for f in DISTRIBUTED) + ".\n")
 
 
+def one_shot_table(path: str) -> str:
+    """benchmarks/one_shot.py's rows: each job's whole process (start to file written) per variant, and vaeopt's
+    decode line, against the plain diffusers script."""
+    r = load(path)
+    lines = ["| job | run | whole process | decode (its own line) | warmup before it | vs plain diffusers |",
+             "|---|---|---|---|---|---|"]
+    base = {x["job"]: x["total_s"] for x in r["rows"] if x["variant"] == "diffusers" and x["status"] == "ok"}
+    names = {"cold": "vaeopt decode, empty caches", "warm": "vaeopt decode, warm caches",
+             "warmup": "vaeopt decode after `vaeopt warmup`", "diffusers": "plain diffusers script"}
+    for x in r["rows"]:
+        name = names.get(x["variant"], x["variant"])
+        if x["status"] != "ok":
+            lines.append(f"| {x['job']} | {name} | *{x['status']}* | | | |")
+            continue
+        vs = f"{x['total_s'] / base[x['job']]:.2f}x" if x["job"] in base and x["variant"] != "diffusers" else ""
+        warm = f"{x['warmup_s']:.1f} s" if x.get("warmup_s") else ""
+        lines.append(f"| {x['job']} | {name} | {x['total_s']:.1f} s | {x.get('decode_s', 0):.2f} s | {warm} | {vs} |")
+    v = r["versions"]
+    return (f"{r.get('gpu') or 'CPU'}; torch {v['torch']}, Triton {v['triton']}, diffusers {v['diffusers']}. "
+            f"`{r['command']}` → `benchmarks/results/{Path(path).name}`\n\n" + "\n".join(lines) + "\n")
+
+
 def table(path: str) -> str:
     r = load(path)
     head = (f"**{r['workload']}**, latent {tuple(r['latent_shape'])}, {r['dtype']}, median of {r['repeats']}. "
@@ -148,7 +171,10 @@ in a new process compiles or loads the Triton kernels and is not timed.
 def main() -> str:
     parts = [INTRO, "## Summary (bf16)\n", summary(),
              "\n## FP8 level 3 (`--fp8`, lossy, gated on fidelity)\n", fp8_summary(),
-             "\n## Several GPUs (`--gpus N`)\n", distributed(), "\n## Ladders\n"]
+             "\n## Several GPUs (`--gpus N`)\n", distributed()]
+    if ONE_SHOT:
+        parts += ["\n## One-shot `vaeopt decode` (whole process)\n", *map(one_shot_table, ONE_SHOT)]
+    parts.append("\n## Ladders\n")
     for f in [*HEADLINE.values(), *COMPILE, *OTHER_LADDERS, *FP8, *FP8_LEVELS]:
         parts += [f"### {load(f)['workload']} ({load(f)['gpu']}, `{f}`)\n", table(f)]
     return "\n".join(parts)
@@ -156,7 +182,7 @@ def main() -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:]:
-        print("\n".join(table(p) for p in sys.argv[1:]))
+        print("\n".join(one_shot_table(p) if load(p).get("setup") == "one_shot" else table(p) for p in sys.argv[1:]))
     else:
         (ROOT / "docs" / "benchmarks.md").write_text(main())
         print("wrote docs/benchmarks.md")

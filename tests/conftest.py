@@ -48,6 +48,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
 
 
+@pytest.fixture(autouse=True)
+def _own_vaeopt_cache(tmp_path_factory, monkeypatch):
+    """Each test gets an empty vaeopt cache (vaeopt/cache.py): no verdict or plan carried from another test or from
+    the user's ~/.cache."""
+    monkeypatch.setenv("VAEOPT_CACHE_DIR", str(tmp_path_factory.mktemp("vaeopt-cache")))
+    monkeypatch.delenv("VAEOPT_CACHE", raising=False)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -546,3 +546,36 @@ def test_int8_gate_orders_layers_by_flops_per_noise(samples_dir, monkeypatch):
     order = sorted(sens, key=lambda n: -fl[n] * 10 ** (sens[n] / 10))
     chosen = [n for n, m in cands if getattr(m, "_vaeopt_fp8conv", False)]
     assert sorted(chosen) == sorted(order[:r.data["layers"]]) and r.data["probe_db"] >= gate
+
+
+def test_fp8_convs_verdict_reused_and_slower_falls_back(samples_dir, monkeypatch):
+    """The gate's verdict is stored (vaeopt.cache): the same model gated again marks the same convs without a probe
+    and says from when; and a chosen set measured slower than the plain convs at the decode's size is undone with
+    both times in the line (--fp8 on never slows a decode)."""
+    lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
+    z = lat["coffee_zoom"].float()[:, :, :2, 10:11, 20:22].contiguous()
+    vae = _tiny_wan21(samples_dir, fused=True, channels_last=True)
+    monkeypatch.setattr(triton_conv, "fp8_available", lambda d: (True, ""))
+    two = triton_conv.fp8_candidates(vae)[-2:]
+    monkeypatch.setattr(triton_conv, "fp8_candidates", lambda m, d=None: two)
+    searches = []
+    real = triton_conv._gate_search
+    monkeypatch.setattr(triton_conv, "_gate_search", lambda *a, **k: (searches.append(1), real(*a, **k))[1])
+
+    def gate(**kw):
+        triton_conv.revert(vae)
+        return triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=20.0, probe=z,
+                                     decode=video.decode_video, **kw)
+
+    r1 = gate()
+    marked1 = [getattr(m, "_vaeopt_fp8conv", False) for _, m in two]
+    assert r1.status == "applied" and len(searches) == 1 and "reused" not in r1.detail
+    r2 = gate()
+    assert len(searches) == 1 and r2.status == "applied" and "verdict reused from" in r2.detail
+    assert [getattr(m, "_vaeopt_fp8conv", False) for _, m in two] == marked1 and any(marked1)
+    monkeypatch.setattr(triton_conv, "_speed", lambda *a, **k: {"ms_8bit": 5.0, "ms_plain": 4.0})
+    r3 = gate(decode_shape=tuple(z.shape))  # another key (the decode's size): gated and timed
+    assert r3.status == "fallback" and "slower" in r3.detail and "5.00 ms against 4.00 ms" in r3.detail
+    assert not any(getattr(m, "_vaeopt_fp8conv", False) for _, m in two)
+    r4 = gate(decode_shape=tuple(z.shape))  # the stored verdict keeps the fallback, without a probe
+    assert r4.status == "fallback" and "reused" in r4.detail and len(searches) == 2

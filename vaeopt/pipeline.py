@@ -29,12 +29,8 @@ SWITCHES = ("auto", "on", "off")
 # --fp8 also takes one level alone: "weights" (level 1: e4m3 weight storage, any device) and "gemm" (levels 1-2: plus
 # the 1x1 convs and linears as fp8 GEMMs, sm_89+); "on"/"auto" take level 3 where it runs (stages/triton_conv)
 FP8_MODES = SWITCHES + ("weights", "gemm")
-# CUDA graphs, measured on an H200 (benchmarks/results/h200_graphs_fp8_2026-11-21.json): a 512² decode 8.2 -> 5.6 ms
-# replayed, capture (incl. warm-up) 27 ms; a 1024² decode 22.0 -> 21.8 ms. So graphs pay for small outputs decoded
-# often enough to repay the capture: auto enables them up to GRAPH_MAX_PIXELS per decode and from
-# GRAPH_MIN_REPEATS same-shape decodes.
-GRAPH_MIN_REPEATS = 12
-GRAPH_MAX_PIXELS = 512 * 512 * 2
+# CUDA graphs in auto mode: where the measured table says replay repays the capture (planner.graphs_pay,
+# configs/graphs_rule.json)
 
 
 # measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/experiments.md E39: about 2x slower with it)
@@ -305,7 +301,8 @@ class Pipeline:
         elif conv8:  # the gate decodes Wan with the chunk decoder the decodes will use
             decode = video.decode_video if self.family.cls_name == "AutoencoderKLWan" else None
             self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db,
-                                                              decode_shape=o.decode_shape, decode=decode))
+                                                              decode_shape=o.decode_shape, decode=decode,
+                                                              log=self.log))
 
         if o.attention == "off":
             self._record(StageResult.skipped("attention", "off"))
@@ -406,7 +403,7 @@ class Pipeline:
                                                            if "tensor cores" in why or "GPU" in why else "")))
             return
         self._record(mod.apply(self.model, family=self.family, gate_db=self.opts.gate_db, device=self.device,
-                               dtype=self.dtype, compute=compute))
+                               dtype=self.dtype, compute=compute, log=self.log))
 
     # ---- planning -----------------------------------------------------------------------------------------
     def plan(self, latent_shape: tuple) -> planner.Plan:
@@ -432,15 +429,11 @@ class Pipeline:
             return False, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only"
         if o.graphs == "on":
             return True, "forced on"
-        if latent_shape is not None:
-            px = latent_shape[0] * latent_shape[-2] * latent_shape[-1] * self.family.spatial_factor ** 2
-            if px > GRAPH_MAX_PIXELS:
-                return False, (f"{px / 1e6:.1f} MP per decode: GPU-bound, launch overhead is negligible "
-                               f"above {GRAPH_MAX_PIXELS / 1e6:.1f} MP (--graphs on to force)")
-        if repeats < GRAPH_MIN_REPEATS:
-            return False, (f"{repeats} decode(s) of this shape: capture costs a warm-up decode and pays only from "
-                           f"{GRAPH_MIN_REPEATS} same-shape decodes (--graphs on to force)")
-        return True, f"{repeats} decodes of the same shape"
+        shape = latent_shape or o.decode_shape
+        if shape is None:
+            return False, "the latent shape is not known here (--graphs on to force)"
+        eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
+        return planner.graphs_pay(self.family, tuple(shape), repeats, "8bit" if eight else "bf16")
 
     def autotune(self, repeats: int, plan: planner.Plan | None = None) -> StageResult:
         """Decide and apply (or log why not) cuDNN autotuning for `repeats` same-shape decodes of `plan`; once per

@@ -9,7 +9,9 @@ Tiling is never free, so the planner tiles only when the whole decode does not f
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -54,6 +56,41 @@ class Plan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@functools.lru_cache(maxsize=1)
+def graphs_rule() -> dict:
+    """configs/graphs_rule.json: graph replay against eager decodes, measured per family and size."""
+    return json.loads((CONFIG_DIR / "graphs_rule.json").read_text())
+
+
+def graphs_pay(family: FamilySpec, latent_shape: tuple, repeats: int, variant: str = "bf16") -> tuple[bool, str]:
+    """Whether CUDA graphs pay for `repeats` whole decodes of `latent_shape` (one capture, then replays), from the
+    measured table (configs/graphs_rule.json, graphs_rule()): the row of this family (else of its diffusers class)
+    and variant ("bf16", or "8bit" where the 8-bit convs run; else the other) at the nearest output pixel count
+    within the table's max_pixel_ratio. They pay when repeats x the replay's saving per decode exceeds the capture's
+    cost (the first decode's warm-up and capture). -> (pay, why: the numbers and where they come from)."""
+    rule = graphs_rule()
+    f = family.spatial_factor
+    px = latent_shape[0] * latent_shape[-2] * latent_shape[-1] * f * f
+    rows = [r for r in rule["rows"] if r["family"] == family.name] or \
+        [r for r in rule["rows"] if r["cls"] == family.cls_name]
+    rows = [r for r in rows if abs(math.log(px / r["pixels"])) <= math.log(rule["max_pixel_ratio"])]
+    if not rows:
+        return False, (f"no graph measurement for {family.title} near {px / 1e6:.2f} MP per decode "
+                       "(configs/graphs_rule.json; --graphs on to force)")
+    r = min(rows, key=lambda r: (r["variant"] != variant, abs(math.log(px / r["pixels"]))))
+    saving = r["eager_ms"] - r["replay_ms"]
+    capture = r["capture_ms"] or rule["capture_factor"] * r["eager_ms"]
+    at = (f"{r['workload'] or r['family']} {r['variant']} on an {r['gpu'].replace('NVIDIA ', '')}: "
+          f"{r['eager_ms']:.1f} -> {r['replay_ms']:.1f} ms replayed, capture ~{capture:.0f} ms")
+    if saving <= 0:
+        return False, f"replay measured no faster ({at}; --graphs on to force)"
+    need = math.ceil(capture / saving)
+    if repeats < need:
+        return False, (f"{repeats} decode(s) of this shape: the capture pays from {need} ({at}; --graphs on to "
+                       "force)")
+    return True, f"{repeats} decodes of the same shape, paying from {need} ({at})"
 
 
 def gib(b: float) -> str:

@@ -4,6 +4,10 @@ Below the gate (default 40 dB PSNR) it measures each layer's sensitivity on the 
 most sensitive layers out of fp8 and probes again (at most twice); if that does not clear the gate either, the
 conversion is undone, and the stage says so with the measured numbers. The conversion itself is the caller's
 (`convert` / `revert`: the module wrappers of vaeopt/stages/fp8.py), so the gate knows the plan, not the modules.
+
+The verdict (the layers kept, applied or undone, and the measured numbers) is stored in vaeopt's cache (vaeopt/cache.py)
+per weights fingerprint, probe, gate settings, GPU and versions: the same model gated again converts the same layers
+without probing, and its line says from when the verdict is.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from vaeopt import cache
 from vaeopt.fidelity import psnr, psnr_text
 from vaeopt.quant import sensitivity as sens
 from vaeopt.quant.plan import KEEP, is_kept
@@ -64,7 +69,8 @@ def kept_desc(keep: list[str], why: dict, rows: list[dict] | None, stored: str |
 def run(model: nn.Module, convert: Callable[..., dict], revert: Callable[[nn.Module], int], family=None,
         gate_db: float = 40.0, device=None, dtype=torch.bfloat16, compute: bool = True,
         probe: torch.Tensor | None = None, sensitivity: str = "auto", margin_db: float = 1.0, max_rounds: int = 2,
-        dominant_share: float = 0.25, max_keep_frac: float = 0.5) -> tuple[str, str, dict]:
+        dominant_share: float = 0.25, max_keep_frac: float = 0.5, log: Callable[[str], None] | None = None
+        ) -> tuple[str, str, dict]:
     """Convert, probe, gate -> (status "applied" | "fallback", the stage's one-line detail, data).
     `convert(model, compute=, keep=)` converts every planned layer but those in `keep` and returns its counts
     (storage, gemm, kept, bytes_before, bytes_after); `revert(model)` undoes it. Which layers stay in `dtype`
@@ -76,13 +82,45 @@ def run(model: nn.Module, convert: Callable[..., dict], revert: Callable[[nn.Mod
           `max_rounds` retries, and never more than `max_keep_frac` of the weights kept. Else undone.
       "always": measure before the first try as well (dominant layers are kept even where the gate would pass).
       "off": conv_in/conv_out only, one try.
-    `probe`: the latent to probe with (default: a seeded N(0, 1) latent, 32x32 or 3x16x16)."""
+    `probe`: the latent to probe with (default: a seeded N(0, 1) latent, 32x32 or 3x16x16).
+    A verdict stored for the same weights, probe and settings on this GPU (vaeopt.cache) is applied without probing;
+    `log` gets one line if a stored entry was unreadable."""
     if sensitivity not in ("auto", "always", "off"):
         raise ValueError(f"sensitivity={sensitivity!r}: auto | always | off")
     if margin_db < 0:
         raise ValueError(f"margin_db={margin_db}: the retry aims at gate + margin, margin >= 0")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     z = (probe if probe is not None else probe_latent(family, device)).to(device)
+    key = {"weights": cache.weights_fingerprint(model), "probe": probe_digest(z), "dtype": str(dtype),
+           "compute": compute, "gate_db": gate_db, "sensitivity": sensitivity, "margin_db": margin_db,
+           "max_rounds": max_rounds, "dominant_share": dominant_share, "max_keep_frac": max_keep_frac}
+    hit = cache.get("fp8_gate", key, device, log)
+    if hit is not None and hit.get("status") in ("applied", "fallback") and isinstance(hit.get("keep"), list):
+        data = {**hit["data"], "reused": str(hit.path)}
+        if hit["status"] == "applied":
+            convert(model, compute=compute, keep=hit["keep"])
+        return hit["status"], f"{hit['detail']}; {reused_note(hit)}", data
+    status, detail, data = _run(model, convert, revert, family, gate_db, device, dtype, compute, z, sensitivity,
+                                margin_db, max_rounds, dominant_share, max_keep_frac)
+    if "error" not in data:  # a kernel that failed here is not a verdict on the weights
+        cache.put("fp8_gate", key, {"status": status, "detail": detail, "keep": data.get("kept_layers", []),
+                                    "data": data}, device, log)
+    return status, detail, data
+
+
+def probe_digest(z: torch.Tensor) -> str:
+    """A hash of a probe latent's shape and values (a small tensor: one copy to the host)."""
+    return cache.digest([list(z.shape), z.detach().float().cpu().flatten().tolist()[:4096],
+                         float(z.detach().float().sum())])
+
+
+def reused_note(hit) -> str:
+    """'verdict reused from 2026-11-29 01:12 UTC (vaeopt cache, no probe run; VAEOPT_CACHE=off to measure again)'"""
+    return f"verdict reused from {hit.when} (vaeopt cache, no probe run; VAEOPT_CACHE=off to measure again)"
+
+
+def _run(model, convert, revert, family, gate_db, device, dtype, compute, z, sensitivity, margin_db, max_rounds,
+         dominant_share, max_keep_frac) -> tuple[str, str, dict]:
     dname = str(dtype).replace("torch.", "")
     compute_here = compute and device.type == "cuda"  # what convert() will do, for the emulation to match
     # fp32 reference of the same weights (upcast temporarily), and the plain low-precision decode for context

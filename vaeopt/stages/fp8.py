@@ -165,9 +165,9 @@ def revert(model: nn.Module) -> int:
 
 def apply(model: nn.Module, family=None, gate_db: float = 40.0, device=None, dtype=torch.bfloat16,
           compute: bool = True, probe: torch.Tensor | None = None, sensitivity: str = "auto", margin_db: float = 1.0,
-          max_rounds: int = 2, dominant_share: float = 0.25, max_keep_frac: float = 0.5, **_) -> StageResult:
+          max_rounds: int = 2, dominant_share: float = 0.25, max_keep_frac: float = 0.5, log=None, **_) -> StageResult:
     """Convert with this module's wrappers, probe, gate (quant/gate.run says how, and which layers stay in `dtype`)."""
     return StageResult(NAME, *gate.run(model, convert, revert, family=family, gate_db=gate_db, device=device,
                                        dtype=dtype, compute=compute, probe=probe, sensitivity=sensitivity,
                                        margin_db=margin_db, max_rounds=max_rounds, dominant_share=dominant_share,
-                                       max_keep_frac=max_keep_frac))
+                                       max_keep_frac=max_keep_frac, log=log))

@@ -33,6 +33,8 @@ from vaeopt.kernels import triton_available, ws_conv
 from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, unmeasured_gpu,
                            upsample_conv, weight_version)
 from vaeopt.stages.fp8 import available as fp8_stage_available
+from vaeopt import cache
+from vaeopt.quant import gate as gate_mod
 from vaeopt.quant.gate import exact_fp32
 from vaeopt.stages.marks import CONV8 as _MARK8
 from vaeopt.stages.marks import CONV8_INT8 as _INT8
@@ -435,16 +437,55 @@ def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torc
                            f"{worst}{', ...' if len(kept) > 3 else ''})")
 
 
+def _speed(model: nn.Module, mark: Callable, chosen: list, decode_shape: tuple, dtype: torch.dtype, device,
+           decode: Decode | None, repeats: int = 3) -> dict:
+    """Median ms of a decode at decode_shape with the chosen 8-bit convs and with none (CUDA events, after one
+    warm-up each: compiles and cuDNN's first choice are not charged to either), marks left as chosen. A decode that
+    does not fit in memory at that size (a tiled plan's image) is not timed: {"why": ...}; nor a CPU decode (the
+    8-bit convs run there only through Triton's interpreter, for tests)."""
+    if torch.device(device).type != "cuda":
+        return {"why": "not timed off the GPU"}
+    z = torch.randn((1, *tuple(decode_shape)[1:]), generator=torch.Generator().manual_seed(1)).to(device, dtype)
+
+    def timed() -> float:
+        _decode(model, z, decode)
+        ms = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            _decode(model, z, decode)
+            b.record()
+            torch.cuda.synchronize(device)
+            ms.append(a.elapsed_time(b))
+        return sorted(ms)[len(ms) // 2]
+
+    try:
+        t8 = timed()
+        mark([])
+        t16 = timed()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"why": "the whole decode at that size does not fit in GPU memory"}
+    finally:
+        mark(chosen)
+    return {"ms_8bit": t8, "ms_plain": t16}
+
+
 def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_db: float = 40.0,
               probe: torch.Tensor | None = None, force: bool = False, margin_db: float = 0.5,
-              decode_shape: tuple | None = None, decode: Decode | None = None) -> StageResult:
+              decode_shape: tuple | None = None, decode: Decode | None = None,
+              log: Callable[[str], None] | None = None) -> StageResult:
     """Mark the fp8 candidates and keep the set that clears the gate (PSNR vs fp32 of a probe decode, _gate_search),
     else fall back. The probe is a 16x16 latent for e4m3, whose relative step does not depend on the image. int8's
     step is the whole tensor's range / 254, and a larger image has larger extremes (E45: a 16x16 probe measured 40.6
     dB where the 1024² decode measured 39.1), so int8 (int8_convs) is gated at decode_shape, the decode's latent
     shape (with `probe` where it has that size, else a seeded N(0, 1) latent): without it, or if that probe does not
     fit in memory, or if no int8 subset passes there, the resnet convs take e4m3. `decode`: how the probe is
-    decoded (vaeopt.video.decode_video for Wan; None: model.decode)."""
+    decoded (vaeopt.video.decode_video for Wan; None: model.decode).
+    On a GPU with decode_shape known, the chosen set is also timed against the plain convs at that size (a lossy
+    stage stays only where it is faster: else a fallback that says so). The verdict (chosen layers, format, timing)
+    is stored in vaeopt's cache per weights, candidates, gate settings, decode shape, GPU and versions, and reused
+    without probing; `log` gets one line if a stored entry was unreadable."""
     name = "fp8 convs"
     ok, why = fp8_available(device)
     if not ok and not force:
@@ -485,33 +526,58 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
                 setattr(m, _INT8, int8)
 
     t0 = time.perf_counter()
-    i8, note8 = int8_convs(model, torch.device(device)), ""
-    if i8 and decode_shape is None:
-        i8, note8 = False, ("; resnet convs in e4m3, not int8: int8 is gated at the decode's size (its step grows "
-                            "with the image), unknown to this pipeline")
-    result = None
-    if i8:
-        size = (1, *tuple(decode_shape)[1:])  # the caller's probe where it has that size, else a random latent
-        big = (probe[:1] if probe.shape[1:] == size[1:] else torch.randn(size, generator=g)).to(device)
-        set_format(True)
-        try:
-            result = _gate_search(model, cands, big, dtype, gate_db, margin_db, mark,
-                                  _image_flops(model, cands, tuple(big.shape[-2:])), decode)
-        except torch.cuda.OutOfMemoryError:
-            mark([])
-            torch.cuda.empty_cache()
-            note8 = (f"; resnet convs in e4m3, not int8: the int8 gate's probe at the decode's size "
-                     f"{tuple(big.shape[-2:])} ran out of GPU memory")
-        if result is not None and result[0] is None:  # no int8 subset passed at full size: e4m3 at the small probe
-            note8 = f"; int8 at the decode's size: {result[2]}, so e4m3"
-            result = None
-        i8 = result is not None
-    if result is None:
-        set_format(False)
-        result = _gate_search(model, cands, probe.to(device), dtype, gate_db, margin_db, mark, None, decode)
+    key = {"weights": cache.weights_fingerprint(model), "candidates": [n for n, _ in cands], "dtype": str(dtype),
+           "gate_db": gate_db, "margin_db": margin_db, "decode_shape": list(decode_shape or []),
+           "probe": gate_mod.probe_digest(probe), "int8": int8_convs(model, torch.device(device))}
+    hit = cache.get("fp8_convs", key, device, log)
+    by_name = dict(cands)
+    if hit is not None and all(n in by_name for n in hit.get("chosen") or []):
+        i8, note8, speed = bool(hit["int8"]), str(hit["note8"]), hit.get("speed")
+        set_format(i8)
+        chosen = None if hit["chosen"] is None else [(n, by_name[n]) for n in hit["chosen"]]
+        mark(chosen or [])
+        result = (chosen, dict(hit["stats"]), str(hit["note"]))
+    else:
+        hit, speed = None, None
+        i8, note8 = int8_convs(model, torch.device(device)), ""
+        if i8 and decode_shape is None:
+            i8, note8 = False, ("; resnet convs in e4m3, not int8: int8 is gated at the decode's size (its step grows "
+                                "with the image), unknown to this pipeline")
+        result = None
+        if i8:
+            size = (1, *tuple(decode_shape)[1:])  # the caller's probe where it has that size, else a random latent
+            big = (probe[:1] if probe.shape[1:] == size[1:] else torch.randn(size, generator=g)).to(device)
+            set_format(True)
+            try:
+                result = _gate_search(model, cands, big, dtype, gate_db, margin_db, mark,
+                                      _image_flops(model, cands, tuple(big.shape[-2:])), decode)
+            except torch.cuda.OutOfMemoryError:
+                mark([])
+                torch.cuda.empty_cache()
+                note8 = (f"; resnet convs in e4m3, not int8: the int8 gate's probe at the decode's size "
+                         f"{tuple(big.shape[-2:])} ran out of GPU memory")
+            if result is not None and result[0] is None:  # no int8 subset passed at full size: e4m3 at the small probe
+                note8 = f"; int8 at the decode's size: {result[2]}, so e4m3"
+                result = None
+            i8 = result is not None
+        if result is None:
+            set_format(False)
+            result = _gate_search(model, cands, probe.to(device), dtype, gate_db, margin_db, mark, None, decode)
     chosen, stats, note = result
+    if hit is None:
+        if chosen is not None and decode_shape is not None:
+            speed = _speed(model, mark, chosen, decode_shape, dtype, device, decode)
+        cache.put("fp8_convs", key, {"chosen": None if chosen is None else [n for n, _ in chosen], "int8": i8,
+                                     "note8": note8, "stats": stats, "note": note, "speed": speed}, device, log)
+    reused = f"; {gate_mod.reused_note(hit)}" if hit is not None else ""
     if chosen is None:
-        return StageResult(name, "fallback", f"{note}: convs kept in {dname}{note8}", stats)
+        return StageResult(name, "fallback", f"{note}: convs kept in {dname}{note8}{reused}", stats)
+    if speed and speed.get("ms_8bit") is not None and speed["ms_8bit"] >= speed["ms_plain"]:
+        mark([])  # a lossy stage stays only where it is also faster at the decode's size
+        return StageResult(name, "fallback", f"the 8-bit convs cleared the gate ({stats['probe_db']:.1f} dB) but "
+                                             f"measured slower at the decode's size {tuple(decode_shape)[-2:]}: "
+                                             f"{speed['ms_8bit']:.2f} ms against {speed['ms_plain']:.2f} ms in "
+                                             f"{dname}, so the convs stay in {dname}{reused}", {**stats, **speed})
     note += note8
     n_up = sum(id(m) in up_ids for _, m in chosen)
     n_att = sum(_is_attention(m) for _, m in chosen)
@@ -524,7 +590,16 @@ def apply_fp8(model: nn.Module, device: torch.device, dtype: torch.dtype, gate_d
         m.in_channels, m.out_channels, 1 << 30, True) is not None) for _, m in chosen)
     stats["tma_layers"] = n_tma
     stats["gate_s"] = time.perf_counter() - t0
-    note += f"; gate probes {stats['gate_s']:.1f} s (the first use on a machine includes compiling the 8-bit kernels)"
+    if hit is None:
+        note += (f"; gate probes {stats['gate_s']:.1f} s (the first use on a machine includes compiling the 8-bit "
+                 "kernels)")
+    else:
+        note += reused
+    if speed and speed.get("ms_8bit") is not None:
+        stats.update(speed)
+        note += f"; {speed['ms_8bit']:.2f} ms against {speed['ms_plain']:.2f} ms in {dname} at the decode's size"
+    elif speed and torch.device(device).type == "cuda":
+        note += f"; speed at the decode's size not measured ({speed['why']})"
     if n_tma:
         note += f"; {n_tma} of the {len(chosen)} 8-bit convs through TMA boxes (kernels/tma_conv.py)"
     if i8 and not wan:  # fused_epilogues._residual_in_conv: a conv2 of a resnet without a shortcut

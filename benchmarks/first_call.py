@@ -1,0 +1,255 @@
+"""Where the first decode of a process goes: each timed call is a fresh Python process that imports vaeopt, builds the
+workload's model (random init at real size), prepares the stages, plans, decodes once under torch.profiler and then
+a few times more; the row's time is the first decode's overhead over the steady decode (first - median of the rest).
+
+    python benchmarks/first_call.py --workloads sdxl-1024,sdxl-4096,wan21-480p --out DIR [--variants warm,cold]
+    python benchmarks/first_call.py --tiny --device cpu --out /tmp/fc        # the smoke test
+
+Per process (info.calls): the phases in seconds (import, build, stages with each stage's own time, plan, decide
+graphs/cuDNN autotune, first decode, steady median), Triton kernels compiled vs loaded from the cache (count and
+time, from Triton's compilation listener), Triton autotune benchmarks (count, time), cuDNN's benchmark state, pinned
+host memory allocated during the first decode (torch's host allocator stats), graph capture time, and the profiler's
+largest CPU-time items of the first decode against the same items in a steady decode (per op and input shape: a
+conv shape cuDNN has not seen yet shows up there).
+
+Variants: warm (the Triton and vaeopt caches filled by the warm-up process), cold (both empty for every process),
+autotune (--cudnn-autotune on), graphs (--graphs on: warm-up + capture in the first decode, replays after), eager
+(CUDA_MODULE_LOADING=EAGER: every CUDA kernel loaded at start instead of on first use), nocache (VAEOPT_CACHE=off:
+vaeopt's own cache unused, Triton's kept warm). sdxl-4096 runs within a 16 GB budget (the tiled plan).
+"""
+
+import time
+
+T0 = time.perf_counter()  # imports are timed from here (the child's torch, diffusers and vaeopt)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import harness as H  # noqa: E402
+
+VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache")
+# (the first process of a variant is the warm-up: for "warm" it fills the caches the timed one reads)
+DEFAULTS = {"repeats": 1, "warmup": 1}
+BUDGET_GB = {"sdxl-4096": 16.0}  # the tiled plan the issue measures; the others decode whole
+STEADY = 3  # decodes after the first, in each process
+
+
+def add_args(ap):
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--vram-budget", type=float, default=None, help="GB (default: 16 for sdxl-4096, else none)")
+    ap.add_argument("--top", type=int, default=12, help="profiler items kept per process")
+
+
+def items(ctx):
+    return [(f"{ctx.workload} {tuple(ctx.shape)}", ctx.shape)]
+
+
+def setup(variant, shape, ctx):
+    a = ctx.args
+    cmd = [sys.executable, __file__, "--child", variant, "--workload", a.workload, "--top", str(a.top),
+           *(["--tiny"] if a.tiny else []), *(["--device", a.device] if a.device else []), "--dtype", ctx.dtype_name,
+           *(["--vram-budget", str(a.vram_budget)] if a.vram_budget else [])]
+    warm = tempfile.mkdtemp(prefix="first-call-")
+    calls = []
+
+    def fn():
+        root = tempfile.mkdtemp(prefix="first-call-") if variant == "cold" else warm
+        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(root, "triton"),
+                   VAEOPT_CACHE_DIR=os.path.join(root, "vaeopt"))
+        if variant == "eager":
+            env["CUDA_MODULE_LOADING"] = "EAGER"
+        if variant == "nocache":
+            env["VAEOPT_CACHE"] = "off"
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if variant == "cold":
+            shutil.rmtree(root, ignore_errors=True)
+        if p.returncode:
+            raise RuntimeError(f"the child process failed: {(p.stderr or p.stdout)[-800:]}")
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        calls.append({**r, "process_s": time.perf_counter() - t0})
+        return H.Timed(None, r["overhead_s"] * 1e3)
+
+    return H.Case(fn, info={"calls": calls, "what": "first decode minus the steady median (ms)"})
+
+
+class Triton:
+    """Triton's compilation and autotuning listeners: kernels compiled vs loaded from its cache, autotune runs."""
+
+    def __init__(self):
+        self.c = {"compiled": 0, "compile_s": 0.0, "cache_hits": 0, "cache_load_s": 0.0, "autotuned": 0,
+                  "autotune_s": 0.0, "autotune_cache_hits": 0, "binaries_loaded": 0, "binary_load_s": 0.0,
+                  "names_compiled": []}
+        self._t = 0.0
+        try:
+            from triton import knobs
+        except ImportError:
+            self.c["available"] = False
+            return
+        knobs.compilation.listener = self.on_compile
+        knobs.autotuning.listener = self.on_autotune
+        knobs.runtime.kernel_load_start_hook.add(self.on_load_start)  # the cubin into the CUDA context
+        knobs.runtime.kernel_load_end_hook.add(self.on_load_end)
+        self.c["autotune_disk_cache"] = bool(knobs.autotuning.cache)
+
+    def on_compile(self, *, src, metadata, metadata_group, times, cache_hit):
+        total = times.total / 1e6  # (Triton reports microseconds)
+        if cache_hit:
+            self.c["cache_hits"] += 1
+            self.c["cache_load_s"] += total
+        else:
+            self.c["compiled"] += 1
+            self.c["compile_s"] += total
+            self.c["names_compiled"].append(str(metadata.get("name", "?"))[:60])
+
+    def on_load_start(self, *a):
+        self._t = time.perf_counter()
+
+    def on_load_end(self, *a):
+        self.c["binaries_loaded"] += 1
+        self.c["binary_load_s"] += time.perf_counter() - self._t
+
+    def on_autotune(self, *, fn, key, best_config, configs_timings, duration, cache_hit):
+        self.c["autotuned"] += 1
+        self.c["autotune_cache_hits"] += bool(cache_hit)
+        self.c["autotune_s"] += duration or 0.0
+
+    def snapshot(self) -> dict:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.c.items()}
+
+
+def _host_alloc(torch, dev) -> dict:
+    """Pinned host memory allocated so far (count, bytes, ms), from torch's host allocator, where it reports them."""
+    if dev.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return {}
+    s = torch.cuda.host_memory_stats()
+    return {"allocations": s.get("num_host_alloc", 0), "bytes": s.get("allocated_bytes.current", 0),
+            "alloc_ms": s.get("host_alloc_time.total", 0) / 1e3}
+
+
+def _profiled(torch, fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = fn()
+    rows = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        rows[f"{e.key} {e.input_shapes}"[:140]] = e.self_cpu_time_total / 1e3  # ms
+    return out, rows
+
+
+def child(args) -> None:
+    import torch
+
+    from vaeopt.loading import LoadedVAE
+    from vaeopt.pipeline import Options, Pipeline
+
+    phases = {"import_s": time.perf_counter() - T0}
+    tri = Triton()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ctx = H.Ctx(args.workload, *H.workload_shape(args), dev, H.DTYPES[args.dtype], args)
+    t = time.perf_counter()
+    model = ctx.model(torch.float32)
+    phases["build_s"] = time.perf_counter() - t
+    budget = args.vram_budget or (None if args.tiny else BUDGET_GB.get(args.workload))
+    opts = Options(device=str(dev), dtype=ctx.dtype_name, vram_budget_gb=budget, decode_shape=tuple(ctx.shape),
+                   graphs="on" if args.child == "graphs" else "auto",
+                   cudnn_autotune="on" if args.child == "autotune" else "auto")
+    lines = []  # each stage's line comes when it is done: the gaps are the stages' times
+    t = time.perf_counter()
+    last = [t]
+
+    def log(s):
+        now = time.perf_counter()
+        lines.append({"s": round(now - last[0], 4), "line": s[:160]})
+        last[0] = now
+
+    pipe = Pipeline(LoadedVAE(model, ctx.family, "benchmark", None, [], None), opts, log=log)
+    phases["stages_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = pipe.plan(ctx.shape)
+    phases["plan_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    from vaeopt import video_graphs
+
+    if video_graphs.applies(pipe):  # as vaeopt.decode / run_jobs decide them before a shape's first decode
+        video_graphs.arm(pipe, plan)
+    else:
+        use, why = pipe.graphs_decision(1 + STEADY, plan, ctx.shape)
+        if use:
+            pipe.enable_graphs(why)
+    pipe.autotune(1, plan)
+    phases["decide_s"] = time.perf_counter() - t
+    triton_before = tri.snapshot()
+    z = ctx.latent()
+    host0 = _host_alloc(torch, dev)
+    t = time.perf_counter()
+    (_, st), first_prof = _profiled(torch, lambda: pipe.decode(z, plan))
+    phases["first_decode_wall_s"] = time.perf_counter() - t
+    phases["first_decode_s"] = st.seconds
+    host1 = _host_alloc(torch, dev)
+    steady = [pipe.decode(z, plan)[1].seconds for _ in range(STEADY)]
+    _, steady_prof = _profiled(torch, lambda: pipe.decode(z, plan))
+    phases["steady_s"] = statistics.median(steady)
+    tri_first = {k: (v - triton_before[k] if isinstance(v, (int, float)) else v[len(triton_before[k]):])
+                 for k, v in tri.snapshot().items() if k in triton_before}
+    diff = sorted(((k, v, steady_prof.get(k, 0.0)) for k, v in first_prof.items()), key=lambda r: -(r[1] - r[2]))
+    g = pipe.graphed
+    print(json.dumps({
+        **phases, "overhead_s": st.seconds - phases["steady_s"], "steady_all_s": steady,
+        "plan": plan.mode, "plan_reason": plan.reason[:200],
+        "stage_lines": lines, "triton_before_first_decode": triton_before, "triton_first_decode": tri_first,
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "host_pinned_first_decode": {k: host1[k] - host0.get(k, 0) for k in host1},
+        "graph_capture_s": g.capture_s if g is not None else None,
+        "profile_first_vs_steady_ms": [{"item": k, "first_ms": round(a, 3), "steady_ms": round(b, 3)}
+                                       for k, a, b in diff[:args.top]],
+    }))
+
+
+def table(results: list[dict]) -> str:
+    """One line per (workload, variant): the timed process's phases."""
+    out = [f"{'workload':<12} {'variant':<9} {'import':>7} {'build':>7} {'stages':>7} {'plan':>7} {'first':>8} "
+           f"{'steady':>8} {'over':>8} {'trit c/h':>9} {'process':>8}  (s; trit: kernels compiled/cache hits)"]
+    for res in results:
+        for r in res["rows"]:
+            if r["status"] != "ok" or not r["info"]["calls"]:
+                out.append(f"{res['workload']:<12} {r['variant']:<9} {r['status']}: {r.get('reason', '')[:80]}")
+                continue
+            c = r["info"]["calls"][-1]
+            tf = c["triton_first_decode"]
+            tb = c["triton_before_first_decode"]
+            out.append(f"{res['workload']:<12} {r['variant']:<9} {c['import_s']:7.2f} {c['build_s']:7.2f} "
+                       f"{c['stages_s']:7.2f} {c['plan_s']:7.2f} {c['first_decode_s']:8.3f} {c['steady_s']:8.3f} "
+                       f"{c['overhead_s']:8.3f} {tb['compiled'] + tf['compiled']:>4}/"
+                       f"{tb['cache_hits'] + tf['cache_hits']:<4} {c['process_s']:8.1f}")
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> list[dict]:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--workloads", default=None)
+    ap.add_argument("--out", default=None)
+    known, rest = ap.parse_known_args(argv)
+    wls = known.workloads.split(",") if known.workloads else [None]
+    results = []
+    for w in wls:
+        a = rest + (["--workload", w] if w else [])
+        if known.out:
+            a += ["--json", os.path.join(known.out, f"first_call_{w or 'sdxl-1024'}.json")]
+        results.append(H.main("first_call", a))
+    print("\n" + table(results))
+    return results
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        child(H.parse("first_call"))
+    else:
+        main(sys.argv[1:])

@@ -1,0 +1,205 @@
+"""The whole one-shot job, process start to file written: `vaeopt decode` as a subprocess against a plain diffusers
+script doing the same job (from_pretrained of the same weights, decode, PIL / PyAV write).
+
+    python benchmarks/one_shot.py --out DIR [--jobs sdxl-1024,sdxl-4096,wan21-480p] [--variants cold,warm,warmup,diffusers]
+    python benchmarks/one_shot.py --tiny --device cpu --out /tmp/os            # the smoke test
+
+Jobs: sdxl-1024 -> PNG, sdxl-4096 within a 16 GB budget -> PNG (vaeopt: --vram-budget 16, its tiled plan; diffusers:
+enable_tiling(), its way to fit), wan21-480p -> MP4 (libx264, crf 18, as vaeopt writes). Weights: the family's
+architecture with random weights (seed 0), saved once as a diffusers model folder (config.json + safetensors) that
+both load; latents N(0, 1) (seed 0) saved as .pt and decoded as raw latents (--latent-space raw) by both.
+
+Variants (each a fresh process, timed from its start to its exit):
+  cold       vaeopt decode with empty Triton and vaeopt caches (a new machine)
+  warm       vaeopt decode again with the caches the cold run left (the usual case)
+  warmup     `vaeopt warmup` of the same model and shape into empty caches (its own time reported), then decode
+  diffusers  the plain script (bf16 on a GPU; fp32 on a CPU)
+Each row: the process's wall time, and for vaeopt the decode's own seconds from its --json (what its line shows).
+Rows land in DIR/one_shot.json (`setup`: one_shot; rows with job, variant, total_s, decode_s, ...; make_tables.py's
+one_shot_table renders them); the table is printed last.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness as H
+
+JOBS = {  # job -> (workload, output suffix, vaeopt's extra flags)
+    "sdxl-1024": ("sdxl-1024", ".png", []),
+    "sdxl-4096": ("sdxl-4096", ".png", ["--vram-budget", "16"]),
+    "wan21-480p": ("wan21-480p", ".mp4", []),
+}
+VARIANTS = ("cold", "warm", "warmup", "diffusers")
+
+PLAIN = r'''
+import sys, time
+t0 = time.perf_counter()
+import torch, diffusers
+folder, lat, out, device, tiled = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1"
+dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+cfg = __import__("json").load(open(folder + "/config.json"))
+vae = getattr(diffusers, cfg["_class_name"]).from_pretrained(folder, torch_dtype=dtype).to(device).eval()
+if tiled:
+    vae.enable_tiling()
+z = torch.load(lat, weights_only=True).to(device, dtype)
+with torch.inference_mode():
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    x = vae.decode(z).sample
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    decode_s = time.perf_counter() - t
+x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+if x.dim() == 4:
+    from PIL import Image
+    Image.fromarray(x[0].permute(1, 2, 0).numpy()).save(out)
+else:
+    import av
+    frames = x[0].permute(1, 2, 3, 0).numpy()  # T, H, W, 3
+    with av.open(out, "w") as c:
+        s = c.add_stream("libx264", rate=16)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        s.options = {"crf": "18"}
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+print(__import__("json").dumps({"decode_s": decode_s, "in_process_s": time.perf_counter() - t0}))
+'''
+
+
+def prepare(job: str, args, tmp: Path) -> tuple[Path, Path]:
+    """The job's model folder and latent file (built once per job)."""
+    import torch
+
+    from vaeopt.families import build_model
+
+    workload = JOBS[job][0]
+    a = argparse.Namespace(workload=workload, tiny=args.tiny)
+    shape, over = H.workload_shape(a)
+    ctx = H.Ctx(workload, shape, over, H.torch.device("cpu"), H.torch.float32, a)
+    folder = tmp / f"{job}-vae"
+    if not folder.is_dir():
+        torch.manual_seed(0)
+        build_model(ctx.family, **over).save_pretrained(folder, safe_serialization=True)
+    lat = tmp / f"{job}-latents.pt"
+    if not lat.is_file():
+        torch.save(H.randn(shape, 0), lat)
+    return folder, lat
+
+
+def timed_run(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    return time.perf_counter() - t0, p
+
+
+def run_variant(job: str, variant: str, folder: Path, lat: Path, args, tmp: Path, caches: dict) -> dict:
+    workload, suffix, flags = JOBS[job]
+    out = tmp / f"{job}-{variant}{suffix}"
+    out.unlink(missing_ok=True)
+    dev = ["--device", args.device] if args.device else []
+    device = args.device or ("cuda" if H.torch.cuda.is_available() else "cpu")
+    row = {"job": job, "workload": workload, "variant": variant, "status": "ok"}
+    if args.tiny:
+        flags = [f for f in flags if f not in ("--vram-budget", "16")]
+    if variant == "diffusers":
+        script = tmp / "plain_decode.py"
+        script.write_text(PLAIN)
+        tiled = "1" if job == "sdxl-4096" else "0"
+        secs, p = timed_run([sys.executable, str(script), str(folder), str(lat), str(out), device, tiled],
+                            dict(os.environ))
+        if p.returncode == 0:
+            row.update(json.loads(p.stdout.strip().splitlines()[-1]))
+    else:
+        if variant in ("cold", "warmup") or job not in caches:
+            caches[job] = Path(tempfile.mkdtemp(prefix="one-shot-cache-", dir=tmp))  # empty
+        root = caches[job]
+        env = dict(os.environ, TRITON_CACHE_DIR=str(root / "triton"), VAEOPT_CACHE_DIR=str(root / "vaeopt"),
+                   PYTHONPATH=os.pathsep.join([str(H.ROOT), os.environ.get("PYTHONPATH", "")]))
+        if variant == "warmup":
+            shape = ",".join(map(str, H.torch.load(lat, weights_only=True).shape))
+            s, p = timed_run([sys.executable, "-m", "vaeopt", "warmup", str(folder), "--shape", shape, *dev,
+                              *flags, "-q"], env)
+            row["warmup_s"] = s
+            if p.returncode:
+                return {**row, "status": "failed", "reason": (p.stderr or p.stdout).strip()[-300:]}
+        secs, p = timed_run([sys.executable, "-m", "vaeopt", "decode", str(lat), "-m", str(folder), "-o", str(out),
+                             "--latent-space", "raw", *dev, *flags, "--json", "-q"], env)
+        if p.returncode == 0:
+            doc = json.loads(p.stdout[p.stdout.index("{"):])
+            row["decode_s"] = doc["outputs"][0]["seconds"]
+            row["plan"] = doc["outputs"][0]["plan"].get("mode") if isinstance(doc["outputs"][0]["plan"], dict) else None
+        if variant == "cold":
+            caches[job] = root  # the warm variant runs on what the cold run left
+    if p.returncode:
+        return {**row, "status": "failed", "reason": (p.stderr or p.stdout).strip()[-300:]}
+    row.update(total_s=secs, output_bytes=out.stat().st_size if out.is_file() else None)
+    if not out.is_file():
+        row.update(status="failed", reason="no output written")
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    out = [f"{'job':<11} {'variant':<9} {'total s':>8} {'decode s':>9} {'warmup s':>9}  vs diffusers"]
+    base = {r["job"]: r["total_s"] for r in rows if r["variant"] == "diffusers" and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            out.append(f"{r['job']:<11} {r['variant']:<9} {r['status']}: {r.get('reason', '')[-100:]}")
+            continue
+        vs = f"{r['total_s'] / base[r['job']]:.2f}x" if r["job"] in base and r["variant"] != "diffusers" else ""
+        out.append(f"{r['job']:<11} {r['variant']:<9} {r['total_s']:8.1f} {r.get('decode_s', 0):9.3f} "
+                   f"{r.get('warmup_s', 0) or 0:9.1f}  {vs}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", default=",".join(JOBS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tiny", action="store_true", help="narrow models and small latents (smoke test)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    jobs, variants = args.jobs.split(","), args.variants.split(",")
+    bad = [j for j in jobs if j not in JOBS] + [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown job or variant {bad[0]!r} (jobs: {', '.join(JOBS)}; variants: {', '.join(VARIANTS)})")
+    tmp = Path(tempfile.mkdtemp(prefix="one-shot-"))
+    rows, caches = [], {}
+    try:
+        for job in jobs:
+            folder, lat = prepare(job, args, tmp)
+            order = sorted(variants, key=VARIANTS.index)  # cold before warm: warm reads what cold left
+            for v in order:
+                rows.append(run_variant(job, v, folder, lat, args, tmp, caches))
+                print(f"{job} {v}: {rows[-1].get('total_s', 0):.1f} s {rows[-1]['status']}", file=sys.stderr,
+                      flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    import torch
+
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    res = {"setup": "one_shot", "tiny": args.tiny, "device": dev,
+           "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None,
+           "versions": {"torch": torch.__version__, "triton": H._v("triton"), "diffusers": H._v("diffusers"),
+                        "cudnn": None, "av": H._v("av")},
+           "git": H.git_revision(), "command": "python benchmarks/one_shot.py " + " ".join(argv or sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
+    path = Path(args.out) / "one_shot.json"
+    H.write_json(res, path)
+    print("\n" + table(rows) + f"\n-> {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The graphs stage's auto rule (planner.graphs_pay): from the measured table configs/graphs_rule.json."""
+
+import math
+
+from vaeopt import planner
+from vaeopt.benchmark import WORKLOADS
+from vaeopt.families import get_family
+
+
+def test_table_rows_are_complete_and_match_their_workloads():
+    rule = planner.graphs_rule()
+    assert rule["capture_factor"] > 1 and rule["max_pixel_ratio"] > 1
+    for r in rule["rows"]:
+        assert r["eager_ms"] > 0 and r["replay_ms"] > 0 and r["source"] and r["gpu"]
+        assert r["variant"] in ("bf16", "8bit") and get_family(r["family"]).cls_name == r["cls"]
+        if r["workload"]:
+            fam, shape = WORKLOADS[r["workload"]]
+            assert fam == r["family"]
+            assert r["pixels"] == shape[0] * shape[-2] * shape[-1] * get_family(fam).spatial_factor ** 2
+
+
+def test_sdxl_1024_pays_from_the_measured_break_even():
+    """sdxl-1024 on the H200: 18.9 -> 16.9 ms replayed, a 55.5 ms capture: from 28 same-shape decodes."""
+    fam = get_family("sdxl")
+    need = math.ceil(55.5 / (18.9 - 16.9))
+    ok, why = planner.graphs_pay(fam, (1, 4, 128, 128), need - 1)
+    assert not ok and f"pays from {need}" in why and "18.9 -> 16.9 ms" in why and "--graphs on" in why
+    ok, why = planner.graphs_pay(fam, (1, 4, 128, 128), need)
+    assert ok and "H200" in why
+    assert not planner.graphs_pay(fam, (1, 4, 128, 128), 1)[0]  # a one-shot decode never captures
+
+
+def test_the_8bit_row_is_used_where_the_8bit_convs_run():
+    fam = get_family("flux")
+    need = math.ceil(3.0 * 17.0 / (17.0 - 13.7))  # no capture measured: capture_factor x eager
+    assert planner.graphs_pay(fam, (1, 16, 128, 128), need, "8bit")[0]
+    assert not planner.graphs_pay(fam, (1, 16, 128, 128), need - 1, "8bit")[0]
+    ok, why = planner.graphs_pay(fam, (1, 16, 128, 128), need, "bf16")  # flux has only its 8-bit row: that one
+    assert ok and "8bit" in why
+
+
+def test_sizes_far_from_any_measurement_stay_eager():
+    ok, why = planner.graphs_pay(get_family("sdxl"), (1, 4, 512, 512), 1000)  # 16 MP: no row within 4x
+    assert not ok and "no graph measurement" in why and "16.78 MP" in why
+    ok, why = planner.graphs_pay(get_family("wan21"), (1, 16, 3, 60, 104), 1000)  # no row for the class
+    assert not ok and "no graph measurement" in why
+    # sd15 at 512²: its own row (8.21 -> 5.58 ms, 27.2 ms capture): from 11 decodes
+    assert planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 11)[0]
+    assert not planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 10)[0]

@@ -1,0 +1,189 @@
+"""What decodes measure once per GPU and reuse: the FP8 gates' verdicts, the planner's plans (and what `vaeopt warmup`
+records), kept on disk between processes.
+
+Where: $VAEOPT_CACHE_DIR, else $XDG_CACHE_HOME/vaeopt, else ~/.cache/vaeopt. VAEOPT_CACHE=off turns it off (nothing
+read or written). `vaeopt warmup` prints the folder; deleting it (or one kind's subfolder) clears the cache.
+
+Layout: <dir>/<kind>/<environment>/<key>.json, one JSON file per entry. The environment is a hash of what makes a
+measurement stale: the GPU's name, the NVIDIA driver, and the torch, CUDA, cuDNN, Triton and vaeopt versions (a new
+driver or vaeopt starts a new folder; the old one is not read again). The key is a hash of what the caller says the
+entry depends on (for the FP8 gate: a fingerprint of the weights, the latent shape, the gate's settings). Each file
+repeats its environment and key in full and is checked against them on reading, so a file copied between machines
+or left half-written is never trusted.
+
+Writes go to a temporary file in the same folder, then os.replace: a process killed half-way leaves the old entry or
+none. A file that does not parse, lacks a field, or holds another environment or key is ignored (one line through
+the caller's log: "ignored ... : rebuilt") and the caller measures again and writes it anew; reading never raises.
+
+Triton's compiled kernels are not kept here: Triton's own cache ($TRITON_CACHE_DIR, default ~/.triton/cache) is
+already keyed by the kernel source, the compiler and the GPU target, and shared with every Triton user on the machine
+(torch.compile included); a second copy under vaeopt's folder would compile everything twice and override a folder the
+user may have chosen. `vaeopt warmup` fills that cache and prints where it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+FORMAT = 1  # the entry layout; a change starts new folders
+ENV_DIR = "VAEOPT_CACHE_DIR"
+ENV_SWITCH = "VAEOPT_CACHE"  # "off": no reading, no writing
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false")
+
+
+def cache_dir() -> Path:
+    """The cache's folder (not created here)."""
+    d = os.environ.get(ENV_DIR)
+    if d:
+        return Path(d).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "vaeopt"
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _driver() -> str | None:
+    """The NVIDIA kernel driver's version, from /proc (Linux), without NVML."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    for word in text.split():
+        if word.count(".") >= 1 and word.replace(".", "").isdigit():
+            return word
+    return None
+
+
+def environment(device=None) -> dict:
+    """What makes a measurement stale: the device and the software that ran it."""
+    import torch
+
+    from vaeopt import __version__
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    env = {"format": FORMAT, "vaeopt": __version__, "torch": torch.__version__, "triton": _version("triton")}
+    if dev.type == "cuda":
+        cudnn = torch.backends.cudnn.version()
+        env.update(gpu=torch.cuda.get_device_name(dev), capability=list(torch.cuda.get_device_capability(dev)),
+                   driver=_driver(), cuda=torch.version.cuda, cudnn=cudnn)
+    else:
+        env.update(gpu=dev.type)
+    return env
+
+
+def digest(obj) -> str:
+    """A short stable hash of a JSON-able value."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def weights_fingerprint(model) -> str:
+    """A hash of a model's weights that takes milliseconds on a GPU: per parameter and buffer, its name, shape, dtype,
+    sum, sum of squares and 16 values spread over it (one copy to the host for all of them). Two checkpoints that
+    differ in any trained layer differ here; the FP8 gate's verdict and the plans are keyed by it."""
+    import torch
+
+    names, stats = [], []
+    with torch.no_grad():
+        for name, t in sorted({**dict(model.named_parameters()), **dict(model.named_buffers())}.items()):
+            if t is None or not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
+                continue
+            f = t.detach().reshape(-1)
+            idx = torch.linspace(0, f.numel() - 1, 16, device=f.device).long()
+            names.append(f"{name}:{tuple(t.shape)}:{t.dtype}")
+            stats.append(torch.cat([f.float().sum().reshape(1), f.float().square().sum().reshape(1),
+                                    f[idx].float()]).cpu())
+    h = hashlib.sha256("|".join(names).encode())
+    for s in stats:
+        h.update(s.numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+class Entry(dict):
+    """A stored value (a dict) with where and when it was written: .path, .created (ISO date, UTC)."""
+    path: Path
+    created: str
+
+    @property
+    def when(self) -> str:
+        """'2026-11-29 01:12 UTC', for log lines."""
+        return self.created.replace("T", " ")[:16] + " UTC"
+
+
+def _path(kind: str, key: dict, env: dict) -> Path:
+    return cache_dir() / kind / digest(env) / f"{digest(key)}.json"
+
+
+def get(kind: str, key: dict, device=None, log: Callable[[str], None] | None = None) -> Entry | None:
+    """The value stored for (kind, key) in this environment, or None (absent, cache off, or an entry that is corrupt,
+    truncated or from another environment: ignored with one line to `log`, and overwritten by the next put)."""
+    if not enabled():
+        return None
+    env = environment(device)
+    path = _path(kind, key, env)
+    try:
+        raw = path.read_text()
+    except OSError:
+        return None
+    try:
+        d = json.loads(raw)
+        if not isinstance(d, dict) or not isinstance(d.get("value"), dict) or not isinstance(d.get("created"), str):
+            raise ValueError("fields missing")
+        if d.get("env") != json.loads(json.dumps(env)):
+            raise ValueError("written by another GPU, driver or version")
+        if d.get("key") != json.loads(json.dumps(key, default=str)) or d.get("kind") != kind:
+            raise ValueError("written for another key")
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        if log is not None:
+            why = "unreadable" if isinstance(e, json.JSONDecodeError) else str(e)
+            log(f"! vaeopt cache: ignored {path} ({why}): measuring again")
+        return None
+    e = Entry(d["value"])
+    e.path, e.created = path, d["created"]
+    return e
+
+
+def put(kind: str, key: dict, value: dict, device=None, log: Callable[[str], None] | None = None) -> Path | None:
+    """Store value (JSON-able) for (kind, key) in this environment, atomically. -> the file, or None (cache off, or
+    the folder cannot be written: one line to `log`; the decode goes on without it)."""
+    if not enabled():
+        return None
+    env = environment(device)
+    path = _path(kind, key, env)
+    doc = {"kind": kind, "env": env, "key": key, "value": value,
+           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        if log is not None:
+            log(f"! vaeopt cache: could not write {path.parent} ({e.strerror or e}): not cached")
+        return None
+    return path
+
+
+def entries(kind: str | None = None) -> list[Path]:
+    """The entry files under the cache folder (of one kind), for `vaeopt warmup`'s report."""
+    root = cache_dir() / kind if kind else cache_dir()
+    return sorted(root.rglob("*.json")) if root.is_dir() else []
