@@ -77,8 +77,8 @@ def __getattr__(name):
 
 
 def stub_missing() -> list[str]:
-    """Stand-ins for torchvision / torchaudio where the real ones do not import: ComfyUI imports them at module level
-    for models this check never builds (cascade, cosmos, audio VAEs). Any name imported from them is a class that
+    """Stand-ins for torchvision / torchaudio / PyAV where the real ones do not import: ComfyUI imports them at module
+    level for models and video types this check never builds (cascade, cosmos, audio VAEs, video files). Any name imported from them is a class that
     refuses to be called."""
     # diffusers decides once, on first use, which optional packages exist: settle that before any stand-in exists
     import diffusers
@@ -88,16 +88,16 @@ def stub_missing() -> list[str]:
     made = []
     root = Path(tempfile.mkdtemp(prefix="comfy-stubs-"))
     for name, subs in (("torchvision", ("transforms", "models", "io", "ops", "utils")),
-                       ("torchaudio", ("transforms", "functional", "compliance"))):
+                       ("torchaudio", ("transforms", "functional", "compliance")), ("av", ("container", "error", "subtitles", "subtitles/stream"))):
         try:
             __import__(name)
             continue
         except Exception:
             pass
         (root / name).mkdir()
-        (root / name / "__init__.py").write_text(_STUB + "".join(f"from . import {s}\n" for s in subs))
+        (root / name / "__init__.py").write_text(_STUB + "".join(f"from . import {s}\n" for s in subs if "/" not in s))
         for s in subs:
-            (root / name / s).mkdir()
+            (root / name / s).mkdir(parents=True)
             (root / name / s / "__init__.py").write_text(_STUB + "from . import functional\n" if s == "transforms"
                                                         else _STUB)
             if s == "transforms":
@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable; default cpu-sd")
     ap.add_argument("--out", type=Path, default=Path("comfyui-check"))
     ap.add_argument("--repeat", type=int, default=0, help="timed runs per decode node (0: correctness only)")
-    ap.add_argument("--stub-missing", action="store_true", help="empty torchvision/torchaudio if they do not import")
+    ap.add_argument("--stub-missing", action="store_true", help="empty torchvision/torchaudio/av if they do not import")
     ap.add_argument("--fp32-vae", action="store_true", help="ComfyUI's --fp32-vae: decode in fp32, not its bf16")
     ap.add_argument("--variants", default="comfy_untiled,vaeopt,comfy_tiled,vaeopt_tiled",
                     help="comma-separated subset (comfy_untiled, the reference, always runs)")
