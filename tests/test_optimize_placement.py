@@ -162,6 +162,9 @@ def test_another_device_than_planned_decodes_as_diffusers(triton):
             w.__exit__(None, None, None)
     sd = vae.state_dict()
     assert all(torch.equal(v, stock.state_dict()[k]) for k, v in sd.items())
+    lines = []
+    assert vaeopt.optimize(vae, log=lines.append) is vae  # says why nothing happens, and what would
+    assert len(lines) == 1 and "stepped aside" in lines[0] and "load or build the VAE again" in lines[0], lines
 
 
 def test_model_cpu_offload_device_is_where_it_decodes(monkeypatch):

@@ -251,6 +251,11 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     dtype = _dtype_name(dtype)  # a clear error before the model is touched
     _check_log(log, "vaeopt.optimize")
     wanted = dict(device=device, dtype=dtype, channels_last=channels_last, triton=triton, attention=attention)
+    if getattr(vae, "_vaeopt_stood_down", None) is not None:  # (its changes are undone; redoing them is not safe)
+        if log:
+            log(f"! vaeopt stepped aside for this VAE ({vae._vaeopt_stood_down}): vae.decode is diffusers' own; for "
+                "vaeopt's path, load or build the VAE again, move it where it decodes, then optimize it")
+        return vae
     if getattr(vae, "_vaeopt_optimized", None) is not None:  # again would stack hooks and redo (or undo) its work
         _refuse_other(vae, "vaeopt.optimize", wanted)
         if log:
