@@ -215,3 +215,18 @@ def test_optimized_model_still_pickles_and_copies():
     again = pickle.loads(pickle.dumps(vae))
     assert again.enable_group_offload.vae is again
     assert copy.deepcopy(vae).enable_group_offload.vae is not vae
+
+
+def test_accelerate_sequential_offload_after_optimize_decodes_as_diffusers():
+    """accelerate's cpu_offload (what pipe.enable_sequential_cpu_offload uses) after optimize: its hooks place each
+    layer from a copy of the state dict, so vaeopt steps aside at the first decode, with the stock output."""
+    from accelerate import cpu_offload
+
+    stock, vae = _pair()
+    vaeopt.optimize(vae, device="cpu", log=None)
+    cpu_offload(vae, execution_device=torch.device("cpu"))
+    z = torch.randn(1, 4, 8, 8)
+    with torch.no_grad(), pytest.warns(UserWarning, match="accelerate hooks on .* place its layers now"):
+        got = vae.decode(z).sample
+    with torch.no_grad():
+        assert torch.equal(got, stock.decode(z).sample)
