@@ -230,3 +230,55 @@ def test_accelerate_sequential_offload_after_optimize_decodes_as_diffusers():
         got = vae.decode(z).sample
     with torch.no_grad():
         assert torch.equal(got, stock.decode(z).sample)
+
+
+@pytest.mark.gpu
+def test_cpu_plan_moved_to_the_gpu_decodes_as_diffusers_there():
+    """What diffusers' own memory tests do to an optimized model: optimized where it was built (the CPU), then
+    .to('cuda'). With the CPU plan's channels_last weights cuDNN chose other (TF32) algorithms than for the stock
+    model. Now the output on the GPU is the stock model's there."""
+    stock, vae = _pair()
+    vaeopt.optimize(vae, log=None)  # where the weights are: the CPU
+    stock, vae = stock.cuda(), vae.cuda()
+    z = torch.randn(1, 4, 8, 8, device="cuda")
+    with torch.no_grad(), pytest.warns(UserWarning, match="optimized for cpu and decodes on cuda now"):
+        got = vae.decode(z).sample
+    with torch.no_grad():
+        assert torch.equal(got, stock.decode(z).sample)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_gpu_plan_group_offloaded_to_disk_with_streams(tmp_path, offload_type):
+    """A VAE optimized on the GPU (fused path, channels_last weights), then group-offloaded to disk with CUDA streams
+    as diffusers' test_group_offloading_with_disk does: the files are written, and the decode equals the stock
+    model's group-offloaded decode."""
+    stock, vae = _pair()
+    stock, vae = stock.cuda(), vae.cuda()
+    vaeopt.optimize(vae, log=None)
+    assert _channels_last(vae) > 0
+    kw = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    outs = []
+    for m, d in ((stock, tmp_path / "stock"), (vae, tmp_path / "opt")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m.enable_group_offload(torch.device("cuda"), offload_type=offload_type, offload_to_disk_path=str(d),
+                                   use_stream=True, record_stream=True, **kw)
+        assert glob.glob(str(d / "*.safetensors"))
+        with torch.no_grad():
+            outs.append(m.decode(torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)).cuda()).sample)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_plan_moved_to_the_cpu_decodes_as_diffusers_there():
+    """The reverse move: a VAE optimized on the GPU (fused norms, epilogues, channels_last) then .to('cpu') decodes
+    as the stock model does on the CPU: vaeopt's GPU stages are undone, not half-run."""
+    stock, vae = _pair()
+    vaeopt.optimize(vae.cuda(), log=None)
+    vae.cpu()
+    z = torch.randn(1, 4, 8, 8)
+    with torch.no_grad(), pytest.warns(UserWarning, match="optimized for cuda and decodes on cpu now"):
+        got = vae.decode(z).sample
+    with torch.no_grad():
+        assert torch.equal(got, stock.decode(z).sample)
