@@ -416,8 +416,8 @@ def _stand_down(vae, why: str) -> None:
     vae._vaeopt_stood_down = why
     warnings.warn(f"vaeopt: {why}, so vae.decode is diffusers' own decode from here on (vaeopt's in-place changes "
                   "undone: the same output as the stock model there). For vaeopt's path, optimize the VAE where it "
-                  "decodes: load or build it again, move it there (pipe.to('cuda')) and then call vaeopt.optimize; with "
-                  "offloading, use pipe.enable_model_cpu_offload() before it", stacklevel=3)
+                  "decodes: load or build it again, move it there (pipe.to('cuda')) and then call vaeopt.optimize; "
+                  "with offloading, use pipe.enable_model_cpu_offload() before it", stacklevel=3)
 
 
 class _StandDownFirst:
@@ -431,8 +431,8 @@ class _StandDownFirst:
 
     def __call__(self, *args, **kwargs):
         v = self.vae
-        if getattr(v, "_vaeopt_stood_down", None) is None:
-            _stand_down(v, "diffusers' group offloading places its layers now")
+        if getattr(v, "_vaeopt_stood_down", None) is None and getattr(v, "_supports_group_offloading", True):
+            _stand_down(v, "diffusers' group offloading places its layers now")  # (else diffusers refuses it)
         return type(v).enable_group_offload(v, *args, **kwargs)
 
 
