@@ -8,7 +8,13 @@ parameterized), with this repository on the path:
     VAEOPT_PATCH=1 PYTHONPATH=/path/to/vaeopt:/path/to/vaeopt/scripts HF_HUB_OFFLINE=1 \\
         python -m pytest -q -p diffusers_tests_optimized tests/models/autoencoders/test_models_autoencoder_wan.py
 
-and the same without VAEOPT_PATCH=1 for the stock counts (docs/reliability.md lists both).
+and the same without VAEOPT_PATCH=1 for the stock counts (docs/reliability.md lists both). Add
+`-p no:cacheprovider` to leave the checkout as it was.
+
+Models are optimized where they are built: on the CPU. Tests that then move one to a GPU, or set up group offloading
+or accelerate's device maps on it, check that vaeopt steps aside there with diffusers' own output (an optimized VAE
+decodes vaeopt's way only on the device it was optimized for, docs/python-api.md); vaeopt's CUDA stages are tested by
+its own GPU tests (`pytest -m gpu`).
 """
 
 import functools

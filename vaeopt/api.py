@@ -253,6 +253,11 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     dtype = _dtype_name(dtype)  # a clear error before the model is touched
     _check_log(log, "vaeopt.optimize")
     wanted = dict(device=device, dtype=dtype, channels_last=channels_last, triton=triton, attention=attention)
+    if getattr(vae, "_vaeopt_stood_down", None) is not None:  # (its changes are undone; redoing them is not safe)
+        if log:
+            log(f"! vaeopt stepped aside for this VAE ({vae._vaeopt_stood_down}): vae.decode is diffusers' own; for "
+                "vaeopt's path, load or build the VAE again, move it where it decodes, then optimize it")
+        return vae
     if getattr(vae, "_vaeopt_optimized", None) is not None:  # again would stack hooks and redo (or undo) its work
         _refuse_other(vae, "vaeopt.optimize", wanted)
         if log:
@@ -304,6 +309,9 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
                 f"its weights are back on {home}")
     vae._vaeopt_stages = pipe.stages
     vae._vaeopt_optimized = ("vaeopt.optimize", wanted)
+    vae._vaeopt_device = pipe.device  # the device its stages were chosen for (_off_plan)
+    if callable(getattr(type(vae), "enable_group_offload", None)):  # (pipe.enable_group_offload calls this one)
+        vae.enable_group_offload = _StandDownFirst(vae)
     if cls == "AutoencoderKLWan":
         # diffusers' Wan decode runs the decoder one latent frame at a time; the stages' Wan work (fused chunk
         # decoder, time-stacked and phase convs, the planner's chunk) lives in vaeopt.video: send vae.decode there
@@ -349,6 +357,87 @@ def _offloaded_parts(vae) -> str:
     return ""
 
 
+def _placed_by_others(vae) -> bool:
+    """accelerate's hooks (sequential CPU offload, from_pretrained(device_map=...)) or diffusers' group offloading
+    place the decoder's layers. Looked for where each of them puts a hook (the decoder's entry modules and its first
+    conv): cheap enough for every decode, unlike _offloaded_parts' walk over all modules, which names them."""
+    dec = getattr(vae, "decoder", None)
+    first_conv = next((m for m in dec.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))), None) \
+        if isinstance(dec, torch.nn.Module) else None
+    for m in (getattr(vae, "post_quant_conv", None), dec, first_conv):
+        if m is None:
+            continue
+        if getattr(m, "_hf_hook", None) is not None:
+            return True
+        if any("offload" in str(k) for k in getattr(getattr(m, "_diffusers_hook", None), "hooks", None) or ()):
+            return True
+    return False
+
+
+def _off_plan(vae) -> str | None:
+    """Why the plan optimize chose no longer holds for this VAE, or None while it does: the one place that decides
+    whether an optimized VAE still decodes vaeopt's way. Its stages were chosen for one device (a CPU plan converts
+    conv weights to channels_last, which on a GPU makes cuDNN pick other algorithms than diffusers' NCHW convs; a
+    GPU plan's kernels do not run on the CPU), with vaeopt placing the weights. Not so once another device runs it
+    (moved after optimize; under model CPU offload, the device its hook moves it to) or once accelerate / diffusers'
+    group offloading place its layers."""
+    planned = getattr(vae, "_vaeopt_device", None)
+    if planned is None:
+        return None
+    if _placed_by_others(vae):
+        return f"{_offloaded_parts(vae) or 'offloading hooks'} place its layers now"
+    now = _offload_device(vae)
+    if now is None:
+        w = next((p for m in (getattr(vae, "post_quant_conv", None), vae.decoder) if m is not None
+                  for p in m.parameters()), None)
+        now = w.device if w is not None else None
+    if now is not None and now.type not in (planned.type, "meta"):
+        return f"it was optimized for {planned.type} and decodes on {now.type} now"
+    return None
+
+
+# Stages whose in-place changes stand down (in reverse order of application) where the plan no longer holds; the
+# others change nothing in the model (precision is the dtype the VAE was asked for or kept, and stays).
+_REVERTIBLE = {"channels_last": "channels_last", "fused_norms": "fused_norms", "fused_epilogues": "fused_epilogues",
+               "upsample_conv": "upsample_conv", "stacked_conv3d": "stacked_conv3d", "triton_conv": "triton_conv",
+               "fp8 convs": "triton_conv", "fp8": "fp8", "attention": "attention"}
+
+
+def _stand_down(vae, why: str) -> None:
+    """Undo what optimize changed in place (layouts, swapped and patched modules, marks), so that vae.decode is
+    diffusers' own decode with the VAE as diffusers built it, and say once how to get vaeopt's path back. Where vaeopt
+    no longer runs its fast path, a drop-in gives the answer diffusers gives on that device, not a mix of one
+    device's plan and another device's kernels. For good: the model is not re-planned behind the user's back."""
+    import importlib
+
+    for r in reversed(getattr(vae, "_vaeopt_stages", None) or []):
+        name = _REVERTIBLE.get(r.name)
+        if name is not None and r.status == "applied":
+            importlib.import_module(f"vaeopt.stages.{name}").revert(vae)
+    free_derived(vae)
+    vae._vaeopt_stood_down = why
+    warnings.warn(f"vaeopt: {why}, so vae.decode is diffusers' own decode from here on (vaeopt's in-place changes "
+                  "undone: the same output as the stock model there). For vaeopt's path, optimize the VAE where it "
+                  "decodes: load or build it again, move it there (pipe.to('cuda')) and then call vaeopt.optimize; "
+                  "with offloading, use pipe.enable_model_cpu_offload() before it", stacklevel=3)
+
+
+class _StandDownFirst:
+    """`vae.enable_group_offload` after optimize: diffusers' group offloading places the layers from then on (it saves
+    `param.data` to safetensors files with offload_to_disk_path, which refuses the channels_last weights), so
+    vaeopt's in-place changes are undone before it takes over. pipe.enable_group_offload calls this method on each
+    component. A class, not a closure: the model still pickles and deep-copies."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    def __call__(self, *args, **kwargs):
+        v = self.vae
+        if getattr(v, "_vaeopt_stood_down", None) is None and getattr(v, "_supports_group_offloading", True):
+            _stand_down(v, "diffusers' group offloading places its layers now")  # (else diffusers refuses it)
+        return type(v).enable_group_offload(v, *args, **kwargs)
+
+
 def refresh(vae=None) -> None:
     """Call after changing an optimized VAE's weights in place where torch keeps no version count: through
     `param.data` (EMA copies, LoRA merges) or under torch.inference_mode, or after replacing a parameter with a new
@@ -382,7 +471,8 @@ class _WanChunkDecode:
 
 
         v = self.vae
-        if (needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling()
+        if (getattr(v, "_vaeopt_stood_down", None) is not None  # (see _off_plan)
+                or needs_autograd(z, v) or self._diffusers_tiles(z) or torch.compiler.is_compiling()
                 or video.active_dropout(v)):  # (training mode with dropout p > 0: diffusers' decode, dropout included)
             return type(v)._decode(v, z, return_dict=return_dict)  # (compile: dynamo traces diffusers' loop)
         hooked = foreign_hooked(v.decoder)
@@ -431,6 +521,9 @@ class _Decode:
 
     def __call__(self, *args, **kwargs):
         v = self.vae
+        if (getattr(v, "_vaeopt_stood_down", None) is None and not torch.compiler.is_compiling()
+                and (why := _off_plan(v)) is not None):
+            _stand_down(v, why)
         try:
             return type(v).decode(v, *args, **kwargs)
         finally:
