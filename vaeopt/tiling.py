@@ -16,7 +16,7 @@ each layer is evaluated tile by tile, so that the accelerator only ever holds on
   per-tile moments and merges them exactly (Chan et al.'s parallel variance).
 * Nearest upsampling, residual adds and the 1x1 shortcut convs are pointwise per tile.
 * Full-size intermediate activations live in buffers on a *storage* device (the compute device when they fit, else
-  CPU, pinned when CUDA is present). Only tiles travel to the compute device.
+  CPU, pinned when CUDA is present and ``pin``). Only tiles travel to the compute device.
 
 Two implementations of the per-tile math, same structure:
 
@@ -40,8 +40,8 @@ bands with the same area (th*tw/w latent rows). Bands are the default on the ker
 of an NHWC buffer is then one contiguous block (reads are views, the residual epilogue writes in place, host<->device
 copies are single DMA transfers). ``tile`` keeps its meaning (the per-tile area budget, in latent px).
 
-Storage on CPU (CUDA compute): buffers are pinned and NHWC; region reads go through a copy stream (host->device) and
-are prefetched one tile ahead, writes through a second stream (device->host), both overlapping compute; at most two
+Storage on CPU (CUDA compute): buffers are NHWC and, with ``pin``, pinned; region reads of pinned buffers go through a
+copy stream (host->device) and are prefetched one tile ahead, writes through a second stream (device->host), both overlapping compute; at most two
 tiles' writes are in flight. ``info["bytes_h2d"]`` / ``info["bytes_d2h"]`` report the traffic.
 
 The result equals the untiled decode up to rounding (>100 dB PSNR in fp32 on tiny_kl_image), for 1x the
@@ -201,6 +201,10 @@ class TiledDecoder:
         shape: "tiles", "bands" or "auto" (bands on the kernel path and on CUDA, else tiles).
         overlap: with CPU storage and CUDA compute, overlap host<->device copies with compute (copy streams,
             one-tile prefetch); False: synchronous copies on the compute stream.
+        pin: with CPU storage and CUDA compute, page-lock the host buffers (True, the default: copies run at full
+            bus speed and overlap compute) or not (False: no pinning cost). Pinning is slow to set up -- about 12 s
+            for the 32 GB a 4096² SDXL decode stores within 16 GB -- and PyTorch keeps pinned blocks for reuse, so
+            it pays from a process's second decode of a plan on (see Pipeline's use of it).
     """
 
     def __init__(
@@ -214,8 +218,10 @@ class TiledDecoder:
         kernels: bool | None = None,
         shape: str = "auto",
         overlap: bool = True,
+        pin: bool = True,
     ):
         self.vae = vae
+        self.pin = pin
         self.vram_budget = vram_budget
         self.dec = kl_decoder(vae)
         self.passes = plan_passes(vae)
@@ -275,6 +281,7 @@ class TiledDecoder:
             "tiles": 0,
             "passes": len(self.passes),
             "storage": str(self.storage),
+            "pinned": self.pin and self.storage.type == "cpu" and self.device.type == "cuda",
             "factor": self.factor,
             "kernels": self.kernels,
             "shape": "bands" if self.bands else "tiles",
@@ -325,7 +332,7 @@ class TiledDecoder:
         return torch.device("cpu"), self.tile
 
     def _alloc(self, c: int, h: int, w: int) -> torch.Tensor:
-        pin = self.storage.type == "cpu" and self.device.type == "cuda"
+        pin = self.pin and self.storage.type == "cpu" and self.device.type == "cuda"
         if self.storage_format is torch.channels_last:
             return torch.empty(1, h, w, c, dtype=self.dtype, device=self.storage, pin_memory=pin).permute(0, 3, 1, 2)
         return torch.empty(1, c, h, w, dtype=self.dtype, device=self.storage, pin_memory=pin)
@@ -718,6 +725,7 @@ def tiled_decode(
     kernels: bool | None = None,
     shape: str = "auto",
     overlap: bool = True,
+    pin: bool = True,
 ):
     """Decode raw (unscaled) latents ``z_raw`` (N, C, h, w) with exact layer-streamed tiling.
 
@@ -729,10 +737,10 @@ def tiled_decode(
     ``oom_events``, ``tiles``, ``passes``, ``storage``, ``factor``, ``kernels``, ``shape``, ``overlap``,
     ``bias_folded`` (conv biases folded per decode), ``bytes_h2d`` / ``bytes_d2h`` (host<->device tile traffic),
     ``prefetch_hits``. ``storage``, ``progress``, ``min_tile``, ``vram_budget``, ``kernels``, ``shape``,
-    ``overlap``: see :class:`TiledDecoder`.
+    ``overlap``, ``pin``: see :class:`TiledDecoder`.
     """
     td = TiledDecoder(vae, tile=tile, storage=storage, progress=progress, min_tile=min_tile, vram_budget=vram_budget,
-                      kernels=kernels, shape=shape, overlap=overlap)
+                      kernels=kernels, shape=shape, overlap=overlap, pin=pin)
     img = td.decode(z_raw)
     return (img, td.info) if return_info else img
 
