@@ -1,0 +1,125 @@
+"""HunyuanVideo 1.5 and LTX-2: exact chunks in time and exact tiles in space (vaeopt.engine.stream, video_stream),
+against diffusers' own whole-clip decode on tiny models of the real classes (fp32, CPU)."""
+
+import pytest
+import torch
+
+from test_families import tiny
+from vaeopt import video_stream as vs
+from vaeopt.engine.stream import StreamDecoder, back_halo, chunk_schedule
+
+LAT = {"hunyuanvideo15": (1, 32, 4, 5, 4), "ltx2": (1, 128, 4, 6, 5)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def case(request):
+    fam = request.param
+    m = tiny(fam)
+    z = torch.randn(*LAT[fam], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m.decode(z).sample
+    return fam, m, z, ref
+
+
+def psnr(a, b) -> float:
+    mse = (a.double() - b.double()).pow(2).mean().item()
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(4.0 / mse)).item()
+
+
+BOTH = pytest.mark.parametrize("case", ["hunyuanvideo15", "ltx2"], indirect=True)
+
+
+@BOTH
+def test_chunks_equal_the_whole_decode(case):
+    """Every chunk size gives diffusers' whole-clip decode; the frames come out as the chunks complete them (LTX-2's
+    non-causal convs hold frames back until the clip's end, HunyuanVideo 1.5's causal ones do not)."""
+    fam, m, z, ref = case
+    t = z.shape[2]
+    for k in (t, 1, 2):
+        sd = StreamDecoder(m, cap=k)
+        sched = chunk_schedule(t, k)
+        outs = [sd.step(z[:, :, a:b], final=i == len(sched) - 1) for i, (a, b) in enumerate(sched)]
+        y = torch.cat(outs, dim=2)
+        assert y.shape == ref.shape
+        assert psnr(y, ref) >= 100, (fam, k)
+        if fam == "hunyuanvideo15" and k == 1:
+            assert [o.shape[2] for o in outs] == [1, 4, 4, 4]
+        if fam == "ltx2" and k == t:
+            assert torch.equal(y, ref)  # one call over the clip: diffusers' ops in diffusers' order
+
+
+@BOTH
+def test_a_stage_never_runs_on_more_than_a_chunk(case, monkeypatch):
+    """LTX-2's held-back frames are released at the clip's end in pieces of the chunk's size, not all at once."""
+    fam, m, z, ref = case
+    sd = StreamDecoder(m, cap=1)
+    seen = []
+    real = sd.conv
+
+    def spy(wrapper, x, final):
+        seen.append(x.shape[2] / (x.shape[-1] / z.shape[-1]) ** 0)  # frames at that conv
+        return real(wrapper, x, final)
+
+    monkeypatch.setattr(sd, "conv", spy)
+    sched = chunk_schedule(z.shape[2], 1)
+    rate_cap = max(vs.output_frames(m, 2) - 1, 1)  # one latent frame's worth at the output rate
+    y = torch.cat([sd.step(z[:, :, a:b], final=i == len(sched) - 1) for i, (a, b) in enumerate(sched)], dim=2)
+    assert psnr(y, ref) >= 100
+    assert max(seen) <= rate_cap
+
+
+@BOTH
+def test_tiles_equal_the_untiled_decode(case):
+    fam, m, z, ref = case
+    untiled = vs.decode_clip(m, z, 2)
+    assert psnr(untiled, ref.clamp(-1, 1)) >= 100
+    for k, tile in ((1, 3), (2, (2, 4))):
+        info = {}
+        y = vs.decode_clip(m, z, k, tile=tile, info=info)
+        assert info["tiles"] > 1 and info["halo"] == back_halo(m, info["split"])
+        assert psnr(y, untiled) >= 100, (fam, tile)
+
+
+@BOTH
+def test_a_smaller_halo_is_not_exact(case):
+    """The halo is what makes the tiles exact (the test above would pass with any halo if it were not needed): without
+    it, the convs' padding at a tile's edge shows."""
+    fam, m, z, ref = case
+    import vaeopt.video_stream as mod
+
+    untiled = vs.decode_clip(m, z, 2)
+    real = mod.back_halo
+    try:
+        mod.back_halo = lambda vae, s: 0
+        y = vs.decode_clip(m, z, 2, tile=2)
+    finally:
+        mod.back_halo = real
+    assert psnr(y, untiled) < 80
+
+
+@BOTH
+def test_out_of_memory_retries_with_a_smaller_plan(case, monkeypatch):
+    fam, m, z, ref = case
+    calls = []
+    real = vs._decode
+
+    def flaky(vae, z_, chunk, tile, *a):
+        calls.append((chunk, tile))
+        if len(calls) < 3:
+            raise torch.cuda.OutOfMemoryError("test")
+        return real(vae, z_, chunk, tile, *a)
+
+    monkeypatch.setattr(vs, "_decode", flaky)
+    info = {}
+    y = vs.decode_clip(m, z, 2, oom_retry=True, info=info)
+    assert calls[:2] == [(2, None), (1, None)] and calls[2][1] is not None  # half the chunk, then tiles
+    assert len(info["oom_events"]) == 2
+    assert psnr(y, ref.clamp(-1, 1)) >= 100
