@@ -111,11 +111,11 @@ def test_out_of_memory_retries_with_a_smaller_plan(case, monkeypatch):
     calls = []
     real = vs._decode
 
-    def flaky(vae, z_, chunk, tile, *a):
+    def flaky(vae, z_, chunk, tile, *a, **kw):
         calls.append((chunk, tile))
         if len(calls) < 3:
             raise torch.cuda.OutOfMemoryError("test")
-        return real(vae, z_, chunk, tile, *a)
+        return real(vae, z_, chunk, tile, *a, **kw)
 
     monkeypatch.setattr(vs, "_decode", flaky)
     info = {}
@@ -123,3 +123,29 @@ def test_out_of_memory_retries_with_a_smaller_plan(case, monkeypatch):
     assert calls[:2] == [(2, None), (1, None)] and calls[2][1] is not None  # half the chunk, then tiles
     assert len(info["oom_events"]) == 2
     assert psnr(y, ref.clamp(-1, 1)) >= 100
+
+
+@BOTH
+def test_optimize_decodes_through_the_chunk_decoder(case, monkeypatch):
+    """vaeopt.optimize(pipe.vae): vae.decode runs video_stream (planned chunks) and returns diffusers' unclamped
+    output, with each class's own return type; enable_tiling() hands the decode back to diffusers."""
+    import copy
+
+    import vaeopt
+
+    fam, m, z, ref = case
+    model = copy.deepcopy(m)
+    vaeopt.optimize(model, device="cpu", log=None)
+    calls = []
+    real = vs.decode_clip
+    monkeypatch.setattr(vs, "decode_clip", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with torch.no_grad():
+        got = model.decode(z).sample
+        assert calls and calls[0]["clamp"] is False
+        assert psnr(got, ref) >= 100
+        if fam == "ltx2":
+            assert torch.equal(model.decode(z, None, return_dict=False)[0], got)
+        model.enable_tiling()
+        n = len(calls)
+        model.decode(z)
+        assert len(calls) == n  # diffusers' own tiles, as asked

@@ -33,8 +33,18 @@ def applies(vae) -> bool:
     return type(vae).__name__ in STREAM_CLASSES and unsupported(vae) is None
 
 
+def temporal_factor(vae) -> int:
+    """Output frames per latent frame after the first, from the decoder's upsamplers (a config's
+    temporal_compression_ratio may describe the encoder, or be unset)."""
+    f = int(getattr(vae.decoder, "patch_size_t", 1) or 1)
+    for ub in vae.decoder.up_blocks:
+        for up in ub.upsamplers or ():
+            f *= up.stride[0] if hasattr(up, "stride") else (2 if up.add_temporal_upsample else 1)
+    return f
+
+
 def output_frames(vae, t_lat: int) -> int:
-    return 1 + (t_lat - 1) * int(vae.temporal_compression_ratio)
+    return 1 + (t_lat - 1) * temporal_factor(vae)
 
 
 def default_split(vae) -> int:
@@ -58,10 +68,11 @@ def _tiles(h: int, w: int, tile) -> list[tuple[int, int, int, int]]:
 
 def decode_clip(vae, z: Tensor, chunk: int = 2, *, tile=None, split: int | None = None, oom_retry: bool = False,
                 info: dict | None = None, progress: Callable[[int, int], None] | None = None,
-                causal: bool | None = None) -> Tensor:
+                causal: bool | None = None, clamp: bool = True) -> Tensor:
     """Decode raw latents (N, C, T, h, w) like `vae.decode(z).sample` (clamped to [-1, 1]), `chunk` latent frames
     per call. `tile`: latent px per tile side (int or (rows, cols)); the back part from up_blocks[split] on runs per
-    tile. `info` gets the plan actually used and any out-of-memory retries."""
+    tile. `info` gets the plan actually used and any out-of-memory retries. clamp=False: diffusers' unclamped
+    `vae.decode` output (vaeopt.optimize)."""
     why = unsupported(vae)
     if why:
         raise VaeoptError(f"vaeopt's chunked decode does not apply to this {type(vae).__name__}: {why}")
@@ -69,7 +80,7 @@ def decode_clip(vae, z: Tensor, chunk: int = 2, *, tile=None, split: int | None 
     info.setdefault("oom_events", [])
     while True:
         try:
-            return _decode(vae, z, chunk, tile, split, info, progress, causal)
+            return _decode(vae, z, chunk, tile, split, info, progress, causal, clamp)
         except torch.cuda.OutOfMemoryError:
             if not oom_retry:
                 raise
@@ -95,7 +106,7 @@ def _smaller(vae, z: Tensor, chunk: int, tile) -> tuple[int, object] | None:
     return 1, (max(1, th // 2), max(1, tw // 2))
 
 
-def _decode(vae, z, chunk, tile, split, info, progress, causal) -> Tensor:
+def _decode(vae, z, chunk, tile, split, info, progress, causal, clamp=True) -> Tensor:
     n, _, t_lat, h, w = z.shape
     total = output_frames(vae, t_lat)
     out = None
@@ -125,7 +136,7 @@ def _decode(vae, z, chunk, tile, split, info, progress, causal) -> Tensor:
                 out = torch.empty((n, y.shape[1], total, *y.shape[-2:]), dtype=y.dtype, device=y.device)
             f = y.shape[2]
             if f:
-                out[:, :, done:done + f].copy_(y.clamp_(-1, 1))
+                out[:, :, done:done + f].copy_(y.clamp_(-1, 1) if clamp else y)
             done += f
             del y
         if progress is not None:

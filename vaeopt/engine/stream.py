@@ -178,7 +178,10 @@ class StreamDecoder:
         if self.kind == "hv15":
             p = wrapper.time_causal_padding
             buf = F.pad(buf, (p[0], p[1], p[2], p[3], 0, 0), mode=wrapper.pad_mode)
-        return conv(buf.contiguous())
+        w = conv.weight  # the layout the channels_last stage gave the weights (cat/pad may have dropped it)
+        mf = (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
+              else torch.contiguous_format)
+        return conv(buf.contiguous(memory_format=mf))
 
     def pointwise(self, conv: nn.Conv3d, x: Tensor) -> Tensor:
         return conv(x) if x.shape[2] else empty_frames(x, conv.out_channels)
