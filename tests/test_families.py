@@ -412,7 +412,7 @@ def test_comfyui_latent_files_are_raw(models, tmp_path):
         assert lf.default_space == "raw"
         got = vaeopt.decode(lf.entries[0].tensor, load_vae(tmp_path / fam), latent_space=lf.default_space,
                             options=CPU32, log=None)
-        assert torch.equal(got, reference(model, z))
+        assert psnr(got, reference(model, z)) >= 100  # the exact chunk decoder: fp32 rounding
 
 
 # ----------------------------------------------------------------------------------------------------------------------
