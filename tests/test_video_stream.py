@@ -149,3 +149,23 @@ def test_optimize_decodes_through_the_chunk_decoder(case, monkeypatch):
         n = len(calls)
         model.decode(z)
         assert len(calls) == n  # diffusers' own tiles, as asked
+
+
+@BOTH
+def test_planner_chunks_then_exact_tiles_within_the_budget(case):
+    from vaeopt import planner
+    from vaeopt.families import get_family
+
+    fam, m, z, ref = case
+    spec = get_family(fam)
+    shape, cpu = tuple(z.shape), torch.device("cpu")
+    big = planner.plan_decode(spec, m, shape, torch.float32, cpu, vram_budget_gb=64)
+    assert (big.mode, big.chunk) == ("chunked", 2) and "exact chunk decoder" in big.reason
+    one = planner.estimate_stream(spec, m, shape, torch.float32, 1)
+    small = planner.plan_decode(spec, m, shape, torch.float32, cpu, vram_budget_gb=one * 0.999 / 2**30)
+    assert small.mode == "tiled" and small.chunk == 1 and small.tile < max(shape[-2:]) and "exact" in small.reason
+    assert small.est_bytes <= small.budget_bytes
+    forced = planner.plan_decode(spec, m, shape, torch.float32, cpu, vram_budget_gb=64, tiling="on")
+    assert forced.mode == "tiled" and forced.tile <= -(-max(shape[-2:]) // 2)  # at least two tiles
+    asked = planner.plan_decode(spec, m, shape, torch.float32, cpu, tile=2)
+    assert (asked.mode, asked.tile) == ("tiled", 2)

@@ -368,7 +368,8 @@ def _plan_stream(family, model, latent_shape, dtype, budget, why, chunk, tile, t
         est = estimate_stream(family, model, latent_shape, dtype, k, t)
         src = "requested"
     else:
-        sides = range(max(h, w), 0, -1)
+        # --tiling on: at least two tiles, even where the whole frame would fit
+        sides = range(-(-max(h, w) // 2) if tiling == "on" else max(h, w), 0, -1)
         t = next((s for s in sides if estimate_stream(family, model, latent_shape, dtype, k, s) <= budget), 1)
         est = estimate_stream(family, model, latent_shape, dtype, k, t)
         src = "tiling forced" if tiling == "on" else (
