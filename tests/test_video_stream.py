@@ -169,3 +169,34 @@ def test_planner_chunks_then_exact_tiles_within_the_budget(case):
     assert forced.mode == "tiled" and forced.tile <= -(-max(shape[-2:]) // 2)  # at least two tiles
     asked = planner.plan_decode(spec, m, shape, torch.float32, cpu, tile=2)
     assert (asked.mode, asked.tile) == ("tiled", 2)
+
+
+def test_hv15_rms_norms_run_the_fused_kernel():
+    """HunyuanVideo 1.5's RMS norm is Wan's formula: the fused_norms stage swaps its norm + SiLU pairs (and the
+    attention's norm) for the rms_norm_silu kernel (the Triton interpreter here), and the chunked decode still
+    equals diffusers' stock decode."""
+    import copy
+    import importlib
+
+    from vaeopt.kernels import triton_available
+    from vaeopt.stages import fused_norms
+
+    if not triton_available("cpu")[0]:
+        pytest.skip(triton_available("cpu")[1])
+    kern = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    m = tiny("hunyuanvideo15")
+    z = torch.randn(1, 32, 2, 3, 2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m.decode(z).sample
+    f = copy.deepcopy(m)
+    r = fused_norms.apply(f, device="cpu")
+    assert r.status == "applied" and r.data["rms_silu"] == 2 * 2 * 6 + 1 and r.data["rms"] == 1  # 12 resnets, head
+    calls = []
+    real = kern.rms_norm_silu
+    try:
+        kern.rms_norm_silu = lambda *a, **k: calls.append(1) or real(*a, **k)
+        y = vs.decode_clip(f, z, 1, clamp=False)
+    finally:
+        kern.rms_norm_silu = real
+    assert len(calls) == 2 * (r.data["rms_silu"] + r.data["rms"])  # every norm, in each of the two chunks
+    assert psnr(y, ref) >= 100

@@ -112,6 +112,12 @@ def diffusers_classes() -> dict[str, type | None]:
         "WanResidualBlock": "diffusers.models.autoencoders.autoencoder_kl_wan",
         "WanAttentionBlock": "diffusers.models.autoencoders.autoencoder_kl_wan",
         "WanDecoder3d": "diffusers.models.autoencoders.autoencoder_kl_wan",
+        # HunyuanVideo 1.5's RMS norm is WanRMS_norm's formula (F.normalize over channels, fp32 for 16-bit inputs,
+        # * sqrt(C) * gamma + bias), so the same kernel serves it
+        "HunyuanVideo15RMS_norm": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
+        "HunyuanVideo15ResnetBlock": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
+        "HunyuanVideo15AttnBlock": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
+        "HunyuanVideo15Decoder3D": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
     }
     out = {}
     for name, mod in where.items():
@@ -145,7 +151,9 @@ _PARTS = {"ResnetBlock2D": ("norm1", "norm2", "nonlinearity"),
           "HunyuanVideoResnetBlockCausal3D": ("norm1", "norm2", "nonlinearity"),
           "Decoder": ("conv_norm_out", "conv_act"), "HunyuanVideoDecoder3D": ("conv_norm_out", "conv_act"),
           "Attention": ("group_norm",), "WanResidualBlock": ("norm1", "norm2", "nonlinearity"),
-          "WanDecoder3d": ("norm_out", "nonlinearity"), "WanAttentionBlock": ("norm",)}
+          "WanDecoder3d": ("norm_out", "nonlinearity"), "WanAttentionBlock": ("norm",),
+          "HunyuanVideo15ResnetBlock": ("norm1", "norm2", "nonlinearity"),
+          "HunyuanVideo15Decoder3D": ("norm_out", "conv_act"), "HunyuanVideo15AttnBlock": ("norm",)}
 
 
 def hooked_parts(decoder: nn.Module, attention: bool = True) -> list[str]:
@@ -154,7 +162,7 @@ def hooked_parts(decoder: nn.Module, attention: bool = True) -> list[str]:
     out = []
     for name, m in decoder.named_modules():
         kind = type(m).__name__
-        if not attention and kind in ("Attention", "WanAttentionBlock"):
+        if not attention and kind in ("Attention", "WanAttentionBlock", "HunyuanVideo15AttnBlock"):
             continue
         for attr in _PARTS.get(kind, ()):
             sub = getattr(m, attr, None)
@@ -206,6 +214,22 @@ def _plan(decoder: nn.Module, attention: bool) -> tuple[list[tuple[nn.Module, st
                 swaps += [(m, "norm_out", FusedRMSNormSiLU(m.norm_out)), (m, "nonlinearity", nn.Identity())]
                 n["rms_silu"] += 1
         elif attention and _same_forward(m, K["WanAttentionBlock"]) and _is_wan_rms(m.norm, K["WanRMS_norm"]):
+            swaps.append((m, "norm", FusedRMSNormSiLU(m.norm, silu=False)))
+            n["rms"] += 1
+        # HunyuanVideo 1.5: norm1 -> nonlinearity -> conv1 -> norm2 -> nonlinearity -> conv2; the decoder's head
+        # norm_out -> conv_act; the mid-block attention's norm alone
+        elif _same_forward(m, K["HunyuanVideo15ResnetBlock"]):
+            rms = K["HunyuanVideo15RMS_norm"]
+            if _is_wan_rms(m.norm1, rms) and _is_wan_rms(m.norm2, rms) and _is_silu(m.nonlinearity):
+                swaps += [(m, "norm1", FusedRMSNormSiLU(m.norm1)), (m, "norm2", FusedRMSNormSiLU(m.norm2))]
+                swaps.append((m, "nonlinearity", nn.Identity()))
+                n["rms_silu"] += 2
+        elif _same_forward(m, K["HunyuanVideo15Decoder3D"]):
+            if _is_wan_rms(m.norm_out, K["HunyuanVideo15RMS_norm"]) and _is_silu(m.conv_act):
+                swaps += [(m, "norm_out", FusedRMSNormSiLU(m.norm_out)), (m, "conv_act", nn.Identity())]
+                n["rms_silu"] += 1
+        elif (attention and _same_forward(m, K["HunyuanVideo15AttnBlock"])
+              and _is_wan_rms(m.norm, K["HunyuanVideo15RMS_norm"])):
             swaps.append((m, "norm", FusedRMSNormSiLU(m.norm, silu=False)))
             n["rms"] += 1
     return swaps, n
