@@ -200,3 +200,22 @@ def test_hv15_rms_norms_run_the_fused_kernel():
         kern.rms_norm_silu = real
     assert len(calls) == 2 * (r.data["rms_silu"] + r.data["rms"])  # every norm, in each of the two chunks
     assert psnr(y, ref) >= 100
+
+
+def test_a_peer_that_raises_is_a_failed_row_not_a_crash():
+    """A diffusers peer that cannot run a workload's size (a one-call decode of a long clip) fails its row; the
+    benchmark goes on."""
+    from vaeopt.benchmark import Bench
+    from vaeopt.families import get_family
+
+    b = Bench(get_family("ltx2"), {}, (1, 128, 2, 2, 2), torch.device("cpu"), torch.float32, 1, 0, lambda s: None,
+              model_overrides=dict(block_out_channels=[16, 32, 32, 32], decoder_block_out_channels=[16, 32, 64],
+                                   layers_per_block=[1, 1, 1, 1, 1], decoder_layers_per_block=[1, 1, 1, 1]))
+
+    def make():
+        def fn():
+            raise RuntimeError("Expected canUse32BitIndexMath(input) to be true\nmore")
+        return fn
+
+    row = b.run("diffusers bf16 eager", "peer", make)
+    assert row.status == "failed" and "canUse32BitIndexMath" in row.reason and "more" not in row.reason

@@ -225,6 +225,12 @@ class Bench:
             row.status, row.reason = "failed", f"out of memory: {str(e).splitlines()[0][:120]}"
         except VaeoptError as e:
             row.status, row.reason = "failed", str(e)
+        except RuntimeError as e:
+            if kind == "reference":
+                raise
+            # a peer that cannot run this size (e.g. a one-call decode of a long clip past cuDNN's 32-bit indexing):
+            # a failed row with the reason, and the rows after it still run
+            row.status, row.reason = "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
