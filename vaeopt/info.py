@@ -78,8 +78,8 @@ _PATHS = {
     "AutoencoderKLHunyuanVideo15": ("exact chunk decoder (causal convs' histories carried, frame-causal attention "
                                     "with kept keys/values), fused RMSNorm+SiLU, channels_last_3d, exact spatial "
                                     "tiling when a chunk does not fit, the OOM fallback"),
-    "AutoencoderKLLTX2Video": ("exact chunk decoder (non-causal convs hold one frame back), channels_last_3d, exact "
-                               "spatial tiling when a chunk does not fit, the OOM fallback; no fused kernels yet"),
+    "AutoencoderKLLTX2Video": ("exact chunk decoder (non-causal convs hold one frame back), fused RMSNorm+SiLU, "
+                               "channels_last_3d, exact spatial tiling when a chunk does not fit, the OOM fallback"),
     "AutoencoderTiny": "tiny decoder: precision, channels_last, CUDA graphs for repeated shapes",
 }
 
