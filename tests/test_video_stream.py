@@ -8,7 +8,7 @@ from test_families import tiny
 from vaeopt import video_stream as vs
 from vaeopt.engine.stream import StreamDecoder, back_halo, chunk_schedule
 
-LAT = {"hunyuanvideo15": (1, 32, 4, 5, 4), "ltx2": (1, 128, 4, 6, 5)}
+LAT = {"hunyuanvideo15": (1, 32, 3, 4, 3), "ltx2": (1, 128, 4, 6, 5)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +51,7 @@ def test_chunks_equal_the_whole_decode(case):
         assert y.shape == ref.shape
         assert psnr(y, ref) >= 100, (fam, k)
         if fam == "hunyuanvideo15" and k == 1:
-            assert [o.shape[2] for o in outs] == [1, 4, 4, 4]
+            assert [o.shape[2] for o in outs] == [1, 4, 4]
         if fam == "ltx2" and k == t:
             assert torch.equal(y, ref)  # one call over the clip: diffusers' ops in diffusers' order
 
