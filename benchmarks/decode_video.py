@@ -5,7 +5,8 @@
 
 Variants: diffusers (vae.decode: Wan one latent frame per call), vaeopt (every default stage, the planner's chunk,
 CUDA graphs off), graphs (+ Wan's per-chunk CUDA graphs, armed as `vaeopt decode` arms them), fp8 (+ FP8), tiled
-(spatial tiles within --vram-budget). The reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's
+(spatial tiles within --vram-budget), budget (the planner's own choice within --vram-budget: chunks, tiles where a
+chunk does not fit). The reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's
 chunk-1 loop, diffusers' schedule without its growing torch.cat), so the PSNRs match its table. vaeopt's rows are
 timed by the pipeline's own clock.
 """
@@ -14,14 +15,15 @@ import torch
 
 import harness as H
 
-VARIANTS = ("diffusers", "vaeopt", "graphs", "fp8", "tiled")
+VARIANTS = ("diffusers", "vaeopt", "graphs", "fp8", "tiled", "budget")
 DEFAULTS = {"workload": "wan21-480p", "repeats": 5, "warmup": 2}
 OPTIONS = {"vaeopt": dict(graphs="off", tiling="off"), "graphs": dict(graphs="on", tiling="off"),
-           "fp8": dict(graphs="on", tiling="off", fp8="on"), "tiled": dict(graphs="off", tiling="on")}
+           "fp8": dict(graphs="on", tiling="off", fp8="on"), "tiled": dict(graphs="off", tiling="on"),
+           "budget": dict(graphs="off", tiling="auto")}
 
 
 def add_args(ap):
-    ap.add_argument("--vram-budget", type=float, default=8.0, help="GB, for the tiled variant")
+    ap.add_argument("--vram-budget", type=float, default=8.0, help="GB, for the tiled and budget variants")
     ap.add_argument("--fp8-gate", type=float, default=40.0, help="dB, for the fp8 variant")
 
 
@@ -32,7 +34,7 @@ def items(ctx):
 
 
 def setup(variant, shape, ctx):
-    from vaeopt import video, video_graphs
+    from vaeopt import video, video_graphs, video_stream
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import Options, Pipeline
 
@@ -40,13 +42,17 @@ def setup(variant, shape, ctx):
 
     def reference():
         m, zf = ctx.model(torch.float32), z.float()
-        return video.decode_video(m, zf, chunk=1) if ctx.family.cls_name == "AutoencoderKLWan" else m.decode(zf).sample
+        if ctx.family.cls_name == "AutoencoderKLWan":
+            return video.decode_video(m, zf, chunk=1)
+        if video_stream.applies(m):  # HunyuanVideo 1.5, LTX-2: exact chunks of one latent frame, as vaeopt benchmark
+            return video_stream.decode_clip(m, zf, 1, clamp=False)
+        return m.decode(zf).sample
 
     if variant == "diffusers":
         model = ctx.model()
         return H.Case(lambda: model.decode(z).sample, reference, image=True, flops=flops)
     opts = dict(OPTIONS[variant], device=str(ctx.device), dtype=ctx.dtype_name, decode_shape=tuple(shape))
-    if variant == "tiled":
+    if variant in ("tiled", "budget"):
         opts["vram_budget_gb"] = ctx.args.vram_budget
     if variant == "fp8":
         opts["gate_db"] = ctx.args.fp8_gate

@@ -273,8 +273,8 @@ def test_decode_equals_diffusers(fam, models, tmp_path):
     assert got.shape == ref.shape
     if fam in ("flux2", "qwenimage"):  # the image path's NHWC convs on the CPU; Wan's chunk decoder
         assert psnr(got, ref) >= 60, psnr(got, ref)
-    else:  # diffusers' own decode: bitwise
-        assert torch.equal(got, ref)
+    else:  # vaeopt.video_stream's exact chunks: fp32 rounding
+        assert psnr(got, ref) >= 100, psnr(got, ref)
     if fam == "flux2":  # NCHW, as diffusers: the same ops, bitwise
         plain = vaeopt.Options(device="cpu", dtype="fp32", channels_last="off")
         assert torch.equal(vaeopt.decode(z, load_vae(tmp_path / "vae"), latent_space="raw", options=plain, log=None),
@@ -412,7 +412,7 @@ def test_comfyui_latent_files_are_raw(models, tmp_path):
         assert lf.default_space == "raw"
         got = vaeopt.decode(lf.entries[0].tensor, load_vae(tmp_path / fam), latent_space=lf.default_space,
                             options=CPU32, log=None)
-        assert torch.equal(got, reference(model, z))
+        assert psnr(got, reference(model, z)) >= 100  # the exact chunk decoder: fp32 rounding
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -593,9 +593,9 @@ def test_flux2_odd_scaled_latents_are_one_clear_error(models, tmp_path):
 
 
 @pytest.mark.parametrize("fam", ["hunyuanvideo15", "ltx2"])
-def test_forced_tiles_run_diffusers_tiled_decode(fam, models, tmp_path):
-    """--tile on HunyuanVideo 1.5 / LTX-2: diffusers' own spatial tiles (approximate, blended), with the model's
-    tiling settings put back afterwards."""
+def test_forced_tiles_are_exact(fam, models, tmp_path):
+    """--tile on HunyuanVideo 1.5 / LTX-2: vaeopt.video_stream's exact spatial tiles (not diffusers' blended ones),
+    the model's own tiling settings untouched."""
     model = models[fam]
     model.save_pretrained(tmp_path / "vae")
     loaded = load_vae(tmp_path / "vae")
@@ -603,8 +603,8 @@ def test_forced_tiles_run_diffusers_tiled_decode(fam, models, tmp_path):
     ref = reference(model, z)
     got = vaeopt.decode(z, loaded, latent_space="raw", options=vaeopt.Options(device="cpu", dtype="fp32", tile=8),
                         log=None)
-    assert got.shape == ref.shape and torch.isfinite(got).all()
-    assert psnr(got, ref) > 20  # blended tiles of a random model: close, not exact
+    assert got.shape == ref.shape
+    assert psnr(got, ref) >= 100
     assert loaded.model.use_tiling is False
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from vaeopt import latents as lat
-from vaeopt import outputs, planner, video, video_graphs
+from vaeopt import outputs, planner, video, video_graphs, video_stream
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.families import FamilySpec, get_family
 from vaeopt.fidelity import count_nonfinite
@@ -320,6 +320,14 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
             log("vae.decode: vaeopt's exact chunk decoder (chunk and spatial tiles planned per clip from free "
                 "memory); diffusers' own decode where autograd is needed, or with enable_tiling() on a latent "
                 "larger than its tile")
+    elif cls in video_stream.STREAM_CLASSES:
+        # HunyuanVideo 1.5 / LTX-2: diffusers decodes the whole clip in one decoder call (memory grows with the
+        # clip); vaeopt.video_stream streams it in exact chunks, with exact tiles where a chunk does not fit
+        vae._decode = _StreamDecode(vae, spec)
+        if log:
+            log("vae.decode: vaeopt's exact chunk decoder (chunk and spatial tiles planned per clip from free "
+                "memory); diffusers' own decode where autograd is needed, with enable_tiling() / framewise decoding, "
+                "or for a decoder it does not cover (timestep conditioning, noise injection)")
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
     vae.decoder.register_forward_hook(_contiguous_output)
@@ -489,6 +497,43 @@ class _WanChunkDecode:
         plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
         with torch.no_grad():
             out = video.decode_video(v, z, **Pipeline._video_kwargs(plan, {}))  # as `vaeopt decode` runs a clip
+        return DecoderOutput(sample=out) if return_dict else (out,)
+
+
+class _StreamDecode:
+    """`vae._decode` of an AutoencoderKLHunyuanVideo15 / AutoencoderKLLTX2Video after `optimize`: the clip through
+    vaeopt.video_stream.decode_clip (exact chunks, the same output as diffusers' whole-clip decode, unclamped as
+    diffusers returns it), planned per clip as `vaeopt decode` plans it. diffusers' `_decode` runs where it must:
+    autograd, compile tracing, a hook on the decoder, the user's enable_tiling() / enable_framewise_decoding(), a
+    decoder video_stream does not cover, or LTX-2 timesteps for a timestep-conditioned decoder. Keeps each class's
+    `_decode` signature and return type (HunyuanVideo 1.5: a tensor; LTX-2: DecoderOutput or a tuple)."""
+
+    def __init__(self, vae, family):
+        self.vae, self.family = vae, family
+
+    def _diffusers(self, z) -> bool:
+        v = self.vae
+        return (needs_autograd(z, v) or torch.compiler.is_compiling() or bool(getattr(v, "use_tiling", False))
+                or bool(getattr(v, "use_framewise_decoding", False)) or not video_stream.applies(v)
+                or foreign_hooked(v.decoder) is not None)
+
+    def __call__(self, z: torch.Tensor, temb=None, causal=None, return_dict: bool = True):
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        v = self.vae
+        ltx = type(v).__name__ == "AutoencoderKLLTX2Video"
+        if self._diffusers(z):
+            if ltx:
+                return type(v)._decode(v, z, temb, causal=causal, return_dict=return_dict)
+            return type(v)._decode(v, z)
+        # (LTX-2 without timestep conditioning: diffusers' decoder ignores temb, so does this)
+        w = next(v.decoder.parameters())
+        plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
+        with torch.no_grad():
+            out = video_stream.decode_clip(v, z, plan.chunk or 1, tile=plan.tile if plan.mode == "tiled" else None,
+                                           split=plan.split, oom_retry=True, causal=causal, clamp=False)
+        if not ltx:
+            return out
         return DecoderOutput(sample=out) if return_dict else (out,)
 
 

@@ -75,12 +75,11 @@ _PATHS = {
                          "Triton convs, per-chunk CUDA graphs, exact spatial tiling of chunks, the OOM fallback"),
     "AutoencoderKLHunyuanVideo": ("diffusers' decode with vaeopt's precision and attention (channels_last_3d off: "
                                   "its replicate padding undoes it), diffusers' spatial tiles when over budget"),
-    "AutoencoderKLHunyuanVideo15": ("plain path: diffusers' decode with vaeopt's precision, channels_last_3d and "
-                                    "planning, diffusers' spatial tiles when over budget; no fused kernels, chunk "
-                                    "decoder or exact tiling yet"),
-    "AutoencoderKLLTX2Video": ("plain path: diffusers' decode with vaeopt's precision, channels_last_3d and planning, "
-                               "diffusers' spatial tiles when over budget; no fused kernels, chunk decoder or exact "
-                               "tiling yet"),
+    "AutoencoderKLHunyuanVideo15": ("exact chunk decoder (causal convs' histories carried, frame-causal attention "
+                                    "with kept keys/values), fused RMSNorm+SiLU, channels_last_3d, exact spatial "
+                                    "tiling when a chunk does not fit, the OOM fallback"),
+    "AutoencoderKLLTX2Video": ("exact chunk decoder (non-causal convs hold one frame back), fused RMSNorm+SiLU, "
+                               "channels_last_3d, exact spatial tiling when a chunk does not fit, the OOM fallback"),
     "AutoencoderTiny": "tiny decoder: precision, channels_last, CUDA graphs for repeated shapes",
 }
 

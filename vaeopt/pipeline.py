@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from vaeopt import planner
-from vaeopt import outputs, tiling, video
+from vaeopt import outputs, tiling, video, video_stream
 from vaeopt.errors import DecodeError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
@@ -545,6 +545,17 @@ class Pipeline:
             self.log("↩ " + stats.retries[-1])
 
     def _decode_video(self, z, plan, progress, stats: DecodeStats | None = None) -> torch.Tensor:
+        if video_stream.applies(self.model):  # HunyuanVideo 1.5, LTX-2: exact chunks and tiles (planner._plan_stream)
+            info: dict = {}
+            out = video_stream.decode_clip(self.model, z, plan.chunk or 1, tile=plan.tile if plan.mode == "tiled"
+                                           else None, split=plan.split, oom_retry=True, info=info, progress=progress)
+            if stats is not None:
+                stats.tiling = {k: info[k] for k in ("chunk", "tile", "split", "halo", "tiles") if k in info}
+                for ev in info["oom_events"]:
+                    stats.retries.append(f"out of memory in the video decode (chunk {ev['chunk']}, tile {ev['tile']}):"
+                                         f" decoded again with chunk {ev['next'][0]}, tile {ev['next'][1]}")
+                    self.log("↩ " + stats.retries[-1])
+            return out
         if self.family.cls_name != "AutoencoderKLWan":
             # vaeopt.video's exact chunk decoder covers Wan; HunyuanVideo runs diffusers' decode (planner._plan_hunyuan)
             return self._decode_hunyuan(z, plan, stats)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vaeopt import tiling
+from vaeopt import video_stream
 from vaeopt import video_tiling as vt
 from vaeopt.engine.memory import stacked_names
 from vaeopt.engine.regions import front_scale, tile_grid
@@ -357,9 +358,72 @@ def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling,
                        f"(approximate: each tile normalizes with its own statistics): {fits}")
 
 
+# HunyuanVideo 1.5 / LTX-2 (vaeopt.video_stream): latent frames per call when the budget allows; each stage runs on
+# at most this many latent frames' worth, so memory grows with it (not yet measured for speed on a GPU).
+MAX_CHUNK_STREAM = 2
+
+
+def estimate_stream(family, model, latent_shape, dtype, chunk: int, tile: int | None = None) -> int:
+    """Peak bytes of vaeopt.video_stream's decode: the family's per-pixel activation model for `chunk` latent frames'
+    worth of output frames, over the whole frame, or (tiles) over one tile with its halo at the largest stages
+    (the back), plus the weights and the clip's output."""
+    n, _, t_lat, h, w = latent_shape
+    eb = torch.tensor([], dtype=dtype).element_size()
+    H, W = h * family.spatial_factor, w * family.spatial_factor
+    frac = 1.0
+    if tile is not None:
+        split = video_stream.default_split(model)
+        sc = video_stream.split_scale(model, split)
+        halo = 2 * video_stream.back_halo(model, split)
+        frac = min(1.0, (min(tile, h) * sc + halo) * (min(tile, w) * sc + halo) / (h * sc * w * sc))
+    slope, const = _coef(family, model)
+    px = n * chunk * family.temporal_factor * H * W * frac
+    out = n * family.output_frames(t_lat) * H * W * 3 * eb
+    return int(_weights_bytes(model, dtype) + slope * eb * px + const + out)
+
+
+def _plan_stream(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling) -> Plan:
+    """HunyuanVideo 1.5 / LTX-2: exact chunks (the largest that fits), else exact spatial tiles (the largest that
+    fits, one latent frame per call); --tile / --tiling on force tiles."""
+    t_lat, (h, w) = latent_shape[2], latent_shape[-2:]
+    if budget is None:
+        budget, why = _host_budget(), "half of the available host memory"
+    chunks = [chunk] if chunk is not None else list(range(min(MAX_CHUNK_STREAM, t_lat), 0, -1))
+    how = f"{family.title}'s exact chunk decoder"
+    split = video_stream.default_split(model)
+    if tile is None and tiling != "on":
+        ests = [(k, estimate_stream(family, model, latent_shape, dtype, k)) for k in chunks]
+        fit = [ke for ke in ests if ke[1] <= budget]
+        if fit or tiling == "off":
+            k, est = fit[0] if fit else ests[-1]
+            verdict = (f"est. {gib(est)} of {gib(budget)} budget ({why})" if fit else
+                       f"est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory (--tiling off)")
+            return Plan("chunked", budget, est, chunk=k, reason=f"chunk {k} latent frame(s) through {how}: {verdict}")
+    k = chunks[-1] if chunk is None else chunk
+    if tile is not None:
+        t = max(1, min(int(tile), max(h, w)))
+        est = estimate_stream(family, model, latent_shape, dtype, k, t)
+        src = "requested"
+    else:
+        # --tiling on: at least two tiles, even where the whole frame would fit
+        sides = range(-(-max(h, w) // 2) if tiling == "on" else max(h, w), 0, -1)
+        t = next((s for s in sides if estimate_stream(family, model, latent_shape, dtype, k, s) <= budget), 1)
+        est = estimate_stream(family, model, latent_shape, dtype, k, t)
+        src = "tiling forced" if tiling == "on" else (
+            f"est. {gib(est)} of {gib(budget)} budget ({why})" if est <= budget else
+            f"the smallest tile, est. {gib(est)} > {gib(budget)} budget ({why}); may run out of memory")
+    f = family.spatial_factor
+    return Plan("tiled", budget, est, tile=t, chunk=k, split=split,
+                reason=f"exact spatial tiles of {t * f}px (up blocks {split}.. per tile, with a "
+                       f"{video_stream.back_halo(model, split)}-px halo), chunk {k} latent frame(s), through {how}: "
+                       f"{src}")
+
+
 def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=None, tiling="auto",
                 device=None) -> Plan:
     t_lat = latent_shape[2]
+    if video_stream.applies(model):
+        return _plan_stream(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling)
     if family.cls_name != "AutoencoderKLWan":
         return _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling, chunk)
     hw = tuple(latent_shape[-2:])

@@ -91,6 +91,37 @@ class FusedRMSNormSiLU(nn.Module):
         return f"{self.gamma.shape[0]}, scale={self.scale:.4g}, silu={self.silu}"
 
 
+class FusedPixelRMSNormSiLU(nn.Module):
+    """LTX-2's weight-free PerChannelRMSNorm (x / sqrt(mean over channels of x^2 + eps)) followed by SiLU (silu=True)
+    or alone, as the rms_norm_silu kernel with a unit gamma: F.normalize(x) * sqrt(C) is x / sqrt(mean(x^2)), the
+    kernel clamping the norm at sqrt(C * eps) where diffusers adds eps under the root (the same but for pixels whose
+    channels are all ~0). The kernel normalizes in fp32; diffusers in the input dtype (bf16: the kernel is closer to
+    the fp32 decode)."""
+
+    def __init__(self, norm: nn.Module, silu: bool = True):
+        super().__init__()
+        self.eps = float(norm.eps)
+        self.silu = silu
+        self._ones: dict[tuple, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernel(x):
+            from vaeopt.kernels.rms_norm_silu import rms_norm_silu
+
+            c = x.shape[1]
+            key = (c, x.device)
+            g = self._ones.get(key)
+            if g is None:
+                g = self._ones[key] = torch.ones(c, device=x.device, dtype=torch.float32)
+            return rms_norm_silu(x, g, None, (c * self.eps) ** 0.5, self.silu, scale=c**0.5)
+        # PerChannelRMSNorm.forward, op for op
+        y = x / torch.sqrt(torch.mean(x**2, dim=1, keepdim=True) + self.eps)
+        return F.silu(y) if self.silu else y
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps:g}, silu={self.silu}"
+
+
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
     return triton_available(device)
 
@@ -112,6 +143,15 @@ def diffusers_classes() -> dict[str, type | None]:
         "WanResidualBlock": "diffusers.models.autoencoders.autoencoder_kl_wan",
         "WanAttentionBlock": "diffusers.models.autoencoders.autoencoder_kl_wan",
         "WanDecoder3d": "diffusers.models.autoencoders.autoencoder_kl_wan",
+        # HunyuanVideo 1.5's RMS norm is WanRMS_norm's formula (F.normalize over channels, fp32 for 16-bit inputs,
+        # * sqrt(C) * gamma + bias), so the same kernel serves it
+        "HunyuanVideo15RMS_norm": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
+        "HunyuanVideo15ResnetBlock": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
+        "HunyuanVideo15AttnBlock": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
+        "HunyuanVideo15Decoder3D": "diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15",
+        "PerChannelRMSNorm": "diffusers.models.autoencoders.autoencoder_kl_ltx2",
+        "LTX2VideoResnetBlock3d": "diffusers.models.autoencoders.autoencoder_kl_ltx2",
+        "LTX2VideoDecoder3d": "diffusers.models.autoencoders.autoencoder_kl_ltx2",
     }
     out = {}
     for name, mod in where.items():
@@ -135,6 +175,10 @@ def _is_silu(m) -> bool:
     return type(m) is nn.SiLU and unhooked(m)
 
 
+def _is_pixel_rms(m, cls) -> bool:
+    return cls is not None and type(m) is cls and m.channel_dim == 1 and unhooked(m)
+
+
 def _is_wan_rms(m, cls) -> bool:
     return cls is not None and type(m) is cls and m.channel_first and unhooked(m)
 
@@ -145,7 +189,10 @@ _PARTS = {"ResnetBlock2D": ("norm1", "norm2", "nonlinearity"),
           "HunyuanVideoResnetBlockCausal3D": ("norm1", "norm2", "nonlinearity"),
           "Decoder": ("conv_norm_out", "conv_act"), "HunyuanVideoDecoder3D": ("conv_norm_out", "conv_act"),
           "Attention": ("group_norm",), "WanResidualBlock": ("norm1", "norm2", "nonlinearity"),
-          "WanDecoder3d": ("norm_out", "nonlinearity"), "WanAttentionBlock": ("norm",)}
+          "WanDecoder3d": ("norm_out", "nonlinearity"), "WanAttentionBlock": ("norm",),
+          "HunyuanVideo15ResnetBlock": ("norm1", "norm2", "nonlinearity"),
+          "HunyuanVideo15Decoder3D": ("norm_out", "conv_act"), "HunyuanVideo15AttnBlock": ("norm",),
+          "LTX2VideoResnetBlock3d": ("norm1", "norm2", "nonlinearity"), "LTX2VideoDecoder3d": ("norm_out", "conv_act")}
 
 
 def hooked_parts(decoder: nn.Module, attention: bool = True) -> list[str]:
@@ -154,7 +201,7 @@ def hooked_parts(decoder: nn.Module, attention: bool = True) -> list[str]:
     out = []
     for name, m in decoder.named_modules():
         kind = type(m).__name__
-        if not attention and kind in ("Attention", "WanAttentionBlock"):
+        if not attention and kind in ("Attention", "WanAttentionBlock", "HunyuanVideo15AttnBlock"):
             continue
         for attr in _PARTS.get(kind, ()):
             sub = getattr(m, attr, None)
@@ -208,6 +255,36 @@ def _plan(decoder: nn.Module, attention: bool) -> tuple[list[tuple[nn.Module, st
         elif attention and _same_forward(m, K["WanAttentionBlock"]) and _is_wan_rms(m.norm, K["WanRMS_norm"]):
             swaps.append((m, "norm", FusedRMSNormSiLU(m.norm, silu=False)))
             n["rms"] += 1
+        # HunyuanVideo 1.5: norm1 -> nonlinearity -> conv1 -> norm2 -> nonlinearity -> conv2; the decoder's head
+        # norm_out -> conv_act; the mid-block attention's norm alone
+        elif _same_forward(m, K["HunyuanVideo15ResnetBlock"]):
+            rms = K["HunyuanVideo15RMS_norm"]
+            if _is_wan_rms(m.norm1, rms) and _is_wan_rms(m.norm2, rms) and _is_silu(m.nonlinearity):
+                swaps += [(m, "norm1", FusedRMSNormSiLU(m.norm1)), (m, "norm2", FusedRMSNormSiLU(m.norm2))]
+                swaps.append((m, "nonlinearity", nn.Identity()))
+                n["rms_silu"] += 2
+        elif _same_forward(m, K["HunyuanVideo15Decoder3D"]):
+            if _is_wan_rms(m.norm_out, K["HunyuanVideo15RMS_norm"]) and _is_silu(m.conv_act):
+                swaps += [(m, "norm_out", FusedRMSNormSiLU(m.norm_out)), (m, "conv_act", nn.Identity())]
+                n["rms_silu"] += 1
+        elif (attention and _same_forward(m, K["HunyuanVideo15AttnBlock"])
+              and _is_wan_rms(m.norm, K["HunyuanVideo15RMS_norm"])):
+            swaps.append((m, "norm", FusedRMSNormSiLU(m.norm, silu=False)))
+            n["rms"] += 1
+        # LTX-2: norm1 -> [timestep scale/shift] -> nonlinearity -> conv1 -> norm2 -> [scale/shift] -> nonlinearity;
+        # the head norm_out -> [scale/shift] -> conv_act. Pairs fuse where no timestep scale/shift sits between them.
+        elif _same_forward(m, K["LTX2VideoResnetBlock3d"]):
+            px = K["PerChannelRMSNorm"]
+            if (m.scale_shift_table is None and _is_pixel_rms(m.norm1, px) and _is_pixel_rms(m.norm2, px)
+                    and _is_silu(m.nonlinearity)):
+                swaps += [(m, "norm1", FusedPixelRMSNormSiLU(m.norm1)), (m, "norm2", FusedPixelRMSNormSiLU(m.norm2))]
+                swaps.append((m, "nonlinearity", nn.Identity()))
+                n["rms_silu"] += 2
+        elif _same_forward(m, K["LTX2VideoDecoder3d"]):
+            if (m.time_embedder is None and _is_pixel_rms(m.norm_out, K["PerChannelRMSNorm"])
+                    and _is_silu(m.conv_act)):
+                swaps += [(m, "norm_out", FusedPixelRMSNormSiLU(m.norm_out)), (m, "conv_act", nn.Identity())]
+                n["rms_silu"] += 1
     return swaps, n
 
 

@@ -1,0 +1,249 @@
+"""HunyuanVideo 1.5 and LTX-2: exact chunks in time and exact tiles in space (vaeopt.engine.stream, video_stream),
+against diffusers' own whole-clip decode on tiny models of the real classes (fp32, CPU)."""
+
+import pytest
+import torch
+
+from test_families import tiny
+from vaeopt import video_stream as vs
+from vaeopt.engine.stream import StreamDecoder, back_halo, chunk_schedule
+
+LAT = {"hunyuanvideo15": (1, 32, 3, 4, 3), "ltx2": (1, 128, 4, 6, 5)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def case(request):
+    fam = request.param
+    m = tiny(fam)
+    z = torch.randn(*LAT[fam], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m.decode(z).sample
+    return fam, m, z, ref
+
+
+def psnr(a, b) -> float:
+    mse = (a.double() - b.double()).pow(2).mean().item()
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(4.0 / mse)).item()
+
+
+BOTH = pytest.mark.parametrize("case", ["hunyuanvideo15", "ltx2"], indirect=True)
+
+
+@BOTH
+def test_chunks_equal_the_whole_decode(case):
+    """Every chunk size gives diffusers' whole-clip decode; the frames come out as the chunks complete them (LTX-2's
+    non-causal convs hold frames back until the clip's end, HunyuanVideo 1.5's causal ones do not)."""
+    fam, m, z, ref = case
+    t = z.shape[2]
+    for k in (t, 1, 2):
+        sd = StreamDecoder(m, cap=k)
+        sched = chunk_schedule(t, k)
+        outs = [sd.step(z[:, :, a:b], final=i == len(sched) - 1) for i, (a, b) in enumerate(sched)]
+        y = torch.cat(outs, dim=2)
+        assert y.shape == ref.shape
+        assert psnr(y, ref) >= 100, (fam, k)
+        if fam == "hunyuanvideo15" and k == 1:
+            assert [o.shape[2] for o in outs] == [1, 4, 4]
+        if fam == "ltx2" and k == t:
+            assert torch.equal(y, ref)  # one call over the clip: diffusers' ops in diffusers' order
+
+
+@BOTH
+def test_a_stage_never_runs_on_more_than_a_chunk(case, monkeypatch):
+    """LTX-2's held-back frames are released at the clip's end in pieces of the chunk's size, not all at once."""
+    fam, m, z, ref = case
+    sd = StreamDecoder(m, cap=1)
+    seen = []
+    real = sd.conv
+
+    def spy(wrapper, x, final):
+        seen.append(x.shape[2] / (x.shape[-1] / z.shape[-1]) ** 0)  # frames at that conv
+        return real(wrapper, x, final)
+
+    monkeypatch.setattr(sd, "conv", spy)
+    sched = chunk_schedule(z.shape[2], 1)
+    rate_cap = max(vs.output_frames(m, 2) - 1, 1)  # one latent frame's worth at the output rate
+    y = torch.cat([sd.step(z[:, :, a:b], final=i == len(sched) - 1) for i, (a, b) in enumerate(sched)], dim=2)
+    assert psnr(y, ref) >= 100
+    assert max(seen) <= rate_cap
+
+
+@BOTH
+def test_tiles_equal_the_untiled_decode(case):
+    fam, m, z, ref = case
+    untiled = vs.decode_clip(m, z, 2)
+    assert psnr(untiled, ref.clamp(-1, 1)) >= 100
+    for k, tile in ((1, 3), (2, (2, 4))):
+        info = {}
+        y = vs.decode_clip(m, z, k, tile=tile, info=info)
+        assert info["tiles"] > 1 and info["halo"] == back_halo(m, info["split"])
+        assert psnr(y, untiled) >= 100, (fam, tile)
+
+
+@BOTH
+def test_a_smaller_halo_is_not_exact(case):
+    """The halo is what makes the tiles exact (the test above would pass with any halo if it were not needed): without
+    it, the convs' padding at a tile's edge shows."""
+    fam, m, z, ref = case
+    import vaeopt.video_stream as mod
+
+    untiled = vs.decode_clip(m, z, 2)
+    real = mod.back_halo
+    try:
+        mod.back_halo = lambda vae, s: 0
+        y = vs.decode_clip(m, z, 2, tile=2)
+    finally:
+        mod.back_halo = real
+    assert psnr(y, untiled) < 80
+
+
+@BOTH
+def test_out_of_memory_retries_with_a_smaller_plan(case, monkeypatch):
+    fam, m, z, ref = case
+    calls = []
+    real = vs._decode
+
+    def flaky(vae, z_, chunk, tile, *a, **kw):
+        calls.append((chunk, tile))
+        if len(calls) < 3:
+            raise torch.cuda.OutOfMemoryError("test")
+        return real(vae, z_, chunk, tile, *a, **kw)
+
+    monkeypatch.setattr(vs, "_decode", flaky)
+    info = {}
+    y = vs.decode_clip(m, z, 2, oom_retry=True, info=info)
+    assert calls[:2] == [(2, None), (1, None)] and calls[2][1] is not None  # half the chunk, then tiles
+    assert len(info["oom_events"]) == 2
+    assert psnr(y, ref.clamp(-1, 1)) >= 100
+
+
+@BOTH
+def test_optimize_decodes_through_the_chunk_decoder(case, monkeypatch):
+    """vaeopt.optimize(pipe.vae): vae.decode runs video_stream (planned chunks) and returns diffusers' unclamped
+    output, with each class's own return type; enable_tiling() hands the decode back to diffusers."""
+    import copy
+
+    import vaeopt
+
+    fam, m, z, ref = case
+    model = copy.deepcopy(m)
+    vaeopt.optimize(model, device="cpu", log=None)
+    calls = []
+    real = vs.decode_clip
+    monkeypatch.setattr(vs, "decode_clip", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with torch.no_grad():
+        got = model.decode(z).sample
+        assert calls and calls[0]["clamp"] is False
+        assert psnr(got, ref) >= 100
+        if fam == "ltx2":
+            assert torch.equal(model.decode(z, None, return_dict=False)[0], got)
+        model.enable_tiling()
+        n = len(calls)
+        model.decode(z)
+        assert len(calls) == n  # diffusers' own tiles, as asked
+
+
+@BOTH
+def test_planner_chunks_then_exact_tiles_within_the_budget(case):
+    from vaeopt import planner
+    from vaeopt.families import get_family
+
+    fam, m, z, ref = case
+    spec = get_family(fam)
+    shape, cpu = tuple(z.shape), torch.device("cpu")
+    big = planner.plan_decode(spec, m, shape, torch.float32, cpu, vram_budget_gb=64)
+    assert (big.mode, big.chunk) == ("chunked", 2) and "exact chunk decoder" in big.reason
+    one = planner.estimate_stream(spec, m, shape, torch.float32, 1)
+    small = planner.plan_decode(spec, m, shape, torch.float32, cpu, vram_budget_gb=one * 0.999 / 2**30)
+    assert small.mode == "tiled" and small.chunk == 1 and small.tile < max(shape[-2:]) and "exact" in small.reason
+    assert small.est_bytes <= small.budget_bytes
+    forced = planner.plan_decode(spec, m, shape, torch.float32, cpu, vram_budget_gb=64, tiling="on")
+    assert forced.mode == "tiled" and forced.tile <= -(-max(shape[-2:]) // 2)  # at least two tiles
+    asked = planner.plan_decode(spec, m, shape, torch.float32, cpu, tile=2)
+    assert (asked.mode, asked.tile) == ("tiled", 2)
+
+
+@pytest.mark.parametrize("fam", ["hunyuanvideo15", "ltx2"])
+def test_rms_norms_run_the_fused_kernel(fam):
+    """HunyuanVideo 1.5's RMS norm is Wan's formula and LTX-2's weight-free one is it with a unit gamma: the
+    fused_norms stage swaps their norm + SiLU pairs (and HunyuanVideo 1.5's attention norm) for the rms_norm_silu
+    kernel (the Triton interpreter here), and the chunked decode still equals diffusers' stock decode."""
+    import copy
+    import importlib
+
+    from vaeopt.kernels import triton_available
+    from vaeopt.stages import fused_norms
+
+    if not triton_available("cpu")[0]:
+        pytest.skip(triton_available("cpu")[1])
+    kern = importlib.import_module("vaeopt.kernels.rms_norm_silu")
+    m = tiny(fam)
+    z = torch.randn(*LAT[fam][:2], 2, 3, 2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m.decode(z).sample
+    f = copy.deepcopy(m)
+    r = fused_norms.apply(f, device="cpu")
+    # HunyuanVideo 1.5: 12 resnets, the head, the attention; LTX-2: 1 + 3 resnets and the head
+    assert r.status == "applied" and (r.data["rms_silu"], r.data["rms"]) == ((25, 1) if fam == "hunyuanvideo15" else
+                                                                             (9, 0))
+    calls = []
+    real = kern.rms_norm_silu
+    try:
+        kern.rms_norm_silu = lambda *a, **k: calls.append(1) or real(*a, **k)
+        y = vs.decode_clip(f, z, 1, clamp=False)
+    finally:
+        kern.rms_norm_silu = real
+    if fam == "hunyuanvideo15":  # every norm, in each of the two chunks
+        assert len(calls) == 2 * (r.data["rms_silu"] + r.data["rms"])
+    else:  # LTX-2's held-back frames reach the later norms in more pieces than there are chunks
+        assert len(calls) >= 2 * r.data["rms_silu"]
+    assert psnr(y, ref) >= 100
+
+
+def test_a_peer_that_raises_is_a_failed_row_not_a_crash():
+    """A diffusers peer that cannot run a workload's size (a one-call decode of a long clip) fails its row; the
+    benchmark goes on."""
+    from vaeopt.benchmark import Bench
+    from vaeopt.families import get_family
+
+    b = Bench(get_family("ltx2"), {}, (1, 128, 2, 2, 2), torch.device("cpu"), torch.float32, 1, 0, lambda s: None,
+              model_overrides=dict(block_out_channels=[16, 32, 32, 32], decoder_block_out_channels=[16, 32, 64],
+                                   layers_per_block=[1, 1, 1, 1, 1], decoder_layers_per_block=[1, 1, 1, 1]))
+
+    def make():
+        def fn():
+            raise RuntimeError("Expected canUse32BitIndexMath(input) to be true\nmore")
+        return fn
+
+    row = b.run("diffusers bf16 eager", "peer", make)
+    assert row.status == "failed" and "canUse32BitIndexMath" in row.reason and "more" not in row.reason
+
+
+def test_cli_chunk_and_tile_flags_reach_the_chunk_decoder(tmp_path):
+    """`vaeopt decode --chunk 1 --tile 8` on an LTX-2 checkpoint: the run says it decoded in those chunks and tiles,
+    and the output equals diffusers' decode (the tiles are exact, not diffusers' blended ones)."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from vaeopt.cli import app
+
+    m = tiny("ltx2")
+    m.save_pretrained(tmp_path / "vae")
+    z = torch.randn(1, 128, 2, 12, 12, generator=torch.Generator().manual_seed(3))
+    save_file({"samples": z}, str(tmp_path / "lat.safetensors"))
+    r = CliRunner().invoke(app, ["decode", str(tmp_path / "lat.safetensors"), "--model", str(tmp_path / "vae"),
+                                 "--latent-space", "raw", "--device", "cpu", "--dtype", "fp32", "--chunk", "1",
+                                 "--tile", "8", "-o", str(tmp_path / "out.safetensors")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "chunks of 1 latent frame, tiles of 8 latent px" in r.output, r.output
+    with torch.no_grad():
+        ref = m.decode(z).sample.clamp(-1, 1)
+    assert psnr(load_file(str(tmp_path / "out.safetensors"))["sample"], ref) >= 100

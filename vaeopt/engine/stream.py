@@ -1,0 +1,372 @@
+"""HunyuanVideo 1.5's and LTX-2's decoders, run chunk by chunk: exact multi-frame chunks with carried conv state.
+
+Both decoders are built from per-position ops and 3D convs over time, so a clip can stream through them a few latent
+frames at a time, with every conv keeping the last input frames it needs, and give the whole-clip decode:
+
+* **Norms are per position.** HunyuanVideo 1.5's `HunyuanVideo15RMS_norm` is `F.normalize` over channels, LTX-2's
+  `PerChannelRMSNorm` the RMS over channels and its shortcut `LayerNorm` runs over channels too: no statistic spans
+  frames or pixels, so chunks (and spatial tiles with a halo) need no statistics reducer, unlike the GroupNorm
+  decoders of vaeopt's image path and HunyuanVideo 1.0.
+* **Convs pad time with the first frame, not zeros.** HunyuanVideo 1.5's causal conv pads 2 replicas of frame 0
+  (and replicates at the spatial border too); LTX-2's conv pads `kt-1` replicas in front when causal, and one replica
+  on each side when not (LTX-2.0's released decoder is not causal: each output frame reads the next input frame). A
+  streamed conv keeps the last `kt-1` frames of its input: its first chunk is padded as diffusers pads the clip, a
+  non-causal conv holds back its last output until the next frame (or the clip's end, where it pads the last frame).
+  Outputs therefore lag inputs inside LTX-2's blocks; residual sums line their two streams up with a small queue.
+* **Frame 0 is special once per clip.** HunyuanVideo 1.5's temporal upsampler turns frame 0 into one frame (the
+  first half of its channel-to-space result) and every later frame into two; LTX-2's upsampler drops the first
+  `stride_t - 1` frames of its stream. Both are applied to the clip's first frames only, wherever the chunk starts.
+* **Attention.** HunyuanVideo 1.5's mid-block attention lets every latent frame attend to itself and every earlier
+  frame (diffusers builds a frame-causal mask over the whole clip: (T*H*W)^2 entries). Streamed, the keys and values
+  of earlier frames are kept (latent resolution: ~0.2 GB for 121 frames at 480p in bf16) and each frame attends to
+  its prefix without a mask: the same softmax over the same keys.
+
+`StreamDecoder.step(z, final)` takes the next latent frames and returns the output frames that are complete; with
+`final=True` it ends the clip (flushing LTX-2's held-back frames). `front`/`back` split one step at an up block, as
+vaeopt.engine.wan's ChunkDecoder does: vaeopt.video_stream runs the front on whole frames and the back per spatial
+tile, each tile a StreamDecoder of its own with a halo (`back_halo`) that covers the back's spatial reach.
+
+The decoder's own modules and weights are called (convs, norms, LayerNorms, 1x1 convs, diffusers' channel-to-space
+rearrangement); only the control flow across chunks is vaeopt's. fp32 on the CPU: bit-identical to diffusers' decode
+where the chunk is the whole clip, and to float rounding otherwise (the attention's keys are split differently).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vaeopt.errors import VaeoptError
+
+STREAM_CLASSES = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video")
+
+
+def kind_of(vae) -> str | None:
+    """'hv15' or 'ltx2' for the decoders this module streams, else None."""
+    return {"AutoencoderKLHunyuanVideo15": "hv15", "AutoencoderKLLTX2Video": "ltx2"}.get(type(vae).__name__)
+
+
+def unsupported(vae) -> str | None:
+    """Why this VAE's decode cannot be streamed exactly (None: it can)."""
+    kind = kind_of(vae)
+    if kind is None:
+        return f"{type(vae).__name__} is not a HunyuanVideo 1.5 or LTX-2 VAE"
+    if kind == "ltx2":
+        dec = vae.decoder
+        if getattr(dec, "time_embedder", None) is not None or getattr(dec, "timestep_scale_multiplier", None) is not None:
+            return "its decoder is timestep-conditioned (LTX-Video 0.9.x style)"
+        for m in dec.modules():
+            if getattr(m, "per_channel_scale1", None) is not None:
+                return "its decoder injects random noise per call, which no chunking reproduces"
+            if type(m).__name__ == "LTX2VideoCausalConv3d" and (m.conv.stride != (1, 1, 1) or m.conv.dilation[0] != 1):
+                return "a strided or dilated causal conv"
+    if any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in vae.decoder.modules()):
+        return "training mode with an active dropout"
+    return None
+
+
+def empty_frames(x: Tensor, channels: int | None = None) -> Tensor:
+    n, c, _, h, w = x.shape
+    return x.new_empty((n, channels if channels is not None else c, 0, h, w))
+
+
+def _cat(a: Tensor | None, b: Tensor) -> Tensor:
+    if a is None or a.shape[2] == 0:
+        return b
+    if b.shape[2] == 0:
+        return a
+    return torch.cat([a, b], dim=2)
+
+
+def back_halo(vae, start: int) -> int:
+    """Pixels at the input of up_blocks[start] that the rest of the decoder reads beyond an output region (each
+    spatial 3x3 conv adds one pixel at its resolution, a 2x spatial upsample halves what is needed below it),
+    rounded up; the tiled decode reads this many extra pixels around a tile, so its interior equals the untiled
+    decode's whatever the convs' padding (replicate, reflect or zeros) puts at the tile's edge."""
+    reach, scale = 0.0, 1.0
+    for ub in list(vae.decoder.up_blocks)[start:]:
+        for m in _ordered(ub):
+            if isinstance(m, nn.Conv3d):
+                reach += (m.kernel_size[1] // 2) / scale
+            elif _spatial_up(m):
+                scale *= _spatial_up(m)
+    reach += (vae.decoder.conv_out.conv.kernel_size[1] // 2) / scale
+    return int(math.ceil(reach - 1e-9))
+
+
+def _ordered(ub) -> list[nn.Module]:
+    """The up block's convs and upsamplers in execution order (LTX-2: conv_in, upsamplers, resnets; HunyuanVideo
+    1.5: resnets, upsamplers)."""
+    out: list[nn.Module] = []
+    parts = ([ub.conv_in] if getattr(ub, "conv_in", None) is not None else [])
+    ups = list(ub.upsamplers) if ub.upsamplers is not None else []
+    if type(ub).__name__.startswith("LTX2"):
+        parts += ups + list(ub.resnets)
+    else:
+        parts += list(ub.resnets) + ups
+    for p in parts:
+        if _spatial_up(p):
+            out += [p.conv.conv, p]  # the conv runs before the channel-to-space step
+        else:
+            out += [m for m in p.modules() if isinstance(m, nn.Conv3d)]
+    return out
+
+
+def _spatial_up(m) -> int:
+    n = type(m).__name__
+    if n == "LTX2VideoUpsampler3d":
+        return m.stride[1]
+    if n == "HunyuanVideo15Upsample":
+        return 2
+    return 0
+
+
+class _ConvState:
+    __slots__ = ("hist",)
+
+    def __init__(self):
+        self.hist: Tensor | None = None
+
+
+class StreamDecoder:
+    """Decodes consecutive latent chunks of one clip; holds every conv's input history, the residual queues, the
+    upsamplers' first-frame bookkeeping and the attention's earlier keys/values. One instance per clip (and per
+    spatial tile of a tiled decode)."""
+
+    def __init__(self, vae, causal: bool | None = None, cap: int = 1):
+        why = unsupported(vae)
+        if why:
+            raise VaeoptError(f"vaeopt's chunked decode does not apply: {why}")
+        self.vae, self.dec = vae, vae.decoder
+        self.kind = kind_of(vae)
+        # LTX-2: diffusers' decode(causal=None) runs `causal or decoder.is_causal`
+        self.causal = True if self.kind == "hv15" else bool(causal or self.dec.is_causal)
+        self.state: dict[nn.Module, object] = {}
+        self.frames_in = 0
+        self.cap = max(1, int(cap))  # latent frames' worth that one stage runs on at once (the chunk)
+        self._build()
+
+    # -- streamed primitives -------------------------------------------------------------------------------
+    def conv(self, wrapper, x: Tensor, final: bool) -> Tensor:
+        """A causal-conv wrapper (HunyuanVideo15CausalConv3d / LTX2VideoCausalConv3d) continuing its stream: the new
+        frames x after the kept input history; -> the output frames that are complete."""
+        conv = wrapper.conv
+        kt = conv.kernel_size[0]
+        st = self.state.get(wrapper)
+        if st is None:
+            st = self.state[wrapper] = _ConvState()
+        if self.kind == "hv15":
+            left, right = kt - 1, 0
+        else:
+            left, right = (kt - 1, 0) if self.causal else ((kt - 1) // 2, (kt - 1) // 2)
+        if st.hist is None:
+            if x.shape[2] == 0:
+                return empty_frames(x, conv.out_channels)
+            buf = _cat(x[:, :, :1].expand(-1, -1, left, -1, -1), x) if left else x
+        else:
+            buf = _cat(st.hist, x)
+        keep = kt - 1  # a copy: a view would keep the whole chunk's input alive until the next call
+        st.hist = buf[:, :, max(0, buf.shape[2] - keep):].clone() if keep else None
+        if final and right:
+            buf = _cat(buf, buf[:, :, -1:].expand(-1, -1, right, -1, -1))
+        if buf.shape[2] < kt:
+            return empty_frames(x, conv.out_channels)
+        if self.kind == "hv15":
+            p = wrapper.time_causal_padding
+            buf = F.pad(buf, (p[0], p[1], p[2], p[3], 0, 0), mode=wrapper.pad_mode)
+        w = conv.weight  # the layout the channels_last stage gave the weights (cat/pad may have dropped it)
+        mf = (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
+              else torch.contiguous_format)
+        return conv(buf.contiguous(memory_format=mf))
+
+    def pointwise(self, conv: nn.Conv3d, x: Tensor) -> Tensor:
+        return conv(x) if x.shape[2] else empty_frames(x, conv.out_channels)
+
+    def _align(self, key, residual: Tensor, h: Tensor) -> Tensor:
+        """h + the residual frames that line up with h (the residual stream runs ahead where convs lag)."""
+        q = _cat(self.state.get(key), residual)
+        n = h.shape[2]
+        self.state[key] = q[:, :, n:].clone() if q.shape[2] > n else None  # (a view would keep q alive)
+        return h + q[:, :, :n] if n else h
+
+    # -- blocks --------------------------------------------------------------------------------------------
+    def resnet(self, blk, x: Tensor, final: bool) -> Tensor:
+        act = blk.nonlinearity
+        h = self.conv(blk.conv1, act(blk.norm1(x)), final)
+        h = blk.norm2(h)
+        h = act(h)
+        if getattr(blk, "dropout", None) is not None:
+            h = blk.dropout(h)
+        h = self.conv(blk.conv2, h, final)
+        r = x
+        if getattr(blk, "norm3", None) is not None and r.shape[2]:
+            r = blk.norm3(r.movedim(1, -1)).movedim(-1, 1)
+        if blk.conv_shortcut is not None:
+            r = self.pointwise(blk.conv_shortcut, r)
+        return self._align(blk, r, h)
+
+    def hv_attention(self, blk, x: Tensor) -> Tensor:
+        """HunyuanVideo15AttnBlock with the clip's earlier keys/values: latent frame i attends to frames 0..i."""
+        if x.shape[2] == 0:
+            return x
+        N, C, T, H, W = x.shape
+        hn = blk.norm(x)
+        q, k, v = blk.to_q(hn), blk.to_k(hn), blk.to_v(hn)
+        del hn
+        tok = lambda t: t.reshape(N, C, -1).permute(0, 2, 1).unsqueeze(1)  # noqa: E731 (N, 1, T*H*W, C)
+        kv = self.state.get(blk)
+        K, V = (_cat(kv[0], k), _cat(kv[1], v)) if kv is not None else (k, v)
+        self.state[blk] = (K, V)
+        L, start = H * W, K.shape[2] - T  # frames before this chunk
+        qs, Ks, Vs = tok(q), tok(K), tok(V)
+        out = torch.empty((N, 1, T * L, C), dtype=x.dtype, device=x.device)
+        for i in range(T):
+            end = (start + i + 1) * L
+            out[:, :, i * L:(i + 1) * L] = F.scaled_dot_product_attention(
+                qs[:, :, i * L:(i + 1) * L].contiguous(), Ks[:, :, :end].contiguous(), Vs[:, :, :end].contiguous())
+        y = out.squeeze(1).reshape(N, T, H, W, C).permute(0, 4, 1, 2, 3)
+        return blk.proj_out(y) + x
+
+    def hv_upsample(self, up, x: Tensor, final: bool) -> Tensor:
+        h = self.conv(up.conv, x, final)
+        rr = up._dcae_upsample_rearrange
+        if not up.add_temporal_upsample:
+            sc = rr(x.repeat_interleave(repeats=up.repeats, dim=1), r1=1, r2=2, r3=2)
+            return rr(h, r1=1, r2=2, r3=2) + sc
+        first = up not in self.state
+        if x.shape[2] == 0:
+            return rr(h, r1=2, r2=2, r3=2)
+        self.state[up] = True
+        if first:  # frame 0 of the clip: one frame, the first half of its channel-to-space result
+            hf = rr(h[:, :, :1], r1=1, r2=2, r3=2)
+            hf = hf[:, : hf.shape[1] // 2]
+            xf = rr(x[:, :, :1], r1=1, r2=2, r3=2).repeat_interleave(repeats=up.repeats // 2, dim=1)
+            h, x = h[:, :, 1:], x[:, :, 1:]
+        hn = rr(h, r1=2, r2=2, r3=2)
+        xn = rr(x, r1=2, r2=2, r3=2).repeat_interleave(repeats=up.repeats, dim=1)
+        if first:
+            return torch.cat([hf, hn], dim=2) + torch.cat([xf, xn], dim=2)
+        return hn + xn
+
+    def ltx_upsample(self, up, x: Tensor, final: bool) -> Tensor:
+        s = up.stride
+
+        def d2s(t: Tensor) -> Tensor:  # diffusers' LTX2VideoUpsampler3d rearrangement, per frame
+            b, c, f, hh, ww = t.shape
+            t = t.reshape(b, c // (s[0] * s[1] * s[2]), s[0], s[1], s[2], f, hh, ww)
+            return t.permute(0, 1, 5, 2, 6, 3, 7, 4).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+        def drop(key, t: Tensor) -> Tensor:  # the stream's first stride_t - 1 frames, once per clip
+            left = self.state.get(key, s[0] - 1)
+            n = min(left, t.shape[2])
+            self.state[key] = left - n
+            return t[:, :, n:]
+
+        h = drop((up, "h"), d2s(self.conv(up.conv, x, final)))
+        if not up.residual:
+            return h
+        r = d2s(x).repeat(1, (s[0] * s[1] * s[2]) // up.upscale_factor, 1, 1, 1)
+        return self._align(up, drop((up, "r"), r), h)
+
+    # -- the decoder as a list of stages -------------------------------------------------------------------
+    def _build(self) -> None:
+        """self.stages: (fn(x, final) -> x, temporal rate of the input vs the latents); self.at[s]: the index of
+        up_blocks[s]'s first stage (self.at[len(up_blocks)]: the head's)."""
+        dec, st, at = self.dec, [], []
+        if self.kind == "hv15":
+            st.append((lambda x, f: self.conv(dec.conv_in, x, f) + x.repeat_interleave(repeats=dec.repeat, dim=1), 1))
+            mid = dec.mid_block
+            st.append((lambda x, f, r=mid.resnets[0]: self.resnet(r, x, f), 1))
+            for attn, res in zip(mid.attentions, mid.resnets[1:]):
+                if attn is not None:
+                    st.append((lambda x, f, a=attn: self.hv_attention(a, x), 1))
+                st.append((lambda x, f, r=res: self.resnet(r, x, f), 1))
+        else:
+            st.append((lambda x, f: self.conv(dec.conv_in, x, f), 1))
+            st += [(lambda x, f, r=r: self.resnet(r, x, f), 1) for r in dec.mid_block.resnets]
+        rate = 1
+        for ub in dec.up_blocks:
+            at.append(len(st))
+            ups = list(ub.upsamplers or ())
+            if self.kind == "ltx2":
+                if ub.conv_in is not None:
+                    st.append((lambda x, f, r=ub.conv_in: self.resnet(r, x, f), rate))
+                for up in ups:
+                    st.append((lambda x, f, u=up: self.ltx_upsample(u, x, f), rate))
+                    rate *= up.stride[0]
+                st += [(lambda x, f, r=r: self.resnet(r, x, f), rate) for r in ub.resnets]
+            else:
+                st += [(lambda x, f, r=r: self.resnet(r, x, f), rate) for r in ub.resnets]
+                for up in ups:
+                    st.append((lambda x, f, u=up: self.hv_upsample(u, x, f), rate))
+                    rate *= 2 if up.add_temporal_upsample else 1
+        at.append(len(st))
+        st.append((self._head, rate))
+        self.stages, self.at = st, at
+
+    def _head(self, x: Tensor, final: bool) -> Tensor:
+        """norm_out, SiLU, conv_out (and LTX-2's unpatchify)."""
+        dec = self.dec
+        x = self.conv(dec.conv_out, dec.conv_act(dec.norm_out(x)), final)
+        if self.kind == "ltx2":
+            p, pt = dec.patch_size, dec.patch_size_t
+            b, c, f, h, w = x.shape
+            x = x.reshape(b, c // (pt * p * p), pt, p, p, f, h, w)
+            x = x.permute(0, 1, 5, 2, 6, 4, 7, 3).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        return x
+
+    def _run(self, i: int, stop: int, x: Tensor, final: bool) -> Iterator[tuple[Tensor, bool]]:
+        """Stages i..stop-1 on x, depth first: where more frames reach a stage than `cap` latent frames' worth
+        (LTX-2's non-causal convs hold frames back and release them all at the clip's end), they go on in pieces,
+        so that no stage ever holds more than a chunk's frames. Yields (piece out of stage stop-1, whether it is the
+        clip's last)."""
+        if i == stop:
+            yield x, final
+            return
+        fn, rate = self.stages[i]
+        n, cap = x.shape[2], max(1, self.cap * rate)
+        cuts = list(range(0, n, cap)) or [0]
+        for j, a in enumerate(cuts):
+            last = final and j == len(cuts) - 1
+            y = fn(x[:, :, a:a + cap] if n > cap else x, last)
+            yield from self._run(i + 1, stop, y, last)
+            del y
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def front(self, z: Tensor, stop: int, final: bool) -> Iterator[tuple[Tensor, bool]]:
+        """conv_in, the mid-block and up_blocks[:stop] on the next latent frames -> pieces of up_blocks[stop]'s input
+        (the frames that are complete), at most `cap` latent frames' worth each, with whether each is the clip's
+        last."""
+        self.frames_in += z.shape[2]
+        with torch.no_grad():
+            yield from self._run(0, self.at[stop], z, final)
+
+    def back(self, x: Tensor, start: int, final: bool) -> Tensor:
+        """up_blocks[start:] and the head on frames of up_blocks[start]'s input -> the output frames that are
+        complete (one tensor)."""
+        with torch.no_grad():
+            outs = [y for y, _ in self._run(self.at[start], len(self.stages), x, final)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def pieces(self, z: Tensor, final: bool = False) -> Iterator[Tensor]:
+        """The next latent frames (final: the clip's last) -> the output frames that are complete, in pieces of at
+        most `cap` latent frames' worth."""
+        self.frames_in += z.shape[2]
+        with torch.no_grad():
+            for y, _ in self._run(0, len(self.stages), z, final):
+                yield y
+
+    def step(self, z: Tensor, final: bool = False) -> Tensor:
+        """pieces() as one tensor."""
+        outs = list(self.pieces(z, final))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def chunk_schedule(t_lat: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, stop) latent frames of each call: `chunk` frames each, the remainder last."""
+    chunk = max(1, int(chunk))
+    return [(s, min(s + chunk, t_lat)) for s in range(0, t_lat, chunk)]
