@@ -209,7 +209,7 @@ def _choose_new_family(a: Analysis, explicit, meta_cfg, metadata, names, notes) 
     if isinstance(meta_cfg, dict) and meta_cfg.get("_name_or_path"):
         texts.append(str(meta_cfg["_name_or_path"]))
     for t, where in [(t, f"the file's metadata ('{t[:60]}')") for t in texts] + [(n, f"file name '{n}'") for n in names
-                                                                                   if n]:
+                                                                                 if n]:
         if _name_hint(t) == "qwenimage":
             notes.append(f"family qwenimage from {where}")
             return get_family("qwenimage")

@@ -55,9 +55,9 @@ def _detect(
     if is_dir:
         a.layout = "diffusers-dir" if a.layout == "diffusers" else f"{a.layout} (directory)"
     explicit = alias_new_class(alias_config(load_config_arg(config), "the given config", notes), "the given config",
-                                notes)
+                               notes)
     meta_cfg = alias_new_class(alias_config(meta_config(metadata, notes), "the checkpoint's config", notes),
-                                "the checkpoint's config", notes)
+                               "the checkpoint's config", notes)
     precheck_config(explicit, "the given config", label)
     precheck_config(meta_cfg, "the checkpoint's config", label)
     if names is None:
