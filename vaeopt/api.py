@@ -20,7 +20,7 @@ from vaeopt import outputs, planner, video, video_graphs
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.families import FamilySpec, get_family
 from vaeopt.fidelity import count_nonfinite
-from vaeopt.hw import resolve_device, resolve_dtype
+from vaeopt.hw import DTYPE_NAMES, resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, load_vae
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
 from vaeopt.stages import StageResult, foreign_hooked, free_derived, needs_autograd, refresh_weights
@@ -207,17 +207,14 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # as Options takes them
-
-
 def _dtype_name(dtype) -> str:
     """optimize's dtype as Options takes it ("auto", "fp32", "bf16", "fp16"); anything else is refused."""
     if isinstance(dtype, str):
         if dtype.lower() == "auto":
             return "auto"
-        return _DTYPE_NAMES[resolve_dtype(dtype, torch.device("cpu"))]
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype]
+        return DTYPE_NAMES[resolve_dtype(dtype, torch.device("cpu"))]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
     raise VaeoptError(f"vaeopt.optimize: dtype must be 'auto' (the model's own), 'fp32', 'bf16', 'fp16' or one of "
                       f"torch.float32 / bfloat16 / float16, got {dtype!r}")
 
@@ -286,7 +283,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     if dtype == "auto" and first is not None:
         # keep the caller's precision: pipelines hand `vae.decode` latents in their own dtype (an fp16 pipeline's
         # latents into a bf16/fp32 VAE raise "Input type (Half) and bias type ... should be the same")
-        dtype = _DTYPE_NAMES.get(compute_dtype(vae), "auto")
+        dtype = DTYPE_NAMES.get(compute_dtype(vae), "auto")
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
                                     attention=attention, graphs="off"), log=log, entry="optimize")

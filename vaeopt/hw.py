@@ -158,6 +158,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return table[d]
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # as --dtype and Options name them
+
+
 # nvidia-smi's clocks_throttle_reasons.active bits (nvml.h: nvmlClocksEventReasons): the ones that slow a busy GPU
 THROTTLE_BITS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal (software)", 0x40: "thermal (hardware)",
                  0x80: "power brake"}
