@@ -61,6 +61,14 @@ def _name_hint(text: str) -> str | None:
     return None
 
 
+def _metadata_texts(metadata: dict | None, meta_cfg) -> list[str]:
+    """The file's metadata strings and its config's _name_or_path: where a family's name may be written."""
+    texts = [str(v) for k, v in (metadata or {}).items() if k != "config" and isinstance(v, str)]
+    if isinstance(meta_cfg, dict) and meta_cfg.get("_name_or_path"):
+        texts.append(str(meta_cfg["_name_or_path"]))
+    return texts
+
+
 def _compatible(spec: FamilySpec, a: Analysis) -> bool:
     if spec.cls_name != a.cls_name:
         return False
@@ -130,10 +138,7 @@ def choose_family(a: Analysis, family, explicit, meta_cfg, metadata, other_keys,
     for cfg, where in ((explicit, "the given config"), (meta_cfg, "the checkpoint's config")):
         if spec := accept(_scaling_match(cfg, a), f"{where} (scaling_factor {cfg and cfg.get('scaling_factor')})"):
             return spec
-    texts = [str(v) for k, v in (metadata or {}).items() if k != "config" and isinstance(v, str)]
-    if isinstance(meta_cfg, dict) and meta_cfg.get("_name_or_path"):
-        texts.append(str(meta_cfg["_name_or_path"]))
-    for t in texts:
+    for t in _metadata_texts(metadata, meta_cfg):
         if spec := accept(_name_hint(t), f"the file's metadata ('{t[:60]}')"):
             return spec
     for fam, prefixes, what in _KEY_HINTS:
@@ -205,11 +210,8 @@ def _choose_new_family(a: Analysis, explicit, meta_cfg, metadata, names, notes) 
         if isinstance(cfg, dict) and cfg.get("_family") == "qwenimage":
             notes.append(f"family qwenimage from {where} (AutoencoderKLQwenImage)")
             return get_family("qwenimage")
-    texts = [str(v) for k, v in (metadata or {}).items() if k != "config" and isinstance(v, str)]
-    if isinstance(meta_cfg, dict) and meta_cfg.get("_name_or_path"):
-        texts.append(str(meta_cfg["_name_or_path"]))
-    for t, where in [(t, f"the file's metadata ('{t[:60]}')") for t in texts] + [(n, f"file name '{n}'") for n in names
-                                                                                 if n]:
+    texts = [(t, f"the file's metadata ('{t[:60]}')") for t in _metadata_texts(metadata, meta_cfg)]
+    for t, where in texts + [(n, f"file name '{n}'") for n in names if n]:
         if _name_hint(t) == "qwenimage":
             notes.append(f"family qwenimage from {where}")
             return get_family("qwenimage")

@@ -136,29 +136,21 @@ def sniff(path: Path) -> str:
     )
 
 
-def _safetensors_keys(path: Path) -> tuple[list[str], dict]:
+def _read_safetensors(path: Path, select_vae: bool) -> tuple[dict[str, Tensor], dict, list[str]]:
+    """Tensors, metadata and all key names of a safetensors file; with select_vae only the VAE's tensors are read
+    (the rest of a full checkpoint stays on disk), and a file without a VAE is refused before any tensor is read."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return list(f.keys()), dict(f.metadata() or {})
+            keys, meta = list(f.keys()), dict(f.metadata() or {})
+            prefix = vae_prefix(keys) if select_vae else ""
+            if prefix is None and keys:  # say so without reading e.g. a whole UNet
+                raise no_vae_error(str(path), keys)
+            return {k: f.get_tensor(k) for k in keys if k.startswith(prefix or "")}, meta, keys
     except CheckpointError:
         raise
     except Exception as e:  # SafetensorError and friends
-        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({short_error(e)})") from None
-
-
-def _read_safetensors(path: Path, want=None) -> tuple[dict[str, Tensor], dict]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            keys = [k for k in f.keys() if want is None or want(k)]
-            return {k: f.get_tensor(k) for k in keys}, meta
-    except CheckpointError:
-        raise
-    except Exception as e:
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({short_error(e)})") from None
 
 
@@ -350,11 +342,7 @@ def read_source(path: Path, select_vae: bool = False) -> Source:
 def _read_file(path: Path, select_vae: bool = False) -> tuple[dict[str, Tensor], dict, list[str]]:
     kind = sniff(path)
     if kind == "safetensors":
-        keys, meta = _safetensors_keys(path)
-        prefix = vae_prefix(keys) if select_vae else None
-        if select_vae and prefix is None and keys:  # say so without reading e.g. a whole UNet
-            raise no_vae_error(str(path), keys)
-        tensors, meta = _read_safetensors(path, (lambda k: k.startswith(prefix)) if prefix else None)
+        tensors, meta, keys = _read_safetensors(path, select_vae)
     else:
         (tensors, keys), meta = _read_torch(path, kind, select_vae), {}
     if not tensors:

@@ -38,6 +38,14 @@ def _idx(sd, pattern: str) -> list[int]:
     return sorted({int(m[1]) for k in sd if (m := rx.match(k))})
 
 
+def _up_blocks(sd, label, what: str) -> list[int]:
+    """The decoder's up block numbers, 0..n-1, or an error naming the decoder (`what`: "Wan ", ...)."""
+    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
+    if not ups or ups != list(range(len(ups))):
+        raise unrecognised(label, sd, f" ({what}decoder up blocks missing or not numbered 0..n-1)")
+    return ups
+
+
 def _shape(sd, key, label) -> torch.Size:
     if key not in sd:
         raise CheckpointError(f"{label}: VAE checkpoint is missing {key}")
@@ -136,9 +144,7 @@ def _finish(sd: dict[str, Tensor], layout: str, notes: list[str], unused_dec: li
 
 def _infer_kl(sd, layout, notes, unused_dec, has_encoder, label, cls_name) -> Analysis:
     c = ".conv" if cls_name == "AutoencoderKLHunyuanVideo" else ""
-    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
-    if not ups or ups != list(range(len(ups))):
-        raise unrecognised(label, sd, " (decoder up blocks missing or not numbered 0..n-1)")
+    ups = _up_blocks(sd, label, "")
     rev = [_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2{c}.weight", label)[0] for i in ups]
     n_res = len(_idx(sd, r"^decoder\.up_blocks\.0\.resnets\.(\d+)\."))
     latent = _shape(sd, f"decoder.conv_in{c}.weight", label)[1]
@@ -166,9 +172,7 @@ def _infer_kl(sd, layout, notes, unused_dec, has_encoder, label, cls_name) -> An
 
 
 def _infer_wan(sd, layout, notes, unused_dec, has_encoder, label) -> Analysis:
-    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
-    if not ups or ups != list(range(len(ups))):
-        raise unrecognised(label, sd, " (Wan decoder up blocks missing or not numbered 0..n-1)")
+    ups = _up_blocks(sd, label, "Wan ")
     residual = any(re.match(r"^decoder\.up_blocks\.\d+\.upsampler\.", k) for k in sd)
     z = int(_shape(sd, "decoder.conv_in.weight", label)[1])
     dec_base = int(_shape(sd, "decoder.conv_out.weight", label)[1])
@@ -296,9 +300,7 @@ def _analyse_video_families(sd: dict[str, Tensor], suffix: str, notes: list[str]
 
 
 def _infer_hy15(sd, layout, notes, label) -> Analysis:
-    ups = _idx(sd, r"^decoder\.up_blocks\.(\d+)\.")
-    if not ups or ups != list(range(len(ups))):
-        raise unrecognised(label, sd, " (HunyuanVideo 1.5 decoder up blocks missing or not numbered 0..n-1)")
+    ups = _up_blocks(sd, label, "HunyuanVideo 1.5 ")
     widths = [int(_shape(sd, f"decoder.up_blocks.{i}.resnets.0.conv2.conv.weight", label)[0]) for i in ups]
     n_res = len(_idx(sd, r"^decoder\.up_blocks\.0\.resnets\.(\d+)\."))
     latent = int(_shape(sd, "decoder.conv_in.conv.weight", label)[1])
