@@ -21,7 +21,7 @@ from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.families import FamilySpec, get_family
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import DTYPE_NAMES, resolve_device, resolve_dtype
-from vaeopt.loading import LoadedVAE, load_vae
+from vaeopt.loading import LoadedVAE, expand_user, load_vae, parse_json
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
 from vaeopt.stages import StageResult, foreign_hooked, free_derived, needs_autograd, refresh_weights
 
@@ -43,8 +43,6 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
     if os.environ.get("VAEOPT_MODEL"):
         return _existing(Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL")
     if USER_CONFIG.is_file():
-        from vaeopt.loading import parse_json
-
         try:
             cfg = parse_json(USER_CONFIG.read_text())
         except ValueError as e:
@@ -54,8 +52,6 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
         if not isinstance(cfg, dict) or not isinstance(cfg.get("model", ""), str):
             raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
         if cfg.get("model"):  # a relative path is taken from the config's folder, as a vaeopt.json's is from its own
-            from vaeopt.loading import expand_user
-
             model = expand_user(cfg["model"], f"{USER_CONFIG}: \"model\"")
             return _existing(USER_CONFIG.parent / model, str(USER_CONFIG))
     unlisted = next((f for f in latent_files or [] if f.manifest.get("unlisted_in")), None)
@@ -85,8 +81,6 @@ def manifest_family(latent_files: list[lat.LatentFile]) -> str | None:
 
 def _existing(path: Path, source: str) -> tuple[Path, str]:
     """A checkpoint path that did not come from --model, checked here so that the error names where it came from."""
-    from vaeopt.loading import expand_user
-
     full = expand_user(path, f"the checkpoint named by {source}:")
     if not full.exists() and not full.is_symlink():
         raise VaeoptError(f"checkpoint not found: {path} (named by {source}; pass --model to use another)")

@@ -17,6 +17,7 @@ from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.printing import detail, log, say, set_verbosity
 from vaeopt.errors import VaeoptError
+from vaeopt.outputs import atomic_path, check_writable
 
 
 # vaeopt.benchmark.WORKLOADS' names, here without importing torch for --help (a test keeps the two equal)
@@ -104,8 +105,6 @@ def benchmark(
     if printing.level >= 1:  # -q: the results are in --json / --plot
         print_bench(result)
     if json_out:
-        from vaeopt.outputs import atomic_path
-
         replaced = _replacing(json_out)
         with atomic_path(json_out) as tmp:
             tmp.write_text(json.dumps(result, indent=1))
@@ -122,8 +121,6 @@ def _replacing(p: Path) -> str:
 
 
 def _check_bench_outputs(model, json_out, plot_out) -> None:
-    from vaeopt.outputs import check_writable
-
     outs = [p for p in (json_out, plot_out) if p is not None]
     if plot_out is not None and plot_out.suffix.lower() != ".png":
         raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")

@@ -14,6 +14,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
+from vaeopt import outputs
 from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.paths import check_inputs_exist, output_arg, output_folder
@@ -143,9 +144,7 @@ def decode(
     report_read(files, latent_space, time.perf_counter() - t0)
     if (output is not None and not out_folder and (output.is_file() or output.is_symlink())
             and sum(len(f.entries) for f in files) == 1):
-        from vaeopt import outputs  # one output file named by -o: an existing one fails now, not after the load
-
-        outputs.check_writable([output], overwrite)
+        outputs.check_writable([output], overwrite)  # one output file named by -o: exists? said now, not after the load
     model_path, why = api.resolve_model(model, files)
     from_manifest = None
     if family is None and why.startswith(lat.MANIFEST):  # the manifest that named the model may name its family too

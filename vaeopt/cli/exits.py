@@ -14,6 +14,7 @@ import sys
 import typer
 from rich.markup import escape
 
+from vaeopt import cleanup
 from vaeopt.cli import printing
 from vaeopt.errors import VaeoptError
 
@@ -27,8 +28,6 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _raise_interrupt(signum, frame):
-    from vaeopt import cleanup
-
     cleanup.handled()  # the main thread got here: its watchdog stands down
     raise _Terminated(signum)
 
@@ -59,8 +58,6 @@ def clean_errors(fn):
             with contextlib.suppress(ValueError, OSError, AttributeError):  # not the main thread / no SIGHUP
                 if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup` / a supervisor ignoring it: keep that
                     signal.signal(sig, _raise_interrupt)
-        from vaeopt import cleanup
-
         cleanup.exit_promptly_on_signals()  # also inside one long torch op (cleanup's docstring says how)
         try:
             return fn(*a, **kw)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import List
 
+from vaeopt import cleanup, outputs
 from vaeopt.errors import OutputError, VaeoptError
 
 
@@ -37,8 +38,6 @@ def output_arg(output: str | None) -> tuple[Path | None, bool]:
     if folder and path.exists() and not path.is_dir():
         raise OutputError(f"-o {output}: the trailing '/' asks for a folder, but {path} is a file; choose another "
                           "-o (nothing was written)")
-    from vaeopt import outputs
-
     if not folder and not path.is_dir() and path.name.endswith(".") and path.name != "..":
         # 'out.png.' has no suffix, so it would silently become a folder named so
         raise OutputError(f"-o {output}: the name ends in '.', likely a typo; name a .png/.mp4/.safetensors file, or "
@@ -68,8 +67,6 @@ def output_folder(path: Path | None):
             made.append(p)
             p = p.parent
         _make_output_folder(path)
-        from vaeopt import cleanup
-
         cleanup.add_folders(made)  # (removed if still empty when a signal must end the process at once)
     try:
         yield

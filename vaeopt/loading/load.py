@@ -13,6 +13,7 @@ from torch import Tensor
 
 from vaeopt.errors import CheckpointError, VaeoptError
 from vaeopt.families import FamilySpec, get_family, model_class
+from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading.config import (alias_config, alias_new_class, build_spec, check_config_values,
                                    finish_new_family_spec, init_params, load_config_arg, meta_config, precheck_config)
 from vaeopt.loading.family import choose_family, tiny_raw_latents
@@ -177,8 +178,6 @@ def load_vae(
     """Load a VAE checkpoint (file or diffusers directory) into an eval-mode diffusers model on `device` in `dtype`
     (a torch.dtype, or "fp32" / "bf16" / "fp16" as Options takes). With path=None, builds the family's model with
     random weights (for benchmarks)."""
-    from vaeopt.hw import resolve_device, resolve_dtype
-
     # all checked before the checkpoint is read: torch's own errors (an int8 load_state_dict, device 'tpu', CUDA on a
     # CPU build) would come after seconds of reading, as tracebacks
     if not isinstance(dtype, (torch.dtype, str)) or (isinstance(dtype, str) and dtype.lower() == "auto"):
