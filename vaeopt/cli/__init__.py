@@ -1,6 +1,7 @@
 """`vaeopt` command line. Each command is one thin function in its own module (info.py, decode.py, benchmark.py,
-serve.py): it checks its arguments, calls vaeopt's API and prints. What they share: printing.py (the consoles, -q/-v),
-exits.py (errors -> exit codes), paths.py (decode's input and -o checks), report.py (decode's messages, progress bar).
+warmup.py, serve.py): it checks its arguments, calls vaeopt's API and prints. What they share: printing.py (the
+consoles, -q/-v), exits.py (errors -> exit codes), paths.py (decode's input and -o checks), report.py (decode's
+messages, progress bar).
 
 A new command: a function decorated with @clean_errors in vaeopt/cli/<name>.py, added to COMMANDS below. Command
 modules import torch only inside the command, after its arguments are checked: a typo is reported at once."""
@@ -10,7 +11,7 @@ import os
 import typer
 
 from vaeopt import __version__
-from vaeopt.cli import benchmark, decode, info, printing, serve
+from vaeopt.cli import benchmark, decode, info, printing, serve, warmup
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")  # its per-call dtype warnings are noise here
@@ -59,6 +60,6 @@ def main(version: bool = typer.Option(False, "--version", callback=_version_cb, 
 
 
 # The commands, in the order `vaeopt --help` lists them.
-COMMANDS = (info.info, decode.decode, benchmark.benchmark, serve.serve)
+COMMANDS = (info.info, decode.decode, benchmark.benchmark, warmup.warmup, serve.serve)
 for command in COMMANDS:
     app.command()(command)
