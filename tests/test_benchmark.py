@@ -194,10 +194,10 @@ def test_model_alone_gets_a_default_shape(samples_dir):
     import torch
 
     from vaeopt import benchmark as bm
-    from vaeopt.cli import _bench_inputs
+    from vaeopt.cli.benchmark import bench_inputs
     from vaeopt.families import get_family
 
-    spec, _, shp, wl, notes = _bench_inputs(samples_dir / "tiny_kl_image.safetensors", None, None, None,
+    spec, _, shp, wl, notes = bench_inputs(samples_dir / "tiny_kl_image.safetensors", None, None, None,
                                             torch.device("cpu"))
     assert shp == (1, 4, 32, 32) and wl is None
     assert any("no --workload/--shape: latent (1, 4, 32, 32), a small CPU default" in n for n in notes)
@@ -209,11 +209,11 @@ def test_model_alone_gets_a_default_shape(samples_dir):
     r = runner.invoke(app, ["benchmark"])
     assert r.exit_code != 0 and "give a checkpoint, --family or --workload" in r.output
     # a workload's shape with another family's model, or --shape with --workload: not labelled as that workload
-    _, _, shp, wl, notes = _bench_inputs(samples_dir / "tiny_kl_image.safetensors", None, "sdxl-1024", None,
+    _, _, shp, wl, notes = bench_inputs(samples_dir / "tiny_kl_image.safetensors", None, "sdxl-1024", None,
                                          torch.device("cpu"))
     assert shp == (1, 4, 128, 128) and wl is None and any("not the sdxl-1024 workload: the model is" in n
                                                          for n in notes)
-    _, _, shp, wl, _ = _bench_inputs(None, None, "sdxl-1024", "1,4,16,16", torch.device("cpu"))
+    _, _, shp, wl, _ = bench_inputs(None, None, "sdxl-1024", "1,4,16,16", torch.device("cpu"))
     assert shp == (1, 4, 16, 16) and wl is None
 
 
@@ -324,13 +324,13 @@ def test_table_fits_a_narrow_terminal(result, monkeypatch):
     """80 columns: the numbers stay whole (columns are dropped and named, not every cell cut to '…')."""
     from rich.console import Console
 
-    from vaeopt import cli
+    from vaeopt.cli import benchmark as command, printing
 
     data, _ = result
     for width in (200, 80):
         con = Console(width=width, record=True, highlight=False)
-        monkeypatch.setattr(cli, "out_console", con)
-        cli._print_bench(data)
+        monkeypatch.setattr(printing, "out_console", con)
+        command.print_bench(data)
         text = con.export_text()
         assert "…" not in text and max(len(ln) for ln in text.splitlines()) <= width
         ch = next(r for r in data["rows"] if r["name"] == "+ channels_last")
@@ -341,9 +341,10 @@ def test_table_fits_a_narrow_terminal(result, monkeypatch):
 
 
 def test_workload_names_in_help_are_the_benchmarks():
-    from vaeopt import benchmark, cli
+    from vaeopt import benchmark
+    from vaeopt.cli.benchmark import WORKLOAD_NAMES
 
-    assert tuple(benchmark.WORKLOADS) == cli.WORKLOAD_NAMES
+    assert tuple(benchmark.WORKLOADS) == WORKLOAD_NAMES
 
 
 def test_the_cuda_graphs_row_is_timed_when_graphs_are_armed(monkeypatch):

@@ -30,7 +30,7 @@ def test_version_and_help():
     for cmd in ("decode", "info", "benchmark"):
         r = run(cmd, "--help")
         assert r.exit_code == 0 and "Usage" in r.output
-        # flags take no value: no "<bool>" after them (typer's rich help printed one; cli._flags_show_no_type)
+        # flags take no value: no "<bool>" after them (typer's rich help printed one; vaeopt.cli._flags_show_no_type)
         assert "<bool>" not in r.output and "--overwrite" in run("decode", "--help").output
     r = run("decode", "--help")
     assert "<path>" in r.output and "<float>" in r.output  # options with a value still show its type
@@ -1195,7 +1195,7 @@ def test_default_output_is_short_quiet_is_silent_verbose_has_the_stages(tmp_path
 
 
 def test_optimizer_summary_says_what_ran_or_why_not():
-    from vaeopt.cli import optimizer_summary
+    from vaeopt.cli.report import optimizer_summary
     from vaeopt.stages import StageResult
 
     cpu = torch.device("cpu")
@@ -1240,15 +1240,15 @@ def test_progress_bar_on_a_terminal_only(tmp_path, samples_dir, monkeypatch):
 
     from rich.console import Console
 
-    from vaeopt import cli
+    from vaeopt.cli import printing, report
 
     torch.save(_small_latents(tmp_path, samples_dir)["coffee"].repeat(1, 1, 2, 2), tmp_path / "l.pt")
     m = samples_dir / "tiny_kl_image.safetensors"
-    monkeypatch.setattr(cli._DecodeProgress, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setattr(report.DecodeProgress, "SHOW_AFTER_S", 0.0)
     r = run("decode", tmp_path / "l.pt", "-m", m, "--family", "sd15", "--tile", "8", "-o", tmp_path / "a.png")
     assert r.exit_code == 0 and "tiles/s" not in r.output and "tiles of 8 latent px" in r.output, r.output
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=buf, force_terminal=True, width=120, highlight=False))
+    monkeypatch.setattr(printing, "console", Console(file=buf, force_terminal=True, width=120, highlight=False))
     r = run("decode", tmp_path / "l.pt", "-m", m, "--family", "sd15", "--tile", "8", "-o", tmp_path / "b.png")
     assert r.exit_code == 0
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())

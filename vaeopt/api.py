@@ -20,8 +20,8 @@ from vaeopt import outputs, planner, video, video_graphs, video_stream
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.families import FamilySpec, get_family
 from vaeopt.fidelity import count_nonfinite
-from vaeopt.hw import resolve_device, resolve_dtype
-from vaeopt.loading import LoadedVAE, load_vae
+from vaeopt.hw import DTYPE_NAMES, resolve_device, resolve_dtype
+from vaeopt.loading import LoadedVAE, expand_user, load_vae, parse_json
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
 from vaeopt.stages import StageResult, foreign_hooked, free_derived, needs_autograd, refresh_weights
 
@@ -43,8 +43,6 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
     if os.environ.get("VAEOPT_MODEL"):
         return _existing(Path(os.environ["VAEOPT_MODEL"]), "$VAEOPT_MODEL")
     if USER_CONFIG.is_file():
-        from vaeopt.loading import parse_json
-
         try:
             cfg = parse_json(USER_CONFIG.read_text())
         except ValueError as e:
@@ -54,8 +52,6 @@ def resolve_model(model: str | Path | None, latent_files: list[lat.LatentFile] |
         if not isinstance(cfg, dict) or not isinstance(cfg.get("model", ""), str):
             raise VaeoptError(f'{USER_CONFIG}: expected {{"model": "path/to/vae.safetensors"}}, got {json.dumps(cfg)[:80]}')
         if cfg.get("model"):  # a relative path is taken from the config's folder, as a vaeopt.json's is from its own
-            from vaeopt.loading import expand_user
-
             model = expand_user(cfg["model"], f"{USER_CONFIG}: \"model\"")
             return _existing(USER_CONFIG.parent / model, str(USER_CONFIG))
     unlisted = next((f for f in latent_files or [] if f.manifest.get("unlisted_in")), None)
@@ -85,8 +81,6 @@ def manifest_family(latent_files: list[lat.LatentFile]) -> str | None:
 
 def _existing(path: Path, source: str) -> tuple[Path, str]:
     """A checkpoint path that did not come from --model, checked here so that the error names where it came from."""
-    from vaeopt.loading import expand_user
-
     full = expand_user(path, f"the checkpoint named by {source}:")
     if not full.exists() and not full.is_symlink():
         raise VaeoptError(f"checkpoint not found: {path} (named by {source}; pass --model to use another)")
@@ -209,17 +203,14 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # as Options takes them
-
-
 def _dtype_name(dtype) -> str:
     """optimize's dtype as Options takes it ("auto", "fp32", "bf16", "fp16"); anything else is refused."""
     if isinstance(dtype, str):
         if dtype.lower() == "auto":
             return "auto"
-        return _DTYPE_NAMES[resolve_dtype(dtype, torch.device("cpu"))]
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype]
+        return DTYPE_NAMES[resolve_dtype(dtype, torch.device("cpu"))]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
     raise VaeoptError(f"vaeopt.optimize: dtype must be 'auto' (the model's own), 'fp32', 'bf16', 'fp16' or one of "
                       f"torch.float32 / bfloat16 / float16, got {dtype!r}")
 
@@ -293,7 +284,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     if dtype == "auto" and first is not None:
         # keep the caller's precision: pipelines hand `vae.decode` latents in their own dtype (an fp16 pipeline's
         # latents into a bf16/fp32 VAE raise "Input type (Half) and bias type ... should be the same")
-        dtype = _DTYPE_NAMES.get(compute_dtype(vae), "auto")
+        dtype = DTYPE_NAMES.get(compute_dtype(vae), "auto")
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
                                     attention=attention, graphs="off"), log=log, entry="optimize")

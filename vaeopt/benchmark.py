@@ -22,7 +22,7 @@ import torch
 from vaeopt import fidelity, video, video_stream
 from vaeopt.errors import VaeoptError
 from vaeopt.families import FamilySpec, build_model
-from vaeopt.hw import ClockSampler, machine_info
+from vaeopt.hw import DTYPE_NAMES, ClockSampler, machine_info
 from vaeopt.loading import LoadedVAE
 from vaeopt.outputs import atomic_path
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, channels_last_veto
@@ -440,10 +440,10 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         raise VaeoptError(f"the fp32 reference decode failed ({ref_row.reason}); use a smaller --shape")
     rows.append(ref_row)
     if "bf16" in peers and dtype != torch.float32:
-        rows.append(b.run(f"diffusers {_dt_name(dtype)} eager", "peer", _peer_fn(b, dtype)))
+        rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} eager", "peer", _peer_fn(b, dtype)))
     if "tiling" in peers and spec.cls_name != "AutoencoderTiny":
         make = _peer_fn(b, dtype, tiling=True)
-        row = b.run(f"diffusers {_dt_name(dtype)} + tiling", "peer", make, log_row=False)
+        row = b.run(f"diffusers {DTYPE_NAMES[dtype]} + tiling", "peer", make, log_row=False)
         if row.status == "ok" and not make.tiled_decodes[0]:  # timed its untiled decode: not a tiling row
             row.status = "skipped"
             row.reason = (f"diffusers' enable_tiling() does not tile a {shape[-2]}x{shape[-1]} latent (below its tile "
@@ -451,7 +451,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         b.log_row(row)  # after that check: the log and the table tell the same story
         rows.append(row)
     if "compile" in peers:
-        rows.append(b.run(f"diffusers {_dt_name(dtype)} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
+        rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
     acc: dict = {"gate_db": gate_db}
     for name, opts in LADDER:
         acc.update(opts)
@@ -478,7 +478,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
     baseline = _speedups(rows, dtype)
     mi = machine_info()
     return {
-        "workload": workload, "family": spec.name, "latent_shape": list(shape), "dtype": _dt_name(dtype),
+        "workload": workload, "family": spec.name, "latent_shape": list(shape), "dtype": DTYPE_NAMES[dtype],
         "device": str(device), "gpu": mi.gpus[0].name if mi.gpus and device.type == "cuda" else None,
         "cpu_numbers": device.type != "cuda", "flops": b.flops, "matmul_tflops": b.matmul,
         "versions": {"torch": mi.torch, "cuda": mi.cuda, "cudnn": mi.cudnn, "triton": mi.triton,
@@ -663,14 +663,10 @@ def _driver() -> str | None:
         return None
 
 
-def _dt_name(d: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[d]
-
-
 def _speedups(rows: list[Row], dtype) -> str | None:
     """Fill each row's speedups; returns the baseline row's name: diffusers' eager decode in the benchmark's dtype,
     else the fp32 reference (speedup_vs_baseline). speedup_vs_diffusers_bf16 only where that is the baseline."""
-    base = next((r for r in rows if r.name == f"diffusers {_dt_name(dtype)} eager" and r.status == "ok"), None)
+    base = next((r for r in rows if r.name == f"diffusers {DTYPE_NAMES[dtype]} eager" and r.status == "ok"), None)
     base = base or next((r for r in rows if r.kind == "reference"), None)
     peers = [r for r in rows if r.kind in ("peer", "reference") and r.status == "ok" and r.median_ms]
     best = min(peers, key=lambda r: r.median_ms) if peers else None

@@ -48,13 +48,6 @@ def add_folders(folders) -> None:
         _folders[:0] = [os.fspath(f) for f in folders]
 
 
-def drop_folders(folders) -> None:
-    with _lock:
-        for f in folders:
-            if os.fspath(f) in _folders:
-                _folders.remove(os.fspath(f))
-
-
 def remove_all() -> None:
     """Remove every temporary this process still has, then the folders it made that are empty."""
     with _lock:

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from vaeopt.errors import VaeoptError
+
 
 def _version(pkg: str) -> str | None:
     try:
@@ -116,21 +118,13 @@ def resolve_device(device: str | None) -> torch.device:
     except (RuntimeError, ValueError, TypeError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
-        from vaeopt.errors import VaeoptError
-
         raise VaeoptError(f"--device {device}: expected cpu, cuda or cuda:N")
     if dev.type == "cpu" and dev.index not in (None, 0):
-        from vaeopt.errors import VaeoptError
-
         raise VaeoptError(f"--device {device}: the CPU is one device (cpu); an index picks a GPU (cuda:N)")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            from vaeopt.errors import VaeoptError
-
             raise VaeoptError(f"--device {device}: no CUDA GPU is visible to torch {torch.__version__}")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            from vaeopt.errors import VaeoptError
-
             raise VaeoptError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
     return dev
 
@@ -138,8 +132,6 @@ def resolve_device(device: str | None) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # (float8 storage is the fp8 stage's job)
-            from vaeopt.errors import VaeoptError
-
             raise VaeoptError(f"dtype {dtype}: vaeopt decodes in torch.float32, torch.bfloat16 or torch.float16")
         return dtype
     d = (dtype or "auto").lower()
@@ -152,10 +144,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
              "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
     if d not in table:
-        from vaeopt.errors import VaeoptError
-
         raise VaeoptError(f"unknown dtype '{dtype}' (auto, fp32, bf16, fp16)")
     return table[d]
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # as --dtype and Options name them
 
 
 # nvidia-smi's clocks_throttle_reasons.active bits (nvml.h: nvmlClocksEventReasons): the ones that slow a busy GPU

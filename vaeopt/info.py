@@ -6,6 +6,7 @@ import importlib
 
 import torch
 
+from vaeopt.families import family_names, get_family
 from vaeopt.hw import MachineInfo
 from vaeopt.kernels import interpreter_hint
 
@@ -86,8 +87,6 @@ _PATHS = {
 
 def family_outlook() -> list[dict]:
     """One row per family: name, title, the class vaeopt builds it as, its latent scaling and what the stages do."""
-    from vaeopt.families import family_names, get_family
-
     rows = []
     for name in family_names():
         spec = get_family(name)

@@ -21,6 +21,9 @@ import torch
 
 from vaeopt.errors import LatentError
 from vaeopt.families import FamilySpec, get_family
+from vaeopt.loading import (allow_numpy_scalars, magic_name, parse_json, refused_global, safetensors_header_problem,
+                            sniff)
+from vaeopt.outputs import atomic_path
 
 LATENT_SUFFIXES = (".pt", ".pth", ".safetensors", ".latent", ".npy", ".npz")
 MANIFEST = "vaeopt.json"
@@ -73,8 +76,6 @@ def read_manifest(path: Path) -> dict:
     mpath = path.parent / MANIFEST
     if not mpath.is_file():
         return {}
-    from vaeopt.loading import parse_json
-
     try:
         data = parse_json(mpath.read_text())
     except (OSError, ValueError) as e:
@@ -279,8 +280,6 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     suffix = path.suffix.lower()
     notes: list[str] = []
     if suffix in (".pt", ".pth", ".ckpt", ".bin", ".safetensors"):
-        from vaeopt.loading import sniff
-
         with contextlib.suppress(Exception):  # whatever the bytes are, the reader of the suffix says it below
             kind = sniff(path)
             if kind == "safetensors" and suffix != ".safetensors":
@@ -296,8 +295,6 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
         import zipfile
-
-        from vaeopt.loading import magic_name, allow_numpy_scalars, refused_global
 
         infos = []
         with open(path, "rb") as fh:
@@ -369,8 +366,6 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
                                                          if others and key is None else ""))
     elif suffix in (".safetensors", ".latent"):
         from safetensors import SafetensorError, safe_open
-
-        from vaeopt.loading import magic_name, safetensors_header_problem
 
         with open(path, "rb") as fh:
             head = fh.read(32)
@@ -669,8 +664,6 @@ def to_raw(latents: torch.Tensor, family: FamilySpec, space: str) -> torch.Tenso
 def save_latents(path: str | Path, tensors: dict[str, torch.Tensor], latent_space: str) -> None:
     """Write latents as .safetensors with their latent space recorded in the metadata (atomically)."""
     from safetensors.torch import save_file
-
-    from vaeopt.outputs import atomic_path
 
     with atomic_path(Path(path)) as tmp:
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"latent_space": latent_space})

@@ -97,8 +97,6 @@ class Moments:
         self.n += nb
         self._affine.clear()
 
-    merge = add
-
     def affine(self, norm: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(shift_c, scale_c) as (1, C, 1, 1) fp32 tensors such that GroupNorm(x)_c = x_c * scale_c + shift_c with
         the statistics of the whole activation."""

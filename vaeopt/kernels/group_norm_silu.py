@@ -36,9 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vaeopt.kernels.common import (accumulate_shifted, cl_store_partials, default_tile, default_warps,
-                                   first_block_shift, flat_layout, n_programs_target, new_like, sat_e4m3, silu,
-                                   silu_mode)
+from vaeopt.kernels.common import (cl_store_partials, default_tile, default_warps, flat_layout, n_programs_target,
+                                   new_like, sat_e4m3, silu, silu_mode)
 from vaeopt.kernels.fp8_quant import E4M3
 from vaeopt.kernels.gn_window import group_norm_apply  # noqa: F401  (the split API's last step, re-exported)
 
@@ -356,9 +355,6 @@ def _apply_cl_kernel(
             if sb == 0:
                 tl.store(s_ptr + n, amax / 448.0)
     tl.store(y_ptr + n.to(tl.int64) * S * C + off, y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-_warps = default_warps  # (the name callers outside the package have read it by)
 
 
 def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vaeopt.kernels.common import affine_args, channel_vector, silu_mode, triton_available
+from vaeopt.kernels.common import affine_args, channel_vector, silu_mode
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TAP_COLUMNS = 128  # taps * out channels the GEMM may produce (27 * 4); wider heads (Wan 2.2's 12 channels: 324

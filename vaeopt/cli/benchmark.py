@@ -1,0 +1,257 @@
+"""`vaeopt benchmark`: the measured ladder of peers and stages, printed as a table, and written as JSON / a chart."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from vaeopt.cli import printing
+from vaeopt.cli.exits import clean_errors
+from vaeopt.cli.printing import detail, log, say, set_verbosity
+from vaeopt.errors import VaeoptError
+from vaeopt.outputs import atomic_path, check_writable
+
+
+# vaeopt.benchmark.WORKLOADS' names, here without importing torch for --help (a test keeps the two equal)
+WORKLOAD_NAMES = ("sdxl-1024", "sdxl-2048", "sdxl-4096", "flux-1024", "sd15-512", "wan21-480p", "wan21-720p",
+                  "wan22-720p", "hunyuan-480p", "taesd-1024", "flux2-1024", "qwenimage-1328", "hunyuan15-480p",
+                  "ltx2-768")
+
+
+@clean_errors
+def benchmark(
+    model: Optional[Path] = typer.Argument(None, help="VAE checkpoint to benchmark (or use --family for random weights)."),
+    family: Optional[str] = typer.Option(None, "--family", help="Build this family's full-size architecture with random "
+                                                                "weights (sdxl, flux, wan21, wan22, ...)."),
+    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="Standard workload; implies its family "
+                                           "(random weights) unless a checkpoint or --family is given: " + ", ".join(
+        WORKLOAD_NAMES) + "."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Raw latent shape N,C,[T,]H,W (instead of --workload)."),
+    peers: str = typer.Option("bf16,tiling", "--peers", help="Comma list of peers: bf16, tiling, compile (fp32 always "
+                                                             "runs: it is the fidelity reference)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Precision of the peers and the ladder: auto | fp32 | bf16 | "
+                                                      "fp16 (auto: bf16 on GPUs that have it, fp32 on CPU)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", show_default=False,
+                                          help="Timed repeats per row, median reported (default 5; 3 on the CPU, "
+                                               "where each decode takes seconds)."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
+    fp8: bool = typer.Option(False, "--fp8", help="Include FP8 in the ladder, and measure its three levels each "
+                                                  "on its own after it (weight storage, fp8 GEMMs, 8-bit convs)."),
+    fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="FP8 fidelity gate (dB PSNR vs fp32) used by the ladder."),
+    cudnn_autotune: bool = typer.Option(False, "--cudnn-autotune", help="cuDNN autotuning on for every row, peers "
+                                                                        "included (each row's warm-up pays the tuning)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write all numbers to this JSON file."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart: time, speedup and PSNR per "
+                                                                 "row, the rows not timed (needs matplotlib: "
+                                                                 "the package's plot extra, or pip install "
+                                                                 "matplotlib)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print each row as it starts and every skip reason "
+                                                                "in full."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; the results go to --json / "
+                                                            "--plot."),
+):
+    """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last.
+
+    A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors (a 256x256 decode, under a minute)."""
+    set_verbosity(verbose, quiet)
+    from vaeopt import benchmark as bm
+    from vaeopt.hw import resolve_device, resolve_dtype
+
+    if plot_out is not None and not bm.plot_available():  # before minutes of measuring, not after
+        raise VaeoptError(bm.PLOT_MISSING)
+
+    if repeats is not None and repeats < 1:
+        raise VaeoptError(f"--repeats must be at least 1, got {repeats}")
+    if warmup < 0:
+        raise VaeoptError(f"--warmup must be 0 or more, got {warmup}")
+    if not 0 <= fp8_gate < float("inf"):
+        raise VaeoptError(f"--fp8-gate must be a PSNR in dB, 0 or more, got {fp8_gate}")
+    # '--json=~/r.json': the shell leaves a '~' after '=' as it is; decode's -o and --model expand it, so do these
+    from vaeopt.loading import expand_user  # ('~nosuchuser/r.json': one clear line, not an internal error)
+
+    json_out, plot_out = (expand_user(p, flag) if p is not None else None
+                          for p, flag in ((json_out, "--json"), (plot_out, "--plot")))
+    _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
+    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
+    bad = [p for p in peer_list if p not in bm.PEERS]
+    if bad:  # (before the checkpoint loads)
+        raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(bm.PEERS)})")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if repeats is None:
+        repeats = 5 if dev.type == "cuda" else 3
+    spec, sd, shp, wl, notes = bench_inputs(model, family, workload, shape, dev)
+    for n in notes:
+        detail(n)
+    where = torch_device_name(dev)
+    say(f"[bold]benchmark[/] {wl or spec.name} latent {shp} {str(dt).replace('torch.', '')} on {where}"
+        + ("  [yellow](CPU numbers: not GPU performance)[/]" if dev.type != "cuda" else ""))
+    if dev.type != "cuda" and math.prod(shp[2:]) > 64 * 64:
+        say(f"  [yellow]a {'x'.join(map(str, shp[2:]))} latent on the CPU: each decode takes a minute or "
+            f"more, and the ladder runs {repeats + warmup} per row (Ctrl-C stops it; --shape "
+            f"1,{shp[1]},{'1,' if len(shp) == 5 else ''}32,32 is a quick CPU run)[/]")
+    result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
+                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=log, detail=detail,
+                              workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
+    if printing.level >= 1:  # -q: the results are in --json / --plot
+        print_bench(result)
+    if json_out:
+        replaced = _replacing(json_out)
+        with atomic_path(json_out) as tmp:
+            tmp.write_text(json.dumps(result, indent=1))
+        say(f"[bold green]wrote[/] {escape(str(json_out))}{replaced}")
+    if plot_out:
+        replaced = _replacing(plot_out)
+        bm.plot(result, plot_out)
+        say(f"[bold green]wrote[/] {escape(str(plot_out))}{replaced}")
+
+
+def _replacing(p: Path) -> str:
+    """benchmark's --json/--plot replace an existing .json/.png (a re-run updates its results): said so."""
+    return " (replaced the file that was there)" if p.exists() else ""
+
+
+def _check_bench_outputs(model, json_out, plot_out) -> None:
+    outs = [p for p in (json_out, plot_out) if p is not None]
+    if plot_out is not None and plot_out.suffix.lower() != ".png":
+        raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")
+    if json_out is not None and plot_out is not None and json_out.resolve() == plot_out.resolve():
+        raise VaeoptError(f"--json and --plot name the same file {json_out}")
+    for p in outs:
+        if model is not None and p.resolve() == Path(model).resolve():
+            raise VaeoptError(f"{p}: would overwrite the model being benchmarked; choose another path")
+        if p.is_dir():
+            raise VaeoptError(f"{p}: is a folder; give a file name")
+    if json_out is not None and json_out.suffix.lower() != ".json":  # it replaces an existing file: only a .json one
+        raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
+    from vaeopt.benchmark import is_own_output
+
+    for p, flag in ((json_out, "--json"), (plot_out, "--plot")):
+        # a re-run replaces its own results; never a model's config.json, a vaeopt.json manifest or a picture
+        if p is not None and p.exists() and not p.is_dir() and not is_own_output(p):
+            raise VaeoptError(f"{flag} {p}: exists and is not a vaeopt benchmark {'result' if flag == '--json' else 'chart'}"
+                              "; it is kept: choose another file name" + (
+                                  " (a chart from a vaeopt before 2026-11-22 carries no tag: remove it)"
+                                  if flag == "--plot" else ""))
+    check_writable(outs, overwrite=True)
+
+
+def torch_device_name(dev) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+
+
+def bench_inputs(model, family, workload, shape, dev):
+    import torch
+
+    from vaeopt import benchmark as bm
+    from vaeopt.families import build_model, get_family
+
+    notes = []
+    wl = shp = None
+    if workload:
+        if workload not in bm.WORKLOADS:
+            raise VaeoptError(f"unknown workload '{workload}' (known: {', '.join(bm.WORKLOADS)})")
+        wl = workload
+        wl_family, shp = bm.WORKLOADS[workload]
+        family = family or (None if model else wl_family)
+    if shape:
+        try:
+            shp = tuple(int(s) for s in shape.replace("x", ",").split(","))
+        except ValueError:
+            raise VaeoptError(f"--shape '{shape}': expected integers like 1,4,128,128") from None
+    if shp is not None and any(d < 1 for d in shp):
+        raise VaeoptError(f"--shape {','.join(map(str, shp))}: every dimension must be at least 1")
+    if model is not None:
+        from vaeopt.loading import load_vae
+
+        loaded = load_vae(model, family=family)
+        spec, sd = loaded.family, {k: v.float() for k, v in loaded.model.state_dict().items()}
+        notes += loaded.notes
+    elif family:
+        spec = get_family(family)
+        torch.manual_seed(0)
+        sd = build_model(spec).state_dict()
+        notes.append(f"{spec.title}: full-size architecture with random weights (timing equals real weights)")
+    else:
+        raise VaeoptError("give a checkpoint, --family or --workload")
+    if shp is None:
+        shp, wl, why = bm.default_shape(spec, dev)
+        notes.append(f"no --workload/--shape: latent {shp}, {why} (--shape N,C,[T,]H,W for another)")
+    if wl is not None and (shape or bm.WORKLOADS[wl][0] != spec.name):
+        notes.append(f"not the {wl} workload: " + ("--shape given" if shape else f"the model is {spec.title}"))
+        wl = None  # the JSON and the table name what was measured
+    want = 5 if spec.is_video else 4
+    if len(shp) != want or shp[1] != spec.latent_channels:
+        raise VaeoptError(f"latent shape {shp} does not fit {spec.title}: expected {want} dims with "
+                          f"{spec.latent_channels} channels")
+    from vaeopt.latents import MAX_OUTPUT_PIXELS
+
+    f = spec.spatial_factor
+    if shp[-2] * shp[-1] * f * f > MAX_OUTPUT_PIXELS or shp[0] > 256 or (spec.is_video and shp[2] > 1024):
+        raise VaeoptError(f"--shape {','.join(map(str, shp))}: beyond what the benchmark runs (at most "
+                          f"{int(MAX_OUTPUT_PIXELS ** 0.5)}² pixels per frame, as decode; a batch of 256; 1024 latent "
+                          "frames)")
+    return spec, sd, shp, wl, notes
+
+
+def print_bench(result: dict) -> None:
+    from vaeopt.fidelity import psnr_text
+
+    title = (f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} "
+             f"on {result.get('gpu') or 'CPU (CPU numbers)'}")
+    f = lambda v, fmt: (fmt.format(v) if v is not None else "-")  # noqa: E731
+    cols = ("row", "ms", "min-max", "GiB", "TFLOP/s", "PSNR", "max err", "speedup")
+    cells, skipped = [], []
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            skipped.append(r)
+            continue
+        psnr = "ref" if r["kind"] == "reference" else psnr_text(r["psnr_db"], "")
+        cells.append((r["name"][:36], f(r["median_ms"], "{:.1f}"), f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
+                      f(r["peak_alloc_gib"], "{:.2f}"),
+                      f(r["tflops"], "{:.0f}" if (r["tflops"] or 0) >= 10 else "{:.2g}"), psnr,
+                      f(r["max_abs"], "{:.3f}"), f(r.get("speedup_vs_baseline", r["speedup_vs_diffusers_bf16"]),
+                                                   "{:.2f}x")))
+    # A narrow terminal drops the least needed columns rather than cutting every number short; the row names fold.
+    width = printing.out_console.width
+    need = {c: max([len(c)] + [len(row[i]) for row in cells]) + 3 for i, c in enumerate(cols)}
+    shown = list(cols)
+    for c in ("min-max", "TFLOP/s", "max err", "GiB"):
+        if sum(need[k] for k in shown if k != "row") + 16 <= width:
+            break
+        shown.remove(c)
+    t = Table(title=title, title_justify="left")
+    for c in shown:
+        if c == "row":
+            t.add_column(c, justify="left", overflow="fold", min_width=12)
+        else:
+            t.add_column(c, justify="right", no_wrap=True, min_width=need[c] - 3)
+    for row in cells:
+        t.add_row(*(v for c, v in zip(cols, row) if c in shown))
+    if len(shown) < len(cols):
+        t.caption = f"({', '.join(c for c in cols if c not in shown)}: in a wider terminal, or --json)"
+    printing.out_console.print(t)
+    matmul = f"; bf16 matmul here {result['matmul_tflops']:.0f} TFLOP/s" if result.get("matmul_tflops") else ""
+    printing.out_console.print(f"PSNR/max err vs the fp32 diffusers decode; speedup vs "
+                               f"'{result.get('speedup_baseline')}'{matmul}", style="dim")
+    from vaeopt.benchmark import clock_note, level_lines
+
+    if note := clock_note(result["rows"]):
+        printing.out_console.print(note, style="dim", highlight=False)
+    for r in skipped:  # the reasons in full with -v (and in --json)
+        why = r["reason"] if printing.level >= 2 else textwrap.shorten(r["reason"], max(40, 96 - len(r["name"])),
+                                                                       placeholder=" ...")
+        printing.out_console.print(f"  [yellow]{r['status']}[/] {escape(r['name'])}: {escape(why)}", highlight=False)
+    for line in level_lines(result.get("fp8_levels") or []):
+        printing.out_console.print(line, highlight=False)

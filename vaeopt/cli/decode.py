@@ -1,0 +1,260 @@
+"""`vaeopt decode`: argument mistakes first (before torch loads), then load, plan, decode and write; one rank or
+several (--gpus)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+
+from vaeopt import outputs
+from vaeopt.cli import printing
+from vaeopt.cli.exits import clean_errors
+from vaeopt.cli.paths import check_inputs_exist, output_arg, output_folder
+from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, log, say, set_verbosity
+from vaeopt.cli.report import DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read
+from vaeopt.errors import VaeoptError
+
+
+@clean_errors
+def decode(
+    latents: List[Path] = typer.Argument(..., help="Latent files: .pt/.pth, .safetensors, ComfyUI .latent, .npy, .npz."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m",
+                                         help="VAE checkpoint (.safetensors/.ckpt/.pt or diffusers folder). "
+                                              "Default: vaeopt.json beside the latents, $VAEOPT_MODEL, or the user config."),
+    output: Optional[str] = typer.Option(None, "--output", "-o",
+                                         help="out.png | out.mp4 | folder/ | out.safetensors (raw). A folder gets one "
+                                              "PNG per image, or one PNG per frame of a clip (one MP4 per "
+                                              "clip when there are several); a trailing / always means a "
+                                              "folder (made if missing); a bare suffix (-o .png) is refused. "
+                                              "Several outputs to one file name: a batch is numbered "
+                                              "(out_000.png, out_001.png), a dict's tensors take their key "
+                                              "(out_<key>.png), several inputs their file name (out_<file>.png). "
+                                              "Default: beside the input."),
+    family: Optional[str] = typer.Option(None, "--family", help="Override family detection (sd15, sdxl, flux, wan21, ...)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="diffusers config.json overriding detection."),
+    key: Optional[str] = typer.Option(None, "--key", help="Decode only this tensor of a dict-of-tensors file."),
+    height: Optional[int] = typer.Option(None, "--height", help="Image height in pixels of packed FLUX.2 / "
+                                                                "Qwen-Image latents (batch, sequence, features)."),
+    width: Optional[int] = typer.Option(None, "--width", help="Image width in pixels of packed latents."),
+    latent_space: Optional[str] = typer.Option(None, "--latent-space",
+                                               help="scaled (pipeline output; default for .pt/.safetensors/.npy/.npz) or "
+                                                    "raw (VAE latents; default for ComfyUI .latent)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that have it, fp32 on CPU)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda if available)."),
+    tile: Optional[int] = typer.Option(None, "--tile", help="Force tiled decode with this tile side in latent pixels."),
+    chunk: Optional[int] = typer.Option(None, "--chunk", help="Latent frames per decoder call (video)."),
+    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="Plan for this many GB instead of free VRAM."),
+    tiling: str = typer.Option("auto", "--tiling", help="auto | on | off"),
+    channels_last: str = typer.Option("auto", "--channels-last", help="auto | on | off"),
+    triton: str = typer.Option("auto", "--triton", help="Fused Triton norm kernels: auto | on | off"),
+    epilogues: str = typer.Option("auto", "--epilogues", help="Fused conv-bias/residual/upsample epilogues and "
+                                                              "chunked wide-head attention: auto | on | off"),
+    upsample_conv: str = typer.Option("auto", "--upsample-conv", help="Upsampler convs as four 2x2 phase convs on "
+                                                                      "the low-res input (4/9 of the FLOPs): auto | on | off"),
+    stack_conv3d: str = typer.Option("auto", "--stack-conv3d", help="Wan's causal Conv3d as one Conv2d over "
+                                                                    "time-stacked channels: auto | on | off"),
+    conv_kernel: str = typer.Option("auto", "--conv-kernel", help="Triton implicit-GEMM conv for the layers it "
+                                                                  "beats cuDNN on: Wan's 96-ch Conv3d (bf16 on "
+                                                                  "sm_90: alongside --stack-conv3d, which then "
+                                                                  "stacks the 384-ch ones; else with --stack-conv3d "
+                                                                  "off), and the e4m3 convs of --fp8: auto | on | off"),
+    graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: auto | on | off"),
+    cudnn_autotune: str = typer.Option("auto", "--cudnn-autotune", help="Time cuDNN's engine configs per new conv "
+                                       "shape (one-time cost; pays for many same-shape decodes): auto | on | off"),
+    fp8: str = typer.Option("off", "--fp8", help="FP8/8-bit weights and compute, gated on fidelity: off | on | "
+                                                 "weights (level 1 alone: e4m3 weight storage) | gemm (levels 1-2: "
+                                                 "plus fp8 GEMMs for 1x1 convs/linears) | auto (the same as on: "
+                                                 "8-bit convs where they run, else levels 1-2)"),
+    fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="Lowest PSNR (dB) vs the fp32 decode at which FP8 is kept."),
+    fps: Optional[float] = typer.Option(None, "--fps", show_default=False,
+                                        help="Frames per second of MP4 output (default 16, Wan's rate)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Decode on N GPUs (spawns N ranks; one large input is "
+                                                            "split into bands, many inputs are spread over ranks)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs. An output's name is never "
+                                   "followed: a symbolic link there is refused without --overwrite and replaced by "
+                                   "the output itself with it (what the link points to is left alone)."),
+    max_outputs: int = typer.Option(1000, "--max-outputs", help="Most outputs (images, clips) and tensors one input "
+                                     "file may ask for; checked before anything is decoded (a small file can repeat "
+                                     "one tensor thousands of times)."),
+    max_output_gb: float = typer.Option(64.0, "--max-output-gb", help="Most decoded output one input file may ask "
+                                        "for, in GB of 8-bit RGB pixels (4x for .safetensors output); bounds the "
+                                        "decode work too. Checked before anything is decoded."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+):
+    """Decode latents to PNG / MP4 / frames / safetensors with the optimized pipeline."""
+    set_verbosity(verbose, quiet)
+    # Argument mistakes first, before torch and diffusers load (seconds): a typo is reported at once.
+    if latent_space is not None and latent_space.lower() in ("scaled", "raw"):
+        latent_space = latent_space.lower()  # any case: RAW, Scaled
+    if latent_space not in (None, "scaled", "raw"):
+        raise VaeoptError(f"--latent-space must be 'scaled' or 'raw', got '{latent_space}'")
+    fps_given = fps is not None
+    fps = 16.0 if fps is None else fps
+    if not 0.01 <= fps <= 1000:  # also NaN/inf; an MP4 frame rate is a fraction with a bounded denominator
+        raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
+    check_inputs_exist(latents)
+    output, out_folder = output_arg(output)
+
+    from vaeopt import api
+    from vaeopt import latents as lat
+    from vaeopt.loading import load_vae
+    from vaeopt.pipeline import Options
+
+    opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
+                   upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
+                   gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
+                   vram_budget_gb=vram_budget)
+    opts.validate()
+    if gpus == 1 and (device or "").strip().lower() == "cpu":  # one rank on the CPU: the plain CPU decode
+        log("--gpus 1 --device cpu: one CPU decode (--gpus spreads work over GPUs)")
+        gpus = None
+    if gpus is None:  # before the checkpoint loads (seconds for a full model): a bad --device / --dtype fails now
+        from vaeopt import hw
+
+        hw.resolve_dtype(dtype, hw.resolve_device(device))
+    if gpus is not None and (height is not None or width is not None):
+        raise VaeoptError("--height/--width with --gpus: give the packed latents' image size in the file's metadata "
+                          "(\"height\", \"width\") or in vaeopt.json beside it, which every rank reads")
+    if gpus is not None:
+        with output_folder(output if out_folder else None):  # removed again if the ranks fail before writing
+            _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
+                                as_json, fps_given)
+        return
+    t0 = time.perf_counter()
+    limits = api.Limits(max_outputs, max_output_gb)
+    limits.check()  # (before anything is read)
+    files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space), max_tensors=max_outputs)
+             for p in latents]
+    if height is not None or width is not None:  # packed token sequences: the image size they were made for
+        if height is None or width is None or height <= 0 or width <= 0:
+            raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
+        for f in files:
+            for e in f.entries + (f.all_entries or []):
+                e.size = (height, width)
+    report_read(files, latent_space, time.perf_counter() - t0)
+    if (output is not None and not out_folder and (output.is_file() or output.is_symlink())
+            and sum(len(f.entries) for f in files) == 1):
+        outputs.check_writable([output], overwrite)  # one output file named by -o: exists? said now, not after the load
+    model_path, why = api.resolve_model(model, files)
+    from_manifest = None
+    if family is None and why.startswith(lat.MANIFEST):  # the manifest that named the model may name its family too
+        family = from_manifest = api.manifest_family(files)
+    t0 = time.perf_counter()
+    import diffusers  # noqa: F401  (a few seconds on first import; timed apart from reading the checkpoint)
+
+    t_import = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = load_vae(model_path, family=family, config=config)
+    report_model(loaded, model_path, why, time.perf_counter() - t0, t_import)
+    if from_manifest:
+        detail(f"(family {from_manifest}: named by {lat.MANIFEST} beside the latents)")
+    if any((latent_space or f.default_space) == "scaled" for f in files):  # the factors actually used
+        detail(f"scaled latents are unscaled with {loaded.family.describe_scaling()}")
+    raw_tiny = loaded.family.config.get("_raw_latents") if loaded.family.cls_name == "AutoencoderTiny" else None
+    if raw_tiny and any((latent_space or f.default_space) == "raw" for f in files):
+        from vaeopt.families import get_family
+
+        big = get_family(raw_tiny["vae"])
+        detail(f"raw latents are the {big.title} VAE's: the tiny decoder takes them scaled with "
+               f"{big.describe_scaling()} (as the pipeline hands them over, and as ComfyUI's TAESD does)")
+    jobs = api.plan_jobs(files, loaded, output, latent_space, overwrite, out_is_folder=out_folder, log=log,
+                         limits=limits)
+    if fps_given and not any(j.kind == "mp4" for j in jobs):
+        fps_unused(fps)
+    if chunk is not None and not loaded.family.is_video:
+        log(f"--chunk {chunk} ignored: it sets the latent frames per decoder call of a video VAE, and "
+            f"{loaded.family.title} decodes images")
+    with output_folder(output if out_folder else None):  # made after planning; removed again if nothing lands in it
+        _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
+
+
+def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
+    from vaeopt import api
+    from vaeopt.pipeline import Pipeline
+
+    if printing.level >= 2:
+        printing.console.print("[bold]optimize[/]")
+    images = [j.z_raw.shape for j in jobs if j.z_raw.dim() == 4]
+    if images and opts.fp8 != "off":  # the int8 convs' gate measures at the largest decode (stages/triton_conv)
+        opts = dataclasses.replace(opts, decode_shape=(1, *max(images, key=lambda s: s[-2] * s[-1])[1:]))
+    pipe = Pipeline(loaded, opts, log=detail)
+    if printing.level >= 2:
+        printing.console.print("[bold]decode[/]")
+    else:
+        say(optimizer_summary(pipe.stages, pipe.device, pipe.dtype), markup=False, highlight=False)
+    with DecodeProgress() as bar:
+        def report(r):  # as each output lands, not after the last one: an error or Ctrl-C later keeps these lines
+            bar.restart()
+            peak = f", peak VRAM {r.peak_bytes / 2**30:.2f} GiB" if r.peak_bytes else ""
+            batch = f" for the batch of {len(r.written)}" if len(r.written) > 1 else ""  # one decode, n files
+            took = (f"{r.seconds:.2f} s decode" if printing.level >= 2
+                    else f"{plan_words(r.plan)} in {r.seconds:.2f} s")
+            for p in r.written:
+                say(f"[bold green]wrote[/] {escape(str(p))}  ({took}{batch}{peak})", highlight=False)
+            for msg in r.retries:
+                log("↩ " + msg)
+
+        from vaeopt.kernels import triton_cache_entries
+
+        tc0 = triton_cache_entries() if pipe.device.type == "cuda" else None
+        results = api.run_jobs(pipe, jobs, fps=fps, progress=bar, on_result=report)
+    if tc0 is not None and (tc := triton_cache_entries())[1] > tc0[1]:
+        log(f"Triton compiled {tc[1] - tc0[1]} kernels on first use (in the times above; later runs reuse them)")
+        detail(f"Triton's cache: {tc[0]}")
+    if as_json:
+        printing.out_console.print_json(json.dumps({
+            "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,
+            "device": str(pipe.device), "dtype": str(pipe.dtype).replace("torch.", ""),
+            "stages": [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages],
+            "outputs": [{"source": str(r.job.source), "entry": r.job.entry, "shape": list(r.job.z_raw.shape),
+                         "written": [str(p) for p in r.written], "seconds": r.seconds, "peak_bytes": r.peak_bytes,
+                         "plan": r.plan, "retries": r.retries} for r in results],
+        }))
+
+
+def _log_stderr(msg: str) -> None:
+    """The ranks' log lines (module level: spawned ranks get it pickled)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
+                        as_json, fps_given=False) -> None:
+    import torch
+
+    from vaeopt.distributed import DistributedError, decode_files_distributed, launch
+
+    if gpus < 1:
+        raise VaeoptError("--gpus must be at least 1")
+    n_cuda = torch.cuda.device_count()
+    if gpus > n_cuda and "WORLD_SIZE" not in os.environ:  # under torchrun the ranks exist already (gloo on CPU)
+        raise VaeoptError(f"--gpus {gpus}: only {n_cuda} CUDA GPU(s) visible" + (
+            " (on CPU: torchrun --nproc-per-node N -m vaeopt decode ... --gpus N runs the same code on gloo)" if not n_cuda else ""))
+    say(f"[bold]distributed[/] {gpus} ranks ({'NCCL' if n_cuda >= gpus else 'gloo, CPU'}), "
+        f"{len(latents)} input file(s)")
+    try:
+        summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
+                         str(model) if model else None,
+                         kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
+                                     overwrite=overwrite, options=opts, fps=fps,
+                                     log=_log_stderr if printing.level >= 2 else None))  # stdout: --json only
+    except DistributedError as e:
+        raise VaeoptError(str(e).splitlines()[0]) from None
+    for r in summary or []:
+        for p in r["written"]:
+            say(f"[bold green]wrote[/] {escape(str(p))}  (rank {r['rank']}, {r['mode']}, {r['seconds']:.2f} s)",
+                highlight=False)
+    if fps_given and summary is not None and not any(str(p).lower().endswith(".mp4") for r in summary
+                                                     for p in r["written"]):
+        fps_unused(fps)
+    if as_json and summary is not None:  # under torchrun only rank 0 has the summary: one JSON document
+        printing.out_console.print_json(json.dumps({"distributed": gpus, "outputs": summary}, default=str))

@@ -1,0 +1,86 @@
+"""Checks on the paths decode is given, made before torch loads: the inputs exist, -o names a usable file or
+folder, and a folder made for a decode that fails is removed again."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import List
+
+from vaeopt import cleanup, outputs
+from vaeopt.errors import OutputError, VaeoptError
+
+
+def check_inputs_exist(latents: List[Path]) -> None:
+    """A missing latent file, said before torch loads (vaeopt.latents.read_latents checks the rest)."""
+    for p in latents:
+        if not p.exists():
+            raise VaeoptError(f"{p}: " + ("a broken or looping symlink" if p.is_symlink() else "no such file"))
+
+
+def output_arg(output: str | None) -> tuple[Path | None, bool]:
+    """-o as typed -> (path, is a folder). A trailing separator means a folder whatever the name looks like
+    ("renders/2024.06.01/", "renders/run.safetensors/"); Path() drops it, so it is read from the text."""
+    if output is None:
+        return None, False
+    if not output.strip():
+        raise OutputError("-o is empty: name a file or a folder")
+    if output.strip() == "-":  # (it would make a folder named '-')
+        raise OutputError("-o -: writing to stdout is not supported; give a file (out.png, out.mp4, out.safetensors) "
+                          "or a folder (out/)")
+    try:
+        path = Path(output).expanduser()  # as --model is; a quoted '~/x.png' would otherwise make a folder named '~'
+        path.is_dir()
+    except (OSError, RuntimeError) as e:  # a name too long for the file system, a symlink loop, '~nosuchuser'
+        raise OutputError(f"-o {output}: not a usable path ({getattr(e, 'strerror', None) or e})") from None
+    folder = output.endswith(("/", os.sep))
+    if folder and path.exists() and not path.is_dir():
+        raise OutputError(f"-o {output}: the trailing '/' asks for a folder, but {path} is a file; choose another "
+                          "-o (nothing was written)")
+    if not folder and not path.is_dir() and path.name.endswith(".") and path.name != "..":
+        # 'out.png.' has no suffix, so it would silently become a folder named so
+        raise OutputError(f"-o {output}: the name ends in '.', likely a typo; name a .png/.mp4/.safetensors file, or "
+                          f"a folder with a trailing '/' ({output}/) if that is the name you want")
+    if not folder and path.suffix == "" and path.is_file():  # before "exists, pass --overwrite", which would not help
+        raise OutputError(f"-o {output}: a name without a suffix is a folder output, but {path} is a file, which "
+                          "--overwrite does not replace with a folder; name a .png/.mp4/.safetensors file, or "
+                          "another folder (nothing was written)")
+    if not folder and not path.is_dir() and path.suffix and path.suffix.lower() not in outputs.OUTPUT_SUFFIXES:
+        # before the checkpoint loads (the same check runs again when the outputs are planned)
+        raise OutputError(outputs.unknown_type(f"-o {output}", path.suffix))
+    if not folder and not path.is_dir() and path.name.lower() in outputs.OUTPUT_SUFFIXES:  # a hidden folder, else
+        raise OutputError(f"-o {output}: a suffix alone is not a file name; name the file "
+                          f"({path.with_name('out' + path.name)}), or leave -o out to write each output beside its input")
+    outputs.check_output_folder(path, folder, f"-o {output}")  # /proc, a read-only folder: now, not after the decode
+    return path, folder
+
+
+@contextlib.contextmanager
+def output_folder(path: Path | None):
+    """Make the -o folder (a trailing '/'); if the decode then fails or is interrupted and the folder it made is still
+    empty, remove it, so that "nothing was left behind" holds."""
+    made = []  # the folders mkdir makes, innermost first (-o new/newer/ makes both)
+    if path is not None:
+        p = path
+        while not p.exists() and not p.is_symlink() and p != p.parent:
+            made.append(p)
+            p = p.parent
+        _make_output_folder(path)
+        cleanup.add_folders(made)  # (removed if still empty when a signal must end the process at once)
+    try:
+        yield
+    except BaseException:
+        for p in made:
+            try:
+                p.rmdir()  # only if empty
+            except OSError:
+                break
+        raise
+
+
+def _make_output_folder(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{path}/: cannot create the output folder ({e.strerror or e})") from None
