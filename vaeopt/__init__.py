@@ -1,6 +1,6 @@
 """vaeopt: fast, memory-aware, fidelity-checked VAE decoding for latent diffusion."""
 
-__version__ = "0.1.0"
+from vaeopt.version import VERSION as __version__
 
 
 def __getattr__(name):  # lazy: `import vaeopt` stays cheap for the CLI's --help

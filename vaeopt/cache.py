@@ -73,7 +73,7 @@ def environment(device=None) -> dict:
     """What makes a measurement stale: the device and the software that ran it."""
     import torch
 
-    from vaeopt import __version__
+    from vaeopt.version import VERSION as __version__
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     env = {"format": FORMAT, "vaeopt": __version__, "torch": torch.__version__, "triton": _version("triton")}
