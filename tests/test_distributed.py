@@ -330,6 +330,22 @@ def test_many_files_each_output_written_once(run):
     assert sorted(os.listdir(os.path.dirname(one[0]["written"][0]))) == ["lat0.png"]
 
 
+def test_ranks_check_the_callers_limits(samples_dir, tmp_path):
+    """`--gpus` runs check the caller's --max-outputs / --max-output-gb on every rank before any decode, as one-GPU
+    runs do: a file with more tensors than allowed is refused and nothing is written."""
+    from vaeopt.api import Limits
+
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt")["astronaut"][:, :, :8, :8]
+    src = tmp_path / "three.pt"
+    torch.save([lat.clone() for _ in range(3)], src)
+    out = tmp_path / "out"
+    with pytest.raises(D.DistributedError, match="max-outputs"):
+        D.launch(1, D.decode_files_distributed, [str(src)], str(samples_dir / "tiny_kl_image.safetensors"),
+                 kwargs=dict(output=str(out / "x.png"), latent_space="scaled", limits=Limits(max_outputs=2)),
+                 backend="gloo", timeout=120)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("kind,expect", [("raise", "ValueError: boom on rank 1"), ("exit", "died (exit code 7)")])
 def test_rank_failure_is_a_clear_error_not_a_hang(kind, expect):
     t0 = time.perf_counter()

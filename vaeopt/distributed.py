@@ -292,6 +292,7 @@ def decode_files_distributed(
     mode: str = "auto",
     group=None,
     log: Callable[[str], None] | None = None,
+    limits: api.Limits | None = None,
 ) -> list[dict] | None:
     """Per-rank entry of ``vaeopt decode ... --gpus N``: call it on every rank of an initialised process group
     (e.g. ``launch(N, decode_files_distributed, paths, model, kwargs={...})``).
@@ -301,7 +302,9 @@ def decode_files_distributed(
     replaced by the rank's). mode "files": jobs spread over the ranks (:func:`assign_jobs`), each rank decodes and
     writes its own with vaeopt.api.run_jobs. mode "band": all ranks decode every job together
     (:func:`band_parallel_decode`, the planner's chunk for the band) and rank 0 writes it. "auto": "band" when there
-    are fewer jobs than ranks and the model supports it, else "files".
+    are fewer jobs than ranks and the model supports it, else "files". ``limits``: what one input file may ask for
+    (vaeopt.api.Limits, as `vaeopt decode --max-outputs/--max-output-gb`; default Limits()), checked on every rank
+    before any decode.
 
     Returns on rank 0 the summary of every job in job order (dicts: source, entry, shape, written, seconds,
     peak_bytes, plan, retries, rank, mode), None on the other ranks. If any rank failed, every rank raises
@@ -320,11 +323,12 @@ def decode_files_distributed(
     used_mode = mode
     err = None
     try:
-        files = [lat.read_latents(Path(p), key) for p in latents]
+        limits = limits or api.Limits()
+        files = [lat.read_latents(Path(p), key, max_tensors=limits.max_outputs) for p in latents]
         model_path, _why = api.resolve_model(model, files)
         loaded = load_vae(model_path, family=family, config=config)
         jobs = api.plan_jobs(files, loaded, Path(output) if output is not None else None, latent_space, overwrite,
-                             log=say if rank == 0 else None)
+                             log=say if rank == 0 else None, limits=limits)
         opts = Options(**{**(options.__dict__ if options is not None else {}), "device": str(dev)})
         pipe = Pipeline(loaded, opts, log=(lambda s: say(f"[rank {rank}] {s}")))
         ok, why = supports_band(pipe.model)

@@ -125,14 +125,14 @@ def decode(
     if gpus is not None and (height is not None or width is not None):
         raise VaeoptError("--height/--width with --gpus: give the packed latents' image size in the file's metadata "
                           "(\"height\", \"width\") or in vaeopt.json beside it, which every rank reads")
+    limits = api.Limits(max_outputs, max_output_gb)
+    limits.check()  # (before anything is read)
     if gpus is not None:
         with output_folder(output if out_folder else None):  # removed again if the ranks fail before writing
             _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
-                                as_json, fps_given)
+                                as_json, fps_given, limits)
         return
     t0 = time.perf_counter()
-    limits = api.Limits(max_outputs, max_output_gb)
-    limits.check()  # (before anything is read)
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space), max_tensors=max_outputs)
              for p in latents]
     if height is not None or width is not None:  # packed token sequences: the image size they were made for
@@ -228,7 +228,7 @@ def _log_stderr(msg: str) -> None:
 
 
 def _decode_distributed(gpus, latents, model, output, family, config, key, latent_space, overwrite, opts, fps,
-                        as_json, fps_given=False) -> None:
+                        as_json, fps_given=False, limits=None) -> None:
     import torch
 
     from vaeopt.distributed import DistributedError, decode_files_distributed, launch
@@ -245,7 +245,7 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
         summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
                          str(model) if model else None,
                          kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
-                                     overwrite=overwrite, options=opts, fps=fps,
+                                     overwrite=overwrite, options=opts, fps=fps, limits=limits,
                                      log=_log_stderr if printing.level >= 2 else None))  # stdout: --json only
     except DistributedError as e:
         raise VaeoptError(str(e).splitlines()[0]) from None

@@ -23,7 +23,7 @@ def serve(
                                                             "visible GPUs, else the CPU)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 | fp16."),
     queue: int = typer.Option(64, "--queue", help="Requests waiting per worker before 503 + Retry-After."),
-    batch: int = typer.Option(1, "--batch", help="Decode up to N queued same-shape image latents as one batch "
+    batch: int = typer.Option(4, "--batch", help="Decode up to N queued same-shape image latents as one batch "
                                                   "(1: off; a batch never waits to fill)."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds per request (body, queue, decode, encoding)."),
     body_timeout: float = typer.Option(30.0, "--body-timeout", help="Seconds to receive a request's body."),

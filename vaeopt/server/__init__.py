@@ -73,7 +73,7 @@ def devices(device: str | None, gpus: int | None):
 
 def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
           device: str | None = None, gpus: int | None = None, dtype: str = "auto", max_queue: int = 64,
-          batch: int = 1, timeout_s: float = 120.0, body_timeout_s: float = 30.0, max_body_mb: float = 256,
+          batch: int = 4, timeout_s: float = 120.0, body_timeout_s: float = 30.0, max_body_mb: float = 256,
           max_megapixels: float = 128, jpeg_quality: int = 95, log_level: str = "info") -> None:
     """Check everything, bind, and serve until Ctrl-C / SIGTERM."""
     try:
