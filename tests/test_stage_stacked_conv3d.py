@@ -142,13 +142,14 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
     assert r.data["left_to_triton_conv"] == 6 and "6 with 96 ch left to triton_conv" in r.detail
     from vaeopt.kernels import ws_conv
 
-    monkeypatch.setattr(ws_conv, "ENABLED", False)  # a Triton without Gluon: the 96-ch convs on the TMA variant
+    gluon = ws_conv.gluon
+    monkeypatch.setattr(ws_conv, "gluon", None)  # a Triton without Gluon: the 96-ch convs on the TMA variant
     r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
     assert r.status == "applied" and r.data["layers"] == 6 and r.data["shapes"] == ["96->96"], r.detail
     assert "TMA variant" in r.detail and "warp-specialized" not in r.detail
-    if ws_conv.gluon is not None:  # with Gluon the 192-ch convs join, on the warp-specialized kernel (E42)
+    if gluon is not None:  # with Gluon the 192-ch convs join, on the warp-specialized kernel (E42)
         triton_conv.revert(full)
-        monkeypatch.setattr(ws_conv, "ENABLED", True)
+        monkeypatch.setattr(ws_conv, "gluon", gluon)
         r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
         assert r.data["layers"] == 12 and r.data["shapes"] == ["96->96", "192->192"], r.detail
         assert r.data["ws_channels"] == [96, 192]

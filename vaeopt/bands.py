@@ -63,7 +63,7 @@ from vaeopt.stages import fused_norms, unhooked
 from vaeopt.stages.fused_epilogues import chunked_attention
 from vaeopt.stages.marks import is_2x_nearest, wan_channels_last
 
-__all__ = ["BAND_STACK", "band_parallel_decode", "band_rows", "supports_band"]
+__all__ = ["band_parallel_decode", "band_rows", "supports_band"]
 
 
 # ================================================================================================================
@@ -482,9 +482,6 @@ class _ImageBandDecoder:
 # ================================================================================================================
 
 
-BAND_STACK = True  # bands run stacked_conv3d's time-stacked convs (benchmarks' A/B switch; read per decode)
-
-
 class WanBandHalo:
     """The rows beyond a band's edges for Wan's chunk decoder (ChunkDecoder(halo=...)), from the neighbour ranks:
     every spatial conv exchanges the boundary rows of its staged input ([causal history | new frames], i.e. including
@@ -670,7 +667,7 @@ def _decode_wan_band(vae, z: Tensor, comm: BandComm, chunk, fused, channels_last
         if m is not None and not isinstance(m, wan.WanAttentionBlock):
             raise DistributedError(f"mid_block.attentions.{i}: {type(m).__name__} is not a WanAttentionBlock")
     halo = WanBandHalo(vae, comm)
-    dec = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused, stack=BAND_STACK, halo=halo)
+    dec = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused, stack=True, halo=halo)
     p = patch_size(vae)
     sched = video.chunk_schedule(z.shape[2], chunk)
     total = sum(video.output_frame_counts(sched, temporal_factor(vae)))

@@ -292,16 +292,14 @@ def _is_attention(m: nn.Module) -> bool:
 # measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL). Gated
 # at the decode's size (apply_fp8), sdxl-1024 at the default 40 dB gate took 14.62 vs 15.87 ms (e4m3) on an H200 in
 # one process, 40.2 dB at full size (h200_int8_decode_2026-11-23f.json); ladders 14.67 ms (H200), 16.18 ms (H100)
-# after the FLOPs order (_gate_search; docs/experiments.md E45, E46). Benchmarks switch it off to time e4m3
-# (docs/experiments.md E46).
-INT8_FORMAT = True
+# after the FLOPs order (_gate_search; docs/experiments.md E45, E46).
 
 
 def int8_convs(model: nn.Module, device: torch.device) -> bool:
     """Whether this model's image resnet convs run their 8-bit path in int8 here (else e4m3)."""
     from vaeopt.kernels import tma_conv  # (imports Triton)
 
-    return (INT8_FORMAT and not is_wan(model) and getattr(model, "decoder", None) is not None
+    return (not is_wan(model) and getattr(model, "decoder", None) is not None
             and tma_conv.available(torch.device(device)))
 
 
