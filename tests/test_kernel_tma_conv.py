@@ -339,7 +339,7 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
     # without the triton_conv stage the 96-ch convs stay stacked (not left to a stage that does not run)
     off = {s.name: s for s in _wan21_pipeline(conv_kernel="off").stages}
     assert off["stacked_conv3d"].data["channels"] == [96, 384] and off["triton_conv"].status == "skipped"
-    monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
+    monkeypatch.setattr(stacked_conv3d, "tma_takes_96", lambda *a: False)  # auto stacking the 96-ch convs too
     q = _wan21_pipeline()
     assert {s.name: s for s in q.stages}["stacked_conv3d"].data["channels"] == [96, 384]
     with torch.inference_mode():

@@ -124,8 +124,8 @@ def test_auto_policy_and_triton_conv_handover():
 def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatch):
     """Where the TMA conv runs bf16 (sm_90; faked here) and triton_conv will run, auto stacks only the 384-channel
     convs and says where the 96-channel ones went; triton_conv then takes exactly those six, packed K-major for that
-    kernel (only they: other widths and fp16 keep the pointer kernel's layout). Without triton_conv, in fp16, with
-    the A/B switch TMA_96 off and with --stack-conv3d on the 96-channel convs stay stacked."""
+    kernel (only they: other widths and fp16 keep the pointer kernel's layout). Without triton_conv, in fp16 and
+    with --stack-conv3d on the 96-channel convs stay stacked."""
     from vaeopt.kernels import tma_conv
 
     monkeypatch.setattr(stacked_conv3d, "available", lambda d: (True, "cuDNN"))
@@ -172,9 +172,6 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
         triton_conv.revert(full)
         r = stacked_conv3d.apply(full, device=CPU, triton_conv_runs=True, **kw)
         assert r.data["left_to_triton_conv"] == 0 and 96 in r.data["channels"], (kw, r.detail)
-    stacked_conv3d.revert(full)
-    monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
-    assert stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16, triton_conv_runs=True).data["layers"] == 21
 
 
 def test_tma_96_implies_triton_conv_runs_there():

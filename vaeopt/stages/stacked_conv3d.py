@@ -37,7 +37,6 @@ _MARK = STACK3D
 _W = "_vaeopt_stack3d_w"
 MEASURED_CHANNELS = (96, 384)  # stacked beat the Conv3d path (and 96: our Triton kernel) at these widths
 MEASURED_SM = ((9, 0),)
-TMA_96 = True  # auto leaves the bf16 96-ch convs to triton_conv's TMA kernel where it runs (benchmarks' A/B switch)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -51,7 +50,7 @@ def tma_takes_96(device: torch.device | None, dtype: torch.dtype | None) -> bool
     """Whether auto leaves the 96-channel convs to triton_conv's TMA kernel (bf16 where that kernel runs)."""
     from vaeopt.kernels import tma_conv
 
-    return TMA_96 and device is not None and dtype is not None and tma_conv.bf16_wan96(torch.device(device), dtype)
+    return device is not None and dtype is not None and tma_conv.bf16_wan96(torch.device(device), dtype)
 
 
 def candidates(model: nn.Module, every: bool = False, skip: tuple[int, ...] = ()) -> list[nn.Module]:
