@@ -51,7 +51,7 @@ def setup(variant, shape, ctx):
     if variant == "fp8":
         opts["gate_db"] = ctx.args.fp8_gate
     loaded = LoadedVAE(ctx.model(torch.float32), ctx.family, "benchmark", None, [], None)
-    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None, entry="benchmark")
+    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None)
     plan = pipe.plan(tuple(shape))
     if variant == "tiled" and plan.mode != "tiled":
         raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")

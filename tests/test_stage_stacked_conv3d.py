@@ -15,7 +15,7 @@ import torch
 from vaeopt import video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
-from vaeopt.stages import channels_last, fused_epilogues, fused_norms, stacked_conv3d, triton_conv, upsample_conv
+from vaeopt.stages import Hint, channels_last, fused_epilogues, fused_norms, stacked_conv3d, triton_conv, upsample_conv
 from vaeopt.engine.memory import estimate_peak
 from vaeopt.engine.wan_ops import copy_lastdim, wan_module
 
@@ -83,7 +83,7 @@ def test_tiny_wan_stacked_equals_diffusers(samples_dir, z21, phase):
     assert stacked_conv3d.apply(vae, device=CPU, force=True).status == "skipped"  # needs the fused chunk decoder
     fused_epilogues.apply(vae)
     auto = stacked_conv3d.apply(vae, device=CPU)
-    assert auto.status == "skipped" and "--stack-conv3d on" in auto.detail
+    assert auto.status == "skipped" and (Hint("triton", "on"), Hint("stack_conv3d", "on")) in auto.hints
     r = stacked_conv3d.apply(vae, device=CPU, force=True)
     n = sum(type(m).__name__ == "WanCausalConv3d" and m.kernel_size == (3, 3, 3) for m in vae.decoder.modules())
     assert r.status == "applied" and r.data["layers"] == n

@@ -218,7 +218,7 @@ def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable ou
     from vaeopt.hw import machine_info
 
     mi = machine_info()
-    outlook = stage_outlook(mi)
+    outlook = stage_outlook(mi, spell_flags)
     if as_json:
         out_console.print_json(json.dumps({**mi.to_dict(), "stages": outlook, "families": family_outlook()}))
         return
@@ -486,6 +486,34 @@ _STAGE_WORDS = {"fp8": "FP8", "fp8 convs": "FP8 convs", "channels_last": "channe
 
 _DTYPE_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # as --dtype spells them
 
+# The stages' lines suggest settings as Hint groups (Options fields); `vaeopt decode` names them by its flags.
+_FLAG_OF = {"gate_db": "fp8-gate", "vram_budget_gb": "vram-budget"}  # Options fields whose flag is named otherwise
+
+
+def _flags(group) -> list[tuple[str, str]]:
+    return [(_FLAG_OF.get(h.option, h.option.replace("_", "-")), "" if h.value is None else f"{h.value}")
+            for h in group]
+
+
+def spell_flags(group) -> str:
+    """A hint group as `vaeopt decode`'s flags: `--triton on --conv-kernel on`."""
+    return " ".join(f"--{n}" + (f" {v}" if v else "") for n, v in _flags(group))
+
+
+_BENCH_FLAGS = ("dtype", "device", "fp8-gate")  # `vaeopt benchmark`'s own, spelled as decode's
+_BENCH_SWITCHES = ("fp8", "cudnn-autotune")  # its on/off flags, which take no value
+
+
+def spell_benchmark_flags(group) -> str:
+    """A hint group as `vaeopt benchmark` can act on it: its own flags; a setting of "off" as what the ladder row
+    set (an "off" there is the row's, not the user's doing); else as `vaeopt decode ...`."""
+    flags = _flags(group)
+    if all(n in _BENCH_FLAGS or (n in _BENCH_SWITCHES and v in ("", "on", "auto")) for n, v in flags):
+        return " ".join(f"--{n}" + (f" {v}" if v and n not in _BENCH_SWITCHES else "") for n, v in flags)
+    if all(v == "off" for _, v in flags):
+        return ", ".join(f"{n} off" for n, _ in flags) + " in this ladder row"
+    return f"`vaeopt decode {spell_flags(group)}`"
+
 
 def optimizer_summary(stages, device, dtype) -> str:
     """One line for what the optimizer did in this run: the stages applied, or that the plain path ran and why."""
@@ -597,7 +625,7 @@ def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
     images = [j.z_raw.shape for j in jobs if j.z_raw.dim() == 4]
     if images and opts.fp8 != "off":  # the int8 convs' gate measures at the largest decode (stages/triton_conv)
         opts = dataclasses.replace(opts, decode_shape=(1, *max(images, key=lambda s: s[-2] * s[-1])[1:]))
-    pipe = Pipeline(loaded, opts, log=_detail)
+    pipe = Pipeline(loaded, opts, log=_detail, spell=spell_flags)
     if _verbosity >= 2:
         console.print("[bold]decode[/]")
     else:
@@ -624,7 +652,7 @@ def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
         out_console.print_json(json.dumps({
             "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,
             "device": str(pipe.device), "dtype": str(pipe.dtype).replace("torch.", ""),
-            "stages": [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages],
+            "stages": [{"name": s.name, "status": s.status, "detail": s.text(spell_flags)} for s in pipe.stages],
             "outputs": [{"source": str(r.job.source), "entry": r.job.entry, "shape": list(r.job.z_raw.shape),
                          "written": [str(p) for p in r.written], "seconds": r.seconds, "peak_bytes": r.peak_bytes,
                          "plan": r.plan, "retries": r.retries} for r in results],
@@ -784,7 +812,7 @@ def benchmark(
                       f"more, and the ladder runs {repeats + warmup} per row (Ctrl-C stops it; --shape "
                       f"1,{shp[1]},{'1,' if len(shp) == 5 else ''}32,32 is a quick CPU run)[/]")
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
-                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, detail=_detail,
+                              fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=_log, detail=_detail, spell=spell_benchmark_flags,
                               workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
     if _verbosity >= 1:  # -q: the results are in --json / --plot
         _print_bench(result)
@@ -972,7 +1000,7 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
         summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
                          str(model) if model else None,
                          kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
-                                     overwrite=overwrite, options=opts, fps=fps,
+                                     overwrite=overwrite, options=opts, fps=fps, spell=spell_flags,
                                      log=_log_stderr if _verbosity >= 2 else None))  # stdout: --json only
     except DistributedError as e:
         raise VaeoptError(str(e).splitlines()[0]) from None

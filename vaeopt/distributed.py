@@ -292,6 +292,7 @@ def decode_files_distributed(
     mode: str = "auto",
     group=None,
     log: Callable[[str], None] | None = None,
+    spell: Callable | None = None,
 ) -> list[dict] | None:
     """Per-rank entry of ``vaeopt decode ... --gpus N``: call it on every rank of an initialised process group
     (e.g. ``launch(N, decode_files_distributed, paths, model, kwargs={...})``).
@@ -326,7 +327,7 @@ def decode_files_distributed(
         jobs = api.plan_jobs(files, loaded, Path(output) if output is not None else None, latent_space, overwrite,
                              log=say if rank == 0 else None)
         opts = Options(**{**(options.__dict__ if options is not None else {}), "device": str(dev)})
-        pipe = Pipeline(loaded, opts, log=(lambda s: say(f"[rank {rank}] {s}")))
+        pipe = Pipeline(loaded, opts, log=(lambda s: say(f"[rank {rank}] {s}")), spell=spell)
         ok, why = supports_band(pipe.model)
         if mode == "auto":
             few = len(jobs) < world and world > 1  # fewer files than ranks: band mode where the model allows it

@@ -95,7 +95,7 @@ def estimate_whole(family: FamilySpec, model, latent_shape: tuple, dtype: torch.
 
 def budget_bytes(device: torch.device, vram_budget_gb: float | None) -> tuple[int | None, str]:
     if vram_budget_gb is not None:
-        return int(vram_budget_gb * 2**30), f"--vram-budget {vram_budget_gb:g} GB"
+        return int(vram_budget_gb * 2**30), f"{vram_budget_gb:g} GB asked for"
     if device.type != "cuda":
         return None, "CPU"
     free, _ = torch.cuda.mem_get_info(device)
@@ -122,7 +122,7 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
         t = min(t, max(h, w))  # a tile beyond the latent is the latent: said as the size used
         f = family.spatial_factor
         reason = "tiling forced" if not tile else f"tile {t * f}px requested" if t == tile else (
-            f"tile {t * f}px (--tile {tile} is larger than the {h}x{w} latent: one tile, the whole image)")
+            f"tile {t * f}px (the tile of {tile} asked for is larger than the {h}x{w} latent: one tile, the whole image)")
         return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t, reason=reason)
     if budget is None or whole <= budget or tiling == "off" or family.cls_name != "AutoencoderKL":
         if budget is None and host is not None:
@@ -375,7 +375,7 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
             k, est = untiled[-1]
             return Plan("chunked", budget, est, chunk=k,
                         reason=f"chunk {k}: est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of "
-                               "memory (--tiling off)")
+                               "memory (tiling off)")
     # The untiled decode does not fit (or tiling is forced): the cheapest tiled plan that does (plan_cost order:
     # fewest halo rows, device caches before host caches), estimated by a dry run of the tiled decode itself.
     # Bounds that skip dry runs which cannot fit: plans with the caches on the device need at least the untiled

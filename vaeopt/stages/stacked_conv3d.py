@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vaeopt.kernels import interpreter_hint
-from vaeopt.stages import StageResult, cached_weight, drop_attrs, unmeasured_gpu
+from vaeopt.stages import Hint, Said, StageResult, cached_weight, drop_attrs, unmeasured_gpu
 from vaeopt.stages.marks import STACK3D, stacked, wan_conv_fits
 
 NAME = "stacked_conv3d"
@@ -41,8 +41,8 @@ MEASURED_SM = ((9, 0),)
 
 def available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
-        return False, ("CPU decode: the Conv3d kept (the stack is written by the fused kernels: "
-                       f"{interpreter_hint('--triton on --stack-conv3d on')})")
+        return False, Said("CPU decode: the Conv3d kept (the stack is written by the fused kernels: "
+                           f"{interpreter_hint()})", (Hint("triton", "on"), Hint("stack_conv3d", "on")))
     return True, "cuDNN"
 
 
@@ -79,7 +79,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     ok, why = available(device)
     if not ok and not force:
         return StageResult.skipped(NAME, why)
-    why = None if force else unmeasured_gpu(device, MEASURED_SM, "the Conv3d", "--stack-conv3d")
+    why = None if force else unmeasured_gpu(device, MEASURED_SM, "the Conv3d", "stack_conv3d")
     if why:
         return StageResult.skipped(NAME, why)
     if not getattr(model, "_vaeopt_fused_epilogues", None):

@@ -77,7 +77,7 @@ def apply(model: nn.Module, device: torch.device | None = None, force: bool = Fa
     if not ok:
         if not (force and device.type == "cpu" and triton_available(device)[0]):  # CPU: interpreter, tests only
             return StageResult.skipped(NAME, why)
-    why = None if force else unmeasured_gpu(device, MEASURED_SM, "cuDNN", "--conv-kernel")
+    why = None if force else unmeasured_gpu(device, MEASURED_SM, "cuDNN", "conv_kernel")
     if why:
         return StageResult.skipped(NAME, why)
     # the decode path only: the encoder is never run by a decode (and its layers would inflate the count)
