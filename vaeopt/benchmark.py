@@ -25,8 +25,9 @@ from vaeopt.families import FamilySpec, build_model
 from vaeopt.hw import ClockSampler, machine_info
 from vaeopt.loading import LoadedVAE
 from vaeopt.outputs import atomic_path
-from vaeopt.pipeline import DecodeStats, Options, Pipeline, channels_last_veto
-from vaeopt.stages import StageResult, cudnn_autotune, spelled, triton_conv
+from vaeopt.pipeline import DecodeStats, Options, Pipeline
+from vaeopt.stage_table import channels_last_veto
+from vaeopt.stages import cudnn_autotune, spelled, triton_conv
 
 # Standard workloads (docs/benchmarks.md): name -> (family, raw latent shape)
 WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {

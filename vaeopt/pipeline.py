@@ -24,7 +24,6 @@ from vaeopt.errors import DecodeError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, quiet_diffusers
-from vaeopt.stage_table import HUNYUAN_CL_SKIP, channels_last_veto  # noqa: F401 (their home before the table)
 from vaeopt.stages import Hint, Said, StageResult, join, spelled, unhooked, watch_loads, weights_epoch
 
 SWITCHES = ("auto", "on", "off")
