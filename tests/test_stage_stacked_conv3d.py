@@ -15,6 +15,8 @@ import torch
 from vaeopt import video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
+from vaeopt.pipeline import Options
+from vaeopt.stage_table import DeviceInfo, decide_stages
 from vaeopt.stages import Hint, channels_last, fused_epilogues, fused_norms, stacked_conv3d, triton_conv, upsample_conv
 from vaeopt.engine.memory import estimate_peak
 from vaeopt.engine.wan_ops import copy_lastdim, wan_module
@@ -82,7 +84,9 @@ def test_tiny_wan_stacked_equals_diffusers(samples_dir, z21, phase):
     channels_last.apply(vae)
     assert stacked_conv3d.apply(vae, device=CPU, force=True).status == "skipped"  # needs the fused chunk decoder
     fused_epilogues.apply(vae)
-    auto = stacked_conv3d.apply(vae, device=CPU)
+    # auto on the CPU (the stage table's rule): the Conv3d stays
+    auto = {r.name: r for r in decide_stages(Options(triton="on"), get_family("wan21"), torch.float32,
+                                             DeviceInfo("cpu", triton=(True, "")))}["stacked_conv3d"]
     assert auto.status == "skipped" and (Hint("triton", "on"), Hint("stack_conv3d", "on")) in auto.hints
     r = stacked_conv3d.apply(vae, device=CPU, force=True)
     n = sum(type(m).__name__ == "WanCausalConv3d" and m.kernel_size == (3, 3, 3) for m in vae.decoder.modules())
@@ -128,8 +132,6 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
     with --stack-conv3d on the 96-channel convs stay stacked."""
     from vaeopt.kernels import tma_conv
 
-    monkeypatch.setattr(stacked_conv3d, "available", lambda d: (True, "cuDNN"))
-    monkeypatch.setattr(stacked_conv3d, "unmeasured_gpu", lambda *a: None)
     monkeypatch.setattr(tma_conv, "available", lambda d: True)
     with torch.device("meta"):
         full = build_model(get_family("wan21"))

@@ -13,10 +13,10 @@ from vaeopt.stage_table import GRAPH_MIN_REPEATS, ROWS, DeviceInfo, decide_autot
 from vaeopt.stages import Hint
 
 # an H200 as the rules see it: Triton kernels, FP8 tensor cores, CUDA graphs, cuDNN
-H200 = DeviceInfo("cuda", "NVIDIA H200", triton=(True, ""), fp8_compute=(True, ""), graphs=(True, ""),
+H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), triton=(True, ""), fp8_compute=(True, ""), graphs=(True, ""),
                   cudnn=(True, ""))
 # a CUDA GPU without FP8 tensor cores (sm_80)
-A100 = DeviceInfo("cuda", "NVIDIA A100", triton=(True, ""),
+A100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0), triton=(True, ""),
                   fp8_compute=(False, "GPU sm_80 has no FP8 tensor cores (needs sm_89+)"), graphs=(True, ""),
                   cudnn=(True, ""))
 CPU = DeviceInfo("cpu", triton=(True, ""))  # (the tests run with the Triton interpreter)
@@ -60,12 +60,9 @@ def test_cpu_defaults_pinned(samples_dir, sample, want):
     assert st["triton_conv"].hints == ((Hint("triton", "on"), Hint("conv_kernel", "on")),)
     assert not any("{" in line for line in lines), lines  # every slot filled
     dry = decide_stages(Options(device="cpu"), pipe.family, torch.float32, CPU)
-    # the table lets upsample_conv, stacked_conv3d and attention run; their own checks keep the stock modules on
-    # the CPU (the layers they were measured for are GPU ones)
-    own = ("upsample_conv", "stacked_conv3d", "attention")
+    # the table lets attention run; the stage finds nothing to change on the CPU (diffusers' SDPA already)
     table = dict(_short(dry))
-    assert {n: s for n, s in _short(pipe.stages) if n not in own} == {n: s for n, s in table.items() if n not in own}
-    assert all(table[n] == "run" for n in own if n in table)
+    assert dict(_short(pipe.stages)) == {**table, "attention": "skipped"} and table["attention"] == "run"
 
 
 def test_cpu_forced_stages(samples_dir):
@@ -118,6 +115,12 @@ def test_h200_other_families_pinned():
                                   ("fused_norms", "run"), ("fused_epilogues", "run"), ("upsample_conv", "run"),
                                   ("stacked_conv3d", "run"), ("triton_conv", "run"), ("attention", "run")]
     assert _gpu("wan21", dtype=torch.float32, fp8="on")["fp8 convs"].status == "applied"  # Wan: level 3 always
+    # a GPU the Wan stages were not measured on: the Conv3d and cuDNN kept unless forced
+    sm86 = DeviceInfo("cuda", "a GPU", (8, 6), triton=(True, ""), graphs=(True, ""), cudnn=(True, ""))
+    d = _gpu("wan21", info=sm86)
+    assert d["stacked_conv3d"].text() == "tuned for sm_90 only; the Conv3d kept on sm_86 (stack_conv3d=on to force)"
+    assert d["triton_conv"].text() == "tuned for sm_90 only; cuDNN kept on sm_86 (conv_kernel=on to force)"
+    assert _gpu("wan21", info=sm86, stack_conv3d="on")["stacked_conv3d"].status == "applied"
     d = _gpu("hunyuanvideo")
     assert d["channels_last"].status == "skipped" and "NCDHW" in d["channels_last"].detail
     assert d["triton_conv"].detail == "needs channels_last activations (the kernel reads NDHWC)"

@@ -169,7 +169,7 @@ class Pipeline:
         self.dtype, upcast = stage_table.precision_dtype(self.family, self.dtype, self.loaded.layout)
         watch_loads(self.model)
         ctx = stage_table.Context(self.opts, self.family, self.dtype, self.info, self.device, self.model,
-                                  layout=self.loaded.layout, log=self.log, upcast=upcast)
+                                  layout=self.loaded.layout, upcast=upcast)
         stage_table.apply_stages(ctx, self._record, precision=self._precision)
 
     def _precision(self, ctx: stage_table.Context) -> StageResult:

@@ -1,8 +1,9 @@
 """The stages in one table: each stage's name, the option that switches it, what it needs, what it conflicts with
 and its auto rule. `apply_stages` walks the table in its order once per pipeline; `decide_graphs` and
 `decide_autotune` make the two decisions that depend on how often a shape repeats, per job. Every automatic
-decision about a stage is made here (the planner decides whole, tiled or chunked). A stage module does the work
-and keeps only its per-layer checks (which layers it takes) and its own guard for GPUs it was not measured on.
+decision about a stage is made here (the planner decides whole, tiled or chunked), including where a stage pays
+(the GPUs it was measured on). A stage module does the work and keeps only its per-layer checks (which layers it
+takes) and whether its kernels can run at all.
 
 A rule reads the device through `DeviceInfo`, so that the decisions can be computed without the device itself
 (`decide_stages`: what a pipeline would do, for tests and for `vaeopt info`'s outlook alike).
@@ -23,7 +24,7 @@ import torch
 
 from vaeopt import video
 from vaeopt.kernels import interpreter_hint
-from vaeopt.stages import Hint, Said, StageResult, join
+from vaeopt.stages import Hint, Said, StageResult, join, unmeasured_gpu
 
 # CUDA graphs, measured on an H200 (benchmarks/results/h200_graphs_fp8_2026-11-21.json): a 512² decode 8.2 -> 5.6 ms
 # replayed, capture (incl. warm-up) 27 ms; a 1024² decode 22.0 -> 21.8 ms. So graphs pay for small outputs decoded
@@ -49,6 +50,7 @@ class DeviceInfo:
     have). Each pair is (available, why not)."""
     type: str  # "cpu" or "cuda"
     name: str = "CPU"
+    capability: tuple[int, int] | None = None  # CUDA compute capability, (9, 0) on an H100 / H200
     triton: tuple[bool, str] = (False, "")  # our Triton kernels run here (the fused norms' check)
     fp8_compute: tuple[bool, str] = (False, "")  # FP8 tensor cores (levels 2 and 3)
     fp8_storage: tuple[bool, str] = (True, "")  # e4m3 weight storage (level 1): torch's float8_e4m3fn
@@ -63,7 +65,8 @@ class DeviceInfo:
         except ImportError as e:
             triton = (False, f"fused norm kernels not importable ({e})")
         fp8 = stage("fp8")
-        return cls(device.type, name, triton, fp8.available(device, compute=True),
+        cap = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+        return cls(device.type, name, cap, triton, fp8.available(device, compute=True),
                    fp8.available(device, compute=False), stage("graphs").available(device),
                    stage("cudnn_autotune").available(device))
 
@@ -78,7 +81,6 @@ class Context:
     device: torch.device | None = None  # None: deciding only (decide_stages), nothing is applied
     model: torch.nn.Module | None = None
     layout: str = ""  # LoadedVAE.layout ("in-memory" for optimize(pipe.vae): its family is a guess)
-    log: Callable[[str], None] = lambda s: None
     done: dict[str, StageResult] = field(default_factory=dict)
     upcast: Said | None = None  # why the dtype was raised to fp32 (precision_dtype)
 
@@ -192,8 +194,15 @@ def _fused_norms_gate(ctx: Context):
     return why if not ok and ctx.opts.triton == "auto" else None
 
 
+def _upsample_conv_auto(ctx: Context):
+    """On the CPU the stock upsample + conv stays (bitwise diffusers'); on any GPU the phase convs pay."""
+    if ctx.opts.upsample_conv == "auto" and ctx.info.type != "cuda":
+        return stage("upsample_conv").cpu_reason(ctx.cls)
+    return None
+
+
 def _upsample_conv_apply(ctx: Context) -> StageResult:
-    return stage("upsample_conv").apply(ctx.model, **ctx.kw(force=ctx.opts.upsample_conv == "on"))
+    return stage("upsample_conv").apply(ctx.model, **ctx.kw())
 
 
 def _stacked_absent(ctx: Context):
@@ -202,6 +211,15 @@ def _stacked_absent(ctx: Context):
         return Said("{0} has nothing to stack: it is for Wan's causal Conv3d, and " + f"{ctx.family.title} has none",
                     Hint("stack_conv3d", "on"))
     return None
+
+
+def _stacked_auto(ctx: Context):
+    """auto: on a CUDA GPU it was measured on (the stack is written by the fused kernels)."""
+    if ctx.opts.stack_conv3d == "on":
+        return None
+    mod = stage("stacked_conv3d")
+    ok, why = mod.available(ctx.info)
+    return why if not ok else unmeasured_gpu(ctx.info, mod.MEASURED_SM, "the Conv3d", "stack_conv3d")
 
 
 def _stacked_apply(ctx: Context) -> StageResult:
@@ -222,6 +240,16 @@ def _triton_conv_conflict(ctx: Context):
     if ctx.dtype == torch.float32 and ctx.info.type == "cuda":
         return "fp32 decode: cuDNN kept (the kernel's fp32 dot would use TF32)"
     return None
+
+
+def _triton_conv_auto(ctx: Context):
+    """Where Triton runs (the CPU only forced, through the interpreter: tests); auto: GPUs it was measured on."""
+    mod = stage("triton_conv")
+    if ctx.info.type != "cuda" and not (ctx.opts.conv_kernel == "on" and ctx.info.triton[0]):
+        return mod.available(ctx.info)[1]
+    if ctx.info.type == "cuda" and not ctx.info.triton[0]:
+        return ctx.info.triton[1]
+    return None if ctx.opts.conv_kernel == "on" else unmeasured_gpu(ctx.info, mod.MEASURED_SM, "cuDNN", "conv_kernel")
 
 
 def _fp8_convs_gate(ctx: Context):
@@ -265,14 +293,13 @@ ROWS: tuple[Row, ...] = (
     Row("fused_norms", "triton", lambda c: stage("fused_norms").apply(c.model), gate=_fused_norms_gate),
     Row("fused_epilogues", "epilogues", lambda c: stage("fused_epilogues").apply(c.model, device=c.device),
         needs=(("fused_norms", "needs the fused norms (they carry the folded biases)"),)),
-    Row("upsample_conv", "upsample_conv", _upsample_conv_apply),
+    Row("upsample_conv", "upsample_conv", _upsample_conv_apply, auto=_upsample_conv_auto),
     Row("stacked_conv3d", "stack_conv3d", _stacked_apply,
         needs=(("channels_last", "needs channels_last_3d activations (the stack is NHWC)"),),
-        present=lambda c: c.cls == "AutoencoderKLWan", absent=_stacked_absent),
-    Row("triton_conv", "conv_kernel",
-        lambda c: stage("triton_conv").apply(c.model, **c.kw(force=c.opts.conv_kernel == "on")),
+        present=lambda c: c.cls == "AutoencoderKLWan", absent=_stacked_absent, auto=_stacked_auto),
+    Row("triton_conv", "conv_kernel", lambda c: stage("triton_conv").apply(c.model, **c.kw()),
         needs=(("channels_last", "needs channels_last activations (the kernel reads NDHWC)"),),
-        gate=_triton_conv_gate, conflict=_triton_conv_conflict),
+        gate=_triton_conv_gate, conflict=_triton_conv_conflict, auto=_triton_conv_auto),
     Row("fp8 convs", None, _fp8_convs_apply, gate=_fp8_convs_gate, present=_conv8),
     Row("attention", "attention", lambda c: stage("attention").apply(c.model, **c.kw())),
 )

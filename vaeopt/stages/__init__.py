@@ -104,12 +104,13 @@ class StageResult:
 
 def unmeasured_gpu(device, measured_sm: tuple, kept: str, option: str) -> Said | None:
     """None on a CUDA GPU of a measured compute capability (or off CUDA); else the skip reason for a stage whose
-    policy was measured only there: `kept` is what stays instead, `option` the Options field that forces the stage."""
+    policy was measured only there: `kept` is what stays instead, `option` the Options field that forces the stage.
+    device: a torch.device, or anything with `type` and `capability` (the stage table's DeviceInfo)."""
     import torch
 
     if getattr(device, "type", None) != "cuda":
         return None
-    cap = torch.cuda.get_device_capability(device)
+    cap = getattr(device, "capability", None) or torch.cuda.get_device_capability(device)
     if cap in measured_sm:
         return None
     where = ", ".join(f"sm_{a}{b}" for a, b in measured_sm)

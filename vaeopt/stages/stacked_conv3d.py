@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vaeopt.kernels import interpreter_hint
-from vaeopt.stages import Hint, Said, StageResult, cached_weight, drop_attrs, unmeasured_gpu
+from vaeopt.stages import Hint, Said, StageResult, cached_weight, drop_attrs
 from vaeopt.stages.marks import STACK3D, stacked, wan_conv_fits
 
 NAME = "stacked_conv3d"
@@ -71,17 +71,13 @@ def mark(convs) -> None:
 
 def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
           dtype: torch.dtype | None = None, triton_conv_runs: bool = False, **_) -> StageResult:
-    """triton_conv_runs: the triton_conv stage will run after this one (the pipeline knows), so the 96-ch convs may be
-    left to its TMA kernel (auto, `tma_takes_96`); otherwise they are stacked as before."""
+    """Mark the causal convs to stack: the measured widths, or every one (force). triton_conv_runs: the triton_conv
+    stage will run after this one (the stage table knows), so the 96-ch convs may be left to its TMA kernel (auto,
+    `tma_takes_96`); otherwise they are stacked as before. Where it runs in auto mode (GPUs it was measured on) is
+    the stage table's rule."""
     if type(model).__name__ != "AutoencoderKLWan":
         return StageResult.skipped(NAME, f"{type(model).__name__} has no causal Conv3d")
     device = device or next(model.parameters()).device
-    ok, why = available(device)
-    if not ok and not force:
-        return StageResult.skipped(NAME, why)
-    why = None if force else unmeasured_gpu(device, MEASURED_SM, "the Conv3d", "stack_conv3d")
-    if why:
-        return StageResult.skipped(NAME, why)
     if not getattr(model, "_vaeopt_fused_epilogues", None):
         return StageResult.skipped(NAME, "needs the fused chunk decoder (its RMS-norm kernel writes the stack)")
     skip = (96,) if not force and triton_conv_runs and tma_takes_96(device, dtype) else ()

@@ -30,8 +30,8 @@ from torch import nn
 
 from vaeopt.fidelity import psnr
 from vaeopt.kernels import triton_available, ws_conv
-from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, unmeasured_gpu,
-                           upsample_conv, weight_version)
+from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, upsample_conv,
+                           weight_version)
 from vaeopt.stages.fp8 import available as fp8_stage_available
 from vaeopt.quant.gate import exact_fp32
 from vaeopt.stages.marks import CONV8 as _MARK8
@@ -70,15 +70,13 @@ def _on_ws(conv: nn.Module, device: torch.device | None, dtype: torch.dtype | No
             and ws_conv.available(torch.device(device), dtype))
 
 
-def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
-          dtype: torch.dtype | None = None, **_) -> StageResult:
+def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None,
+          **_) -> StageResult:
+    """Mark the Conv3d layers the kernel takes. Where it runs in auto mode (CUDA GPUs it was measured on; the CPU
+    only through the interpreter, for tests) is the stage table's rule; here only whether Triton runs at all."""
     device = device or next(model.parameters()).device
-    ok, why = available(device)
+    ok, why = triton_available(device)
     if not ok:
-        if not (force and device.type == "cpu" and triton_available(device)[0]):  # CPU: interpreter, tests only
-            return StageResult.skipped(NAME, why)
-    why = None if force else unmeasured_gpu(device, MEASURED_SM, "cuDNN", "conv_kernel")
-    if why:
         return StageResult.skipped(NAME, why)
     # the decode path only: the encoder is never run by a decode (and its layers would inflate the count)
     parts = [getattr(model, "post_quant_conv", None), getattr(model, "decoder", None)] if hasattr(

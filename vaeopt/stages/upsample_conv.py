@@ -45,6 +45,16 @@ def available(device: torch.device) -> tuple[bool, str]:
     return True, "cuDNN"
 
 
+def cpu_reason(cls_name: str) -> Said:
+    """Why auto keeps the stock upsampler on the CPU: image VAEs run the phase convs inside the fused Triton path,
+    so the hint names --triton too (the bare one led to 'needs fused_epilogues')."""
+    if cls_name == "AutoencoderKLWan":
+        return available(torch.device("cpu"))[1]
+    return Said("CPU decode: the stock upsample + conv kept (bitwise diffusers); image VAEs run the phase "
+                f"convs inside the fused Triton path ({interpreter_hint()})",
+                (Hint("triton", "on"), Hint("upsample_conv", "on")))
+
+
 def _conv3x3(m) -> bool:
     return (type(m) is nn.Conv2d and m.padding_mode == "zeros" and m.weight is not None
             and tuple(m.kernel_size) == (3, 3) and tuple(m.stride) == (1, 1) and tuple(m.padding) == (1, 1)
@@ -75,15 +85,10 @@ def _wan_candidates(model: nn.Module) -> list[nn.Conv2d]:
 
 
 def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None,
-          force: bool = False, **_) -> StageResult:
+          **_) -> StageResult:
+    """Mark the upsampler convs that fit. Where it pays (GPUs; on the CPU the stock path stays bitwise diffusers') is
+    the stage table's auto rule (vaeopt.stage_table, `cpu_reason`)."""
     device = device or next(model.parameters()).device
-    ok, why = available(device)
-    if not ok and not force:
-        if type(model).__name__ != "AutoencoderKLWan" and device.type != "cuda":
-            why = Said("CPU decode: the stock upsample + conv kept (bitwise diffusers); image VAEs run the phase "
-                       f"convs inside the fused Triton path ({interpreter_hint()})",
-                       (Hint("triton", "on"), Hint("upsample_conv", "on")))
-        return StageResult.skipped(NAME, why)
     if getattr(model, "decoder", None) is None:
         return StageResult.skipped(NAME, f"{type(model).__name__} has no decoder")
     wan = type(model).__name__ == "AutoencoderKLWan"
