@@ -7,6 +7,7 @@ import torch
 from vaeopt import planner
 from vaeopt.cli import spell_flags
 from vaeopt.families import get_family
+from vaeopt.kernels import triton_available
 from vaeopt.loading import load_vae
 from vaeopt.pipeline import Options, Pipeline
 from vaeopt.stage_table import GRAPH_MIN_REPEATS, ROWS, DeviceInfo, decide_autotune, decide_graphs, decide_stages
@@ -65,6 +66,7 @@ def test_cpu_defaults_pinned(samples_dir, sample, want):
     assert dict(_short(pipe.stages)) == {**table, "attention": "skipped"} and table["attention"] == "run"
 
 
+@pytest.mark.skipif(not triton_available("cpu")[0], reason="the Triton interpreter runs the forced kernels")
 def test_cpu_forced_stages(samples_dir):
     """Forced on, on the CPU: the table lets every stage run (the interpreter runs the kernels); the stacked
     Conv3d then leaves triton_conv nothing at the tiny Wan's widths."""

@@ -59,7 +59,7 @@ from vaeopt.engine.wan_ops import (Stacked, frames_up_conv, patch_size, phase_ok
                                    temporal_factor, wan_module)
 from vaeopt.errors import DistributedError, VaeoptError
 from vaeopt.kernels import default_tile, default_warps, flat_layout, n_programs_target, new_like, tapconv
-from vaeopt.stages import fused_norms, unhooked
+from vaeopt.stages import Hint, Said, fused_norms, spelled, unhooked
 from vaeopt.stages.fused_epilogues import chunked_attention
 from vaeopt.stages.marks import is_2x_nearest, wan_channels_last
 
@@ -718,8 +718,8 @@ def supports_band(vae: nn.Module) -> tuple[bool, str]:
     if cls == "AutoencoderKLWan":
         fp8 = sum(1 for m in vae.decoder.modules() if getattr(m, "_vaeopt_fp8conv", False))
         if fp8:  # e4m3 staged inputs: the halo rows' convs would need the fp8 conv's scales and packed weights
-            return False, (f"{fp8} of the decoder's convs run in fp8 (--fp8): band decoding runs Wan's convs in the "
-                           "compute dtype only (decode on one GPU, or without --fp8)")
+            return False, Said(f"{fp8} of the decoder's convs run in fp8: band decoding runs Wan's convs in the "
+                               "compute dtype only (decode on one GPU, or with {0})", Hint("fp8", "off"))
         return True, ""
     if cls != "AutoencoderKL":
         return False, f"{cls}: band-parallel decoding covers AutoencoderKL (SD/SDXL/SD3/FLUX) and AutoencoderKLWan"
@@ -764,7 +764,7 @@ def band_parallel_decode(
     """
     ok, why = supports_band(vae)
     if not ok:
-        raise DistributedError(why)
+        raise DistributedError(spelled(why))  # (its hint as an Options field: this is the Python entry)
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError("band_parallel_decode needs an initialised process group (torchrun, or "
                                "vaeopt.distributed.launch / init_distributed)")

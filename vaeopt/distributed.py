@@ -39,6 +39,7 @@ from vaeopt.bands import band_parallel_decode, band_rows, supports_band
 from vaeopt.errors import DistributedError, VaeoptError
 from vaeopt.loading import load_vae
 from vaeopt.pipeline import Options, Pipeline
+from vaeopt.stages import join, spelled
 
 __all__ = [
     "DistributedError",
@@ -333,9 +334,10 @@ def decode_files_distributed(
             few = len(jobs) < world and world > 1  # fewer files than ranks: band mode where the model allows it
             used_mode = "band" if few and ok else "files"
             if few and not ok and rank == 0:
-                say(f"band-parallel decoding not used ({why}): {len(jobs)} file(s) on {world} ranks, one rank each")
+                say(spelled(join("band-parallel decoding not used (", why, f"): {len(jobs)} file(s) on {world} ranks, "
+                                 "one rank each"), spell))
         elif mode == "band" and not ok:
-            raise DistributedError(f"band mode: {why}")
+            raise DistributedError("band mode: " + spelled(why, spell))
     except Exception as e:  # noqa: BLE001 - reported on every rank
         err = _describe_error(e)
     _raise_if_any(err, group, world)
