@@ -46,17 +46,16 @@ def setup(variant, shape, ctx):
     if variant == "fp8":
         opts["gate_db"] = ctx.args.fp8_gate
     loaded = LoadedVAE(ctx.model(torch.float32), ctx.family, "benchmark", None, [], None)
-    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None, entry="benchmark")
+    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None)
     plan = pipe.plan(tuple(shape))
     if variant == "tiled" and plan.mode != "tiled":
         raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
     if variant in ("graphs", "fp8"):
-        use, why = pipe.graphs_decision(99, plan, tuple(shape))
-        if not use:
-            raise H.Skip(f"CUDA graphs: {why}")
-        pipe.enable_graphs("benchmark repeats")
+        pipe.setup_graphs(plan, tuple(shape), 99, chunks=False, reason="benchmark repeats")
+        if pipe.graphed is None:
+            raise H.Skip("CUDA graphs: " + next(s.text() for s in pipe.stages if s.name == "graphs"))
     if variant == "fp8" and not any(s.name == "fp8 convs" and s.status == "applied" for s in pipe.stages):
-        raise H.Skip("FP8 level 3 did not run: " + "; ".join(f"{s.name}: {s.detail}" for s in pipe.stages
+        raise H.Skip("FP8 level 3 did not run: " + "; ".join(f"{s.name}: {s.text()}" for s in pipe.stages
                                                              if s.name.startswith("fp8")))
 
     def fn():

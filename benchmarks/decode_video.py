@@ -57,16 +57,16 @@ def setup(variant, shape, ctx):
     if variant == "fp8":
         opts["gate_db"] = ctx.args.fp8_gate
     loaded = LoadedVAE(ctx.model(torch.float32), ctx.family, "benchmark", None, [], None)
-    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None, entry="benchmark")
+    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None)
     plan = pipe.plan(tuple(shape))
     if variant == "tiled" and plan.mode != "tiled":
         raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
-    if variant in ("graphs", "fp8") and video_graphs.applies(pipe) and video_graphs.arm(pipe, plan) is None:
-        raise H.Skip("per-chunk CUDA graphs: " + next(s.detail for s in pipe.stages if s.name == "graphs"))
+    if variant in ("graphs", "fp8") and video_graphs.applies(pipe) and pipe.setup_graphs(plan) is None:
+        raise H.Skip("per-chunk CUDA graphs: " + next(s.text() for s in pipe.stages if s.name == "graphs"))
     if variant == "graphs" and not video_graphs.applies(pipe):
         raise H.Skip("per-chunk CUDA graphs exist for Wan's chunk decoder only")
     if variant == "fp8" and not any(s.name.startswith("fp8") and s.status == "applied" for s in pipe.stages):
-        raise H.Skip("FP8 did not run: " + "; ".join(f"{s.name}: {s.detail}" for s in pipe.stages
+        raise H.Skip("FP8 did not run: " + "; ".join(f"{s.name}: {s.text()}" for s in pipe.stages
                                                     if s.name.startswith("fp8")))
 
     def fn():

@@ -176,14 +176,7 @@ def child(args) -> None:
     plan = pipe.plan(ctx.shape)
     phases["plan_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    from vaeopt import video_graphs
-
-    if video_graphs.applies(pipe):  # as vaeopt.decode / run_jobs decide them before a shape's first decode
-        video_graphs.arm(pipe, plan)
-    else:
-        use, why = pipe.graphs_decision(1 + STEADY, plan, ctx.shape)
-        if use:
-            pipe.enable_graphs(why)
+    pipe.setup_graphs(plan, ctx.shape, 1 + STEADY)  # as vaeopt.decode / run_jobs decide them before a first decode
     pipe.autotune(1, plan)
     phases["decide_s"] = time.perf_counter() - t
     triton_before = tri.snapshot()

@@ -228,7 +228,8 @@ def _pipeline(vae, entry: Entry, opts: vaeopt.Options) -> object:
         entry = _CACHE[vae] = _build(vae)
     if entry.pipe is None:
         try:
-            entry.pipe = vaeopt.Pipeline(entry.loaded, dataclasses.replace(opts), log=_log_line, entry="api")
+            entry.pipe = vaeopt.Pipeline(entry.loaded, dataclasses.replace(opts), log=_log_line,
+                                         spell=vaeopt.api.spell_options)
         except VaeoptError as e:  # e.g. a setting this GPU cannot run
             _CACHE.pop(vae, None)  # the half-set-up model goes; the next decode starts from ComfyUI's weights again
             raise Unsupported(f"vaeopt cannot set this VAE up here ({e})") from None
@@ -304,7 +305,7 @@ def _run(pipe, samples: torch.Tensor, mm) -> torch.Tensor:
         plan = pipe.plan(tuple(z.shape))
         log.info("vaeopt: plan %s: %s", tuple(z.shape), plan.reason)
         try:
-            vg = video_graphs.arm(pipe, plan) if video_graphs.applies(pipe) else None
+            vg = pipe.setup_graphs(plan) if video_graphs.applies(pipe) else None
             out, stats = pipe.decode(z, plan, progress=_progress())
             if vg is not None:
                 video_graphs.report_to(pipe, vg)

@@ -1032,7 +1032,8 @@ def test_odd_latents_outputs_and_tiles_are_said_before_work(tmp_path, samples_di
                                                             .split())
     r = run("decode", "l.pt", "-m", m, "-o", "t.png", "--tile", "100000", "-v")
     assert r.exit_code == 0 and Image.open("t.png").size == (64, 64), r.output
-    assert "tile 64px (--tile 100000 is larger than the 8x8 latent: one tile, the whole image)" in r.output, r.output
+    assert "tile 64px (the tile of 100000 asked for is larger than the 8x8 latent: one tile, the whole image)" in \
+        r.output, r.output
     assert "800000px" not in r.output
     r = run("decode", "l.pt", "-m", m, "-o", "g.png", "--gpus", "1", "--device", "cpu")
     assert r.exit_code == 0 and "--gpus 1 --device cpu: one CPU decode" in r.output, r.output

@@ -165,9 +165,9 @@ def test_rejects_what_it_cannot_compute():
 
 def test_dispatch_only_on_measured_gpus(monkeypatch):
     """conv_igemm hands e4m3 layers to the TMA kernel only on CUDA sm_90 with a measured tile; a CPU tensor never
-    goes there, and `ENABLED = False` (the benchmarks' A/B switch) keeps the pointer kernel."""
+    goes there, and a Triton without TMA tensor descriptors keeps the pointer kernel."""
     assert not TC.available(torch.device("cpu"))
-    monkeypatch.setattr(TC, "ENABLED", False)
+    monkeypatch.setattr(TC, "TensorDescriptor", None)
     assert not TC.available(torch.device("cuda"))
     assert TC.tuned_config(96, 96, 832, True).bk1 == 32
     # bf16: only Wan's 96-ch causal Conv3d (E28; 2D 96-ch layers were not measured), and only where bf16_wan96
@@ -179,7 +179,7 @@ def test_dispatch_only_on_measured_gpus(monkeypatch):
     assert not TC.bf16_wan96(torch.device("cuda"), torch.float16)
     assert not TC.bf16_wan96(torch.device("cuda"), torch.float32)
     monkeypatch.undo()
-    monkeypatch.setattr(TC, "ENABLED", False)
+    monkeypatch.setattr(TC, "TensorDescriptor", None)
     assert TC.tuned_config(192, 96, 416, True) is None
     assert TC.tuned_config(512, 256, 512, True) is not None  # SDXL's 512 -> 256 resnet conv
     # 128-512 ch: one 128-px row where the width is a multiple of 128 (2D convs), else 4 x 32 (a row would overhang;
@@ -211,11 +211,11 @@ def test_gpu_dispatch_and_match():
         xq, s = K.quantize_activation(x)
         pw = K.pack_weight(w, K.E4M3)
         y = K.conv_igemm(xq, pw, b, (1, 1), x_scale=s)
-        TC.ENABLED = False
+        desc, TC.TensorDescriptor = TC.TensorDescriptor, None  # as a Triton without TMA: the pointer kernel
         try:
             y_ptr = K.conv_igemm(xq, pw, b, (1, 1), x_scale=s)
         finally:
-            TC.ENABLED = True
+            TC.TensorDescriptor = desc
         assert _rel(y, y_ptr) < 1e-2
         assert _rel(y, K.conv_reference(x, w, b, (1, 1))) < 0.08
         if torch.cuda.get_device_capability(dev) == (9, 0):
@@ -339,7 +339,7 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
     # without the triton_conv stage the 96-ch convs stay stacked (not left to a stage that does not run)
     off = {s.name: s for s in _wan21_pipeline(conv_kernel="off").stages}
     assert off["stacked_conv3d"].data["channels"] == [96, 384] and off["triton_conv"].status == "skipped"
-    monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
+    monkeypatch.setattr(stacked_conv3d, "tma_takes_96", lambda *a: False)  # auto stacking the 96-ch convs too
     q = _wan21_pipeline()
     assert {s.name: s for s in q.stages}["stacked_conv3d"].data["channels"] == [96, 384]
     with torch.inference_mode():

@@ -269,13 +269,16 @@ def test_hunyuan_out_of_memory_retries_in_tiles(monkeypatch):
 
 
 def test_hunyuan_skips_channels_last_with_the_reason():
-    from vaeopt.pipeline import HUNYUAN_CL_SKIP
+    from vaeopt.cli import spell_flags
+    from vaeopt.stage_table import HUNYUAN_CL_SKIP
+    from vaeopt.stages import Hint
 
     pipe, _ = _hunyuan_pipe(triton="on")  # fused norms wanted: channels_last would follow for other families
     cl = next(r for r in pipe.stages if r.name == "channels_last")
     assert cl.status == "skipped" and cl.detail == HUNYUAN_CL_SKIP
     # why, in this run's terms (the measurement itself lives in the docs)
-    assert "NCDHW" in cl.detail and "--channels-last on" in cl.detail and " ms" not in cl.detail
+    assert "NCDHW" in cl.detail and (Hint("channels_last", "on"),) in cl.hints and " ms" not in cl.detail
+    assert "(--channels-last on to force)" in cl.text(spell_flags)
     assert all(p.is_contiguous() for p in pipe.model.parameters())
 
 
@@ -295,7 +298,7 @@ def test_stacked_conv3d_hears_whether_triton_conv_runs(samples_dir, monkeypatch,
     monkeypatch.setattr(stacked_conv3d, "apply", lambda *a, **k: seen.append(k["triton_conv_runs"]) or real(*a, **k))
     pipe = Pipeline(load_vae(samples_dir / "tiny_wan_video.safetensors"),
                     Options(device="cpu", stack_conv3d="on", conv_kernel=conv_kernel))
-    assert seen == [runs] and (pipe._triton_conv_skip() is None) == runs
+    assert seen == [runs]
     st = {s.name: s for s in pipe.stages}
     assert (st["triton_conv"].status == "skipped") == (not runs), st["triton_conv"].line()
 
@@ -951,8 +954,6 @@ def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
     which take keyword arguments and Options fields."""
     import re
 
-    from vaeopt.pipeline import spell_flags
-
     flag = re.compile(r"--[a-z]")
     lines = []
     vaeopt.optimize(load_vae(samples_dir / "tiny_kl_image.safetensors").model, device="cpu", log=lines.append)
@@ -968,12 +969,23 @@ def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
     assert not flag.search(text), text
     assert "plus vaeopt.Options(triton='on', conv_kernel='on') forces it" in text
     assert "enable with vaeopt.Options(fp8='on')" in text
+
+    # each entry point spells the same structured hint its own way
+    from vaeopt.api import spell_optimize, spell_options
+    from vaeopt.cli import spell_benchmark_flags, spell_flags
+    from vaeopt.stages import Hint, Said, plain
+
+    said = Said("off (enable with {0}; {1}) and {2}", Hint("fp8", "on"), Hint("dtype", "fp32"),
+                (Hint("triton", "on"), Hint("conv_kernel", "on")))
+    assert said.spell(spell_flags) == "off (enable with --fp8 on; --dtype fp32) and --triton on --conv-kernel on"
     # `vaeopt benchmark`: its own flags as it spells them, a ladder row's own "off" as that, the rest as decode's
-    assert spell_flags("off (enable with --fp8 on; --dtype fp32)", "benchmark") == \
-        "off (enable with --fp8; --dtype fp32)"
-    assert spell_flags("--conv-kernel off (the e4m3 convs)", "benchmark") == \
-        "conv-kernel off in this ladder row (the e4m3 convs)"
-    assert spell_flags("(--graphs on to force)", "benchmark") == "(`vaeopt decode --graphs on` to force)"
-    assert spell_flags("(--graphs on to force)", "decode") == "(--graphs on to force)"
-    assert spell_flags("est. (--vram-budget 8 GB)", "api") == "est. (vaeopt.Options(vram_budget_gb=8))"
-    assert spell_flags("pass --tile 128.", "api") == "pass vaeopt.Options(tile=128)."  # a number ending a sentence
+    assert said.spell(spell_benchmark_flags) == \
+        "off (enable with --fp8; --dtype fp32) and `vaeopt decode --triton on --conv-kernel on`"
+    assert spell_benchmark_flags((Hint("conv_kernel", "off"),)) == "conv-kernel off in this ladder row"
+    assert said.spell(spell_options) == ("off (enable with vaeopt.Options(fp8='on'); vaeopt.Options(dtype='fp32')) "
+                                         "and vaeopt.Options(triton='on', conv_kernel='on')")
+    assert said.spell(spell_optimize) == ("off (enable with vaeopt.decode(..., options=vaeopt.Options(fp8='on')); "
+                                          "dtype='fp32') and vaeopt.decode(..., options=vaeopt.Options(triton='on', "
+                                          "conv_kernel='on'))")
+    assert spell_options((Hint("vram_budget_gb", 8),)) == "vaeopt.Options(vram_budget_gb=8)"
+    assert said.spell() == said.spell(plain) == "off (enable with fp8=on; dtype=fp32) and triton=on, conv_kernel=on"

@@ -5,16 +5,21 @@ import types
 import pytest
 import torch
 
+from vaeopt.cli import spell_flags
+from vaeopt.stage_table import DeviceInfo, decide_autotune
+from vaeopt.stages import Hint
 from vaeopt.stages import cudnn_autotune as ct
 
-CPU, GPU = torch.device("cpu"), torch.device("cuda")
+# the device as the stage table's rules see it: a GPU with cuDNN written out, so that these run without one
+CPU = DeviceInfo("cpu")
+GPU = DeviceInfo("cuda", "a GPU", cudnn=(True, ""))
 
 
 def test_cpu_skips_with_the_reason():
     for mode in ("auto", "on"):
-        use, why = ct.decide(mode, CPU, 1000)
+        use, why = decide_autotune(mode, CPU, 1000)
         assert use is False and "no CUDA device" in why
-    assert ct.decide("off", CPU, 1000) == (False, "off")
+    assert decide_autotune("off", CPU, 1000) == (False, "off")
 
 
 @pytest.fixture
@@ -26,22 +31,24 @@ def fake_cudnn(monkeypatch):
 
 
 def test_auto_tunes_only_where_it_pays(fake_cudnn):
-    use, why = ct.decide("auto", GPU, 1)
+    use, why = decide_autotune("auto", GPU, 1)
     assert use is False
-    assert f"from ~{ct.MIN_REPEATS} same-shape decodes" in why and "--cudnn-autotune on" in why
+    assert f"from ~{ct.MIN_REPEATS} same-shape decodes" in why and (Hint("cudnn_autotune", "on"),) in why.hints
+    assert "(--cudnn-autotune on for a long-running job)" in why.spell(spell_flags)
     assert "H100" not in why and "H200" not in why  # the measured reasons live in the docs
-    assert ct.decide("auto", GPU, ct.MIN_REPEATS) == (True, f"{ct.MIN_REPEATS} decodes of the same shape")
-    assert ct.decide("on", GPU, 1) == (True, "forced on")
+    assert decide_autotune("auto", GPU, ct.MIN_REPEATS) == (True, f"{ct.MIN_REPEATS} decodes of the same shape")
+    assert decide_autotune("on", GPU, 1) == (True, "forced on")
     gib = 2**30  # tuned convs take more workspace: auto wants the headroom under the planner's budget
-    use, why = ct.decide("auto", GPU, 1000, est_bytes=7 * gib, budget_bytes=10 * gib)
+    use, why = decide_autotune("auto", GPU, 1000, est_bytes=7 * gib, budget_bytes=10 * gib)
     assert use is False and "7.0 of 10.0 GiB" in why and "48% more peak memory" in why
-    assert ct.decide("auto", GPU, 1000, est_bytes=6 * gib, budget_bytes=10 * gib)[0] is True
-    assert ct.decide("on", GPU, 1, est_bytes=7 * gib, budget_bytes=10 * gib)[0] is True
-    assert ct.decide("off", GPU, 10_000) == (False, "off")
+    assert decide_autotune("auto", GPU, 1000, est_bytes=6 * gib, budget_bytes=10 * gib)[0] is True
+    assert decide_autotune("on", GPU, 1, est_bytes=7 * gib, budget_bytes=10 * gib)[0] is True
+    assert decide_autotune("off", GPU, 10_000) == (False, "off")
     fake_cudnn.benchmark = True  # someone turned it on already: say so rather than claim a decision
-    assert ct.decide("auto", GPU, 1)[0] is True and "already on" in ct.decide("auto", GPU, 1)[1]
-    fake_cudnn.enabled = False
-    assert ct.decide("on", GPU, 1)[0] is False
+    assert decide_autotune("auto", GPU, 1)[0] is True and "already on" in decide_autotune("auto", GPU, 1)[1]
+    fake_cudnn.enabled = False  # what the stage reports for DeviceInfo.of then
+    off = DeviceInfo("cuda", "a GPU", cudnn=ct.available(torch.device("cuda")))
+    assert decide_autotune("on", off, 1) == (False, "cuDNN is not available or disabled in this torch")
 
 
 def test_apply_sets_the_flags_and_revert_restores_them(fake_cudnn):

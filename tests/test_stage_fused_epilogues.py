@@ -176,8 +176,12 @@ def test_epilogues_take_the_next_norms_statistics(small_kl, monkeypatch):
         stats = _spy(monkeypatch, "vaeopt.kernels.group_norm_silu", "_launch_stats")
         noted = _decode(model, z)
         n_noted = len(stats)
-        monkeypatch.setattr(fused_epilogues, "NOTE_STATS", False)
-        full = _decode(model, z)
+        # every stats pass run: a hook inside the decoder (here one that changes nothing) turns the notes off
+        handle = model.decoder.conv_in.register_forward_hook(lambda m, a, out: None)
+        try:
+            full = _decode(model, z)
+        finally:
+            handle.remove()
         # 30 norms: 14 resnets x 2, the attention's, the head's; 12 read a residual epilogue's output and 3 an
         # upsampler's phase interleave: only the mid-block's first norm (after conv_in) and the 14 norm2s (after a
         # conv) run their stats pass
@@ -185,7 +189,6 @@ def test_epilogues_take_the_next_norms_statistics(small_kl, monkeypatch):
         torch.testing.assert_close(noted, full, atol=1e-5, rtol=1e-5)
         # a foreign hook inside the decoder could change an activation in place, unseen in inference mode (no
         # version counter): then no note is taken for the call, and an in-place edit is honoured
-        monkeypatch.setattr(fused_epilogues, "NOTE_STATS", True)
         blk = model.decoder.up_blocks[1].resnets[0]
         handle = blk.register_forward_hook(lambda m, a, out: out.mul_(0.5))
         try:
@@ -195,13 +198,7 @@ def test_epilogues_take_the_next_norms_statistics(small_kl, monkeypatch):
             assert len(stats) - n0 == 30
         finally:
             handle.remove()
-        monkeypatch.setattr(fused_epilogues, "NOTE_STATS", False)
-        handle = blk.register_forward_hook(lambda m, a, out: out.mul_(0.5))
-        try:
-            with torch.inference_mode():
-                torch.testing.assert_close(hooked, model.decode(z).sample.float(), atol=1e-5, rtol=1e-5)
-        finally:
-            handle.remove()
+        assert (hooked - noted).abs().max() > 1e-3  # the edit reached the output
     finally:
         upsample_conv.revert(model)
         fused_epilogues.revert(model)

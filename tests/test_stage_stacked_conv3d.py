@@ -15,7 +15,9 @@ import torch
 from vaeopt import video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
-from vaeopt.stages import channels_last, fused_epilogues, fused_norms, stacked_conv3d, triton_conv, upsample_conv
+from vaeopt.pipeline import Options
+from vaeopt.stage_table import DeviceInfo, decide_stages
+from vaeopt.stages import Hint, channels_last, fused_epilogues, fused_norms, stacked_conv3d, triton_conv, upsample_conv
 from vaeopt.engine.memory import estimate_peak
 from vaeopt.engine.wan_ops import copy_lastdim, wan_module
 
@@ -82,8 +84,10 @@ def test_tiny_wan_stacked_equals_diffusers(samples_dir, z21, phase):
     channels_last.apply(vae)
     assert stacked_conv3d.apply(vae, device=CPU, force=True).status == "skipped"  # needs the fused chunk decoder
     fused_epilogues.apply(vae)
-    auto = stacked_conv3d.apply(vae, device=CPU)
-    assert auto.status == "skipped" and "--stack-conv3d on" in auto.detail
+    # auto on the CPU (the stage table's rule): the Conv3d stays
+    auto = {r.name: r for r in decide_stages(Options(triton="on"), get_family("wan21"), torch.float32,
+                                             DeviceInfo("cpu", triton=(True, "")))}["stacked_conv3d"]
+    assert auto.status == "skipped" and (Hint("triton", "on"), Hint("stack_conv3d", "on")) in auto.hints
     r = stacked_conv3d.apply(vae, device=CPU, force=True)
     n = sum(type(m).__name__ == "WanCausalConv3d" and m.kernel_size == (3, 3, 3) for m in vae.decoder.modules())
     assert r.status == "applied" and r.data["layers"] == n
@@ -124,12 +128,10 @@ def test_auto_policy_and_triton_conv_handover():
 def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatch):
     """Where the TMA conv runs bf16 (sm_90; faked here) and triton_conv will run, auto stacks only the 384-channel
     convs and says where the 96-channel ones went; triton_conv then takes exactly those six, packed K-major for that
-    kernel (only they: other widths and fp16 keep the pointer kernel's layout). Without triton_conv, in fp16, with
-    the A/B switch TMA_96 off and with --stack-conv3d on the 96-channel convs stay stacked."""
+    kernel (only they: other widths and fp16 keep the pointer kernel's layout). Without triton_conv, in fp16 and
+    with --stack-conv3d on the 96-channel convs stay stacked."""
     from vaeopt.kernels import tma_conv
 
-    monkeypatch.setattr(stacked_conv3d, "available", lambda d: (True, "cuDNN"))
-    monkeypatch.setattr(stacked_conv3d, "unmeasured_gpu", lambda *a: None)
     monkeypatch.setattr(tma_conv, "available", lambda d: True)
     with torch.device("meta"):
         full = build_model(get_family("wan21"))
@@ -142,13 +144,14 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
     assert r.data["left_to_triton_conv"] == 6 and "6 with 96 ch left to triton_conv" in r.detail
     from vaeopt.kernels import ws_conv
 
-    monkeypatch.setattr(ws_conv, "ENABLED", False)  # a Triton without Gluon: the 96-ch convs on the TMA variant
+    gluon = ws_conv.gluon
+    monkeypatch.setattr(ws_conv, "gluon", None)  # a Triton without Gluon: the 96-ch convs on the TMA variant
     r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
     assert r.status == "applied" and r.data["layers"] == 6 and r.data["shapes"] == ["96->96"], r.detail
     assert "TMA variant" in r.detail and "warp-specialized" not in r.detail
-    if ws_conv.gluon is not None:  # with Gluon the 192-ch convs join, on the warp-specialized kernel (E42)
+    if gluon is not None:  # with Gluon the 192-ch convs join, on the warp-specialized kernel (E42)
         triton_conv.revert(full)
-        monkeypatch.setattr(ws_conv, "ENABLED", True)
+        monkeypatch.setattr(ws_conv, "gluon", gluon)
         r = triton_conv.apply(full, device=CPU, force=True, dtype=torch.bfloat16)
         assert r.data["layers"] == 12 and r.data["shapes"] == ["96->96", "192->192"], r.detail
         assert r.data["ws_channels"] == [96, 192]
@@ -171,9 +174,6 @@ def test_bf16_on_the_tma_kernel_leaves_the_96_channel_convs_unstacked(monkeypatc
         triton_conv.revert(full)
         r = stacked_conv3d.apply(full, device=CPU, triton_conv_runs=True, **kw)
         assert r.data["left_to_triton_conv"] == 0 and 96 in r.data["channels"], (kw, r.detail)
-    stacked_conv3d.revert(full)
-    monkeypatch.setattr(stacked_conv3d, "TMA_96", False)
-    assert stacked_conv3d.apply(full, device=CPU, dtype=torch.bfloat16, triton_conv_runs=True).data["layers"] == 21
 
 
 def test_tma_96_implies_triton_conv_runs_there():

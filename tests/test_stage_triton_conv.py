@@ -88,10 +88,23 @@ def test_skips_with_reasons(samples_dir):
                      norm_num_groups=4)
     r = triton_conv.apply(kl, device=torch.device("cpu"), force=True)
     assert r.status == "skipped" and "no Conv3d" in r.detail
-    vae = _tiny_wan21(samples_dir, fused=False)
-    r = triton_conv.apply(vae, device=torch.device("cpu"))  # not forced: CPU is not a target
+    # not forced (the stage table's rule): the CPU is not a target, nor a GPU it was not measured on
+    from vaeopt.pipeline import Options
+    from vaeopt.stage_table import DeviceInfo, decide_stages
+
+    def row(info, **o):
+        return {r.name: r for r in decide_stages(Options(triton="on", **o), get_family("wan21"), torch.bfloat16,
+                                                 info)}["triton_conv"]
+
+    cpu = DeviceInfo("cpu", triton=(True, ""))
+    assert row(cpu, conv_kernel="on").status == "applied"  # forced: through the interpreter (tests)
+    r = row(cpu)
+    assert r.status == "skipped" and "the Triton conv would run only through the interpreter" in r.detail
+    r = row(DeviceInfo("cpu", triton=(False, "no interpreter")), conv_kernel="on")
     assert r.status == "skipped" and "no CUDA GPU" in r.detail
-    assert not any(hasattr(m, "_vaeopt_igemm") for m in vae.modules())
+    r = row(DeviceInfo("cuda", "a GPU", (8, 6), triton=(True, "")))
+    assert r.status == "skipped" and r.text() == "tuned for sm_90 only; cuDNN kept on sm_86 (conv_kernel=on to force)"
+    assert row(DeviceInfo("cuda", "a GPU", (8, 6), triton=(True, "")), conv_kernel="on").status == "applied"
 
 
 def test_pipeline_reports(samples_dir):
@@ -309,7 +322,8 @@ def test_int8_convs_in_the_image_decoder(samples_dir, monkeypatch):
     fused_res = [n for n, _ in cands if n.endswith("conv2") and _resnet_of(model, n).conv_shortcut is None]
     assert fused_res and sum(c[1] for c in calls) == len(fused_res) == r.data["residual_in_conv"]
     assert f"{len(fused_res)} int8 conv2 add their resnet's input in the epilogue" in r.detail
-    monkeypatch.setattr(importlib.import_module("vaeopt.stages.fused_epilogues"), "RESIDUAL_IN_CONV", False)
+    # the separate residual epilogue, as where the residual does not fit the conv's epilogue
+    monkeypatch.setattr(conv, "residual_fits", lambda *a, **k: False)
     calls.clear()
     with torch.no_grad():
         out_sep = model.decode(z).sample.float()

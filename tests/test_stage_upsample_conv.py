@@ -17,7 +17,9 @@ from vaeopt import video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
 from vaeopt.kernels.upconv import interleave_phases, phase_weights, upconv2x, upconv2x_reference
-from vaeopt.stages import fused_epilogues, fused_norms, upsample_conv
+from vaeopt.pipeline import Options
+from vaeopt.stage_table import DeviceInfo, decide_stages
+from vaeopt.stages import Hint, fused_epilogues, fused_norms, upsample_conv
 from vaeopt.engine.wan_ops import phase_ok
 
 from test_video_fused import decode as _decode_stats  # noqa: E402 (decode_video + its chunk decoder's stats)
@@ -150,11 +152,14 @@ def test_image_decoder_phase_convs(small_kl, monkeypatch):
         ref = model.decode(z).sample
     assert upsample_conv.apply(model, device=CPU, force=True).status == "skipped"  # needs fused_epilogues
     with _stages(model):
-        auto = upsample_conv.apply(model, device=CPU)
-        assert auto.status == "skipped" and "CPU" in auto.detail and "--upsample-conv on" in auto.detail
-        # an image VAE needs the fused path for it, so the hint names the interpreter and --triton on too (a new
+        # auto on the CPU (the stage table's rule): the stock upsampler stays
+        auto = {r.name: r for r in decide_stages(Options(triton="on"), get_family("sd15"), torch.float32,
+                                                 DeviceInfo("cpu", triton=(True, "")))}["upsample_conv"]
+        assert auto.status == "skipped" and "CPU" in auto.detail
+        # an image VAE needs the fused path for it, so the hint names the interpreter and triton on too (a new
         # user followed the bare '--upsample-conv on forces it' and got 'needs fused_epilogues')
-        assert "TRITON_INTERPRET=1" in auto.detail and "--triton on --upsample-conv on" in auto.detail
+        assert "TRITON_INTERPRET=1" in auto.detail
+        assert auto.hints == ((Hint("triton", "on"), Hint("upsample_conv", "on")),)
         r = upsample_conv.apply(model, device=CPU, force=True)
         assert r.status == "applied" and r.data == {"layers": 3, "shapes": ["32->32", "64->64"]}
         assert "4/9 of their FLOPs" in r.detail

@@ -19,6 +19,7 @@ import torch
 from vaeopt import video, video_graphs
 from vaeopt import video_tiling as vt
 from vaeopt.engine.wan import ChunkDecoder
+from vaeopt.stages import Hint
 
 from test_video_tiling import _wan21, wan21, z21  # noqa: F401 (the same tiny Wan, 6x6 crop and fixtures)
 
@@ -178,12 +179,13 @@ def test_decisions(stand_in):
     on, auto = video_graphs.ChunkGraphs("on"), video_graphs.ChunkGraphs("auto")
     assert on.decide(cpu, [1, 2, 2]) == (True, "2 chunks of 2 latent frame(s) after the first")
     use, why = auto.decide(cpu, [1, 2, 2])
-    assert not use and f"auto captures from {video_graphs.AUTO_MIN_STEADY}" in why and "--graphs on" in why
+    assert not use and f"auto captures from {video_graphs.AUTO_MIN_STEADY}" in why
+    assert why.hints == ((Hint("graphs", "on"),),) and "(graphs=on forces it)" in why.spell()
     assert not auto.decide(cpu, [1] * 8, chunk_pixels=1)[0] and auto.decide(cpu, [1] * 9, chunk_pixels=1)[0]
     sched = video.chunk_schedule(21, 2)  # [1, 2 x 10]
     assert auto.decide(cpu, sched, chunk_pixels=8 * 128 * 128)[0]
     use, why = auto.decide(cpu, sched, chunk_pixels=8 * 480 * 832)  # wan21-480p: GPU-bound, measured no gain
-    assert not use and "3.2 MP per chunk: GPU-bound" in why and "--graphs on forces it" in why
+    assert not use and "3.2 MP per chunk: GPU-bound" in why and "(graphs=on forces it)" in why.spell()
     assert on.decide(cpu, sched, chunk_pixels=8 * 480 * 832)[0]
     use, why = on.decide(cpu, [1, 2])
     assert not use and "needs one warm-up chunk and one more to replay" in why

@@ -23,7 +23,7 @@ from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import DTYPE_NAMES, resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, expand_user, load_vae, parse_json
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
-from vaeopt.stages import StageResult, foreign_hooked, free_derived, needs_autograd, refresh_weights
+from vaeopt.stages import Hint, foreign_hooked, free_derived, needs_autograd, refresh_weights
 
 USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
 
@@ -120,7 +120,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
-    vg = video_graphs.arm(pipe, plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
+    vg = pipe.setup_graphs(plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
     out, _ = pipe.decode(z, plan, progress=progress, to_host=not on_device)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
@@ -131,6 +131,27 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     # diffusers' output (the optimized image decoder ends channels-last, where `.view(...)` would raise)
     c = out.contiguous()  # one copy where the layout changes, none where it does not
     return c.clamp_(-1, 1) if c.data_ptr() != out.data_ptr() else out.clamp(-1, 1)
+
+
+def _kwargs(group: tuple[Hint, ...]) -> str:
+    return ", ".join(h.option if h.value is None else f"{h.option}={h.value}" if isinstance(h.value, (int, float))
+                     else f"{h.option}={h.value!r}" for h in group)
+
+
+def spell_options(group: tuple[Hint, ...]) -> str:
+    """A hint as vaeopt.decode takes it: `vaeopt.Options(fp8='on')` (the spelling of vaeopt.decode's lines)."""
+    return f"vaeopt.Options({_kwargs(group)})"
+
+
+_OPTIMIZE_KWARGS = ("device", "dtype", "channels_last", "triton", "attention")  # vaeopt.optimize(vae, ...)
+
+
+def spell_optimize(group: tuple[Hint, ...]) -> str:
+    """A hint as vaeopt.optimize's caller can act on it: its keyword arguments where it takes them all
+    (`triton='on'`), else vaeopt.decode with Options."""
+    if all(h.option in _OPTIMIZE_KWARGS for h in group):
+        return _kwargs(group)
+    return f"vaeopt.decode(..., options=vaeopt.Options({_kwargs(group)}))"
 
 
 # Options that change the model in place (weights' device and dtype, layouts, fused modules, e4m3 layers); the others
@@ -170,7 +191,7 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
         _refuse_other(loaded.model, "vaeopt.decode", key)
     if pipe is None:
         pipe = Pipeline(loaded, dataclasses.replace(options) if options is not None else None, log=log,
-                        entry="api")
+                        spell=spell_options)
         loaded.model._vaeopt_optimized = ("vaeopt.decode", key)
         loaded._vaeopt_pipeline = pipe
         return pipe
@@ -287,7 +308,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         dtype = DTYPE_NAMES.get(compute_dtype(vae), "auto")
     loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
-                                    attention=attention, graphs="off"), log=log, entry="optimize")
+                                    attention=attention, graphs="off"), log=log, spell=spell_optimize)
     if (log and pipe.device.type == "cpu" and runs_on is None and explicit_device is None
             and torch.cuda.is_available()):
         log("! optimized for the CPU, where the VAE's weights are, though a GPU is here: its GPU stages were skipped. "
@@ -878,25 +899,16 @@ def run_jobs(pipe: Pipeline, jobs: list[DecodeJob], fps: float = 16.0,
 
 def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult]) -> list[DecodeResult]:
     shapes = [tuple(j.z_raw.shape) for j in jobs]
-    graphs_logged = False
     vg = None  # Wan video: per-chunk CUDA graphs (vaeopt.video_graphs), decided per clip
     for job in jobs:
         shape = tuple(job.z_raw.shape)
         plan = pipe.plan(shape)
         src = job.source if len({j.source for j in jobs if j.source.name == job.source.name}) > 1 else job.source.name
         pipe.log(f"plan {src}{'[' + job.entry + ']' if job.entry else ''} {shape}: {plan.reason}")
-        if not graphs_logged and video_graphs.applies(pipe):
-            vg = video_graphs.arm(pipe, plan)
-            graphs_logged = True
+        if job is jobs[0]:  # the graphs stage, decided by the table from the first job's plan
+            vg = pipe.setup_graphs(plan, shape, shapes.count(shape))
         if vg is not None:
             vg.budget_bytes = plan.budget_bytes  # the budget this clip was planned for bounds its graph pool
-        if not graphs_logged:
-            use, why = pipe.graphs_decision(shapes.count(shape), plan, shape)
-            if use:
-                pipe.enable_graphs(why)
-            else:
-                pipe._record(StageResult.skipped("graphs", why))
-            graphs_logged = True
         pipe.autotune(shapes.count(shape), plan)  # before the shape's first decode: cuDNN keeps its first choice
         cb = (lambda d, t, job=job: progress(job, d, t)) if progress else None
         if job.kind == "mp4" and job.z_raw.shape[0] == 1:
@@ -941,5 +953,5 @@ def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult])
                 s.status = "applied" if pipe.graphed.captures else "skipped"
                 s.detail = pipe.graphed.report()
                 s.data = {"replays": pipe.graphed.replays, "captures": pipe.graphed.captures}
-                pipe.log(s.line())  # the measured outcome, after the decodes
+                pipe.log(s.line(pipe.spell))  # the measured outcome, after the decodes
     return results

@@ -59,11 +59,11 @@ from vaeopt.engine.wan_ops import (Stacked, frames_up_conv, patch_size, phase_ok
                                    temporal_factor, wan_module)
 from vaeopt.errors import DistributedError, VaeoptError
 from vaeopt.kernels import default_tile, default_warps, flat_layout, n_programs_target, new_like, tapconv
-from vaeopt.stages import fused_norms, unhooked
+from vaeopt.stages import Hint, Said, fused_norms, spelled, unhooked
 from vaeopt.stages.fused_epilogues import chunked_attention
 from vaeopt.stages.marks import is_2x_nearest, wan_channels_last
 
-__all__ = ["BAND_STACK", "band_parallel_decode", "band_rows", "supports_band"]
+__all__ = ["band_parallel_decode", "band_rows", "supports_band"]
 
 
 # ================================================================================================================
@@ -482,9 +482,6 @@ class _ImageBandDecoder:
 # ================================================================================================================
 
 
-BAND_STACK = True  # bands run stacked_conv3d's time-stacked convs (benchmarks' A/B switch; read per decode)
-
-
 class WanBandHalo:
     """The rows beyond a band's edges for Wan's chunk decoder (ChunkDecoder(halo=...)), from the neighbour ranks:
     every spatial conv exchanges the boundary rows of its staged input ([causal history | new frames], i.e. including
@@ -670,7 +667,7 @@ def _decode_wan_band(vae, z: Tensor, comm: BandComm, chunk, fused, channels_last
         if m is not None and not isinstance(m, wan.WanAttentionBlock):
             raise DistributedError(f"mid_block.attentions.{i}: {type(m).__name__} is not a WanAttentionBlock")
     halo = WanBandHalo(vae, comm)
-    dec = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused, stack=BAND_STACK, halo=halo)
+    dec = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused, stack=True, halo=halo)
     p = patch_size(vae)
     sched = video.chunk_schedule(z.shape[2], chunk)
     total = sum(video.output_frame_counts(sched, temporal_factor(vae)))
@@ -721,8 +718,8 @@ def supports_band(vae: nn.Module) -> tuple[bool, str]:
     if cls == "AutoencoderKLWan":
         fp8 = sum(1 for m in vae.decoder.modules() if getattr(m, "_vaeopt_fp8conv", False))
         if fp8:  # e4m3 staged inputs: the halo rows' convs would need the fp8 conv's scales and packed weights
-            return False, (f"{fp8} of the decoder's convs run in fp8 (--fp8): band decoding runs Wan's convs in the "
-                           "compute dtype only (decode on one GPU, or without --fp8)")
+            return False, Said(f"{fp8} of the decoder's convs run in fp8: band decoding runs Wan's convs in the "
+                               "compute dtype only (decode on one GPU, or with {0})", Hint("fp8", "off"))
         return True, ""
     if cls != "AutoencoderKL":
         return False, f"{cls}: band-parallel decoding covers AutoencoderKL (SD/SDXL/SD3/FLUX) and AutoencoderKLWan"
@@ -767,7 +764,7 @@ def band_parallel_decode(
     """
     ok, why = supports_band(vae)
     if not ok:
-        raise DistributedError(why)
+        raise DistributedError(spelled(why))  # (its hint as an Options field: this is the Python entry)
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError("band_parallel_decode needs an initialised process group (torchrun, or "
                                "vaeopt.distributed.launch / init_distributed)")

@@ -25,8 +25,9 @@ from vaeopt.families import FamilySpec, build_model
 from vaeopt.hw import DTYPE_NAMES, ClockSampler, machine_info
 from vaeopt.loading import LoadedVAE
 from vaeopt.outputs import atomic_path
-from vaeopt.pipeline import DecodeStats, Options, Pipeline, channels_last_veto
-from vaeopt.stages import StageResult, cudnn_autotune, triton_conv
+from vaeopt.pipeline import DecodeStats, Options, Pipeline
+from vaeopt.stage_table import channels_last_veto
+from vaeopt.stages import cudnn_autotune, spelled, triton_conv
 
 # Standard workloads (docs/benchmarks.md): name -> (family, raw latent shape)
 WORKLOADS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -158,6 +159,7 @@ class Bench:
         self.spec, self.sd, self.shape, self.device, self.dtype = spec, state_dict, shape, device, dtype
         self.repeats, self.warmup, self.log = repeats, warmup, log
         self.detail = detail or log  # the progress lines a short log leaves out (a row starting, a skipped row)
+        self.spell = None  # how the stages' hints are written in the rows (run_benchmark's spell)
         self.overrides = model_overrides or {}
         g = torch.Generator().manual_seed(0)
         self.z = torch.randn(shape, generator=g)
@@ -359,18 +361,14 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
                     .replace("float32", "fp32").replace("float16", "fp16"),
                     cudnn_autotune="on" if tuned else "off", decode_shape=tuple(b.shape), **opts)
         lines = []
-        pipe = Pipeline(loaded, o, log=lines.append, entry="benchmark")  # (the rows show its stage lines)
+        pipe = Pipeline(loaded, o, log=lines.append, spell=b.spell)  # (the rows show its stage lines)
         if tuned is not None:
             pipe._record(tuned)  # already on for the whole run: the row shows the line, nothing is applied again
         plan = pipe.plan(b.shape)
         if b.spec.is_video and o.tiling == "off":
             plan.chunk = 1  # before the planner row: diffusers' one-latent-frame-per-call schedule
-        if o.graphs == "on":
-            use, why = pipe.graphs_decision(99, plan)
-            if use:
-                pipe.enable_graphs("benchmark repeats")
-            else:
-                pipe._record(StageResult.skipped("graphs", why))
+        if o.graphs == "on":  # whole decodes captured (a Wan row's line says why not)
+            pipe.setup_graphs(plan, repeats=99, chunks=False, reason="benchmark repeats")
         z = b.z.to(b.device, b.dtype)
 
         def fn():  # the path `vaeopt decode` takes (OOM retry included), not a shortcut around it
@@ -379,12 +377,12 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
             return pipe._decode_image(z, plan, DecodeStats(), None)
 
         def lines(graphs_status=None):
-            # their hints name decode's flags: spelled as the benchmark has them (or as `vaeopt decode ...`); the FP8
-            # stages' numbers too (fp8_levels reads them)
-            return [{"name": s.name, "detail": pipe.spell(s.detail),
+            # their hints spelled as the benchmark has them (b.spell: its own flags, or `vaeopt decode ...`); the
+            # FP8 stages' numbers too (fp8_levels reads them)
+            return [{"name": s.name, "detail": s.text(b.spell),
                      "status": graphs_status if graphs_status and s.name == "graphs" else s.status,
                      **({"data": _scalars(s.data)} if s.name in _FP8_STAGES and s.data else {})}
-                    for s in pipe.stages] + [{"name": "plan", "status": "applied", "detail": pipe.spell(plan.reason)}]
+                    for s in pipe.stages] + [{"name": "plan", "status": "applied", "detail": pipe.text(plan.reason)}]
 
         def stages():  # read after the timed runs: graphs are captured during them
             if pipe.graphed is not None:
@@ -407,9 +405,10 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
                   peers: tuple[str, ...], repeats: int, warmup: int, fp8: bool, log: Callable[[str], None],
                   workload: str | None, command: str, model_overrides: dict | None = None,
                   ladder_hook: Callable | None = None, gate_db: float = 40.0, autotune: bool = False,
-                  detail: Callable[[str], None] | None = None) -> dict:
+                  detail: Callable[[str], None] | None = None, spell: Callable | None = None) -> dict:
     """`log` gets each measured row as it lands; `detail` (default: log) the rest: each row starting, the skipped
-    rows (also in the result, with their reasons), the decode's FLOPs."""
+    rows (also in the result, with their reasons), the decode's FLOPs. `spell` writes the hints in the stages'
+    lines as the caller names its options (`vaeopt benchmark`: its flags; default: Options fields)."""
     tuned = None
     if autotune:  # for every row, peers included: on before any conv shape is seen (torch caches its first choice)
         ok, why = cudnn_autotune.available(device)
@@ -421,15 +420,16 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         return _run_benchmark(spec, state_dict, shape, device=device, dtype=dtype, peers=peers, repeats=repeats,
                               warmup=warmup, fp8=fp8, log=log, workload=workload, command=command,
                               model_overrides=model_overrides, ladder_hook=ladder_hook, gate_db=gate_db,
-                              tuned=tuned, detail=detail or log)
+                              tuned=tuned, detail=detail or log, spell=spell)
     finally:
         if tuned is not None:
             cudnn_autotune.revert(tuned)
 
 
 def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
-                   log, workload, command, model_overrides, ladder_hook, gate_db, tuned, detail) -> dict:
+                   log, workload, command, model_overrides, ladder_hook, gate_db, tuned, detail, spell) -> dict:
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides, detail)
+    b.spell = spell
     detail(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
     rows: list[Row] = []
     wan = spec.cls_name == "AutoencoderKLWan"
@@ -460,7 +460,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             acc["fp8"] = "off"
             continue
         if name == "+ channels_last" and (veto := channels_last_veto(spec)):  # the decode's auto choice, not the
-            rows.append(Row(name, "ladder", status="skipped", reason=veto))  # row's forced "on"
+            rows.append(Row(name, "ladder", status="skipped", reason=spelled(veto, b.spell)))  # row's forced "on"
             b.log_row(rows[-1])
             acc["channels_last"] = "off"
             continue

@@ -39,6 +39,7 @@ from vaeopt.bands import band_parallel_decode, band_rows, supports_band
 from vaeopt.errors import DistributedError, VaeoptError
 from vaeopt.loading import load_vae
 from vaeopt.pipeline import Options, Pipeline
+from vaeopt.stages import join, spelled
 
 __all__ = [
     "DistributedError",
@@ -293,6 +294,7 @@ def decode_files_distributed(
     group=None,
     log: Callable[[str], None] | None = None,
     limits: api.Limits | None = None,
+    spell: Callable | None = None,
 ) -> list[dict] | None:
     """Per-rank entry of ``vaeopt decode ... --gpus N``: call it on every rank of an initialised process group
     (e.g. ``launch(N, decode_files_distributed, paths, model, kwargs={...})``).
@@ -330,15 +332,16 @@ def decode_files_distributed(
         jobs = api.plan_jobs(files, loaded, Path(output) if output is not None else None, latent_space, overwrite,
                              log=say if rank == 0 else None, limits=limits)
         opts = Options(**{**(options.__dict__ if options is not None else {}), "device": str(dev)})
-        pipe = Pipeline(loaded, opts, log=(lambda s: say(f"[rank {rank}] {s}")))
+        pipe = Pipeline(loaded, opts, log=(lambda s: say(f"[rank {rank}] {s}")), spell=spell)
         ok, why = supports_band(pipe.model)
         if mode == "auto":
             few = len(jobs) < world and world > 1  # fewer files than ranks: band mode where the model allows it
             used_mode = "band" if few and ok else "files"
             if few and not ok and rank == 0:
-                say(f"band-parallel decoding not used ({why}): {len(jobs)} file(s) on {world} ranks, one rank each")
+                say(spelled(join("band-parallel decoding not used (", why, f"): {len(jobs)} file(s) on {world} ranks, "
+                                 "one rank each"), spell))
         elif mode == "band" and not ok:
-            raise DistributedError(f"band mode: {why}")
+            raise DistributedError("band mode: " + spelled(why, spell))
     except Exception as e:  # noqa: BLE001 - reported on every rank
         err = _describe_error(e)
     _raise_if_any(err, group, world)

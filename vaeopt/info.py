@@ -9,15 +9,17 @@ import torch
 from vaeopt.families import family_names, get_family
 from vaeopt.hw import MachineInfo
 from vaeopt.kernels import interpreter_hint
+from vaeopt.stages import Hint, Said, spelled
 
 
-def stage_outlook(mi: MachineInfo) -> list[dict]:
+def stage_outlook(mi: MachineInfo, spell=None) -> list[dict]:
+    """spell: how the stages' hints are written (`vaeopt info`: as `vaeopt decode`'s flags)."""
     dev = torch.device("cuda") if mi.gpus else torch.device("cpu")
     g = mi.gpus[0] if mi.gpus else None
     rows = []
 
     def row(stage, runs, why):
-        rows.append({"stage": stage, "runs": bool(runs), "why": why})
+        rows.append({"stage": stage, "runs": bool(runs), "why": spelled(why, spell)})
 
     if g:
         row("precision", True, "bf16 (tensor cores)" if g.bf16 else "fp16 (no bf16 on " + g.sm + ")")
@@ -37,8 +39,8 @@ def stage_outlook(mi: MachineInfo) -> list[dict]:
         except ImportError as e:
             ok, why = False, f"not importable ({e})"
         if ok and not g and name in ("fused_norms", "fused_epilogues"):  # as the pipeline decides on the CPU
-            ok, why = False, ("CPU decode: the Triton kernels would run only through the interpreter "
-                              f"({interpreter_hint('--triton on')})")
+            ok, why = False, Said("CPU decode: the Triton kernels would run only through the interpreter ("
+                                  + interpreter_hint() + ")", Hint("triton", "on"))
         what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
                 "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues (Wan: summed by the "
                                    "next norm), chunked attention; the 3-channel conv_out as a norm+GEMM kernel and "

@@ -1,15 +1,17 @@
-"""The optimization pipeline: applies the stages in a fixed order to a loaded VAE, plans memory, decodes.
+"""The optimization pipeline: applies the stages to a loaded VAE (the table in vaeopt.stage_table, in its fixed
+order), plans memory, decodes.
 
 Order (each stage logs one line: what it did with numbers, or why it was skipped):
     precision -> fp8 -> channels_last -> fused_norms -> fused_epilogues -> upsample_conv -> stacked_conv3d (Wan)
     -> triton_conv -> fp8 convs -> attention
     -> plan (tile/chunk) -> graphs, cudnn_autotune (these two decided per job: they depend on how often a shape
     repeats)
+Lines that suggest a setting carry Hint groups (vaeopt.stages.Said): the Pipeline's `spell` writes them as its
+caller's entry point names its options (the CLI's flags, the Python API's Options fields).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -17,78 +19,17 @@ from typing import Callable, Iterator
 import torch
 
 from vaeopt import planner
-from vaeopt import outputs, tiling, video, video_stream
+from vaeopt import outputs, stage_table, tiling, video, video_graphs, video_stream
 from vaeopt.errors import DecodeError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
-from vaeopt.kernels import interpreter_hint
 from vaeopt.loading import LoadedVAE, quiet_diffusers
-from vaeopt.stages import StageResult, unhooked, watch_loads, weights_epoch
+from vaeopt.stages import Hint, Said, StageResult, join, spelled, unhooked, watch_loads, weights_epoch
 
 SWITCHES = ("auto", "on", "off")
 # --fp8 also takes one level alone: "weights" (level 1: e4m3 weight storage, any device) and "gemm" (levels 1-2: plus
 # the 1x1 convs and linears as fp8 GEMMs, sm_89+); "on"/"auto" take level 3 where it runs (stages/triton_conv)
 FP8_MODES = SWITCHES + ("weights", "gemm")
-# CUDA graphs in auto mode: where the measured table says replay repays the capture (planner.graphs_pay,
-# configs/graphs_rule.json)
-
-
-# measured: benchmarks/results/h100_hunyuan-stages_2026-11-22.json (docs/experiments.md E39: about 2x slower with it)
-HUNYUAN_CL_SKIP = ("HunyuanVideo's causal convs pad with F.pad(mode='replicate'), which returns NCDHW, so with "
-                   "channels_last_3d weights every conv would convert its input and output (--channels-last on to "
-                   "force)")
-
-
-def channels_last_veto(family) -> str | None:
-    """Why channels_last stays off in auto mode for this family whatever the other stages (None: no such reason):
-    what the pipeline logs, and what the benchmark ladder's channels_last row follows instead of forcing it on."""
-    return HUNYUAN_CL_SKIP if family.cls_name == "AutoencoderKLHunyuanVideo" else None
-
-
-# The stages' lines name `vaeopt decode`'s flags ("--triton on forces it"). The other entry points spell them their
-# own way (Pipeline.entry): `vaeopt benchmark` has only a few of them, vaeopt.optimize() takes keyword arguments,
-# vaeopt.decode() an Options(...). spell_flags rewrites each run of flags ("--triton on --upsample-conv on") so.
-_DECODE_FLAGS = ("channels-last", "triton", "epilogues", "upsample-conv", "stack-conv3d", "conv-kernel", "graphs",
-                 "cudnn-autotune", "fp8-gate", "fp8", "tiling", "tile", "chunk", "vram-budget", "dtype", "device")
-_FLAG = (rf"--(?:{'|'.join(_DECODE_FLAGS)})(?![\w-])"
-         r"(?: (?:auto|on|off|weights|gemm|fp32|bf16|fp16|\d+(?:\.\d+)?(?: GB)?)(?!\w|\.\d))?")
-_FLAG_RUN = re.compile(rf"{_FLAG}(?: {_FLAG})*")
-_BENCH_FLAGS = ("dtype", "device", "fp8-gate")  # benchmark's own, spelled as decode's
-_BENCH_SWITCHES = ("fp8", "cudnn-autotune")  # benchmark's on/off flags, which take no value
-_OPTIMIZE_KWARGS = ("device", "dtype", "channels_last", "triton", "attention")  # vaeopt.optimize(vae, ...)
-_OPTIONS_FIELD = {"fp8-gate": "gate_db", "vram-budget": "vram_budget_gb"}
-ENTRY_POINTS = ("decode", "benchmark", "optimize", "api")
-
-
-def spell_flags(text: str, entry: str) -> str:
-    """`text` with the decode flags it names spelled for `entry`: "decode" (the CLI's `vaeopt decode`: as written),
-    "benchmark" (its own flags; the others as `vaeopt decode ...`, and a switch set off as the ladder row's
-    setting, which is what an "off" there is), "optimize" (keyword arguments, where optimize() takes them all;
-    else vaeopt.decode with Options) or "api" (vaeopt.decode's Options fields)."""
-    if entry == "decode":
-        return text
-    return _FLAG_RUN.sub(lambda m: _respelled(m.group(0), entry), text)
-
-
-def _respelled(run: str, entry: str) -> str:
-    flags: list[list[str]] = []
-    for tok in run.split(" "):
-        if tok.startswith("--"):
-            flags.append([tok[2:], ""])
-        elif tok != "GB":
-            flags[-1][1] = tok
-    if entry == "benchmark":
-        # (benchmark's switches take no value: a level of --fp8 alone is decode's setting)
-        if all(n in _BENCH_FLAGS or (n in _BENCH_SWITCHES and v in ("", "on", "auto")) for n, v in flags):
-            return " ".join(f"--{n}" + (f" {v}" if v and n not in _BENCH_SWITCHES else "") for n, v in flags)
-        if all(v == "off" for _, v in flags):  # the ladder's rows switch the stages off: not the user's doing
-            return ", ".join(f"{n} off" for n, _ in flags) + " in this ladder row"
-        return f"`vaeopt decode {run}`"
-    kw = ", ".join(_OPTIONS_FIELD.get(n, n.replace("-", "_")) + (
-        "" if not v else f"={v}" if v[0].isdigit() else f"='{v}'") for n, v in flags)
-    if entry == "optimize" and all(_OPTIONS_FIELD.get(n, n.replace("-", "_")) in _OPTIMIZE_KWARGS for n, _ in flags):
-        return kw
-    return f"vaeopt.Options({kw})" if entry == "api" else f"vaeopt.decode(..., options=vaeopt.Options({kw}))"
 
 
 STANDARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -180,10 +121,10 @@ class DecodeStats:
 
 class Pipeline:
     def __init__(self, loaded: LoadedVAE, options: Options | None = None, log: Callable[[str], None] | None = None,
-                 entry: str = "decode"):
-        """entry: where the lines are shown, which spells the flags that their hints name (spell_flags)."""
-        if entry not in ENTRY_POINTS:
-            raise ValueError(f"entry must be one of {ENTRY_POINTS}, got {entry!r}")
+                 spell: Callable[[tuple[Hint, ...]], str] | None = None, info: stage_table.DeviceInfo | None = None):
+        """spell: how the lines' hints are written where they are shown (vaeopt.stages.plain: Options fields, when
+        None); each entry point passes its own (cli.spell_flags, api.spell_options, ...). info: the device as the
+        stage rules see it (DeviceInfo.of the device, when None)."""
         self.loaded = loaded
         self.family = loaded.family
         self.opts = options or Options()
@@ -192,11 +133,12 @@ class Pipeline:
         ch = getattr(cfg, "latent_channels", None) or getattr(cfg, "z_dim", None)
         if ds is not None and isinstance(ch, int) and ds[1] != ch:
             raise VaeoptError(f"decode_shape {tuple(ds)}: this VAE's latents have {ch} channels, not {ds[1]}")
-        self.entry = entry
+        self.spell = spell
         self._tiled_before = False  # a tiled decode ran: its host buffers are worth pinning from now on
         self.log = log
         self.device = resolve_device(self.opts.device)
         self.dtype = resolve_dtype(self.opts.dtype, self.device)
+        self.info = info or stage_table.DeviceInfo.of(self.device)
         self.stages: list[StageResult] = []
         self.graphed = None
         self._prepare()
@@ -211,200 +153,46 @@ class Pipeline:
 
     @log.setter
     def log(self, fn: Callable[[str], None] | None) -> None:
-        """Every line goes out with its flags spelled for the entry point."""
-        if fn is None:
-            self._log = lambda s: None
-        else:
-            self._log = fn if self.entry == "decode" else (lambda s: fn(self.spell(s)))
+        """Every line goes out with its hints spelled for the entry point (self.spell)."""
+        self._log = (lambda s: None) if fn is None else (lambda s: fn(spelled(s, self.spell)))
 
-    def spell(self, text: str) -> str:
-        """A stage line's text with its flags spelled for where it is shown (a stage's detail keeps decode's)."""
-        return spell_flags(text, self.entry)
+    def text(self, s: str) -> str:
+        """A line's text (a stage's detail, a plan's reason) with its hints spelled for where it is shown."""
+        return spelled(s, self.spell)
 
     def _record(self, r: StageResult) -> StageResult:
         self.stages.append(r)
-        self.log(r.line())
+        self.log(r.line(self.spell))
         return r
 
-    # ---- stages -------------------------------------------------------------------------------------------
+    # ---- stages: the table in vaeopt.stage_table ------------------------------------------------------------
     def _prepare(self) -> None:
-        o = self.opts
-        fam = self.family
-        if self.dtype == torch.float16 and fam.name == "sdxl" and self.loaded.layout != "in-memory":
-            # (not for optimize(pipe.vae): its family is a guess, and a diffusers pipeline upcasts the VAE itself
-            # where its config says force_upcast)
-            self.dtype = torch.float32
-            self.log("! fp16 overflows in the SDXL VAE (NaN outputs): using fp32 (or pick --dtype bf16)")
+        self.dtype, upcast = stage_table.precision_dtype(self.family, self.dtype, self.loaded.layout)
         watch_loads(self.model)
+        ctx = stage_table.Context(self.opts, self.family, self.dtype, self.info, self.device, self.model,
+                                  layout=self.loaded.layout, upcast=upcast, log=self.log)
+        stage_table.apply_stages(ctx, self._record, precision=self._precision)
+
+    def _precision(self, ctx: stage_table.Context) -> StageResult:
+        """The precision row: the weights onto the device in the decode's dtype; records its line (before its notes)."""
+        if ctx.upcast is not None:
+            self.log(ctx.upcast)
         t0 = time.perf_counter()
         with quiet_diffusers():  # diffusers warns about `.to(dtype)` on every model; we cast deliberately
             kept = move_weights(self.model, self.device, self.dtype)
-        self._record(StageResult("precision", "applied",
-                                 f"{str(self.dtype).replace('torch.', '')} on {self._device_name()} "
-                                 f"({time.perf_counter() - t0:.2f} s to move weights)" + (
-                                     f"; {kept} weights kept in their float8 storage (the hooks on their layers "
-                                     "cast them per call, as diffusers' layerwise casting does)" if kept else "")))
+        r = self._record(StageResult("precision", "applied",
+                                     f"{str(self.dtype).replace('torch.', '')} on {self.info.name} "
+                                     f"({time.perf_counter() - t0:.2f} s to move weights)" + (
+                                         f"; {kept} weights kept in their float8 storage (the hooks on their layers "
+                                         "cast them per call, as diffusers' layerwise casting does)" if kept else "")))
         if self.device.type == "cpu" and self.dtype in (torch.float16, torch.bfloat16):
-            self.log("! half precision on the CPU: torch's CPU convs are much slower in fp16/bf16 than in fp32 "
-                     "(--dtype fp32, the CPU default)")
-
-        # fp8: level 3 (8-bit implicit-GEMM convs fed by the fused norms) where it can run, else levels 1-2; "weights"
-        # and "gemm" ask for level 1 alone or levels 1-2 (vaeopt benchmark --fp8 measures each level so)
-        conv8 = o.fp8 in ("on", "auto") and self._level3_family()
-        if conv8:
-            self._record(StageResult.skipped("fp8", "FP8 compute runs as 8-bit implicit-GEMM convs ('fp8 convs', "
-                                                    "after the fused path is set up); weight-storage hooks would "
-                                                    "disable that path (--fp8 weights or --fp8 gemm: levels 1-2 "
-                                                    "instead)"))
-        elif o.fp8 == "off":
-            self._record(StageResult.skipped("fp8", "off (enable with --fp8 on; gated at "
-                                                    f"{o.gate_db:g} dB vs the fp32 decode)"))
-        else:
-            self._apply_fp8()
-
-        # fused norms decide whether channels_last pays
-        fused_ok, fused_why = self._fused_available()
-        want_fused = o.triton == "on" or (o.triton == "auto" and fused_ok)
-        cl_mod = self._stage("channels_last")
-        if o.channels_last == "off":
-            self._record(StageResult.skipped("channels_last", "off"))
-        elif o.channels_last == "auto" and (veto := channels_last_veto(fam)):
-            self._record(StageResult.skipped("channels_last", veto))
-        elif o.channels_last == "auto" and cl_mod.alone_pays(self.device) and not want_fused:
-            r = cl_mod.apply(self.model)
-            r.detail += " (on the CPU it pays without the fused kernels)"
-            self._record(r)
-        elif o.channels_last == "on" or (want_fused and fam.cls_name != "AutoencoderTiny"):
-            self._record(cl_mod.apply(self.model))
-        elif fam.cls_name == "AutoencoderTiny":
-            self._record(StageResult.skipped("channels_last", "TAESD is too small to gain from NHWC"))
-        else:
-            self._record(StageResult.skipped("channels_last", f"fused NHWC norm kernels unavailable ({fused_why}); "
-                                             "aten GroupNorm relayouts NHWC inputs, which is slower"))
-        if o.triton == "off":
-            fused = self._record(StageResult.skipped("fused_norms", "off"))
-        elif not fused_ok and o.triton == "auto":
-            fused = self._record(StageResult.skipped("fused_norms", fused_why))
-        else:
-            fused = self._record(self._stage("fused_norms").apply(self.model))
-        if o.epilogues == "off":
-            self._record(StageResult.skipped("fused_epilogues", "off"))
-        elif fused.status != "applied":
-            self._record(StageResult.skipped("fused_epilogues", "needs the fused norms (they carry the folded biases)"))
-        else:
-            self._record(self._stage("fused_epilogues").apply(self.model, device=self.device))
-
-        self._apply_upsample_conv()
-        self._apply_stacked_conv3d()
-        self._apply_triton_conv()
-        if conv8 and o.conv_kernel == "off":
-            self._record(StageResult.skipped("fp8 convs", "--conv-kernel off (the e4m3 convs are Triton kernels)"))
-        elif conv8:  # the gate decodes Wan with the chunk decoder the decodes will use
-            decode = video.decode_video if self.family.cls_name == "AutoencoderKLWan" else None
-            self._record(self._stage("triton_conv").apply_fp8(self.model, self.device, self.dtype, o.gate_db,
-                                                              decode_shape=o.decode_shape, decode=decode,
-                                                              log=self.log))
-
-        if o.attention == "off":
-            self._record(StageResult.skipped("attention", "off"))
-        else:
-            self._record(self._stage("attention").apply(self.model, device=self.device, dtype=self.dtype))
-
-    def _device_name(self) -> str:
-        if self.device.type == "cuda":
-            return f"{torch.cuda.get_device_name(self.device)} ({self.device})"
-        return "CPU"
+            self.log(Said("! half precision on the CPU: torch's CPU convs are much slower in fp16/bf16 than in fp32 "
+                          "({0}, the CPU default)", Hint("dtype", "fp32")))
+        return r
 
     @staticmethod
     def _stage(name: str):
-        import importlib
-
-        return importlib.import_module(f"vaeopt.stages.{name}")
-
-    def _fused_available(self) -> tuple[bool, str]:
-        if self.device.type != "cuda" and self.opts.triton == "auto":
-            return False, ("CPU decode: Triton kernels would run only through the interpreter "
-                           f"({interpreter_hint('--triton on')})")
-        try:
-            mod = self._stage("fused_norms")
-        except ImportError as e:
-            return False, f"fused norm kernels not importable ({e})"
-        return mod.available(self.device)
-
-    def _level3_family(self) -> bool:
-        """Whether --fp8 means level 3 (e4m3 implicit-GEMM convs written by the fused norms) rather than levels 1-2:
-        Wan always (its fused chunk decoder has no room for storage hooks), AutoencoderKL for 16-bit decodes on a
-        GPU with FP8 tensor cores. Decided from the family and hardware, not the other switches, so that a ladder
-        row with the Triton path still off says why fp8 waits instead of running levels 1-2 there."""
-        name = self.family.cls_name
-        if name == "AutoencoderKLWan":
-            return True
-        return (name == "AutoencoderKL" and self.dtype in (torch.bfloat16, torch.float16)
-                and self._stage("triton_conv").fp8_available(self.device)[0])
-
-    def _apply_upsample_conv(self) -> None:
-        o, name = self.opts, "upsample_conv"
-        if o.upsample_conv == "off":
-            self._record(StageResult.skipped(name, "off"))
-        else:
-            self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
-                                                 force=o.upsample_conv == "on"))
-
-    def _apply_stacked_conv3d(self) -> None:
-        o, name = self.opts, "stacked_conv3d"
-        cl = any(s.name == "channels_last" and s.status == "applied" for s in self.stages)
-        if self.family.cls_name != "AutoencoderKLWan":
-            if o.stack_conv3d == "on":  # asked for by name: say why nothing happened (else no line for images)
-                self._record(StageResult.skipped(name, f"--stack-conv3d on has nothing to stack: it is for Wan's "
-                                                       f"causal Conv3d, and {self.family.title} has none"))
-            return
-        if o.stack_conv3d == "off":
-            self._record(StageResult.skipped(name, "off"))
-        elif not cl:
-            self._record(StageResult.skipped(name, "needs channels_last_3d activations (the stack is NHWC)"))
-        else:
-            # the 96-ch convs go to triton_conv's TMA kernel only if that stage will run (it comes next)
-            self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
-                                                 force=o.stack_conv3d == "on",
-                                                 triton_conv_runs=self._triton_conv_skip() is None))
-
-    def _triton_conv_skip(self) -> str | None:
-        """Why the triton_conv stage would be skipped here, or None when it runs (its own checks follow)."""
-        o = self.opts
-        if o.conv_kernel == "off":
-            return "off"
-        if self.device.type != "cuda" and o.conv_kernel == "auto":
-            return ("CPU decode: the Triton conv would run only through the interpreter "
-                    f"({interpreter_hint('--triton on --conv-kernel on')})")
-        if not any(s.name == "channels_last" and s.status == "applied" for s in self.stages):
-            return "needs channels_last activations (the kernel reads NDHWC)"
-        if self.dtype == torch.float32 and self.device.type == "cuda":
-            return "fp32 decode: cuDNN kept (the kernel's fp32 dot would use TF32)"
-        return None
-
-    def _apply_triton_conv(self) -> None:
-        name = "triton_conv"
-        why = self._triton_conv_skip()
-        if why is not None:
-            self._record(StageResult.skipped(name, why))
-        else:
-            self._record(self._stage(name).apply(self.model, device=self.device, dtype=self.dtype,
-                                                 force=self.opts.conv_kernel == "on"))
-
-    def _apply_fp8(self) -> None:
-        try:
-            mod = self._stage("fp8")
-        except ImportError:
-            self._record(StageResult.skipped("fp8", "not built into this version of vaeopt"))
-            return
-        compute = self.opts.fp8 != "weights"  # level 2's GEMMs too, where the GPU has FP8 tensor cores
-        ok, why = mod.available(self.device, compute=compute)
-        if not ok:
-            self._record(StageResult.skipped("fp8", why + (" (--fp8 weights, level 1 alone, runs without them)"
-                                                           if "tensor cores" in why or "GPU" in why else "")))
-            return
-        self._record(mod.apply(self.model, family=self.family, gate_db=self.opts.gate_db, device=self.device,
-                               dtype=self.dtype, compute=compute, log=self.log))
+        return stage_table.stage(name)
 
     # ---- planning -----------------------------------------------------------------------------------------
     def plan(self, latent_shape: tuple) -> planner.Plan:
@@ -413,45 +201,43 @@ class Pipeline:
                                 vram_budget_gb=o.vram_budget_gb, tile=o.tile, chunk=o.chunk, tiling=o.tiling)
         return p
 
-    def graphs_decision(self, repeats: int, plan: planner.Plan, latent_shape: tuple | None = None
-                        ) -> tuple[bool, str]:
-        o = self.opts
-        ok, why = self._stage("graphs").available(self.device)
-        if o.graphs == "off":
-            return False, "off"
-        if not ok:
-            return False, why
-        if plan.mode != "whole":
-            return False, f"{plan.mode} decode: graphs are captured for whole decodes only"
-        if self.family.is_video:
-            if self.family.cls_name == "AutoencoderKLWan":
-                return False, ("Wan: the whole-clip graph does not apply; per-chunk graphs are decided per clip by "
-                               "vaeopt.video_graphs")
-            return False, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only"
-        if o.graphs == "on":
-            return True, "forced on"
-        shape = latent_shape or o.decode_shape
-        if shape is None:
-            return False, "the latent shape is not known here (--graphs on to force)"
+    def setup_graphs(self, plan: planner.Plan, latent_shape: tuple | None = None, repeats: int = 1,
+                     chunks: bool = True, reason: str | None = None):
+        """The graphs stage, decided by the table (stage_table.decide_graphs) for `repeats` decodes of
+        `latent_shape` under `plan`, applied and logged: whole decodes captured (GraphedDecode), Wan's per-chunk
+        graphs armed (-> the policy, whose report_to gives the measured line after the decodes), or a skip line.
+        reason: the line's reason for captured whole decodes instead of the table's."""
         eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
-        return planner.graphs_pay(self.family, tuple(shape), repeats, "8bit" if eight else "bf16")
+        d = stage_table.decide_graphs(self.opts, self.family, self.info, plan, latent_shape, repeats, chunks,
+                                      "8bit" if eight else "bf16")
+        if d.kind == "chunks":
+            pol = video_graphs.enable(self.model, d.why, plan.budget_bytes)
+            self._record(video_graphs.armed(pol, d.why))
+            return pol
+        if self.family.cls_name == "AutoencoderKLWan" and chunks:
+            video_graphs.disable(self.model)
+        if d.kind == "whole":
+            self.enable_graphs(reason or d.why)
+        else:
+            self._record(StageResult.skipped("graphs", d.why))
+        return None
 
     def autotune(self, repeats: int, plan: planner.Plan | None = None) -> StageResult:
-        """Decide and apply (or log why not) cuDNN autotuning for `repeats` same-shape decodes of `plan`; once per
-        pipeline."""
+        """Decide (stage_table.decide_autotune) and apply (or log why not) cuDNN autotuning for `repeats` same-shape
+        decodes of `plan`; once per pipeline."""
         done = next((s for s in self.stages if s.name == "cudnn_autotune"), None)
         if done is not None:
             return done
         mod = self._stage("cudnn_autotune")
-        use, why = mod.decide(self.opts.cudnn_autotune, self.device, repeats,
-                              plan.est_bytes if plan else None, plan.budget_bytes if plan else None)
+        use, why = stage_table.decide_autotune(self.opts.cudnn_autotune, self.info, repeats,
+                                               plan.est_bytes if plan else None, plan.budget_bytes if plan else None)
         return self._record(mod.apply(why) if use else StageResult.skipped("cudnn_autotune", why))
 
     def enable_graphs(self, reason: str) -> None:
         mod = self._stage("graphs")
         self.graphed, r = mod.apply(self._decode_whole_raw, self.device)
         self._graphs_epoch = weights_epoch(self.model)
-        r.detail += f" ({reason})"
+        r.detail = join(r.detail, " (", reason, ")")
         self._record(r)
 
     # ---- decoding -----------------------------------------------------------------------------------------

@@ -79,18 +79,17 @@ def graphs_pay(family: FamilySpec, latent_shape: tuple, repeats: int, variant: s
     rows = [r for r in rows if abs(math.log(px / r["pixels"])) <= math.log(rule["max_pixel_ratio"])]
     if not rows:
         return False, (f"no graph measurement for {family.title} near {px / 1e6:.2f} MP per decode "
-                       "(configs/graphs_rule.json; --graphs on to force)")
+                       "(configs/graphs_rule.json)")
     r = min(rows, key=lambda r: (r["variant"] != variant, abs(math.log(px / r["pixels"]))))
     saving = r["eager_ms"] - r["replay_ms"]
     capture = r["capture_ms"] or rule["capture_factor"] * r["eager_ms"]
     at = (f"{r['workload'] or r['family']} {r['variant']} on an {r['gpu'].replace('NVIDIA ', '')}: "
           f"{r['eager_ms']:.1f} -> {r['replay_ms']:.1f} ms replayed, capture ~{capture:.0f} ms")
     if saving <= 0:
-        return False, f"replay measured no faster ({at}; --graphs on to force)"
+        return False, f"replay measured no faster ({at})"
     need = math.ceil(capture / saving)
     if repeats < need:
-        return False, (f"{repeats} decode(s) of this shape: the capture pays from {need} ({at}; --graphs on to "
-                       "force)")
+        return False, f"{repeats} decode(s) of this shape: the capture pays from {need} ({at})"
     return True, f"{repeats} decodes of the same shape, paying from {need} ({at})"
 
 
@@ -133,7 +132,7 @@ def estimate_whole(family: FamilySpec, model, latent_shape: tuple, dtype: torch.
 
 def budget_bytes(device: torch.device, vram_budget_gb: float | None) -> tuple[int | None, str]:
     if vram_budget_gb is not None:
-        return int(vram_budget_gb * 2**30), f"--vram-budget {vram_budget_gb:g} GB"
+        return int(vram_budget_gb * 2**30), f"{vram_budget_gb:g} GB asked for"
     if device.type != "cuda":
         return None, "CPU"
     free, _ = torch.cuda.mem_get_info(device)
@@ -160,7 +159,7 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
         t = min(t, max(h, w))  # a tile beyond the latent is the latent: said as the size used
         f = family.spatial_factor
         reason = "tiling forced" if not tile else f"tile {t * f}px requested" if t == tile else (
-            f"tile {t * f}px (--tile {tile} is larger than the {h}x{w} latent: one tile, the whole image)")
+            f"tile {t * f}px (the tile of {tile} asked for is larger than the {h}x{w} latent: one tile, the whole image)")
         return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t, reason=reason)
     if budget is None or whole <= budget or tiling == "off" or family.cls_name != "AutoencoderKL":
         if budget is None and host is not None:
@@ -476,7 +475,7 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
             k, est = untiled[-1]
             return Plan("chunked", budget, est, chunk=k,
                         reason=f"chunk {k}: est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of "
-                               "memory (--tiling off)")
+                               "memory (tiling off)")
     # The untiled decode does not fit (or tiling is forced): the cheapest tiled plan that does (plan_cost order:
     # fewest halo rows, device caches before host caches), estimated by a dry run of the tiled decode itself.
     # Bounds that skip dry runs which cannot fit: plans with the caches on the device need at least the untiled

@@ -48,7 +48,7 @@ from torch import Tensor
 from vaeopt.engine.memory import estimate_chunk_bytes
 from vaeopt.engine.regions import spatial_factor
 from vaeopt.engine.wan_ops import temporal_factor
-from vaeopt.stages import StageResult
+from vaeopt.stages import Hint, Said, StageResult, join
 from vaeopt.stages import graphs as graphs_stage
 
 __all__ = ["AUTO_MIN_STEADY", "ChunkGraphs", "GraphedSteps", "disable", "enable", "policy_of", "resolve"]
@@ -110,12 +110,12 @@ class ChunkGraphs:
             return False, (f"{steady} chunk(s) of one shape after the first: a graph needs one warm-up chunk and "
                            "one more to replay")
         if steady < self.min_steady:
-            return False, (f"{steady} chunks of {k} latent frame(s) after the first: {self.mode} captures from "
-                           f"{self.min_steady} (--graphs on forces it)")
+            return False, Said(f"{steady} chunks of {k} latent frame(s) after the first: {self.mode} captures "
+                               f"from {self.min_steady} ({{0}} forces it)", Hint("graphs", "on"))
         if self.mode == "auto" and chunk_pixels is not None and chunk_pixels > self.max_chunk_pixels:
-            return False, (f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound, a replay would not beat the eager "
-                           f"chunk; auto captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk (--graphs on "
-                           "forces it)")
+            return False, Said(f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound, a replay would not beat the "
+                               f"eager chunk; auto captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk "
+                               "({0} forces it)", Hint("graphs", "on"))
         return True, f"{steady} chunks of {k} latent frame(s) after the first"
 
     def new_record(self, z: Tensor, sched: Sequence[int], tiles: int, use: bool, why: str) -> dict:
@@ -138,23 +138,24 @@ class ChunkGraphs:
         if not self.clips:
             return "skipped", "no Wan video clip was decoded", data
         others = collections.Counter(r["reason"] for r in self.clips if not r["captures"])
-        why = "; ".join(f"{r}{f' ({n} clips)' if n > 1 else ''}" for r, n in others.items())
+        why = join(*(p for i, (r, n) in enumerate(others.items())
+                     for p in (("; " if i else ""), r, f" ({n} clips)" if n > 1 else "")))
         if not cap:
             failed = any(r["status"] == "fallback" for r in self.clips)
-            return ("fallback" if failed else "skipped"), f"per-chunk graphs: {why}", data
+            return ("fallback" if failed else "skipped"), "per-chunk graphs: " + why, data
         ms = [r["capture_ms"] for r in cap]
         pool = max(r["pool_bytes"] or 0 for r in cap)
         res = max(r["reserved_after_capture"] or 0 for r in cap)
         budget = next((r["budget_bytes"] for r in cap if r["budget_bytes"]), None)
         shapes = sorted({tuple(r["latent_chunk"]) for r in cap})
         data.update(capture_ms=ms, pool_bytes=pool, reserved_after_capture=res, budget_bytes=budget)
-        detail = (f"per-chunk: {len(cap)} of {len(self.clips)} clip(s) captured (chunk "
+        detail: str = (f"per-chunk: {len(cap)} of {len(self.clips)} clip(s) captured (chunk "
                   f"{', '.join(str(s) for s in shapes)}), capture {_fmt_ms(ms)} ms, "
                   f"{data['replays']} replays, {data['eager_chunks']} eager chunks (first + warm-up per clip); "
                   f"graph pool {pool / 2**30:.2f} GiB, reserved {res / 2**30:.1f} GiB after capture"
                   + (f" of the {budget / 2**30:.1f} GiB budget" if budget else ""))
         if others:
-            detail += f"; not captured: {why}"
+            detail = join(detail, "; not captured: ", why)
         return "applied", detail, data
 
 
@@ -488,22 +489,14 @@ def applies(pipe) -> bool:
     return pipe.family.cls_name == "AutoencoderKLWan"
 
 
-def arm(pipe, plan) -> ChunkGraphs | None:
-    """Attach the --graphs policy to the pipeline's Wan model before its decodes and log the stage as armed (or
-    skipped, with the reason). -> the policy, whose report() gives the measured stage line after the decodes."""
-    mode = pipe.opts.graphs
-    ok, why = graphs_stage.available(pipe.device)
-    if mode == "off" or not ok:
-        disable(pipe.model)
-        pipe._record(StageResult.skipped(graphs_stage.NAME, "off" if mode == "off" else why))
-        return None
-    pol = enable(pipe.model, mode, plan.budget_bytes)
+def armed(pol: ChunkGraphs, mode: str) -> StageResult:
+    """The graphs stage line once the table armed per-chunk graphs (Pipeline.setup_graphs); report_to replaces it
+    by what was captured after the decodes."""
     when = "clips with >= 2 chunks of one shape after the first" if mode == "on" else \
         (f"clips with >= {pol.min_steady} chunks of one shape after the first and <= "
          f"{pol.max_chunk_pixels / 1e6:.1f} MP per chunk, untiled plans")
-    pipe._record(StageResult(graphs_stage.NAME, "skipped",
-                             f"per-chunk graphs armed ({mode}: {when}); what was captured is logged after the decodes"))
-    return pol
+    return StageResult(graphs_stage.NAME, "skipped",
+                       f"per-chunk graphs armed ({mode}: {when}); what was captured is logged after the decodes")
 
 
 def report_to(pipe, pol: ChunkGraphs) -> None:
@@ -512,5 +505,5 @@ def report_to(pipe, pol: ChunkGraphs) -> None:
     for s in pipe.stages:
         if s.name == "graphs":
             s.status, s.detail, s.data = status, detail, data
-            pipe.log(s.line())
+            pipe.log(s.line(pipe.spell))
             return

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from vaeopt.cli import printing
+from vaeopt.cli.report import spell_benchmark_flags
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.printing import detail, log, say, set_verbosity
 from vaeopt.errors import VaeoptError
@@ -101,6 +102,7 @@ def benchmark(
             f"1,{shp[1]},{'1,' if len(shp) == 5 else ''}32,32 is a quick CPU run)[/]")
     result = bm.run_benchmark(spec, sd, shp, device=dev, dtype=dt, peers=peer_list, repeats=repeats, warmup=warmup,
                               fp8=fp8, gate_db=fp8_gate, autotune=cudnn_autotune, log=log, detail=detail,
+                              spell=spell_benchmark_flags,
                               workload=wl, command=" ".join(["vaeopt"] + sys.argv[1:]))
     if printing.level >= 1:  # -q: the results are in --json / --plot
         print_bench(result)

@@ -19,7 +19,8 @@ from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.paths import check_inputs_exist, output_arg, output_folder
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, log, say, set_verbosity
-from vaeopt.cli.report import DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read
+from vaeopt.cli.report import (DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read,
+                               spell_flags)
 from vaeopt.errors import VaeoptError
 
 
@@ -187,7 +188,7 @@ def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
     images = [j.z_raw.shape for j in jobs if j.z_raw.dim() == 4]
     if images and opts.fp8 != "off":  # the int8 convs' gate measures at the largest decode (stages/triton_conv)
         opts = dataclasses.replace(opts, decode_shape=(1, *max(images, key=lambda s: s[-2] * s[-1])[1:]))
-    pipe = Pipeline(loaded, opts, log=detail)
+    pipe = Pipeline(loaded, opts, log=detail, spell=spell_flags)
     if printing.level >= 2:
         printing.console.print("[bold]decode[/]")
     else:
@@ -215,7 +216,7 @@ def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
         printing.out_console.print_json(json.dumps({
             "model": str(model_path), "family": loaded.family.name, "layout": loaded.layout,
             "device": str(pipe.device), "dtype": str(pipe.dtype).replace("torch.", ""),
-            "stages": [{"name": s.name, "status": s.status, "detail": s.detail} for s in pipe.stages],
+            "stages": [{"name": s.name, "status": s.status, "detail": s.text(spell_flags)} for s in pipe.stages],
             "outputs": [{"source": str(r.job.source), "entry": r.job.entry, "shape": list(r.job.z_raw.shape),
                          "written": [str(p) for p in r.written], "seconds": r.seconds, "peak_bytes": r.peak_bytes,
                          "plan": r.plan, "retries": r.retries} for r in results],
@@ -245,7 +246,7 @@ def _decode_distributed(gpus, latents, model, output, family, config, key, laten
         summary = launch(gpus, decode_files_distributed, [str(p) for p in latents],
                          str(model) if model else None,
                          kwargs=dict(output=output, family=family, config=config, key=key, latent_space=latent_space,
-                                     overwrite=overwrite, options=opts, fps=fps, limits=limits,
+                                     overwrite=overwrite, options=opts, fps=fps, limits=limits, spell=spell_flags,
                                      log=_log_stderr if printing.level >= 2 else None))  # stdout: --json only
     except DistributedError as e:
         raise VaeoptError(str(e).splitlines()[0]) from None

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from vaeopt import __version__
 from vaeopt.cli import printing
+from vaeopt.cli.report import spell_flags
 from vaeopt.cli.exits import clean_errors
 
 
@@ -19,7 +20,7 @@ def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable ou
     from vaeopt.hw import machine_info
 
     mi = machine_info()
-    outlook = stage_outlook(mi)
+    outlook = stage_outlook(mi, spell_flags)
     if as_json:
         printing.out_console.print_json(json.dumps({**mi.to_dict(), "stages": outlook, "families": family_outlook()}))
         return

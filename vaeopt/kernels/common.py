@@ -61,9 +61,10 @@ def triton_available(device: torch.device | str | torch.Tensor | None = None) ->
 # --- shared launcher helpers (pure torch; used by the kernel modules) ---------------------------------------------
 
 
-def interpreter_hint(flags: str) -> str:
-    """How a CPU decode takes the Triton path anyway (the stages' skip reasons): the interpreter, and the switches."""
-    return f"TRITON_INTERPRET=1 in the environment plus {flags} forces it; slow, for tests"
+def interpreter_hint() -> str:
+    """How a CPU decode takes the Triton path anyway (the stages' skip reasons): the interpreter, and the settings,
+    left as the slot {0} for the caller's hint (vaeopt.stages.Said)."""
+    return "TRITON_INTERPRET=1 in the environment plus {0} forces it; slow, for tests"
 
 
 def triton_cache_entries() -> tuple[str, int]:

@@ -429,7 +429,6 @@ def _launch_stats(x, G, x_bias, tile, target_programs, num_warps, out=None, minm
 # (N, C, H*W)) skips its stats pass, as long as nothing wrote to the tensor since (its version counter).
 
 _PARTS = "_vaeopt_gn_parts"
-USE_NOTED = True  # (benchmarks switch it off to time the stats pass in the same process)
 
 
 def _signature(x: torch.Tensor):
@@ -466,8 +465,6 @@ def noted_partials(x: torch.Tensor, num_groups: int) -> torch.Tensor | None:
     """The partials noted on x (or on the tensor x is a view of, when x sees the same data the same way per sample)
     for num_groups groups, if x has not been written since; else None. Inference tensors keep no version counter:
     their note holds for as long as the tensor lives (the decoders' forwards never write an activation in place)."""
-    if not USE_NOTED:
-        return None
     rec = (x if x._base is None else x._base).__dict__.get(_PARTS)
     if rec is None or rec[0] != int(num_groups) or rec[2] != _version(x):
         return None

@@ -38,19 +38,17 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 MEASURED_SM = ((9, 0),)
-ENABLED = True  # benchmarks switch it off to time the pointer kernel on the same process
 # The variant that adds a residual in its epilogue (int8 resnet conv2, E47) compiles to 190 registers per thread
 # (128 without): one 8-warp CTA per SM instead of two, and slower than the separate residual pass. Capped at 128 it
 # spills 46 and is faster (H100, row tile: 0.581 vs 0.606 ms per 128-ch @1024² call with the next norm's stats
 # pass, whole sdxl-1024 decode 16.00 vs 16.07 ms; h100_res_in_conv{,-maxnreg128}_2026-11-23{a,b}.json).
 RES_MAXNREG = 128
-ZERO_POINT = True  # int8: the epilogue's zero-point term (benchmarks switch it off to time the main loop alone)
 
 
 def available(device: torch.device) -> bool:
     """TMA tensor descriptors in this Triton, on a GPU where the tile choices below were measured (sm_90). Asked on
     every e4m3 conv call by conv_igemm: no imports here."""
-    if not ENABLED or TensorDescriptor is None or device.type != "cuda":
+    if TensorDescriptor is None or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) in MEASURED_SM
 
@@ -396,7 +394,7 @@ def _launch(x: torch.Tensor, xd: torch.Tensor, pw: PackedWeight, bias: torch.Ten
     r1_desc = TensorDescriptor(rv, list(rv.shape), list(rv.stride()), [*y_box, bn1]) if rv is not None and bn1 \
         else None
     n_tiles = triton.cdiv(CO, cfg.n_width())
-    zp = a.int8 and a.zq_t is not None and ZERO_POINT  # symmetric int8 (the upsamplers' inputs): no zero point
+    zp = a.int8 and a.zq_t is not None  # symmetric int8 (the upsamplers' inputs): no zero point
     if zp and (phases or kt != 1 or yv.stride(3) != 1):
         raise ValueError("conv_tma: int8 zero points are for 2D 3x3 convs into a (frames, H, W, Cout) output")
     grid = (frames * triton.cdiv(a.H, bh) * triton.cdiv(a.W, bw) * n_tiles,)

@@ -9,6 +9,7 @@ A stage never reports success for work it did not do: `detail` carries measured 
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -16,34 +17,105 @@ from typing import Callable, Literal
 Status = Literal["applied", "skipped", "fallback"]
 
 
+@dataclass(frozen=True)
+class Hint:
+    """An option setting that a message suggests, by its Options field: Hint("fp8", "on"). Each entry point spells
+    it its own way (the CLI `--fp8 on`, the Python API `Options(fp8='on')`); the stages never write a spelling."""
+    option: str
+    value: object = None
+
+
+def plain(group: tuple[Hint, ...]) -> str:
+    """The spelling of a hint group where no entry point gave its own: Options fields, `fp8=on`."""
+    return ", ".join(h.option if h.value is None else f"{h.option}={h.value}" for h in group)
+
+
+class Said(str):
+    """A message with slots {0}, {1}, ... where it suggests option settings, and the Hint groups for them (a group
+    is one suggestion of one or more settings: "--triton on --conv-kernel on"). As a str it is the template; `spell`
+    fills the slots. Joining two with + keeps both's hints."""
+
+    hints: tuple[tuple[Hint, ...], ...]
+
+    def __new__(cls, template: str, *groups) -> "Said":
+        self = super().__new__(cls, template)
+        self.hints = tuple(tuple(g) if isinstance(g, (tuple, list)) else (g,) for g in groups)
+        return self
+
+    def spell(self, spell: Callable[[tuple[Hint, ...]], str] | None = None) -> str:
+        return str.format(self, *map(spell or plain, self.hints)) if self.hints else str(self)
+
+    def __add__(self, other: str) -> "Said":
+        return join(self, other)
+
+    def __radd__(self, other: str) -> "Said":
+        return join(other, self)
+
+    def __reduce__(self):  # (pickles and deep-copies with its hints)
+        return (type(self), (str(self), *self.hints))
+
+
+def _template(text: str) -> str:
+    return str(text) if isinstance(text, Said) else str(text).replace("{", "{{").replace("}", "}}")
+
+
+_SLOT = re.compile(r"(?<!\{)\{(\d+)\}(?!\})")  # a slot; not an escaped {{0}}
+
+
+def join(*parts: str) -> "Said":
+    """parts (Said or plain text) as one Said, their slots renumbered in order."""
+    out, hints = [], []
+    for t in parts:
+        n = len(hints)
+        out.append(_SLOT.sub(lambda m: f"{{{int(m.group(1)) + n}}}", _template(t)))
+        hints.extend(getattr(t, "hints", ()))
+    return Said("".join(out), *hints)
+
+
+def spelled(text: str, spell: Callable[[tuple[Hint, ...]], str] | None = None) -> str:
+    """text with its hints spelled by `spell` (plain text as it is)."""
+    return text.spell(spell) if isinstance(text, Said) else text
+
+
 @dataclass
 class StageResult:
     name: str
     status: Status
-    detail: str
+    detail: str  # a Said where it suggests settings
     data: dict = field(default_factory=dict)
 
     @classmethod
     def skipped(cls, name: str, why: str, **data) -> "StageResult":
         return cls(name, "skipped", why, dict(data))
 
-    def line(self) -> str:
+    @property
+    def hints(self) -> tuple[tuple[Hint, ...], ...]:
+        return getattr(self.detail, "hints", ())
+
+    def text(self, spell: Callable[[tuple[Hint, ...]], str] | None = None) -> str:
+        """The detail with its hints spelled by `spell` (default: Options fields, `plain`)."""
+        return spelled(self.detail, spell)
+
+    def line(self, spell: Callable[[tuple[Hint, ...]], str] | None = None) -> str:
         mark = {"applied": "✓", "skipped": "–", "fallback": "↩"}[self.status]
-        return f"{mark} {self.name}: {self.status if self.status != 'applied' else ''}{' — ' if self.status != 'applied' else ''}{self.detail}"
+        how = "" if self.status == "applied" else f"{self.status} — "
+        return f"{mark} {self.name}: {how}{self.text(spell)}"
 
 
-def unmeasured_gpu(device, measured_sm: tuple, kept: str, flag: str) -> str | None:
+def unmeasured_gpu(device, measured_sm: tuple, kept: str, option: str) -> Said | None:
     """None on a CUDA GPU of a measured compute capability (or off CUDA); else the skip reason for a stage whose
-    policy was measured only there: `kept` is what stays instead, `flag` the switch that forces the stage."""
+    policy was measured only there: `kept` is what stays instead, `option` the Options field that forces the stage.
+    device: a torch.device, or anything with `type` and `capability` (the stage table's DeviceInfo)."""
     import torch
 
     if getattr(device, "type", None) != "cuda":
         return None
-    cap = torch.cuda.get_device_capability(device)
+    cap = getattr(device, "capability", None) or torch.cuda.get_device_capability(device)
     if cap in measured_sm:
         return None
     where = ", ".join(f"sm_{a}{b}" for a, b in measured_sm)
-    return f"tuned for {where} only; {kept} kept on sm_{cap[0]}{cap[1]} ({flag} on to force)"
+    return join(f"tuned for {where} only; {kept} kept on sm_{cap[0]}{cap[1]} (", Said("{0} to force)",
+                                                                                       Hint(option, "on")))
 
 
 class BoundForward:

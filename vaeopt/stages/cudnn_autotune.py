@@ -17,8 +17,9 @@ The heuristic's misses are specific shapes: the time-stacked 96-channel conv (ti
 faster), the upsamplers' 2x2 phase convs (1.69 -> 1.12 ms on the H100), the 384-channel Conv3d.
 
 So it pays only where the same shapes are decoded often (a server, a long batch): `auto` turns it on from
-MIN_REPEATS same-shape decodes. The setting is process-wide (torch keeps one plan cache per process, keyed by the
-conv's shape, not by this flag), so it must be on before a shape's first decode to have any effect on it.
+MIN_REPEATS same-shape decodes (the rule: vaeopt.stage_table.decide_autotune). The setting is process-wide (torch
+keeps one plan cache per process, keyed by the conv's shape, not by this flag), so it must be on before a shape's
+first decode to have any effect on it.
 """
 
 from __future__ import annotations
@@ -40,29 +41,6 @@ def available(device: torch.device) -> tuple[bool, str]:
     if not (torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled):
         return False, "cuDNN is not available or disabled in this torch"
     return True, ""
-
-
-def decide(mode: str, device: torch.device, repeats: int, est_bytes: int | None = None,
-           budget_bytes: int | None = None) -> tuple[bool, str]:
-    """(tune?, why) for `repeats` same-shape decodes under --cudnn-autotune `mode` (auto | on | off), for a plan
-    estimated at `est_bytes` under a VRAM budget of `budget_bytes`."""
-    ok, why = available(device)
-    if mode == "off":
-        return False, "off"
-    if not ok:
-        return False, why
-    if mode == "on":
-        return True, "forced on"
-    if torch.backends.cudnn.benchmark:
-        return True, "torch.backends.cudnn.benchmark was already on in this process"
-    if est_bytes and budget_bytes and est_bytes * PEAK_GROWTH > budget_bytes:
-        return False, (f"the plan needs {est_bytes / 2**30:.1f} of {budget_bytes / 2**30:.1f} GiB; tuning "
-                       f"needs ~{PEAK_GROWTH - 1:.0%} more peak memory on its first decode (the trial configs' "
-                       "workspaces)")
-    if repeats < MIN_REPEATS:
-        return False, (f"{repeats} decode(s) of this shape: tuning costs seconds on the first decode and pays "
-                       f"from ~{MIN_REPEATS} same-shape decodes (--cudnn-autotune on for a long-running job)")
-    return True, f"{repeats} decodes of the same shape"
 
 
 def apply(reason: str, limit: int = LIMIT) -> StageResult:

@@ -72,12 +72,9 @@ MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN 
 # next (the next block's norm1, the mid-block attention's norm, the head's norm), which then skips its own stats pass
 # (kernels/group_norm_silu.noted_partials); so does an upsampler's phase-conv interleave for the next up-block's
 # first norm. Where a norm reads next comes from the stock Decoder's structure (_norm_readers).
-NOTE_STATS = True
 # A resnet whose conv2 runs as the int8 kernel adds its input in that conv's epilogue (no residual pass; the next
 # norm takes its own statistics): per pixel 2 passes of the output fewer where no norm reads it next, 1 where one
-# does. sdxl-1024 at the default gate on an H100: 16.07 -> 16.00 ms (E47). Benchmarks switch it off to time the
-# separate epilogue in the same process.
-RESIDUAL_IN_CONV = True
+# does. sdxl-1024 at the default gate on an H100: 16.07 -> 16.00 ms (E47).
 # on for the length of a patched Decoder call without foreign hooks (a hook could change an activation in place, which
 # an inference tensor's missing version counter would not show); off outside it, e.g. for the tiler's own calls
 _NOTES_ON = contextvars.ContextVar("vaeopt_gn_notes", default=False)
@@ -214,7 +211,7 @@ def takes_residual_in_conv(block) -> bool:
     stage counts these): no shortcut, output_scale_factor 1, and no fused 2x upsample in its epilogue (none, or an
     upsampler on phase convs, which reads the low-resolution output)."""
     up = block.__dict__.get(_STATE)
-    return (RESIDUAL_IN_CONV and getattr(block, "conv_shortcut", 1) is None
+    return (getattr(block, "conv_shortcut", 1) is None
             and float(getattr(block, "output_scale_factor", 0.0)) == 1.0
             and (up is None or (getattr(up, "conv", None) is not None and upsample_conv.marked(up.conv))))
 
@@ -222,8 +219,6 @@ def takes_residual_in_conv(block) -> bool:
 def _residual_in_conv(conv, h: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether conv (a resnet's conv2, fed by norm2 from h) runs as the int8 kernel and can add the block input x in
     its epilogue (kernels/conv.conv_igemm(residual=)): x channels-last dense in h's dtype, the conv's output shape."""
-    if not RESIDUAL_IN_CONV:
-        return False
     pw = _fp8_weights(conv, h)
     if pw is None or pw.w.dtype != torch.int8:
         return False
@@ -313,7 +308,6 @@ def upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
 # modules are stock, for the tiler (which runs the head itself) and anyone else.
 
 _HEAD = "_vaeopt_head"  # conv_out attribute during a decoder call: (weakref to x, mean, scale, norm)
-HEAD_TAPS = True  # (turned off to time the stock head in the same process: docs/experiments.md E22)
 HEAD_MAX_SAMPLE = 2**31  # elements per sample: the statistics kernels address a sample with int32 offsets (above
 # it, e.g. 128 ch at 4096², the stock fused norm hands over to torch's GroupNorm, and so does the head)
 
@@ -347,7 +341,7 @@ def _decoder_forward(self, *args, **kwargs):
     """diffusers' Decoder.forward: statistics notes on for the call unless a foreign hook could see activations,
     and the head on the tap path (see above) when it can."""
     with _call_lock(self):
-        token = _NOTES_ON.set(NOTE_STATS and not _foreign_hooks(self))
+        token = _NOTES_ON.set(not _foreign_hooks(self))
         try:
             return _decoder_call(self, *args, **kwargs)
         finally:
@@ -356,7 +350,7 @@ def _decoder_forward(self, *args, **kwargs):
 
 def _decoder_call(self, *args, **kwargs):
     # (hooks on the decoder itself see the same inputs and output: the channels_last stage's input relayout is one)
-    if not (HEAD_TAPS and _head_static_ok(self)):
+    if not _head_static_ok(self):
         return type(self).forward(self, *args, **kwargs)
     norm, conv = self.conv_norm_out, self.conv_out
     norm.forward = lambda x, *a, **k: _head_norm(norm, conv, x, *a, **k)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vaeopt.kernels import interpreter_hint
-from vaeopt.stages import StageResult, cached_weight, drop_attrs, unmeasured_gpu
+from vaeopt.stages import Hint, Said, StageResult, cached_weight, drop_attrs
 from vaeopt.stages.marks import STACK3D, stacked, wan_conv_fits
 
 NAME = "stacked_conv3d"
@@ -37,13 +37,12 @@ _MARK = STACK3D
 _W = "_vaeopt_stack3d_w"
 MEASURED_CHANNELS = (96, 384)  # stacked beat the Conv3d path (and 96: our Triton kernel) at these widths
 MEASURED_SM = ((9, 0),)
-TMA_96 = True  # auto leaves the bf16 96-ch convs to triton_conv's TMA kernel where it runs (benchmarks' A/B switch)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
-        return False, ("CPU decode: the Conv3d kept (the stack is written by the fused kernels: "
-                       f"{interpreter_hint('--triton on --stack-conv3d on')})")
+        return False, Said("CPU decode: the Conv3d kept (the stack is written by the fused kernels: "
+                           f"{interpreter_hint()})", (Hint("triton", "on"), Hint("stack_conv3d", "on")))
     return True, "cuDNN"
 
 
@@ -51,7 +50,7 @@ def tma_takes_96(device: torch.device | None, dtype: torch.dtype | None) -> bool
     """Whether auto leaves the 96-channel convs to triton_conv's TMA kernel (bf16 where that kernel runs)."""
     from vaeopt.kernels import tma_conv
 
-    return TMA_96 and device is not None and dtype is not None and tma_conv.bf16_wan96(torch.device(device), dtype)
+    return device is not None and dtype is not None and tma_conv.bf16_wan96(torch.device(device), dtype)
 
 
 def candidates(model: nn.Module, every: bool = False, skip: tuple[int, ...] = ()) -> list[nn.Module]:
@@ -72,17 +71,13 @@ def mark(convs) -> None:
 
 def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
           dtype: torch.dtype | None = None, triton_conv_runs: bool = False, **_) -> StageResult:
-    """triton_conv_runs: the triton_conv stage will run after this one (the pipeline knows), so the 96-ch convs may be
-    left to its TMA kernel (auto, `tma_takes_96`); otherwise they are stacked as before."""
+    """Mark the causal convs to stack: the measured widths, or every one (force). triton_conv_runs: the triton_conv
+    stage will run after this one (the stage table knows), so the 96-ch convs may be left to its TMA kernel (auto,
+    `tma_takes_96`); otherwise they are stacked as before. Where it runs in auto mode (GPUs it was measured on) is
+    the stage table's rule."""
     if type(model).__name__ != "AutoencoderKLWan":
         return StageResult.skipped(NAME, f"{type(model).__name__} has no causal Conv3d")
     device = device or next(model.parameters()).device
-    ok, why = available(device)
-    if not ok and not force:
-        return StageResult.skipped(NAME, why)
-    why = None if force else unmeasured_gpu(device, MEASURED_SM, "the Conv3d", "--stack-conv3d")
-    if why:
-        return StageResult.skipped(NAME, why)
     if not getattr(model, "_vaeopt_fused_epilogues", None):
         return StageResult.skipped(NAME, "needs the fused chunk decoder (its RMS-norm kernel writes the stack)")
     skip = (96,) if not force and triton_conv_runs and tma_takes_96(device, dtype) else ()

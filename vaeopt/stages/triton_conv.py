@@ -30,8 +30,8 @@ from torch import nn
 
 from vaeopt.fidelity import psnr
 from vaeopt.kernels import triton_available, ws_conv
-from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, unmeasured_gpu,
-                           upsample_conv, weight_version)
+from vaeopt.stages import (StageResult, derived, drop_attrs, fused_epilogues, fused_norms, unhooked, upsample_conv,
+                           weight_version)
 from vaeopt.stages.fp8 import available as fp8_stage_available
 from vaeopt import cache
 from vaeopt.quant import gate as gate_mod
@@ -72,15 +72,13 @@ def _on_ws(conv: nn.Module, device: torch.device | None, dtype: torch.dtype | No
             and ws_conv.available(torch.device(device), dtype))
 
 
-def apply(model: nn.Module, device: torch.device | None = None, force: bool = False,
-          dtype: torch.dtype | None = None, **_) -> StageResult:
+def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None,
+          **_) -> StageResult:
+    """Mark the Conv3d layers the kernel takes. Where it runs in auto mode (CUDA GPUs it was measured on; the CPU
+    only through the interpreter, for tests) is the stage table's rule; here only whether Triton runs at all."""
     device = device or next(model.parameters()).device
-    ok, why = available(device)
+    ok, why = triton_available(device)
     if not ok:
-        if not (force and device.type == "cpu" and triton_available(device)[0]):  # CPU: interpreter, tests only
-            return StageResult.skipped(NAME, why)
-    why = None if force else unmeasured_gpu(device, MEASURED_SM, "cuDNN", "--conv-kernel")
-    if why:
         return StageResult.skipped(NAME, why)
     # the decode path only: the encoder is never run by a decode (and its layers would inflate the count)
     parts = [getattr(model, "post_quant_conv", None), getattr(model, "decoder", None)] if hasattr(
@@ -294,16 +292,14 @@ def _is_attention(m: nn.Module) -> bool:
 # measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL). Gated
 # at the decode's size (apply_fp8), sdxl-1024 at the default 40 dB gate took 14.62 vs 15.87 ms (e4m3) on an H200 in
 # one process, 40.2 dB at full size (h200_int8_decode_2026-11-23f.json); ladders 14.67 ms (H200), 16.18 ms (H100)
-# after the FLOPs order (_gate_search; docs/experiments.md E45, E46). Benchmarks switch it off to time e4m3
-# (docs/experiments.md E46).
-INT8_FORMAT = True
+# after the FLOPs order (_gate_search; docs/experiments.md E45, E46).
 
 
 def int8_convs(model: nn.Module, device: torch.device) -> bool:
     """Whether this model's image resnet convs run their 8-bit path in int8 here (else e4m3)."""
     from vaeopt.kernels import tma_conv  # (imports Triton)
 
-    return (INT8_FORMAT and not is_wan(model) and getattr(model, "decoder", None) is not None
+    return (not is_wan(model) and getattr(model, "decoder", None) is not None
             and tma_conv.available(torch.device(device)))
 
 

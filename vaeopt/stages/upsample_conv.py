@@ -27,7 +27,7 @@ from torch import nn
 
 from vaeopt.kernels import interpreter_hint
 from vaeopt.kernels import upconv  # (the module: tests watch its launchers)
-from vaeopt.stages import StageResult, cached_weight, drop_attrs, needs_autograd, unhooked
+from vaeopt.stages import Hint, Said, StageResult, cached_weight, drop_attrs, needs_autograd, unhooked
 from vaeopt.stages.marks import CONV8, CONV8_INT8, FUSED_EPILOGUES, UPCONV, interpolating_upsampler, is_2x_nearest
 
 NAME = "upsample_conv"
@@ -40,8 +40,19 @@ _INT8 = CONV8_INT8  # set with it where the 8-bit format is int8
 
 def available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
-        return False, "CPU decode: the stock upsample + conv kept (bitwise diffusers); --upsample-conv on forces it"
+        return False, Said("CPU decode: the stock upsample + conv kept (bitwise diffusers); {0} forces it",
+                           Hint("upsample_conv", "on"))
     return True, "cuDNN"
+
+
+def cpu_reason(cls_name: str) -> Said:
+    """Why auto keeps the stock upsampler on the CPU: image VAEs run the phase convs inside the fused Triton path,
+    so the hint names --triton too (the bare one led to 'needs fused_epilogues')."""
+    if cls_name == "AutoencoderKLWan":
+        return available(torch.device("cpu"))[1]
+    return Said("CPU decode: the stock upsample + conv kept (bitwise diffusers); image VAEs run the phase "
+                f"convs inside the fused Triton path ({interpreter_hint()})",
+                (Hint("triton", "on"), Hint("upsample_conv", "on")))
 
 
 def _conv3x3(m) -> bool:
@@ -74,14 +85,10 @@ def _wan_candidates(model: nn.Module) -> list[nn.Conv2d]:
 
 
 def apply(model: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None,
-          force: bool = False, **_) -> StageResult:
+          **_) -> StageResult:
+    """Mark the upsampler convs that fit. Where it pays (GPUs; on the CPU the stock path stays bitwise diffusers') is
+    the stage table's auto rule (vaeopt.stage_table, `cpu_reason`)."""
     device = device or next(model.parameters()).device
-    ok, why = available(device)
-    if not ok and not force:
-        if type(model).__name__ != "AutoencoderKLWan" and device.type != "cuda":
-            why = ("CPU decode: the stock upsample + conv kept (bitwise diffusers); image VAEs run the phase convs "
-                   f"inside the fused Triton path ({interpreter_hint('--triton on --upsample-conv on')})")
-        return StageResult.skipped(NAME, why)
     if getattr(model, "decoder", None) is None:
         return StageResult.skipped(NAME, f"{type(model).__name__} has no decoder")
     wan = type(model).__name__ == "AutoencoderKLWan"
