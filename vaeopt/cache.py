@@ -77,11 +77,11 @@ def environment(device=None) -> dict:
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     env = {"format": FORMAT, "vaeopt": __version__, "torch": torch.__version__, "triton": _version("triton")}
-    if dev.type == "cuda":
+    if dev.type == "cuda" and torch.cuda.is_available():
         cudnn = torch.backends.cudnn.version()
         env.update(gpu=torch.cuda.get_device_name(dev), capability=list(torch.cuda.get_device_capability(dev)),
                    driver=_driver(), cuda=torch.version.cuda, cudnn=cudnn)
-    else:
+    else:  # (a plan for a CUDA device made where none is present: keyed as such, never mixed with a GPU's)
         env.update(gpu=dev.type)
     return env
 
