@@ -125,6 +125,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
     vg = video_graphs.arm(pipe, plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
+    pipe.count_decode(tuple(z.shape), plan)  # images: graphs once this shape's calls have repaid a capture
     out, _ = pipe.decode(z, plan, progress=progress)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
