@@ -453,6 +453,8 @@ class Pipeline:
         front (the break-even rule of renting before buying); shapes that never repeat enough stay eager."""
         if self.opts.graphs == "off" or self.family.is_video or plan.mode != "whole":
             return
+        if self.opts.graphs == "auto" and plan.budget_bytes is not None and 2 * plan.est_bytes > plan.budget_bytes:
+            return  # a captured shape keeps its decode's transients in the graph's pool: only with room for them
         shape = tuple(latent_shape)
         seen = self.__dict__.setdefault("_calls", {})
         seen[shape] = seen.get(shape, 0) + 1
