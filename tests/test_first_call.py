@@ -25,4 +25,5 @@ def test_first_call_reports_each_phase(tmp_path):
     assert c["triton_first_decode"]["compiled"] == 0 and "autotuned" in c["triton_first_decode"]  # CPU: no Triton
     assert c["profile_first_vs_steady_ms"] and all("first_ms" in x for x in c["profile_first_vs_steady_ms"])
     last = p.stdout.strip().splitlines()
-    assert last[-1].startswith("sdxl-1024    warm") and "import" in last[-2]
+    assert last[-1].startswith("sdxl-1024    warm ") and last[-2].startswith("sdxl-1024    warm/1st")
+    assert "import" in last[-3]
