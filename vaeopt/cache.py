@@ -106,10 +106,10 @@ def weights_fingerprint(model) -> str:
             idx = torch.linspace(0, f.numel() - 1, 16, device=f.device).long()
             names.append(f"{name}:{tuple(t.shape)}:{t.dtype}")
             stats.append(torch.cat([f.float().sum().reshape(1), f.float().square().sum().reshape(1),
-                                    f[idx].float()]).cpu())
+                                    f[idx].float()]).to(stats[0].device if stats else f.device))
     h = hashlib.sha256("|".join(names).encode())
-    for s in stats:
-        h.update(s.numpy().tobytes())
+    if stats:
+        h.update(torch.stack(stats).cpu().numpy().tobytes())  # one copy to the host, one sync
     return h.hexdigest()[:20]
 
 
