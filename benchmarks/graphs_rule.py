@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
             rows += measure(fam, var, sides, args, device)
         except torch.cuda.OutOfMemoryError as e:
             rows.append({"family": fam, "variant": var, "status": "failed", "reason": str(e).splitlines()[0][:120]})
+        H.write_json({"measured": rows, "device": str(device)}, H.Path(args.out) / "graphs_rule_rows.json")
         print(f"{fam} {var}: done", file=sys.stderr, flush=True)
     from vaeopt.benchmark import WORKLOADS
 

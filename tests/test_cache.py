@@ -132,3 +132,33 @@ def test_fp8_gate_verdict_keyed_by_weights(samples_dir, monkeypatch):
     st = next(s for s in pipe.stages if s.name == "fp8")
     assert "reused" not in st.detail and len(cache.entries("fp8_gate")) == 2
     assert os.environ["VAEOPT_CACHE_DIR"] in str(cache.entries("fp8_gate")[0])  # conftest's per-test folder
+
+
+def test_wan_plans_are_reused_across_processes(samples_dir, monkeypatch):
+    """A Wan plan (seconds of dry runs at real sizes) is stored per architecture, flags, shape and budget: planning
+    the same decode again (another process: here the in-process path is counted) reads it, equal to the first; a
+    corrupt entry is planned again."""
+    from vaeopt import planner
+    from vaeopt.loading import load_vae
+
+    loaded = load_vae(samples_dir / "tiny_wan_video.safetensors")
+    calls = []
+    real = planner._plan_video
+    monkeypatch.setattr(planner, "_plan_video", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+
+    def plan(shape=(1, 16, 5, 8, 8), budget=2.0):
+        return planner.plan_decode(loaded.family, loaded.model, shape, torch.float32, torch.device("cpu"),
+                                   vram_budget_gb=budget)
+
+    p1 = plan()
+    assert len(calls) == 1 and len(cache.entries("plans")) == 1
+    p2 = plan()
+    assert len(calls) == 1 and p2 == p1
+    plan(budget=1.0)
+    plan(shape=(1, 16, 3, 8, 8))
+    assert len(calls) == 3  # another budget, another shape: planned
+    planner.plan_decode(loaded.family, loaded.model, (1, 16, 5, 8, 8), torch.float32, torch.device("cpu"))
+    assert len(calls) == 4 and len(cache.entries("plans")) == 3  # no budget on the CPU: not stored
+    for e in cache.entries("plans"):
+        e.write_text("{")
+    assert plan() == p1 and len(calls) == 5

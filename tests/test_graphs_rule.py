@@ -2,6 +2,8 @@
 
 import math
 
+import torch
+
 from vaeopt import planner
 from vaeopt.benchmark import WORKLOADS
 from vaeopt.families import get_family
@@ -47,3 +49,90 @@ def test_sizes_far_from_any_measurement_stay_eager():
     # sd15 at 512²: its own row (8.21 -> 5.58 ms, 27.2 ms capture): from 11 decodes
     assert planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 11)[0]
     assert not planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 10)[0]
+
+
+def test_api_decodes_graph_a_shape_once_its_calls_have_paid(samples_dir, monkeypatch):
+    """vaeopt.decode called once per image (as a pipeline calls its VAE): a shape is counted over the calls and
+    captured from the call where the rule says the capture has paid (here from the 3rd); a shape seen once stays
+    eager. (CPU: the graph is a stand-in that records which calls it ran; the rule is the real function with a
+    table that pays from 3 decodes.)"""
+    import vaeopt
+    from vaeopt.stages import graphs
+
+    monkeypatch.setattr(planner, "graphs_rule", lambda: {
+        "capture_factor": 3.0, "max_pixel_ratio": 4.0,
+        "rows": [{"family": "sdxl", "cls": "AutoencoderKL", "workload": None, "pixels": 128 * 128, "variant": "bf16",
+                  "gpu": "test", "eager_ms": 10.0, "replay_ms": 5.0, "capture_ms": 15.0, "source": "test"}]})
+    replayed = []
+
+    class Fake:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, z):
+            replayed.append(tuple(z.shape))
+            return self.fn(z)
+
+    monkeypatch.setattr(graphs, "available", lambda device: (True, ""))
+    monkeypatch.setattr(graphs, "apply", lambda fn, device, **_: (Fake(fn), graphs.StageResult(
+        "graphs", "skipped", "nothing captured yet")))
+    loaded = vaeopt.load_vae(samples_dir / "tiny_kl_image.safetensors")
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"]
+    a, b = lat[:, :, :16, :16], lat[:, :, :8, :16]
+    lines = []
+    outs = [vaeopt.decode(a, loaded, log=lines.append) for _ in range(2)]
+    assert replayed == [] and not any("graphs" in ln for ln in lines)
+    outs.append(vaeopt.decode(a, loaded, log=lines.append))  # the 3rd: 3 x 5 ms saved >= a 15 ms capture
+    assert replayed == [(1, 4, 16, 16)]
+    assert any("graphs" in ln and "paying from 3" in ln and "counted over calls" in ln for ln in lines)
+    vaeopt.decode(b, loaded)  # another shape, once: eager
+    vaeopt.decode(a, loaded)
+    assert replayed == [(1, 4, 16, 16)] * 2
+    assert torch.equal(outs[0], outs[2])  # the stand-in runs the same decode
+
+
+def test_optimized_vae_decode_calls_graph_a_repeated_shape(samples_dir, monkeypatch):
+    """vaeopt.optimize(pipe.vae): a pipeline calls vae.decode once per image; the repeated shape is captured from
+    the call where the rule says it has paid (3rd here), with one stage line, and the output is unchanged; the model
+    still deep-copies (the copy starts counting afresh). (CPU: a stand-in graph; the CUDA-only checks patched.)"""
+    import copy
+
+    import vaeopt
+    from vaeopt import api
+    from vaeopt.stages import graphs
+
+    monkeypatch.setattr(planner, "graphs_rule", lambda: {
+        "capture_factor": 3.0, "max_pixel_ratio": 4.0,
+        "rows": [{"family": "sdxl", "cls": "AutoencoderKL", "workload": None, "pixels": 128 * 128, "variant": "bf16",
+                  "gpu": "test", "eager_ms": 10.0, "replay_ms": 5.0, "capture_ms": 15.0, "source": "test"}]})
+    replayed = []
+
+    class Fake:
+        def __init__(self, fn, device):
+            self.fn = fn
+
+        def __call__(self, z):
+            replayed.append(tuple(z.shape))
+            return self.fn(z)
+
+        def reset(self):
+            pass
+
+    monkeypatch.setattr(graphs, "GraphedDecode", Fake)
+    monkeypatch.setattr(api._RepeatGraphs, "_plain", lambda self, z, kw: not set(kw) - {"return_dict"})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+    vae = vaeopt.load_vae(samples_dir / "tiny_kl_image.safetensors").model
+    lines = []
+    vaeopt.optimize(vae, log=lines.append)
+    z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outs = [vae.decode(z).sample for _ in range(2)]
+        assert replayed == [] and not any("graphs" in ln for ln in lines)
+        outs.append(vae.decode(z).sample)
+        outs.append(vae.decode(z, return_dict=False)[0])
+        vae.decode(z[:, :, :8])  # another shape, once: eager
+    assert replayed == [(1, 4, 16, 16)] * 2
+    assert sum("graphs" in ln and "captured" in ln and "paying from 3" in ln for ln in lines) == 1
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    twin = copy.deepcopy(vae)
+    assert twin.decode.graphs.calls == {} and twin.decode.graphs.graphed is None

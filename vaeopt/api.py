@@ -23,7 +23,7 @@ from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import DTYPE_NAMES, resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, expand_user, load_vae, parse_json
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
-from vaeopt.stages import Hint, foreign_hooked, free_derived, needs_autograd, refresh_weights
+from vaeopt.stages import Hint, StageResult, foreign_hooked, free_derived, needs_autograd, refresh_weights, weights_epoch
 
 USER_CONFIG = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "vaeopt" / "config.json"
 
@@ -121,6 +121,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
     vg = pipe.setup_graphs(plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
+    pipe.count_decode(tuple(z.shape), plan)  # images: graphs once this shape's calls have repaid a capture
     out, _ = pipe.decode(z, plan, progress=progress, to_host=not on_device)
     if vg is not None:
         video_graphs.report_to(pipe, vg)
@@ -343,7 +344,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
     vae.decoder.register_forward_hook(_contiguous_output)
-    vae.decode = _Decode(vae)
+    vae.decode = _Decode(vae, _RepeatGraphs(vae, spec, log) if not spec.is_video else None)
     return vae
 
 
@@ -563,8 +564,9 @@ class _Decode:
     GPU when the hook offloads it (its weights come back at a new address each time, so they would be rebuilt
     anyway). A class, not a closure: the model still pickles and deep-copies."""
 
-    def __init__(self, vae):
+    def __init__(self, vae, graphs: _RepeatGraphs | None = None):
         self.vae = vae
+        self.graphs = graphs
 
     class _Signature:  # inspect.signature(vae.decode) / IDEs: diffusers' own, not (*args, **kwargs)
         def __get__(self, obj, cls=None):
@@ -581,11 +583,83 @@ class _Decode:
         if (getattr(v, "_vaeopt_stood_down", None) is None and not torch.compiler.is_compiling()
                 and (why := _off_plan(v)) is not None):
             _stand_down(v, why)
+        g = self.__dict__.get("graphs")
+        if g is not None and getattr(v, "_vaeopt_stood_down", None) is None:
+            out = g.decode(args, kwargs)
+            if out is not None:
+                return out
         try:
             return type(v).decode(v, *args, **kwargs)
         finally:
             if _offload_device(v) is not None:
                 free_derived(v)
+
+
+class _RepeatGraphs:
+    """CUDA graphs for an optimized image VAE that a pipeline calls once per image: `vae.decode(z)` calls are counted
+    per latent shape and dtype, and a shape is captured on the call where its decodes so far would have repaid the
+    capture (planner.graphs_pay, the measured table); its later calls replay (the same kernels: the same output).
+    Only plain calls take this path: latents on a CUDA device, no autograd, no offload hooks or hooks of others, no
+    diffusers slicing or tiling, not inside torch.compile or another capture, and room on the device for the graph's
+    pool; everything else runs diffusers' decode as before. A new weights version (vaeopt.refresh, an in-place edit)
+    captures again. Pickling or copying the model keeps the policy and drops the graphs (they hold device memory)."""
+
+    def __init__(self, vae, family: FamilySpec, log: Callable[[str], None] | None = None):
+        self.vae, self.family, self.log = vae, family, log
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.calls: dict = {}
+        self.shapes: set = set()
+        self.graphed = None
+        self.epoch = None
+
+    def __getstate__(self):
+        return {"vae": self.vae, "family": self.family, "log": self.log}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fresh()
+
+    def _plain(self, z, kwargs) -> bool:
+        v = self.vae
+        return (isinstance(z, torch.Tensor) and z.device.type == "cuda" and not set(kwargs) - {"return_dict"}
+                and not needs_autograd(z, v) and not torch.compiler.is_compiling()
+                and not torch.cuda.is_current_stream_capturing() and _offload_device(v) is None
+                and not getattr(v, "use_slicing", False) and not getattr(v, "use_tiling", False)
+                and foreign_hooked(v) is None)
+
+    def decode(self, args, kwargs):
+        """The graphed decode's output for a plain call of a shape that has paid, else None (the caller decodes)."""
+        if self.family.is_video or len(args) != 1 or not self._plain(args[0], kwargs):
+            return None
+        z, v = args[0], self.vae
+        key = (tuple(z.shape), z.dtype)
+        n = self.calls[key] = self.calls.get(key, 0) + 1
+        if key not in self.shapes:
+            use, why = planner.graphs_pay(self.family, tuple(z.shape), n)
+            if not use:
+                return None
+            est = planner.estimate_whole(self.family, v, tuple(z.shape), z.dtype)
+            if 2 * est > torch.cuda.mem_get_info(z.device)[0]:
+                return None  # the graph's pool holds a decode's transients: only with room for them
+            self.shapes.add(key)
+            if self.log:
+                self.log(f"✓ graphs: vae.decode of {tuple(z.shape)} captured as a CUDA graph and replayed from now on "
+                         f"({why})")
+        if self.graphed is None:
+            from vaeopt.stages import graphs as graphs_stage
+
+            self.graphed = graphs_stage.GraphedDecode(lambda x: type(v).decode(v, x).sample, z.device)
+        if (now := weights_epoch(v)) != self.epoch:
+            if self.epoch is not None:
+                self.graphed.reset()
+            self.epoch = now
+        with torch.no_grad():
+            out = self.graphed(z)
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        return DecoderOutput(sample=out) if kwargs.get("return_dict", True) else (out,)
 
 
 @dataclass

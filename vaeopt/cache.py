@@ -77,11 +77,11 @@ def environment(device=None) -> dict:
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     env = {"format": FORMAT, "vaeopt": __version__, "torch": torch.__version__, "triton": _version("triton")}
-    if dev.type == "cuda":
+    if dev.type == "cuda" and torch.cuda.is_available():
         cudnn = torch.backends.cudnn.version()
         env.update(gpu=torch.cuda.get_device_name(dev), capability=list(torch.cuda.get_device_capability(dev)),
                    driver=_driver(), cuda=torch.version.cuda, cudnn=cudnn)
-    else:
+    else:  # (a plan for a CUDA device made where none is present: keyed as such, never mixed with a GPU's)
         env.update(gpu=dev.type)
     return env
 
@@ -106,10 +106,10 @@ def weights_fingerprint(model) -> str:
             idx = torch.linspace(0, f.numel() - 1, 16, device=f.device).long()
             names.append(f"{name}:{tuple(t.shape)}:{t.dtype}")
             stats.append(torch.cat([f.float().sum().reshape(1), f.float().square().sum().reshape(1),
-                                    f[idx].float()]).cpu())
+                                    f[idx].float()]).to(stats[0].device if stats else f.device))
     h = hashlib.sha256("|".join(names).encode())
-    for s in stats:
-        h.update(s.numpy().tobytes())
+    if stats:
+        h.update(torch.stack(stats).cpu().numpy().tobytes())  # one copy to the host, one sync
     return h.hexdigest()[:20]
 
 

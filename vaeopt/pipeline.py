@@ -233,6 +233,29 @@ class Pipeline:
                                                plan.est_bytes if plan else None, plan.budget_bytes if plan else None)
         return self._record(mod.apply(why) if use else StageResult.skipped("cudnn_autotune", why))
 
+    def count_decode(self, latent_shape: tuple, plan: planner.Plan) -> None:
+        """Decodes that arrive one call at a time (vaeopt.decode per image, as a diffusers pipeline calls its VAE):
+        count them per shape, and capture a shape once the measured rule (planner.graphs_pay) says its decodes so far
+        would have repaid the capture. Waiting for that many costs at most as much again as knowing the count up
+        front (the break-even rule of renting before buying); shapes that never repeat enough stay eager."""
+        if self.opts.graphs == "off" or self.family.is_video or plan.mode != "whole":
+            return
+        if self.opts.graphs == "auto" and plan.budget_bytes is not None and 2 * plan.est_bytes > plan.budget_bytes:
+            return  # a captured shape keeps its decode's transients in the graph's pool: only with room for them
+        shape = tuple(latent_shape)
+        seen = self.__dict__.setdefault("_calls", {})
+        seen[shape] = seen.get(shape, 0) + 1
+        allowed = self.__dict__.setdefault("_graph_shapes", set())
+        if shape in allowed:
+            return
+        eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
+        d = stage_table.decide_graphs(self.opts, self.family, self.info, plan, shape, seen[shape], chunks=False,
+                                      variant="8bit" if eight else "bf16")
+        if d.kind == "whole":
+            allowed.add(shape)
+            if self.graphed is None:
+                self.enable_graphs(join(d.why, ", counted over calls"))
+
     def enable_graphs(self, reason: str) -> None:
         mod = self._stage("graphs")
         self.graphed, r = mod.apply(self._decode_whole_raw, self.device)
@@ -281,8 +304,9 @@ class Pipeline:
             if self.graphed is not None and (now := weights_epoch(self.model)) != self._graphs_epoch:
                 self.graphed.reset()  # the weights changed (in place, vaeopt.refresh, load_state_dict): capture again
                 self._graphs_epoch = now
-            fn = self.graphed or self._decode_whole_raw
-            return fn(z)
+            only = self.__dict__.get("_graph_shapes")  # per-call counting: only the shapes that have paid
+            use = self.graphed is not None and (only is None or tuple(z.shape) in only)
+            return (self.graphed if use else self._decode_whole_raw)(z)
         except torch.cuda.OutOfMemoryError:
             # OOM: free what the failed attempt held, shrink to a tiled plan at half the estimate, and go on.
             torch.cuda.empty_cache()

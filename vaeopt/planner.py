@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from vaeopt import tiling
+from vaeopt import cache, tiling
 from vaeopt import video_stream
 from vaeopt import video_tiling as vt
 from vaeopt.engine.memory import stacked_names
@@ -145,6 +145,19 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
                 vram_budget_gb: float | None = None, tile: int | None = None, chunk: int | None = None,
                 tiling: str = "auto") -> Plan:
     budget, why = budget_bytes(device, vram_budget_gb)
+    if family.cls_name == "AutoencoderKLWan" and budget is not None:
+        # its plans come from dry runs of the decoder (seconds per shape): kept on disk for the next process (not on
+        # the CPU without a budget, whose host-memory budget changes from run to run)
+        key = _plan_key(family, model, latent_shape, dtype, device, budget, why, chunk, tile, tiling)
+        hit = cache.get("plans", key, device)
+        if hit is not None:
+            try:
+                return Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in hit.items()})
+            except TypeError:  # a Plan of another layout: planned again below, and stored anew
+                pass
+        p = _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
+        cache.put("plans", key, p.to_dict(), device)
+        return p
     if family.is_video:
         return _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
     whole = estimate_whole(family, model, latent_shape, dtype)
@@ -181,6 +194,18 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
     return Plan("tiled", budget, est, tile=t,
                 reason=f"tile {px}x{px}: est. {gib(est)} of {gib(budget)} budget ({why}); whole would need "
                        f"{gib(whole)}{over}")
+
+
+def _plan_key(family, model, latent_shape, dtype, device, budget, why, chunk, tile, tiling) -> dict:
+    """What a Wan plan depends on: the architecture (config), how the decoder will run (layout, fused kernels,
+    time-stacked convs), the shape, dtype, budget and the user's tile/chunk/tiling choices."""
+    cl, fused = _video_flags(model)
+    return {"family": family.name, "config": cache.digest(dict(getattr(model, "config", {}) or {})),
+            "channels_last": cl, "fused": fused, "stacked": sorted(stacked_names(model)),
+            "epilogues": bool(getattr(model, "_vaeopt_fused_epilogues", None)), "shape": list(latent_shape),
+            "dtype": str(dtype), "device": torch.device(device).type if device is not None else None,
+            "budget": budget, "why": why, "chunk": chunk, "tile": tile, "tiling": tiling,
+            "rules": cache.digest([memory_model(), MAX_CHUNK, MAX_CHUNK_STACKED, MAX_CHUNK_WAN22])}
 
 
 def _estimate_tiled(family, model, latent_shape, dtype, tile: int) -> int:

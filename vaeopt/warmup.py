@@ -12,7 +12,6 @@ fills the kernels and plans, but an FP8 verdict is per weights, so `--fp8 on` ne
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,15 +63,12 @@ def parse_shape(text: str) -> tuple[int, ...]:
 def triton_cache_dir() -> str | None:
     """Where Triton keeps compiled kernels (None: no Triton)."""
     try:
-        from triton import knobs
-
-        return str(knobs.cache.dir)
+        import triton  # noqa: F401
     except ImportError:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return None
-        return os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+        return None
+    from vaeopt.kernels import triton_cache_entries
+
+    return triton_cache_entries()[0]
 
 
 class TritonCount:

@@ -110,8 +110,8 @@ def run(model: nn.Module, convert: Callable[..., dict], revert: Callable[[nn.Mod
 
 def probe_digest(z: torch.Tensor) -> str:
     """A hash of a probe latent's shape and values (a small tensor: one copy to the host)."""
-    return cache.digest([list(z.shape), z.detach().float().cpu().flatten().tolist()[:4096],
-                         float(z.detach().float().sum())])
+    f = z.detach().float().flatten()
+    return cache.digest([list(z.shape), f[:4096].cpu().tolist(), float(f.sum()), float(f.square().sum())])
 
 
 def reused_note(hit) -> str:
