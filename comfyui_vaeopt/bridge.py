@@ -22,6 +22,7 @@ import torch
 
 import vaeopt
 from vaeopt import planner
+from vaeopt.api import spell_options
 from vaeopt.errors import VaeoptError
 from vaeopt.loading import LoadedVAE, load_vae_from_state_dict
 
@@ -229,7 +230,7 @@ def _pipeline(vae, entry: Entry, opts: vaeopt.Options) -> object:
     if entry.pipe is None:
         try:
             entry.pipe = vaeopt.Pipeline(entry.loaded, dataclasses.replace(opts), log=_log_line,
-                                         spell=vaeopt.api.spell_options)
+                                         spell=spell_options)
         except VaeoptError as e:  # e.g. a setting this GPU cannot run
             _CACHE.pop(vae, None)  # the half-set-up model goes; the next decode starts from ComfyUI's weights again
             raise Unsupported(f"vaeopt cannot set this VAE up here ({e})") from None
