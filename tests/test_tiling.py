@@ -490,30 +490,6 @@ def test_gpu_unpinned_host_storage_is_bitwise_the_pinned_result(vae, latents):
     assert torch.equal(a, b)
 
 
-def test_pipeline_pins_host_storage_from_its_second_tiled_decode(samples_dir, monkeypatch):
-    """The pipeline asks for pinned host buffers only once it has decoded tiled before (pinning pays from the second
-    decode on)."""
-    from vaeopt import pipeline as P
-    from vaeopt.loading import load_vae
-
-    seen = []
-    real = P.tiling.tiled_decode
-
-    def spy(*a, **k):
-        seen.append(k.get("pin"))
-        return real(*a, **k)
-
-    monkeypatch.setattr(P.tiling, "tiled_decode", spy)
-    pipe = P.Pipeline(load_vae(samples_dir / "tiny_kl_image.safetensors"), P.Options(device="cpu", tile=16),
-                      log=lambda s: None)
-    z = torch.randn(1, 4, 48, 48)
-    plan = pipe.plan(tuple(z.shape))
-    assert plan.mode == "tiled"
-    for _ in range(2):
-        pipe.decode(z, plan)
-    assert seen == [False, True]
-
-
 @pytest.mark.gpu
 def test_gpu_copy_streams_race_free(vae, latents):
     """bf16 channels_last, host storage: overlapped copies (two copy streams, prefetch) give bitwise the same image as

@@ -134,7 +134,6 @@ class Pipeline:
         if ds is not None and isinstance(ch, int) and ds[1] != ch:
             raise VaeoptError(f"decode_shape {tuple(ds)}: this VAE's latents have {ch} channels, not {ds[1]}")
         self.spell = spell
-        self._tiled_before = False  # a tiled decode ran: its host buffers are worth pinning from now on
         self.log = log
         self.device = resolve_device(self.opts.device)
         self.dtype = resolve_dtype(self.opts.dtype, self.device)
@@ -292,12 +291,8 @@ class Pipeline:
 
     def _decode_image(self, z, plan, stats: DecodeStats, progress) -> torch.Tensor:
         if plan.mode == "tiled":
-            # Host storage is page-locked from this pipeline's second tiled decode on: pinning costs more than it
-            # saves in one decode (about 12 s to pin the 32 GB a 4096² SDXL decode stores within 16 GB, against a
-            # 2.4 s decode), and PyTorch keeps pinned blocks for the decodes after it.
             out, info = tiling.tiled_decode(self.model, z, tile=plan.tile, progress=progress,
-                                            vram_budget=plan.budget_bytes, return_info=True, pin=self._tiled_before)
-            self._tiled_before = True
+                                            vram_budget=plan.budget_bytes, return_info=True)
             self._tiling_report(info, stats)
             return out
         try:
@@ -316,8 +311,7 @@ class Pipeline:
                                  f"retrying tiled with {tile * self.family.spatial_factor}px tiles")
             self.log("↩ " + stats.retries[-1])
             out, info = tiling.tiled_decode(self.model, z, tile=tile, progress=progress, vram_budget=budget,
-                                            return_info=True, pin=self._tiled_before)
-            self._tiled_before = True
+                                            return_info=True)
             self._tiling_report(info, stats)
             return out
 

@@ -202,9 +202,9 @@ class TiledDecoder:
         overlap: with CPU storage and CUDA compute, overlap host<->device copies with compute (copy streams,
             one-tile prefetch); False: synchronous copies on the compute stream.
         pin: with CPU storage and CUDA compute, page-lock the host buffers (True, the default: copies run at full
-            bus speed and overlap compute) or not (False: no pinning cost). Pinning is slow to set up -- about 12 s
-            for the 32 GB a 4096² SDXL decode stores within 16 GB -- and PyTorch keeps pinned blocks for reuse, so
-            it pays from a process's second decode of a plan on (see Pipeline's use of it).
+            bus speed and overlap compute) or not (False). Pinning the 32 GB a 4096² SDXL decode stores within
+            16 GB takes about 12 s on an H200 host, but pageable buffers were slower still in the same decode
+            (45 s against 15 s, synchronous copies into freshly faulted pages: docs/experiments.md E54).
     """
 
     def __init__(
