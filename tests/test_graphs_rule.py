@@ -98,7 +98,7 @@ def test_optimized_vae_decode_calls_graph_a_repeated_shape(samples_dir, monkeypa
     import copy
 
     import vaeopt
-    from vaeopt import api
+    from vaeopt import dropin
     from vaeopt.stages import graphs
 
     monkeypatch.setattr(planner, "graphs_rule", lambda: {
@@ -119,7 +119,7 @@ def test_optimized_vae_decode_calls_graph_a_repeated_shape(samples_dir, monkeypa
             pass
 
     monkeypatch.setattr(graphs, "GraphedDecode", Fake)
-    monkeypatch.setattr(api._RepeatGraphs, "_plain", lambda self, z, kw: not set(kw) - {"return_dict"})
+    monkeypatch.setattr(dropin._RepeatGraphs, "_plain", lambda self, z, kw: not set(kw) - {"return_dict"})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
     vae = vaeopt.load_vae(samples_dir / "tiny_kl_image.safetensors").model
     lines = []

@@ -171,16 +171,16 @@ def test_model_cpu_offload_device_is_where_it_decodes(monkeypatch):
     """Under pipe.enable_model_cpu_offload() the weights rest on the CPU and decode on the hook's GPU: that GPU is
     where the plan must hold (optimize sets it up for it), not where the weights rest. Simulated: a CPU plan whose
     offload hook would move it to a GPU stands down; one whose hook runs on the CPU does not."""
-    from vaeopt import api
+    from vaeopt import dropin
 
     stock, vae = _pair()
     vaeopt.optimize(vae, device="cpu", log=None)
     z = torch.randn(1, 4, 8, 8)
-    monkeypatch.setattr(api, "_offload_device", lambda v: torch.device("cpu"))
+    monkeypatch.setattr(dropin, "_offload_device", lambda v: torch.device("cpu"))
     with torch.no_grad():
         vae.decode(z)
     assert getattr(vae, "_vaeopt_stood_down", None) is None and _channels_last(vae) > 0
-    monkeypatch.setattr(api, "_offload_device", lambda v: torch.device("cuda", 0))
+    monkeypatch.setattr(dropin, "_offload_device", lambda v: torch.device("cuda", 0))
     with torch.no_grad(), pytest.warns(UserWarning, match="optimized for cpu and decodes on cuda now"):
         got = vae.decode(z).sample
     with torch.no_grad():

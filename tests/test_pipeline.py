@@ -840,13 +840,13 @@ def test_optimize_under_model_offload_keeps_nothing_on_the_device(monkeypatch):
         def pre_forward(self, module, *args, **kwargs):
             return args, kwargs
 
-    from vaeopt import api
+    from vaeopt import dropin
 
     torch.manual_seed(0)
     z = torch.randn(1, 4, 8, 8)
     frees = []
-    real = api.free_derived
-    monkeypatch.setattr(api, "free_derived", lambda m: frees.append(m) or real(m))
+    real = dropin.free_derived
+    monkeypatch.setattr(dropin, "free_derived", lambda m: frees.append(m) or real(m))
     for offloaded in (False, True):
         vae = build_model(get_family("sd15"), **TINY_KL).eval()
         if offloaded:
@@ -971,7 +971,8 @@ def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
     assert "enable with vaeopt.Options(fp8='on')" in text
 
     # each entry point spells the same structured hint its own way
-    from vaeopt.api import spell_optimize, spell_options
+    from vaeopt.api import spell_options
+    from vaeopt.dropin import spell_optimize
     from vaeopt.cli.report import spell_benchmark_flags, spell_flags
     from vaeopt.stages import Hint, Said, plain
 

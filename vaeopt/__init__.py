@@ -4,10 +4,16 @@ from vaeopt.version import VERSION as __version__
 
 
 def __getattr__(name):  # lazy: `import vaeopt` stays cheap for the CLI's --help
-    if name in ("decode", "optimize", "refresh"):
-        from vaeopt import api
+    if name == "decode":
+        from vaeopt.api import decode
 
-        return getattr(api, name)
+        return decode
+    if name in ("optimize", "refresh"):
+        # the drop-in for diffusers, in vaeopt.dropin: a module named vaeopt/optimize.py would take the attribute
+        # vaeopt.optimize once imported, and vaeopt.optimize(vae) would then call a module
+        from vaeopt import dropin
+
+        return getattr(dropin, name)
     if name == "load_vae":
         from vaeopt.loading import load_vae
 
