@@ -36,7 +36,7 @@ import harness as H  # noqa: E402
 VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache")
 # (the first process of a variant is the warm-up: for "warm" it fills the caches the timed one reads)
 DEFAULTS = {"repeats": 1, "warmup": 1}
-BUDGET_GB = {"sdxl-4096": 16.0}  # the tiled plan the issue measures; the others decode whole
+BUDGET_GB = {"sdxl-4096": 16.0}  # the tiled plan of a 16 GB card; the others decode whole
 STEADY = 3  # decodes after the first, in each process (--steady)
 
 

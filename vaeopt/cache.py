@@ -13,7 +13,7 @@ or left half-written is never trusted.
 
 Writes go to a temporary file in the same folder, then os.replace: a process killed half-way leaves the old entry or
 none. A file that does not parse, lacks a field, or holds another environment or key is ignored (one line through
-the caller's log: "ignored ... : rebuilt") and the caller measures again and writes it anew; reading never raises.
+the caller's log, saying it is measured again) and the caller measures again and writes it anew; reading never raises.
 
 Triton's compiled kernels are not kept here: Triton's own cache ($TRITON_CACHE_DIR, default ~/.triton/cache) is
 already keyed by the kernel source, the compiler and the GPU target, and shared with every Triton user on the machine
@@ -94,7 +94,7 @@ def digest(obj) -> str:
 def weights_fingerprint(model) -> str:
     """A hash of a model's weights that takes milliseconds on a GPU: per parameter and buffer, its name, shape, dtype,
     sum, sum of squares and 16 values spread over it (one copy to the host for all of them). Two checkpoints that
-    differ in any trained layer differ here; the FP8 gate's verdict and the plans are keyed by it."""
+    differ in any trained layer differ here; the FP8 gate's verdicts are keyed by it (plans by the config)."""
     import torch
 
     names, stats = [], []

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from vaeopt import planner, video, video_stream
+from vaeopt import planner, stage_table, video, video_stream
 from vaeopt.api import check_log, refuse_other, spell_kwargs
 from vaeopt.errors import VaeoptError
 from vaeopt.families import FamilySpec, get_family
@@ -344,7 +344,8 @@ class _StreamDecode:
 
     def _diffusers(self, z) -> bool:
         v = self.vae
-        return (needs_autograd(z, v) or torch.compiler.is_compiling() or bool(getattr(v, "use_tiling", False))
+        return (getattr(v, "_vaeopt_stood_down", None) is not None  # (see _off_plan)
+                or needs_autograd(z, v) or torch.compiler.is_compiling() or bool(getattr(v, "use_tiling", False))
                 or bool(getattr(v, "use_framewise_decoding", False)) or not video_stream.applies(v)
                 or foreign_hooked(v.decoder) is not None)
 
@@ -455,12 +456,12 @@ class _RepeatGraphs:
         key = (tuple(z.shape), z.dtype)
         n = self.calls[key] = self.calls.get(key, 0) + 1
         if key not in self.shapes:
-            use, why = planner.graphs_pay(self.family, tuple(z.shape), n)
-            if not use:
-                return None
             est = planner.estimate_whole(self.family, v, tuple(z.shape), z.dtype)
-            if 2 * est > torch.cuda.mem_get_info(z.device)[0]:
-                return None  # the graph's pool holds a decode's transients: only with room for them
+            d = stage_table.decide_call_graphs("auto", self.family, tuple(z.shape), n, est,
+                                               torch.cuda.mem_get_info(z.device)[0])
+            if d.kind != "whole":
+                return None
+            why = d.why
             self.shapes.add(key)
             if self.log:
                 self.log(f"✓ graphs: vae.decode of {tuple(z.shape)} captured as a CUDA graph and replayed from now on "

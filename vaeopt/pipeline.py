@@ -123,7 +123,7 @@ class Pipeline:
     def __init__(self, loaded: LoadedVAE, options: Options | None = None, log: Callable[[str], None] | None = None,
                  spell: Callable[[tuple[Hint, ...]], str] | None = None, info: stage_table.DeviceInfo | None = None):
         """spell: how the lines' hints are written where they are shown (vaeopt.stages.plain: Options fields, when
-        None); each entry point passes its own (cli.spell_flags, api.spell_options, ...). info: the device as the
+        None); each entry point passes its own (cli.report.spell_flags, api.spell_options, ...). info: the device as the
         stage rules see it (DeviceInfo.of the device, when None)."""
         self.loaded = loaded
         self.family = loaded.family
@@ -237,10 +237,8 @@ class Pipeline:
         count them per shape, and capture a shape once the measured rule (planner.graphs_pay) says its decodes so far
         would have repaid the capture. Waiting for that many costs at most as much again as knowing the count up
         front (the break-even rule of renting before buying); shapes that never repeat enough stay eager."""
-        if self.opts.graphs == "off" or self.family.is_video or plan.mode != "whole":
+        if plan.mode != "whole" or not self.info.graphs[0]:
             return
-        if self.opts.graphs == "auto" and plan.budget_bytes is not None and 2 * plan.est_bytes > plan.budget_bytes:
-            return  # a captured shape keeps its decode's transients in the graph's pool: only with room for them
         shape = tuple(latent_shape)
         seen = self.__dict__.setdefault("_calls", {})
         seen[shape] = seen.get(shape, 0) + 1
@@ -248,8 +246,8 @@ class Pipeline:
         if shape in allowed:
             return
         eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
-        d = stage_table.decide_graphs(self.opts, self.family, self.info, plan, shape, seen[shape], chunks=False,
-                                      variant="8bit" if eight else "bf16")
+        d = stage_table.decide_call_graphs(self.opts.graphs, self.family, shape, seen[shape], plan.est_bytes,
+                                           plan.budget_bytes, "8bit" if eight else "bf16")
         if d.kind == "whole":
             allowed.add(shape)
             if self.graphed is None:
@@ -300,7 +298,8 @@ class Pipeline:
                 self.graphed.reset()  # the weights changed (in place, vaeopt.refresh, load_state_dict): capture again
                 self._graphs_epoch = now
             only = self.__dict__.get("_graph_shapes")  # per-call counting: only the shapes that have paid
-            use = self.graphed is not None and (only is None or tuple(z.shape) in only)
+            use = (self.graphed is not None and self.opts.graphs != "off"
+                   and (only is None or tuple(z.shape) in only))
             return (self.graphed if use else self._decode_whole_raw)(z)
         except torch.cuda.OutOfMemoryError:
             # OOM: free what the failed attempt held, shrink to a tiled plan at half the estimate, and go on.

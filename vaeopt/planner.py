@@ -408,7 +408,7 @@ def estimate_stream(family, model, latent_shape, dtype, chunk: int, tile: int | 
 
 def _plan_stream(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling) -> Plan:
     """HunyuanVideo 1.5 / LTX-2: exact chunks (the largest that fits), else exact spatial tiles (the largest that
-    fits, one latent frame per call); --tile / --tiling on force tiles."""
+    fits, one latent frame per call); a tile or tiling='on' forces tiles."""
     t_lat, (h, w) = latent_shape[2], latent_shape[-2:]
     if budget is None:
         budget, why = _host_budget(), "half of the available host memory"
@@ -421,7 +421,7 @@ def _plan_stream(family, model, latent_shape, dtype, budget, why, chunk, tile, t
         if fit or tiling == "off":
             k, est = fit[0] if fit else ests[-1]
             verdict = (f"est. {gib(est)} of {gib(budget)} budget ({why})" if fit else
-                       f"est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory (--tiling off)")
+                       f"est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory (tiling off)")
             return Plan("chunked", budget, est, chunk=k, reason=f"chunk {k} latent frame(s) through {how}: {verdict}")
     k = chunks[-1] if chunk is None else chunk
     if tile is not None:

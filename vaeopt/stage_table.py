@@ -402,6 +402,28 @@ def decide_graphs(opts, family, info: DeviceInfo, plan, latent_shape: tuple | No
                                                       variant)[1])
 
 
+def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_bytes: int, room_bytes: int | None,
+                       variant: str = "bf16") -> GraphsDecision:
+    """The graphs stage for decodes that arrive one call at a time (vaeopt.decode per image, or a pipeline calling an
+    optimized vae.decode): after `calls` decodes of `latent_shape` so far, capture it now? Whole image decodes only;
+    in auto mode, where the measured rule says the calls so far would have repaid a capture (waiting for that many
+    costs at most as much again as knowing the count up front) and where `room_bytes` (the budget, or the device's
+    free memory) holds the graph's pool next to a decode (twice the decode's estimate `est_bytes`)."""
+    if mode == "off":
+        return GraphsDecision(None, "off")
+    if family.is_video:
+        return GraphsDecision(None, "video decodes: per-chunk graphs are decided per clip")
+    if mode == "auto" and room_bytes is not None and 2 * est_bytes > room_bytes:
+        return GraphsDecision(None, "a captured shape keeps a decode's transients in the graph's pool, and there is no "
+                                    "room for them next to the decode")
+    if mode == "on":
+        return GraphsDecision("whole", "forced on")
+    why = graphs_pay(family, latent_shape, calls, variant)
+    if why is not None:
+        return GraphsDecision(None, why)
+    return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape), calls, variant)[1])
+
+
 def decide_autotune(mode: str, info: DeviceInfo, repeats: int, est_bytes: int | None = None,
                     budget_bytes: int | None = None) -> tuple[bool, str]:
     """(tune?, why) for `repeats` same-shape decodes under cudnn_autotune `mode` (auto | on | off), for a plan

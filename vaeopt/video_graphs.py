@@ -30,7 +30,7 @@ and host-cache plans copy caches on side streams between tiles), clips with fewe
 already inside a capture; in auto mode also clips with fewer than AUTO_MIN_STEADY steady chunks or more than
 AUTO_MAX_CHUNK_PIXELS output pixels per chunk (GPU-bound: no gain measured at 0.8 and 3.2 MP per chunk).
 
-Policy and bookkeeping: a `ChunkGraphs` attached to the model (`enable`, done by vaeopt.api for `--graphs auto|on`)
+Policy and bookkeeping: a `ChunkGraphs` attached to the model (`enable`, done by Pipeline.setup_graphs for `--graphs auto|on`)
 is read by vaeopt.video / vaeopt.video_tiling at each clip; it keeps one record per clip (captured or why not,
 replays, eager chunks, capture ms, pool bytes, reserved memory vs the budget) and renders the graphs stage line.
 Measurements: docs/video.md, docs/experiments.md E14.
@@ -481,7 +481,7 @@ def wrap(dec, vae, z: Tensor, sched: Sequence[int], graphs=None, tiles: int = 1,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The graphs stage for Wan video in the pipeline (called by vaeopt.api, which runs the decodes)
+# The graphs stage for Wan video in the pipeline (Pipeline.setup_graphs arms it; vaeopt.api runs the decodes)
 
 
 def applies(pipe) -> bool:

@@ -107,9 +107,10 @@ def check_shape(loaded: LoadedVAE, shape: tuple) -> None:
 
 
 def run(loaded: LoadedVAE, shapes: list[tuple], options: Options | None = None,
-        log: Callable[[str], None] | None = None) -> Report:
+        log: Callable[[str], None] | None = None, spell: Callable | None = None) -> Report:
     """One planned decode of random latents per shape through the pipeline `vaeopt decode` builds with `options`
-    (decode_shape: the largest image shape, as decode sets it), and what that wrote."""
+    (decode_shape: the largest image shape, as decode sets it), and what that wrote. spell: how the stage lines'
+    hints are written (the caller's own spelling, as Pipeline takes it)."""
     if not shapes:
         raise VaeoptError("warmup needs at least one latent shape")
     for s in shapes:
@@ -122,7 +123,7 @@ def run(loaded: LoadedVAE, shapes: list[tuple], options: Options | None = None,
     before = {p: p.stat().st_mtime_ns for p in cache.entries()}
     rep = Report(triton_dir=triton_cache_dir())
     with TritonCount() as prep:  # (the FP8 gate's probes compile kernels here)
-        pipe = Pipeline(loaded, opts, log=log)
+        pipe = Pipeline(loaded, opts, log=log, spell=spell)
     rep.prepare = (prep.compiled, prep.loaded)
     for shape in shapes:
         with TritonCount() as n:

@@ -13,6 +13,7 @@ from rich.markup import escape
 from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, say, set_verbosity
+from vaeopt.cli.report import spell_flags
 
 
 @clean_errors
@@ -43,7 +44,7 @@ def warmup(
     opts = Options(device=device, dtype=dtype, fp8=fp8, gate_db=fp8_gate, vram_budget_gb=vram_budget)
     opts.validate()
     loaded, shapes = wu.load(model, workload, family, shape, resolve_device(device))
-    rep = wu.run(loaded, shapes, opts, log=detail)
+    rep = wu.run(loaded, shapes, opts, log=detail, spell=spell_flags)
     if as_json:
         printing.out_console.print_json(json.dumps(rep.to_dict()))
     for line in wu.summary(rep):

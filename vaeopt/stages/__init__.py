@@ -43,7 +43,10 @@ class Said(str):
         return self
 
     def spell(self, spell: Callable[[tuple[Hint, ...]], str] | None = None) -> str:
-        return str.format(self, *map(spell or plain, self.hints)) if self.hints else str(self)
+        try:  # (a template without hints may still hold escaped braces from join: format unescapes them)
+            return str.format(self, *map(spell or plain, self.hints))
+        except (IndexError, KeyError, ValueError):  # plain text with braces of its own, never escaped
+            return str(self)
 
     def __add__(self, other: str) -> "Said":
         return join(self, other)
