@@ -152,6 +152,27 @@ def test_optimize_decodes_through_the_chunk_decoder(case, monkeypatch):
 
 
 @BOTH
+def test_a_vae_vaeopt_stepped_aside_for_decodes_as_diffusers(case, monkeypatch):
+    """Once vaeopt steps aside (the VAE now runs where optimize did not plan, or others place its layers), vae.decode
+    is diffusers' own: the chunk decoder is not called again."""
+    import copy
+
+    import vaeopt
+    from vaeopt import dropin
+
+    fam, m, z, ref = case
+    model = copy.deepcopy(m)
+    vaeopt.optimize(model, device="cpu", log=None)
+    monkeypatch.setattr(dropin, "_off_plan", lambda v: "moved (a test)")
+    calls = []
+    monkeypatch.setattr(vs, "decode_clip", lambda *a, **k: calls.append(k))
+    with pytest.warns(UserWarning), torch.no_grad():
+        got = model.decode(z).sample
+    assert not calls and getattr(model, "_vaeopt_stood_down", None) is not None
+    assert psnr(got, ref) >= 100
+
+
+@BOTH
 def test_planner_chunks_then_exact_tiles_within_the_budget(case):
     from vaeopt import planner
     from vaeopt.families import get_family
