@@ -38,6 +38,9 @@ MAX_CHUNK_STACKED = 3
 # Wan 2.2 (residual up blocks, patch 2): 1 frame per call measured fastest (h200_wan22-720p_2026-11-21e: 3164-3173 ms at
 # 1 vs 3238 ms at 2 after the phase upsample convs).
 MAX_CHUNK_WAN22 = 1
+# A Wan plan made from free memory is made for it rounded down to this step (planned and cached alike): a stored plan
+# then fits every later run with as much free memory, and the step costs at most a quarter GiB of the budget.
+BUDGET_STEP = 2**28
 
 
 def memory_model() -> dict:
@@ -157,16 +160,25 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
     budget, why = budget_bytes(device, vram_budget_gb)
     if family.cls_name == "AutoencoderKLWan" and budget is not None:
         # its plans come from dry runs of the decoder (seconds per shape): kept on disk for the next process (not on
-        # the CPU without a budget, whose host-memory budget changes from run to run)
-        key = _plan_key(family, model, latent_shape, dtype, device, budget, why, chunk, tile, tiling)
+        # the CPU without a budget, whose host-memory budget changes from run to run). Free memory differs by
+        # megabytes from run to run, so it is planned for rounded down to a step: the same plan on a hit as on a
+        # miss, never over the real budget.
+        given = vram_budget_gb is not None
+        if not given:
+            budget, why = budget // BUDGET_STEP * BUDGET_STEP, f"{why}, rounded down to {BUDGET_STEP / 2**30:g} GB steps"
+        key = _plan_key(family, model, latent_shape, dtype, device, budget, "given" if given else "free memory",
+                        chunk, tile, tiling)
         hit = cache.get("plans", key, device)
         if hit is not None:
             try:
-                return Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in hit.items()})
+                old_why = hit.pop("why", why)  # this run's free memory in the reason, not the stored run's
+                p = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in hit.items()})
+                p.reason = p.reason.replace(old_why, why)
+                return p
             except TypeError:  # a Plan of another layout: planned again below, and stored anew
                 pass
         p = _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
-        cache.put("plans", key, p.to_dict(), device)
+        cache.put("plans", key, {**p.to_dict(), "why": why}, device)
         return p
     if family.is_video:
         return _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
