@@ -165,7 +165,8 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
         # miss, never over the real budget.
         given = vram_budget_gb is not None
         if not given:
-            budget, why = budget // BUDGET_STEP * BUDGET_STEP, f"{why}, rounded down to {BUDGET_STEP / 2**30:g} GB steps"
+            budget = budget // BUDGET_STEP * BUDGET_STEP
+            why = f"{why}, rounded down to {BUDGET_STEP / 2**30:g} GB steps"
         key = _plan_key(family, model, latent_shape, dtype, device, budget, "given" if given else "free memory",
                         chunk, tile, tiling)
         hit = cache.get("plans", key, device)
