@@ -10,7 +10,8 @@ Which kernels: the ones the same decode (checkpoint, stage options) loaded last 
 its shapes (alignment, constants, launch options). `Record` collects them through Triton's post-compile hook during
 a decode or a `vaeopt warmup`, and stores them in vaeopt's cache (cache.py, kind "kernels", so per GPU, driver and
 versions); the thread hands each to Triton's own `JITFunction.preload` and loads its binary, so the decode's first
-launch finds it in Triton's in-memory cache.
+launch finds it in Triton's in-memory cache. (preload, not `kernel.warmup`: warmup needs arguments that reproduce
+each launch's specialization, while preload takes the specialization Triton itself wrote down.)
 
 Why a thread is safe here: Triton is not used by the main thread until the join (the stages, which launch kernels,
 are applied after it), so the kernel caches are written by one thread at a time; CUDA's runtime is thread-safe and
