@@ -83,6 +83,7 @@ def test_errors_in_the_thread_are_said_once_and_never_raised(fake_gpu, monkeypat
     assert (pw.kernels, pw.failed, pw.libraries) == (1, 2, True)
     assert lines == ["! warming the GPU beside the load: _a not preloaded (RuntimeError: _a: no such "
                      "specialization), and 1 more kernel(s); the first decode loads what it needs itself"]
+    assert [e["name"] for e in prewarm.stored(KEY, "cuda")] == ["_b"]  # not tried again by the next decode
 
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")

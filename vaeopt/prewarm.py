@@ -177,14 +177,18 @@ def _run(pw: Prewarm, device, dtype, k, video) -> None:
         torch.cuda.set_device(device.index if device.index is not None else 0)
         warm_libraries(device, dtype, video)
         pw.libraries = True
-        for e in stored(k, device) if k is not None else []:
+        entries, bad = stored(k, device) if k is not None else [], []
+        for e in entries:
             try:
                 load_kernel(e)
                 pw.kernels += 1
             except Exception as err:  # noqa: BLE001 (a kernel that will not preload is loaded by the decode)
-                pw.failed += 1
+                bad.append(e)
                 if pw.error is None:
                     pw.error = f"{e['name']} not preloaded ({type(err).__name__}: {str(err)[:160]})"
+        pw.failed = len(bad)
+        if bad:  # dropped from the entry, so the next decode does not try them again (it records what it loads)
+            cache.put(KIND, k, {"kernels": [e for e in entries if e not in bad]}, device)
         if pw.failed > 1:
             pw.error += f", and {pw.failed - 1} more kernel(s)"
     except Exception as err:  # noqa: BLE001 (never fails the decode; said once at the join)
