@@ -208,3 +208,30 @@ def test_cpu_decode_makes_no_thread_and_stores_no_kernels(tmp_path, samples_dir,
             "--device", "cpu")
     assert r.exit_code == 0, r.output
     assert cache.entries(prewarm.KIND) == []
+
+
+def test_warmup_records_under_the_key_decode_reads(samples_dir, monkeypatch):
+    """`vaeopt warmup CHECKPOINT` records the kernels its decodes load (on a GPU) under the key that `vaeopt decode`
+    of the same checkpoint and options warms from, around the stages and the decodes."""
+    from vaeopt import warmup
+    from vaeopt.loading import load_vae
+
+    seen = []
+
+    class Rec:
+        def __init__(self, k, device, log=None):
+            seen.append((k, device))
+
+        def __enter__(self):
+            seen.append("enter")
+
+        def __exit__(self, *exc):
+            seen.append("exit")
+
+    monkeypatch.setattr(prewarm, "Record", Rec)
+    monkeypatch.setattr(warmup, "resolve_device", lambda d: torch.device("cuda"))  # (the stages still run on the CPU)
+    model = samples_dir / "tiny_kl_image.safetensors"
+    rep = warmup.run(load_vae(model), [(1, 4, 16, 16)], Options(device="cpu"))
+    assert len(rep.shapes) == 1
+    assert seen == [(prewarm.key(prewarm.source_id(model), Options(device="cpu")), torch.device("cuda")), "enter",
+                    "exit"]
