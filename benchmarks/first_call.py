@@ -3,8 +3,11 @@ workload's model (random init at real size), prepares the stages, plans, decodes
 a few times more; the row's time is the first decode's overhead over the steady decode (first - median of the rest).
 
     python benchmarks/first_call.py --workloads sdxl-1024,sdxl-4096,wan21-480p --out DIR [--variants warm,cold]
+    python benchmarks/first_call.py --workloads sdxl-1024,wan21-480p --variants warm --steady 2 --out DIR
     python benchmarks/first_call.py --tiny --device cpu --out /tmp/fc        # the smoke test
 
+The model is built (random init at real size) while vaeopt.prewarm warms the GPU on its thread, as `vaeopt decode`
+overlaps it with reading the checkpoint: prewarm_s is the thread's time, prewarm_wait_s what the join still waited.
 Per process (info.calls): the phases in seconds (import, build, stages with each stage's own time, plan, decide
 graphs/cuDNN autotune, first decode, steady median), Triton kernels compiled vs loaded from the cache (count and
 time, from Triton's compilation listener), Triton autotune benchmarks (count, time), cuDNN's benchmark state, pinned
@@ -15,7 +18,8 @@ conv shape cuDNN has not seen yet shows up there).
 Variants: warm (the Triton and vaeopt caches filled by the warm-up process), cold (both empty for every process),
 autotune (--cudnn-autotune on), graphs (--graphs on: warm-up + capture in the first decode, replays after), eager
 (CUDA_MODULE_LOADING=EAGER: every CUDA kernel loaded at start instead of on first use), nocache (VAEOPT_CACHE=off:
-vaeopt's own cache unused, Triton's kept warm). sdxl-4096 runs within a 16 GB budget (the tiled plan).
+vaeopt's own cache unused, Triton's kept warm), noprewarm (VAEOPT_PREWARM=off: nothing warmed beside the build).
+sdxl-4096 runs within a 16 GB budget (the tiled plan).
 """
 
 import time
@@ -33,7 +37,7 @@ import tempfile  # noqa: E402
 
 import harness as H  # noqa: E402
 
-VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache")
+VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache", "noprewarm")
 # (the first process of a variant is the warm-up: for "warm" it fills the caches the timed one reads)
 DEFAULTS = {"repeats": 1, "warmup": 1}
 BUDGET_GB = {"sdxl-4096": 16.0}  # the tiled plan of a 16 GB card; the others decode whole
@@ -68,6 +72,8 @@ def setup(variant, shape, ctx):
             env["CUDA_MODULE_LOADING"] = "EAGER"
         if variant == "nocache":
             env["VAEOPT_CACHE"] = "off"
+        if variant == "noprewarm":
+            env["VAEOPT_PREWARM"] = "off"
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if variant == "cold":
@@ -155,6 +161,7 @@ def _profiled(torch, fn):
 def child(args) -> None:
     import torch
 
+    from vaeopt import prewarm
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import Options, Pipeline
 
@@ -162,13 +169,20 @@ def child(args) -> None:
     tri = Triton()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ctx = H.Ctx(args.workload, *H.workload_shape(args), dev, H.DTYPES[args.dtype], args)
-    t = time.perf_counter()
-    model = ctx.model(torch.float32)
-    phases["build_s"] = time.perf_counter() - t
     budget = args.vram_budget or (None if args.tiny else BUDGET_GB.get(args.workload))
     opts = Options(device=str(dev), dtype=ctx.dtype_name, vram_budget_gb=budget, decode_shape=tuple(ctx.shape),
                    graphs="on" if args.child == "graphs" else "auto",
                    cudnn_autotune="on" if args.child == "autotune" else "auto")
+    key = prewarm.key(f"benchmark:{args.workload}{':tiny' if args.tiny else ''}", opts)
+    t = time.perf_counter()
+    pw = prewarm.start(dev, ctx.dtype, key, video=len(ctx.shape) == 5)  # (None on the CPU)
+    model = ctx.model(torch.float32)
+    phases["build_s"] = time.perf_counter() - t
+    if pw is not None:
+        pw.join(lambda s: print(s, file=sys.stderr))
+    phases["prewarm"] = pw.summary() if pw else None
+    record = prewarm.Record(key, dev)
+    record.__enter__()  # (the kernels this process loads: the next process of the variant preloads them)
     lines = []  # each stage's line comes when it is done: the gaps are the stages' times
     t = time.perf_counter()
     last = [t]
@@ -197,6 +211,7 @@ def child(args) -> None:
     host1 = _host_alloc(torch, dev)
     steady = [pipe.decode(z, plan)[1].seconds for _ in range(max(1, args.steady))]
     _, steady_prof = _profiled(torch, lambda: pipe.decode(z, plan))
+    record.__exit__(None, None, None)
     phases["steady_s"] = statistics.median(steady)
     def since(v, b):  # what the first decode added to a counter, a time or a list of names
         if v is None or isinstance(v, bool):
@@ -208,7 +223,8 @@ def child(args) -> None:
     g = pipe.graphed
     print(json.dumps({
         **phases, "overhead_s": st.seconds - phases["steady_s"], "steady_all_s": steady,
-        "plan": plan.mode, "plan_reason": plan.reason[:200],
+        "plan": plan.mode, "plan_reason": plan.reason[:200], "first_over_steady": st.seconds / phases["steady_s"],
+        "kernels_recorded": record.added,
         "stage_lines": lines, "triton_before_first_decode": triton_before, "triton_first_decode": tri_first,
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "host_pinned_first_decode": {k: host1[k] - host0.get(k, 0) for k in host1},
@@ -220,19 +236,23 @@ def child(args) -> None:
 
 def table(results: list[dict]) -> str:
     """One line per process: its phases (variant/1st: the warm-up process, which filled the caches)."""
-    out = [f"{'workload':<12} {'variant':<9} {'import':>7} {'build':>7} {'stages':>7} {'plan':>7} {'first':>8} "
-           f"{'steady':>8} {'over':>8} {'trit c/h':>9} {'process':>8}  (s; trit: kernels compiled/cache hits)"]
+    out = [f"{'workload':<12} {'variant':<13} {'import':>7} {'build':>7} {'stages':>7} {'plan':>7} {'first':>8} "
+           f"{'steady':>8} {'over':>8} {'x1st':>5} {'pw/wait':>9} {'trit c/h':>9} {'process':>8}  (s; x1st: first / "
+           "steady; pw: the warm-up thread's time, and the join's wait; trit: kernels compiled/cache hits)"]
     for res in results:
         for r in res["rows"]:
             if r["status"] != "ok" or not r["info"]["calls"]:
-                out.append(f"{res['workload']:<12} {r['variant']:<9} {r['status']}: {r.get('reason', '')[:80]}")
+                out.append(f"{res['workload']:<12} {r['variant']:<13} {r['status']}: {r.get('reason', '')[:80]}")
                 continue
             for i, c in enumerate(r["info"]["calls"]):
                 tf, tb = c["triton_first_decode"], c["triton_before_first_decode"]
                 name = r["variant"] + ("/1st" if i == 0 and r["variant"] != "cold" else "")  # (it filled the caches)
-                out.append(f"{res['workload']:<12} {name:<9} {c['import_s']:7.2f} {c['build_s']:7.2f} "
+                pw = c["prewarm"] or {"seconds": 0.0, "waited": 0.0}  # (None: no GPU, or VAEOPT_PREWARM=off)
+                out.append(f"{res['workload']:<12} {name:<13} {c['import_s']:7.2f} {c['build_s']:7.2f} "
                            f"{c['stages_s']:7.2f} {c['plan_s']:7.2f} {c['first_decode_s']:8.3f} {c['steady_s']:8.3f} "
-                           f"{c['overhead_s']:8.3f} {tb['compiled'] + tf['compiled']:>4}/"
+                           f"{c['overhead_s']:8.3f} {c['first_over_steady']:5.2f} "
+                           f"{pw['seconds']:4.2f}/{pw['waited']:4.2f} "
+                           f"{tb['compiled'] + tf['compiled']:>4}/"
                            f"{tb['cache_hits'] + tf['cache_hits']:<4} {c['process_s']:8.1f}")
     return "\n".join(out)
 

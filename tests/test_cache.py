@@ -162,3 +162,43 @@ def test_wan_plans_are_reused_across_processes(samples_dir, monkeypatch):
     for e in cache.entries("plans"):
         e.write_text("{")
     assert plan() == p1 and len(calls) == 5
+
+
+def test_wan_plans_from_free_memory_hit_across_runs(samples_dir, monkeypatch):
+    """Without --vram-budget a Wan plan is made from free memory, which moves by megabytes between runs: the budget is
+    rounded down to a 1/4 GiB step before planning, so a later run with a few MB more or less free memory (the same
+    step) reads the stored plan, which is the plan it would have made itself, within its real budget; a run a step
+    lower plans again. The reason names this run's free memory, not the stored run's."""
+    from vaeopt import planner
+    from vaeopt.loading import load_vae
+
+    loaded = load_vae(samples_dir / "tiny_wan_video.safetensors")
+    got = []
+    real = planner._plan_video
+    monkeypatch.setattr(planner, "_plan_video", lambda *a, **k: (got.append(a[4]), real(*a, **k))[1])
+    step = planner.BUDGET_STEP
+    free = [10 * 2**30 + 37 * 2**20]  # 10 GiB + 37 MB of budget this run
+
+    monkeypatch.setattr(planner, "budget_bytes", lambda device, gb: (
+        (free[0], f"{free[0] / 2**20:.0f} MB free") if gb is None else (int(gb * 2**30), f"{gb:g} GB asked for")))
+
+    def plan():
+        return planner.plan_decode(loaded.family, loaded.model, (1, 16, 5, 8, 8), torch.float32, torch.device("cuda"))
+
+    p1 = plan()
+    assert got == [10 * 2**30] and p1.budget_bytes == 10 * 2**30 <= free[0]  # planned with the rounded budget
+    assert "10277 MB free, rounded down to 0.25 GB steps" in p1.reason
+    free[0] = 10 * 2**30 + 200 * 2**20  # another run, 163 MB more free: the same step
+    p2 = plan()
+    assert got == [10 * 2**30] and len(cache.entries("plans")) == 1  # read, not planned
+    assert (p2.mode, p2.chunk, p2.tile, p2.budget_bytes) == (p1.mode, p1.chunk, p1.tile, p1.budget_bytes)
+    assert "10440 MB free" in p2.reason and "10277" not in p2.reason
+    fresh = real(loaded.family, loaded.model, (1, 16, 5, 8, 8), torch.float32, 10 * 2**30, "", None, device="cuda")
+    assert (fresh.mode, fresh.chunk, fresh.tile) == (p2.mode, p2.chunk, p2.tile)  # what a miss would have planned
+    free[0] = 10 * 2**30 - 1  # a byte under the step: the step below, planned again, never over the real budget
+    p3 = plan()
+    assert got == [10 * 2**30, 10 * 2**30 - step] and p3.budget_bytes <= free[0]
+    assert len(cache.entries("plans")) == 2
+    p4 = planner.plan_decode(loaded.family, loaded.model, (1, 16, 5, 8, 8), torch.float32, torch.device("cuda"),
+                             vram_budget_gb=1.3)  # a given budget: planned as given (exact, no rounding)
+    assert got[-1] == int(1.3 * 2**30) and p4.budget_bytes == int(1.3 * 2**30)

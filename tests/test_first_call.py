@@ -21,6 +21,8 @@ def test_first_call_reports_each_phase(tmp_path):
         assert c[k] > 0, k
     assert abs(c["overhead_s"] - (c["first_decode_s"] - c["steady_s"])) < 1e-9
     assert c["plan"] == "whole" and c["cudnn_benchmark"] is False
+    assert c["prewarm"] is None and c["kernels_recorded"] == 0  # CPU: no warm-up thread, no kernels to store
+    assert abs(c["first_over_steady"] - c["first_decode_s"] / c["steady_s"]) < 1e-9
     assert any(ln["line"].startswith("✓ precision") for ln in c["stage_lines"])
     assert c["triton_first_decode"]["compiled"] == 0 and "autotuned" in c["triton_first_decode"]  # CPU: no Triton
     assert c["profile_first_vs_steady_ms"] and all("first_ms" in x for x in c["profile_first_vs_steady_ms"])

@@ -8,6 +8,8 @@ from vaeopt import planner
 from vaeopt.benchmark import WORKLOADS
 from vaeopt.families import get_family
 
+H200 = "NVIDIA H200"  # the GPU the table's rows were measured on, as torch names it
+
 
 def test_table_rows_are_complete_and_match_their_workloads():
     rule = planner.graphs_rule()
@@ -25,30 +27,47 @@ def test_sdxl_1024_pays_from_the_measured_break_even():
     """sdxl-1024 on the H200: 18.9 -> 16.9 ms replayed, a 55.5 ms capture: from 28 same-shape decodes."""
     fam = get_family("sdxl")
     need = math.ceil(55.5 / (18.9 - 16.9))
-    ok, why = planner.graphs_pay(fam, (1, 4, 128, 128), need - 1)
+    ok, why = planner.graphs_pay(fam, (1, 4, 128, 128), need - 1, gpu=H200)
     assert not ok and f"pays from {need}" in why and "18.9 -> 16.9 ms" in why
-    ok, why = planner.graphs_pay(fam, (1, 4, 128, 128), need)
+    ok, why = planner.graphs_pay(fam, (1, 4, 128, 128), need, gpu=H200)
     assert ok and "H200" in why
-    assert not planner.graphs_pay(fam, (1, 4, 128, 128), 1)[0]  # a one-shot decode never captures
+    assert not planner.graphs_pay(fam, (1, 4, 128, 128), 1, gpu=H200)[0]  # a one-shot decode never captures
 
 
 def test_the_8bit_row_is_used_where_the_8bit_convs_run():
     fam = get_family("flux")
     need = math.ceil(3.0 * 17.0 / (17.0 - 13.7))  # no capture measured: capture_factor x eager
-    assert planner.graphs_pay(fam, (1, 16, 128, 128), need, "8bit")[0]
-    assert not planner.graphs_pay(fam, (1, 16, 128, 128), need - 1, "8bit")[0]
-    ok, why = planner.graphs_pay(fam, (1, 16, 128, 128), need, "bf16")  # flux has only its 8-bit row: that one
+    assert planner.graphs_pay(fam, (1, 16, 128, 128), need, "8bit", H200)[0]
+    assert not planner.graphs_pay(fam, (1, 16, 128, 128), need - 1, "8bit", H200)[0]
+    ok, why = planner.graphs_pay(fam, (1, 16, 128, 128), need, "bf16", H200)  # flux has only its 8-bit row: that one
     assert ok and "8bit" in why
 
 
+def test_rows_apply_only_to_the_gpu_they_were_measured_on():
+    """On an A100 (no row of its own) the H200's sdxl-1024 row is used with 4x its capture cost, and the reason says
+    so; on the H200 the row as measured. The break-even moves from 28 to 111 decodes."""
+    fam, z = get_family("sdxl"), (1, 4, 128, 128)
+    rule = planner.graphs_rule()
+    assert {r["gpu"] for r in rule["rows"]} == {H200} and rule["unmeasured_capture_margin"] == 4.0
+    need = math.ceil(55.5 / (18.9 - 16.9))
+    far = math.ceil(4 * 55.5 / (18.9 - 16.9))
+    for gpu in ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", None):
+        ok, why = planner.graphs_pay(fam, z, far - 1, gpu=gpu)
+        assert not ok and why.startswith("no measured row for this GPU") and f"pays from {far}" in why
+        assert (gpu or "unknown") in why and "taken as 4x that, ~222 ms" in why
+        assert planner.graphs_pay(fam, z, far, gpu=gpu)[0]
+    assert planner.graphs_pay(fam, z, need, gpu=H200)[0]
+    assert "no measured row" not in planner.graphs_pay(fam, z, need, gpu=H200)[1]
+
+
 def test_sizes_far_from_any_measurement_stay_eager():
-    ok, why = planner.graphs_pay(get_family("sdxl"), (1, 4, 512, 512), 1000)  # 16 MP: no row within 4x
+    ok, why = planner.graphs_pay(get_family("sdxl"), (1, 4, 512, 512), 1000, gpu=H200)  # 16 MP: no row within 4x
     assert not ok and "no graph measurement" in why and "16.78 MP" in why
-    ok, why = planner.graphs_pay(get_family("wan21"), (1, 16, 3, 60, 104), 1000)  # no row for the class
+    ok, why = planner.graphs_pay(get_family("wan21"), (1, 16, 3, 60, 104), 1000, gpu=H200)  # no row for the class
     assert not ok and "no graph measurement" in why
     # sd15 at 512²: its own row (8.21 -> 5.58 ms, 27.2 ms capture): from 11 decodes
-    assert planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 11)[0]
-    assert not planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 10)[0]
+    assert planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 11, gpu=H200)[0]
+    assert not planner.graphs_pay(get_family("sd15"), (1, 4, 64, 64), 10, gpu=H200)[0]
 
 
 def test_api_decodes_graph_a_shape_once_its_calls_have_paid(samples_dir, monkeypatch):
@@ -60,9 +79,9 @@ def test_api_decodes_graph_a_shape_once_its_calls_have_paid(samples_dir, monkeyp
     from vaeopt.stages import graphs
 
     monkeypatch.setattr(planner, "graphs_rule", lambda: {
-        "capture_factor": 3.0, "max_pixel_ratio": 4.0,
+        "capture_factor": 3.0, "max_pixel_ratio": 4.0,  # (measured on the device the test runs on)
         "rows": [{"family": "sdxl", "cls": "AutoencoderKL", "workload": None, "pixels": 128 * 128, "variant": "bf16",
-                  "gpu": "test", "eager_ms": 10.0, "replay_ms": 5.0, "capture_ms": 15.0, "source": "test"}]})
+                  "gpu": "CPU", "eager_ms": 10.0, "replay_ms": 5.0, "capture_ms": 15.0, "source": "test"}]})
     replayed = []
 
     class Fake:
@@ -104,7 +123,7 @@ def test_optimized_vae_decode_calls_graph_a_repeated_shape(samples_dir, monkeypa
     monkeypatch.setattr(planner, "graphs_rule", lambda: {
         "capture_factor": 3.0, "max_pixel_ratio": 4.0,
         "rows": [{"family": "sdxl", "cls": "AutoencoderKL", "workload": None, "pixels": 128 * 128, "variant": "bf16",
-                  "gpu": "test", "eager_ms": 10.0, "replay_ms": 5.0, "capture_ms": 15.0, "source": "test"}]})
+                  "gpu": "Test GPU", "eager_ms": 10.0, "replay_ms": 5.0, "capture_ms": 15.0, "source": "test"}]})
     replayed = []
 
     class Fake:
@@ -121,6 +140,7 @@ def test_optimized_vae_decode_calls_graph_a_repeated_shape(samples_dir, monkeypa
     monkeypatch.setattr(graphs, "GraphedDecode", Fake)
     monkeypatch.setattr(dropin._RepeatGraphs, "_plain", lambda self, z, kw: not set(kw) - {"return_dict"})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
     vae = vaeopt.load_vae(samples_dir / "tiny_kl_image.safetensors").model
     lines = []
     vaeopt.optimize(vae, log=lines.append)

@@ -149,7 +149,7 @@ def _plan(mode="whole"):
 def test_graphs_decisions_pinned():
     o, sdxl = Options(), get_family("sdxl")
     # whole decodes: the measured table's break-even (planner.graphs_pay), the hint to force them where it says no
-    need = next(n for n in range(1, 1000) if planner.graphs_pay(sdxl, (1, 4, 128, 128), n)[0])
+    need = next(n for n in range(1, 1000) if planner.graphs_pay(sdxl, (1, 4, 128, 128), n, gpu="NVIDIA H200")[0])
     d = decide_graphs(o, sdxl, H200, _plan(), (1, 4, 128, 128), need)
     assert d.kind == "whole" and d.why.startswith(f"{need} decodes of the same shape")
     d = decide_graphs(o, sdxl, H200, _plan(), (1, 4, 128, 128), need - 1)
@@ -166,6 +166,22 @@ def test_graphs_decisions_pinned():
     assert decide_graphs(o, wan, H200, _plan(), None, 1).kind == "chunks"  # armed; decided per clip
     assert decide_graphs(o, wan, H200, _plan(), None, 99, chunks=False).why.startswith("Wan: the whole-clip graph")
     assert decide_graphs(o, get_family("hunyuanvideo"), H200, _plan(), None, 99).kind is None
+
+
+def test_graphs_rows_apply_on_their_own_gpu_only():
+    """The table's rows were measured on an H200: an A100 gets them with a 4x capture cost (graphs pay from 4x the
+    decodes), and its line says it has no measured row; a real device's name carries "(cuda:0)", which the match
+    ignores."""
+    o, sdxl, z = Options(), get_family("sdxl"), (1, 4, 128, 128)
+    need = next(n for n in range(1, 1000) if decide_graphs(o, sdxl, H200, _plan(), z, n).kind == "whole")
+    far = next(n for n in range(1, 1000) if decide_graphs(o, sdxl, A100, _plan(), z, n).kind == "whole")
+    assert (need, far) == (28, 111)
+    d = decide_graphs(o, sdxl, A100, _plan(), z, need)
+    assert d.kind is None and d.why.spell(spell_flags).startswith("no measured row for this GPU (NVIDIA A100)")
+    assert "--graphs on" in d.why.spell(spell_flags)
+    assert "no measured row" in decide_graphs(o, sdxl, A100, _plan(), z, far).why
+    named = DeviceInfo("cuda", "NVIDIA H200 (cuda:0)", (9, 0), graphs=(True, ""), cudnn=(True, ""))
+    assert named.gpu == "NVIDIA H200" and decide_graphs(o, sdxl, named, _plan(), z, need).kind == "whole"
 
 
 def test_autotune_decisions_pinned(monkeypatch):

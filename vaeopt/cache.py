@@ -1,5 +1,6 @@
-"""What decodes measure once per GPU and reuse: the FP8 gates' verdicts, the planner's plans (and what `vaeopt warmup`
-records), kept on disk between processes.
+"""What decodes measure once per GPU and reuse: the FP8 gates' verdicts, the planner's plans, the Triton kernels a
+decode loaded (which the next one loads beside its checkpoint read: prewarm.py), and what `vaeopt warmup` records;
+kept on disk between processes.
 
 Where: $VAEOPT_CACHE_DIR, else $XDG_CACHE_HOME/vaeopt, else ~/.cache/vaeopt. VAEOPT_CACHE=off turns it off (nothing
 read or written). `vaeopt warmup` prints the folder; deleting it (or one kind's subfolder) clears the cache.

@@ -458,7 +458,8 @@ class _RepeatGraphs:
         if key not in self.shapes:
             est = planner.estimate_whole(self.family, v, tuple(z.shape), z.dtype)
             d = stage_table.decide_call_graphs("auto", self.family, tuple(z.shape), n, est,
-                                               torch.cuda.mem_get_info(z.device)[0])
+                                               torch.cuda.mem_get_info(z.device)[0],
+                                               gpu=torch.cuda.get_device_name(z.device))
             if d.kind != "whole":
                 return None
             why = d.why

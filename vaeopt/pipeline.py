@@ -247,7 +247,7 @@ class Pipeline:
             return
         eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
         d = stage_table.decide_call_graphs(self.opts.graphs, self.family, shape, seen[shape], plan.est_bytes,
-                                           plan.budget_bytes, "8bit" if eight else "bf16")
+                                           plan.budget_bytes, "8bit" if eight else "bf16", self.info.gpu)
         if d.kind == "whole":
             allowed.add(shape)
             if self.graphed is None:

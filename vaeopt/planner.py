@@ -38,6 +38,9 @@ MAX_CHUNK_STACKED = 3
 # Wan 2.2 (residual up blocks, patch 2): 1 frame per call measured fastest (h200_wan22-720p_2026-11-21e: 3164-3173 ms at
 # 1 vs 3238 ms at 2 after the phase upsample convs).
 MAX_CHUNK_WAN22 = 1
+# A Wan plan made from free memory is made for it rounded down to this step (planned and cached alike): a stored plan
+# then fits every later run with as much free memory, and the step costs at most a quarter GiB of the budget.
+BUDGET_STEP = 2**28
 
 
 def memory_model() -> dict:
@@ -65,12 +68,16 @@ def graphs_rule() -> dict:
     return json.loads((CONFIG_DIR / "graphs_rule.json").read_text())
 
 
-def graphs_pay(family: FamilySpec, latent_shape: tuple, repeats: int, variant: str = "bf16") -> tuple[bool, str]:
-    """Whether CUDA graphs pay for `repeats` whole decodes of `latent_shape` (one capture, then replays), from the
-    measured table (configs/graphs_rule.json, graphs_rule()): the row of this family (else of its diffusers class)
-    and variant ("bf16", or "8bit" where the 8-bit convs run; else the other) at the nearest output pixel count
-    within the table's max_pixel_ratio. They pay when repeats x the replay's saving per decode exceeds the capture's
-    cost (the first decode's warm-up and capture). -> (pay, why: the numbers and where they come from)."""
+def graphs_pay(family: FamilySpec, latent_shape: tuple, repeats: int, variant: str = "bf16",
+               gpu: str | None = None) -> tuple[bool, str]:
+    """Whether CUDA graphs pay for `repeats` whole decodes of `latent_shape` (one capture, then replays) on the GPU
+    named `gpu` (as torch names it; DeviceInfo.gpu), from the measured table (configs/graphs_rule.json,
+    graphs_rule()): the row of this family (else of its diffusers class) and variant ("bf16", or "8bit" where the
+    8-bit convs run; else the other) at the nearest output pixel count within the table's max_pixel_ratio. They pay
+    when repeats x the replay's saving per decode exceeds the capture's cost (the first decode's warm-up and
+    capture). A row counts as measured only on its own GPU; elsewhere its capture cost is taken
+    unmeasured_capture_margin times over, so an unmeasured GPU captures only for long runs.
+    -> (pay, why: the numbers and where they come from)."""
     rule = graphs_rule()
     f = family.spatial_factor
     px = latent_shape[0] * latent_shape[-2] * latent_shape[-1] * f * f
@@ -80,17 +87,23 @@ def graphs_pay(family: FamilySpec, latent_shape: tuple, repeats: int, variant: s
     if not rows:
         return False, (f"no graph measurement for {family.title} near {px / 1e6:.2f} MP per decode "
                        "(configs/graphs_rule.json)")
-    r = min(rows, key=lambda r: (r["variant"] != variant, abs(math.log(px / r["pixels"]))))
+    r = min(rows, key=lambda r: (r["gpu"] != gpu, r["variant"] != variant, abs(math.log(px / r["pixels"]))))
     saving = r["eager_ms"] - r["replay_ms"]
     capture = r["capture_ms"] or rule["capture_factor"] * r["eager_ms"]
     at = (f"{r['workload'] or r['family']} {r['variant']} on an {r['gpu'].replace('NVIDIA ', '')}: "
           f"{r['eager_ms']:.1f} -> {r['replay_ms']:.1f} ms replayed, capture ~{capture:.0f} ms")
+    head = ""
+    if r["gpu"] != gpu:  # the conservative default: that GPU's numbers with a dearer capture
+        margin = rule["unmeasured_capture_margin"]
+        capture *= margin
+        head = f"no measured row for this GPU ({gpu or 'unknown'}): "
+        at += f", taken as {margin:g}x that, ~{capture:.0f} ms"
     if saving <= 0:
-        return False, f"replay measured no faster ({at})"
+        return False, f"{head}replay measured no faster ({at})"
     need = math.ceil(capture / saving)
     if repeats < need:
-        return False, f"{repeats} decode(s) of this shape: the capture pays from {need} ({at})"
-    return True, f"{repeats} decodes of the same shape, paying from {need} ({at})"
+        return False, f"{head}{repeats} decode(s) of this shape: the capture pays from {need} ({at})"
+    return True, f"{head}{repeats} decodes of the same shape, paying from {need} ({at})"
 
 
 def gib(b: float) -> str:
@@ -147,16 +160,26 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
     budget, why = budget_bytes(device, vram_budget_gb)
     if family.cls_name == "AutoencoderKLWan" and budget is not None:
         # its plans come from dry runs of the decoder (seconds per shape): kept on disk for the next process (not on
-        # the CPU without a budget, whose host-memory budget changes from run to run)
-        key = _plan_key(family, model, latent_shape, dtype, device, budget, why, chunk, tile, tiling)
+        # the CPU without a budget, whose host-memory budget changes from run to run). Free memory differs by
+        # megabytes from run to run, so it is planned for rounded down to a step: the same plan on a hit as on a
+        # miss, never over the real budget.
+        given = vram_budget_gb is not None
+        if not given:
+            budget = budget // BUDGET_STEP * BUDGET_STEP
+            why = f"{why}, rounded down to {BUDGET_STEP / 2**30:g} GB steps"
+        key = _plan_key(family, model, latent_shape, dtype, device, budget, "given" if given else "free memory",
+                        chunk, tile, tiling)
         hit = cache.get("plans", key, device)
         if hit is not None:
             try:
-                return Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in hit.items()})
+                old_why = hit.pop("why", why)  # this run's free memory in the reason, not the stored run's
+                p = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in hit.items()})
+                p.reason = p.reason.replace(old_why, why)
+                return p
             except TypeError:  # a Plan of another layout: planned again below, and stored anew
                 pass
         p = _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)
-        cache.put("plans", key, p.to_dict(), device)
+        cache.put("plans", key, {**p.to_dict(), "why": why}, device)
         return p
     if family.is_video:
         return _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling, device)

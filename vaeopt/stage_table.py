@@ -53,6 +53,12 @@ class DeviceInfo:
     graphs: tuple[bool, str] = (False, "no CUDA device: CUDA graphs need a GPU")
     cudnn: tuple[bool, str] = (False, "no CUDA device: cuDNN runs on the GPU only")
 
+    @property
+    def gpu(self) -> str:
+        """The device's name as torch reports it, without the "(cuda:N)" that `of` adds: what measured tables
+        (configs/graphs_rule.json) name their GPU by."""
+        return self.name.split(" (cuda")[0]
+
     @classmethod
     def of(cls, device: torch.device) -> "DeviceInfo":
         name = f"{torch.cuda.get_device_name(device)} ({device})" if device.type == "cuda" else "CPU"
@@ -357,12 +363,12 @@ def decide_stages(opts, family, dtype: torch.dtype, info: DeviceInfo, layout: st
 # ---- per job: CUDA graphs and cuDNN autotuning -------------------------------------------------------------------
 
 
-def graphs_pay(family, latent_shape: tuple | None, repeats: int, variant: str = "bf16"):
-    """The graphs auto rule for a whole image decode (the measured table, planner.graphs_pay): None where they pay,
-    else why not (with the hint that forces them)."""
+def graphs_pay(family, latent_shape: tuple | None, repeats: int, variant: str = "bf16", gpu: str | None = None):
+    """The graphs auto rule for a whole image decode on the GPU named `gpu` (the measured table,
+    planner.graphs_pay): None where they pay, else why not (with the hint that forces them)."""
     if latent_shape is None:
         return Said("the latent shape is not known here ({0} to force)", Hint("graphs", "on"))
-    pay, why = planner.graphs_pay(family, tuple(latent_shape), repeats, variant)
+    pay, why = planner.graphs_pay(family, tuple(latent_shape), repeats, variant, gpu)
     return None if pay else Said(why.replace("{", "{{").replace("}", "}}") + " ({0} to force)", Hint("graphs", "on"))
 
 
@@ -395,20 +401,21 @@ def decide_graphs(opts, family, info: DeviceInfo, plan, latent_shape: tuple | No
         return GraphsDecision(None, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only")
     if opts.graphs == "on":
         return GraphsDecision("whole", "forced on")
-    why = graphs_pay(family, latent_shape or opts.decode_shape, repeats, variant)
+    why = graphs_pay(family, latent_shape or opts.decode_shape, repeats, variant, info.gpu)
     if why is not None:
         return GraphsDecision(None, why)
     return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape or opts.decode_shape), repeats,
-                                                      variant)[1])
+                                                      variant, info.gpu)[1])
 
 
 def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_bytes: int, room_bytes: int | None,
-                       variant: str = "bf16") -> GraphsDecision:
+                       variant: str = "bf16", gpu: str | None = None) -> GraphsDecision:
     """The graphs stage for decodes that arrive one call at a time (vaeopt.decode per image, or a pipeline calling an
     optimized vae.decode): after `calls` decodes of `latent_shape` so far, capture it now? Whole image decodes only;
     in auto mode, where the measured rule says the calls so far would have repaid a capture (waiting for that many
     costs at most as much again as knowing the count up front) and where `room_bytes` (the budget, or the device's
-    free memory) holds the graph's pool next to a decode (twice the decode's estimate `est_bytes`)."""
+    free memory) holds the graph's pool next to a decode (twice the decode's estimate `est_bytes`). gpu: the
+    device's name (DeviceInfo.gpu), which the measured rows are matched by."""
     if mode == "off":
         return GraphsDecision(None, "off")
     if family.is_video:
@@ -418,10 +425,10 @@ def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_b
                                     "room for them next to the decode")
     if mode == "on":
         return GraphsDecision("whole", "forced on")
-    why = graphs_pay(family, latent_shape, calls, variant)
+    why = graphs_pay(family, latent_shape, calls, variant, gpu)
     if why is not None:
         return GraphsDecision(None, why)
-    return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape), calls, variant)[1])
+    return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape), calls, variant, gpu)[1])
 
 
 def decide_autotune(mode: str, info: DeviceInfo, repeats: int, est_bytes: int | None = None,

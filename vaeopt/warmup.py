@@ -2,7 +2,8 @@
 measure is on disk before the first real decode.
 
 What is filled: Triton's kernel cache (every kernel of the planned decode compiled; $TRITON_CACHE_DIR, default
-~/.triton/cache) and vaeopt's cache (vaeopt/cache.py: the FP8 gates' verdicts with --fp8, the planner's plans). What
+~/.triton/cache) and vaeopt's cache (vaeopt/cache.py: the FP8 gates' verdicts with --fp8, the planner's plans, and
+on a GPU the kernels the decodes loaded, which `vaeopt decode` loads while it reads the checkpoint: prewarm.py). What
 is not: cuDNN's and the CUDA driver's per-process state (loaded kernels, heuristics per conv shape) and CUDA graphs,
 which live and die with a process.
 
@@ -12,6 +13,7 @@ fills the kernels and plans, but an FP8 verdict is per weights, so `--fp8 on` ne
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +21,9 @@ from typing import Callable
 
 import torch
 
-from vaeopt import cache
+from vaeopt import cache, prewarm
 from vaeopt.errors import VaeoptError
+from vaeopt.hw import resolve_device
 from vaeopt.loading import LoadedVAE
 from vaeopt.pipeline import Options, Pipeline
 
@@ -122,16 +125,20 @@ def run(loaded: LoadedVAE, shapes: list[tuple], options: Options | None = None,
     t0 = time.perf_counter()
     before = {p: p.stat().st_mtime_ns for p in cache.entries()}
     rep = Report(triton_dir=triton_cache_dir())
-    with TritonCount() as prep:  # (the FP8 gate's probes compile kernels here)
-        pipe = Pipeline(loaded, opts, log=log, spell=spell)
-    rep.prepare = (prep.compiled, prep.loaded)
-    for shape in shapes:
-        with TritonCount() as n:
-            plan = pipe.plan(shape)
-            z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-            pipe.autotune(1, plan)  # as a one-shot decode decides it (off for one decode)
-            _, st = pipe.decode(z, plan)
-        rep.shapes.append(Warmed(tuple(shape), plan.reason, st.seconds, n.compiled, n.loaded))
+    dev = resolve_device(opts.device)
+    source = prewarm.source_id(loaded.path) if loaded.path is not None else f"random:{loaded.family.name}"
+    # the kernels loaded here are stored for `vaeopt decode` of the same checkpoint to load beside its checkpoint read
+    with prewarm.Record(prewarm.key(source, opts), dev, log) if dev.type == "cuda" else contextlib.nullcontext():
+        with TritonCount() as prep:  # (the FP8 gate's probes compile kernels here)
+            pipe = Pipeline(loaded, opts, log=log, spell=spell)
+        rep.prepare = (prep.compiled, prep.loaded)
+        for shape in shapes:
+            with TritonCount() as n:
+                plan = pipe.plan(shape)
+                z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+                pipe.autotune(1, plan)  # as a one-shot decode decides it (off for one decode)
+                _, st = pipe.decode(z, plan)
+            rep.shapes.append(Warmed(tuple(shape), plan.reason, st.seconds, n.compiled, n.loaded))
     rep.written = [p for p in cache.entries() if before.get(p) != p.stat().st_mtime_ns]
     rep.seconds = time.perf_counter() - t0
     return rep

@@ -3,6 +3,7 @@ several (--gpus)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -108,7 +109,6 @@ def decode(
 
     from vaeopt import api
     from vaeopt import latents as lat
-    from vaeopt.loading import load_vae
     from vaeopt.pipeline import Options
 
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
@@ -147,6 +147,28 @@ def decode(
             and sum(len(f.entries) for f in files) == 1):
         outputs.check_writable([output], overwrite)  # one output file named by -o: exists? said now, not after the load
     model_path, why = api.resolve_model(model, files)
+    # the GPU warmed (CUDA context, cuDNN, cuBLAS, the Triton kernels this decode loaded last time) on a thread while
+    # diffusers imports and the checkpoint loads; joined before the stages use the GPU. None on a CPU.
+    from vaeopt import hw, prewarm
+
+    dev = hw.resolve_device(device)
+    kernels_key = prewarm.key(prewarm.source_id(model_path), opts)
+    pw = prewarm.start(dev, hw.resolve_dtype(dtype, dev), kernels_key,
+                       video=any(e.tensor.dim() == 5 for f in files for e in f.entries))
+    try:
+        _load_and_decode(files, model_path, why, family, config, latent_space, output, out_folder, overwrite, limits,
+                         fps, fps_given, chunk, opts, as_json, pw, kernels_key, dev)
+    finally:  # (an error in the load: the thread is waited for before the process exits)
+        if pw is not None:
+            pw.join()
+
+
+def _load_and_decode(files, model_path, why, family, config, latent_space, output, out_folder, overwrite, limits,
+                     fps, fps_given, chunk, opts, as_json, pw, kernels_key, dev) -> None:
+    from vaeopt import api, prewarm
+    from vaeopt import latents as lat
+    from vaeopt.loading import load_vae
+
     from_manifest = None
     if family is None and why.startswith(lat.MANIFEST):  # the manifest that named the model may name its family too
         family = from_manifest = api.manifest_family(files)
@@ -175,7 +197,12 @@ def decode(
     if chunk is not None and not loaded.family.is_video:
         log(f"--chunk {chunk} ignored: it sets the latent frames per decoder call of a video VAE, and "
             f"{loaded.family.title} decodes images")
-    with output_folder(output if out_folder else None):  # made after planning; removed again if nothing lands in it
+    if pw is not None:  # before the stages: they move the model to the GPU and may launch Triton kernels
+        pw.join(log, detail)
+    # made after planning; removed again if nothing lands in it. The Triton kernels the decodes load are stored for
+    # the next process's warm-up (on a GPU).
+    record = prewarm.Record(kernels_key, dev, detail) if dev.type == "cuda" else contextlib.nullcontext()
+    with output_folder(output if out_folder else None), record:
         _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
 
 

@@ -1,0 +1,237 @@
+"""The GPU warmed beside the checkpoint load (vaeopt/prewarm.py): a thread only where there is a CUDA device, joined
+before the stages touch the GPU, its errors said once and never fatal; the kernels a decode loaded are stored for
+the next one. (CPU: the CUDA-only calls are stand-ins; the thread, the joins, the hook and the cache are real.)"""
+
+import threading
+
+import pytest
+import torch
+
+from typer.testing import CliRunner
+
+from vaeopt import cache, prewarm
+from vaeopt.cli import app
+from vaeopt.pipeline import Options
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+KEY = prewarm.key("ckpt:1:2", Options())
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.cuda says yes; the cache keys by a named GPU; the thread's CUDA calls are recorded, not made."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(cache, "environment", lambda device=None: {"format": cache.FORMAT, "gpu": "Test GPU"})
+    monkeypatch.setattr(prewarm, "warm_libraries", lambda dev, dt, video=False: calls.append(("libs", dt, video)))
+    monkeypatch.setattr(prewarm, "load_kernel", lambda e: calls.append(("kernel", e["name"])))
+    return calls
+
+
+def _entry(name, module="vaeopt.kernels.conv"):
+    return {"module": module, "name": name, "spec": '{"name": "%s"}' % name}
+
+
+def test_no_thread_without_a_gpu(monkeypatch):
+    """A CPU device, a CUDA device on a machine without CUDA, or VAEOPT_PREWARM=off: no thread is made."""
+    monkeypatch.setattr(prewarm.threading, "Thread", None)  # any thread would fail here
+    assert prewarm.start(torch.device("cpu"), torch.float32, KEY) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert prewarm.start(torch.device("cuda"), torch.bfloat16, KEY) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("VAEOPT_PREWARM", "off")
+    assert prewarm.start(torch.device("cuda:1"), torch.bfloat16, KEY) is None
+
+
+def test_thread_warms_the_libraries_and_the_stored_kernels_and_is_joined(fake_gpu, monkeypatch):
+    """The thread sets its own device, warms cuDNN/cuBLAS in the decode's dtype (3-D convs for video), then loads the
+    kernels stored for the key; join waits for it and says what it did, once."""
+    cache.put(prewarm.KIND, KEY, {"kernels": [_entry("_a"), _entry("_b"), _entry("_x", module="os")]}, "cuda")
+    gate = threading.Event()
+    real = prewarm.warm_libraries
+    monkeypatch.setattr(prewarm, "warm_libraries", lambda *a, **k: (gate.wait(5), real(*a, **k)))
+    pw = prewarm.start(torch.device("cuda:1"), torch.bfloat16, KEY, video=True)
+    assert pw.thread.name == "vaeopt-prewarm" and pw.thread.is_alive()  # still warming: the join must wait
+    threading.Timer(0.2, gate.set).start()
+    lines, details = [], []
+    pw.join(lines.append, details.append)
+    assert not pw.thread.is_alive() and pw.waited >= 0.1
+    # ("os" is not a vaeopt kernel module: a stored entry never makes the thread import anything else)
+    assert fake_gpu == [("set_device", 1), ("libs", torch.bfloat16, True), ("kernel", "_a"), ("kernel", "_b")]
+    assert lines == [] and len(details) == 1 and details[0].startswith(
+        "warmed beside the load: 2 Triton kernels, cuDNN and cuBLAS")
+    pw.join(lines.append, details.append)  # a second join: nothing again
+    assert lines == [] and len(details) == 1
+
+
+def test_errors_in_the_thread_are_said_once_and_never_raised(fake_gpu, monkeypatch):
+    cache.put(prewarm.KIND, KEY, {"kernels": [_entry("_a"), _entry("_b"), _entry("_c")]}, "cuda")
+
+    def bad(e):
+        if e["name"] != "_b":
+            raise RuntimeError(f"{e['name']}: no such specialization")
+
+    monkeypatch.setattr(prewarm, "load_kernel", bad)
+    pw = prewarm.start(torch.device("cuda"), torch.float16, KEY)
+    lines = []
+    pw.join(lines.append)
+    pw.join(lines.append)
+    assert (pw.kernels, pw.failed, pw.libraries) == (1, 2, True)
+    assert lines == ["! warming the GPU beside the load: _a not preloaded (RuntimeError: _a: no such "
+                     "specialization), and 1 more kernel(s); the first decode loads what it needs itself"]
+    assert [e["name"] for e in prewarm.stored(KEY, "cuda")] == ["_b"]  # not tried again by the next decode
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(prewarm, "warm_libraries", oom)
+    pw = prewarm.start(torch.device("cuda"), torch.float16, KEY)
+    lines = []
+    pw.join(lines.append)
+    assert pw.kernels == 0 and not pw.libraries and len(lines) == 1 and "OutOfMemoryError" in lines[0]
+
+
+def test_record_stores_the_vaeopt_kernels_a_decode_loads(fake_gpu):
+    """Triton's post-compile hook during the block: vaeopt's kernels are stored (another module's are not), merged
+    with those already stored (newest first), an earlier hook still called and put back; a failed block stores
+    nothing."""
+    from triton import knobs
+
+    class Fn:
+        def __init__(self, module, name):
+            self.module, self.name = module, name
+
+    def fire(module, name):
+        knobs.runtime.jit_post_compile_hook(key="k", repr="r", fn=Fn(module, name), is_manual_warmup=False,
+                                            already_compiled=False,
+                                            compile={"key": "k", "specialization_data": '{"name": "%s"}' % name})
+
+    earlier = []
+    prev = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: earlier.append(kw["fn"].name)
+    try:
+        with prewarm.Record(KEY, "cuda") as rec:
+            fire("vaeopt.kernels.conv", "_a")
+            fire("vaeopt.kernels.conv", "_a")  # (the same specialization again: once)
+            fire("torch._inductor.x", "_t")
+        assert rec.added == 1 and [e["name"] for e in prewarm.stored(KEY, "cuda")] == ["_a"]
+        assert earlier == ["_a", "_a", "_t"] and knobs.runtime.jit_post_compile_hook.__name__ == "<lambda>"
+        with prewarm.Record(KEY, "cuda") as rec:
+            fire("vaeopt.kernels.epilogue", "_b")
+            fire("vaeopt.kernels.conv", "_a")
+        assert rec.added == 1 and [e["name"] for e in prewarm.stored(KEY, "cuda")] == ["_b", "_a"]
+        with pytest.raises(RuntimeError):
+            with prewarm.Record(KEY, "cuda"):
+                fire("vaeopt.kernels.conv", "_c")
+                raise RuntimeError("the decode failed")
+        assert [e["name"] for e in prewarm.stored(KEY, "cuda")] == ["_b", "_a"]
+        assert prewarm.stored(prewarm.key("other:1:2", Options()), "cuda") == []  # per checkpoint
+        assert prewarm.stored(prewarm.key("ckpt:1:2", Options(fp8="on")), "cuda") == []  # per stage options
+    finally:
+        knobs.runtime.jit_post_compile_hook = prev
+
+
+def test_load_kernel_preloads_through_triton_and_loads_the_binary(monkeypatch):
+    """A stored kernel is found by module and name among vaeopt's kernels, handed to its preload, and the compiled
+    kernel's `run` is touched (Triton loads the binary and builds the launcher there)."""
+    import vaeopt.kernels.conv as conv
+
+    got = []
+
+    class Compiled:
+        @property
+        def run(self):
+            got.append("run")
+
+    class Jit:
+        def preload(self, spec):
+            got.append(spec)
+            return Compiled()
+
+    monkeypatch.setattr(conv, "_igemm_kernel", Jit())
+    prewarm.load_kernel(_entry("_igemm_kernel"))
+    assert got == ['{"name": "_igemm_kernel"}', "run"]
+    with pytest.raises(ValueError, match="not a vaeopt kernel"):
+        prewarm.load_kernel(_entry("system", module="os"))
+
+
+def test_decode_starts_the_warmup_before_the_load_and_joins_it_before_the_stages(tmp_path, samples_dir,
+                                                                                  monkeypatch):
+    """`vaeopt decode`: the warm-up starts before the checkpoint loads (with the decode's device, dtype and a key of
+    the checkpoint and options) and is joined before the pipeline applies its stages; its error is one line, and the
+    decode still writes its output."""
+    import vaeopt.loading
+    import vaeopt.pipeline
+
+    order, started = [], []
+    real_load, real_pipe = vaeopt.loading.load_vae, vaeopt.pipeline.Pipeline
+
+    class Handle(prewarm.Prewarm):
+        def join(self, log=None, detail=None):
+            order.append("join")
+            super().join(log, detail)
+
+    def start(device, dtype, k, video=False):
+        order.append("start")
+        started.append((device, dtype, k, video))
+        return Handle(error="stand-in failure")
+
+    class Pipe(real_pipe):
+        def __init__(self, *a, **k):
+            order.append("stages")
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(prewarm, "start", start)
+    monkeypatch.setattr(vaeopt.loading, "load_vae", lambda *a, **k: (order.append("load"), real_load(*a, **k))[1])
+    monkeypatch.setattr(vaeopt.pipeline, "Pipeline", Pipe)
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][:, :, :16, :16]
+    torch.save(lat, tmp_path / "l.pt")
+    model = samples_dir / "tiny_kl_image.safetensors"
+    r = run("decode", tmp_path / "l.pt", "-m", model, "-o", tmp_path / "o.png", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert order[:4] == ["start", "load", "join", "stages"]  # (the later join of the error path: a no-op)
+    (device, dtype, k, video), = started
+    assert (device, dtype, video) == (torch.device("cpu"), torch.float32, False)
+    assert k == prewarm.key(prewarm.source_id(model), Options(device="cpu"))
+    assert r.output.count("stand-in failure") == 1 and (tmp_path / "o.png").is_file()
+
+
+def test_cpu_decode_makes_no_thread_and_stores_no_kernels(tmp_path, samples_dir, monkeypatch):
+    monkeypatch.setattr(prewarm.threading, "Thread", None)
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][:, :, :16, :16]
+    torch.save(lat, tmp_path / "l.pt")
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", tmp_path / "o.png",
+            "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert cache.entries(prewarm.KIND) == []
+
+
+def test_warmup_records_under_the_key_decode_reads(samples_dir, monkeypatch):
+    """`vaeopt warmup CHECKPOINT` records the kernels its decodes load (on a GPU) under the key that `vaeopt decode`
+    of the same checkpoint and options warms from, around the stages and the decodes."""
+    from vaeopt import warmup
+    from vaeopt.loading import load_vae
+
+    seen = []
+
+    class Rec:
+        def __init__(self, k, device, log=None):
+            seen.append((k, device))
+
+        def __enter__(self):
+            seen.append("enter")
+
+        def __exit__(self, *exc):
+            seen.append("exit")
+
+    monkeypatch.setattr(prewarm, "Record", Rec)
+    monkeypatch.setattr(warmup, "resolve_device", lambda d: torch.device("cuda"))  # (the stages still run on the CPU)
+    model = samples_dir / "tiny_kl_image.safetensors"
+    rep = warmup.run(load_vae(model), [(1, 4, 16, 16)], Options(device="cpu"))
+    assert len(rep.shapes) == 1
+    assert seen == [(prewarm.key(prewarm.source_id(model), Options(device="cpu")), torch.device("cuda")), "enter",
+                    "exit"]

@@ -1,0 +1,227 @@
+"""The GPU warmed while the checkpoint loads: what the first decode of a process would otherwise pay for on its own.
+
+A process's first decode pays once for loading its Triton kernels from Triton's cache (each kernel's cache lookup,
+its binary into the CUDA context, its launcher), for cuDNN's and cuBLAS's first calls (their libraries and handles)
+and for creating the CUDA context (docs/experiments.md E54: 0.80 s over a 20 ms decode at sdxl-1024). None of that
+needs the model, so `vaeopt decode` does it on a thread of its own while the main thread reads the checkpoint and
+builds the model (`start`), and waits for it before anything else touches the GPU (`Prewarm.join`).
+
+Which kernels: the ones the same decode (checkpoint, stage options) loaded last time, as Triton specialized them for
+its shapes (alignment, constants, launch options). `Record` collects them through Triton's post-compile hook during
+a decode or a `vaeopt warmup`, and stores them in vaeopt's cache (cache.py, kind "kernels", so per GPU, driver and
+versions); the thread hands each to Triton's own `JITFunction.preload` and loads its binary, so the decode's first
+launch finds it in Triton's in-memory cache. (preload, not `kernel.warmup`: warmup needs arguments that reproduce
+each launch's specialization, while preload takes the specialization Triton itself wrote down.)
+
+Why a thread is safe here: Triton is not used by the main thread until the join (the stages, which launch kernels,
+are applied after it), so the kernel caches are written by one thread at a time; CUDA's runtime is thread-safe and
+torch initializes it under a lock; cuDNN and cuBLAS handles are per thread, and those the thread made return to
+torch's pool when it ends, for the main thread to reuse; the thread's own work runs on a side stream. Any error in it
+is caught, said once at the join, and costs nothing but the warm-up: the decode loads what it needs as before. On a
+CPU, or with VAEOPT_PREWARM=off, no thread starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vaeopt import cache
+
+KIND = "kernels"
+ENV_SWITCH = "VAEOPT_PREWARM"  # "off": no thread, nothing preloaded
+MAX_KERNELS = 256  # kernels kept per key: every shape decoded so far, the newest first
+# the Options that decide which kernels run (not the shapes, plans or budgets: the kernels of every shape are kept)
+STAGE_FIELDS = ("dtype", "channels_last", "triton", "epilogues", "attention", "upsample_conv", "stack_conv3d",
+                "conv_kernel", "fp8", "gate_db")
+PACKAGE = "vaeopt.kernels."  # the only modules a stored kernel may name (an entry never imports anything else)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false")
+
+
+def source_id(path: str | Path) -> str:
+    """A checkpoint as the key knows it: its resolved path, size and modification time (a file replaced in place is
+    another checkpoint)."""
+    p = Path(path).expanduser().resolve()
+    try:
+        st = p.stat()
+        return f"{p}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return str(p)
+
+
+def key(source: str, opts) -> dict:
+    """What the kernel list depends on: the checkpoint (source_id, or a name for random weights) and the stage
+    options (vaeopt.Options)."""
+    return {"source": source, "options": {f: getattr(opts, f) for f in STAGE_FIELDS}}
+
+
+def stored(k: dict, device) -> list[dict]:
+    """The kernels stored for key k on this device (empty: none yet, or the cache is off)."""
+    hit = cache.get(KIND, k, device)
+    got = hit.get("kernels") if hit is not None else None
+    return [e for e in got if _valid(e)] if isinstance(got, list) else []
+
+
+def _valid(e) -> bool:
+    return (isinstance(e, dict) and all(isinstance(e.get(f), str) for f in ("module", "name", "spec"))
+            and e["module"].startswith(PACKAGE))
+
+
+class Record:
+    """Collects the vaeopt kernels Triton compiles or loads from its cache inside the block (its post-compile hook;
+    an earlier hook is called too, and put back after), then merges them into the entry for key k: the ones already
+    stored stay (a preloaded kernel does not pass the hook again). Without Triton, or a Triton without the hook,
+    nothing is recorded. .added: how many kernels the entry gained."""
+
+    def __init__(self, k: dict, device, log: Callable[[str], None] | None = None):
+        self.k, self.device, self.log = k, device, log
+        self.seen: list[dict] = []
+        self.added = 0
+        self._runtime = self._prev = None
+
+    def __enter__(self) -> Record:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+            return self
+        self._runtime, self._prev = knobs.runtime, knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self.on_compile
+        return self
+
+    def on_compile(self, *, fn, compile, **kw):
+        spec = compile.get("specialization_data") if isinstance(compile, dict) else None
+        e = {"module": str(getattr(fn, "module", "")), "name": str(getattr(fn, "name", "")), "spec": spec}
+        if _valid(e) and e not in self.seen:
+            self.seen.append(e)
+        if self._prev is not None:
+            return self._prev(fn=fn, compile=compile, **kw)
+        return None
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._runtime is None:
+            return
+        self._runtime.jit_post_compile_hook = self._prev
+        self._runtime = None
+        if exc_type is not None or not self.seen:
+            return
+        old = stored(self.k, self.device)
+        new = [e for e in self.seen if e not in old]
+        if new:
+            self.added = len(new)
+            cache.put(KIND, self.k, {"kernels": (new + old)[:MAX_KERNELS]}, self.device, self.log)
+
+
+@dataclass
+class Prewarm:
+    """The warm-up thread of one decode. join() waits for it (once; later calls return at once) and says what it did
+    or, once, what went wrong."""
+    thread: threading.Thread | None = None  # (the thread fills this handle in)
+    kernels: int = 0  # Triton kernels preloaded
+    failed: int = 0  # stored kernels that could not be preloaded (first error in .error)
+    libraries: bool = False  # cuDNN and cuBLAS initialized
+    error: str | None = None
+    seconds: float = 0.0  # the thread's own time
+    waited: float = 0.0  # how long the join waited for it
+    joined: bool = field(default=False, repr=False)
+
+    def join(self, log: Callable[[str], None] | None = None, detail: Callable[[str], None] | None = None) -> None:
+        if self.joined:
+            return
+        t0 = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()
+        self.waited = time.perf_counter() - t0
+        self.joined = True
+        if self.error is not None and log is not None:
+            log(f"! warming the GPU beside the load: {self.error}; the first decode loads what it needs itself")
+        if detail is not None:
+            what = [f"{self.kernels} Triton kernel{'s' if self.kernels != 1 else ''}"] if self.kernels else []
+            what += ["cuDNN and cuBLAS"] if self.libraries else []
+            if what:
+                detail(f"warmed beside the load: {', '.join(what)} ({self.seconds:.2f} s; the decode waited "
+                       f"{self.waited:.2f} s for it)")
+
+    def summary(self) -> dict:
+        return {"kernels": self.kernels, "failed": self.failed, "libraries": self.libraries, "error": self.error,
+                "seconds": self.seconds, "waited": self.waited}
+
+
+def start(device: torch.device, dtype: torch.dtype, k: dict | None, video: bool = False) -> Prewarm | None:
+    """Start warming `device` for decodes in `dtype` (the kernels stored for key k; video: 3-D convs too) on a thread.
+    None where there is nothing to warm: a CPU device, no CUDA, or VAEOPT_PREWARM=off. The caller joins it before
+    its first use of the GPU or of Triton."""
+    device = torch.device(device)
+    if device.type != "cuda" or not enabled() or not torch.cuda.is_available():
+        return None
+    pw = Prewarm()
+    pw.thread = threading.Thread(target=_run, args=(pw, device, dtype, k, video), name="vaeopt-prewarm", daemon=True)
+    pw.thread.start()
+    return pw
+
+
+def _run(pw: Prewarm, device, dtype, k, video) -> None:
+    t0 = time.perf_counter()
+    try:
+        torch.cuda.set_device(device.index if device.index is not None else 0)
+        warm_libraries(device, dtype, video)
+        pw.libraries = True
+        entries, bad = stored(k, device) if k is not None else [], []
+        for e in entries:
+            try:
+                load_kernel(e)
+                pw.kernels += 1
+            except Exception as err:  # noqa: BLE001 (a kernel that will not preload is loaded by the decode)
+                bad.append(e)
+                if pw.error is None:
+                    pw.error = f"{e['name']} not preloaded ({type(err).__name__}: {str(err)[:160]})"
+        pw.failed = len(bad)
+        if bad:  # dropped from the entry, so the next decode does not try them again (it records what it loads)
+            cache.put(KIND, k, {"kernels": [e for e in entries if e not in bad]}, device)
+        if pw.failed > 1:
+            pw.error += f", and {pw.failed - 1} more kernel(s)"
+    except Exception as err:  # noqa: BLE001 (never fails the decode; said once at the join)
+        pw.error = f"{type(err).__name__}: {str(err)[:200]}"
+    finally:
+        pw.seconds = time.perf_counter() - t0
+
+
+def warm_libraries(device: torch.device, dtype: torch.dtype, video: bool = False) -> None:
+    """One tiny convolution (channels last, as the decodes run) and one GEMM in `dtype` on `device`, on a side stream:
+    the CUDA context, cuDNN's and cuBLAS's libraries and handles."""
+    s = torch.cuda.Stream(device)
+    with torch.cuda.stream(s), torch.no_grad():
+        x = torch.randn(1, 16, 8, 8, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        w = torch.randn(16, 16, 3, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        torch.nn.functional.conv2d(x, w, padding=1)
+        if video:
+            x3 = torch.randn(1, 16, 3, 8, 8, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d)
+            w3 = torch.randn(16, 16, 3, 3, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d)
+            torch.nn.functional.conv3d(x3, w3, padding=1)
+        a = torch.randn(64, 64, device=device, dtype=dtype)
+        torch.mm(a, a)
+    s.synchronize()
+
+
+def load_kernel(e: dict) -> None:
+    """Load one stored kernel: Triton's JITFunction.preload (its cache lookup, or a compile where Triton's cache has
+    lost it), then its binary into the CUDA context and its launcher (the compiled kernel's `run`)."""
+    if not _valid(e):
+        raise ValueError(f"not a vaeopt kernel: {e.get('module')}")
+    obj = importlib.import_module(e["module"])
+    for part in e["name"].split("."):
+        obj = getattr(obj, part)
+    kernel = obj.preload(e["spec"])
+    if kernel is not None:
+        kernel.run  # noqa: B018 (the property loads the binary and builds the launcher)
