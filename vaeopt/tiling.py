@@ -206,8 +206,7 @@ class TiledDecoder:
         overlap: with CPU storage and CUDA compute, overlap host<->device copies with compute (copy streams,
             one-tile prefetch); False: synchronous copies on the compute stream.
         pin: with CPU storage and CUDA compute, page-lock the host buffers (True, the default: copies run at full
-            bus speed and overlap compute) or not (False). Pinning the 32 GB a 4096² SDXL decode stores within
-            16 GB takes about 12 s on an H200 host, but pageable buffers were slower still in the same decode
+            bus speed and overlap compute) or not (False). Pageable buffers were far slower in a 4096² SDXL decode
             (45 s against 15 s, synchronous copies into freshly faulted pages: docs/experiments.md E54).
     """
 
@@ -439,7 +438,11 @@ class TiledDecoder:
         part = self._stats(x, None, norm)
         x = x.contiguous(memory_format=self.storage_format)
         if self._where():
-            t = x
+            # an allocated buffer's strides (x's may differ in size-1 dims): a region is then the same view whichever
+            # device holds the buffer, and the decode bitwise the same (CPU kernels vectorize by the strides)
+            c, h, w = x.shape[1:]
+            cl = self.storage_format is torch.channels_last
+            t = x.as_strided(x.shape, (c * h * w, 1, w * c, c) if cl else (c * h * w, h * w, w, 1))
         else:
             t = self._alloc(*x.shape[1:], local=False)
             self.mover.put(t, 0, x.shape[2], 0, x.shape[3], x)

@@ -1,0 +1,149 @@
+"""Where the tiled image decoder keeps its full-size buffers (vaeopt/engine/store.py `place`, tiling.storage_buffers):
+all on the device when they fit, else the ones that fit beside the working set on the device and the rest on the host;
+the decode is bitwise the same whichever way they are placed."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from vaeopt import tiling
+from vaeopt.engine import store
+from vaeopt.engine.store import place
+from vaeopt.families import build_model, get_family
+
+GIB = 2**30
+SCALING = 0.30478  # the scaling_factor in samples/tiny_kl_image.safetensors
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    with torch.device("meta"):
+        return build_model(get_family("sdxl")).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def vae(samples_dir):
+    from diffusers import AutoencoderKL
+
+    path = samples_dir / "tiny_kl_image.safetensors"
+    with safe_open(str(path), "pt") as f:
+        cfg = json.loads(f.metadata()["config"])
+    m = AutoencoderKL(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    m.load_state_dict(safetensors.torch.load_file(str(path)))
+    return m.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def z(samples_dir):
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt")
+    return (lat["coffee"].float() / SCALING)[..., :16, :24].contiguous()
+
+
+def device_peak(bufs, placement) -> int:
+    steps = range(2 * len(bufs) + 1)
+    return max(sum(b for (b, a, f), d in zip(bufs, placement) if d and a <= s < f) for s in steps)
+
+
+def test_sdxl_4096_buffers(sdxl):
+    """sdxl at 4096² in bf16: 18 buffers, 41 GiB allocated over the decode, at most 16 GiB alive at once (the
+    channel-changing resnet at full resolution: its 8 GiB input, 4 GiB conv1 output and 4 GiB block output)."""
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    assert len(bufs) == 18 and sum(b for b, _, _ in bufs) == 41 * GIB
+    assert device_peak(bufs, [True] * 18) == tiling.storage_bytes(sdxl, (512, 512), torch.bfloat16) == 16 * GIB
+    assert sorted({b // GIB for b, _, _ in bufs if b >= GIB}) == [1, 2, 4, 8]
+
+
+def test_place_all_device_when_they_fit(sdxl):
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    assert place(bufs, 16 * GIB) == [True] * len(bufs)
+    assert place(bufs, 0) == [False] * len(bufs)
+
+
+def test_place_overflow_to_host(sdxl):
+    """Within the 12.8 GiB a 16 GB budget leaves beside the working set, only the block output of the channel-changing
+    resnet goes to the host (4 GiB, the least that can: 16 GiB are alive at that step); at any budget the device
+    buffers alive at once stay within it."""
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    p = place(bufs, int(12.8 * GIB))
+    host = [i for i, d in enumerate(p) if not d]
+    assert host == [15] and bufs[15][0] == 4 * GIB
+    for budget in (0.3, 1, 2.5, 5, 9, 12, 15.9):
+        p = place(bufs, budget * GIB)
+        assert device_peak(bufs, p) <= budget * GIB
+        assert any(p) and not all(p)
+
+
+def test_schedule_is_what_the_decoder_allocates(vae, z):
+    """storage_buffers is the decoder's own order of allocations and frees (every buffer on the 'host' here, so each
+    goes through the decoder's allocation; weakref finalizers see the frees)."""
+    events, sizes = [], []
+    td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands")
+    td._force_copy = True
+    real = td._alloc
+
+    def alloc(*a, **k):
+        t = real(*a, **k)
+        i = len(sizes)
+        sizes.append(t.numel() * t.element_size())
+        events.append(("new", i))
+        weakref.finalize(t, lambda: events.append(("free", i)))
+        return t
+
+    td._alloc = alloc
+    td.decode(z)
+    del td
+    steps = {}
+    for s, (what, i) in enumerate(events):
+        steps.setdefault(i, [None, None])[what == "free"] = s
+    got = [(sizes[i], a, f) for i, (a, f) in sorted(steps.items())]
+    assert got == tiling.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+
+
+def test_mixed_placement_decodes_bitwise_the_same(vae, z):
+    """All buffers local, some moved as if on the host, all moved: the same image, bit for bit; only the host-placed
+    buffers are copied (their bytes written out once each)."""
+    bufs = tiling.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+    total = sum(b for b, _, _ in bufs)
+    mid = sorted(b for b, _, _ in bufs)[-1] + sorted(b for b, _, _ in bufs)[-2] // 2  # room for some, not all
+    outs = {}
+    for name, room in (("device", 10 * total), ("mixed", mid), ("host", 0)):
+        td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands")
+        td._force_copy = True
+        td._device_store_bytes = room
+        outs[name] = (td.decode(z), dict(td.info), td.placement)
+    (dev, idev, pdev), (mix, imix, pmix), (host, ihost, phost) = outs["device"], outs["mixed"], outs["host"]
+    assert all(pdev) and not any(phost) and any(pmix) and not all(pmix)
+    assert idev["host_store_bytes"] == 0 and idev["bytes_d2h"] == 0
+    assert ihost["host_store_bytes"] == total
+    assert imix["host_store_bytes"] == sum(b for (b, _, _), d in zip(bufs, pmix) if not d)
+    assert 0 < imix["bytes_d2h"] < ihost["bytes_d2h"]
+    assert torch.equal(dev, mix) and torch.equal(dev, host)
+    ref = vae.decode(z).sample
+    assert (dev - ref).abs().max().item() < 1e-3
+
+
+def test_fast_pinning_switches_torch_option_and_back(monkeypatch):
+    """fast_pinning sets torch's host-register option (the user's settings kept in front) and restores torch's
+    defaults after; where the user chose a pinning option it leaves the allocator alone."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:True",
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with store.fast_pinning(8) as on:
+        assert on and calls == ["expandable_segments:True,pinned_use_cuda_host_register:True,"
+                                "pinned_num_register_threads:8"]
+    assert calls[1] == "expandable_segments:True,pinned_use_cuda_host_register:False,pinned_num_register_threads:1"
+    calls.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
+    with store.fast_pinning() as on:
+        assert not on
+    assert calls == []
