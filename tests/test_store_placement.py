@@ -147,3 +147,23 @@ def test_fast_pinning_switches_torch_option_and_back(monkeypatch):
     with store.fast_pinning() as on:
         assert not on
     assert calls == []
+
+
+def test_mixed_placement_kernel_path(vae, z):
+    """The kernel path (resnet outputs written straight into device buffers, in place over the residual): some
+    buffers moved as if on the host, the others local, gives bitwise the image of all of them local."""
+    from vaeopt.kernels import triton_available
+
+    if not triton_available(torch.device("cpu"))[0]:
+        pytest.skip("Triton (interpreter) not available")
+    zz = z[..., :12, :16].contiguous()
+    bufs = tiling.storage_buffers(vae, tuple(zz.shape[-2:]), torch.float32)
+    outs = []
+    for room in (sum(b for b, _, _ in bufs), max(b for b, _, _ in bufs)):
+        td = tiling.TiledDecoder(vae, tile=8, kernels=True)
+        td._force_copy = True
+        td._device_store_bytes = room
+        outs.append((td.decode(zz), td.placement, td.info["host_store_bytes"]))
+    (a, pa, ha), (b, pb, hb) = outs
+    assert all(pa) and ha == 0 and any(pb) and not all(pb) and hb > 0
+    assert torch.equal(a, b)
