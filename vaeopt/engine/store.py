@@ -31,12 +31,13 @@ def place(buffers: Sequence[tuple[int, int, int]], device_bytes: float) -> list[
     """Which buffers live on the compute device (True) and which on the host (False).
 
     ``buffers``: (bytes, step allocated, step freed) of each full-size buffer of a decode, in allocation order.
-    Largest first, a buffer stays on the device when the device buffers alive at every step of its life still fit
-    ``device_bytes``: the big buffers are the ones whose host copies cost the most (pinning time and bus traffic),
-    and a buffer that does not fit beside them may still fit later, when they are gone."""
+    Costliest first, a buffer stays on the device when the device buffers alive at every step of its life still fit
+    ``device_bytes``. A host buffer costs its bytes in pinning time once and in bus traffic on every pass that
+    writes or reads it: its bytes times its lifetime in steps (the longer it lives, the more passes touch it). A
+    buffer that does not fit beside the costlier ones may still fit at other steps, when they are gone."""
     placed: list[tuple[int, int, int]] = []
     out = [False] * len(buffers)
-    for i in sorted(range(len(buffers)), key=lambda j: -buffers[j][0]):
+    for i in sorted(range(len(buffers)), key=lambda j: -buffers[j][0] * (buffers[j][2] - buffers[j][1])):
         nb, a, f = buffers[i]
         points = [a] + [pa for _, pa, _ in placed if a < pa < f]
         worst = max(sum(pb for pb, pa, pf in placed if pa <= s < pf) for s in points)
