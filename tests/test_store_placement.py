@@ -169,3 +169,25 @@ def test_mixed_placement_kernel_path(vae, z):
     (a, pa, ha), (b, pb, hb) = outs
     assert all(pa) and ha == 0 and any(pb) and not all(pb) and hb > 0
     assert torch.equal(a, b)
+
+
+def test_sdxl_4096_within_16gb_storage_choice(sdxl, monkeypatch):
+    """The decoder's own choice on an (emulated) big GPU within a 16 GB budget at 4096²: the planned tile's working
+    set leaves too little room, so half the tile, with all buffers but one 4 GiB one on the GPU."""
+    from vaeopt import planner
+
+    fam = get_family("sdxl")
+    tile = planner.largest_tile(fam, sdxl, (1, 4, 512, 512), torch.bfloat16, 16 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    td = tiling.TiledDecoder(sdxl, tile=tile, vram_budget=16 * GIB, kernels=True, shape="bands")
+    td.device, td.dtype, td.kernels, td.bands = torch.device("cuda", 0), torch.bfloat16, True, True
+    storage, t, placement = td._choose_storage((512, 512))
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    assert storage.type == "cpu" and t == (tile // 2, tile // 2)
+    assert [i for i, d in enumerate(placement) if not d] == [14] and bufs[14][0] == 4 * GIB
+    # a budget that holds them all beside the working set of a quarter of the tile: every buffer on the GPU
+    td.vram_budget = 24 * GIB
+    storage, t, placement = td._choose_storage((512, 512))
+    assert storage == torch.device("cuda", 0) and placement is None
