@@ -144,6 +144,11 @@ def test_fast_pinning_switches_torch_option_and_back(monkeypatch):
         assert on and calls == ["expandable_segments:True,pinned_use_cuda_host_register:True,"
                                 "pinned_num_register_threads:8"]
     assert calls[1] == "expandable_segments:True,pinned_use_cuda_host_register:False,pinned_num_register_threads:1"
+    # the next time torch reports our own restored keys among the settings: they are not repeated
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: calls[-1], raising=False)
+    with store.fast_pinning(8):
+        pass
+    assert calls[2:] == calls[:2]
     calls.clear()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
     with store.fast_pinning() as on:

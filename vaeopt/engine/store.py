@@ -47,9 +47,12 @@ def place(buffers: Sequence[tuple[int, int, int]], device_bytes: float) -> list[
     return out
 
 
+_PIN_KEYS = ("pinned_use_cuda_host_register", "pinned_num_register_threads")
+
+
 def _user_pinning_settings() -> bool:
     conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-    return "pinned_use_cuda_host_register" in conf or "pinned_num_register_threads" in conf
+    return any(k in conf for k in _PIN_KEYS)
 
 
 def _allocator_settings():
@@ -76,6 +79,7 @@ def fast_pinning(threads: int = PIN_THREADS) -> Iterator[bool]:
         return
     prev = (get() if get is not None else None) or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get(
         "PYTORCH_ALLOC_CONF") or ""
+    prev = ",".join(k for k in prev.split(",") if k and not k.startswith(_PIN_KEYS))  # (ours, from the last time)
     head = prev + "," if prev else ""  # the user's settings again: a setter may reset what it is not given
     try:
         put(f"{head}pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}")
