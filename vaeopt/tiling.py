@@ -16,7 +16,8 @@ each layer is evaluated tile by tile, so that the accelerator only ever holds on
   per-tile moments and merges them exactly (Chan et al.'s parallel variance).
 * Nearest upsampling, residual adds and the 1x1 shortcut convs are pointwise per tile.
 * Full-size intermediate activations live in buffers on a *storage* device (the compute device when they fit, else
-  CPU, pinned when CUDA is present and ``pin``). Only tiles travel to the compute device.
+  CPU, pinned when CUDA is present and ``pin``; when only some fit, those stay on the compute device and the rest go
+  to the host, buffer by buffer). Only tiles travel to the compute device.
 
 Two implementations of the per-tile math, same structure:
 
@@ -83,7 +84,7 @@ from vaeopt.engine.image import Pass, is_plain_upsampler, kl_decoder, plan_passe
 from vaeopt.engine.regions import (TilingError, conv_region, halo_region, is_plain_conv, pair, tile_geometry,
                                    tile_grid)
 from vaeopt.engine.stats import KernelStats, Moments
-from vaeopt.engine.store import Activation, RegionStore, layout_of
+from vaeopt.engine.store import Activation, RegionStore, fast_pinning, layout_of, place
 from vaeopt.kernels import flat_layout, triton_available
 from vaeopt.stages import unhooked, upsample_conv
 
@@ -93,6 +94,7 @@ __all__ = [
     "tiled_decode",
     "estimate_tiled_bytes",
     "storage_bytes",
+    "storage_buffers",
     "tile_from_pixels",
 ]
 
@@ -193,7 +195,9 @@ class TiledDecoder:
             :func:`tile_from_pixels` to convert from output pixels.
         storage: where the full-size intermediate activations live. ``None``: the compute device if they fit (in
             its free memory and ``vram_budget``) next to the working set of ``tile`` -- or of ``tile/2``, ``tile/4``
-            (a smaller tile with device storage beats host transfers) -- else CPU (pinned if CUDA is available).
+            (a smaller tile with device storage beats host transfers) -- else as many buffers as fit beside the
+            working set stay on the compute device and the others go to the CPU (pinned if CUDA is available;
+            :func:`vaeopt.engine.store.place`), with the one of those tiles that leaves the fewest bytes on the host.
         progress: ``progress(done, total)`` after every tile of every pass (``total`` grows if tiles are split).
         min_tile: smallest latent tile the OOM fallback may shrink to.
         vram_budget: bytes the decode may use on a CUDA device (e.g. the planner's budget; weights included).
@@ -202,8 +206,7 @@ class TiledDecoder:
         overlap: with CPU storage and CUDA compute, overlap host<->device copies with compute (copy streams,
             one-tile prefetch); False: synchronous copies on the compute stream.
         pin: with CPU storage and CUDA compute, page-lock the host buffers (True, the default: copies run at full
-            bus speed and overlap compute) or not (False). Pinning the 32 GB a 4096² SDXL decode stores within
-            16 GB takes about 12 s on an H200 host, but pageable buffers were slower still in the same decode
+            bus speed and overlap compute) or not (False). Pageable buffers were far slower in a 4096² SDXL decode
             (45 s against 15 s, synchronous copies into freshly faulted pages: docs/experiments.md E54).
     """
 
@@ -238,6 +241,7 @@ class TiledDecoder:
         self.shape_arg = shape
         self.overlap = overlap
         self._force_copy = False  # tests: exercise the remote-storage bookkeeping on one device
+        self._device_store_bytes: int | None = None  # tests: place the buffers as if this much device memory were left
         self.info: dict = {}
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -263,7 +267,7 @@ class TiledDecoder:
         self.bands = _use_bands(self.shape_arg, self.kernels, self.device)
         n, _, h, w = z.shape
         self.lat_hw = (h, w)
-        self.storage, self.start_tile = self._choose_storage((h, w), n)
+        self.storage, self.start_tile, self.placement = self._choose_storage((h, w), n)
         self.mover = RegionStore(self.device, self.storage, self.overlap, self._force_copy)
         # NHWC buffers whenever they are remote: a row band is then one contiguous block (one DMA per region)
         remote = self.mover.remote
@@ -280,7 +284,9 @@ class TiledDecoder:
             "oom_events": [],
             "tiles": 0,
             "passes": len(self.passes),
-            "storage": str(self.storage),
+            "storage": str(self.storage) if self.placement is None or not any(self.placement) else (
+                f"{self.device}+{self.storage}" if not all(self.placement) else str(self.device)),
+            "host_store_bytes": 0,
             "pinned": self.pin and self.storage.type == "cpu" and self.device.type == "cuda",
             "factor": self.factor,
             "kernels": self.kernels,
@@ -295,6 +301,7 @@ class TiledDecoder:
         out = torch.empty(n, c_out, h * f, w * f, device=self.device, dtype=self.dtype,
                           memory_format=self.memory_format)
         for i in range(n):
+            self._nbuf = 0  # the next buffer's index in the placement
             self._decode_one(z[i : i + 1], out[i : i + 1])
         self.info["tiles"] = self.done
         self.info["final_tile"] = self.cur_tile
@@ -306,14 +313,19 @@ class TiledDecoder:
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
-    def _choose_storage(self, latent_hw: tuple[int, int], batch: int = 1) -> tuple[torch.device, tuple[int, int]]:
+    def _choose_storage(self, latent_hw: tuple[int, int], batch: int = 1):
+        """-> (storage device, tile, placement): placement None puts every buffer on the storage device, else
+        placement[i] says whether buffer i (storage_buffers order) stays on the compute device instead."""
+        if self._device_store_bytes is not None:
+            return self.device, self.tile, place(storage_buffers(self.vae, latent_hw, self.dtype),
+                                                 self._device_store_bytes)
         if self.storage_arg is not None:
             st = torch.device(self.storage_arg)
             if st.type == self.device.type and st.index is None:
                 st = self.device
-            return st, self.tile
+            return st, self.tile, None
         if self.device.type != "cuda":
-            return self.device, self.tile
+            return self.device, self.tile, None
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         weights = _decoder_weights_bytes(self.vae)  # already resident: counts against the budget, not free memory
@@ -328,14 +340,50 @@ class TiledDecoder:
                                         include_weights=False, kernels=self.kernels,
                                         shape="bands" if self.bands else "tiles")
             if need <= 0.9 * free and (self.vram_budget is None or need + weights <= self.vram_budget):
-                return self.device, t
-        return torch.device("cpu"), self.tile
+                return self.device, t, None
+        # not all of them: the buffers that fit beside a tile's working set (host storage's, the larger) stay on the
+        # device, the others go to the host; the tile that leaves the fewest bytes there (the larger one on a tie)
+        room = 0.9 * free if self.vram_budget is None else min(0.9 * free, self.vram_budget - weights)
+        bufs = storage_buffers(self.vae, latent_hw, self.dtype)
+        best = None
+        for t in cands:
+            need = estimate_tiled_bytes(self.vae, latent_hw, t, self.dtype, batch=batch, include_weights=False,
+                                        kernels=self.kernels, shape="bands" if self.bands else "tiles")
+            placement = place(bufs, room - need)
+            host = sum(b for (b, _, _), dev in zip(bufs, placement) if not dev)
+            if best is None or host < best[0]:
+                best = (host, t, placement)
+        return torch.device("cpu"), best[1], best[2]
 
-    def _alloc(self, c: int, h: int, w: int) -> torch.Tensor:
-        pin = self.pin and self.storage.type == "cpu" and self.device.type == "cuda"
+    def _where(self) -> bool:
+        """Whether the next full-size buffer lives on the compute device (else on the storage device)."""
+        i, self._nbuf = self._nbuf, self._nbuf + 1
+        if self.placement is not None:
+            return i < len(self.placement) and self.placement[i]
+        return not self.mover.remote
+
+    def _alloc(self, c: int, h: int, w: int, local: bool | None = None) -> torch.Tensor:
+        local = self._where() if local is None else local
+        where = self.device if local else self.storage
+        shape = (1, h, w, c) if self.storage_format is torch.channels_last else (1, c, h, w)
+        try:
+            if not local and self.pin and where.type == "cpu" and self.device.type == "cuda":
+                with fast_pinning():
+                    t = torch.empty(shape, dtype=self.dtype, device=where, pin_memory=True)
+            else:
+                t = torch.empty(shape, dtype=self.dtype, device=where)
+        except _OOM_ERRORS:
+            if not local or self.storage == self.device:
+                raise
+            torch.cuda.empty_cache()  # the device could not hold it after all (another user, fragmentation):
+            return self._alloc(c, h, w, local=False)  # this buffer goes to the host
         if self.storage_format is torch.channels_last:
-            return torch.empty(1, h, w, c, dtype=self.dtype, device=self.storage, pin_memory=pin).permute(0, 3, 1, 2)
-        return torch.empty(1, c, h, w, dtype=self.dtype, device=self.storage, pin_memory=pin)
+            t = t.permute(0, 3, 1, 2)
+        if not local:
+            self.info["host_store_bytes"] += t.numel() * t.element_size()
+            if self._force_copy:
+                self.mover.mark_remote(t)
+        return t
 
     def _new_stats(self, c: int, norm: nn.Module | None) -> Moments | KernelStats | None:
         if self.kernels:
@@ -389,11 +437,15 @@ class TiledDecoder:
     def _to_storage(self, x: torch.Tensor, norm: nn.Module | None) -> Activation:
         part = self._stats(x, None, norm)
         x = x.contiguous(memory_format=self.storage_format)
-        if self.mover.remote:
-            t = self._alloc(*x.shape[1:])
-            self.mover.put(t, 0, x.shape[2], 0, x.shape[3], x)
+        if self._where():
+            # an allocated buffer's strides (x's may differ in size-1 dims): a region is then the same view whichever
+            # device holds the buffer, and the decode bitwise the same (CPU kernels vectorize by the strides)
+            c, h, w = x.shape[1:]
+            cl = self.storage_format is torch.channels_last
+            t = x.as_strided(x.shape, (c * h * w, 1, w * c, c) if cl else (c * h * w, h * w, w, 1))
         else:
-            t = x
+            t = self._alloc(*x.shape[1:], local=False)
+            self.mover.put(t, 0, x.shape[2], 0, x.shape[3], x)
         a = Activation(t, self._new_stats(x.shape[1], norm))
         a.stats.add(part) if a.stats is not None else None
         return a
@@ -608,7 +660,7 @@ class TiledDecoder:
                     r = r + res_bias.to(r.dtype).view(1, -1, 1, 1)
                 r, rb = conv_region(sc_conv, r, 0, 0, y1 - y0, x1 - x0), None
             view = dst.t[:, :, y0:y1, x0:x1]
-            if not self.mover.remote and _flat(view):
+            if not self.mover.is_remote(dst.t) and _flat(view):
                 # straight into the buffer (in place over the residual when there is no shortcut). Every allocation
                 # of the tile comes first, so an OOM can never follow a partial overwrite of the residual.
                 pbuf = self._stats_buffers(view, norm_next) if norm_next is not None else None
@@ -768,6 +820,44 @@ def storage_bytes(vae: nn.Module, latent_hw: Sequence[int], dtype: torch.dtype =
         elif ps.kind == "up":
             worst = max(worst, px * b * ps.cout + (px // 4) * b * ps.cin)
     return int(worst)
+
+
+def storage_buffers(vae: nn.Module, latent_hw: Sequence[int], dtype: torch.dtype = torch.float32
+                    ) -> list[tuple[int, int, int]]:
+    """The full-size buffers one sample's decode allocates, in order: (bytes, step allocated, step freed), steps
+    counting allocations and frees. The mid-block output, then per pass: a resnet's conv1 output (freed after its
+    conv2), its block output unless written over its input (no shortcut, same width), an upsampler's output; each
+    replaces the activation before it. The largest sum alive at one step is :func:`storage_bytes`."""
+    h, w = latent_hw
+    b = _dtype_bytes(dtype)
+    passes = plan_passes(vae)
+    bufs: list[list] = []
+    step = iter(range(1 << 30))
+
+    def new(c: int, s: int) -> int:
+        bufs.append([c * h * w * s * s * b, next(step), None])
+        return len(bufs) - 1
+
+    def free(i: int) -> None:
+        bufs[i][2] = next(step)
+
+    cur, h1 = new(passes[0].cin, 1), None
+    for ps in passes:
+        if ps.kind == "res1":
+            h1 = new(ps.cout, ps.scale)
+        elif ps.kind == "res2":
+            if getattr(ps.module, "conv_shortcut", None) is not None or ps.cout != ps.sc_cin:
+                nxt = new(ps.cout, ps.scale)
+                free(cur)
+                cur = nxt
+            free(h1)
+        elif ps.kind == "up":
+            nxt = new(ps.cout, ps.scale)
+            free(cur)
+            cur = nxt
+        else:
+            free(cur)
+    return [tuple(x) for x in bufs]
 
 
 def _attention_extra(dec: nn.Module, tokens: int, b: int) -> int:

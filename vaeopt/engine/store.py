@@ -1,21 +1,95 @@
-"""Where a tiled decode keeps its full activations: a store of regions, local or on the host.
+"""Where a tiled decode keeps its full activations: a store of regions, local or on the host, buffer by buffer.
 
 The image tiler computes one pass over a whole activation tile by tile. Each tile reads a region of the
 activation it depends on, widened by the conv's halo (vaeopt.engine.regions), from the store. The store is the
 "local store and crop" halo source: a band-parallel decode instead gets the rows beyond a band's edges from the
 neighbour ranks (vaeopt.engine.halo). An activation carries its GroupNorm statistics (vaeopt.engine.stats) and
 the bias its producer still owes.
+
+Placement (:func:`place`): which buffers stay on the compute device when not all of them fit. A buffer the device
+cannot hold goes to pinned host memory; the store moves regions of host buffers and hands out views of device ones,
+so one decode may mix both. :func:`fast_pinning` makes the page-locking of new host buffers cheaper.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections import deque
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 
 from vaeopt.engine.stats import KernelStats, Moments
 
 MAX_INFLIGHT_WRITES = 2  # device->host tile writes allowed in flight before the host waits (bounds memory)
+PIN_THREADS = 8  # threads that fault in a new pinned buffer's pages before cudaHostRegister (torch's own option)
+
+
+def place(buffers: Sequence[tuple[int, int, int]], device_bytes: float) -> list[bool]:
+    """Which buffers live on the compute device (True) and which on the host (False).
+
+    ``buffers``: (bytes, step allocated, step freed) of each full-size buffer of a decode, in allocation order.
+    Costliest first, a buffer stays on the device when the device buffers alive at every step of its life still fit
+    ``device_bytes``. A host buffer costs its bytes in pinning time once and in bus traffic on every pass that
+    writes or reads it: its bytes times its lifetime in steps (the longer it lives, the more passes touch it). A
+    buffer that does not fit beside the costlier ones may still fit at other steps, when they are gone."""
+    placed: list[tuple[int, int, int]] = []
+    out = [False] * len(buffers)
+    for i in sorted(range(len(buffers)), key=lambda j: -buffers[j][0] * (buffers[j][2] - buffers[j][1])):
+        nb, a, f = buffers[i]
+        points = [a] + [pa for _, pa, _ in placed if a < pa < f]
+        worst = max(sum(pb for pb, pa, pf in placed if pa <= s < pf) for s in points)
+        if worst + nb <= device_bytes:
+            placed.append((nb, a, f))
+            out[i] = True
+    return out
+
+
+_PIN_KEYS = ("pinned_use_cuda_host_register", "pinned_num_register_threads")
+
+
+def _user_pinning_settings() -> bool:
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return any(k in conf for k in _PIN_KEYS)
+
+
+def _allocator_settings():
+    """torch's run-time allocator settings (getter, setter): the accelerator API, or the CUDA one before it."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if put is None:
+        put = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    return get, put
+
+
+@contextmanager
+def fast_pinning(threads: int = PIN_THREADS) -> Iterator[bool]:
+    """Page-lock the host buffers allocated inside with torch's ``pinned_use_cuda_host_register`` option: malloc,
+    the pages faulted in by ``threads`` threads, one cudaHostRegister -- instead of cudaHostAlloc, which faults and
+    locks every page on one thread under the driver's lock (about 12 s for the 32 GB a 4096² SDXL decode once kept on
+    the host). torch reads the option at each allocation and frees each buffer the way it was allocated, so the
+    option is switched on for these allocations only and then back to torch's defaults. Left alone where the user
+    set either option (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF) or torch has no run-time setter. Yields whether
+    it switched."""
+    get, put = _allocator_settings()
+    if put is None or not torch.cuda.is_available() or _user_pinning_settings():
+        yield False
+        return
+    prev = (get() if get is not None else None) or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get(
+        "PYTORCH_ALLOC_CONF") or ""
+    prev = ",".join(k for k in prev.split(",") if k and not k.startswith(_PIN_KEYS))  # (ours, from the last time)
+    head = prev + "," if prev else ""  # the user's settings again: a setter may reset what it is not given
+    try:
+        put(f"{head}pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}")
+    except (RuntimeError, ValueError):  # an older torch without the option
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        put(f"{head}pinned_use_cuda_host_register:False,pinned_num_register_threads:1")
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -55,12 +129,14 @@ class RegionStore:
     rows (so the first band of a pass does not wait for the last band of the previous one); ``record_stream`` keeps
     the allocator from reusing a tile's memory while a copy still uses it. At most MAX_INFLIGHT_WRITES writes are in
     flight (the host waits on the oldest), which bounds the device memory they hold. Non-dense regions (2D tiles of a
-    buffer) take torch's synchronous path. ``force_copy`` (tests): treat a same-device storage as remote, with plain
-    copies."""
+    buffer) take torch's synchronous path. Whether a buffer is remote is decided per buffer: a decode may keep some
+    on the compute device (placement). ``force_copy`` (tests): treat the same-device buffers passed to
+    :meth:`mark_remote` as remote, with plain copies."""
 
     def __init__(self, device: torch.device, storage: torch.device, overlap: bool = True, force_copy: bool = False):
         self.device = device
-        self.remote = force_copy or storage != device
+        self.remote = force_copy or storage != device  # some buffers may be remote
+        self.forced: dict[int, weakref.ref] = {}  # force_copy: same-device buffers treated as remote
         self.async_ = bool(overlap and self.remote and device.type == "cuda" and storage.type == "cpu")
         self.h2d = torch.cuda.Stream(device) if self.async_ else None
         self.d2h = torch.cuda.Stream(device) if self.async_ else None
@@ -70,6 +146,15 @@ class RegionStore:
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.prefetch_hits = 0
+
+    def mark_remote(self, t: torch.Tensor) -> None:
+        self.forced[id(t)] = weakref.ref(t)
+
+    def is_remote(self, t: torch.Tensor) -> bool:
+        if t.device != self.device:
+            return True
+        r = self.forced.get(id(t))
+        return r is not None and r() is t
 
     def begin_pass(self) -> None:
         self.cache.clear()
@@ -98,14 +183,14 @@ class RegionStore:
         return view.to(self.device, memory_format=layout_of(view)), None
 
     def prefetch(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> None:
-        if not self.remote:
+        if not self.is_remote(t):
             return
         key = (t.data_ptr(), ya, yb, xa, xb)
         if key not in self.cache:
             self.cache[key] = self._fetch(t, ya, yb, xa, xb)
 
     def get(self, t: torch.Tensor, ya: int, yb: int, xa: int, xb: int) -> torch.Tensor:
-        if not self.remote:
+        if not self.is_remote(t):
             return t[:, :, ya:yb, xa:xb]
         hit = self.cache.pop((t.data_ptr(), ya, yb, xa, xb), None)
         if hit is not None:
@@ -119,7 +204,7 @@ class RegionStore:
 
     def put(self, t: torch.Tensor, y0: int, y1: int, x0: int, x1: int, val: torch.Tensor) -> None:
         view = t[:, :, y0:y1, x0:x1]
-        if not self.remote:
+        if not self.is_remote(t):
             view.copy_(val)
             return
         self.bytes_d2h += val.numel() * val.element_size()
@@ -146,6 +231,7 @@ class RegionStore:
 
     def finish(self) -> None:
         self.cache.clear()
+        self.forced = {k: r for k, r in self.forced.items() if r() is not None}
         if self.async_:
             torch.cuda.current_stream(self.device).wait_stream(self.d2h)
             self.d2h.synchronize()

@@ -1,0 +1,198 @@
+"""Where the tiled image decoder keeps its full-size buffers (vaeopt/engine/store.py `place`, tiling.storage_buffers):
+all on the device when they fit, else the ones that fit beside the working set on the device and the rest on the host;
+the decode is bitwise the same whichever way they are placed."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from vaeopt import tiling
+from vaeopt.engine import store
+from vaeopt.engine.store import place
+from vaeopt.families import build_model, get_family
+
+GIB = 2**30
+SCALING = 0.30478  # the scaling_factor in samples/tiny_kl_image.safetensors
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    with torch.device("meta"):
+        return build_model(get_family("sdxl")).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def vae(samples_dir):
+    from diffusers import AutoencoderKL
+
+    path = samples_dir / "tiny_kl_image.safetensors"
+    with safe_open(str(path), "pt") as f:
+        cfg = json.loads(f.metadata()["config"])
+    m = AutoencoderKL(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    m.load_state_dict(safetensors.torch.load_file(str(path)))
+    return m.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def z(samples_dir):
+    lat = torch.load(samples_dir / "tiny_kl_image_latents.pt")
+    return (lat["coffee"].float() / SCALING)[..., :16, :24].contiguous()
+
+
+def device_peak(bufs, placement) -> int:
+    steps = range(2 * len(bufs) + 1)
+    return max(sum(b for (b, a, f), d in zip(bufs, placement) if d and a <= s < f) for s in steps)
+
+
+def test_sdxl_4096_buffers(sdxl):
+    """sdxl at 4096² in bf16: 18 buffers, 41 GiB allocated over the decode, at most 16 GiB alive at once (the
+    channel-changing resnet at full resolution: its 8 GiB input, 4 GiB conv1 output and 4 GiB block output)."""
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    assert len(bufs) == 18 and sum(b for b, _, _ in bufs) == 41 * GIB
+    assert device_peak(bufs, [True] * 18) == tiling.storage_bytes(sdxl, (512, 512), torch.bfloat16) == 16 * GIB
+    assert sorted({b // GIB for b, _, _ in bufs if b >= GIB}) == [1, 2, 4, 8]
+
+
+def test_place_all_device_when_they_fit(sdxl):
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    assert place(bufs, 16 * GIB) == [True] * len(bufs)
+    assert place(bufs, 0) == [False] * len(bufs)
+
+
+def test_place_overflow_to_host(sdxl):
+    """Within the 12.1 GiB a 16 GB budget leaves beside the working set of 1152-px tiles, only the conv1 output of the
+    channel-changing resnet at 4096² goes to the host: 4 GiB, the least that can (16 GiB are alive at that step), and
+    of the three buffers alive there the one written and read once (its block output lives on through two more
+    resnets, each reading and writing it). At any budget the device buffers alive at once stay within it."""
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    p = place(bufs, int(12.1 * GIB))
+    host = [i for i, d in enumerate(p) if not d]
+    assert host == [14] and bufs[14][0] == 4 * GIB
+    assert bufs[14][2] - bufs[14][1] < bufs[15][2] - bufs[15][1]
+    for budget in (0.3, 1, 2.5, 5, 9, 12, 15.9):
+        p = place(bufs, budget * GIB)
+        assert device_peak(bufs, p) <= budget * GIB
+        assert any(p) and not all(p)
+
+
+def test_schedule_is_what_the_decoder_allocates(vae, z):
+    """storage_buffers is the decoder's own order of allocations and frees (every buffer on the 'host' here, so each
+    goes through the decoder's allocation; weakref finalizers see the frees)."""
+    events, sizes = [], []
+    td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands")
+    td._force_copy = True
+    real = td._alloc
+
+    def alloc(*a, **k):
+        t = real(*a, **k)
+        i = len(sizes)
+        sizes.append(t.numel() * t.element_size())
+        events.append(("new", i))
+        weakref.finalize(t, lambda: events.append(("free", i)))
+        return t
+
+    td._alloc = alloc
+    td.decode(z)
+    del td
+    steps = {}
+    for s, (what, i) in enumerate(events):
+        steps.setdefault(i, [None, None])[what == "free"] = s
+    got = [(sizes[i], a, f) for i, (a, f) in sorted(steps.items())]
+    assert got == tiling.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+
+
+def test_mixed_placement_decodes_bitwise_the_same(vae, z):
+    """All buffers local, some moved as if on the host, all moved: the same image, bit for bit; only the host-placed
+    buffers are copied (their bytes written out once each)."""
+    bufs = tiling.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+    total = sum(b for b, _, _ in bufs)
+    mid = sorted(b for b, _, _ in bufs)[-1] + sorted(b for b, _, _ in bufs)[-2] // 2  # room for some, not all
+    outs = {}
+    for name, room in (("device", 10 * total), ("mixed", mid), ("host", 0)):
+        td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands")
+        td._force_copy = True
+        td._device_store_bytes = room
+        outs[name] = (td.decode(z), dict(td.info), td.placement)
+    (dev, idev, pdev), (mix, imix, pmix), (host, ihost, phost) = outs["device"], outs["mixed"], outs["host"]
+    assert all(pdev) and not any(phost) and any(pmix) and not all(pmix)
+    assert idev["host_store_bytes"] == 0 and idev["bytes_d2h"] == 0
+    assert ihost["host_store_bytes"] == total
+    assert imix["host_store_bytes"] == sum(b for (b, _, _), d in zip(bufs, pmix) if not d)
+    assert 0 < imix["bytes_d2h"] < ihost["bytes_d2h"]
+    assert torch.equal(dev, mix) and torch.equal(dev, host)
+    ref = vae.decode(z).sample
+    assert (dev - ref).abs().max().item() < 1e-3
+
+
+def test_fast_pinning_switches_torch_option_and_back(monkeypatch):
+    """fast_pinning sets torch's host-register option (the user's settings kept in front) and restores torch's
+    defaults after; where the user chose a pinning option it leaves the allocator alone."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:True",
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with store.fast_pinning(8) as on:
+        assert on and calls == ["expandable_segments:True,pinned_use_cuda_host_register:True,"
+                                "pinned_num_register_threads:8"]
+    assert calls[1] == "expandable_segments:True,pinned_use_cuda_host_register:False,pinned_num_register_threads:1"
+    # the next time torch reports our own restored keys among the settings: they are not repeated
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: calls[-1], raising=False)
+    with store.fast_pinning(8):
+        pass
+    assert calls[2:] == calls[:2]
+    calls.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:True,pinned_num_register_threads:4")
+    with store.fast_pinning() as on:
+        assert not on
+    assert calls == []
+
+
+def test_mixed_placement_kernel_path(vae, z):
+    """The kernel path (resnet outputs written straight into device buffers, in place over the residual): some
+    buffers moved as if on the host, the others local, gives bitwise the image of all of them local."""
+    from vaeopt.kernels import triton_available
+
+    if not triton_available(torch.device("cpu"))[0]:
+        pytest.skip("Triton (interpreter) not available")
+    zz = z[..., :12, :16].contiguous()
+    bufs = tiling.storage_buffers(vae, tuple(zz.shape[-2:]), torch.float32)
+    outs = []
+    for room in (sum(b for b, _, _ in bufs), max(b for b, _, _ in bufs)):
+        td = tiling.TiledDecoder(vae, tile=8, kernels=True)
+        td._force_copy = True
+        td._device_store_bytes = room
+        outs.append((td.decode(zz), td.placement, td.info["host_store_bytes"]))
+    (a, pa, ha), (b, pb, hb) = outs
+    assert all(pa) and ha == 0 and any(pb) and not all(pb) and hb > 0
+    assert torch.equal(a, b)
+
+
+def test_sdxl_4096_within_16gb_storage_choice(sdxl, monkeypatch):
+    """The decoder's own choice on an (emulated) big GPU within a 16 GB budget at 4096²: the planned tile's working
+    set leaves too little room, so half the tile, with all buffers but one 4 GiB one on the GPU."""
+    from vaeopt import planner
+
+    fam = get_family("sdxl")
+    tile = planner.largest_tile(fam, sdxl, (1, 4, 512, 512), torch.bfloat16, 16 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    td = tiling.TiledDecoder(sdxl, tile=tile, vram_budget=16 * GIB, kernels=True, shape="bands")
+    td.device, td.dtype, td.kernels, td.bands = torch.device("cuda", 0), torch.bfloat16, True, True
+    storage, t, placement = td._choose_storage((512, 512))
+    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    assert storage.type == "cpu" and t == (tile // 2, tile // 2)
+    assert [i for i, d in enumerate(placement) if not d] == [14] and bufs[14][0] == 4 * GIB
+    # a budget that holds them all beside the working set of a quarter of the tile: every buffer on the GPU
+    td.vram_budget = 24 * GIB
+    storage, t, placement = td._choose_storage((512, 512))
+    assert storage == torch.device("cuda", 0) and placement is None
