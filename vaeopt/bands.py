@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from vaeopt import video
 from vaeopt.engine.fold import shortcut_bias
-from vaeopt.engine.halo import (BandComm, add_halo, band_rows, conv2d_rows, fix_edges, halo_weight, kernel_hw,
+from vaeopt.engine.halo import (BandComm, add_halo, band_rows, conv2d_rows, halo_weight, kernel_hw,
                                 plain_same_conv2d)
 from vaeopt.engine.image import Pass, check_resnet, kl_decoder, plan_passes, up_conv, walk
 from vaeopt.engine.stats import GroupNormer
@@ -115,34 +115,11 @@ class _ImageBandDecoder:
 
     # -- building blocks ---------------------------------------------------------------------------------------
     def _conv(self, conv: nn.Module, y: Tensor, fold: bool = True) -> tuple[Tensor, Tensor | None]:
-        """conv(y) for a band y, exact at the band edges (halo rows from the neighbours). -> (out, owed bias): with
-        folding on, a plain nn.Conv2d runs without its bias and returns it as owed."""
-        kh, kw = kernel_hw(conv)
+        """conv(y) for a band y, exact at the band edges (BandComm.conv2d). -> (out, owed bias): with folding on, a
+        plain nn.Conv2d runs without its bias and returns it as owed."""
         nobias = fold and self.fold and plain_same_conv2d(conv) and conv.bias is not None
-        if nobias:
-            self.counts["bias_folded"] += 1
-
-            def main(t: Tensor) -> Tensor:
-                return F.conv2d(t, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-        else:
-            main = conv
-        owed = conv.bias if nobias else None
-        if kh == 1:
-            return main(y), owed
-        if kh != 3:
-            raise DistributedError(f"{type(conv).__name__}: band decoding handles 1x1 and 3x3 convs, not {kh}x{kw}")
-        pend = self.comm.exchange_start(y, 2)
-        out = main(y)
-        if out.shape[-2:] != y.shape[-2:]:
-            raise DistributedError(f"{type(conv).__name__}: band decoding needs size-preserving convolutions")
-        top, bot = pend.wait()
-        if nobias:
-            pw = conv.kernel_size[1] // 2
-            rows = lambda s: F.conv2d(s, conv.weight, None, 1, (0, pw), 1, conv.groups)  # noqa: E731
-        else:
-            rows = conv2d_rows(conv)
-        fix_edges(y, top, bot, out, rows, 2)
-        return out, owed
+        self.counts["bias_folded"] += nobias
+        return self.comm.conv2d(conv, y, bias=not nobias), (conv.bias if nobias else None)
 
     def _up2x(self, x: Tensor) -> Tensor:
         if self.fold:
