@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vaeopt import bands
 from vaeopt import distributed as D
 
 SCALING = 0.30478  # tiny_kl_image latents are pipeline-scaled (the scaling_factor in its metadata)
@@ -380,28 +379,6 @@ def test_band_decode_needs_a_process_group():
     vae = build_model(get_family("sdxl"), block_out_channels=[32, 32, 64, 64], norm_num_groups=8)
     with pytest.raises(D.DistributedError, match="process group"):
         D.band_parallel_decode(vae, torch.zeros(1, 4, 4, 4))
-
-
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_triton_statistics_and_apply_match_torch(layout):
-    """The GroupNorm pieces of the GPU path (public kernels API and the direct kernel launch), on the Triton
-    interpreter: band moments (with an owed bias) and the apply with given statistics == the torch ops."""
-    if not _triton_ok():
-        pytest.skip("triton (interpreter) not available")
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 32, 7, 9, generator=g) * 3 + 1
-    if layout == "nhwc":
-        x = x.contiguous(memory_format=torch.channels_last)
-    xb = torch.randn(32, generator=g)
-    n0, m0, v0 = bands.torch_group_moments(x, 8, xb)
-    mean_c, a_c, b = torch.randn(32, generator=g), torch.rand(32, generator=g) + 0.5, torch.randn(32, generator=g)
-    ref = torch.nn.functional.silu((x - mean_c.view(1, -1, 1, 1)) * a_c.view(1, -1, 1, 1) + b.view(1, -1, 1, 1))
-    for public in (True, False):
-        n, m, v = bands.triton_group_moments(x, 8, xb, public=public)
-        assert n == n0 == 7 * 9 * 4
-        assert torch.allclose(m, m0, rtol=1e-6, atol=1e-6) and torch.allclose(v, v0, rtol=1e-5)
-        y = bands.triton_apply(x, mean_c, a_c, b, True, public=public)
-        assert (y - ref).abs().max().item() < 1e-5
 
 
 def test_wan_with_fp8_convs_is_not_split(samples_dir):

@@ -39,7 +39,6 @@ The output is gathered on rank 0 (``gather=True``) or left on each rank as its b
 from __future__ import annotations
 
 import functools
-import importlib
 import time
 from collections.abc import Sequence
 
@@ -50,207 +49,21 @@ from torch import Tensor, nn
 
 from vaeopt import video
 from vaeopt.engine.fold import shortcut_bias
-from vaeopt.engine.halo import (BandComm, add_halo, band_rows, conv2d_rows, fix_edges, halo_weight, kernel_hw,
+from vaeopt.engine.halo import (BandComm, add_halo, band_rows, conv2d_rows, halo_weight, kernel_hw,
                                 plain_same_conv2d)
-from vaeopt.engine.image import check_resnet, kl_decoder, plan_passes, up_conv
-from vaeopt.engine.stats import chan_merge, channel_moments, group_moments
+from vaeopt.engine.image import Pass, check_resnet, kl_decoder, plan_passes, up_conv, walk
+from vaeopt.engine.stats import GroupNormer
+from vaeopt.engine.store import Activation
 from vaeopt.engine.wan import ChunkDecoder
 from vaeopt.engine.wan_ops import (Stacked, frames_up_conv, patch_size, phase_ok, prepare_latents, stacked_w,
                                    temporal_factor, wan_module)
 from vaeopt.errors import DistributedError, VaeoptError
-from vaeopt.kernels import default_tile, default_warps, flat_layout, n_programs_target, new_like, tapconv
-from vaeopt.stages import Hint, Said, fused_norms, spelled, unhooked
+from vaeopt.kernels import tapconv
+from vaeopt.stages import Hint, Said, spelled, unhooked
 from vaeopt.stages.fused_epilogues import chunked_attention
-from vaeopt.stages.marks import is_2x_nearest, wan_channels_last
+from vaeopt.stages.marks import interpolating_upsampler, is_2x_nearest, wan_channels_last
 
 __all__ = ["band_parallel_decode", "band_rows", "supports_band"]
-
-
-# ================================================================================================================
-# GroupNorm with global statistics (torch ops, or the project's Triton reduction / apply kernels on CUDA)
-# ================================================================================================================
-
-
-def _gn_module():
-    return importlib.import_module("vaeopt.kernels.group_norm_silu")
-
-
-def _kernels_possible(x: Tensor) -> bool:
-    return fused_norms.use_kernel(x)
-
-
-def torch_group_moments(x: Tensor, G: int, xb: Tensor | None = None) -> tuple[int, Tensor, Tensor]:
-    """Per-group (count, mean, M2) of x (+ xb[c]) for x (1, C, ...): per-channel moments in fp32, merged into
-    groups in fp64."""
-    return group_moments(*channel_moments(x, xb), G)
-
-
-def triton_group_moments(x: Tensor, G: int, xb: Tensor | None = None, public: bool = True
-                          ) -> tuple[int, Tensor, Tensor]:
-    """The same with the project's GroupNorm statistics kernel (one read of x; fp32 sums around a shift; the owed
-    bias xb added on load), its chunk partials merged in fp64. Uses kernels.group_norm_silu's public
-    group_norm_partials / merge_partials where that module has them, else launches its stats kernels here."""
-    import triton
-
-
-    K = _gn_module()
-    if public and hasattr(K, "group_norm_partials") and hasattr(K, "merge_partials") and x.shape[0] == 1:
-        _n, mean_g, m2_g = K.merge_partials(K.group_norm_partials(x, G, x_bias=xb))
-        return x.numel() // G, mean_g, m2_g
-    lay = flat_layout(x)
-    C = x.shape[1]
-    if lay is None or x.shape[0] != 1 or (lay[0] == "cl" and C > 8192):
-        return torch_group_moments(x, G, xb)
-    kind, S, stride_n = lay
-    CG = C // G
-    dev = x.device
-    tile, target = default_tile(dev), n_programs_target(dev)
-    nw = default_warps(tile)
-    xbp = xb.reshape(C) if xb is not None else torch.zeros(1, device=dev, dtype=torch.float32)
-    if kind == "cf":
-        L = CG * S
-        BLOCK = min(tile, triton.next_power_of_2(L))
-        BLOCK_GR = min(triton.next_power_of_2(G), max(1, tile // BLOCK))
-        blocks = triton.cdiv(L, BLOCK)
-        iters = max(1, triton.cdiv(triton.cdiv(G, BLOCK_GR) * blocks, target))
-        n_chunks = triton.cdiv(blocks, iters)
-        part = torch.empty((3, G, n_chunks), device=dev, dtype=torch.float32)
-        xb_mode = 0 if xb is None else (1 if S % BLOCK == 0 else 2)
-        K._stats_cf_kernel[(n_chunks, triton.cdiv(G, BLOCK_GR))](
-            x, part, xbp, G, L, stride_n, G, n_chunks, iters, S, CG,
-            BLOCK_GR=BLOCK_GR, BLOCK=BLOCK, XB=xb_mode, num_warps=nw,
-        )  # fmt: skip
-    else:
-        BLOCK_C = triton.next_power_of_2(C)
-        BLOCK_S = max(1, min(tile // BLOCK_C, triton.next_power_of_2(S)))
-        blocks = triton.cdiv(S, BLOCK_S)
-        iters = max(1, triton.cdiv(blocks, target))
-        n_chunks = triton.cdiv(blocks, iters)
-        part = torch.empty((3, G, n_chunks), device=dev, dtype=torch.float32)
-        K._stats_cl_kernel[(n_chunks, 1)](
-            x, part, xbp, S, C, CG, G, stride_n, n_chunks, iters,
-            BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, BLOCK_G=triton.next_power_of_2(G),
-            CG_POW2=CG if CG & (CG - 1) == 0 else 0, XB=xb is not None, num_warps=nw,
-        )  # fmt: skip
-    p = part.double()  # (count, mean, M2) of each chunk: the chunks are the parts of one Chan merge
-    _n, mean_g, m2_g = chan_merge(p[0].t(), p[1].t(), p[2].t())
-    return S * CG, mean_g, m2_g
-
-
-def triton_apply(x: Tensor, mean_c: Tensor, a_c: Tensor, bias: Tensor, silu: bool, public: bool = True
-                  ) -> Tensor | None:
-    """y = (x - mean_c) * a_c + bias_c (+ SiLU) with the project's GroupNorm apply kernel (one read, one write; the
-    public group_norm_apply where kernels.group_norm_silu has it); None if x's layout does not suit it."""
-    import triton
-
-
-    K = _gn_module()
-    if public and hasattr(K, "group_norm_apply") and x.dim() == 4:
-        return K.group_norm_apply(x, mean_c, a_c, bias, silu)
-    lay = flat_layout(x)
-    C = x.shape[1]
-    if lay is None or x.shape[0] != 1 or (lay[0] == "cl" and C > 8192):
-        return None
-    kind, S, stride_n = lay
-    dev = x.device
-    tile = default_tile(dev)
-    nw = default_warps(tile)
-    y = new_like(x, kind)
-    mean = mean_c.reshape(1, C).contiguous()
-    a = a_c.reshape(1, C).contiguous()
-    if kind == "cf":
-        BS = min(triton.next_power_of_2(S), max(1024, tile // 4))
-        BR = max(1, min(tile // BS, triton.next_power_of_2(C)))
-        n_s_blocks = triton.cdiv(S, BS)
-        n_tiles = n_s_blocks * triton.cdiv(C, BR)
-        K._apply_cf_kernel[(n_tiles,)](
-            x, y, mean, a, bias, C, C, S, stride_n, n_s_blocks, n_tiles,
-            BLOCK_R=BR, BLOCK_S=BS, SILU=silu, num_warps=nw,
-        )  # fmt: skip
-    else:
-        BLOCK_C = triton.next_power_of_2(C)
-        BLOCK_S = max(1, min(tile // BLOCK_C, triton.next_power_of_2(S)))
-        n_s_blocks = triton.cdiv(S, BLOCK_S)
-        K._apply_cl_kernel[(n_s_blocks,)](
-            x, y, mean, a, bias, S, C, stride_n, n_s_blocks, n_s_blocks,
-            BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, SILU=silu, num_warps=nw,
-        )  # fmt: skip
-    return y
-
-
-class _GroupNormer:
-    """GroupNorm (+ the model's nonlinearity) of a band with the statistics of the whole activation. `xb`: a bias
-    the band still owes (its conv ran without it): normalizes x + xb[c] without materializing it."""
-
-    def __init__(self, comm: BandComm, kernels: bool | None, notes: list[str]):
-        self.comm = comm
-        self.kernels = kernels  # None: auto (CUDA with triton), True: required, False: torch ops
-        self.notes = notes
-        self._broken = False
-
-    def use_kernels(self, x: Tensor) -> bool:
-        if self.kernels is False or self._broken:
-            return False
-        ok = _kernels_possible(x)
-        if self.kernels is None:
-            return ok and x.is_cuda
-        if not ok:
-            raise DistributedError("kernels=True, but the Triton GroupNorm kernels cannot run for this tensor")
-        return True
-
-    def fallback(self, e: BaseException) -> None:
-        oom = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-                    if t is not None)
-        if self.kernels or isinstance(e, oom):  # required kernels, or out of memory (torch ops would need more)
-            raise e
-        self._broken = True
-        self.notes.append(f"Triton kernels failed ({type(e).__name__}: {e}); using torch ops")
-
-    def moments(self, x: Tensor, G: int, xb: Tensor | None) -> tuple[int, Tensor, Tensor]:
-        if self.use_kernels(x):
-            try:
-                return triton_group_moments(x, G, xb)
-            except Exception as e:  # noqa: BLE001 - a kernel API drift must not kill the decode
-                self.fallback(e)
-        return torch_group_moments(x, G, xb)
-
-    def __call__(self, x: Tensor, norm: nn.Module, nonlin: nn.Module | None, xb: Tensor | None = None) -> Tensor:
-        G = int(norm.num_groups)
-        n, mean, m2 = self.moments(x, G, xb)
-        n, mean_g, m2_g = self.comm.merge_moments(n, mean, m2)
-        C = x.shape[1]
-        rstd = torch.rsqrt(m2_g / n + float(norm.eps))  # biased variance, as nn.GroupNorm
-        dt = rstd.dtype
-        w = norm.weight.detach().to(device=rstd.device, dtype=dt) if norm.weight is not None else \
-            torch.ones(C, dtype=dt, device=rstd.device)
-        b = norm.bias.detach().to(device=rstd.device, dtype=dt) if norm.bias is not None else \
-            torch.zeros(C, dtype=dt, device=rstd.device)
-        a_c = rstd.repeat_interleave(C // G) * w
-        mean_c = mean_g.repeat_interleave(C // G)
-        if xb is not None:  # (x + xb - mean) * a + b == (x - (mean - xb)) * a + b
-            mean_c = mean_c - xb.detach().to(dt)
-        fused_silu = getattr(norm, "silu", False) is True  # FusedGroupNormSiLU (stages/fused_norms.py)
-        plain_silu = nonlin is not None and type(nonlin) is nn.SiLU and unhooked(nonlin)
-        silu = fused_silu or plain_silu
-        y = None
-        if self.use_kernels(x):
-            try:
-                y = triton_apply(x, mean_c.float(), a_c.float(), b.to(x.device, torch.float32), silu)
-            except Exception as e:  # noqa: BLE001
-                self.fallback(e)
-        if y is None:
-            f = dict(dtype=torch.float32, device=x.device)
-            shape = (1, C) + (1,) * (x.dim() - 2)
-            scale = a_c.to(**f).view(shape)
-            shift = (b - mean_c * a_c).to(**f).view(shape)
-            y = torch.addcmul(shift, x, scale)
-            if y.dtype != x.dtype:
-                y = y.to(x.dtype)
-            if silu:
-                y = F.silu(y, inplace=True)
-        if nonlin is not None and not plain_silu and not (type(nonlin) is nn.Identity):
-            y = nonlin(y)
-        return y
 
 
 # ================================================================================================================
@@ -277,8 +90,7 @@ def _attn_split_ok(attn: nn.Module) -> tuple[bool, str]:
 
 
 def _upsampler_ok(up: nn.Module) -> bool:
-    return (getattr(up, "interpolate", False) and getattr(up, "use_conv", False)
-            and not getattr(up, "use_conv_transpose", False) and getattr(up, "norm", None) is None)
+    return interpolating_upsampler(up) and bool(getattr(up, "use_conv", False))
 
 
 class _ImageBandDecoder:
@@ -290,46 +102,24 @@ class _ImageBandDecoder:
     def __init__(self, vae: nn.Module, comm: BandComm, kernels: bool | None):
         self.vae = vae
         self.dec = kl_decoder(vae)
-        plan_passes(vae)  # raises TilingError (clear message) for structures the band split cannot follow
+        self.passes = plan_passes(vae)  # raises TilingError (clear message) for structures it cannot follow
         for i, blk in enumerate(self.dec.mid_block.resnets):
             check_resnet(blk, f"mid_block.resnets.{i}")
         self.comm = comm
         self.notes: list[str] = []
-        self.norm = _GroupNormer(comm, kernels, self.notes)
+        self.norm = GroupNormer(comm.merge_moments, kernels, self.notes, DistributedError)
         self.kernels = kernels
         self.fold = False
+        self.upsampled = False  # the last band came out of a residual epilogue already 2x upsampled
         self.counts = {"bias_folded": 0, "epilogue_kernel": 0, "upsample_fused": 0}
 
     # -- building blocks ---------------------------------------------------------------------------------------
     def _conv(self, conv: nn.Module, y: Tensor, fold: bool = True) -> tuple[Tensor, Tensor | None]:
-        """conv(y) for a band y, exact at the band edges (halo rows from the neighbours). -> (out, owed bias): with
-        folding on, a plain nn.Conv2d runs without its bias and returns it as owed."""
-        kh, kw = kernel_hw(conv)
+        """conv(y) for a band y, exact at the band edges (BandComm.conv2d). -> (out, owed bias): with folding on, a
+        plain nn.Conv2d runs without its bias and returns it as owed."""
         nobias = fold and self.fold and plain_same_conv2d(conv) and conv.bias is not None
-        if nobias:
-            self.counts["bias_folded"] += 1
-
-            def main(t: Tensor) -> Tensor:
-                return F.conv2d(t, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-        else:
-            main = conv
-        owed = conv.bias if nobias else None
-        if kh == 1:
-            return main(y), owed
-        if kh != 3:
-            raise DistributedError(f"{type(conv).__name__}: band decoding handles 1x1 and 3x3 convs, not {kh}x{kw}")
-        pend = self.comm.exchange_start(y, 2)
-        out = main(y)
-        if out.shape[-2:] != y.shape[-2:]:
-            raise DistributedError(f"{type(conv).__name__}: band decoding needs size-preserving convolutions")
-        top, bot = pend.wait()
-        if nobias:
-            pw = conv.kernel_size[1] // 2
-            rows = lambda s: F.conv2d(s, conv.weight, None, 1, (0, pw), 1, conv.groups)  # noqa: E731
-        else:
-            rows = conv2d_rows(conv)
-        fix_edges(y, top, bot, out, rows, 2)
-        return out, owed
+        self.counts["bias_folded"] += nobias
+        return self.comm.conv2d(conv, y, bias=not nobias), (conv.bias if nobias else None)
 
     def _up2x(self, x: Tensor) -> Tensor:
         if self.fold:
@@ -372,10 +162,21 @@ class _ImageBandDecoder:
             o = o.div_(osf)
         return F.interpolate(o, scale_factor=2.0, mode="nearest") if up else o
 
-    def _resnet(self, blk: nn.Module, x: Tensor, xb: Tensor | None, up: bool = False) -> Tensor:
-        y = self.norm(x, blk.norm1, blk.nonlinearity, xb)
+    # -- the steps of the walk (engine.image.walk): activations are Activation(band, None, owed bias) ---------------
+    def res1(self, i: int | None, ps, x: Activation) -> Activation:
+        blk = ps.module
+        y = self.norm(x.t, blk.norm1, blk.nonlinearity, x.bias)
         h, hb = self._conv(blk.conv1, y)
-        del y
+        return Activation(h, None, hb)
+
+    def res2(self, i: int | None, ps, res: Activation, h1: Activation) -> Activation:
+        """The resnet's second half; the residual epilogue of an up-block's last resnet writes the 2x upsampled
+        output when its one upsampler follows (self.upsampled: the up step then runs only its conv)."""
+        blk, ahead = ps.module, self.passes[i + 1 : i + 3] if i is not None else []
+        up = (self.fold and len(ahead) > 0 and ahead[0].kind == "up" and _upsampler_ok(ahead[0].module)
+              and (len(ahead) == 1 or ahead[1].kind != "up"))
+        h, hb, x, xb = h1.t, h1.bias, res.t, res.bias
+        h1.t = res.t = None  # the walk's references: let the band tensors go as soon as they are read
         y = self.norm(h, blk.norm2, blk.nonlinearity, hb)
         del h
         drop = getattr(blk, "dropout", None)
@@ -396,7 +197,22 @@ class _ImageBandDecoder:
                 x = x + xb.to(x.dtype).view(1, -1, 1, 1)
             r, rb = self._conv(sc, x)
         del x
-        return self._epilogue(o, ob, r, rb, osf, up)
+        self.upsampled = up
+        return Activation(self._epilogue(o, ob, r, rb, osf, up), None)
+
+    def up(self, i: int, ps, x: Activation) -> Activation:
+        already, self.upsampled = self.upsampled, False
+        t = x.t
+        x.t = None
+        o, ob = self._upsample(ps.module, t, already)
+        return Activation(o, None, ob)
+
+    def head(self, i: int, ps, x: Activation) -> Tensor:
+        dec = self.dec
+        y = self.norm(x.t, dec.conv_norm_out, dec.conv_act, x.bias)
+        x.t = None
+        out, _ = self._conv(dec.conv_out, y, fold=False)
+        return out
 
     def _attention(self, attn: nn.Module, x: Tensor) -> Tensor:
         """Attention over all latent tokens of the full x, for the queries of this rank's rows only."""
@@ -458,23 +274,11 @@ class _ImageBandDecoder:
             x = self._attention(ops[last_attn][1], x)  # full -> this rank's rows
         else:
             x = x.narrow(2, comm.a, comm.b - comm.a).contiguous()
-        for kind, m in ops[whole_until + 1 :]:
-            x = self._resnet(m, x, None)
+        for kind, m in ops[whole_until + 1 :]:  # (resnets: their two halves as the up-blocks' passes run)
+            ps = Pass("res", m, 0, 0, 1, "mid")
+            x = self.res2(None, ps, Activation(x, None), self.res1(None, ps, Activation(x, None))).t
         up_dtype = next(iter(dec.up_blocks.parameters())).dtype
-        x, xb = x.to(up_dtype), None
-        # up-blocks on the band
-        for ub in dec.up_blocks:
-            ups = list(getattr(ub, "upsamplers", None) or [])
-            fuse_up = self.fold and len(ups) == 1 and _upsampler_ok(ups[0])
-            last = len(ub.resnets) - 1
-            for i, res in enumerate(ub.resnets):
-                x, xb = self._resnet(res, x, xb, up=fuse_up and i == last), None
-            for j, up in enumerate(ups):
-                x, xb = self._upsample(up, x, already=fuse_up and j == 0)
-        y = self.norm(x, dec.conv_norm_out, dec.conv_act, xb)
-        del x
-        out, _ = self._conv(dec.conv_out, y, fold=False)
-        return out
+        return walk(self.passes, self, Activation(x.to(up_dtype), None))
 
 
 # ================================================================================================================

@@ -80,10 +80,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaeopt.engine.fold import shortcut_bias
-from vaeopt.engine.image import Pass, is_plain_upsampler, kl_decoder, plan_passes, up_conv
+from vaeopt.engine.image import Pass, is_plain_upsampler, kl_decoder, plan_passes, up_conv, walk
 from vaeopt.engine.regions import (TilingError, conv_region, halo_region, is_plain_conv, pair, tile_geometry,
                                    tile_grid)
-from vaeopt.engine.stats import KernelStats, Moments
+from vaeopt.engine.stats import OOM_ERRORS, KernelStats, Moments, affine_act
 from vaeopt.engine.store import Activation, RegionStore, fast_pinning, layout_of, place
 from vaeopt.kernels import flat_layout, triton_available
 from vaeopt.stages import unhooked, upsample_conv
@@ -98,9 +98,6 @@ __all__ = [
     "tile_from_pixels",
 ]
 
-_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
-    {e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if e}
-)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CUDNN_WORKSPACE_BYTES = 256 << 20  # allowance for cuDNN conv workspaces in estimate_tiled_bytes (CUDA only)
 CUDA_MARGIN = 1.10  # allocator rounding / fragmentation on CUDA; CPU keeps the validated 1.125
@@ -403,6 +400,9 @@ class TiledDecoder:
             return self.dec.conv_norm_out
         return None
 
+    def _hw(self, ps: Pass) -> tuple[int, int]:
+        return self.lat_hw[0] * ps.scale, self.lat_hw[1] * ps.scale
+
     def _tile_px(self, scale: int) -> tuple[int, int]:
         return tile_geometry(self.lat_hw, self.cur_tile, scale, self.bands)
 
@@ -458,17 +458,8 @@ class TiledDecoder:
         return self.mover.get(act.t, ya, yb, xa, xb), y0 - ya, x0 - xa
 
     def _norm_act(self, x: torch.Tensor, act: Activation, norm: nn.Module, nonlin: nn.Module) -> torch.Tensor:
-        """Torch path: GroupNorm with the statistics of the whole activation, then the model's nonlinearity. Always
-        returns a fresh tensor (never a view of a storage buffer)."""
-        shift, scale = act.stats.affine(norm, self.device)
-        y = torch.addcmul(shift, x, scale)  # fp32 (promoted), one pass
-        if y.dtype != self.dtype:
-            y = y.to(self.dtype)
-        if getattr(norm, "silu", False) is True:  # a fused GroupNorm+SiLU module (stages/fused_norms.py)
-            y = F.silu(y, inplace=True)
-        if type(nonlin) is nn.SiLU and unhooked(nonlin):
-            return F.silu(y, inplace=True)
-        return nonlin(y)
+        """Torch path: GroupNorm with the statistics of the whole activation, then the model's nonlinearity."""
+        return affine_act(x, *act.stats.affine(norm, self.device), norm, nonlin)
 
     def _folds(self, conv: nn.Module, norm: nn.Module, nonlin: nn.Module) -> bool:
         """Kernel path, norm -> act -> conv with the conv's bias left pending (and padding done by the apply)."""
@@ -540,7 +531,7 @@ class TiledDecoder:
                             for r in reads(ny0, ny1, nx0, nx1):
                                 self.mover.prefetch(*r)
                 fn(y0, y1, x0, x1)
-            except _OOM_ERRORS:
+            except OOM_ERRORS:
                 if max(self.cur_tile) <= self.min_tile:
                     raise
                 oom = True  # handled below, once the traceback (and the tile's tensors it holds) is released
@@ -568,21 +559,10 @@ class TiledDecoder:
         x = dec.mid_block(x, None)
         cur = self._to_storage(x, self._consumer(0))
         del x
-        h, w = cur.hw
-        # ---- tiled passes; each pass method returns its output activation and drops its inputs
-        h1: Activation | None = None
-        for i, ps in enumerate(self.passes):
-            hw = (h * ps.scale, w * ps.scale)
-            if ps.kind == "res1":
-                h1 = self._pass_res1(i, ps, hw, cur)
-            elif ps.kind == "res2":
-                cur = self._pass_res2(i, ps, hw, cur, h1)
-                h1 = None
-            elif ps.kind == "up":
-                cur = self._pass_up(i, ps, hw, cur)
-            else:
-                self._pass_head(i, ps, hw, cur, out)
-                cur = None
+        # ---- tiled passes; each returns its output activation (the head writes into `out`)
+        self._out = out
+        walk(self.passes, self, cur)
+        self._out = None
         self.mover.finish()
 
     # -- passes ------------------------------------------------------------------------------------------------------
@@ -598,8 +578,9 @@ class TiledDecoder:
 
         return reads
 
-    def _pass_res1(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation) -> Activation:
+    def res1(self, i: int, ps: Pass, src: Activation) -> Activation:
         """h1 = conv1(act(norm1(x))) -- x is kept (it is the residual)."""
+        hw = self._hw(ps)
         blk = ps.module
         norm_next = self._consumer(i + 1)
         fold = self._folds(blk.conv1, blk.norm1, blk.nonlinearity) and blk.conv1.bias is not None
@@ -617,8 +598,9 @@ class TiledDecoder:
         self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv1, blk.norm1, blk.nonlinearity)))
         return dst
 
-    def _pass_res2(self, i: int, ps: Pass, hw: tuple[int, int], res: Activation, src: Activation) -> Activation:
+    def res2(self, i: int, ps: Pass, res: Activation, src: Activation) -> Activation:
         """out = (shortcut(x) + conv2(dropout(act(norm2(h1))))) / output_scale_factor."""
+        hw = self._hw(ps)
         blk = ps.module
         sc_conv = getattr(blk, "conv_shortcut", None)
         drop = getattr(blk, "dropout", None)
@@ -679,8 +661,9 @@ class TiledDecoder:
                                           extra=Activation(res_t, None)))
         return dst
 
-    def _pass_up(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation) -> Activation:
+    def up(self, i: int, ps: Pass, src: Activation) -> Activation:
         """2x nearest upsampling + 3x3 conv, computed per output tile from a source tile with a 1-px halo."""
+        hw = self._hw(ps)
         up = ps.module
         plain = is_plain_upsampler(up)
         conv = up_conv(up) if plain else None
@@ -748,8 +731,10 @@ class TiledDecoder:
         self._run(ps, hw, fn, reads)
         return dst
 
-    def _pass_head(self, i: int, ps: Pass, hw: tuple[int, int], src: Activation, out: torch.Tensor) -> None:
+    def head(self, i: int, ps: Pass, src: Activation) -> None:
         """conv_norm_out -> conv_act -> conv_out, written straight into the output image."""
+        hw = self._hw(ps)
+        out = self._out
         dec = self.dec
         if self._folds(dec.conv_out, dec.conv_norm_out, dec.conv_act) and dec.conv_out.bias is not None:
             self.info["bias_folded"] += 1

@@ -97,6 +97,26 @@ class BandComm:
         self.counts["halo_bytes"] += sum(t.numel() * t.element_size() for t in keep)
         return PendingRows(self._p2p(ops), top, bot, keep)
 
+    def conv2d(self, conv: nn.Module, y: Tensor, bias: bool = True) -> Tensor:
+        """conv(y) for an image band y (N, C, h, W), exact at the band's edges: a 3x3 conv's boundary input rows go
+        to the neighbours while the band's own conv runs, then its first / last output rows are recomputed from
+        3-row slabs (fix_edges); a 1x1 conv needs no halo. bias=False: a plain nn.Conv2d (plain_same_conv2d) run
+        without its bias (the caller owes it)."""
+        kh, kw = kernel_hw(conv)
+        main = conv if bias else (
+            lambda t: F.conv2d(t, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups))
+        if kh == 1:
+            return main(y)
+        if kh != 3:
+            raise DistributedError(f"{type(conv).__name__}: band decoding handles 1x1 and 3x3 convs, not {kh}x{kw}")
+        pend = self.exchange_start(y, 2)
+        out = main(y)
+        if out.shape[-2:] != y.shape[-2:]:
+            raise DistributedError(f"{type(conv).__name__}: band decoding needs size-preserving convolutions")
+        top, bot = pend.wait()
+        fix_edges(y, top, bot, out, conv2d_rows(conv, bias), 2)
+        return out
+
     # -- exact GroupNorm statistics ----------------------------------------------------------------------------
     def merge_moments(self, n_local: int, mean: Tensor, m2: Tensor) -> tuple[int, Tensor, Tensor]:
         """(count, mean[G], M2[G]) of this rank's band -> those of the whole activation (fp64 where the device has
@@ -247,11 +267,12 @@ def plain_same_conv2d(m: nn.Module) -> bool:
             and tuple(m.padding) == (m.kernel_size[0] // 2, m.kernel_size[1] // 2))
 
 
-def conv2d_rows(conv: nn.Module) -> Callable[[Tensor], Tensor]:
-    """slab (N, C, 3, W) -> the conv's output row for the slab's middle row (N, C', 1, W)."""
+def conv2d_rows(conv: nn.Module, bias: bool = True) -> Callable[[Tensor], Tensor]:
+    """slab (N, C, 3, W) -> the conv's output row for the slab's middle row (N, C', 1, W) (without the bias of a plain
+    conv if not `bias`)."""
     if plain_same_conv2d(conv):
         pw = conv.kernel_size[1] // 2
-        return lambda s: F.conv2d(s, conv.weight, conv.bias, 1, (0, pw), 1, conv.groups)
+        return lambda s: F.conv2d(s, conv.weight, conv.bias if bias else None, 1, (0, pw), 1, conv.groups)
     return lambda s: conv(s).narrow(2, 1, 1)  # any size-preserving module: its own padding, middle row
 
 

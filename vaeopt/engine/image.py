@@ -4,7 +4,8 @@ The whole decode (diffusers' own forward, patched by stages/fused_epilogues), th
 the band-parallel decode (vaeopt.distributed) read the decoder the same way: conv_in, the mid-block at latent
 resolution, then up-blocks of ResnetBlock2D (norm1 -> conv1 -> norm2 -> conv2, plus a shortcut) and nearest-2x +
 conv upsamplers, then the head (GroupNorm, SiLU, conv_out). `plan_passes` lists what follows the mid-block as
-passes over full activations and rejects structures that the exact decoders cannot follow (TilingError).
+passes over full activations and rejects structures that the exact decoders cannot follow (TilingError). The tiled
+and band-parallel decodes walk those passes with one loop (`walk`), each supplying its steps.
 """
 
 from __future__ import annotations
@@ -122,3 +123,22 @@ def is_plain_upsampler(up: nn.Module) -> bool:
 
 def up_conv(up: nn.Module) -> nn.Module:
     return up.conv if getattr(up, "name", "conv") == "conv" else up.Conv2d_0
+
+
+def walk(passes: list[Pass], steps, x):
+    """The one walk of an AutoencoderKL decoder after its mid-block, for every decode configuration: each pass of
+    `passes` (plan_passes) is handed to `steps` -- a tiled decode's tile loops over stored activations, a band
+    decode's ops on this rank's band -- with the activation it reads: ``res1(i, ps, x)`` -> h1,
+    ``res2(i, ps, x, h1)`` -> the block output (x is the residual), ``up(i, ps, x)``, and ``head(i, ps, x)``, whose
+    result the walk returns. The walk holds only the activation objects: a step may let an input's tensor go
+    (``x.t = None``) once it has read it."""
+    h1 = None
+    for i, ps in enumerate(passes):
+        if ps.kind == "res1":
+            h1 = steps.res1(i, ps, x)
+        elif ps.kind == "res2":
+            x, h1 = steps.res2(i, ps, x, h1), None
+        elif ps.kind == "up":
+            x = steps.up(i, ps, x)
+        else:
+            return steps.head(i, ps, x)  # (plan_passes ends with the head)
