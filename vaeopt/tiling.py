@@ -549,21 +549,21 @@ class TiledDecoder:
                 self.progress(self.done, self.total)
 
     def _decode_one(self, z: torch.Tensor, out: torch.Tensor) -> None:
-        dec, vae = self.dec, self.vae
-        # ---- untiled at latent resolution: post_quant_conv, conv_in, mid-block (incl. global attention)
-        x = z.to(self.device, self.dtype)
-        pqc = getattr(vae, "post_quant_conv", None)
-        if pqc is not None:
-            x = pqc(x)
-        x = dec.conv_in(x)
-        x = dec.mid_block(x, None)
-        cur = self._to_storage(x, self._consumer(0))
-        del x
-        # ---- tiled passes; each returns its output activation (the head writes into `out`)
+        # ---- tiled passes; each returns its output activation (the head writes into `out`). The stored mid-block
+        # output goes straight into the walk, so that no reference here keeps it alive once its pass has replaced it.
         self._out = out
-        walk(self.passes, self, cur)
+        walk(self.passes, self, self._stored_mid(z))
         self._out = None
         self.mover.finish()
+
+    def _stored_mid(self, z: torch.Tensor) -> Activation:
+        """Untiled at latent resolution: post_quant_conv, conv_in, mid-block (incl. global attention), stored."""
+        x = z.to(self.device, self.dtype)
+        pqc = getattr(self.vae, "post_quant_conv", None)
+        if pqc is not None:
+            x = pqc(x)
+        x = self.dec.mid_block(self.dec.conv_in(x), None)
+        return self._to_storage(x, self._consumer(0))
 
     # -- passes ------------------------------------------------------------------------------------------------------
 
@@ -833,9 +833,11 @@ def storage_buffers(vae: nn.Module, latent_hw: Sequence[int], dtype: torch.dtype
         elif ps.kind == "res2":
             if getattr(ps.module, "conv_shortcut", None) is not None or ps.cout != ps.sc_cin:
                 nxt = new(ps.cout, ps.scale)
+                free(h1)  # (the pass lets its conv1 output go first, then the walk replaces the activation)
                 free(cur)
                 cur = nxt
-            free(h1)
+            else:
+                free(h1)
         elif ps.kind == "up":
             nxt = new(ps.cout, ps.scale)
             free(cur)
