@@ -10,7 +10,8 @@ from vaeopt.families import get_family
 from vaeopt.kernels import triton_available
 from vaeopt.loading import load_vae
 from vaeopt.pipeline import Options, Pipeline
-from vaeopt.stage_table import ROWS, DeviceInfo, decide_autotune, decide_graphs, decide_stages
+from vaeopt.stage_table import (AUTO_MIN_STEADY, ROWS, DeviceInfo, chunk_graphs, decide_autotune,
+                                decide_chunk_graphs, decide_graphs, decide_stages)
 from vaeopt.stages import Hint
 
 # an H200 as the rules see it: Triton kernels, FP8 tensor cores, CUDA graphs, cuDNN
@@ -166,6 +167,42 @@ def test_graphs_decisions_pinned():
     assert decide_graphs(o, wan, H200, _plan(), None, 1).kind == "chunks"  # armed; decided per clip
     assert decide_graphs(o, wan, H200, _plan(), None, 99, chunks=False).why.startswith("Wan: the whole-clip graph")
     assert decide_graphs(o, get_family("hunyuanvideo"), H200, _plan(), None, 99).kind is None
+
+
+def test_chunk_graphs_decisions_pinned():
+    """Wan's per-chunk graphs, decided per clip: forced on from one warm-up chunk and one to replay, auto from
+    AUTO_MIN_STEADY steady chunks of at most 0.5 MP; never tiled plans, the CPU or a decode inside a capture."""
+    from vaeopt import video
+
+    def d(mode, sched, info=H200, **kw):
+        return decide_chunk_graphs(mode, info, sched, **kw)
+
+    assert d("on", [1, 2, 2]) == (True, "2 chunks of 2 latent frame(s) after the first")
+    use, why = d("auto", [1, 2, 2])
+    assert not use and f"auto captures from {AUTO_MIN_STEADY}" in why
+    assert why.hints == ((Hint("graphs", "on"),),) and "(graphs=on forces it)" in why.spell()
+    assert not d("auto", [1] * 8, chunk_pixels=1)[0] and d("auto", [1] * 9, chunk_pixels=1)[0]
+    sched = video.chunk_schedule(21, 2)  # [1, 2 x 10]
+    assert d("auto", sched, chunk_pixels=8 * 128 * 128)[0]
+    use, why = d("auto", sched, chunk_pixels=8 * 480 * 832)  # wan21-480p: GPU-bound, measured no gain
+    assert not use and "3.2 MP per chunk: GPU-bound" in why and "(graphs=on forces it)" in why.spell()
+    assert d("on", sched, chunk_pixels=8 * 480 * 832)[0]
+    # the rule does not depend on FP8 or the GPU's generation: an A100 decides as the H200
+    for mode in ("on", "auto"):
+        for px in (1, 8 * 480 * 832):
+            assert d(mode, sched, A100, chunk_pixels=px) == d(mode, sched, H200, chunk_pixels=px)
+    use, why = d("on", [1, 2])
+    assert not use and "needs one warm-up chunk and one more to replay" in why
+    assert not d("on", [5])[0]
+    use, why = d("on", [1, 2, 2, 2], tiles=3)
+    assert not use and "spatially tiled plan (3 tiles)" in why
+    assert d("on", [1, 2, 2, 2], capturing=True) == (False, "already inside a CUDA graph capture")
+    assert d("on", [1, 2, 2, 2], CPU) == (False, "CPU decode: CUDA graphs need a GPU")
+    assert d("off", [1, 2, 2, 2]) == (False, "off")
+    # the policy the pipeline arms carries this rule, bound to its mode and device
+    assert chunk_graphs("auto", H200).rule([1, 2, 2], 1, None, False) == d("auto", [1, 2, 2])
+    with pytest.raises(ValueError):
+        chunk_graphs("always", H200)
 
 
 def test_autotune_decisions_pinned(monkeypatch):

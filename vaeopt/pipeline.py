@@ -210,8 +210,8 @@ class Pipeline:
         d = stage_table.decide_graphs(self.opts, self.family, self.info, plan, latent_shape, repeats, chunks,
                                       "8bit" if eight else "bf16")
         if d.kind == "chunks":
-            pol = video_graphs.enable(self.model, d.why, plan.budget_bytes)
-            self._record(video_graphs.armed(pol, d.why))
+            pol = video_graphs.enable(self.model, stage_table.chunk_graphs(d.why, self.info, plan.budget_bytes))
+            self._record(stage_table.chunk_graphs_armed(d.why))
             return pol
         if self.family.cls_name == "AutoencoderKLWan" and chunks:
             video_graphs.disable(self.model)
@@ -331,9 +331,10 @@ class Pipeline:
 
     @staticmethod
     def _video_kwargs(plan: planner.Plan, info: dict) -> dict:
-        # oom_retry: a CUDA out-of-memory error restarts the clip with a smaller plan (vaeopt.video_tiling: tile,
-        # then chunk, then host caches; never the same plan twice); frames already handed out are not repeated.
-        return {"chunk": plan.chunk or 1, "oom_retry": True, "info": info, **Pipeline.video_tiling_kwargs(plan)}
+        # replan: a CUDA out-of-memory error restarts the clip with the planner's smaller plan (tile, then chunk, then
+        # host caches; never the same plan twice); frames already handed out are not repeated.
+        return {"chunk": plan.chunk or 1, "replan": planner.smaller_video_plan, "info": info,
+                **Pipeline.video_tiling_kwargs(plan)}
 
     def _video_report(self, info: dict, stats: DecodeStats | None) -> None:
         if not info or stats is None:
