@@ -212,3 +212,28 @@ def test_autotune_decisions_pinned(monkeypatch):
     assert decide_autotune("auto", H200, ct.MIN_REPEATS)[0] is True
     assert decide_autotune("auto", H200, ct.MIN_REPEATS - 1)[0] is False
     assert decide_autotune("auto", CPU, 10_000) == (False, "no CUDA device: cuDNN runs on the GPU only")
+
+
+@pytest.mark.parametrize("gpu", ["H200", "A100"])
+def test_info_outlook_is_the_tables(monkeypatch, gpu):
+    """`vaeopt info`'s stage rows are the table's decisions for its workloads on this device (here written out)."""
+    from vaeopt import info as vinfo
+    from vaeopt.hw import machine_info
+
+    dev = {"H200": H200, "A100": A100}[gpu]
+    monkeypatch.setattr(DeviceInfo, "of", classmethod(lambda cls, device: dev))
+    monkeypatch.setattr(vinfo, "resolve_dtype", lambda dtype, device: torch.bfloat16)
+    mi = machine_info()
+    mi.gpus = [type("G", (), {"bf16": True, "sm": f"sm_{dev.capability[0]}{dev.capability[1]}", "free_gib": 100.0})]
+    rows = {r["stage"]: r for r in vinfo.stage_outlook(mi, spell_flags)}
+    wan = {r.name: r for r in decide_stages(Options(), get_family("wan21"), torch.bfloat16, dev)}
+    assert rows["stacked_conv3d"]["runs"] is (wan["stacked_conv3d"].status == "applied") is (gpu == "H200")
+    if gpu == "A100":
+        assert rows["stacked_conv3d"]["why"] == "Wan 2.1: " + wan["stacked_conv3d"].text(spell_flags)
+        assert rows["fp8 convs"]["why"].endswith("Wan 2.1: GPU sm_80 has no FP8 tensor cores (needs sm_89+)")
+    else:
+        assert rows["fp8 convs"]["runs"] and rows["fp8"]["why"].startswith("opt-in, with --fp8 on: ")
+    # Wan's per-chunk graphs for the 480p clip: the table's per-clip rule (GPU-bound at 3.2 MP per chunk)
+    _, why = decide_chunk_graphs("auto", dev, [1] + [2] * 10, 1, 8 * 480 * 832)
+    assert f"Wan 2.1: per chunk: {why.spell(spell_flags)}" in rows["graphs"]["why"]
+    assert rows["cudnn_autotune"]["why"] == decide_autotune("auto", dev, 1)[1].spell(spell_flags)

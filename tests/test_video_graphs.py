@@ -166,7 +166,8 @@ def test_fused_path_stats_match_eager(samples_dir, stand_in):
     runs = {}
     for name, g in (("eager", "off"), ("graphs", policy("on"))):
         info: dict = {}
-        runs[name] = (video.decode_video(vae, z, 1, graphs=g, replan=planner.smaller_video_plan, info=info), info["stats"])
+        out = video.decode_video(vae, z, 1, graphs=g, replan=planner.smaller_video_plan, info=info)
+        runs[name] = (out, info["stats"])
     assert torch.equal(runs["graphs"][0], runs["eager"][0])
     assert runs["eager"][1]["fused_blocks"] == 14 * 5
     assert runs["graphs"][1] == runs["eager"][1]
@@ -302,8 +303,9 @@ def test_gpu_replayed_equals_eager_bitwise(samples_dir, dtype):
             info: dict = {}
             out = video.decode_video(vae, z, chunk, graphs=pol, replan=planner.smaller_video_plan, info=info)
             frames = list(video.iter_decode_video(vae, z, chunk, graphs=policy("on", gpu()),
-                                                replan=planner.smaller_video_plan, info={}))
-            eager = list(video.iter_decode_video(vae, z, chunk, graphs="off", replan=planner.smaller_video_plan, info={}))
+                                                 replan=planner.smaller_video_plan, info={}))
+            eager = list(video.iter_decode_video(vae, z, chunk, graphs="off", replan=planner.smaller_video_plan,
+                                                 info={}))
         rec = pol.clips[-1]
         assert rec["status"] == "captured" and rec["replays"] == (3 if chunk == 1 else 1), rec
         assert rec["pool_bytes"] > 0 and rec["capture_ms"] is not None

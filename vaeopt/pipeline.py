@@ -352,7 +352,8 @@ class Pipeline:
         if video_stream.applies(self.model):  # HunyuanVideo 1.5, LTX-2: exact chunks and tiles (planner._plan_stream)
             info: dict = {}
             out = video_stream.decode_clip(self.model, z, plan.chunk or 1, tile=plan.tile if plan.mode == "tiled"
-                                           else None, split=plan.split, oom_retry=True, info=info, progress=progress)
+                                           else None, split=plan.split, replan=planner.smaller_stream_plan,
+                                           info=info, progress=progress)
             if stats is not None:
                 stats.tiling = {k: info[k] for k in ("chunk", "tile", "split", "halo", "tiles") if k in info}
                 for ev in info["oom_events"]:

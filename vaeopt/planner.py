@@ -314,6 +314,21 @@ def smaller_video_plan(vae, latent_shape, plan: vt.TiledVideoPlan, tried: set, d
     return next((c for c in ladder if c not in tried), None)
 
 
+def smaller_stream_plan(latent_shape, chunk: int, tile) -> tuple[int, object] | None:
+    """The HunyuanVideo 1.5 / LTX-2 plan to retry with after an out-of-memory error (vaeopt.video_stream.decode_clip's
+    `replan`): half the chunk, then tiles of half the frame's side, then halved tiles; None below one pixel."""
+    if chunk > 1:
+        return chunk // 2, tile
+    h, w = latent_shape[-2:]
+    if tile is None:
+        t = max(1, max(h, w) // 2)
+        return (1, t) if t < max(h, w) else None
+    th, tw = (tile, tile) if isinstance(tile, int) else tile
+    if max(th, tw) <= 1:
+        return None
+    return 1, (max(1, th // 2), max(1, tw // 2))
+
+
 def _video_flags(model) -> tuple[bool, bool]:
     """(channels_last, fused) as vaeopt.video's decoder will run this model: what the estimates must model."""
     cl = any(m.weight.is_contiguous(memory_format=torch.channels_last_3d) and not m.weight.is_contiguous()

@@ -253,7 +253,7 @@ def _triton_conv_auto(ctx: Context):
 def _fp8_convs_gate(ctx: Context):
     if ctx.opts.conv_kernel == "off":
         return Said("{0} (the e4m3 convs are Triton kernels)", Hint("conv_kernel", "off"))
-    return None
+    return None if ctx.info.fp8_compute[0] else ctx.info.fp8_compute[1]
 
 
 def _fp8_convs_apply(ctx: Context) -> StageResult:
@@ -440,11 +440,6 @@ AUTO_MAX_CHUNK_PIXELS = 512 * 512 * 2
 MIN_STEADY = 2  # one warm-up chunk, then one to capture and replay
 
 
-def steady_chunks(sched) -> int:
-    """Calls after the first with the shape of the second (the schedule's steady chunk)."""
-    return sum(1 for k in sched[1:] if k == sched[1]) if len(sched) > 1 else 0
-
-
 def decide_chunk_graphs(mode: str, info: DeviceInfo, sched, tiles: int = 1, chunk_pixels: int | None = None,
                         capturing: bool = False) -> tuple[bool, object]:
     """(capture this clip, why) for Wan's per-chunk graphs in `mode` (auto | on | off) on the device `info`
@@ -460,7 +455,7 @@ def decide_chunk_graphs(mode: str, info: DeviceInfo, sched, tiles: int = 1, chun
                        "them) are not captured; chunks run eagerly")
     if capturing:
         return False, "already inside a CUDA graph capture"
-    steady = steady_chunks(sched)
+    steady = sum(1 for k in sched[1:] if k == sched[1]) if len(sched) > 1 else 0  # calls of the second's shape
     k = sched[1] if len(sched) > 1 else sched[0]
     least = AUTO_MIN_STEADY if mode == "auto" else MIN_STEADY
     if steady < MIN_STEADY:
@@ -476,12 +471,10 @@ def decide_chunk_graphs(mode: str, info: DeviceInfo, sched, tiles: int = 1, chun
     return True, f"{steady} chunks of {k} latent frame(s) after the first"
 
 
-def chunk_graphs(mode: str, info: DeviceInfo, budget_bytes: int | None = None,
-                 time_chunks: bool = False) -> video_graphs.ChunkGraphs:
+def chunk_graphs(mode: str, info: DeviceInfo, budget_bytes: int | None = None) -> video_graphs.ChunkGraphs:
     """Wan's per-chunk graph policy in `mode` on the device `info` describes: decide_chunk_graphs decides per clip,
-    vaeopt.video_graphs captures and replays (budget_bytes, time_chunks: video_graphs.ChunkGraphs)."""
-    return video_graphs.ChunkGraphs(mode, functools.partial(decide_chunk_graphs, mode, info), budget_bytes,
-                                    time_chunks)
+    vaeopt.video_graphs captures and replays within the VRAM budget `budget_bytes` (None: the device's)."""
+    return video_graphs.ChunkGraphs(mode, functools.partial(decide_chunk_graphs, mode, info), budget_bytes)
 
 
 def chunk_graphs_armed(mode: str) -> StageResult:

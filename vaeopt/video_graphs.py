@@ -61,12 +61,10 @@ POOL_FACTOR = 2.5
 class ChunkGraphs:
     """Per-chunk graphs for a model's video decodes and what they did: one record per clip (decode attempt).
 
-    mode: "on", "auto" or "off" (never captures; with time_chunks=True the chunks are still timed, for benchmarks).
-    rule(sched, tiles, chunk_pixels, capturing) -> (capture this clip?, why): the table's decision
-    (stage_table.decide_chunk_graphs, bound to the mode and the device by stage_table.chunk_graphs).
-    budget_bytes: the VRAM budget the planner planned the decode for (None: not checked beyond the device's own
-    limit). time_chunks: CUDA events around every call (a synchronize at the end of each clip), per-chunk
-    milliseconds in the record."""
+    mode: "on", "auto" or "off"; rule(sched, tiles, chunk_pixels, capturing) -> (capture this clip?, why): the
+    table's (stage_table.chunk_graphs). budget_bytes: the VRAM budget the planner planned the decode for (None: not
+    checked beyond the device's own limit). time_chunks: CUDA events around every call (a synchronize at the end of
+    each clip), per-chunk milliseconds in the record, also with mode "off" (benchmarks)."""
 
     def __init__(self, mode: str, rule: Callable, budget_bytes: int | None = None, time_chunks: bool = False):
         if mode not in ("auto", "on", "off"):
