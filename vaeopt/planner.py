@@ -214,14 +214,25 @@ def _estimate_tiled(family, model, latent_shape, dtype, tile: int) -> int:
 
 
 def largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
-    """The largest tile side (latent px, a multiple of 8) whose tiled decode is estimated within `budget` bytes: the
-    tiled plan, and the pipeline's re-plan after an out-of-memory error in a whole decode."""
+    """The largest tile side (latent px, a multiple of 8) whose tiled decode is estimated within `budget` bytes."""
     h, w = latent_shape[-2:]
     t = max(h, w)
     t = (t + 7) // 8 * 8
     while t > 8 and _estimate_tiled(family, model, latent_shape, dtype, t) > budget:
         t -= 8
     return t
+
+
+def smaller_whole_plan(family, model, latent_shape, dtype, failed: Plan) -> Plan | None:
+    """The plan to decode again with after a whole decode planned as `failed` ran out of memory: tiles estimated
+    within half its estimate, the image tiler's (largest_tile), or HunyuanVideo's diffusers' spatial tiles (None
+    where its frames are no larger than a tile: nothing to tile)."""
+    budget = failed.est_bytes // 2
+    if family.cls_name == "AutoencoderKLHunyuanVideo":
+        tiles = hunyuan_tile(family, model, latent_shape, dtype, budget)
+        return None if tiles is None else Plan("tiled", budget, tiles[1], tile=tiles[0] // family.spatial_factor)
+    t = largest_tile(family, model, latent_shape, dtype, budget)
+    return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t)
 
 
 # ---- Wan: the order of tiled plans, and the re-plan after an out-of-memory error ----------------------------------

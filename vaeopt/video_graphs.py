@@ -63,16 +63,14 @@ class ChunkGraphs:
 
     mode: "on", "auto" or "off"; rule(sched, tiles, chunk_pixels, capturing) -> (capture this clip?, why): the
     table's (stage_table.chunk_graphs). budget_bytes: the VRAM budget the planner planned the decode for (None: not
-    checked beyond the device's own limit). time_chunks: CUDA events around every call (a synchronize at the end of
-    each clip), per-chunk milliseconds in the record, also with mode "off" (benchmarks)."""
+    checked beyond the device's own limit)."""
 
-    def __init__(self, mode: str, rule: Callable, budget_bytes: int | None = None, time_chunks: bool = False):
+    def __init__(self, mode: str, rule: Callable, budget_bytes: int | None = None):
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"graphs mode must be auto, on or off, not {mode!r}")
         self.mode = mode
         self.rule = rule
         self.budget_bytes = budget_bytes
-        self.time_chunks = time_chunks
         self.clips: list[dict] = []
 
     def new_record(self, z: Tensor, sched: Sequence[int], tiles: int, use: bool, why: str) -> dict:
@@ -216,14 +214,6 @@ class _CudaBackend:
         allocator's cache is emptied."""
         torch.cuda.empty_cache()
 
-    def event(self):
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(self.main())
-        return e
-
-    def elapsed_ms(self, a, b) -> float:
-        return a.elapsed_time(b)
-
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -270,13 +260,12 @@ class GraphedSteps:
         self.sched = list(sched)
         self.K = self.sched[1] if len(self.sched) > 1 else self.sched[0]
         self.full_shape = tuple(z.shape)
-        self.backend = backend_for(z.device) if (use or policy.time_chunks) else None
+        self.backend = backend_for(z.device) if use else None
         self.state = "cold" if use and self.backend is not None else "off"
         self.calls = 0
         self.key = None
         self.graph = self.static_in = self.static_out = None
         self.delta: collections.Counter = collections.Counter()
-        self.times: list[tuple[str, object, object]] = []  # (kind, start event, end event)
 
     @property
     def stats(self) -> collections.Counter:
@@ -290,20 +279,12 @@ class GraphedSteps:
     def step(self, z: Tensor) -> Tensor:
         i = self.calls
         self.calls += 1
-        timing = self.policy.time_chunks and self.backend is not None
-        t0 = self.backend.event() if timing else None
-        kind, y = self._step(z, i)
-        if timing:
-            self.times.append((kind, t0, self.backend.event()))
-        return y
-
-    def _step(self, z: Tensor, i: int) -> tuple[str, Tensor]:
         key = (tuple(z.shape), z.dtype, z.device)
         if i == 1:
             self.key = key
         if self.state == "off" or i == 0 or key != self.key:
             self.rec["eager_chunks"] += 1
-            return ("first" if i == 0 else "eager"), self.dec.step(z)
+            return self.dec.step(z)
         if self.state == "cold":
             self.rec["eager_chunks"] += 1
             # The capture stream cannot reuse the compute stream's cached segments (the caching allocator keeps
@@ -314,18 +295,18 @@ class GraphedSteps:
             self.rec["warmup_drain_ms"] = round((time.perf_counter() - t) * 1e3, 2)
             y = self.backend.warmup(lambda: self.dec.step(z), self.dec)
             self.state = "warm"
-            return "warmup", y
+            return y
         if self.state == "warm":
             if not self._capture(z):
                 self.state = "off"
                 self.rec["eager_chunks"] += 1
-                return "eager", self.dec.step(z)
+                return self.dec.step(z)
             self.state = "graphed"
         self.static_in.copy_(z)
         self.backend.replay(self.graph)
         self.stats.update(self.delta)  # what the captured call counted, once per replay
         self.rec["replays"] += 1
-        return "replay", self.static_out.clone()  # the next replay overwrites static_out
+        return self.static_out.clone()  # the next replay overwrites static_out
 
     def _capture(self, z: Tensor) -> bool:
         """Capture one steady call; False (reason recorded, graph memory freed) when it cannot be."""
@@ -390,14 +371,7 @@ class GraphedSteps:
         return int(POOL_FACTOR * max(0, est - sum(t.nbytes for t in self.dec.cache.values())))
 
     def finish(self) -> dict:
-        """End of the clip: per-chunk times (time_chunks), graph and static buffers freed. -> the clip's record."""
-        if self.times:
-            self.backend.sync()
-            ms: dict[str, list[float]] = collections.defaultdict(list)
-            for kind, a, b in self.times:
-                ms[kind].append(round(self.backend.elapsed_ms(a, b), 3))
-            self.rec["chunk_ms"] = dict(ms)
-            self.times = []
+        """End of the clip: graph and static buffers freed. -> the clip's record."""
         if self.rec["status"] == "armed":  # never got to capture (e.g. the schedule changed shape)
             self.rec.update(status="skipped", reason="no second steady chunk reached: eager")
         if self.graph is not None:
@@ -427,7 +401,7 @@ def wrap(dec, vae, z: Tensor, sched: Sequence[int], graphs=None, tiles: int = 1,
     rec = pol.new_record(z, sched, tiles, use, why)
     if info is not None:
         info["graphs"] = rec
-    if not use and not (pol.time_chunks and backend_for(z.device) is not None and tiles == 1):
+    if not use:
         return dec
     return GraphedSteps(dec, vae, z, sched, pol, rec, use)
 
