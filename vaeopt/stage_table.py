@@ -1,8 +1,9 @@
 """The stages in one table: each stage's name, the option that switches it, what it needs, what it conflicts with
 and its auto rule. `apply_stages` walks the table in its order once per pipeline; `decide_graphs` and
-`decide_autotune` make the two decisions that depend on how often a shape repeats, per job. Every automatic
-decision about a stage is made here (the planner decides whole, tiled or chunked), including where a stage pays
-(the GPUs it was measured on). A stage module does the work and keeps only its per-layer checks (which layers it
+`decide_autotune` make the two decisions that depend on how often a shape repeats, per job, and
+`decide_chunk_graphs` Wan's per-chunk graphs, per clip. Every automatic decision about a stage is made here (the
+planner decides whole, tiled or chunked, and the smaller plan after an out-of-memory error), including where a
+stage pays (the GPUs it was measured on). A stage module does the work and keeps only its per-layer checks (which layers it
 takes) and whether its kernels can run at all.
 
 A rule reads the device through `DeviceInfo`, so that the decisions can be computed without the device itself

@@ -49,7 +49,7 @@ from vaeopt.engine.regions import spatial_factor
 from vaeopt.engine.wan_ops import temporal_factor
 from vaeopt.stages import join
 
-__all__ = ["ChunkGraphs", "GraphedSteps", "disable", "enable", "policy_of", "resolve"]
+__all__ = ["ChunkGraphs", "GraphedSteps", "disable", "enable", "resolve"]
 
 ATTR = "_vaeopt_chunk_graphs"
 # The graph's pool measured 2.0-2.5x the dry run's live bytes (minus caches) on the H200 (4.56 GiB against 1.86 at
@@ -129,15 +129,11 @@ def disable(vae) -> None:
         delattr(vae, ATTR)
 
 
-def policy_of(vae) -> ChunkGraphs | None:
-    return getattr(vae, ATTR, None)
-
-
 def resolve(vae, graphs) -> ChunkGraphs | None:
     """The policy for a decode call: `graphs` None -> the model's (enable()), else off; "off"/False -> None; a
     ChunkGraphs (stage_table.chunk_graphs: what it did goes to info["graphs"]) as is."""
     if graphs is None:
-        return policy_of(vae)
+        return getattr(vae, ATTR, None)
     if isinstance(graphs, ChunkGraphs):
         return graphs
     if graphs is False or graphs == "off":
