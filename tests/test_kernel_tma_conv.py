@@ -271,7 +271,7 @@ def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
     """Full-width Wan 2.1 (random weights), FP8 level 3 on every candidate (gate 0): on sm_90 the e4m3 convs run on
     the TMA kernel (its host descriptors are captured into the per-chunk CUDA graph), and the replay equals the eager
     decode bitwise."""
-    from vaeopt import video, video_graphs
+    from vaeopt import stage_table, video
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the TMA tiles were measured on sm_90 only")
@@ -287,7 +287,7 @@ def test_gpu_wan_fp8_on_tma_graph_replay_equals_eager(monkeypatch):
     with torch.inference_mode():
         ref = video.decode_video(pipe.model, z, 1, graphs="off", info={})
         assert len(calls) > 0
-        pol = video_graphs.ChunkGraphs("on", budget_bytes=None)
+        pol = stage_table.chunk_graphs("on", stage_table.DeviceInfo.of(torch.device("cuda")))
         out = video.decode_video(pipe.model, z, 1, graphs=pol, info={})
     assert pol.clips[-1]["status"] == "captured", pol.clips[-1]
     assert torch.equal(out, ref), (out.float() - ref.float()).abs().max().item()
@@ -298,7 +298,7 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
     """bf16 on sm_90 (E28): stacked_conv3d stacks only the 384-channel convs, the six 96-channel ones run on the TMA
     kernel with BF16_WAN96 (one bf16 conv: close to cuDNN's Conv3d), and a full-width Wan 2.1 decode (random weights,
     two chunks) agrees with the all-stacked decode to bf16 rounding."""
-    from vaeopt import video
+    from vaeopt import planner, video
     from vaeopt.stages import stacked_conv3d
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -332,7 +332,7 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
     assert ("on the warp-specialized Gluon TMA kernel" if ws else "TMA variant") in st["triton_conv"].line()
     calls.clear()
     with torch.inference_mode():
-        out = video.decode_video(p.model, z, 2, graphs="off", oom_retry=True, info=(info := {}))
+        out = video.decode_video(p.model, z, 2, graphs="off", replan=planner.smaller_video_plan, info=(info := {}))
     steps = len(video.chunk_schedule(z.shape[2], 2))
     assert info["stats"]["triton_conv"] == n * steps and len(calls) == n * steps
     assert set(calls) == ({"ws"} if ws else {TC.BF16_WAN96})
@@ -343,7 +343,7 @@ def test_gpu_wan_bf16_96_channel_convs_on_tma(monkeypatch):
     q = _wan21_pipeline()
     assert {s.name: s for s in q.stages}["stacked_conv3d"].data["channels"] == [96, 384]
     with torch.inference_mode():
-        ref = video.decode_video(q.model, z, 2, graphs="off", oom_retry=True, info={})
+        ref = video.decode_video(q.model, z, 2, graphs="off", replan=planner.smaller_video_plan, info={})
     d = (out.float() - ref.float()).abs()
     assert d.max().item() < 0.1 and d.mean().item() < 2e-3, (d.max().item(), d.mean().item())
     # spatial tiles (no stacking there) run the marked 96-ch convs on the same kernel, on each tile's buffer

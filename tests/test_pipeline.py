@@ -268,6 +268,30 @@ def test_hunyuan_out_of_memory_retries_in_tiles(monkeypatch):
     assert not m.use_tiling
 
 
+def test_image_out_of_memory_retries_in_the_planners_tiles(samples_dir, monkeypatch):
+    """A whole image decode that runs out of memory is decoded again in the planner's tiles: the largest tile
+    estimated within half the failed decode's estimate (planner.smaller_whole_plan); the result is the tiled decode's."""
+    from vaeopt import planner, tiling
+
+    lines = []
+    pipe = Pipeline(load_vae(samples_dir / "tiny_kl_image.safetensors"), Options(device="cpu"), log=lines.append)
+    z = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    plan = pipe.plan(tuple(z.shape))
+    assert plan.mode == "whole"
+
+    def full(x):  # as a full GPU would
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(pipe, "_decode_whole_raw", full)
+    out, stats = pipe.decode(z, plan)
+    retry = planner.smaller_whole_plan(pipe.family, pipe.model, tuple(z.shape), pipe.dtype, plan)
+    assert retry.mode == "tiled" and retry.budget_bytes == plan.est_bytes // 2
+    assert retry.tile == planner.largest_tile(pipe.family, pipe.model, tuple(z.shape), pipe.dtype, plan.est_bytes // 2)
+    assert len(stats.retries) == 1 and f"retrying tiled with {retry.tile * 8}px tiles" in stats.retries[0]
+    ref = tiling.tiled_decode(pipe.model, z, tile=retry.tile, vram_budget=retry.budget_bytes)
+    torch.testing.assert_close(out, ref.float().clamp(-1, 1), atol=1e-5, rtol=1e-5)
+
+
 def test_hunyuan_skips_channels_last_with_the_reason():
     from vaeopt.cli.report import spell_flags
     from vaeopt.stage_table import HUNYUAN_CL_SKIP

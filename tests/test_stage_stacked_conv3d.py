@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from vaeopt import video
+from vaeopt import planner, video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
 from vaeopt.pipeline import Options
@@ -103,7 +103,7 @@ def test_tiny_wan_stacked_equals_diffusers(samples_dir, z21, phase):
     # the pipeline's path (`vaeopt decode`: video_tiling's OOM-retrying runner, untiled plan) stacks too
     info: dict = {}
     with torch.no_grad():
-        out = video.decode_video(vae, z21, 2, oom_retry=True, info=info)
+        out = video.decode_video(vae, z21, 2, replan=planner.smaller_video_plan, info=info)
     assert info["stats"]["stacked_conv"] == (n - 1) * len(video.chunk_schedule(z21.shape[2], 2))
     assert (out - ref.clamp(-1, 1)).abs().max().item() <= 1e-4
     stacked_conv3d.revert(vae)

@@ -10,7 +10,8 @@ from vaeopt.families import get_family
 from vaeopt.kernels import triton_available
 from vaeopt.loading import load_vae
 from vaeopt.pipeline import Options, Pipeline
-from vaeopt.stage_table import ROWS, DeviceInfo, decide_autotune, decide_graphs, decide_stages
+from vaeopt.stage_table import (AUTO_MIN_STEADY, ROWS, DeviceInfo, chunk_graphs, decide_autotune,
+                                decide_chunk_graphs, decide_graphs, decide_stages)
 from vaeopt.stages import Hint
 
 # an H200 as the rules see it: Triton kernels, FP8 tensor cores, CUDA graphs, cuDNN
@@ -184,6 +185,42 @@ def test_graphs_rows_apply_on_their_own_gpu_only():
     assert named.gpu == "NVIDIA H200" and decide_graphs(o, sdxl, named, _plan(), z, need).kind == "whole"
 
 
+def test_chunk_graphs_decisions_pinned():
+    """Wan's per-chunk graphs, decided per clip: forced on from one warm-up chunk and one to replay, auto from
+    AUTO_MIN_STEADY steady chunks of at most 0.5 MP; never tiled plans, the CPU or a decode inside a capture."""
+    from vaeopt import video
+
+    def d(mode, sched, info=H200, **kw):
+        return decide_chunk_graphs(mode, info, sched, **kw)
+
+    assert d("on", [1, 2, 2]) == (True, "2 chunks of 2 latent frame(s) after the first")
+    use, why = d("auto", [1, 2, 2])
+    assert not use and f"auto captures from {AUTO_MIN_STEADY}" in why
+    assert why.hints == ((Hint("graphs", "on"),),) and "(graphs=on forces it)" in why.spell()
+    assert not d("auto", [1] * 8, chunk_pixels=1)[0] and d("auto", [1] * 9, chunk_pixels=1)[0]
+    sched = video.chunk_schedule(21, 2)  # [1, 2 x 10]
+    assert d("auto", sched, chunk_pixels=8 * 128 * 128)[0]
+    use, why = d("auto", sched, chunk_pixels=8 * 480 * 832)  # wan21-480p: GPU-bound, measured no gain
+    assert not use and "3.2 MP per chunk: GPU-bound" in why and "(graphs=on forces it)" in why.spell()
+    assert d("on", sched, chunk_pixels=8 * 480 * 832)[0]
+    # the rule does not depend on FP8 or the GPU's generation: an A100 decides as the H200
+    for mode in ("on", "auto"):
+        for px in (1, 8 * 480 * 832):
+            assert d(mode, sched, A100, chunk_pixels=px) == d(mode, sched, H200, chunk_pixels=px)
+    use, why = d("on", [1, 2])
+    assert not use and "needs one warm-up chunk and one more to replay" in why
+    assert not d("on", [5])[0]
+    use, why = d("on", [1, 2, 2, 2], tiles=3)
+    assert not use and "spatially tiled plan (3 tiles)" in why
+    assert d("on", [1, 2, 2, 2], capturing=True) == (False, "already inside a CUDA graph capture")
+    assert d("on", [1, 2, 2, 2], CPU) == (False, "CPU decode: CUDA graphs need a GPU")
+    assert d("off", [1, 2, 2, 2]) == (False, "off")
+    # the policy the pipeline arms carries this rule, bound to its mode and device
+    assert chunk_graphs("auto", H200).rule([1, 2, 2], 1, None, False) == d("auto", [1, 2, 2])
+    with pytest.raises(ValueError):
+        chunk_graphs("always", H200)
+
+
 def test_autotune_decisions_pinned(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     from vaeopt.stages import cudnn_autotune as ct
@@ -191,3 +228,28 @@ def test_autotune_decisions_pinned(monkeypatch):
     assert decide_autotune("auto", H200, ct.MIN_REPEATS)[0] is True
     assert decide_autotune("auto", H200, ct.MIN_REPEATS - 1)[0] is False
     assert decide_autotune("auto", CPU, 10_000) == (False, "no CUDA device: cuDNN runs on the GPU only")
+
+
+@pytest.mark.parametrize("gpu", ["H200", "A100"])
+def test_info_outlook_is_the_tables(monkeypatch, gpu):
+    """`vaeopt info`'s stage rows are the table's decisions for its workloads on this device (here written out)."""
+    from vaeopt import info as vinfo
+    from vaeopt.hw import machine_info
+
+    dev = {"H200": H200, "A100": A100}[gpu]
+    monkeypatch.setattr(DeviceInfo, "of", classmethod(lambda cls, device: dev))
+    monkeypatch.setattr(vinfo, "resolve_dtype", lambda dtype, device: torch.bfloat16)
+    mi = machine_info()
+    mi.gpus = [type("G", (), {"bf16": True, "sm": f"sm_{dev.capability[0]}{dev.capability[1]}", "free_gib": 100.0})]
+    rows = {r["stage"]: r for r in vinfo.stage_outlook(mi, spell_flags)}
+    wan = {r.name: r for r in decide_stages(Options(), get_family("wan21"), torch.bfloat16, dev)}
+    assert rows["stacked_conv3d"]["runs"] is (wan["stacked_conv3d"].status == "applied") is (gpu == "H200")
+    if gpu == "A100":
+        assert rows["stacked_conv3d"]["why"] == "Wan 2.1: " + wan["stacked_conv3d"].text(spell_flags)
+        assert rows["fp8 convs"]["why"].endswith("Wan 2.1: GPU sm_80 has no FP8 tensor cores (needs sm_89+)")
+    else:
+        assert rows["fp8 convs"]["runs"] and rows["fp8"]["why"].startswith("opt-in, with --fp8 on: ")
+    # Wan's per-chunk graphs for the 480p clip: the table's per-clip rule (GPU-bound at 3.2 MP per chunk)
+    _, why = decide_chunk_graphs("auto", dev, [1] + [2] * 10, 1, 8 * 480 * 832)
+    assert f"Wan 2.1: per chunk: {why.spell(spell_flags)}" in rows["graphs"]["why"]
+    assert rows["cudnn_autotune"]["why"] == decide_autotune("auto", dev, 1)[1].spell(spell_flags)

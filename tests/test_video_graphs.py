@@ -16,12 +16,24 @@ import json
 import pytest
 import torch
 
-from vaeopt import video, video_graphs
+from vaeopt import planner, video, video_graphs
 from vaeopt import video_tiling as vt
 from vaeopt.engine.wan import ChunkDecoder
-from vaeopt.stages import Hint
+from vaeopt.stage_table import DeviceInfo, chunk_graphs
 
 from test_video_tiling import _wan21, wan21, z21  # noqa: F401 (the same tiny Wan, 6x6 crop and fixtures)
+
+
+# the stand-in backend captures on the CPU: the table is told the device has CUDA graphs
+STAND_IN = DeviceInfo("cpu", graphs=(True, ""))
+
+
+def policy(mode, info=STAND_IN, **kw):
+    return chunk_graphs(mode, info, **kw)
+
+
+def gpu():
+    return DeviceInfo.of(torch.device("cuda"))
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +117,7 @@ def stand_in(monkeypatch):
 
 @pytest.mark.parametrize("chunk,replays", [(1, 3), (2, 1)])
 def test_replays_equal_eager_and_are_counted(wan21, z21, refs, stand_in, chunk, replays):
-    pol = video_graphs.ChunkGraphs("on")
+    pol = policy("on")
     out = video.decode_video(wan21, z21, chunk, graphs=pol)
     assert torch.equal(out, refs[chunk])
     (rec,) = pol.clips
@@ -122,9 +134,9 @@ def test_replays_equal_eager_and_are_counted(wan21, z21, refs, stand_in, chunk, 
 def test_pipeline_path_with_arena(wan21, z21, refs, stand_in):
     """The pipeline's route (video_tiling.iter_raw: caches from one block, OOM fallback armed) with graphs; the raw
     chunks are held by the caller across later replays and must not change (each is a copy of the static output)."""
-    pol = video_graphs.ChunkGraphs("on")
+    pol = policy("on")
     info: dict = {}
-    held = [(f0, y) for f0, y in vt.iter_raw(wan21, z21, 1, oom_retry=True, info=info, graphs=pol)]
+    held = [(f0, y) for f0, y in vt.iter_raw(wan21, z21, 1, replan=planner.smaller_video_plan, info=info, graphs=pol)]
     assert info["graphs"]["replays"] == 3 and info["graphs"] is pol.clips[-1]
     assert len({y.data_ptr() for _, y in held}) == len(held)
     out = torch.cat([y for _, y in held], 2).clamp(-1, 1)
@@ -132,7 +144,7 @@ def test_pipeline_path_with_arena(wan21, z21, refs, stand_in):
 
 
 def test_streaming_iterator(wan21, z21, refs, stand_in):
-    frames = list(video.iter_decode_video(wan21, z21, 1, output="float", graphs="on"))
+    frames = list(video.iter_decode_video(wan21, z21, 1, output="float", graphs=policy("on")))
     assert torch.equal(torch.cat(frames, 2), refs[1])
 
 
@@ -152,9 +164,10 @@ def test_fused_path_stats_match_eager(samples_dir, stand_in):
     lat = torch.load(samples_dir / "tiny_wan_video_latents.pt")
     z = lat["coffee_zoom"].float()[:, :, :, 10:12, 20:22].contiguous()
     runs = {}
-    for name, g in (("eager", "off"), ("graphs", "on")):
+    for name, g in (("eager", "off"), ("graphs", policy("on"))):
         info: dict = {}
-        runs[name] = (video.decode_video(vae, z, 1, graphs=g, oom_retry=True, info=info), info["stats"])
+        out = video.decode_video(vae, z, 1, graphs=g, replan=planner.smaller_video_plan, info=info)
+        runs[name] = (out, info["stats"])
     assert torch.equal(runs["graphs"][0], runs["eager"][0])
     assert runs["eager"][1]["fused_blocks"] == 14 * 5
     assert runs["graphs"][1] == runs["eager"][1]
@@ -164,7 +177,7 @@ def test_fused_path_stats_match_eager(samples_dir, stand_in):
 
 
 def test_cpu_decodes_eagerly_with_the_reason(wan21, z21, refs):
-    pol = video_graphs.ChunkGraphs("on")
+    pol = policy("on", DeviceInfo.of(torch.device("cpu")))
     out = video.decode_video(wan21, z21, 1, graphs=pol)
     assert torch.equal(out, refs[1])
     (rec,) = pol.clips
@@ -174,32 +187,14 @@ def test_cpu_decodes_eagerly_with_the_reason(wan21, z21, refs):
     assert status == "skipped" and "CPU decode: CUDA graphs need a GPU" in detail and data["captures"] == 0
 
 
-def test_decisions(stand_in):
-    cpu = torch.device("cpu")
-    on, auto = video_graphs.ChunkGraphs("on"), video_graphs.ChunkGraphs("auto")
-    assert on.decide(cpu, [1, 2, 2]) == (True, "2 chunks of 2 latent frame(s) after the first")
-    use, why = auto.decide(cpu, [1, 2, 2])
-    assert not use and f"auto captures from {video_graphs.AUTO_MIN_STEADY}" in why
-    assert why.hints == ((Hint("graphs", "on"),),) and "(graphs=on forces it)" in why.spell()
-    assert not auto.decide(cpu, [1] * 8, chunk_pixels=1)[0] and auto.decide(cpu, [1] * 9, chunk_pixels=1)[0]
-    sched = video.chunk_schedule(21, 2)  # [1, 2 x 10]
-    assert auto.decide(cpu, sched, chunk_pixels=8 * 128 * 128)[0]
-    use, why = auto.decide(cpu, sched, chunk_pixels=8 * 480 * 832)  # wan21-480p: GPU-bound, measured no gain
-    assert not use and "3.2 MP per chunk: GPU-bound" in why and "(graphs=on forces it)" in why.spell()
-    assert on.decide(cpu, sched, chunk_pixels=8 * 480 * 832)[0]
-    use, why = on.decide(cpu, [1, 2])
-    assert not use and "needs one warm-up chunk and one more to replay" in why
-    assert not on.decide(cpu, [5])[0]
-    use, why = on.decide(cpu, [1, 2, 2, 2], tiles=3)
-    assert not use and "spatially tiled plan (3 tiles)" in why
-    assert video_graphs.ChunkGraphs("off").decide(cpu, [1, 2, 2, 2]) == (False, "off")
-    with pytest.raises(ValueError):
-        video_graphs.ChunkGraphs("always")
+def test_policies(stand_in):
     assert video_graphs.resolve(object(), "off") is None and video_graphs.resolve(object(), None) is None
+    with pytest.raises(ValueError, match="stage_table.chunk_graphs"):
+        video_graphs.resolve(object(), "on")
 
 
 def test_tiled_plan_runs_eagerly_with_the_reason(wan21, z21, refs, stand_in):
-    pol = video_graphs.ChunkGraphs("on")
+    pol = policy("on")
     info: dict = {}
     out = video.decode_video(wan21, z21, 1, tile=(3, 6), split=3, graphs=pol, info=info)
     assert (out - refs[1]).abs().max().item() <= 2e-6
@@ -209,14 +204,14 @@ def test_tiled_plan_runs_eagerly_with_the_reason(wan21, z21, refs, stand_in):
 
 def test_budget_is_checked_before_and_after_capture(wan21, z21, refs, stand_in):
     # before: the dry-run estimate of the graph's working set does not fit the budget -> no capture
-    pol = video_graphs.ChunkGraphs("on", budget_bytes=1)
+    pol = policy("on", budget_bytes=1)
     assert torch.equal(video.decode_video(wan21, z21, 1, graphs=pol), refs[1])
     rec = pol.clips[-1]
     assert rec["status"] == "skipped" and "would exceed the 0.00 GiB budget: eager" in rec["reason"]
     assert stand_in[-1].captures == 0 and rec["eager_chunks"] == 5
     # after: the pool the capture made pushed reserved memory over the budget -> graph dropped
     stand_in.kw["reserved_after_capture"] = 2**40
-    pol = video_graphs.ChunkGraphs("on", budget_bytes=2**39)
+    pol = policy("on", budget_bytes=2**39)
     assert torch.equal(video.decode_video(wan21, z21, 1, graphs=pol), refs[1])
     rec = pol.clips[-1]
     assert rec["status"] == "skipped" and "over the 512.00 GiB budget: dropped, eager" in rec["reason"]
@@ -225,9 +220,9 @@ def test_budget_is_checked_before_and_after_capture(wan21, z21, refs, stand_in):
 
 def test_oom_during_capture_falls_back_to_eager(wan21, z21, refs, stand_in):
     stand_in.kw["fail"] = torch.OutOfMemoryError("CUDA out of memory (injected)")
-    pol = video_graphs.ChunkGraphs("on")
+    pol = policy("on")
     info: dict = {}
-    out = video.decode_video(wan21, z21, 1, graphs=pol, oom_retry=True, info=info)
+    out = video.decode_video(wan21, z21, 1, graphs=pol, replan=planner.smaller_video_plan, info=info)
     assert torch.equal(out, refs[1])  # the chunk whose capture failed ran eagerly, and so did the rest
     rec = pol.clips[-1]
     assert rec["status"] == "fallback" and rec["reason"] == "out of memory during capture: eager"
@@ -303,12 +298,14 @@ def test_gpu_replayed_equals_eager_bitwise(samples_dir, dtype):
     z = torch.load(samples_dir / "tiny_wan_video_latents.pt")["astronaut_pan"].to("cuda", dtype)  # (1,16,5,h,w)
     for chunk in (1, 2):
         with torch.inference_mode():
-            ref = video.decode_video(vae, z, chunk, graphs="off", oom_retry=True, info={})
-            pol = video_graphs.ChunkGraphs("on", budget_bytes=None)
+            ref = video.decode_video(vae, z, chunk, graphs="off", replan=planner.smaller_video_plan, info={})
+            pol = policy("on", gpu())
             info: dict = {}
-            out = video.decode_video(vae, z, chunk, graphs=pol, oom_retry=True, info=info)
-            frames = list(video.iter_decode_video(vae, z, chunk, graphs="on", oom_retry=True, info={}))
-            eager = list(video.iter_decode_video(vae, z, chunk, graphs="off", oom_retry=True, info={}))
+            out = video.decode_video(vae, z, chunk, graphs=pol, replan=planner.smaller_video_plan, info=info)
+            frames = list(video.iter_decode_video(vae, z, chunk, graphs=policy("on", gpu()),
+                                                 replan=planner.smaller_video_plan, info={}))
+            eager = list(video.iter_decode_video(vae, z, chunk, graphs="off", replan=planner.smaller_video_plan,
+                                                 info={}))
         rec = pol.clips[-1]
         assert rec["status"] == "captured" and rec["replays"] == (3 if chunk == 1 else 1), rec
         assert rec["pool_bytes"] > 0 and rec["capture_ms"] is not None
@@ -324,7 +321,7 @@ def test_gpu_capture_failure_and_budget(samples_dir, monkeypatch):
     with torch.inference_mode():
         ref = video.decode_video(vae, z, 1, graphs="off")
         # the pool would not fit: no capture
-        pol = video_graphs.ChunkGraphs("on", budget_bytes=1)
+        pol = policy("on", gpu(), budget_bytes=1)
         assert torch.equal(video.decode_video(vae, z, 1, graphs=pol), ref)
         assert pol.clips[-1]["status"] == "skipped" and "budget" in pol.clips[-1]["reason"]
         # an OOM inside the capture: the capture is ended, the stream usable, the clip finished eagerly
@@ -336,6 +333,6 @@ def test_gpu_capture_failure_and_budget(samples_dir, monkeypatch):
             return real(self, zc)
 
         monkeypatch.setattr(ChunkDecoder, "step", step)
-        pol = video_graphs.ChunkGraphs("on")
+        pol = policy("on", gpu())
         assert torch.equal(video.decode_video(vae, z, 1, graphs=pol), ref)
     assert pol.clips[-1]["status"] == "fallback" and "out of memory during capture" in pol.clips[-1]["reason"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from test_families import tiny
+from vaeopt import planner
 from vaeopt import video_stream as vs
 from vaeopt.engine.stream import StreamDecoder, back_halo, chunk_schedule
 
@@ -119,7 +120,7 @@ def test_out_of_memory_retries_with_a_smaller_plan(case, monkeypatch):
 
     monkeypatch.setattr(vs, "_decode", flaky)
     info = {}
-    y = vs.decode_clip(m, z, 2, oom_retry=True, info=info)
+    y = vs.decode_clip(m, z, 2, replan=planner.smaller_stream_plan, info=info)
     assert calls[:2] == [(2, None), (1, None)] and calls[2][1] is not None  # half the chunk, then tiles
     assert len(info["oom_events"]) == 2
     assert psnr(y, ref.clamp(-1, 1)) >= 100

@@ -240,7 +240,7 @@ def test_caches_come_from_one_allocation(wan21, z21, refs21, monkeypatch):
         made.append(self)
 
     monkeypatch.setattr(vt._Arena, "__init__", init)
-    out = video.decode_video(wan21, z21, 2, oom_retry=True)
+    out = video.decode_video(wan21, z21, 2, replan=planner.smaller_video_plan)
     assert (out - refs21[2]).abs().max().item() <= 2e-6
     assert len(made) == 1 and made[0].off == made[0].buf.numel() == untiled
 
@@ -296,7 +296,7 @@ def test_oom_shrinks_and_output_matches(wan21, z21, refs21, monkeypatch):
 
     monkeypatch.setattr(ChunkDecoder, "back", back)
     info = {}
-    groups = list(video.iter_decode_video(wan21, z21, 1, output="float", oom_retry=True, info=info))
+    groups = list(video.iter_decode_video(wan21, z21, 1, output="float", replan=planner.smaller_video_plan, info=info))
     assert [g.shape[2] for g in groups] == [1, 4, 4, 4, 4]  # 2 calls out before the OOM, 3 after: none repeated
     out = torch.cat(groups, 2)
     assert (out - refs21[1]).abs().max().item() <= 2e-6
@@ -308,7 +308,7 @@ def test_oom_shrinks_and_output_matches(wan21, z21, refs21, monkeypatch):
     # OOM in a tiled plan: the tile shrinks (never a plan twice); every call out of memory: a clear error
     calls["n"] = 0
     info = {}
-    out = video.decode_video(wan21, z21, 2, tile=(6, 6), oom_retry=True, info=info)  # a 6-row "band" = 48 rows
+    out = video.decode_video(wan21, z21, 2, tile=(6, 6), replan=planner.smaller_video_plan, info=info)  # a 6-row "band" = 48 rows
     assert (out - refs21[2]).abs().max().item() <= 2e-6 and info["shrinks"] == 1
     assert info["plan"].tile[0] < 6
 
@@ -320,10 +320,10 @@ def test_oom_shrinks_and_output_matches(wan21, z21, refs21, monkeypatch):
     monkeypatch.setattr(ChunkDecoder, "back", always)
     info = {}
     with pytest.raises(VaeoptError, match="out of memory"):
-        video.decode_video(wan21, z21, 2, oom_retry=True, info=info)
+        video.decode_video(wan21, z21, 2, replan=planner.smaller_video_plan, info=info)
     plans = [e["plan"] for e in info["oom_events"]]
     assert len(plans) == len(set(plans)) >= 3  # tile, chunk, ...: every plan tried once
-    with pytest.raises(torch.OutOfMemoryError):  # without oom_retry the error is the caller's
+    with pytest.raises(torch.OutOfMemoryError):  # without replan the error is the caller's
         video.decode_video(wan21, z21, 2, tile=(3, 6))
 
 

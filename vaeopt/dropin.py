@@ -363,7 +363,8 @@ class _StreamDecode:
         plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
         with torch.no_grad():
             out = video_stream.decode_clip(v, z, plan.chunk or 1, tile=plan.tile if plan.mode == "tiled" else None,
-                                           split=plan.split, oom_retry=True, causal=causal, clamp=False)
+                                           split=plan.split, replan=planner.smaller_stream_plan, causal=causal,
+                                           clamp=False)
         if not ltx:
             return out
         return DecoderOutput(sample=out) if return_dict else (out,)

@@ -1,72 +1,89 @@
-"""What each pipeline stage will do on this machine (for `vaeopt info`)."""
+"""What each pipeline stage will do on this machine (for `vaeopt info`): the stage table's own decisions
+(vaeopt.stage_table) for a representative workload of each decoder path, on this machine's device."""
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from vaeopt import planner, stage_table
+from vaeopt.engine.wan_ops import chunk_schedule
 from vaeopt.families import family_names, get_family
-from vaeopt.hw import MachineInfo
-from vaeopt.kernels import interpreter_hint
-from vaeopt.stages import Hint, Said, spelled
+from vaeopt.hw import MachineInfo, resolve_dtype
+from vaeopt.pipeline import Options
+from vaeopt.stages import Hint, Said, join, spelled
+
+# The workloads the outlook asks the table about, one per decoder path: a 1024² FLUX.1 image, an 81-frame 480p
+# Wan 2.1 clip, a 33-frame 720p HunyuanVideo 1.5 clip (latent shapes), each decoded once.
+WORKLOADS = (("flux", (1, 16, 128, 128)), ("wan21", (1, 16, 21, 60, 104)), ("hunyuanvideo15", (1, 32, 9, 45, 80)))
+
+# What a stage does where the table runs it.
+WHAT = {
+    "fp8": "e4m3 weights + fp8 GEMMs, gated on PSNR vs fp32",
+    "fp8 convs": "FP8 level 3: e4m3 / int8 implicit-GEMM convs written by the fused norms, gated on PSNR vs fp32",
+    "channels_last": "NHWC / NDHWC convs and activations (GPU: with the fused norms; CPU: alone)",
+    "fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
+    "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues (Wan: summed by the next norm), "
+                       "chunked attention; the 3-channel conv_out as a norm+GEMM kernel and a tap sum",
+    "upsample_conv": "upsample + 3x3 conv as four 2x2 phase convs on the low-res input (4/9 FLOPs)",
+    "stacked_conv3d": "Wan 2.1's 384-ch causal Conv3d (and its 96-ch ones where triton_conv's TMA kernel does not "
+                      "take them) as a Conv2d over time-stacked channels",
+    "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (bf16 96- and 192-ch convs on a "
+                   "warp-specialized Gluon TMA kernel where Triton has Gluon, else the 96-ch ones on its TMA variant)",
+    "attention": "SDPA for diffusers' eager attention processors, HunyuanVideo's frame-causal mid-block (nothing to "
+                 "change where the processors are SDPA already, as diffusers sets them)",
+}
+
+
+def _decisions(family, shape: tuple, dtype: torch.dtype, info: stage_table.DeviceInfo) -> dict[str, tuple]:
+    """stage -> (runs, why) for one decode of `shape` with the default options (fp8, opt-in: as with it on)."""
+    out = {r.name: r for r in stage_table.decide_stages(Options(), family, dtype, info)}
+    for r in stage_table.decide_stages(Options(fp8="on"), family, dtype, info):
+        if r.name in ("fp8", "fp8 convs"):
+            out[r.name] = r
+    rows = {n: (r.status == "applied", r.detail if r.status != "applied" else WHAT.get(n, ""))
+            for n, r in out.items()}
+    plan = planner.Plan("chunked" if family.is_video else "whole", None, 0)
+    d = stage_table.decide_graphs(Options(), family, info, plan, shape, 1)
+    rows["graphs"] = (d.kind is not None, d.why)
+    if d.kind == "chunks":  # Wan: per clip, for the planner's chunk
+        sched = chunk_schedule(shape[2], planner.MAX_CHUNK)
+        px = shape[0] * family.temporal_factor * sched[1] * shape[3] * shape[4] * family.spatial_factor**2
+        ok, why = stage_table.decide_chunk_graphs(d.why, info, sched, 1, px)
+        rows["graphs"] = (ok, join("per chunk: ", why))
+    rows["cudnn_autotune"] = stage_table.decide_autotune("auto", info, 1)
+    return rows
 
 
 def stage_outlook(mi: MachineInfo, spell=None) -> list[dict]:
-    """spell: how the stages' hints are written (`vaeopt info`: as `vaeopt decode`'s flags)."""
+    """One row per stage: whether it runs here for any of the WORKLOADS, and why (each workload's reason where they
+    differ). spell: how the hints are written (`vaeopt info`: as `vaeopt decode`'s flags)."""
     dev = torch.device("cuda") if mi.gpus else torch.device("cpu")
-    g = mi.gpus[0] if mi.gpus else None
-    rows = []
-
-    def row(stage, runs, why):
-        rows.append({"stage": stage, "runs": bool(runs), "why": spelled(why, spell)})
-
-    if g:
-        row("precision", True, "bf16 (tensor cores)" if g.bf16 else "fp16 (no bf16 on " + g.sm + ")")
-    else:
-        row("precision", True, "fp32 on CPU")
-    if g and g.fp8:
-        row("fp8", True, f"{g.sm} has FP8 tensor cores; opt-in (--fp8 on: 8-bit convs where they run, else e4m3 "
-                         "weights + fp8 GEMMs; --fp8 weights / gemm for level 1 / 1-2 alone), gated on PSNR vs fp32")
-    else:
-        row("fp8", False, (f"GPU {g.sm} has no FP8 tensor cores" if g else "no CUDA GPU") + "; --fp8 weights (e4m3 "
-                          "weight storage alone, dequantized per layer) still runs")
-    for name in ("fused_norms", "fused_epilogues", "upsample_conv", "stacked_conv3d", "triton_conv", "channels_last",
-                 "graphs", "cudnn_autotune"):
-        try:
-            mod = importlib.import_module(f"vaeopt.stages.{name}")
-            ok, why = mod.available(dev)
-        except ImportError as e:
-            ok, why = False, f"not importable ({e})"
-        if ok and not g and name in ("fused_norms", "fused_epilogues"):  # as the pipeline decides on the CPU
-            ok, why = False, Said("CPU decode: the Triton kernels would run only through the interpreter ("
-                                  + interpreter_hint() + ")", Hint("triton", "on"))
-        what = {"fused_norms": "Triton GroupNorm+SiLU / RMSNorm+SiLU, NHWC-native",
-                "fused_epilogues": "conv biases folded into norms, residual(+upsample) epilogues (Wan: summed by the "
-                                   "next norm), chunked attention; the 3-channel conv_out as a norm+GEMM kernel and "
-                                   "a tap sum",
-                "upsample_conv": "upsample + 3x3 conv as four 2x2 phase convs on the low-res input (4/9 FLOPs)",
-                "stacked_conv3d": "Wan 2.1's 384-ch causal Conv3d (and its 96-ch ones where triton_conv's TMA "
-                                  "kernel does not take them) as a Conv2d over time-stacked channels (auto on "
-                                  "sm_90, where measured)",
-                "triton_conv": "Triton implicit-GEMM conv for Wan's <=128-ch Conv3d not stacked (auto on sm_90; "
-                               "bf16 96- and 192-ch convs on a warp-specialized Gluon TMA kernel where Triton has "
-                               "Gluon, else the 96-ch ones on its TMA variant); "
-                               "FP8 level 3's e4m3 convs (TMA boxes on sm_90, where image decoders' upsampler "
-                               "convs and 128-ch convs join them)",
-                "channels_last": "NHWC / NDHWC convs and activations (GPU: with the fused norms; CPU: alone)",
-                "graphs": "capture + replay for repeated same-shape decodes",
-                "cudnn_autotune": "cuDNN engine configs timed per new conv shape (auto from "
-                                  "many same-shape decodes; --cudnn-autotune on)"}[name]
-        row(name, ok, what if ok else why)
-    if g:
-        row("attention", True, "SDPA; backend chosen per head dim at load")
-    else:
-        row("attention", False, "nothing to change on the CPU: diffusers' attention is already SDPA (CPU kernels)")
-    if g:
-        row("planner", True, f"tiles/chunks planned from {g.free_gib:.1f} GiB free VRAM")
-    else:
-        row("planner", True, "CPU: whole decode where it fits in half the available host memory, else tiled (or --tile); video chunks planned from the same")
+    info = stage_table.DeviceInfo.of(dev)
+    dtype = resolve_dtype("auto", dev)
+    per: dict[str, list] = {}
+    for name, shape in WORKLOADS:
+        family = get_family(name)
+        for stage, (ok, why) in _decisions(family, shape, dtype, info).items():
+            per.setdefault(stage, []).append((family.title, ok, spelled(why, spell)))
+    rows = [{"stage": "precision", "runs": True, "why": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp16") + f" on {info.name}"}]
+    for stage in [r.name for r in stage_table.ROWS[1:]] + ["graphs", "cudnn_autotune"]:
+        got = per.get(stage)
+        if not got:
+            continue
+        groups: dict[tuple, list[str]] = {}
+        for title, ok, why in got:
+            groups.setdefault((ok, why), []).append(title)
+        mixed = len({ok for ok, _ in groups}) > 1
+        why = next(iter(groups))[1] if len(groups) == 1 and len(got) == len(WORKLOADS) else "; ".join(
+            f"{', '.join(titles)}{(' (runs)' if ok else ' (skipped)') if mixed else ''}: {why}"
+            for (ok, why), titles in groups.items())
+        if stage in ("fp8", "fp8 convs"):  # opt-in: what it would do
+            why = spelled(Said("opt-in, with {0}: ", Hint("fp8", "on")), spell) + why
+        rows.append({"stage": stage, "runs": any(ok for _, ok, _ in got), "why": why})
+    rows.append({"stage": "planner", "runs": True, "why": (
+        f"tiles/chunks planned from {mi.gpus[0].free_gib:.1f} GiB free VRAM" if mi.gpus else
+        "CPU: whole decode where it fits in half the available host memory, else tiled (or --tile); video chunks "
+        "planned from the same")})
     return rows
 
 

@@ -210,8 +210,8 @@ class Pipeline:
         d = stage_table.decide_graphs(self.opts, self.family, self.info, plan, latent_shape, repeats, chunks,
                                       "8bit" if eight else "bf16")
         if d.kind == "chunks":
-            pol = video_graphs.enable(self.model, d.why, plan.budget_bytes)
-            self._record(video_graphs.armed(pol, d.why))
+            pol = video_graphs.enable(self.model, stage_table.chunk_graphs(d.why, self.info, plan.budget_bytes))
+            self._record(stage_table.chunk_graphs_armed(d.why))
             return pol
         if self.family.cls_name == "AutoencoderKLWan" and chunks:
             video_graphs.disable(self.model)
@@ -302,14 +302,13 @@ class Pipeline:
                    and (only is None or tuple(z.shape) in only))
             return (self.graphed if use else self._decode_whole_raw)(z)
         except torch.cuda.OutOfMemoryError:
-            # OOM: free what the failed attempt held, shrink to a tiled plan at half the estimate, and go on.
+            # OOM: free what the failed attempt held, decode again with the planner's tiled plan, and go on.
             torch.cuda.empty_cache()
-            budget = int(plan.est_bytes * 0.5)
-            tile = planner.largest_tile(self.family, self.model, tuple(z.shape), self.dtype, budget)
+            p = planner.smaller_whole_plan(self.family, self.model, tuple(z.shape), self.dtype, plan)
             stats.retries.append(f"out of memory in whole decode (est. {planner.gib(plan.est_bytes)}): "
-                                 f"retrying tiled with {tile * self.family.spatial_factor}px tiles")
+                                 f"retrying tiled with {p.tile * self.family.spatial_factor}px tiles")
             self.log("↩ " + stats.retries[-1])
-            out, info = tiling.tiled_decode(self.model, z, tile=tile, progress=progress, vram_budget=budget,
+            out, info = tiling.tiled_decode(self.model, z, tile=p.tile, progress=progress, vram_budget=p.budget_bytes,
                                             return_info=True)
             self._tiling_report(info, stats)
             return out
@@ -331,9 +330,10 @@ class Pipeline:
 
     @staticmethod
     def _video_kwargs(plan: planner.Plan, info: dict) -> dict:
-        # oom_retry: a CUDA out-of-memory error restarts the clip with a smaller plan (vaeopt.video_tiling: tile,
-        # then chunk, then host caches; never the same plan twice); frames already handed out are not repeated.
-        return {"chunk": plan.chunk or 1, "oom_retry": True, "info": info, **Pipeline.video_tiling_kwargs(plan)}
+        # replan: a CUDA out-of-memory error restarts the clip with the planner's smaller plan (tile, then chunk, then
+        # host caches; never the same plan twice); frames already handed out are not repeated.
+        return {"chunk": plan.chunk or 1, "replan": planner.smaller_video_plan, "info": info,
+                **Pipeline.video_tiling_kwargs(plan)}
 
     def _video_report(self, info: dict, stats: DecodeStats | None) -> None:
         if not info or stats is None:
@@ -351,7 +351,8 @@ class Pipeline:
         if video_stream.applies(self.model):  # HunyuanVideo 1.5, LTX-2: exact chunks and tiles (planner._plan_stream)
             info: dict = {}
             out = video_stream.decode_clip(self.model, z, plan.chunk or 1, tile=plan.tile if plan.mode == "tiled"
-                                           else None, split=plan.split, oom_retry=True, info=info, progress=progress)
+                                           else None, split=plan.split, replan=planner.smaller_stream_plan,
+                                           info=info, progress=progress)
             if stats is not None:
                 stats.tiling = {k: info[k] for k in ("chunk", "tile", "split", "halo", "tiles") if k in info}
                 for ev in info["oom_events"]:
@@ -369,25 +370,25 @@ class Pipeline:
 
     def _decode_hunyuan(self, z, plan: planner.Plan, stats: DecodeStats | None) -> torch.Tensor:
         """diffusers' HunyuanVideo decode, in its spatial tiles where the plan says so; an untiled decode that runs
-        out of memory is decoded again in tiles (the largest whose estimate is half the failed one), where the frames
-        are larger than a tile (else the error stands)."""
+        out of memory is decoded again in the planner's tiles (planner.smaller_whole_plan), where the frames are
+        larger than a tile (else the error stands)."""
         if plan.mode == "tiled":
             return self._hunyuan_tiled(z, plan.tile)
         try:
             return self.model.decode(z).sample.clamp(-1, 1)
         except torch.cuda.OutOfMemoryError:
-            tiles = planner.hunyuan_tile(self.family, self.model, tuple(z.shape), self.dtype, plan.est_bytes // 2)
-            if tiles is None:
+            retry = planner.smaller_whole_plan(self.family, self.model, tuple(z.shape), self.dtype, plan)
+            if retry is None:
                 raise
         # retried outside the except block: its traceback would keep the failed attempt's tensors alive
         torch.cuda.empty_cache()
-        side = tiles[0]
+        side = retry.tile * self.family.spatial_factor
         msg = (f"out of memory in the untiled decode (est. {planner.gib(plan.est_bytes)}): decoding again in "
                f"diffusers' spatial tiles of {side}px (approximate)")
         if stats is not None:
             stats.retries.append(msg)
         self.log("↩ " + msg)
-        return self._hunyuan_tiled(z, side // self.family.spatial_factor)
+        return self._hunyuan_tiled(z, retry.tile)
 
     def _hunyuan_tiled(self, z, tile: int) -> torch.Tensor:
         """diffusers' tiled HunyuanVideo decode with tile sides of `tile` latent px, a quarter overlap

@@ -21,7 +21,8 @@ from vaeopt import cache, tiling
 from vaeopt import video_stream
 from vaeopt import video_tiling as vt
 from vaeopt.engine.memory import stacked_names
-from vaeopt.engine.regions import front_scale, tile_grid
+from vaeopt.engine.regions import (TilingError, band_tiles, front_scale, min_tile_rows, receptive_field,
+                                   tile_grid)
 from vaeopt.engine.wan_ops import fused_from_env
 from vaeopt.errors import VaeoptError
 from vaeopt.families import CONFIG_DIR, FamilySpec
@@ -236,14 +237,130 @@ def _estimate_tiled(family, model, latent_shape, dtype, tile: int) -> int:
 
 
 def largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
-    """The largest tile side (latent px, a multiple of 8) whose tiled decode is estimated within `budget` bytes: the
-    tiled plan, and the pipeline's re-plan after an out-of-memory error in a whole decode."""
+    """The largest tile side (latent px, a multiple of 8) whose tiled decode is estimated within `budget` bytes."""
     h, w = latent_shape[-2:]
     t = max(h, w)
     t = (t + 7) // 8 * 8
     while t > 8 and _estimate_tiled(family, model, latent_shape, dtype, t) > budget:
         t -= 8
     return t
+
+
+def smaller_whole_plan(family, model, latent_shape, dtype, failed: Plan) -> Plan | None:
+    """The plan to decode again with after a whole decode planned as `failed` ran out of memory: tiles estimated
+    within half its estimate, the image tiler's (largest_tile), or HunyuanVideo's diffusers' spatial tiles (None
+    where its frames are no larger than a tile: nothing to tile)."""
+    budget = failed.est_bytes // 2
+    if family.cls_name == "AutoencoderKLHunyuanVideo":
+        tiles = hunyuan_tile(family, model, latent_shape, dtype, budget)
+        return None if tiles is None else Plan("tiled", budget, tiles[1], tile=tiles[0] // family.spatial_factor)
+    t = largest_tile(family, model, latent_shape, dtype, budget)
+    return Plan("tiled", budget, _estimate_tiled(family, model, latent_shape, dtype, t), tile=t)
+
+
+# ---- Wan: the order of tiled plans, and the re-plan after an out-of-memory error ----------------------------------
+
+# The planner and the OOM re-plan order plans by a rough relative decode time (1 = untiled, device caches): the
+# halo rows every interior band edge recomputes (2 * halo per edge at the split's resolution, counted as if all of
+# the decode were tiled: an upper bound), CHUNK_COST per latent frame per call below MAX_CHUNK (H200: 2 frames per
+# call ~2% faster than 1 on Wan 2.1, docs/experiments.md), and for host cache storage HOST_COST / chunk (every tile's
+# caches cross PCIe twice per call; at wan21-720p that is ~2.4 GB per call against ~0.1 s of compute per latent
+# frame, so roughly doubling the time).
+CHUNK_COST = 0.02
+HOST_COST = 1.0
+BAND_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # band counts the planner tries (then the 1-row band)
+SHRINK_FACTOR = 0.8  # an OOM re-plan must be estimated at <= this fraction of the plan that failed
+
+
+def plan_cost(vae, latent_hw: tuple[int, int], plan: vt.TiledVideoPlan, max_chunk: int = MAX_CHUNK) -> float:
+    cost = 1.0 + CHUNK_COST * max(0, max_chunk - plan.chunk)
+    if plan.tile is not None:
+        h, w = latent_hw
+        halo, _ = receptive_field(vae, plan.split)
+        s = front_scale(vae, plan.split)
+        ny, nx = -(-h // plan.tile[0]), -(-w // plan.tile[1])
+        cost += 2 * halo * ((ny - 1) / (h * s) + (nx - 1) / (w * s))
+        if plan.storage == "host":
+            cost += HOST_COST / plan.chunk
+    return cost
+
+
+def candidate_plans(vae, latent_hw: tuple[int, int], chunks, host: bool,
+                    max_chunk: int = MAX_CHUNK) -> list[vt.TiledVideoPlan]:
+    """Tiled plans worth trying, cheapest first (plan_cost): full-width bands (BAND_COUNTS bands, down to the
+    halo's minimum rows), split at the last up block or the one before it (earlier splits have larger halos and
+    a front too small to matter), each chunk in `chunks`, caches on the device, or on the host when `host`."""
+    h, w = latent_hw
+    n_up = len(vae.decoder.up_blocks)
+    out = set()
+    for split in range(n_up - 1, max(-1, n_up - 3), -1):
+        try:
+            m = min_tile_rows(vae, split)
+        except TilingError:
+            continue
+        rows = sorted({-(-h // n) for n in BAND_COUNTS if n < h} | {1}, reverse=True)
+        for r in rows:
+            if r < m or r >= h:
+                continue
+            for k in chunks:
+                for st in ("device", "host") if host else ("device",):
+                    out.add(vt.TiledVideoPlan(int(k), (r, w), split, st))
+    return sorted(out, key=lambda p: (plan_cost(vae, latent_hw, p, max_chunk), p.split != n_up - 1, -p.tile[0]))
+
+
+def smaller_video_plan(vae, latent_shape, plan: vt.TiledVideoPlan, tried: set, dtype: torch.dtype,
+                       channels_last: bool, fused: bool, host: bool) -> vt.TiledVideoPlan | None:
+    """The Wan plan to retry with after an out-of-memory error (vaeopt.video_tiling.iter_raw's `replan`): the
+    cheapest candidate (plan_cost: a smaller tile before a smaller chunk where the halo costs less, host caches
+    last) not tried yet, with a chunk no larger than the failed one, whose dry-run estimate is at most SHRINK_FACTOR
+    of the failed plan's; failing that, the candidate with the smallest estimate below it. When the estimates see
+    no smaller plan (they leave out cuDNN workspaces and fragmentation, which shrink with the convs), the
+    structural ladder: halve the tile (a band's rows; the longer side of a 2D tile) down to the halo's minimum,
+    then halve the chunk, then host caches (host: a CUDA device). None when all of those were tried."""
+    hw = tuple(latent_shape[-2:])
+
+    def est(p):
+        return vt.estimate_tiled_video_bytes(vae, latent_shape, p.chunk, p.tile, dtype, channels_last, fused,
+                                             p.split, p.storage)
+
+    cur = est(plan)
+    best = None
+    for c in candidate_plans(vae, hw, range(plan.chunk, 0, -1), host):
+        if c in tried:
+            continue
+        e = est(c)
+        if e <= SHRINK_FACTOR * cur:
+            return c
+        if e < cur and (best is None or e < best[0]):
+            best = (e, c)
+    if best is not None:
+        return best[1]
+    h, w = hw
+    m = min_tile_rows(vae, plan.split)
+    th, tw = plan.tile if plan.tile is not None else (h, w)
+    t = (-(-th // 2), tw) if plan.tile is None or th >= tw or tw >= w else (th, -(-tw // 2))
+    ladder = [vt.TiledVideoPlan(plan.chunk, t, plan.split, plan.storage)] \
+        if min(t) >= min(m, h, w) and t != (th, tw) else []
+    if plan.chunk > 1:
+        ladder.append(vt.TiledVideoPlan(plan.chunk // 2, plan.tile, plan.split, plan.storage))
+    if host and plan.storage == "device":
+        ladder.append(vt.TiledVideoPlan(plan.chunk, plan.tile or band_tiles(hw, 2), plan.split, "host"))
+    return next((c for c in ladder if c not in tried), None)
+
+
+def smaller_stream_plan(latent_shape, chunk: int, tile) -> tuple[int, object] | None:
+    """The HunyuanVideo 1.5 / LTX-2 plan to retry with after an out-of-memory error (vaeopt.video_stream.decode_clip's
+    `replan`): half the chunk, then tiles of half the frame's side, then halved tiles; None below one pixel."""
+    if chunk > 1:
+        return chunk // 2, tile
+    h, w = latent_shape[-2:]
+    if tile is None:
+        t = max(1, max(h, w) // 2)
+        return (1, t) if t < max(h, w) else None
+    th, tw = (tile, tile) if isinstance(tile, int) else tile
+    if max(th, tw) <= 1:
+        return None
+    return 1, (max(1, th // 2), max(1, tw // 2))
 
 
 def _video_flags(model) -> tuple[bool, bool]:
@@ -496,7 +613,7 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
         vt.check_tile(model, vt.TiledVideoPlan(1, t, split), hw)
         tries = [vt.TiledVideoPlan(k, t, split, st) for k in chunks for st in (("device", "host") if host else
                                                                                 ("device",))]
-        tries.sort(key=lambda p: vt.plan_cost(model, hw, p, MAX_CHUNK))
+        tries.sort(key=lambda p: plan_cost(model, hw, p))
         ests = [(p, estimate_video(family, model, latent_shape, dtype, p.chunk, p.tile, p.split, p.storage))
                 for p in tries]
         fit = [(p, e) for p, e in ests if e <= budget]
@@ -529,7 +646,7 @@ def _plan_video(family, model, latent_shape, dtype, budget, why, chunk, tile=Non
     # Bounds that skip dry runs which cannot fit: plans with the caches on the device need at least the untiled
     # decode's caches; with host caches, the estimate falls as the bands get thinner, so the thinnest band of each
     # (split, chunk) shows whether any of them can fit.
-    cands = vt.candidate_plans(model, hw, chunks, host, MAX_CHUNK)
+    cands = candidate_plans(model, hw, chunks, host)
     device_floor = _video_fixed_bytes(family, model, latent_shape, dtype) + int(
         1.15 * vt.cache_floor_bytes(model, latent_shape, dtype, _video_flags(model)[0]))
     host_min: dict[tuple, int] = {}

@@ -1,8 +1,9 @@
 """The stages in one table: each stage's name, the option that switches it, what it needs, what it conflicts with
 and its auto rule. `apply_stages` walks the table in its order once per pipeline; `decide_graphs` and
-`decide_autotune` make the two decisions that depend on how often a shape repeats, per job. Every automatic
-decision about a stage is made here (the planner decides whole, tiled or chunked), including where a stage pays
-(the GPUs it was measured on). A stage module does the work and keeps only its per-layer checks (which layers it
+`decide_autotune` make the two decisions that depend on how often a shape repeats, per job, and
+`decide_chunk_graphs` Wan's per-chunk graphs, per clip. Every automatic decision about a stage is made here (the
+planner decides whole, tiled or chunked, and the smaller plan after an out-of-memory error), including where a
+stage pays (the GPUs it was measured on). A stage module does the work and keeps only its per-layer checks (which layers it
 takes) and whether its kernels can run at all.
 
 A rule reads the device through `DeviceInfo`, so that the decisions can be computed without the device itself
@@ -16,13 +17,14 @@ spells its own way.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from vaeopt import planner, video
+from vaeopt import planner, video, video_graphs
 from vaeopt.kernels import interpreter_hint
 from vaeopt.stages import Hint, Said, StageResult, join, unmeasured_gpu
 
@@ -258,7 +260,7 @@ def _triton_conv_auto(ctx: Context):
 def _fp8_convs_gate(ctx: Context):
     if ctx.opts.conv_kernel == "off":
         return Said("{0} (the e4m3 convs are Triton kernels)", Hint("conv_kernel", "off"))
-    return None
+    return None if ctx.info.fp8_compute[0] else ctx.info.fp8_compute[1]
 
 
 def _fp8_convs_apply(ctx: Context) -> StageResult:
@@ -375,7 +377,7 @@ def graphs_pay(family, latent_shape: tuple | None, repeats: int, variant: str = 
 @dataclass(frozen=True)
 class GraphsDecision:
     """kind: "whole" (capture whole decodes: GraphedDecode), "chunks" (arm Wan's per-chunk graphs with the option's
-    mode; vaeopt.video_graphs decides per clip from its schedule), or None (no graphs: `why`)."""
+    mode: chunk_graphs, decided per clip from its schedule by decide_chunk_graphs), or None (no graphs: `why`)."""
     kind: str | None
     why: str
 
@@ -397,7 +399,7 @@ def decide_graphs(opts, family, info: DeviceInfo, plan, latent_shape: tuple | No
     if family.is_video:
         if family.cls_name == "AutoencoderKLWan":
             return GraphsDecision(None, "Wan: the whole-clip graph does not apply; per-chunk graphs are decided per "
-                                        "clip by vaeopt.video_graphs")
+                                        "clip")
         return GraphsDecision(None, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only")
     if opts.graphs == "on":
         return GraphsDecision("whole", "forced on")
@@ -429,6 +431,68 @@ def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_b
     if why is not None:
         return GraphsDecision(None, why)
     return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape), calls, variant, gpu)[1])
+
+
+# ---- per clip: Wan's per-chunk graphs (vaeopt.video_graphs captures and replays) ---------------------------------
+
+# auto: graphs for clips with at least AUTO_MIN_STEADY steady chunks (after the first) whose output is at most
+# AUTO_MAX_CHUNK_PIXELS per call. Measured on an H200 (docs/experiments.md E14, h200_wan_graphs_2026-11-21.json):
+# at wan21-480p (K=2: 3.2 MP per call) a replayed chunk took 72.6 ms against 72.5 eager (GPU-bound: the Python and
+# the launches run ahead of the GPU), while the capture (9 ms), a slower first replay (+7 ms) and the drains cost
+# ~12 ms per clip: a 735 ms decode became 747 ms (+1.2 to +1.9% over three runs); 240x416 (0.8 MP): 191 -> 198 ms.
+# Graphs pay where launches dominate: at 128x128 (0.13 MP per 2-frame chunk) a replay took 3.86 ms against 5.37
+# eager and a 21-frame decode went 60.5 -> 55.2 ms; its per-clip cost (~8 ms) is ~6 replays' gain, so auto wants
+# 8 steady chunks.
+AUTO_MIN_STEADY = 8
+AUTO_MAX_CHUNK_PIXELS = 512 * 512 * 2
+MIN_STEADY = 2  # one warm-up chunk, then one to capture and replay
+
+
+def decide_chunk_graphs(mode: str, info: DeviceInfo, sched, tiles: int = 1, chunk_pixels: int | None = None,
+                        capturing: bool = False) -> tuple[bool, object]:
+    """(capture this clip, why) for Wan's per-chunk graphs in `mode` (auto | on | off) on the device `info`
+    describes, for a clip decoded with the chunk schedule `sched` in `tiles` spatial tiles; chunk_pixels: output
+    pixels (frames x H x W x batch) of one steady call, for auto's size bound; capturing: the decode already runs
+    inside a CUDA graph capture."""
+    if mode == "off":
+        return False, "off"
+    if not info.graphs[0]:
+        return False, f"{info.type.upper()} decode: CUDA graphs need a GPU" if info.type != "cuda" else info.graphs[1]
+    if tiles > 1:
+        return False, (f"spatially tiled plan ({tiles} tiles): per-tile decoders (and host-cache copies between "
+                       "them) are not captured; chunks run eagerly")
+    if capturing:
+        return False, "already inside a CUDA graph capture"
+    steady = sum(1 for k in sched[1:] if k == sched[1]) if len(sched) > 1 else 0  # calls of the second's shape
+    k = sched[1] if len(sched) > 1 else sched[0]
+    least = AUTO_MIN_STEADY if mode == "auto" else MIN_STEADY
+    if steady < MIN_STEADY:
+        return False, (f"{steady} chunk(s) of one shape after the first: a graph needs one warm-up chunk and "
+                       "one more to replay")
+    if steady < least:
+        return False, Said(f"{steady} chunks of {k} latent frame(s) after the first: {mode} captures from {least} "
+                           "({0} forces it)", Hint("graphs", "on"))
+    if mode == "auto" and chunk_pixels is not None and chunk_pixels > AUTO_MAX_CHUNK_PIXELS:
+        return False, Said(f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound, a replay would not beat the "
+                           f"eager chunk; auto captures up to {AUTO_MAX_CHUNK_PIXELS / 1e6:.1f} MP per chunk "
+                           "({0} forces it)", Hint("graphs", "on"))
+    return True, f"{steady} chunks of {k} latent frame(s) after the first"
+
+
+def chunk_graphs(mode: str, info: DeviceInfo, budget_bytes: int | None = None) -> video_graphs.ChunkGraphs:
+    """Wan's per-chunk graph policy in `mode` on the device `info` describes: decide_chunk_graphs decides per clip,
+    vaeopt.video_graphs captures and replays within the VRAM budget `budget_bytes` (None: the device's)."""
+    return video_graphs.ChunkGraphs(mode, functools.partial(decide_chunk_graphs, mode, info), budget_bytes)
+
+
+def chunk_graphs_armed(mode: str) -> StageResult:
+    """The graphs stage line once the table armed per-chunk graphs (Pipeline.setup_graphs); video_graphs.report_to
+    replaces it by what was captured after the decodes."""
+    when = "clips with >= 2 chunks of one shape after the first" if mode == "on" else \
+        (f"clips with >= {AUTO_MIN_STEADY} chunks of one shape after the first and <= "
+         f"{AUTO_MAX_CHUNK_PIXELS / 1e6:.1f} MP per chunk, untiled plans")
+    return StageResult("graphs", "skipped",
+                       f"per-chunk graphs armed ({mode}: {when}); what was captured is logged after the decodes")
 
 
 def decide_autotune(mode: str, info: DeviceInfo, repeats: int, est_bytes: int | None = None,

@@ -115,9 +115,9 @@ def decode_video(
     one-pass residual epilogues, kernel upsampling; see ChunkDecoder): None = when the kernels can run and the
     fused_norms stage is applied (or as $VAEOPT_VIDEO_FUSED says), True = required, False = torch ops only.
     `tile` (latent px: an int side -> row bands of that area, or (rows, cols)) decodes in spatial tiles with one causal
-    cache per tile; `tiling` keywords (split, storage, oom_retry, info, ...) go to vaeopt.video_tiling.iter_raw.
+    cache per tile; `tiling` keywords (split, storage, replan, info, ...) go to vaeopt.video_tiling.iter_raw.
     `graphs`: per-chunk CUDA graphs (vaeopt.video_graphs): None = the policy attached to the model by
-    vaeopt.video_graphs.enable (the pipeline's --graphs), else none; "on" / "auto" / "off" / a ChunkGraphs.
+    vaeopt.video_graphs.enable (the pipeline's --graphs), else none; "off"; a ChunkGraphs (stage_table.chunk_graphs).
     `progress(frames done, total frames)` after each chunk."""
     z = prepare_latents(vae, z_raw)
     p = patch_size(vae)

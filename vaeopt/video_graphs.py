@@ -25,12 +25,11 @@ reserved memory over the budget is dropped. An out-of-memory error (or any other
 capture and the clip goes on eagerly, with the reason recorded. The graph and its pool are freed at the end of the
 clip; the capture stream is one per device for the process (each new stream would keep its own cuBLAS workspace).
 
-Not captured (eager, reason recorded): CPU decodes, spatially tiled plans (vaeopt.video_tiling: per-tile decoders,
-and host-cache plans copy caches on side streams between tiles), clips with fewer than 2 steady chunks, decodes
-already inside a capture; in auto mode also clips with fewer than AUTO_MIN_STEADY steady chunks or more than
-AUTO_MAX_CHUNK_PIXELS output pixels per chunk (GPU-bound: no gain measured at 0.8 and 3.2 MP per chunk).
+Which clips are captured is the stage table's rule (vaeopt.stage_table.decide_chunk_graphs: not CPU decodes,
+spatially tiled plans, clips with too few steady chunks, decodes already inside a capture; in auto mode not clips
+too large to gain); a `ChunkGraphs` carries it, bound to the mode and the device (stage_table.chunk_graphs).
 
-Policy and bookkeeping: a `ChunkGraphs` attached to the model (`enable`, done by Pipeline.setup_graphs for `--graphs auto|on`)
+Bookkeeping: a `ChunkGraphs` attached to the model (`enable`, done by Pipeline.setup_graphs for `--graphs auto|on`)
 is read by vaeopt.video / vaeopt.video_tiling at each clip; it keeps one record per clip (captured or why not,
 replays, eager chunks, capture ms, pool bytes, reserved memory vs the budget) and renders the graphs stage line.
 Measurements: docs/video.md, docs/experiments.md E14.
@@ -40,7 +39,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -48,75 +47,31 @@ from torch import Tensor
 from vaeopt.engine.memory import estimate_chunk_bytes
 from vaeopt.engine.regions import spatial_factor
 from vaeopt.engine.wan_ops import temporal_factor
-from vaeopt.stages import Hint, Said, StageResult, join
-from vaeopt.stages import graphs as graphs_stage
+from vaeopt.stages import join
 
-__all__ = ["AUTO_MIN_STEADY", "ChunkGraphs", "GraphedSteps", "disable", "enable", "policy_of", "resolve"]
+__all__ = ["ChunkGraphs", "GraphedSteps", "disable", "enable", "resolve"]
 
 ATTR = "_vaeopt_chunk_graphs"
-# auto: graphs for clips with at least AUTO_MIN_STEADY steady chunks (after the first) whose output is at most
-# AUTO_MAX_CHUNK_PIXELS per call. Measured on an H200 (docs/experiments.md E14, h200_wan_graphs_2026-11-21.json):
-# at wan21-480p (K=2: 3.2 MP per call) a replayed chunk took 72.6 ms against 72.5 eager (GPU-bound: the Python and
-# the launches run ahead of the GPU), while the capture (9 ms), a slower first replay (+7 ms) and the drains cost
-# ~12 ms per clip: a 735 ms decode became 747 ms (+1.2 to +1.9% over three runs); 240x416 (0.8 MP): 191 -> 198 ms.
-# Graphs pay where launches dominate: at 128x128 (0.13 MP per 2-frame chunk) a replay took 3.86 ms against 5.37
-# eager and a 21-frame decode went 60.5 -> 55.2 ms; its per-clip cost (~8 ms) is ~6 replays' gain, so auto wants
-# 8 steady chunks.
-AUTO_MIN_STEADY = 8
-AUTO_MAX_CHUNK_PIXELS = 512 * 512 * 2
 # The graph's pool measured 2.0-2.5x the dry run's live bytes (minus caches) on the H200 (4.56 GiB against 1.86 at
 # wan21-480p, 1.12 / 0.46 at 240x416, 0.16 / 0.08 at 128x128): the caching allocator's segments, as for eager
 # decodes (7.06 GiB reserved for 4.13-4.25 allocated at 480p). The budget check before capture uses this factor.
 POOL_FACTOR = 2.5
-MIN_STEADY = 2  # one warm-up chunk, then one to capture and replay
 
 
 class ChunkGraphs:
-    """Per-chunk graph policy for a model's video decodes and what it did: one record per clip (decode attempt).
+    """Per-chunk graphs for a model's video decodes and what they did: one record per clip (decode attempt).
 
-    mode: "on" (capture whenever possible), "auto" (from AUTO_MIN_STEADY steady chunks), "off" (never; with
-    time_chunks=True the chunks are still timed, for benchmarks). budget_bytes: the VRAM budget the planner planned
-    the decode for (None: not checked beyond the device's own limit). time_chunks: CUDA events around every call
-    (a synchronize at the end of each clip), per-chunk milliseconds in the record."""
+    mode: "on", "auto" or "off"; rule(sched, tiles, chunk_pixels, capturing) -> (capture this clip?, why): the
+    table's (stage_table.chunk_graphs). budget_bytes: the VRAM budget the planner planned the decode for (None: not
+    checked beyond the device's own limit)."""
 
-    def __init__(self, mode: str = "auto", budget_bytes: int | None = None, time_chunks: bool = False,
-                 min_steady: int | None = None):
+    def __init__(self, mode: str, rule: Callable, budget_bytes: int | None = None):
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"graphs mode must be auto, on or off, not {mode!r}")
         self.mode = mode
+        self.rule = rule
         self.budget_bytes = budget_bytes
-        self.time_chunks = time_chunks
-        self.min_steady = min_steady if min_steady is not None else (AUTO_MIN_STEADY if mode == "auto" else MIN_STEADY)
-        self.max_chunk_pixels = AUTO_MAX_CHUNK_PIXELS
         self.clips: list[dict] = []
-
-    # -- per clip ----------------------------------------------------------------------------------------------
-    def decide(self, device: torch.device, sched: Sequence[int], tiles: int = 1,
-               chunk_pixels: int | None = None) -> tuple[bool, str]:
-        """(capture this clip, why) for a clip decoded with this chunk schedule and this many spatial tiles;
-        chunk_pixels: output pixels (frames x H x W x batch) of one steady call, for auto's size bound."""
-        if self.mode == "off":
-            return False, "off"
-        if backend_for(device) is None:
-            return False, f"{device.type.upper()} decode: CUDA graphs need a GPU"
-        if tiles > 1:
-            return False, (f"spatially tiled plan ({tiles} tiles): per-tile decoders (and host-cache copies between "
-                           "them) are not captured; chunks run eagerly")
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False, "already inside a CUDA graph capture"
-        steady = _steady(sched)
-        k = sched[1] if len(sched) > 1 else sched[0]
-        if steady < MIN_STEADY:
-            return False, (f"{steady} chunk(s) of one shape after the first: a graph needs one warm-up chunk and "
-                           "one more to replay")
-        if steady < self.min_steady:
-            return False, Said(f"{steady} chunks of {k} latent frame(s) after the first: {self.mode} captures "
-                               f"from {self.min_steady} ({{0}} forces it)", Hint("graphs", "on"))
-        if self.mode == "auto" and chunk_pixels is not None and chunk_pixels > self.max_chunk_pixels:
-            return False, Said(f"{chunk_pixels / 1e6:.1f} MP per chunk: GPU-bound, a replay would not beat the "
-                               f"eager chunk; auto captures up to {self.max_chunk_pixels / 1e6:.1f} MP per chunk "
-                               "({0} forces it)", Hint("graphs", "on"))
-        return True, f"{steady} chunks of {k} latent frame(s) after the first"
 
     def new_record(self, z: Tensor, sched: Sequence[int], tiles: int, use: bool, why: str) -> dict:
         k = sched[1] if len(sched) > 1 else sched[0]
@@ -163,14 +118,8 @@ def _fmt_ms(ms: list[float]) -> str:
     return f"{ms[0]:.0f}" if len(ms) == 1 else f"{min(ms):.0f}-{max(ms):.0f}"
 
 
-def _steady(sched: Sequence[int]) -> int:
-    """Calls after the first with the shape of the second (the schedule's steady chunk)."""
-    return sum(1 for k in sched[1:] if k == sched[1]) if len(sched) > 1 else 0
-
-
-def enable(vae, mode: str = "auto", budget_bytes: int | None = None, time_chunks: bool = False) -> ChunkGraphs:
+def enable(vae, pol: ChunkGraphs) -> ChunkGraphs:
     """Attach a per-chunk graph policy to a Wan VAE: its later decodes through vaeopt.video / the pipeline use it."""
-    pol = ChunkGraphs(mode, budget_bytes, time_chunks)
     setattr(vae, ATTR, pol)
     return pol
 
@@ -180,20 +129,16 @@ def disable(vae) -> None:
         delattr(vae, ATTR)
 
 
-def policy_of(vae) -> ChunkGraphs | None:
-    return getattr(vae, ATTR, None)
-
-
 def resolve(vae, graphs) -> ChunkGraphs | None:
-    """The policy for a decode call: `graphs` None -> the model's (enable()), else off; "off"/False -> None;
-    "on"/True/"auto" -> a fresh policy of that mode (what it did: info["graphs"]); a ChunkGraphs as is."""
+    """The policy for a decode call: `graphs` None -> the model's (enable()), else off; "off"/False -> None; a
+    ChunkGraphs (stage_table.chunk_graphs: what it did goes to info["graphs"]) as is."""
     if graphs is None:
-        return policy_of(vae)
+        return getattr(vae, ATTR, None)
     if isinstance(graphs, ChunkGraphs):
         return graphs
     if graphs is False or graphs == "off":
         return None
-    return ChunkGraphs("on" if graphs is True else str(graphs))
+    raise ValueError(f"graphs must be None, 'off' or a ChunkGraphs (vaeopt.stage_table.chunk_graphs), not {graphs!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,14 +210,6 @@ class _CudaBackend:
         allocator's cache is emptied."""
         torch.cuda.empty_cache()
 
-    def event(self):
-        e = torch.cuda.Event(enable_timing=True)
-        e.record(self.main())
-        return e
-
-    def elapsed_ms(self, a, b) -> float:
-        return a.elapsed_time(b)
-
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -319,13 +256,12 @@ class GraphedSteps:
         self.sched = list(sched)
         self.K = self.sched[1] if len(self.sched) > 1 else self.sched[0]
         self.full_shape = tuple(z.shape)
-        self.backend = backend_for(z.device) if (use or policy.time_chunks) else None
+        self.backend = backend_for(z.device) if use else None
         self.state = "cold" if use and self.backend is not None else "off"
         self.calls = 0
         self.key = None
         self.graph = self.static_in = self.static_out = None
         self.delta: collections.Counter = collections.Counter()
-        self.times: list[tuple[str, object, object]] = []  # (kind, start event, end event)
 
     @property
     def stats(self) -> collections.Counter:
@@ -339,20 +275,12 @@ class GraphedSteps:
     def step(self, z: Tensor) -> Tensor:
         i = self.calls
         self.calls += 1
-        timing = self.policy.time_chunks and self.backend is not None
-        t0 = self.backend.event() if timing else None
-        kind, y = self._step(z, i)
-        if timing:
-            self.times.append((kind, t0, self.backend.event()))
-        return y
-
-    def _step(self, z: Tensor, i: int) -> tuple[str, Tensor]:
         key = (tuple(z.shape), z.dtype, z.device)
         if i == 1:
             self.key = key
         if self.state == "off" or i == 0 or key != self.key:
             self.rec["eager_chunks"] += 1
-            return ("first" if i == 0 else "eager"), self.dec.step(z)
+            return self.dec.step(z)
         if self.state == "cold":
             self.rec["eager_chunks"] += 1
             # The capture stream cannot reuse the compute stream's cached segments (the caching allocator keeps
@@ -363,18 +291,18 @@ class GraphedSteps:
             self.rec["warmup_drain_ms"] = round((time.perf_counter() - t) * 1e3, 2)
             y = self.backend.warmup(lambda: self.dec.step(z), self.dec)
             self.state = "warm"
-            return "warmup", y
+            return y
         if self.state == "warm":
             if not self._capture(z):
                 self.state = "off"
                 self.rec["eager_chunks"] += 1
-                return "eager", self.dec.step(z)
+                return self.dec.step(z)
             self.state = "graphed"
         self.static_in.copy_(z)
         self.backend.replay(self.graph)
         self.stats.update(self.delta)  # what the captured call counted, once per replay
         self.rec["replays"] += 1
-        return "replay", self.static_out.clone()  # the next replay overwrites static_out
+        return self.static_out.clone()  # the next replay overwrites static_out
 
     def _capture(self, z: Tensor) -> bool:
         """Capture one steady call; False (reason recorded, graph memory freed) when it cannot be."""
@@ -439,14 +367,7 @@ class GraphedSteps:
         return int(POOL_FACTOR * max(0, est - sum(t.nbytes for t in self.dec.cache.values())))
 
     def finish(self) -> dict:
-        """End of the clip: per-chunk times (time_chunks), graph and static buffers freed. -> the clip's record."""
-        if self.times:
-            self.backend.sync()
-            ms: dict[str, list[float]] = collections.defaultdict(list)
-            for kind, a, b in self.times:
-                ms[kind].append(round(self.backend.elapsed_ms(a, b), 3))
-            self.rec["chunk_ms"] = dict(ms)
-            self.times = []
+        """End of the clip: graph and static buffers freed. -> the clip's record."""
         if self.rec["status"] == "armed":  # never got to capture (e.g. the schedule changed shape)
             self.rec.update(status="skipped", reason="no second steady chunk reached: eager")
         if self.graph is not None:
@@ -471,11 +392,12 @@ def wrap(dec, vae, z: Tensor, sched: Sequence[int], graphs=None, tiles: int = 1,
     pol = resolve(vae, graphs)
     if pol is None:
         return dec
-    use, why = pol.decide(z.device, sched, tiles, _chunk_pixels(vae, z, sched))
+    capturing = z.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    use, why = pol.rule(sched, tiles, _chunk_pixels(vae, z, sched), capturing)
     rec = pol.new_record(z, sched, tiles, use, why)
     if info is not None:
         info["graphs"] = rec
-    if not use and not (pol.time_chunks and backend_for(z.device) is not None and tiles == 1):
+    if not use:
         return dec
     return GraphedSteps(dec, vae, z, sched, pol, rec, use)
 
@@ -487,16 +409,6 @@ def wrap(dec, vae, z: Tensor, sched: Sequence[int], graphs=None, tiles: int = 1,
 def applies(pipe) -> bool:
     """Wan video: vaeopt.video's chunk decoder runs, so graphs are per chunk (not the whole-decode GraphedDecode)."""
     return pipe.family.cls_name == "AutoencoderKLWan"
-
-
-def armed(pol: ChunkGraphs, mode: str) -> StageResult:
-    """The graphs stage line once the table armed per-chunk graphs (Pipeline.setup_graphs); report_to replaces it
-    by what was captured after the decodes."""
-    when = "clips with >= 2 chunks of one shape after the first" if mode == "on" else \
-        (f"clips with >= {pol.min_steady} chunks of one shape after the first and <= "
-         f"{pol.max_chunk_pixels / 1e6:.1f} MP per chunk, untiled plans")
-    return StageResult(graphs_stage.NAME, "skipped",
-                       f"per-chunk graphs armed ({mode}: {when}); what was captured is logged after the decodes")
 
 
 def report_to(pipe, pol: ChunkGraphs) -> None:

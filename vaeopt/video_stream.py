@@ -9,8 +9,8 @@ tile, each tile with its own StreamDecoder (own conv histories) and a halo that 
 decode's, whatever padding lands on a tile's edge.
 
 Memory: a stage never runs on more than `chunk` latent frames' worth (LTX-2's non-causal convs hold frames back and
-release them at the clip's end, in pieces of that size). An out-of-memory error restarts the clip with a smaller
-plan (half the chunk, then smaller tiles) when `oom_retry` is on.
+release them at the clip's end, in pieces of that size). An out-of-memory error restarts the clip with the plan
+`replan` gives (vaeopt.planner.smaller_stream_plan: half the chunk, then smaller tiles), where one is given.
 """
 
 from __future__ import annotations
@@ -66,13 +66,14 @@ def _tiles(h: int, w: int, tile) -> list[tuple[int, int, int, int]]:
     return tile_grid(h, w, max(1, min(th, h)), max(1, min(tw, w)))
 
 
-def decode_clip(vae, z: Tensor, chunk: int = 2, *, tile=None, split: int | None = None, oom_retry: bool = False,
+def decode_clip(vae, z: Tensor, chunk: int = 2, *, tile=None, split: int | None = None, replan: Callable | None = None,
                 info: dict | None = None, progress: Callable[[int, int], None] | None = None,
                 causal: bool | None = None, clamp: bool = True) -> Tensor:
     """Decode raw latents (N, C, T, h, w) like `vae.decode(z).sample` (clamped to [-1, 1]), `chunk` latent frames
     per call. `tile`: latent px per tile side (int or (rows, cols)); the back part from up_blocks[split] on runs per
-    tile. `info` gets the plan actually used and any out-of-memory retries. clamp=False: diffusers' unclamped
-    `vae.decode` output (vaeopt.optimize)."""
+    tile. replan(latent shape, chunk, tile) -> the (chunk, tile) to restart with after an out-of-memory error, or
+    None (None: the error is the caller's). `info` gets the plan actually used and any out-of-memory retries.
+    clamp=False: diffusers' unclamped `vae.decode` output (vaeopt.optimize)."""
     why = unsupported(vae)
     if why:
         raise VaeoptError(f"vaeopt's chunked decode does not apply to this {type(vae).__name__}: {why}")
@@ -82,28 +83,12 @@ def decode_clip(vae, z: Tensor, chunk: int = 2, *, tile=None, split: int | None 
         try:
             return _decode(vae, z, chunk, tile, split, info, progress, causal, clamp)
         except torch.cuda.OutOfMemoryError:
-            if not oom_retry:
-                raise
-            nxt = _smaller(vae, z, chunk, tile)
+            nxt = replan(tuple(z.shape), chunk, tile) if replan is not None else None
             if nxt is None:
                 raise
         torch.cuda.empty_cache()  # outside the except block: its traceback would keep the attempt's tensors alive
         info["oom_events"].append({"chunk": chunk, "tile": tile, "next": nxt})
         chunk, tile = nxt
-
-
-def _smaller(vae, z: Tensor, chunk: int, tile) -> tuple[int, object] | None:
-    """The next cheaper plan: half the chunk, then tiles of half the frame's side, then halved tiles."""
-    if chunk > 1:
-        return chunk // 2, tile
-    h, w = z.shape[-2:]
-    if tile is None:
-        t = max(1, max(h, w) // 2)
-        return (1, t) if t < max(h, w) else None
-    th, tw = (tile, tile) if isinstance(tile, int) else tile
-    if max(th, tw) <= 1:
-        return None
-    return 1, (max(1, th // 2), max(1, tw // 2))
 
 
 def _decode(vae, z, chunk, tile, split, info, progress, causal, clamp=True) -> Tensor:

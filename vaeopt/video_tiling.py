@@ -38,10 +38,9 @@ a decode reserves its caches in one allocation up front (_Arena): allocated one 
 they fragmented the caching allocator by 30-48% on the H200.
 
 Planning and OOM: `estimate_tiled_video_bytes` is a dry run of this exact decode on meta tensors (vaeopt.video's
-live-storage counter); vaeopt.planner searches tiles, splits, chunks and cache storage with it. `iter_raw` with
-`oom_retry=True` restarts the clip with a smaller plan after a CUDA out-of-memory error (the cheapest candidate
-estimated at <= 80% of the failed plan's memory; else tile, then chunk, then host caches; never the same plan
-twice) and skips the frames it has already handed out.
+live-storage counter); vaeopt.planner searches tiles, splits, chunks and cache storage with it. `iter_raw` with a
+`replan` (vaeopt.planner.smaller_video_plan) restarts the clip with the plan it gives after a CUDA out-of-memory
+error, never the same plan twice, and skips the frames it has already handed out.
 Notes and measurements: docs/video.md.
 """
 
@@ -51,7 +50,7 @@ import collections
 import functools
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,14 +69,11 @@ __all__ = [
     "TiledVideoPlan",
     "band_tiles",
     "cache_floor_bytes",
-    "candidate_plans",
     "check_tile",
     "default_split",
     "estimate_tiled_video_bytes",
     "iter_raw",
     "min_tile_rows",
-    "plan_bytes",
-    "plan_cost",
     "receptive_field",
     "resolve_tile",
 ]
@@ -460,102 +456,6 @@ class _TiledClip:
 # Running a plan, with OOM fallback
 
 
-# The planner and the OOM fallback order plans by a rough relative decode time (1 = untiled, device caches): the
-# halo rows every interior band edge recomputes (2 * halo per edge at the split's resolution, counted as if all of
-# the decode were tiled: an upper bound), CHUNK_COST per latent frame per call below MAX_CHUNK (H200: 2 frames per
-# call ~2% faster than 1 on Wan 2.1, docs/experiments.md), and for host cache storage HOST_COST / chunk (every tile's
-# caches cross PCIe twice per call; at wan21-720p that is ~2.4 GB per call against ~0.1 s of compute per latent
-# frame, so roughly doubling the time).
-CHUNK_COST = 0.02
-HOST_COST = 1.0
-BAND_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # band counts the planner tries (then the 1-row band)
-
-
-def plan_cost(vae, latent_hw: tuple[int, int], plan: TiledVideoPlan, max_chunk: int = 2) -> float:
-    cost = 1.0 + CHUNK_COST * max(0, max_chunk - plan.chunk)
-    if plan.tile is not None:
-        h, w = latent_hw
-        halo, _ = receptive_field(vae, plan.split)
-        s = front_scale(vae, plan.split)
-        ny, nx = -(-h // plan.tile[0]), -(-w // plan.tile[1])
-        cost += 2 * halo * ((ny - 1) / (h * s) + (nx - 1) / (w * s))
-        if plan.storage == "host":
-            cost += HOST_COST / plan.chunk
-    return cost
-
-
-def candidate_plans(vae, latent_hw: tuple[int, int], chunks: Sequence[int], host: bool,
-                    max_chunk: int = 2) -> list[TiledVideoPlan]:
-    """Tiled plans worth trying, cheapest first (plan_cost): full-width bands (BAND_COUNTS bands, down to the
-    halo's minimum rows), split at the last up block or the one before it (earlier splits have larger halos and
-    a front too small to matter), each chunk in `chunks`, caches on the device, or on the host when `host`."""
-    h, w = latent_hw
-    n_up = len(vae.decoder.up_blocks)
-    out = set()
-    for split in range(n_up - 1, max(-1, n_up - 3), -1):
-        try:
-            m = min_tile_rows(vae, split)
-        except TilingError:
-            continue
-        rows = sorted({-(-h // n) for n in BAND_COUNTS if n < h} | {1}, reverse=True)
-        for r in rows:
-            if r < m or r >= h:
-                continue
-            for k in chunks:
-                for st in ("device", "host") if host else ("device",):
-                    out.add(TiledVideoPlan(int(k), (r, w), split, st))
-    return sorted(out, key=lambda p: (plan_cost(vae, latent_hw, p, max_chunk), p.split != n_up - 1, -p.tile[0]))
-
-
-def plan_bytes(vae, latent_shape: Sequence[int], plan: TiledVideoPlan, dtype: torch.dtype | None = None,
-               channels_last: bool = False, fused: bool = False) -> int:
-    """estimate_tiled_video_bytes for a plan (tile None: vaeopt.video's untiled estimate)."""
-    return estimate_tiled_video_bytes(vae, latent_shape, plan.chunk, plan.tile, dtype, channels_last, fused,
-                                      plan.split, plan.storage)
-
-
-SHRINK_FACTOR = 0.8  # an OOM fallback plan must be estimated at <= this fraction of the plan that failed
-
-
-def smaller_plan(vae, latent_shape: Sequence[int], plan: TiledVideoPlan, tried: set, dtype: torch.dtype,
-                 channels_last: bool, fused: bool, host: bool) -> TiledVideoPlan | None:
-    """The plan to retry with after an out-of-memory error: the cheapest candidate (plan_cost: a smaller tile
-    before a smaller chunk where the halo costs less, host caches last) not tried yet, with a chunk no larger than
-    the failed one, whose dry-run estimate is at most SHRINK_FACTOR of the failed plan's; failing that, the
-    candidate with the smallest estimate below it. When the estimates see no smaller plan (they leave out cuDNN
-    workspaces and fragmentation, which shrink with the convs), the structural ladder: halve the tile (a band's
-    rows; the longer side of a 2D tile) down to the halo's minimum, then halve the chunk, then host caches (CUDA).
-    None when all of those were tried."""
-    hw = tuple(latent_shape[-2:])
-    cur = plan_bytes(vae, latent_shape, plan, dtype, channels_last, fused)
-    best = None
-    for c in candidate_plans(vae, hw, range(plan.chunk, 0, -1), host):
-        if c in tried:
-            continue
-        e = plan_bytes(vae, latent_shape, c, dtype, channels_last, fused)
-        if e <= SHRINK_FACTOR * cur:
-            return c
-        if e < cur and (best is None or e < best[0]):
-            best = (e, c)
-    if best is not None:
-        return best[1]
-    h, w = hw
-    m = min_tile_rows(vae, plan.split)
-    th, tw = plan.tile if plan.tile is not None else (h, w)
-    ladder = []
-    if plan.tile is None or th >= tw or tw >= w:
-        ladder.append((-(-th // 2), tw))
-    else:
-        ladder.append((th, -(-tw // 2)))
-    ladder = [TiledVideoPlan(plan.chunk, t, plan.split, plan.storage) for t in ladder if min(t) >= min(m, h, w)
-              and t != (th, tw)]
-    if plan.chunk > 1:
-        ladder.append(TiledVideoPlan(plan.chunk // 2, plan.tile, plan.split, plan.storage))
-    if host and plan.storage == "device":
-        ladder.append(TiledVideoPlan(plan.chunk, plan.tile or band_tiles(hw, 2), plan.split, "host"))
-    return next((c for c in ladder if c not in tried), None)
-
-
 def check_tile(vae, plan: TiledVideoPlan, latent_hw: tuple[int, int]) -> None:
     """VaeoptError, naming the halo, for a tile smaller than min_tile_rows on a side the frame is larger than."""
     if plan.tile is None:
@@ -576,16 +476,18 @@ def check_tile(vae, plan: TiledVideoPlan, latent_hw: tuple[int, int]) -> None:
 def iter_raw(
     vae, z: Tensor, chunk: Chunk, tile: int | Sequence[int] | None = None, *,
     channels_last: bool | None = None, fused: bool | None = None, split: int | None = None,
-    storage: str = "device", overlap: bool = True, oom_retry: bool = False, info: dict | None = None,
+    storage: str = "device", overlap: bool = True, replan: Callable | None = None, info: dict | None = None,
     arena: bool = True, graphs=None, _force_copy: bool = False,
 ) -> Iterator[tuple[int, Tensor]]:
     """(first output frame index, raw decoder output) per call, like vaeopt.video's untiled loop, for a tiled plan.
 
     tile: None = untiled (vaeopt.video's decoder); an int (square side in latent px -> full-width bands of that
     area) or (rows, cols) in latent px. split: first tiled up block (None: default_split). storage: "device" or
-    "host" (pinned; CUDA) for the tiles' causal caches. oom_retry: after a CUDA out-of-memory error, free, take the
-    next smaller plan (see smaller_plan) and decode the clip again from its first frame, skipping the frames already
-    handed out; the events go to info["oom_events"]. arena: the causal caches come from one allocation made at the
+    "host" (pinned; CUDA) for the tiles' causal caches. replan: after a CUDA out-of-memory error, free, ask it for
+    the next plan (vaeopt.planner.smaller_video_plan's arguments: the model, the latent shape, the failed plan, the
+    plans tried, dtype, channels_last, fused, whether host caches are possible) and decode the clip again from its
+    first frame, skipping the frames already handed out; the events go to info["oom_events"] (None: the error is the
+    caller's). arena: the causal caches come from one allocation made at the
     start (see _Arena; False: allocated one by one, as vaeopt.video does). graphs: per-chunk CUDA graphs for untiled
     plans (vaeopt.video_graphs; None: the model's policy, if any); each attempt gets a record (info["graphs"]).
     `info` (a dict, filled in): plan, tiles, halo, shrinks, ..."""
@@ -641,7 +543,7 @@ def iter_raw(
             info["stats"] = dict(runner.stats)
             return
         except _OOM_ERRORS as e:
-            if not oom_retry:
+            if replan is None:
                 raise
             failed = str(e).splitlines()[0] if str(e) else type(e).__name__
         # Outside the except clause the exception's traceback (and the failed call's tensors in its frames) is gone.
@@ -649,7 +551,7 @@ def iter_raw(
         if cuda:
             torch.cuda.synchronize(z.device)
             torch.cuda.empty_cache()
-        nxt = smaller_plan(vae, z.shape, plan, tried, z.dtype, cl, kern, cuda)
+        nxt = replan(vae, z.shape, plan, tried, z.dtype, cl, kern, cuda)
         info["oom_events"].append({"plan": plan, "next": nxt, "frames_done": delivered, "error": failed})
         if nxt is None:
             raise VaeoptError(f"out of memory decoding the clip, and no plan needs less memory than "
