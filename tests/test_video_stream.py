@@ -268,3 +268,29 @@ def test_cli_chunk_and_tile_flags_reach_the_chunk_decoder(tmp_path):
     with torch.no_grad():
         ref = m.decode(z).sample.clamp(-1, 1)
     assert psnr(load_file(str(tmp_path / "out.safetensors"))["sample"], ref) >= 100
+
+
+@BOTH
+def test_the_clip_state_is_freed_when_the_decode_returns(case, monkeypatch):
+    """The conv histories and keys/values go when decode_clip returns, not at Python's next cycle collection (the
+    stage closures refer back to the decoder): a next decode must not find them still on the device."""
+    import gc
+    import weakref
+
+    fam, m, z, ref = case
+    made = []
+    real = vs.StreamDecoder
+
+    def track(*a, **k):
+        d = real(*a, **k)
+        made.append(weakref.ref(d))
+        return d
+
+    monkeypatch.setattr(vs, "StreamDecoder", track)
+    gc.disable()
+    try:
+        y = vs.decode_clip(m, z, 2, clamp=False)
+        assert made and all(r() is None for r in made)
+    finally:
+        gc.enable()
+    assert psnr(y, ref) >= 100

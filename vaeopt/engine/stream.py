@@ -169,8 +169,8 @@ class StreamDecoder:
             buf = _cat(x[:, :, :1].expand(-1, -1, left, -1, -1), x) if left else x
         else:
             buf = _cat(st.hist, x)
-        keep = kt - 1  # a copy: a view would keep the whole chunk's input alive until the next call
-        st.hist = buf[:, :, max(0, buf.shape[2] - keep):].clone() if keep else None
+        keep = kt - 1  # a copy: a view would keep the whole chunk's input alive until the next call (none after the
+        st.hist = buf[:, :, max(0, buf.shape[2] - keep):].clone() if keep and not final else None  # clip's end)
         if final and right:
             buf = _cat(buf, buf[:, :, -1:].expand(-1, -1, right, -1, -1))
         if buf.shape[2] < kt:
@@ -217,17 +217,21 @@ class StreamDecoder:
         hn = blk.norm(x)
         q, k, v = blk.to_q(hn), blk.to_k(hn), blk.to_v(hn)
         del hn
-        tok = lambda t: t.reshape(N, C, -1).permute(0, 2, 1).unsqueeze(1)  # noqa: E731 (N, 1, T*H*W, C)
+        # tokens (N, 1, T*H*W, C), contiguous once: every frame's query block and key/value prefix is then a
+        # contiguous view, not a copy of the growing prefix per frame
+        tok = lambda t: t.reshape(N, C, -1).transpose(1, 2).unsqueeze(1).contiguous()  # noqa: E731
         kv = self.state.get(blk)
-        K, V = (_cat(kv[0], k), _cat(kv[1], v)) if kv is not None else (k, v)
-        self.state[blk] = (K, V)
-        L, start = H * W, K.shape[2] - T  # frames before this chunk
-        qs, Ks, Vs = tok(q), tok(K), tok(V)
+        k, v = tok(k), tok(v)
+        Ks, Vs = (torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)) if kv is not None else (k, v)
+        self.state[blk] = (Ks, Vs)
+        L = H * W
+        start = Ks.shape[2] // L - T  # frames before this chunk
+        qs = tok(q)
         out = torch.empty((N, 1, T * L, C), dtype=x.dtype, device=x.device)
         for i in range(T):
             end = (start + i + 1) * L
             out[:, :, i * L:(i + 1) * L] = F.scaled_dot_product_attention(
-                qs[:, :, i * L:(i + 1) * L].contiguous(), Ks[:, :, :end].contiguous(), Vs[:, :, :end].contiguous())
+                qs[:, :, i * L:(i + 1) * L], Ks[:, :, :end], Vs[:, :, :end])
         y = out.squeeze(1).reshape(N, T, H, W, C).permute(0, 4, 1, 2, 3)
         return blk.proj_out(y) + x
 
@@ -335,6 +339,13 @@ class StreamDecoder:
             y = fn(x[:, :, a:a + cap] if n > cap else x, last)
             yield from self._run(i + 1, stop, y, last)
             del y
+
+    def close(self) -> None:
+        """Drop the clip's state (conv histories, residual queues, earlier keys/values) and the stage closures: they
+        refer back to this decoder, so without this the state would stay on the device until Python's cycle
+        collector runs, on top of the next decode's memory."""
+        self.state.clear()
+        self.stages = []
 
     # -- one step ------------------------------------------------------------------------------------------
     def front(self, z: Tensor, stop: int, final: bool) -> Iterator[tuple[Tensor, bool]]:
