@@ -352,3 +352,20 @@ def test_the_h200_plans_take_the_largest_chunk_and_hold_the_budgets():
             p = planner.plan_decode(spec, m, shape, torch.bfloat16, cuda, vram_budget_gb=gb)
             assert p.est_bytes <= gb * 2**30, (fam, gb, p.reason)
     assert planner.stream_chunks(31)[:4] == [31, 16, 11, 8]
+
+
+def test_the_variant_benchmark_parses_its_variants():
+    """benchmarks/decode_video.py (run on a GPU by benchmarks/video_families.sh): every variant it lists has its
+    pipeline options, and the video-family command line parses (its --tiny CPU run is a manual smoke test)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import decode_video
+    import harness
+
+    assert set(decode_video.VARIANTS) - {"diffusers"} == set(decode_video.OPTIONS)
+    assert decode_video.OPTIONS["budget8"]["vram_budget_gb"] == 8 and decode_video.OPTIONS["chunk4"]["chunk"] == 4
+    args = harness.parse("decode_video", ["--workload", "ltx2-768", "--tiny", "--variants",
+                                          "diffusers,vaeopt,whole,chunk1,chunk4,cl,nofused,cl_nofused,budget16,budget8"])
+    assert args.tiny and len(args.variants) == 10
