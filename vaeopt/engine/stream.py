@@ -163,14 +163,22 @@ class StreamDecoder:
             left, right = kt - 1, 0
         else:
             left, right = (kt - 1, 0) if self.causal else ((kt - 1) // 2, (kt - 1) // 2)
+        keep = kt - 1
         if st.hist is None:
             if x.shape[2] == 0:
                 return empty_frames(x, conv.out_channels)
+            if self.kind == "hv15":
+                # the clip's first frames: one F.pad over time and space, as diffusers pads the clip (one copy, not
+                # a concatenation and then a pad); the history is the last frames of the time-padded stream
+                if keep and not final:
+                    st.hist = (x if x.shape[2] >= keep else
+                               _cat(x[:, :, :1].expand(-1, -1, keep - x.shape[2], -1, -1), x))[:, :, -keep:].clone()
+                return self._conv_call(conv, F.pad(x, wrapper.time_causal_padding, mode=wrapper.pad_mode))
             buf = _cat(x[:, :, :1].expand(-1, -1, left, -1, -1), x) if left else x
         else:
             buf = _cat(st.hist, x)
-        keep = kt - 1  # a copy: a view would keep the whole chunk's input alive until the next call (none after the
-        st.hist = buf[:, :, max(0, buf.shape[2] - keep):].clone() if keep and not final else None  # clip's end)
+        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        st.hist = buf[:, :, max(0, buf.shape[2] - keep):].clone() if keep and not final else None
         if final and right:
             buf = _cat(buf, buf[:, :, -1:].expand(-1, -1, right, -1, -1))
         if buf.shape[2] < kt:
@@ -178,6 +186,10 @@ class StreamDecoder:
         if self.kind == "hv15":
             p = wrapper.time_causal_padding
             buf = F.pad(buf, (p[0], p[1], p[2], p[3], 0, 0), mode=wrapper.pad_mode)
+        return self._conv_call(conv, buf)
+
+    @staticmethod
+    def _conv_call(conv: nn.Conv3d, buf: Tensor) -> Tensor:
         w = conv.weight  # the layout the channels_last stage gave the weights (cat/pad may have dropped it)
         mf = (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
               else torch.contiguous_format)
