@@ -388,7 +388,7 @@ def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling,
 # number of calls holds less memory.
 
 
-def _stream_model(family, model) -> dict:
+def _stream_model(family) -> dict:
     mm = memory_model()
     return mm.get(family.cls_name) or mm["default"]
 
@@ -403,7 +403,7 @@ def estimate_stream(family, model, latent_shape, dtype, chunk: int, tile: int | 
     n, _, t_lat, h, w = latent_shape
     eb = torch.tensor([], dtype=dtype).element_size()
     H, W = h * family.spatial_factor, w * family.spatial_factor
-    e = _stream_model(family, model)
+    e = _stream_model(family)
     slope = float(e.get("stream_act_bytes_per_px", e["act_bytes_per_px"]))
     const, margin = float(e.get("stream_const_bytes", 0)), float(e.get("stream_margin", 1.0))
     frac = 1.0
