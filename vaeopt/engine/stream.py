@@ -174,13 +174,20 @@ class StreamDecoder:
                     st.hist = (x if x.shape[2] >= keep else
                                _cat(x[:, :, :1].expand(-1, -1, keep - x.shape[2], -1, -1), x))[:, :, -keep:].clone()
                 return self._conv_call(conv, F.pad(x, wrapper.time_causal_padding, mode=wrapper.pad_mode))
-            buf = _cat(x[:, :, :1].expand(-1, -1, left, -1, -1), x) if left else x
+            head = x[:, :, :1].expand(-1, -1, left, -1, -1) if left else None
         else:
-            buf = _cat(st.hist, x)
-        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
-        st.hist = buf[:, :, max(0, buf.shape[2] - keep):].clone() if keep and not final else None
+            head = st.hist
+        # one concatenation of the history (or the clip's front padding), the new frames and, at the clip's end, the
+        # back padding, as diffusers concatenates its padding: no second full copy of the input
+        tail = None
         if final and right:
-            buf = _cat(buf, buf[:, :, -1:].expand(-1, -1, right, -1, -1))
+            last = x if x.shape[2] else head
+            tail = last[:, :, -1:].expand(-1, -1, right, -1, -1)
+        parts = [t for t in (head, x, tail) if t is not None and t.shape[2]]
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        n = (head.shape[2] if head is not None else 0) + x.shape[2]  # the stream's frames in buf (before the tail)
+        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        st.hist = buf[:, :, max(0, n - keep):n].clone() if keep and not final else None
         if buf.shape[2] < kt:
             return empty_frames(x, conv.out_channels)
         if self.kind == "hv15":
