@@ -2,24 +2,34 @@
 
     python benchmarks/decode_video.py --workload wan21-480p [--variants diffusers,vaeopt,graphs]
     python benchmarks/decode_video.py --workload wan21-720p --variants vaeopt,tiled --vram-budget 8
+    python benchmarks/decode_video.py --workload ltx2-768 --variants \
+        diffusers,vaeopt,whole,chunk1,chunk4,cl,nofused,cl_nofused,budget16,budget8 --repeats 3 --warmup 1
 
 Variants: diffusers (vae.decode: Wan one latent frame per call), vaeopt (every default stage, the planner's chunk,
 CUDA graphs off), graphs (+ Wan's per-chunk CUDA graphs, armed as `vaeopt decode` arms them), fp8 (+ FP8), tiled
 (spatial tiles within --vram-budget), budget (the planner's own choice within --vram-budget: chunks, tiles where a
-chunk does not fit). The reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's
-chunk-1 loop, diffusers' schedule without its growing torch.cat), so the PSNRs match its table. vaeopt's rows are
-timed by the pipeline's own clock.
+chunk does not fit), budget16 / budget8 (the same within 16 / 8 GB); vaeopt with one thing changed: whole (the clip in
+one call), chunkK (K latent frames per call), cl (channels_last_3d on), nofused (no Triton norms), cl_nofused. The
+reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without its
+growing torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock; the table's
+"decode" is their own peak (the weights plus the peak above the call's start), held against the plan's estimate and
+the budget.
 """
 
 import torch
 
 import harness as H
 
-VARIANTS = ("diffusers", "vaeopt", "graphs", "fp8", "tiled", "budget")
+VARIANTS = ("diffusers", "vaeopt", "graphs", "fp8", "tiled", "budget", "budget16", "budget8", "whole", "chunk1",
+            "chunk2", "chunk4", "cl", "nofused", "cl_nofused")
 DEFAULTS = {"workload": "wan21-480p", "repeats": 5, "warmup": 2}
-OPTIONS = {"vaeopt": dict(graphs="off", tiling="off"), "graphs": dict(graphs="on", tiling="off"),
+_V = dict(graphs="off", tiling="off")
+OPTIONS = {"vaeopt": _V, "graphs": dict(graphs="on", tiling="off"),
            "fp8": dict(graphs="on", tiling="off", fp8="on"), "tiled": dict(graphs="off", tiling="on"),
-           "budget": dict(graphs="off", tiling="auto")}
+           "budget": dict(graphs="off", tiling="auto"), "whole": _V,
+           **{f"budget{g}": dict(graphs="off", tiling="auto", vram_budget_gb=g) for g in (16, 8)},
+           **{f"chunk{k}": dict(_V, chunk=k) for k in (1, 2, 4)}, "cl": dict(_V, channels_last="on"),
+           "nofused": dict(_V, triton="off"), "cl_nofused": dict(_V, channels_last="on", triton="off")}
 
 
 def add_args(ap):
@@ -52,6 +62,8 @@ def setup(variant, shape, ctx):
         model = ctx.model()
         return H.Case(lambda: model.decode(z).sample, reference, image=True, flops=flops)
     opts = dict(OPTIONS[variant], device=str(ctx.device), dtype=ctx.dtype_name, decode_shape=tuple(shape))
+    if variant == "whole":
+        opts["chunk"] = shape[2]
     if variant in ("tiled", "budget"):
         opts["vram_budget_gb"] = ctx.args.vram_budget
     if variant == "fp8":
@@ -59,6 +71,7 @@ def setup(variant, shape, ctx):
     loaded = LoadedVAE(ctx.model(torch.float32), ctx.family, "benchmark", None, [], None)
     pipe = Pipeline(loaded, Options(**opts), log=lambda s: None)
     plan = pipe.plan(tuple(shape))
+    weights = sum(p.numel() * p.element_size() for p in pipe.model.parameters())
     if variant == "tiled" and plan.mode != "tiled":
         raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
     if variant in ("graphs", "fp8") and video_graphs.applies(pipe) and pipe.setup_graphs(plan) is None:
@@ -74,8 +87,30 @@ def setup(variant, shape, ctx):
         return H.Timed(out, stats.seconds * 1e3)
 
     return H.Case(fn, reference, image=True, flops=flops,
-                  info={"plan": plan.reason, "stages": [f"{s.name}: {s.status}" for s in pipe.stages]})
+                  info={"plan": plan.reason, "est_gib": plan.est_bytes / 2**30, "weights_gib": weights / 2**30,
+                        "budget_gib": (plan.budget_bytes or 0) / 2**30 if "vram_budget_gb" in opts else None,
+                        "stages": [f"{s.name}: {s.status}" for s in pipe.stages]})
+
+
+def table(res: dict) -> None:
+    """variant, ms, speedup, PSNR, the decode's own peak (weights + above the start) against the plan's estimate and
+    any budget, the plan."""
+    print(f"\n{'variant':<11} {'ms':>9} {'x':>5} {'PSNR':>6} {'decode':>7} {'est':>6} {'budget':>7}  plan")
+    for r in res["rows"]:
+        if r["status"] != "ok":
+            print(f"{r['variant']:<11} {r['status']}: {r['reason'][:100]}")
+            continue
+        i = r.get("info") or {}
+        dec = (i["weights_gib"] + r["peak_above_start_gib"]) if "weights_gib" in i and r.get("peak_above_start_gib") \
+            is not None else None
+        b = i.get("budget_gib")
+        held = "" if b is None or dec is None else (" ok" if dec <= b else " OVER")
+        f = lambda v, w, p: f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        print(f"{r['variant']:<11} {r['median_ms']:9.1f} {f(r.get('speedup', 1.0), 5, 2)} {f(r.get('psnr_db'), 6, 1)}"
+              f" {f(dec, 7, 2)} {f(i.get('est_gib'), 6, 2)} {f(b, 4, 0)}{held:<3}  {i.get('plan', '')[:90]}")
 
 
 if __name__ == "__main__":
-    H.main("decode_video")
+    out = H.main("decode_video")
+    if out is not None:
+        table(out)

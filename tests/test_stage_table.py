@@ -136,6 +136,18 @@ def test_h200_other_families_pinned():
     assert d["fused_epilogues"].detail == "needs the fused norms (they carry the folded biases)"
 
 
+def test_h200_chunk_decoder_families_keep_ncdhw():
+    """HunyuanVideo 1.5 / LTX-2 on CUDA: channels_last_3d off in auto mode (measured slower on an H200,
+    h200_ltx2-768_2026-11-29.json / h200_hunyuan15-480p_2026-11-29.json), the fused norms on in NCDHW; on the CPU
+    the auto rule is unchanged; "on" still forces it."""
+    for fam in ("ltx2", "hunyuanvideo15"):
+        d = _gpu(fam)
+        assert d["channels_last"].status == "skipped" and "measured slower on an H200" in d["channels_last"].text()
+        assert d["fused_norms"].status == "applied"
+        assert _gpu(fam, channels_last="on")["channels_last"].status == "applied"
+        assert _gpu(fam, info=CPU)["channels_last"].status == "applied"
+
+
 def test_fp16_sdxl_runs_in_fp32():
     d = decide_stages(Options(device="cpu"), get_family("sdxl"), torch.float16, H200)
     assert {r.name: r for r in d}["triton_conv"].status == "skipped"  # the fp32 it was raised to

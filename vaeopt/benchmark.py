@@ -459,8 +459,9 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
             rows.append(Row(name, "ladder", status="skipped", reason="not requested (--fp8)"))
             acc["fp8"] = "off"
             continue
-        if name == "+ channels_last" and (veto := channels_last_veto(spec)):  # the decode's auto choice, not the
-            rows.append(Row(name, "ladder", status="skipped", reason=spelled(veto, b.spell)))  # row's forced "on"
+        # the decode's auto choice, not the row's forced "on"
+        if name == "+ channels_last" and (veto := channels_last_veto(spec, b.device.type)):
+            rows.append(Row(name, "ladder", status="skipped", reason=spelled(veto, b.spell)))
             b.log_row(rows[-1])
             acc["channels_last"] = "off"
             continue

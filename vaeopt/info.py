@@ -96,10 +96,12 @@ _PATHS = {
     "AutoencoderKLHunyuanVideo": ("diffusers' decode with vaeopt's precision and attention (channels_last_3d off: "
                                   "its replicate padding undoes it), diffusers' spatial tiles when over budget"),
     "AutoencoderKLHunyuanVideo15": ("exact chunk decoder (causal convs' histories carried, frame-causal attention "
-                                    "with kept keys/values), fused RMSNorm+SiLU, channels_last_3d, exact spatial "
-                                    "tiling when a chunk does not fit, the OOM fallback"),
-    "AutoencoderKLLTX2Video": ("exact chunk decoder (non-causal convs hold one frame back), fused RMSNorm+SiLU, "
-                               "channels_last_3d, exact spatial tiling when a chunk does not fit, the OOM fallback"),
+                                    "with kept keys/values), the largest chunk that fits, fused RMSNorm+SiLU "
+                                    "(NCDHW on CUDA: channels_last_3d measured slower), exact spatial tiling when "
+                                    "a chunk does not fit, the OOM fallback"),
+    "AutoencoderKLLTX2Video": ("exact chunk decoder (non-causal convs hold one frame back), the whole clip in one "
+                               "call where it fits, fused RMSNorm+SiLU (NCDHW on CUDA: channels_last_3d measured "
+                               "slower), exact spatial tiling when a chunk does not fit, the OOM fallback"),
     "AutoencoderTiny": "tiny decoder: precision, channels_last, CUDA graphs for repeated shapes",
 }
 

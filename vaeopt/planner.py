@@ -522,47 +522,77 @@ def _plan_hunyuan(family, model, latent_shape, dtype, budget, why, tile, tiling,
                        f"(approximate: each tile normalizes with its own statistics): {fits}")
 
 
-# HunyuanVideo 1.5 / LTX-2 (vaeopt.video_stream): latent frames per call when the budget allows; each stage runs on
-# at most this many latent frames' worth, so memory grows with it (not yet measured for speed on a GPU).
-MAX_CHUNK_STREAM = 2
+# HunyuanVideo 1.5 / LTX-2 (vaeopt.video_stream): the largest chunk whose estimate fits, the whole clip where it does.
+# No speed cap: one decoder call over the clip is diffusers' own schedule (LTX-2: its ops in its order), and smaller
+# chunks only add calls; chunks are evened out (31 latent frames with room for 23: 16 + 15, not 23 + 8) so the same
+# number of calls holds less memory.
+
+
+def _stream_model(family) -> dict:
+    mm = memory_model()
+    return mm.get(family.cls_name) or mm["default"]
 
 
 def estimate_stream(family, model, latent_shape, dtype, chunk: int, tile: int | None = None) -> int:
-    """Peak bytes of vaeopt.video_stream's decode: the family's per-pixel activation model for `chunk` latent frames'
-    worth of output frames, over the whole frame, or (tiles) over one tile with its halo at the largest stages
-    (the back), plus the weights and the clip's output."""
+    """Peak bytes of vaeopt.video_stream's decode, everything it holds on the device: the whole model's weights (the
+    pipeline moves the encoder too), the clip's output, and the activations of `chunk` latent frames' worth of output
+    frames, fitted from measured peaks (configs/memory_model.json: stream_act_bytes_per_px per output pixel per dtype
+    byte, stream_const_bytes for what does not grow with the chunk: cuDNN workspaces, conv histories, residual
+    queues, the attention's keys) times stream_margin. With tiles only the back's share of the activations shrinks
+    with the tile (stream_tile_front_share stays whole-frame)."""
     n, _, t_lat, h, w = latent_shape
     eb = torch.tensor([], dtype=dtype).element_size()
     H, W = h * family.spatial_factor, w * family.spatial_factor
+    e = _stream_model(family)
+    slope = float(e.get("stream_act_bytes_per_px", e["act_bytes_per_px"]))
+    const, margin = float(e.get("stream_const_bytes", 0)), float(e.get("stream_margin", 1.0))
     frac = 1.0
     if tile is not None:
         split = video_stream.default_split(model)
         sc = video_stream.split_scale(model, split)
         halo = 2 * video_stream.back_halo(model, split)
-        frac = min(1.0, (min(tile, h) * sc + halo) * (min(tile, w) * sc + halo) / (h * sc * w * sc))
-    slope, const = _coef(family, model)
+        back = min(1.0, (min(tile, h) * sc + halo) * (min(tile, w) * sc + halo) / (h * sc * w * sc))
+        front = float(e.get("stream_tile_front_share", 0.0))
+        frac = front + (1 - front) * back
     px = n * chunk * family.temporal_factor * H * W * frac
     out = n * family.output_frames(t_lat) * H * W * 3 * eb
-    return int(_weights_bytes(model, dtype) + slope * eb * px + const + out)
+    weights = sum(t.numel() for t in model.parameters()) * eb if model is not None else 0
+    return int(weights + out + margin * (slope * eb * px + const))
+
+
+def stream_chunks(t_lat: int) -> list[int]:
+    """Candidate chunks, largest first, each evened out over the clip (for each number of calls, the smallest chunk
+    that gives it): the first that fits holds no more memory than its calls need."""
+    out: list[int] = []
+    for k in range(t_lat, 0, -1):
+        even = -(-t_lat // -(-t_lat // k))
+        if even not in out:
+            out.append(even)
+    return out
 
 
 def _plan_stream(family, model, latent_shape, dtype, budget, why, chunk, tile, tiling) -> Plan:
-    """HunyuanVideo 1.5 / LTX-2: exact chunks (the largest that fits), else exact spatial tiles (the largest that
-    fits, one latent frame per call); a tile or tiling='on' forces tiles."""
+    """HunyuanVideo 1.5 / LTX-2: exact chunks (the largest that fits, the whole clip where it does), else exact
+    spatial tiles (the largest that fits, one latent frame per call); a tile or tiling='on' forces tiles."""
     t_lat, (h, w) = latent_shape[2], latent_shape[-2:]
     if budget is None:
         budget, why = _host_budget(), "half of the available host memory"
-    chunks = [chunk] if chunk is not None else list(range(min(MAX_CHUNK_STREAM, t_lat), 0, -1))
+    chunks = [chunk] if chunk is not None else stream_chunks(t_lat)
     how = f"{family.title}'s exact chunk decoder"
     split = video_stream.default_split(model)
     if tile is None and tiling != "on":
-        ests = [(k, estimate_stream(family, model, latent_shape, dtype, k)) for k in chunks]
-        fit = [ke for ke in ests if ke[1] <= budget]
+        fit = None
+        for k in chunks:  # largest first: the first that fits
+            est = estimate_stream(family, model, latent_shape, dtype, k)
+            if est <= budget:
+                fit = (k, est)
+                break
         if fit or tiling == "off":
-            k, est = fit[0] if fit else ests[-1]
+            k, est = fit or (chunks[-1], est)
+            what = f"chunk {k} latent frame(s)" + (" (the whole clip in one call)" if k >= t_lat else "")
             verdict = (f"est. {gib(est)} of {gib(budget)} budget ({why})" if fit else
                        f"est. {gib(est)} exceeds the {gib(budget)} budget ({why}); may run out of memory (tiling off)")
-            return Plan("chunked", budget, est, chunk=k, reason=f"chunk {k} latent frame(s) through {how}: {verdict}")
+            return Plan("chunked", budget, est, chunk=k, reason=f"{what} through {how}: {verdict}")
     k = chunks[-1] if chunk is None else chunk
     if tile is not None:
         t = max(1, min(int(tile), max(h, w)))

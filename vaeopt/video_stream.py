@@ -92,12 +92,11 @@ def decode_clip(vae, z: Tensor, chunk: int = 2, *, tile=None, split: int | None 
 
 
 def _decode(vae, z, chunk, tile, split, info, progress, causal, clamp=True) -> Tensor:
-    n, _, t_lat, h, w = z.shape
-    total = output_frames(vae, t_lat)
-    out = None
-    done = 0
+    _, _, t_lat, h, w = z.shape
     sched = chunk_schedule(t_lat, chunk)
     info.update(chunk=chunk, tile=tile)
+    front = StreamDecoder(vae, causal=causal, cap=chunk)
+    backs, regions, halo = [], None, 0
     if tile is not None:
         split = default_split(vae) if split is None else split
         sc = split_scale(vae, split)
@@ -105,14 +104,22 @@ def _decode(vae, z, chunk, tile, split, info, progress, causal, clamp=True) -> T
         regions = _tiles(h * sc, w * sc, (tile * sc, tile * sc) if isinstance(tile, int) else
                          (tile[0] * sc, tile[1] * sc))
         info.update(split=split, halo=halo, tiles=len(regions))
-        front = StreamDecoder(vae, causal=causal, cap=chunk)
         backs = [StreamDecoder(vae, causal=causal, cap=chunk) for _ in regions]
-    else:
-        front = StreamDecoder(vae, causal=causal, cap=chunk)
     z = z.to(next(vae.decoder.parameters()).dtype)
+    try:
+        return _stream(front, backs, regions, halo, split, z, sched, output_frames(vae, t_lat), progress, clamp)
+    finally:  # the decoders' state refers back to them: freed now, not at Python's next cycle collection
+        for d in [front, *backs]:
+            d.close()
+
+
+def _stream(front, backs, regions, halo, split, z, sched, total, progress, clamp) -> Tensor:
+    n = z.shape[0]
+    out = None
+    done = 0
     for i, (a, b) in enumerate(sched):
         final = i == len(sched) - 1
-        if tile is None:
+        if regions is None:
             pieces = front.pieces(z[:, :, a:b], final)
         else:
             pieces = _tiled_pieces(front, backs, regions, halo, split, z[:, :, a:b], final)

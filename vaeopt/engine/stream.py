@@ -163,21 +163,40 @@ class StreamDecoder:
             left, right = kt - 1, 0
         else:
             left, right = (kt - 1, 0) if self.causal else ((kt - 1) // 2, (kt - 1) // 2)
+        keep = kt - 1
         if st.hist is None:
             if x.shape[2] == 0:
                 return empty_frames(x, conv.out_channels)
-            buf = _cat(x[:, :, :1].expand(-1, -1, left, -1, -1), x) if left else x
+            if self.kind == "hv15":
+                # the clip's first frames: one F.pad over time and space, as diffusers pads the clip (one copy, not
+                # a concatenation and then a pad); the history is the last frames of the time-padded stream
+                if keep and not final:
+                    st.hist = (x if x.shape[2] >= keep else
+                               _cat(x[:, :, :1].expand(-1, -1, keep - x.shape[2], -1, -1), x))[:, :, -keep:].clone()
+                return self._conv_call(conv, F.pad(x, wrapper.time_causal_padding, mode=wrapper.pad_mode))
+            head = x[:, :, :1].expand(-1, -1, left, -1, -1) if left else None
         else:
-            buf = _cat(st.hist, x)
-        keep = kt - 1  # a copy: a view would keep the whole chunk's input alive until the next call
-        st.hist = buf[:, :, max(0, buf.shape[2] - keep):].clone() if keep else None
+            head = st.hist
+        # one concatenation of the history (or the clip's front padding), the new frames and, at the clip's end, the
+        # back padding, as diffusers concatenates its padding: no second full copy of the input
+        tail = None
         if final and right:
-            buf = _cat(buf, buf[:, :, -1:].expand(-1, -1, right, -1, -1))
+            last = x if x.shape[2] else head
+            tail = last[:, :, -1:].expand(-1, -1, right, -1, -1)
+        parts = [t for t in (head, x, tail) if t is not None and t.shape[2]]
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        n = (head.shape[2] if head is not None else 0) + x.shape[2]  # the stream's frames in buf (before the tail)
+        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        st.hist = buf[:, :, max(0, n - keep):n].clone() if keep and not final else None
         if buf.shape[2] < kt:
             return empty_frames(x, conv.out_channels)
         if self.kind == "hv15":
             p = wrapper.time_causal_padding
             buf = F.pad(buf, (p[0], p[1], p[2], p[3], 0, 0), mode=wrapper.pad_mode)
+        return self._conv_call(conv, buf)
+
+    @staticmethod
+    def _conv_call(conv: nn.Conv3d, buf: Tensor) -> Tensor:
         w = conv.weight  # the layout the channels_last stage gave the weights (cat/pad may have dropped it)
         mf = (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
               else torch.contiguous_format)
@@ -217,17 +236,21 @@ class StreamDecoder:
         hn = blk.norm(x)
         q, k, v = blk.to_q(hn), blk.to_k(hn), blk.to_v(hn)
         del hn
-        tok = lambda t: t.reshape(N, C, -1).permute(0, 2, 1).unsqueeze(1)  # noqa: E731 (N, 1, T*H*W, C)
+        # tokens (N, 1, T*H*W, C), contiguous once: every frame's query block and key/value prefix is then a
+        # contiguous view, not a copy of the growing prefix per frame
+        tok = lambda t: t.reshape(N, C, -1).transpose(1, 2).unsqueeze(1).contiguous()  # noqa: E731
         kv = self.state.get(blk)
-        K, V = (_cat(kv[0], k), _cat(kv[1], v)) if kv is not None else (k, v)
-        self.state[blk] = (K, V)
-        L, start = H * W, K.shape[2] - T  # frames before this chunk
-        qs, Ks, Vs = tok(q), tok(K), tok(V)
+        k, v = tok(k), tok(v)
+        Ks, Vs = (torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)) if kv is not None else (k, v)
+        self.state[blk] = (Ks, Vs)
+        L = H * W
+        start = Ks.shape[2] // L - T  # frames before this chunk
+        qs = tok(q)
         out = torch.empty((N, 1, T * L, C), dtype=x.dtype, device=x.device)
         for i in range(T):
             end = (start + i + 1) * L
             out[:, :, i * L:(i + 1) * L] = F.scaled_dot_product_attention(
-                qs[:, :, i * L:(i + 1) * L].contiguous(), Ks[:, :, :end].contiguous(), Vs[:, :, :end].contiguous())
+                qs[:, :, i * L:(i + 1) * L], Ks[:, :, :end], Vs[:, :, :end])
         y = out.squeeze(1).reshape(N, T, H, W, C).permute(0, 4, 1, 2, 3)
         return blk.proj_out(y) + x
 
@@ -335,6 +358,13 @@ class StreamDecoder:
             y = fn(x[:, :, a:a + cap] if n > cap else x, last)
             yield from self._run(i + 1, stop, y, last)
             del y
+
+    def close(self) -> None:
+        """Drop the clip's state (conv histories, residual queues, earlier keys/values) and the stage closures: they
+        refer back to this decoder, so without this the state would stay on the device until Python's cycle
+        collector runs, on top of the next decode's memory."""
+        self.state.clear()
+        self.stages = []
 
     # -- one step ------------------------------------------------------------------------------------------
     def front(self, z: Tensor, stop: int, final: bool) -> Iterator[tuple[Tensor, bool]]:
