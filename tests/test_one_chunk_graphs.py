@@ -246,3 +246,27 @@ def test_gpu_one_chunk_replay_equals_eager_bitwise(qwen):
     assert pipe.graphed.captures == 1 and pipe.graphed.replays == 4 and not pipe.graphed.failed
     for out, ref in zip(outs, refs * 2):
         assert torch.equal(out, ref), (out.float() - ref.float()).abs().max().item()
+
+
+# ---- a clip's only call of one frame: each causal conv as the Conv2d of its last temporal tap -----------------------
+
+from test_video_fused import _structure, decode, fused21, stock21, z21  # noqa: E402,F401 (the tiny Wan 2.1 fixtures)
+
+
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_one_frame_convs_skip_the_zero_history(fused21, stock21, z21, layout):
+    """One latent frame in one call: the zero history before it meets only each causal conv's last temporal tap, so
+    the conv runs as that tap's Conv2d on the frame alone (fused kernel path and torch path), within float rounding
+    of diffusers' decode; a clip of several chunks keeps the staged Conv3d."""
+    z1 = z21[:, :, :1].contiguous()
+    with torch.no_grad():
+        ref = stock21.decode(z1).sample
+    n_blocks = _structure(fused21[layout])[0]
+    for fused in (None, False):
+        out, st = decode(fused21[layout], z1, 1, fused=fused)
+        assert (out - ref).abs().max().item() <= 1e-4, (layout, fused)
+        # conv_in, both convs of every block, and conv_out unless the tap kernel runs it (channels-last, fused)
+        head = 0 if layout == "cl" and fused is None else 1
+        assert st["single_frame_conv"] == 1 + 2 * n_blocks + head, st
+    _, st = decode(fused21[layout], z21[:, :, :2].contiguous(), 1)
+    assert "single_frame_conv" not in st
