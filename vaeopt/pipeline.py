@@ -238,7 +238,8 @@ class Pipeline:
         would have repaid the capture. Waiting for that many costs at most as much again as knowing the count up
         front (the break-even rule of renting before buying); shapes that never repeat enough stay eager."""
         shape = tuple(latent_shape)
-        if not (plan.mode == "whole" or stage_table.one_chunk_clip(self.family, plan, shape)) or not self.info.graphs[0]:
+        whole = plan.mode == "whole" or stage_table.one_chunk_clip(self.family, plan, shape)  # (a Qwen-Image picture)
+        if not whole or not self.info.graphs[0]:
             return
         seen = self.__dict__.setdefault("_calls", {})
         seen[shape] = seen.get(shape, 0) + 1

@@ -419,9 +419,10 @@ def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_b
                        variant: str = "bf16", plan=None) -> GraphsDecision:
     """The graphs stage for decodes that arrive one call at a time (vaeopt.decode per image, or a pipeline calling an
     optimized vae.decode): after `calls` decodes of `latent_shape` so far, capture it now? Whole image decodes and
-    one-chunk Wan clips (`plan`: the clip's plan, one_chunk_clip) only; in auto mode, where the measured rule says the calls so far would have repaid a capture (waiting for that many
-    costs at most as much again as knowing the count up front) and where `room_bytes` (the budget, or the device's
-    free memory) holds the graph's pool next to a decode (twice the decode's estimate `est_bytes`)."""
+    one-chunk Wan clips (`plan`: the clip's plan, one_chunk_clip) only; in auto mode, where the measured rule says
+    the calls so far would have repaid a capture (waiting for that many costs at most as much again as knowing the
+    count up front) and where `room_bytes` (the budget, or the device's free memory) holds the graph's pool next to a
+    decode (twice the decode's estimate `est_bytes`)."""
     if mode == "off":
         return GraphsDecision(None, "off")
     if family.is_video and not one_chunk_clip(family, plan, latent_shape):
