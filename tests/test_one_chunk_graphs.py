@@ -192,6 +192,15 @@ def test_benchmark_ladder_times_the_graphs_row_for_a_picture(qwen, monkeypatch):
     assert row["psnr_db"] == before["psnr_db"]  # the same decode, through the captured callable
 
 
+def test_benchmark_counts_the_flops_a_picture_needs():
+    """TFLOP/s of a qwenimage-1328 row is work done per second: the causal convs' products with the zero history
+    (2/3 of diffusers' conv FLOPs: 20.12 TFLOP in all) are not counted; a clip of several frames counts diffusers'."""
+    from vaeopt.benchmark import count_flops
+
+    assert round(count_flops(QWEN, PICTURE) / 1e12, 2) == 8.39
+    assert count_flops(WAN, (1, 16, 2, 8, 8)) > 1.5 * count_flops(WAN, (1, 16, 1, 8, 8))
+
+
 def test_optimized_wan_vae_graphs_repeated_pictures(qwen, monkeypatch):
     """vaeopt.optimize on a Wan VAE that a pipeline calls once per picture (one latent frame): counted, captured as a
     whole decode once the rule says it has paid (with a measured row that pays from the 2nd call here), through the
