@@ -74,7 +74,8 @@ def setup(variant, shape, ctx):
     weights = sum(p.numel() * p.element_size() for p in pipe.model.parameters())
     if variant == "tiled" and plan.mode != "tiled":
         raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
-    if variant in ("graphs", "fp8") and video_graphs.applies(pipe) and pipe.setup_graphs(plan) is None:
+    if variant in ("graphs", "fp8") and video_graphs.applies(pipe) and pipe.setup_graphs(plan) is None \
+            and pipe.graphed is None:  # (a one-chunk clip, a Qwen-Image picture: captured whole)
         raise H.Skip("per-chunk CUDA graphs: " + next(s.text() for s in pipe.stages if s.name == "graphs"))
     if variant == "graphs" and not video_graphs.applies(pipe):
         raise H.Skip("per-chunk CUDA graphs exist for Wan's chunk decoder only")

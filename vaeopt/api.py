@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from vaeopt import latents as lat
-from vaeopt import outputs, video_graphs
+from vaeopt import outputs, stage_table, video_graphs
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
@@ -119,7 +119,9 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
-    vg = pipe.setup_graphs(plan) if video_graphs.applies(pipe) else None  # per-chunk graphs (Wan)
+    # per-chunk graphs (Wan clips of several chunks); a one-chunk clip is counted and captured whole, as an image
+    one = stage_table.one_chunk_clip(loaded.family, plan, tuple(z.shape))
+    vg = pipe.setup_graphs(plan) if video_graphs.applies(pipe) and not one else None
     pipe.count_decode(tuple(z.shape), plan)  # images: graphs once this shape's calls have repaid a capture
     out, _ = pipe.decode(z, plan, progress=progress, to_host=not on_device)
     if vg is not None:

@@ -162,7 +162,8 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     # vae.decode(...) returns what diffusers' does: a contiguous NCHW/NCDHW sample, not the channels-last tensor the
     # optimized decoder ends with (`.view(...)` on it would raise)
     vae.decoder.register_forward_hook(_contiguous_output)
-    vae.decode = _Decode(vae, _RepeatGraphs(vae, spec, log) if not spec.is_video else None)
+    # repeated image shapes, and one-chunk Wan clips (a picture: one latent frame), through CUDA graphs once they pay
+    vae.decode = _Decode(vae, _RepeatGraphs(vae, spec, log) if not spec.is_video or cls == "AutoencoderKLWan" else None)
     return vae
 
 
@@ -416,7 +417,8 @@ class _Decode:
 
 
 class _RepeatGraphs:
-    """CUDA graphs for an optimized image VAE that a pipeline calls once per image: `vae.decode(z)` calls are counted
+    """CUDA graphs for an optimized image VAE (or a Wan VAE decoding pictures: one-chunk clips, such as Qwen-Image's
+    one latent frame) that a pipeline calls once per image: `vae.decode(z)` calls are counted
     per latent shape and dtype, and a shape is captured on the call where its decodes so far would have repaid the
     capture (planner.graphs_pay, the measured table); its later calls replay (the same kernels: the same output).
     Only plain calls take this path: latents on a CUDA device, no autograd, no offload hooks or hooks of others, no
@@ -451,16 +453,21 @@ class _RepeatGraphs:
 
     def decode(self, args, kwargs):
         """The graphed decode's output for a plain call of a shape that has paid, else None (the caller decodes)."""
-        if self.family.is_video or len(args) != 1 or not self._plain(args[0], kwargs):
+        if len(args) != 1 or not self._plain(args[0], kwargs):
             return None
         z, v = args[0], self.vae
+        wan = self.family.cls_name == "AutoencoderKLWan"
+        if wan and (z.dim() != 5 or video.active_dropout(v) or foreign_hooked(v.decoder) is not None):
+            return None  # (what _WanChunkDecode leaves to diffusers' own decode)
         key = (tuple(z.shape), z.dtype)
         n = self.calls[key] = self.calls.get(key, 0) + 1
         if key not in self.shapes:
-            est = planner.estimate_whole(self.family, v, tuple(z.shape), z.dtype)
+            # a Wan clip: whole only where its plan is one untiled chunk (stage_table.one_chunk_clip)
+            plan = planner.plan_decode(self.family, v, tuple(z.shape), z.dtype, z.device) if wan else None
+            est = plan.est_bytes if wan else planner.estimate_whole(self.family, v, tuple(z.shape), z.dtype)
             d = stage_table.decide_call_graphs("auto", self.family, tuple(z.shape), n, est,
                                                torch.cuda.mem_get_info(z.device)[0],
-                                               gpu=torch.cuda.get_device_name(z.device))
+                                               gpu=torch.cuda.get_device_name(z.device), plan=plan)
             if d.kind != "whole":
                 return None
             why = d.why
@@ -471,7 +478,11 @@ class _RepeatGraphs:
         if self.graphed is None:
             from vaeopt.stages import graphs as graphs_stage
 
-            self.graphed = graphs_stage.GraphedDecode(lambda x: type(v).decode(v, x).sample, z.device)
+            # Wan: the chunk decoder in one call, as _WanChunkDecode runs it, without its planning (free memory)
+            # and OOM retries, which have no place inside a capture
+            fn = (lambda x: video.decode_video(v, x, chunk=x.shape[2], graphs="off")) if wan else \
+                (lambda x: type(v).decode(v, x).sample)
+            self.graphed = graphs_stage.GraphedDecode(fn, z.device)
         if (now := weights_epoch(v)) != self.epoch:
             if self.epoch is not None:
                 self.graphed.reset()

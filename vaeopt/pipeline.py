@@ -237,9 +237,10 @@ class Pipeline:
         count them per shape, and capture a shape once the measured rule (planner.graphs_pay) says its decodes so far
         would have repaid the capture. Waiting for that many costs at most as much again as knowing the count up
         front (the break-even rule of renting before buying); shapes that never repeat enough stay eager."""
-        if plan.mode != "whole" or not self.info.graphs[0]:
-            return
         shape = tuple(latent_shape)
+        whole = plan.mode == "whole" or stage_table.one_chunk_clip(self.family, plan, shape)  # (a Qwen-Image picture)
+        if not whole or not self.info.graphs[0]:
+            return
         seen = self.__dict__.setdefault("_calls", {})
         seen[shape] = seen.get(shape, 0) + 1
         allowed = self.__dict__.setdefault("_graph_shapes", set())
@@ -247,7 +248,8 @@ class Pipeline:
             return
         eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
         d = stage_table.decide_call_graphs(self.opts.graphs, self.family, shape, seen[shape], plan.est_bytes,
-                                           plan.budget_bytes, "8bit" if eight else "bf16", self.info.gpu)
+                                           plan.budget_bytes, "8bit" if eight else "bf16", gpu=self.info.gpu,
+                                           plan=plan)
         if d.kind == "whole":
             allowed.add(shape)
             if self.graphed is None:
@@ -255,7 +257,8 @@ class Pipeline:
 
     def enable_graphs(self, reason: str) -> None:
         mod = self._stage("graphs")
-        self.graphed, r = mod.apply(self._decode_whole_raw, self.device)
+        wan = self.family.cls_name == "AutoencoderKLWan"  # (one-chunk clips: stage_table.one_chunk_clip)
+        self.graphed, r = mod.apply(self._decode_clip_raw if wan else self._decode_whole_raw, self.device)
         self._graphs_epoch = weights_epoch(self.model)
         r.detail = join(r.detail, " (", reason, ")")
         self._record(r)
@@ -263,6 +266,22 @@ class Pipeline:
     # ---- decoding -----------------------------------------------------------------------------------------
     def _decode_whole_raw(self, z: torch.Tensor) -> torch.Tensor:
         return self.model.decode(z).sample
+
+    def _decode_clip_raw(self, z: torch.Tensor) -> torch.Tensor:
+        """A Wan clip in one decoder call, as a graph captures it: a fresh chunk decoder (its causal caches zeroed
+        inside the call), no per-chunk graphs, no OOM retry (the caller retries eagerly)."""
+        return video.decode_video(self.model, z, chunk=z.shape[2], graphs="off")
+
+    def _graphed_for(self, z: torch.Tensor):
+        """The captured-decode wrapper when this decode takes it (graphs enabled and not off, and for counted calls
+        a shape that has paid), else None. Weights changed since the capture: captured again."""
+        if self.graphed is None or self.opts.graphs == "off":
+            return None
+        if (now := weights_epoch(self.model)) != self._graphs_epoch:
+            self.graphed.reset()  # the weights changed (in place, vaeopt.refresh, load_state_dict): capture again
+            self._graphs_epoch = now
+        only = self.__dict__.get("_graph_shapes")  # per-call counting: only the shapes that have paid
+        return self.graphed if only is None or tuple(z.shape) in only else None
 
     def decode(self, z_raw: torch.Tensor, plan: planner.Plan | None = None,
                progress: Callable[[int, int], None] | None = None,
@@ -294,13 +313,7 @@ class Pipeline:
             self._tiling_report(info, stats)
             return out
         try:
-            if self.graphed is not None and (now := weights_epoch(self.model)) != self._graphs_epoch:
-                self.graphed.reset()  # the weights changed (in place, vaeopt.refresh, load_state_dict): capture again
-                self._graphs_epoch = now
-            only = self.__dict__.get("_graph_shapes")  # per-call counting: only the shapes that have paid
-            use = (self.graphed is not None and self.opts.graphs != "off"
-                   and (only is None or tuple(z.shape) in only))
-            return (self.graphed if use else self._decode_whole_raw)(z)
+            return (self._graphed_for(z) or self._decode_whole_raw)(z)
         except torch.cuda.OutOfMemoryError:
             # OOM: free what the failed attempt held, decode again with the planner's tiled plan, and go on.
             torch.cuda.empty_cache()
@@ -363,6 +376,14 @@ class Pipeline:
         if self.family.cls_name != "AutoencoderKLWan":
             # vaeopt.video's exact chunk decoder covers Wan; HunyuanVideo runs diffusers' decode (planner._plan_hunyuan)
             return self._decode_hunyuan(z, plan, stats)
+        g = self._graphed_for(z) if stage_table.one_chunk_clip(self.family, plan, tuple(z.shape)) else None
+        if g is not None:
+            try:
+                return g(z)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()  # the eager decode below retries with smaller plans
+                if stats is not None:
+                    stats.retries.append("out of memory in the captured one-chunk decode: decoded eagerly")
         info: dict = {}
         out = video.decode_video(self.model, z, progress=progress, **self._video_kwargs(plan, info))
         self._video_report(info, stats)

@@ -82,6 +82,8 @@ def graphs_pay(family: FamilySpec, latent_shape: tuple, repeats: int, variant: s
     rule = graphs_rule()
     f = family.spatial_factor
     px = latent_shape[0] * latent_shape[-2] * latent_shape[-1] * f * f
+    if family.is_video:  # a one-chunk clip (stage_table.one_chunk_clip): every output frame is decoded
+        px *= family.output_frames(latent_shape[2])
     rows = [r for r in rule["rows"] if r["family"] == family.name] or \
         [r for r in rule["rows"] if r["cls"] == family.cls_name]
     rows = [r for r in rows if abs(math.log(px / r["pixels"])) <= math.log(rule["max_pixel_ratio"])]

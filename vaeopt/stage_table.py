@@ -385,6 +385,14 @@ def graphs_pay(family, latent_shape: tuple | None, repeats: int, variant: str = 
     return None if pay else Said(why.replace("{", "{{").replace("}", "}}") + " ({0} to force)", Hint("graphs", "on"))
 
 
+def one_chunk_clip(family, plan, latent_shape: tuple | None) -> bool:
+    """A Wan clip that decodes in one untiled decoder call (a Qwen-Image picture: one latent frame): the chunk
+    decoder's causal caches start from zeros on every decode, so the decode is a pure function of its latents and is
+    captured whole, like an image decode (per-chunk graphs need two steady chunks after the first, which it has not)."""
+    return (family.cls_name == "AutoencoderKLWan" and plan is not None and plan.mode != "tiled"
+            and latent_shape is not None and len(latent_shape) == 5 and (plan.chunk or 1) >= latent_shape[2])
+
+
 @dataclass(frozen=True)
 class GraphsDecision:
     """kind: "whole" (capture whole decodes: GraphedDecode), "chunks" (arm Wan's per-chunk graphs with the option's
@@ -397,41 +405,47 @@ def decide_graphs(opts, family, info: DeviceInfo, plan, latent_shape: tuple | No
                   chunks: bool = True, variant: str = "bf16") -> GraphsDecision:
     """The graphs stage for a run whose first job has `plan` and `latent_shape`, decoded `repeats` times. chunks:
     the caller arms Wan's per-chunk graphs (vaeopt decode, vaeopt.decode); the benchmark's rows capture whole
-    decodes only."""
+    decodes only. A Wan clip decoded in one untiled chunk (one_chunk_clip: a Qwen-Image picture) is a whole decode
+    either way: captured whole under the image rule."""
     if opts.graphs == "off":
         return GraphsDecision(None, "off")
     ok, why = info.graphs
     if not ok:
         return GraphsDecision(None, why)
-    if family.cls_name == "AutoencoderKLWan" and chunks:
+    shape = latent_shape or opts.decode_shape
+    one = one_chunk_clip(family, plan, shape)
+    if family.cls_name == "AutoencoderKLWan" and chunks and not one:
         return GraphsDecision("chunks", opts.graphs)
-    if plan.mode != "whole":
+    if plan.mode != "whole" and not one:
+        if family.cls_name == "AutoencoderKLWan" and plan.mode == "chunked":
+            return GraphsDecision(None, "chunked decode of several chunks: a Wan clip is captured whole only where it "
+                                        "decodes in one untiled chunk")
         return GraphsDecision(None, f"{plan.mode} decode: graphs are captured for whole decodes only")
-    if family.is_video:
+    if family.is_video and not one:
         if family.cls_name == "AutoencoderKLWan":
             return GraphsDecision(None, "Wan: the whole-clip graph does not apply; per-chunk graphs are decided per "
                                         "clip")
         return GraphsDecision(None, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only")
     if opts.graphs == "on":
         return GraphsDecision("whole", "forced on")
-    why = graphs_pay(family, latent_shape or opts.decode_shape, repeats, variant, info.gpu)
+    why = graphs_pay(family, shape, repeats, variant, info.gpu)
     if why is not None:
         return GraphsDecision(None, why)
-    return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape or opts.decode_shape), repeats,
-                                                      variant, info.gpu)[1])
+    return GraphsDecision("whole", planner.graphs_pay(family, tuple(shape), repeats, variant, info.gpu)[1])
 
 
 def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_bytes: int, room_bytes: int | None,
-                       variant: str = "bf16", gpu: str | None = None) -> GraphsDecision:
+                       variant: str = "bf16", gpu: str | None = None, plan=None) -> GraphsDecision:
     """The graphs stage for decodes that arrive one call at a time (vaeopt.decode per image, or a pipeline calling an
-    optimized vae.decode): after `calls` decodes of `latent_shape` so far, capture it now? Whole image decodes only;
-    in auto mode, where the measured rule says the calls so far would have repaid a capture (waiting for that many
-    costs at most as much again as knowing the count up front) and where `room_bytes` (the budget, or the device's
-    free memory) holds the graph's pool next to a decode (twice the decode's estimate `est_bytes`). gpu: the
-    device's name (DeviceInfo.gpu), which the measured rows are matched by."""
+    optimized vae.decode): after `calls` decodes of `latent_shape` so far, capture it now? Whole image decodes and
+    one-chunk Wan clips (`plan`: the clip's plan, one_chunk_clip) only; in auto mode, where the measured rule says
+    the calls so far would have repaid a capture (waiting for that many costs at most as much again as knowing the
+    count up front) and where `room_bytes` (the budget, or the device's free memory) holds the graph's pool next to a
+    decode (twice the decode's estimate `est_bytes`). gpu: the device's name (DeviceInfo.gpu), which the measured
+    rows are matched by."""
     if mode == "off":
         return GraphsDecision(None, "off")
-    if family.is_video:
+    if family.is_video and not one_chunk_clip(family, plan, latent_shape):
         return GraphsDecision(None, "video decodes: per-chunk graphs are decided per clip")
     if mode == "auto" and room_bytes is not None and 2 * est_bytes > room_bytes:
         return GraphsDecision(None, "a captured shape keeps a decode's transients in the graph's pool, and there is no "

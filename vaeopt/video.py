@@ -40,7 +40,9 @@ def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None,
     """(first output frame index, raw decoder output) per call. `graphs`: per-chunk CUDA graphs
     (vaeopt.video_graphs; None: the policy vaeopt.video_graphs.enable attached to the model, if any)."""
     sched = chunk_schedule(z.shape[2], chunk)
-    dec = video_graphs.wrap(ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused), vae, z, sched, graphs)
+    cd = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused)
+    cd.one_call = len(sched) == 1
+    dec = video_graphs.wrap(cd, vae, z, sched, graphs)
     t0 = f0 = 0
     for k in sched:
         y = dec.step(z[:, :, t0 : t0 + k])

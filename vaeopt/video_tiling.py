@@ -514,7 +514,8 @@ def iter_raw(
             arena_bytes = cache_bytes_per_decoder(vae, z.shape, plan, cl) if arena else None
             if plan.tile is None:
                 runner = ChunkDecoder(vae, cl, fused, stack=True)  # as the untiled estimate assumes
-                if arena_bytes:
+                runner.one_call = len(sched) == 1  # (then it keeps no causal history: no block reserved for it)
+                if arena_bytes and not runner.one_call:
                     runner.arena = _Arena(arena_bytes[0], z.device)
                 info.update(tiles=1, halo=0)
                 runner = video_graphs.wrap(runner, vae, z, sched, graphs, info=info)

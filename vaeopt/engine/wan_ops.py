@@ -169,6 +169,13 @@ def stacked_w(conv: nn.Module, dtype: torch.dtype) -> Tensor:
     return stacked_weight(conv, dtype)
 
 
+def last_tap_w(conv: nn.Module, dtype: torch.dtype, fmt: torch.memory_format) -> Tensor:
+    """A causal conv's last temporal tap as Conv2d weights (Co, Ci, kh, kw) in `fmt` (cached per weight version):
+    all that meets a first frame whose history is diffusers' zero padding."""
+    return cached_weight(conv, "_vaeopt_last_tap_w", dtype,
+                         lambda: conv.weight[:, :, -1].to(dtype).contiguous(memory_format=fmt))
+
+
 def tap_matrix(conv: nn.Module, dtype: torch.dtype) -> Tensor:
     """kernels/tapconv's (C, 27*Co) tap matrix of `conv` (cached per weight version and dtype)."""
     return cached_weight(conv, "_vaeopt_tap_matrix", dtype, lambda: tap_weights(conv.weight, dtype=dtype))
@@ -216,6 +223,13 @@ def frames_up_conv(conv2d, up, x2: Tensor, phase: bool = False) -> Tensor:
         y[s : s + g].copy_(ys)
         del ys
     return y
+
+
+class Single(NamedTuple):
+    """A causal conv's input on a clip's only call of one frame (ChunkDecoder._single): the frame (N, C, 1, H, W)
+    alone, without its zero history."""
+
+    x: Tensor
 
 
 class Stacked(NamedTuple):

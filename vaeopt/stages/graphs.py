@@ -35,12 +35,22 @@ class GraphedDecode:
         self.replays = 0
         self.captures = 0
         self.capture_s = 0.0
+        self.failed: dict[tuple, str] = {}  # shapes whose capture failed (decoded eagerly from then on): why
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         key = (tuple(z.shape), z.dtype, z.stride())
+        if key in self.failed:
+            return self.fn(z)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(z)
+            try:
+                entry = self._capture(z)
+            except torch.cuda.OutOfMemoryError:
+                raise  # the caller's OOM path (a smaller plan)
+            except RuntimeError as e:  # e.g. a host sync inside the decode: not capturable, decoded eagerly
+                self.failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                torch.cuda.synchronize(self.device)
+                return self.fn(z)
             self.graphs[key] = entry
         graph, static_in, static_out = entry
         static_in.copy_(z)
@@ -70,12 +80,14 @@ class GraphedDecode:
 
     def reset(self) -> None:
         self.graphs.clear()
+        self.failed.clear()
         self.pool = None
         torch.cuda.empty_cache()
 
     def report(self) -> str:
+        why = "".join(f"; {k[0]} not captured ({v}): eager" for k, v in self.failed.items())
         return (f"{self.captures} shape(s) captured in {self.capture_s * 1e3:.0f} ms (incl. warm-up), "
-                f"{self.replays} replays")
+                f"{self.replays} replays{why}")
 
 
 def apply(fn: Callable, device: torch.device, **_) -> tuple[GraphedDecode, StageResult]:
