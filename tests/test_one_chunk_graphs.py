@@ -62,13 +62,15 @@ def test_call_graphs_and_the_rule_for_one_chunk_clips(monkeypatch):
     assert decide_call_graphs("on", WAN, CLIP, 1, est, None, plan=_plan(chunk=2)).why.startswith("video decodes")
     assert decide_call_graphs("auto", QWEN, PICTURE, 99, est, 15 * 2**30, plan=_plan()).kind is None  # no room
     # with a measured row, the break-even counts every output frame of the clip
-    rule = {"capture_factor": 3.0, "max_pixel_ratio": 4.0,
+    rule = {"capture_factor": 3.0, "max_pixel_ratio": 4.0, "unmeasured_capture_margin": 4.0,
             "rows": [{"family": "qwenimage", "cls": "AutoencoderKLWan", "workload": "qwenimage-1328",
                       "pixels": 1328 * 1328, "variant": "bf16", "gpu": "NVIDIA H200", "eager_ms": 46.6,
                       "replay_ms": 41.6, "capture_ms": 150.0}]}
     monkeypatch.setattr(planner, "graphs_rule", lambda: rule)
-    assert decide_call_graphs("auto", QWEN, PICTURE, 30, est, None, plan=_plan()).kind == "whole"  # 150 / 5
-    assert decide_call_graphs("auto", QWEN, PICTURE, 29, est, None, plan=_plan()).kind is None
+    h200 = dict(gpu="NVIDIA H200", plan=_plan())
+    assert decide_call_graphs("auto", QWEN, PICTURE, 30, est, None, **h200).kind == "whole"  # 150 / 5
+    assert decide_call_graphs("auto", QWEN, PICTURE, 29, est, None, **h200).kind is None
+    assert decide_call_graphs("auto", QWEN, PICTURE, 30, est, None, plan=_plan()).kind is None  # unmeasured GPU
     # 5 latent frames in one chunk: 17 output frames, 30 MP: nothing measured near it
     why = decide_call_graphs("auto", QWEN, (1, 16, 5, 166, 166), 99, est, None, plan=_plan(chunk=5)).why
     assert why.startswith("no graph measurement for Qwen-Image near 29.98 MP")
@@ -214,12 +216,13 @@ def test_optimized_wan_vae_graphs_repeated_pictures(qwen, monkeypatch):
     from vaeopt import dropin
 
     monkeypatch.setattr(planner, "graphs_rule", lambda: {
-        "capture_factor": 3.0, "max_pixel_ratio": 4.0,
+        "capture_factor": 3.0, "max_pixel_ratio": 4.0, "unmeasured_capture_margin": 4.0,
         "rows": [{"family": "wan21", "cls": "AutoencoderKLWan", "workload": None, "pixels": 48 * 40, "variant": "bf16",
                   "gpu": "test", "eager_ms": 10.0, "replay_ms": 5.0, "capture_ms": 10.0, "source": "test"}]})
     monkeypatch.setattr(graphs_stage, "GraphedDecode", StandInGraphs)
     monkeypatch.setattr(dropin._RepeatGraphs, "_plain", lambda self, z, kw: not set(kw) - {"return_dict"})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "test")  # the row's GPU
     vae = copy.deepcopy(qwen)
     lines = []
     vaeopt.optimize(vae, log=lines.append)
