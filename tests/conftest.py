@@ -12,6 +12,9 @@ os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 # One intra-op thread: on a small CPU shared by other jobs torch's default of 2 threads made small ops several
 # times slower (measured: a 64x64 tiny-VAE decode 0.06 s with 1 thread, 0.37 s with 2 under load).
 torch.set_num_threads(1)
+# ... and so do the processes the tests start (the CLI, benchmarks/first_call.py): scripts/test.sh runs one pytest
+# worker per core, which torch's default of one thread per core in each child would oversubscribe.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _interpreter_without_overflow_checks() -> None:
