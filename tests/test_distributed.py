@@ -24,7 +24,7 @@ from vaeopt import distributed as D
 SCALING = 0.30478  # tiny_kl_image latents are pipeline-scaled (the scaling_factor in its metadata)
 IMG_CROPS = {"astronaut": (slice(20, 37), slice(24, 36)), "coffee": (slice(3, 16), slice(5, 16))}
 WAN_CROP = ("astronaut_pan", slice(0, 3), slice(10, 15), slice(30, 34))
-LAUNCH_TIMEOUT = 150
+LAUNCH_TIMEOUT = 300  # a hang guard, not a speed check: the launch shares the cores with another test worker
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
