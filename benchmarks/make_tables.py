@@ -24,6 +24,8 @@ HEADLINE = {
     "wan21-480p": "h200_wan21-480p-e42_2026-11-23.json",
     "wan21-720p": "h200_wan21-720p-e42_2026-11-23.json",
     "wan22-720p": "h200_wan22-720p_2026-11-21g.json",
+    "flux2-1024": "h200_flux2-1024_2026-11-28.json",
+    "qwenimage-1328": "h200_qwenimage-1328_2026-11-29.json",
 }
 NOTES = {w: "¹" for w in ("sd15-512", "sdxl-2048")}  # ladders from before the phase upsample convs existed
 COMPILE = ["h200_sdxl-1024_2026-11-21a.json"]  # ladders that ran the torch.compile peer (--peers ...,compile)
@@ -37,9 +39,13 @@ FP8 = [  # `vaeopt benchmark --fp8 [--fp8-gate G]`: lossy, gated on PSNR vs fp32
     "h200_wan21-720p-fp8-gate30-tma_2026-11-21.json",
 ]
 FP8_LEVELS = ["h200_sdxl-1024-fp8-gate30-levels_2026-11-28b.json", "h200_sdxl-1024-fp8-levels_2026-11-28b.json"]
-OTHER_LADDERS = ["h100_hunyuan-480p_2026-11-22.json"]
+OTHER_LADDERS = ["h100_hunyuan-480p_2026-11-22.json", "h200_ltx2-768_2026-11-29.json", "h200_hunyuan15-480p_2026-11-29.json"]
 DISTRIBUTED = ["h200x2_distributed_2026-11-22.json", "h200x4_distributed_2026-11-22.json"]
-ONE_SHOT = []  # benchmarks/one_shot.py: the whole `vaeopt decode` process against a plain diffusers script
+ONE_SHOT = ["h200_one_shot_2026-11-29.json"]
+LADDER_NOTES = {f: "Measured before the planner took the whole clip and channels_last_3d went off for this family on "
+                   "CUDA (E61); LTX-2's default is now the whole clip, 509.6 ms against diffusers' 557.9 ms "
+                   "(`h200_ltx2-768_variants_2026-11-29.json`).\n"
+                for f in ("h200_ltx2-768_2026-11-29.json", "h200_hunyuan15-480p_2026-11-29.json")}  # benchmarks/one_shot.py: the whole `vaeopt decode` process against a plain diffusers script
 
 
 def load(name: str) -> dict:
@@ -176,7 +182,7 @@ def main() -> str:
         parts += ["\n## One-shot `vaeopt decode` (whole process)\n", *map(one_shot_table, ONE_SHOT)]
     parts.append("\n## Ladders\n")
     for f in [*HEADLINE.values(), *COMPILE, *OTHER_LADDERS, *FP8, *FP8_LEVELS]:
-        parts += [f"### {load(f)['workload']} ({load(f)['gpu']}, `{f}`)\n", table(f)]
+        parts += [f"### {load(f)['workload']} ({load(f)['gpu']}, `{f}`)\n", *[LADDER_NOTES.get(f)][:f in LADDER_NOTES], table(f)]
     return "\n".join(parts)
 
 
