@@ -346,7 +346,7 @@ class TiledDecoder:
                     t = torch.empty(shape, dtype=self.dtype, device=where, pin_memory=True)
             else:
                 t = torch.empty(shape, dtype=self.dtype, device=where)
-        except _OOM_ERRORS:
+        except OOM_ERRORS:
             if not local or self.storage == self.device:
                 raise
             torch.cuda.empty_cache()  # the device could not hold it after all (another user, fragmentation):
