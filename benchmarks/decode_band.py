@@ -14,6 +14,7 @@ import time
 import torch
 
 import harness as H
+from vaeopt import distributed as D
 
 VARIANTS = ("one-gpu", "band")
 DEFAULTS = {"workload": "wan21-720p", "repeats": 3, "warmup": 1}
@@ -24,27 +25,21 @@ def add_args(ap):
 
 
 def launch(body, setup_name, args):
-    from vaeopt import distributed as D
-
     cpu = args.device == "cpu"
     n = args.gpus if args.gpus or D.under_torchrun() else (2 if cpu else torch.cuda.device_count())
     return D.launch(n, body, setup_name, args, backend="gloo" if cpu else None, timeout=3600)
 
 
 def rank_device(device):
-    from vaeopt import distributed as D
-
     return D.rank_device()
 
 
-def items(ctx):
-    return [(f"{ctx.workload} {tuple(ctx.shape)}", ctx.shape)]
+items = H.decode_items()
 
 
 def setup(variant, shape, ctx):
     import torch.distributed as dist
 
-    from vaeopt import distributed as D
     from vaeopt import video
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import Options, Pipeline
@@ -60,13 +55,7 @@ def setup(variant, shape, ctx):
         return video.decode_video(m, z.float(), chunk=1) if wan else m.decode(z.float()).sample
 
     if variant == "one-gpu":
-        plan = pipe.plan(tuple(shape))
-
-        def one():
-            out, stats = pipe.decode(z, plan)
-            return H.Timed(out, stats.seconds * 1e3)
-
-        return H.Case(one, reference, image=True, flops=ctx.flops(), info={"plan": plan.reason})
+        return H.pipeline_case(pipe, pipe.plan(tuple(shape)), z, reference, ctx.flops())
     world = dist.get_world_size()
     band = (*shape[:-2], -(-shape[-2] // world), shape[-1])
     chunk = pipe.plan(band).chunk if wan else None  # the chunk one band's size gets on one GPU

@@ -15,23 +15,11 @@ import harness as H
 VARIANTS = ("diffusers", "vaeopt", "graphs", "fp8", "tiled")
 OPTIONS = {"vaeopt": dict(graphs="off", tiling="off"), "graphs": dict(graphs="on", tiling="off"),
            "fp8": dict(graphs="on", tiling="off", fp8="on"), "tiled": dict(graphs="off", tiling="on")}
-
-
-def add_args(ap):
-    ap.add_argument("--vram-budget", type=float, default=8.0, help="GB, for the tiled variant")
-    ap.add_argument("--fp8-gate", type=float, default=40.0, help="dB, for the fp8 variant")
-
-
-def items(ctx):
-    if ctx.family.is_video:
-        raise SystemExit(f"{ctx.workload} is a video workload: decode_video.py")
-    return [(f"{ctx.workload} {tuple(ctx.shape)}", ctx.shape)]
+add_args = H.decode_args
+items = H.decode_items(video=False)
 
 
 def setup(variant, shape, ctx):
-    from vaeopt.loading import LoadedVAE
-    from vaeopt.pipeline import Options, Pipeline
-
     flops, z = ctx.flops(), ctx.latent()
 
     def reference():
@@ -40,16 +28,7 @@ def setup(variant, shape, ctx):
     if variant == "diffusers":
         model = ctx.model()
         return H.Case(lambda: model.decode(z).sample, reference, image=True, flops=flops)
-    opts = dict(OPTIONS[variant], device=str(ctx.device), dtype=ctx.dtype_name, decode_shape=tuple(shape))
-    if variant == "tiled":
-        opts["vram_budget_gb"] = ctx.args.vram_budget
-    if variant == "fp8":
-        opts["gate_db"] = ctx.args.fp8_gate
-    loaded = LoadedVAE(ctx.model(torch.float32), ctx.family, "benchmark", None, [], None)
-    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None)
-    plan = pipe.plan(tuple(shape))
-    if variant == "tiled" and plan.mode != "tiled":
-        raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
+    pipe, plan = H.pipeline_plan(ctx, OPTIONS[variant], shape)
     if variant in ("graphs", "fp8"):
         pipe.setup_graphs(plan, tuple(shape), 99, chunks=False, reason="benchmark repeats")
         if pipe.graphed is None:
@@ -57,13 +36,7 @@ def setup(variant, shape, ctx):
     if variant == "fp8" and not any(s.name == "fp8 convs" and s.status == "applied" for s in pipe.stages):
         raise H.Skip("FP8 level 3 did not run: " + "; ".join(f"{s.name}: {s.text()}" for s in pipe.stages
                                                              if s.name.startswith("fp8")))
-
-    def fn():
-        out, stats = pipe.decode(z, plan)
-        return H.Timed(out, stats.seconds * 1e3)
-
-    return H.Case(fn, reference, image=True, flops=flops,
-                  info={"plan": plan.reason, "stages": [f"{s.name}: {s.status}" for s in pipe.stages]})
+    return H.pipeline_case(pipe, plan, z, reference, flops)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,14 @@
     python benchmarks/decode_video.py --workload ltx2-768 --variants \
         diffusers,vaeopt,whole,chunk1,chunk4,cl,nofused,cl_nofused,budget16,budget8 --repeats 3 --warmup 1
 
-Variants: diffusers (vae.decode: Wan one latent frame per call), vaeopt (every default stage, the planner's chunk,
-CUDA graphs off), graphs (+ Wan's per-chunk CUDA graphs, armed as `vaeopt decode` arms them), fp8 (+ FP8), tiled
-(spatial tiles within --vram-budget), budget (the planner's own choice within --vram-budget: chunks, tiles where a
-chunk does not fit), budget16 / budget8 (the same within 16 / 8 GB); vaeopt with one thing changed: whole (the clip in
-one call), chunkK (K latent frames per call), cl (channels_last_3d on), nofused (no Triton norms), cl_nofused. The
-reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without its
-growing torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock; the table's
-"decode" is their own peak (the weights plus the peak above the call's start), held against the plan's estimate and
-the budget.
+Variants: diffusers (vae.decode: Wan one latent frame per call), vaeopt (every default stage, the planner's chunk, CUDA
+graphs off), graphs (+ Wan's per-chunk CUDA graphs, armed as `vaeopt decode` arms them), fp8 (+ FP8), tiled (spatial
+tiles within --vram-budget), budget (the planner's own choice within --vram-budget: chunks, tiles where a chunk does not
+fit), budget16 / budget8 (the same within 16 / 8 GB); vaeopt with one thing changed: whole (the clip in one call),
+chunkK (K latent frames per call), cl (channels_last_3d on), nofused (no Triton norms), cl_nofused. The reference is the
+fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without its growing
+torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock; the table's "decode" is
+their own peak (the weights plus the peak above the call's start), held against the plan's estimate and the budget.
 """
 
 import torch
@@ -32,21 +31,12 @@ OPTIONS = {"vaeopt": _V, "graphs": dict(graphs="on", tiling="off"),
            "nofused": dict(_V, triton="off"), "cl_nofused": dict(_V, channels_last="on", triton="off")}
 
 
-def add_args(ap):
-    ap.add_argument("--vram-budget", type=float, default=8.0, help="GB, for the tiled and budget variants")
-    ap.add_argument("--fp8-gate", type=float, default=40.0, help="dB, for the fp8 variant")
-
-
-def items(ctx):
-    if not ctx.family.is_video:
-        raise SystemExit(f"{ctx.workload} is an image workload: decode_image.py")
-    return [(f"{ctx.workload} {tuple(ctx.shape)}", ctx.shape)]
+add_args = H.decode_args
+items = H.decode_items(video=True)
 
 
 def setup(variant, shape, ctx):
     from vaeopt import video, video_graphs, video_stream
-    from vaeopt.loading import LoadedVAE
-    from vaeopt.pipeline import Options, Pipeline
 
     flops, z = ctx.flops(), ctx.latent()
 
@@ -61,19 +51,9 @@ def setup(variant, shape, ctx):
     if variant == "diffusers":
         model = ctx.model()
         return H.Case(lambda: model.decode(z).sample, reference, image=True, flops=flops)
-    opts = dict(OPTIONS[variant], device=str(ctx.device), dtype=ctx.dtype_name, decode_shape=tuple(shape))
-    if variant == "whole":
-        opts["chunk"] = shape[2]
-    if variant in ("tiled", "budget"):
-        opts["vram_budget_gb"] = ctx.args.vram_budget
-    if variant == "fp8":
-        opts["gate_db"] = ctx.args.fp8_gate
-    loaded = LoadedVAE(ctx.model(torch.float32), ctx.family, "benchmark", None, [], None)
-    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None)
-    plan = pipe.plan(tuple(shape))
+    opts = dict(OPTIONS[variant], **({"chunk": shape[2]} if variant == "whole" else {}))
+    pipe, plan = H.pipeline_plan(ctx, opts, shape)
     weights = sum(p.numel() * p.element_size() for p in pipe.model.parameters())
-    if variant == "tiled" and plan.mode != "tiled":
-        raise H.Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
     if variant in ("graphs", "fp8") and video_graphs.applies(pipe) and pipe.setup_graphs(plan) is None \
             and pipe.graphed is None:  # (a one-chunk clip, a Qwen-Image picture: captured whole)
         raise H.Skip("per-chunk CUDA graphs: " + next(s.text() for s in pipe.stages if s.name == "graphs"))
@@ -82,15 +62,8 @@ def setup(variant, shape, ctx):
     if variant == "fp8" and not any(s.name.startswith("fp8") and s.status == "applied" for s in pipe.stages):
         raise H.Skip("FP8 did not run: " + "; ".join(f"{s.name}: {s.text()}" for s in pipe.stages
                                                     if s.name.startswith("fp8")))
-
-    def fn():
-        out, stats = pipe.decode(z, plan)
-        return H.Timed(out, stats.seconds * 1e3)
-
-    return H.Case(fn, reference, image=True, flops=flops,
-                  info={"plan": plan.reason, "est_gib": plan.est_bytes / 2**30, "weights_gib": weights / 2**30,
-                        "budget_gib": (plan.budget_bytes or 0) / 2**30 if "vram_budget_gb" in opts else None,
-                        "stages": [f"{s.name}: {s.status}" for s in pipe.stages]})
+    return H.pipeline_case(pipe, plan, z, reference, flops, est_gib=plan.est_bytes / 2**30, weights_gib=weights / 2**30,
+                           budget_gib=(plan.budget_bytes or 0) / 2**30 if opts["tiling"] != "off" else None)
 
 
 def table(res: dict) -> None:

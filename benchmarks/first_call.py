@@ -1,19 +1,18 @@
 """Where the first decode of a process goes: each timed call is a fresh Python process that imports vaeopt, builds the
-workload's model (random init at real size), prepares the stages, plans, decodes once under torch.profiler and then
-a few times more; the row's time is the first decode's overhead over the steady decode (first - median of the rest).
+workload's model (random init at real size) while vaeopt.prewarm warms the GPU on its thread (as `vaeopt decode`
+overlaps it with reading the checkpoint), prepares the stages, plans, decodes once under torch.profiler and then a few
+times more; the row's time is the first decode's overhead over the steady decode (first - median of the rest).
 
     python benchmarks/first_call.py --workloads sdxl-1024,sdxl-4096,wan21-480p --out DIR [--variants warm,cold]
     python benchmarks/first_call.py --workloads sdxl-1024,wan21-480p --variants warm --steady 2 --out DIR
     python benchmarks/first_call.py --tiny --device cpu --out /tmp/fc        # the smoke test
 
-The model is built (random init at real size) while vaeopt.prewarm warms the GPU on its thread, as `vaeopt decode`
-overlaps it with reading the checkpoint: prewarm_s is the thread's time, prewarm_wait_s what the join still waited.
 Per process (info.calls): the phases in seconds (import, build, stages with each stage's own time, plan, decide
-graphs/cuDNN autotune, first decode, steady median), Triton kernels compiled vs loaded from the cache (count and
-time, from Triton's compilation listener), Triton autotune benchmarks (count, time), cuDNN's benchmark state, pinned
-host memory allocated during the first decode (torch's host allocator stats), graph capture time, and the profiler's
-largest CPU-time items of the first decode against the same items in a steady decode (per op and input shape: a
-conv shape cuDNN has not seen yet shows up there).
+graphs/cuDNN autotune, first decode, steady median; prewarm: the warm-up thread's time and what the join still
+waited), Triton kernels compiled vs loaded from the cache (count and time, from Triton's compilation listener), Triton
+autotune benchmarks (count, time), cuDNN's benchmark state, pinned host memory allocated during the first decode
+(torch's host allocator stats), graph capture time, and the profiler's largest CPU-time items of the first decode
+against the same items in a steady decode (per op and input shape: a conv shape cuDNN has not seen yet shows up).
 
 Variants: warm (the Triton and vaeopt caches filled by the warm-up process), cold (both empty for every process),
 autotune (--cudnn-autotune on), graphs (--graphs on: warm-up + capture in the first decode, replays after), eager
@@ -51,8 +50,7 @@ def add_args(ap):
     ap.add_argument("--steady", type=int, default=STEADY, help="timed decodes after the first, per process")
 
 
-def items(ctx):
-    return [(f"{ctx.workload} {tuple(ctx.shape)}", ctx.shape)]
+items = H.decode_items()
 
 
 def setup(variant, shape, ctx):

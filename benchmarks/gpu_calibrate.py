@@ -94,7 +94,6 @@ for fam, shapes in grids.items():
     if len(xs) >= 3 and not spec.is_video:  # video: the planner uses vaeopt.video's dry-run estimate instead
         fx, fy = xs[:-1], ys[:-1]
         coef = sum(a * b for a, b in zip(fx, fy)) / sum(a * a for a in fx)
-        pred = coef * xs[-1] + (ys[-1] - ys[-1])  # noqa
         held = rows[-1]
         est = coef * xs[-1]
         err = (est - ys[-1]) / (ys[-1] + planner._weights_bytes(pipe.model, torch.bfloat16))
@@ -120,8 +119,7 @@ for budget_gb in (16, 8):
             pipe.opts.vram_budget_gb = budget_gb * 0.9
             plan = pipe.plan(shape)
             rec["plan"] = plan.to_dict()
-            t0 = time.perf_counter()
-            out, stats = pipe.decode(torch.randn(shape), plan)
+            _, stats = pipe.decode(torch.randn(shape), plan)
             rec.update(ok=True, seconds=stats.seconds, peak_gib=stats.peak_bytes / 2**30, retries=stats.retries)
         except torch.cuda.OutOfMemoryError as e:
             rec.update(ok=False, error=str(e).splitlines()[0][:200])

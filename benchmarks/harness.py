@@ -145,6 +145,51 @@ def layer_inputs(ctx: Ctx, types: tuple[str, ...]) -> list[tuple[str, tuple, tor
     return [(t, s, mod) for (t, s), mod in seen.items()]
 
 
+def decode_args(ap) -> None:
+    """The options of the whole-decode setups (decode_image.py, decode_video.py)."""
+    ap.add_argument("--vram-budget", type=float, default=8.0, help="GB, for the tiled (and budget) variants")
+    ap.add_argument("--fp8-gate", type=float, default=40.0, help="dB, for the fp8 variant")
+
+
+def decode_items(video: bool | None = None):
+    """A whole-decode setup's items(ctx): the workload's latent; with `video`, a workload of the other kind refused."""
+    def items(ctx: Ctx) -> list:
+        if video is not None and ctx.family.is_video != video:
+            raise SystemExit(f"{ctx.workload} is {'an image' if video else 'a video'} workload: decode_"
+                             f"{'image' if video else 'video'}.py")
+        return [(f"{ctx.workload} {tuple(ctx.shape)}", ctx.shape)]
+    return items
+
+
+def pipeline_plan(ctx: Ctx, options: dict, shape):
+    """vaeopt's Pipeline as `vaeopt decode` builds it for the workload's model, and its plan for `shape`; rows that may
+    tile get --vram-budget unless their options name one, fp8 rows --fp8-gate (a forced tiling left untiled: Skip)."""
+    from vaeopt.loading import LoadedVAE
+    from vaeopt.pipeline import Options, Pipeline
+
+    opts = dict(options, device=str(ctx.device), dtype=ctx.dtype_name, decode_shape=tuple(shape))
+    if opts.get("tiling") != "off":
+        opts.setdefault("vram_budget_gb", ctx.args.vram_budget)
+    if opts.get("fp8") == "on":
+        opts["gate_db"] = ctx.args.fp8_gate
+    loaded = LoadedVAE(ctx.model(torch.float32), ctx.family, "benchmark", None, [], None)
+    pipe = Pipeline(loaded, Options(**opts), log=lambda s: None)
+    plan = pipe.plan(tuple(shape))
+    if opts.get("tiling") == "on" and plan.mode != "tiled":
+        raise Skip(f"the planner did not tile within {ctx.args.vram_budget:g} GB: {plan.reason}")
+    return pipe, plan
+
+
+def pipeline_case(pipe, plan, z: torch.Tensor, reference, flops, **info) -> Case:
+    """A row timed by the pipeline's own clock (DecodeStats.seconds: launch to last kernel, not the copy out)."""
+    def fn():
+        out, stats = pipe.decode(z, plan)
+        return Timed(out, stats.seconds * 1e3)
+
+    return Case(fn, reference, image=True, flops=flops,
+                info={"plan": plan.reason, **info, "stages": [f"{s.name}: {s.status}" for s in pipe.stages]})
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

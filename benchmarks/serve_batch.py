@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -21,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness, which puts the repository first
 
+import harness as H  # noqa: E402
 import vaeopt  # noqa: E402
 from vaeopt import outputs  # noqa: E402
 
@@ -34,9 +34,8 @@ def worker_decode(z: torch.Tensor, loaded, opts) -> torch.Tensor:
 
 
 def table(rows: list[dict], gpu: str | None) -> str:
-    head = f"{'latent':>9} {'batch':>5} {'batched ms':>10} {'1-by-1 ms':>10} {'ms/image':>9} {'(1-by-1)':>9} " \
-           f"{'speedup':>7}"
-    lines = [f"serve_batch: {gpu or 'cpu'}", head]
+    lines = [f"serve_batch: {gpu or 'cpu'}", f"{'latent':>9} {'batch':>5} {'batched ms':>10} {'1-by-1 ms':>10} "
+             f"{'ms/image':>9} {'(1-by-1)':>9} {'speedup':>7}"]
     for r in rows:
         lines.append(f"{'x'.join(map(str, r['latent'])):>9} {r['batch']:>5} {r['batched_ms']:>10.2f} "
                      f"{r['one_by_one_ms']:>10.2f} {r['per_image_batched_ms']:>9.2f} {r['per_image_single_ms']:>9.2f} "
@@ -91,10 +90,7 @@ def main() -> None:
     res = {"model": str(a.model) if a.model else f"{a.family} (random weights)", "gpu": gpu,
            "torch": torch.__version__, "what": "vaeopt.decode(on_device=True) + uint8 on the device + copy to host",
            "seconds": round(time.perf_counter() - t_start, 1), "rows": rows}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    part = a.out.with_name(f".{a.out.name}.partial")
-    part.write_text(json.dumps(res, indent=1))
-    os.replace(part, a.out)
+    H.write_json(res, a.out)
     tmp.cleanup()
     print(table(rows, gpu), flush=True)
 

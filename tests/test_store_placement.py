@@ -1,6 +1,6 @@
-"""Where the tiled image decoder keeps its full-size buffers (vaeopt/engine/store.py `place`, tiling.storage_buffers):
-all on the device when they fit, else the ones that fit beside the working set on the device and the rest on the host;
-the decode is bitwise the same whichever way they are placed."""
+"""Where the tiled image decoder keeps its full-size buffers (vaeopt/engine/store.py `place`,
+tiling_memory.storage_buffers): all on the device when they fit, else the ones that fit beside the working set on the
+device and the rest on the host; the decode is bitwise the same whichever way they are placed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from vaeopt import tiling
+from vaeopt import tiling, tiling_memory
 from vaeopt.engine import store
 from vaeopt.engine.store import place
 from vaeopt.families import build_model, get_family
@@ -53,14 +53,14 @@ def device_peak(bufs, placement) -> int:
 def test_sdxl_4096_buffers(sdxl):
     """sdxl at 4096² in bf16: 18 buffers, 41 GiB allocated over the decode, at most 16 GiB alive at once (the
     channel-changing resnet at full resolution: its 8 GiB input, 4 GiB conv1 output and 4 GiB block output)."""
-    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    bufs = tiling_memory.storage_buffers(sdxl, (512, 512), torch.bfloat16)
     assert len(bufs) == 18 and sum(b for b, _, _ in bufs) == 41 * GIB
-    assert device_peak(bufs, [True] * 18) == tiling.storage_bytes(sdxl, (512, 512), torch.bfloat16) == 16 * GIB
+    assert device_peak(bufs, [True] * 18) == tiling_memory.storage_bytes(sdxl, (512, 512), torch.bfloat16) == 16 * GIB
     assert sorted({b // GIB for b, _, _ in bufs if b >= GIB}) == [1, 2, 4, 8]
 
 
 def test_place_all_device_when_they_fit(sdxl):
-    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    bufs = tiling_memory.storage_buffers(sdxl, (512, 512), torch.bfloat16)
     assert place(bufs, 16 * GIB) == [True] * len(bufs)
     assert place(bufs, 0) == [False] * len(bufs)
 
@@ -70,7 +70,7 @@ def test_place_overflow_to_host(sdxl):
     channel-changing resnet at 4096² goes to the host: 4 GiB, the least that can (16 GiB are alive at that step), and
     of the three buffers alive there the one written and read once (its block output lives on through two more
     resnets, each reading and writing it). At any budget the device buffers alive at once stay within it."""
-    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    bufs = tiling_memory.storage_buffers(sdxl, (512, 512), torch.bfloat16)
     p = place(bufs, int(12.1 * GIB))
     host = [i for i, d in enumerate(p) if not d]
     assert host == [14] and bufs[14][0] == 4 * GIB
@@ -104,13 +104,13 @@ def test_schedule_is_what_the_decoder_allocates(vae, z):
     for s, (what, i) in enumerate(events):
         steps.setdefault(i, [None, None])[what == "free"] = s
     got = [(sizes[i], a, f) for i, (a, f) in sorted(steps.items())]
-    assert got == tiling.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+    assert got == tiling_memory.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
 
 
 def test_mixed_placement_decodes_bitwise_the_same(vae, z):
     """All buffers local, some moved as if on the host, all moved: the same image, bit for bit; only the host-placed
     buffers are copied (their bytes written out once each)."""
-    bufs = tiling.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+    bufs = tiling_memory.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
     total = sum(b for b, _, _ in bufs)
     mid = sorted(b for b, _, _ in bufs)[-1] + sorted(b for b, _, _ in bufs)[-2] // 2  # room for some, not all
     outs = {}
@@ -164,7 +164,7 @@ def test_mixed_placement_kernel_path(vae, z):
     if not triton_available(torch.device("cpu"))[0]:
         pytest.skip("Triton (interpreter) not available")
     zz = z[..., :12, :16].contiguous()
-    bufs = tiling.storage_buffers(vae, tuple(zz.shape[-2:]), torch.float32)
+    bufs = tiling_memory.storage_buffers(vae, tuple(zz.shape[-2:]), torch.float32)
     outs = []
     for room in (sum(b for b, _, _ in bufs), max(b for b, _, _ in bufs)):
         td = tiling.TiledDecoder(vae, tile=8, kernels=True)
@@ -189,7 +189,7 @@ def test_sdxl_4096_within_16gb_storage_choice(sdxl, monkeypatch):
     td = tiling.TiledDecoder(sdxl, tile=tile, vram_budget=16 * GIB, kernels=True, shape="bands")
     td.device, td.dtype, td.kernels, td.bands = torch.device("cuda", 0), torch.bfloat16, True, True
     storage, t, placement = td._choose_storage((512, 512))
-    bufs = tiling.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    bufs = tiling_memory.storage_buffers(sdxl, (512, 512), torch.bfloat16)
     assert storage.type == "cpu" and t == (tile // 2, tile // 2)
     assert [i for i, d in enumerate(placement) if not d] == [14] and bufs[14][0] == 4 * GIB
     # a budget that holds them all beside the working set of a quarter of the tile: every buffer on the GPU

@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_flatten
 
 from vaeopt import tiling
 from vaeopt.engine import image
-from vaeopt.tiling import TilingError, estimate_tiled_bytes, storage_bytes, tile_from_pixels, tiled_decode
+from vaeopt.tiling import TilingError, tile_from_pixels, tiled_decode
+from vaeopt.tiling_memory import estimate_tiled_bytes, storage_bytes
 
 SCALING = 0.30478  # the scaling_factor in samples/tiny_kl_image.safetensors
 

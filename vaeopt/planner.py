@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from vaeopt import cache, tiling
+from vaeopt import cache, tiling_memory
 from vaeopt import video_stream
 from vaeopt import video_tiling as vt
 from vaeopt.engine.memory import stacked_names
@@ -235,7 +235,7 @@ def _plan_key(family, model, latent_shape, dtype, device, budget, why, chunk, ti
 
 
 def _estimate_tiled(family, model, latent_shape, dtype, tile: int) -> int:
-    return int(tiling.estimate_tiled_bytes(model, tuple(latent_shape[-2:]), tile, dtype, batch=latent_shape[0]))
+    return int(tiling_memory.estimate_tiled_bytes(model, tuple(latent_shape[-2:]), tile, dtype, batch=latent_shape[0]))
 
 
 def largest_tile(family, model, latent_shape, dtype, budget: int) -> int:
