@@ -1,6 +1,6 @@
 """The host store of a tiled image decode on a GPU: what pinning costs, and the first decode of a process.
 
-    python3 scripts/gpu_store_check.py --out "$OUT"                 # on a CUDA machine, about two minutes
+    python3 scripts/gpu_store_check.py --out DIR                    # on a CUDA machine, about two minutes
     python3 scripts/gpu_store_check.py --out /tmp/s --tiny          # the same steps, small (CPU or GPU)
 
 (i) Pinning 4 GiB of host memory, each way in a fresh process: torch's default (cudaHostAlloc) and torch's
@@ -130,7 +130,7 @@ def run(args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=".")
     ap.add_argument("--tiny", action="store_true", help="small shapes: a smoke test, on a CPU too")
     ap.add_argument("--steady", type=int, default=2)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -168,7 +168,7 @@ def plan_decode(family: FamilySpec, model, latent_shape: tuple, dtype: torch.dty
         # miss, never over the real budget.
         given = vram_budget_gb is not None
         if not given:
-            budget = budget // BUDGET_STEP * BUDGET_STEP
+            budget = max(BUDGET_STEP, budget // BUDGET_STEP * BUDGET_STEP) if budget >= BUDGET_STEP else budget
             why = f"{why}, rounded down to {BUDGET_STEP / 2**30:g} GB steps"
         key = _plan_key(family, model, latent_shape, dtype, device, budget, "given" if given else "free memory",
                         chunk, tile, tiling)

@@ -135,11 +135,15 @@ class Prewarm:
     seconds: float = 0.0  # the thread's own time
     waited: float = 0.0  # how long the join waited for it
     joined: bool = field(default=False, repr=False)
+    # set by join(): the thread stops preloading at the next kernel, so a decode never waits for more than the one in
+    # flight (a kernel missing from Triton's disk cache compiles, which can take seconds; the decode loads the rest)
+    stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def join(self, log: Callable[[str], None] | None = None, detail: Callable[[str], None] | None = None) -> None:
         if self.joined:
             return
         t0 = time.perf_counter()
+        self.stop.set()
         if self.thread is not None:
             self.thread.join()
         self.waited = time.perf_counter() - t0
@@ -179,6 +183,8 @@ def _run(pw: Prewarm, device, dtype, k, video) -> None:
         pw.libraries = True
         entries, bad = stored(k, device) if k is not None else [], []
         for e in entries:
+            if pw.stop.is_set():
+                break
             try:
                 load_kernel(e)
                 pw.kernels += 1

@@ -350,6 +350,8 @@ class TiledDecoder:
             if not local or self.storage == self.device:
                 raise
             torch.cuda.empty_cache()  # the device could not hold it after all (another user, fragmentation):
+            if "+" not in self.info["storage"]:
+                self.info["storage"] = f"{self.device}+{self.storage}"
             return self._alloc(c, h, w, local=False)  # this buffer goes to the host
         if self.storage_format is torch.channels_last:
             t = t.permute(0, 3, 1, 2)

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from vaeopt.engine.memory import estimate_chunk_bytes
 from vaeopt.engine.regions import spatial_factor
+from vaeopt.engine.stats import OOM_ERRORS
 from vaeopt.engine.wan_ops import temporal_factor
 from vaeopt.stages import join
 
@@ -235,8 +236,6 @@ def backend_for(device: torch.device):
     return _CudaBackend(device)
 
 
-_OOM = tuple({e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-              if e})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,7 +324,7 @@ class GraphedSteps:
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager, with its reason
             self._restore(before, first)
             be.drain()
-            what = "out of memory during capture" if isinstance(e, _OOM) else \
+            what = "out of memory during capture" if isinstance(e, OOM_ERRORS) else \
                 f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
             rec.update(status="fallback", reason=f"{what}: eager")
             return False

@@ -58,6 +58,7 @@ from torch import Tensor
 
 from vaeopt import video_graphs
 from vaeopt.engine import memory
+from vaeopt.engine.stats import OOM_ERRORS
 from vaeopt.engine.regions import (TilingError, band_tiles, default_split, front_scale, min_tile_rows,
                                    receptive_field, resolve_tile, spatial_factor, tile_grid)
 from vaeopt.engine.wan import ChunkDecoder
@@ -78,9 +79,6 @@ __all__ = [
     "resolve_tile",
 ]
 
-_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
-    {e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if e}
-)
 MAX_INFLIGHT_WRITES = 1  # host cache storage: tiles whose device caches may still be on their way to the host
 
 
@@ -543,7 +541,7 @@ def iter_raw(
                             prefetch_hits=runner.store.prefetch_hits, cache_bytes=runner.cache_bytes())
             info["stats"] = dict(runner.stats)
             return
-        except _OOM_ERRORS as e:
+        except OOM_ERRORS as e:
             if replan is None:
                 raise
             failed = str(e).splitlines()[0] if str(e) else type(e).__name__
