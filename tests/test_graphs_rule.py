@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from vaeopt import planner
@@ -157,3 +158,22 @@ def test_optimized_vae_decode_calls_graph_a_repeated_shape(samples_dir, monkeypa
     assert all(torch.equal(o, outs[0]) for o in outs)
     twin = copy.deepcopy(vae)
     assert twin.decode.graphs.calls == {} and twin.decode.graphs.graphed is None
+
+
+def test_a_capture_that_runs_out_of_memory_is_not_tried_again(monkeypatch):
+    """An OOM while capturing goes to the caller's OOM path once; later calls of that shape decode eagerly instead
+    of failing a capture (warm-up, capture, OOM) every time."""
+    from vaeopt.stages.graphs import GraphedDecode
+
+    calls = []
+    g = GraphedDecode(lambda z: calls.append(tuple(z.shape)) or z * 2, torch.device("cpu"))
+
+    def no_room(z):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(g, "_capture", no_room)
+    z = torch.ones(1, 4, 8, 8)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        g(z)
+    assert torch.equal(g(z), z * 2) and calls == [(1, 4, 8, 8)]
+    assert g.failed[(tuple(z.shape), z.dtype, z.stride())] == "out of memory while capturing"

@@ -46,7 +46,10 @@ class GraphedDecode:
             try:
                 entry = self._capture(z)
             except torch.cuda.OutOfMemoryError:
-                raise  # the caller's OOM path (a smaller plan)
+                # the caller's OOM path (a smaller plan) decodes this one; later calls of the shape go straight to
+                # the eager decode instead of failing a capture again each time
+                self.failed[key] = "out of memory while capturing"
+                raise
             except RuntimeError as e:  # e.g. a host sync inside the decode: not capturable, decoded eagerly
                 self.failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
                 torch.cuda.synchronize(self.device)
