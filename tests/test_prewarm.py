@@ -87,6 +87,7 @@ def test_errors_in_the_thread_are_said_once_and_never_raised(fake_gpu, monkeypat
 
     monkeypatch.setattr(prewarm, "load_kernel", bad)
     pw = prewarm.start(torch.device("cuda"), torch.float16, KEY)
+    pw.thread.join(5)  # (a join before the thread reaches the kernels stops it there: none would be tried)
     lines = []
     pw.join(lines.append)
     pw.join(lines.append)
@@ -100,6 +101,7 @@ def test_errors_in_the_thread_are_said_once_and_never_raised(fake_gpu, monkeypat
 
     monkeypatch.setattr(prewarm, "warm_libraries", oom)
     pw = prewarm.start(torch.device("cuda"), torch.float16, KEY)
+    pw.thread.join(5)  # (a join before the thread reaches the kernels stops it there: none would be tried)
     lines = []
     pw.join(lines.append)
     assert pw.kernels == 0 and not pw.libraries and len(lines) == 1 and "OutOfMemoryError" in lines[0]
