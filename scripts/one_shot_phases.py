@@ -6,7 +6,8 @@ the same job (from_pretrained, decode, PIL save), each a fresh process timed fro
 
 The model: the family's architecture with random weights (seed 0) saved as a diffusers folder, as
 benchmarks/one_shot.py builds it; latents N(0, 1), decoded as raw latents by both. Runs: `vaeopt` (as shipped),
-`noprewarm` (VAEOPT_PREWARM=off), `notriton` (--triton/--epilogues/--upsample-conv/--conv-kernel off), and `plain`.
+`fullexit` (VAEOPT_FAST_EXIT=off: the interpreter's teardown kept), `noprewarm` (VAEOPT_PREWARM=off), `notriton`
+(--triton/--epilogues/--upsample-conv/--conv-kernel off), and `plain`.
 One untimed run of each first fills Triton's and vaeopt's caches (as one_shot.py's warm variant), then --repeats
 timed runs; the table shows each phase's median seconds. A phase is the time from the previous mark to its own:
     python    interpreter start to the first line of the command (site, the interpreter itself)
@@ -19,8 +20,8 @@ timed runs; the table shows each phase's median seconds. A phase is the time fro
     stages    vaeopt.Pipeline: the warm-up thread joined, weights to the device, the stages applied
     decode    the decode (synchronized) / the same in plain
     write     to uint8 and the PNG written (atomically for vaeopt)
-    report    the --json summary and what else runs after the file is written
-    exit      interpreter shutdown: atexit, threads, CUDA teardown (measured by the parent)
+    report    the --json summary and what else runs after the file is written, up to the atexit handlers
+    exit      the rest of the process's exit: the interpreter's teardown and CUDA's (measured by the parent)
 Prints the table; writes one_shot_phases.json under --out.
 """
 
@@ -71,10 +72,7 @@ wrap(P, "__init__", after="stages")
 wrap(P, "decode", after="decode", sync=True)
 wrap(vaeopt.api, "write_job", after="write")
 sys.argv = ["vaeopt"] + sys.argv[1:]
-try:
-    vaeopt.cli.app()
-finally:
-    mark("report")
+vaeopt.cli.run()  # as `python -m vaeopt` runs it: its exit included
 '''
 
 PLAIN_CHILD = r'''
@@ -130,6 +128,8 @@ def run_once(variant: str, folder: Path, lat: Path, out: Path, device: str, env:
                "--latent-space", "raw", "--device", device, "--json", "-q"]
         if variant == "noprewarm":
             env["VAEOPT_PREWARM"] = "off"
+        if variant == "fullexit":
+            env["VAEOPT_FAST_EXIT"] = "off"
         if variant == "notriton":
             cmd += ["--triton", "off", "--epilogues", "off", "--upsample-conv", "off", "--conv-kernel", "off"]
     env["PHASES_T0"] = repr(time.time())
@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--family", default="sdxl")
     ap.add_argument("--latent", default="1,4,128,128", help="latent shape (default: sdxl at 1024²)")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--variants", default="vaeopt,noprewarm,notriton,plain")
+    ap.add_argument("--variants", default="vaeopt,fullexit,noprewarm,notriton,plain")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
