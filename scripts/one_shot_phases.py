@@ -1,7 +1,7 @@
 """Where the seconds of a one-shot `vaeopt decode` process go, phase by phase, beside a plain diffusers script doing
 the same job (from_pretrained, decode, PIL save), each a fresh process timed from its start to its exit.
 
-    python3 scripts/one_shot_phases.py --out "$OUT"                                  # sdxl-1024 on the GPU
+    python3 scripts/one_shot_phases.py --out "$OUT"                                  # sdxl-1024 on the GPU (~5 min)
     python3 scripts/one_shot_phases.py --device cpu --latent 1,4,16,16 --out /tmp/p  # full-size weights, small decode
 
 The model: the family's architecture with random weights (seed 0) saved as a diffusers folder, as
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -159,7 +160,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--latent", default="1,4,128,128", help="latent shape (default: sdxl at 1024²)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--variants", default="vaeopt,fullexit,noprewarm,notriton,plain")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -175,20 +176,24 @@ def main(argv=None) -> dict:
     rows = {v: [] for v in variants}
     for v in variants:  # one untimed run each: the caches filled, as for one_shot.py's warm variant
         run_once(v, folder, lat, tmp / f"{v}.png", device, env)
+    res = {"setup": "one_shot_phases", "device": device, "family": args.family, "latent": list(latent),
+           "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+           "versions": {"torch": torch.__version__}, "runs": rows}
+    path = Path(args.out) / "one_shot_phases.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(args.repeats):  # interleaved: a busy machine slows every variant alike
         for v in variants:
             rows[v].append(run_once(v, folder, lat, tmp / f"{v}.png", device, env))
             print(f"{v}: {rows[v][-1]['total']:.2f} s", file=sys.stderr, flush=True)
+            path.write_text(json.dumps(res, indent=1))  # after every run: a run stopped by a time limit keeps them
     med = {v: {k: statistics.median(r[k] for r in rs) for k in (*PHASES, "total")} for v, rs in rows.items()}
     lines = [f"{'phase':<10}" + "".join(f"{v:>11}" for v in variants)]
     for k in (*PHASES, "total"):
         lines.append(f"{k:<10}" + "".join(f"{med[v][k]:11.2f}" for v in variants))
     print("\n".join(lines))
-    res = {"setup": "one_shot_phases", "device": device, "family": args.family, "latent": list(latent),
-           "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-           "versions": {"torch": torch.__version__}, "median_s": med, "runs": rows}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "one_shot_phases.json").write_text(json.dumps(res, indent=1))
+    res["median_s"] = med
+    path.write_text(json.dumps(res, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
     return res
 
 
