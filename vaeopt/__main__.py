@@ -1,3 +1,3 @@
-from vaeopt.cli import app
+from vaeopt.cli import run
 
-app()
+run()

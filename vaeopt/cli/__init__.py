@@ -6,7 +6,10 @@ messages, progress bar).
 A new command: a function decorated with @clean_errors in vaeopt/cli/<name>.py, added to COMMANDS below. Command
 modules import torch only inside the command, after its arguments are checked: a typo is reported at once."""
 
+import atexit
 import os
+import sys
+import threading
 
 import typer
 
@@ -63,3 +66,47 @@ def main(version: bool = typer.Option(False, "--version", callback=_version_cb, 
 COMMANDS = (info.info, decode.decode, benchmark.benchmark, warmup.warmup, serve.serve)
 for command in COMMANDS:
     app.command()(command)
+
+
+FAST_EXIT_ENV = "VAEOPT_FAST_EXIT"  # "off": leave through the interpreter's full teardown
+
+
+def run() -> None:
+    """`vaeopt` as a process (the console script, `python -m vaeopt`): the command, then an exit that skips the
+    interpreter's teardown. With torch and diffusers loaded, that teardown frees every module and object one by one,
+    and torch's CUDA state with them: a second or two after the output is on disk, for nothing the operating system
+    would not do at once. What a process owes on its way out still happens: the atexit handlers run (logging,
+    coverage, multiprocessing's children), stdout and stderr are flushed, and the exit status is the command's.
+    The full teardown is kept where someone is watching it: a tracer or profiler (pdb, cProfile, coverage by
+    tracing) writes its results after the command returns, a thread that is not a daemon is still working, or
+    VAEOPT_FAST_EXIT=off."""
+    try:
+        app()  # click's standalone mode: it ends in SystemExit with the command's status
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if not _may_exit_fast():
+        raise SystemExit(code)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): printed, status 1, as Python itself does
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a closed pipe: Python's own exit reports this as status 120
+        code = code or 120
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):  # (2>/dev/full: the log was best effort; the outputs are written)
+        pass
+    os._exit(code)
+
+
+def _may_exit_fast() -> bool:
+    if os.environ.get(FAST_EXIT_ENV, "").strip().lower() in ("off", "0", "no", "false"):
+        return False
+    if sys.gettrace() is not None or sys.getprofile() is not None or not hasattr(atexit, "_run_exitfuncs"):
+        return False
+    return not any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread())

@@ -1,0 +1,201 @@
+"""Where the seconds of a one-shot `vaeopt decode` process go, phase by phase, beside a plain diffusers script doing
+the same job (from_pretrained, decode, PIL save), each a fresh process timed from its start to its exit.
+
+    python3 scripts/one_shot_phases.py --out "$OUT"                                  # sdxl-1024 on the GPU (~5 min)
+    python3 scripts/one_shot_phases.py --device cpu --latent 1,4,16,16 --out /tmp/p  # full-size weights, small decode
+
+The model: the family's architecture with random weights (seed 0) saved as a diffusers folder, as
+benchmarks/one_shot.py builds it; latents N(0, 1), decoded as raw latents by both. Runs: `vaeopt` (as shipped),
+`fullexit` (VAEOPT_FAST_EXIT=off: the interpreter's teardown kept), `noprewarm` (VAEOPT_PREWARM=off), `notriton`
+(--triton/--epilogues/--upsample-conv/--conv-kernel off), and `plain`.
+One untimed run of each first fills Triton's and vaeopt's caches (as one_shot.py's warm variant), then --repeats
+timed runs; the table shows each phase's median seconds. A phase is the time from the previous mark to its own:
+    python    interpreter start to the first line of the command (site, the interpreter itself)
+    cli       vaeopt.cli (typer, rich, vaeopt's command modules) / plain: nothing
+    torch     vaeopt.api with torch and the stage modules (Triton's import among them) / plain: torch + diffusers top
+    read      the latent file read and checked
+    diffusers `import diffusers` while the GPU warm-up thread starts (vaeopt) / plain: its model class's import
+    load      the checkpoint read, checked and built (vaeopt.loading.load_vae) / plain: from_pretrained + .to(device)
+    plan      output names, checks, the plan
+    stages    vaeopt.Pipeline: the warm-up thread joined, weights to the device, the stages applied
+    decode    the decode (synchronized) / the same in plain
+    write     to uint8 and the PNG written (atomically for vaeopt)
+    report    the --json summary and what else runs after the file is written, up to the atexit handlers
+    exit      the rest of the process's exit: the interpreter's teardown and CUDA's (measured by the parent)
+Prints the table; writes one_shot_phases.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("python", "cli", "torch", "read", "diffusers", "load", "plan", "stages", "decode", "write", "report", "exit")
+
+# Runs `vaeopt` in the child with marks at the public entry points the command goes through (each wrapped, the
+# behaviour unchanged); the marks go to the file named by $PHASES_OUT at exit.
+VAEOPT_CHILD = r'''
+import atexit, json, os, sys, time
+T0 = float(os.environ["PHASES_T0"]); marks = []
+def mark(name): marks.append((name, time.time() - T0))
+atexit.register(lambda: (mark("atexit"), open(os.environ["PHASES_OUT"], "w").write(json.dumps(marks))))
+mark("python")
+import vaeopt.cli
+mark("cli")
+import vaeopt.api, vaeopt.latents, vaeopt.loading, vaeopt.outputs, vaeopt.pipeline, vaeopt.prewarm
+mark("torch")
+import torch
+def wrap(owner, attr, before=None, after=None, sync=False):
+    f = getattr(owner, attr)
+    def w(*a, **k):
+        if before: mark(before)
+        r = f(*a, **k)
+        if sync and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        if after: mark(after)
+        return r
+    setattr(owner, attr, w)
+wrap(vaeopt.latents, "read_latents", after="read")
+wrap(vaeopt.prewarm, "start", before="prewarm_start")
+wrap(vaeopt.loading, "load_vae", before="diffusers", after="load")
+wrap(vaeopt.api, "plan_jobs", after="plan")
+P = vaeopt.pipeline.Pipeline
+wrap(P, "__init__", after="stages")
+wrap(P, "decode", after="decode", sync=True)
+wrap(vaeopt.api, "write_job", after="write")
+sys.argv = ["vaeopt"] + sys.argv[1:]
+vaeopt.cli.run()  # as `python -m vaeopt` runs it: its exit included
+'''
+
+PLAIN_CHILD = r'''
+import atexit, json, os, sys, time
+T0 = float(os.environ["PHASES_T0"]); marks = []
+def mark(name): marks.append((name, time.time() - T0))
+atexit.register(lambda: (mark("atexit"), open(os.environ["PHASES_OUT"], "w").write(json.dumps(marks))))
+mark("python"); mark("cli")
+import torch, diffusers
+mark("torch"); mark("read")
+folder, lat, out, device = sys.argv[1:5]
+dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+cfg = json.load(open(folder + "/config.json"))
+cls = getattr(diffusers, cfg["_class_name"])
+mark("diffusers")
+vae = cls.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
+z = torch.load(lat, weights_only=True).to(device, dtype)
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+mark("load"); mark("plan"); mark("stages")
+with torch.inference_mode():
+    x = vae.decode(z).sample
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+mark("decode")
+x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+from PIL import Image
+Image.fromarray(x[0].permute(1, 2, 0).numpy()).save(out)
+mark("write"); mark("report")
+'''
+
+
+def build(tmp: Path, family: str, latent: tuple) -> tuple[Path, Path]:
+    import torch
+
+    from vaeopt.families import build_model, get_family
+
+    folder, lat = tmp / "vae", tmp / "latents.pt"
+    torch.manual_seed(0)
+    build_model(get_family(family)).save_pretrained(folder, safe_serialization=True)
+    torch.save(torch.randn(latent, generator=torch.Generator().manual_seed(0)), lat)
+    return folder, lat
+
+
+def run_once(variant: str, folder: Path, lat: Path, out: Path, device: str, env: dict) -> dict:
+    out.unlink(missing_ok=True)
+    marks_file = out.with_suffix(".marks.json")
+    env = dict(env, PHASES_OUT=str(marks_file))
+    if variant == "plain":
+        cmd = [sys.executable, "-c", PLAIN_CHILD, str(folder), str(lat), str(out), device]
+    else:
+        cmd = [sys.executable, "-c", VAEOPT_CHILD, "decode", str(lat), "-m", str(folder), "-o", str(out),
+               "--latent-space", "raw", "--device", device, "--json", "-q"]
+        if variant == "noprewarm":
+            env["VAEOPT_PREWARM"] = "off"
+        if variant == "fullexit":
+            env["VAEOPT_FAST_EXIT"] = "off"
+        if variant == "notriton":
+            cmd += ["--triton", "off", "--epilogues", "off", "--upsample-conv", "off", "--conv-kernel", "off"]
+    env["PHASES_T0"] = repr(time.time())
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    total = time.time() - t0
+    if p.returncode or not out.is_file():
+        raise SystemExit(f"{variant} failed ({p.returncode}): {(p.stderr or p.stdout).strip()[-400:]}")
+    marks = json.loads(marks_file.read_text())
+    at = {}
+    for name, t in marks:
+        at.setdefault(name, t)  # the first decode / write of the process
+    row, prev = {}, 0.0
+    for ph in PHASES[:-1]:
+        t = at.get(ph, prev)
+        row[ph] = t - prev
+        prev = t
+    row["exit"] = total - at.get("atexit", prev)
+    row["report"] += at.get("atexit", prev) - prev  # atexit handlers run before the interpreter's own teardown
+    row["total"] = total
+    return row
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="sdxl")
+    ap.add_argument("--latent", default="1,4,128,128", help="latent shape (default: sdxl at 1024²)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--variants", default="vaeopt,fullexit,noprewarm,notriton,plain")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    latent = tuple(int(s) for s in args.latent.split(","))
+    tmp = Path(tempfile.mkdtemp(prefix="one-shot-phases-"))
+    folder, lat = build(tmp, args.family, latent)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "triton"), VAEOPT_CACHE_DIR=str(tmp / "vaeopt"),
+               HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    variants = args.variants.split(",")
+    rows = {v: [] for v in variants}
+    for v in variants:  # one untimed run each: the caches filled, as for one_shot.py's warm variant
+        run_once(v, folder, lat, tmp / f"{v}.png", device, env)
+    res = {"setup": "one_shot_phases", "device": device, "family": args.family, "latent": list(latent),
+           "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+           "versions": {"torch": torch.__version__}, "runs": rows}
+    path = Path(args.out) / "one_shot_phases.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(args.repeats):  # interleaved: a busy machine slows every variant alike
+        for v in variants:
+            rows[v].append(run_once(v, folder, lat, tmp / f"{v}.png", device, env))
+            print(f"{v}: {rows[v][-1]['total']:.2f} s", file=sys.stderr, flush=True)
+            path.write_text(json.dumps(res, indent=1))  # after every run: a run stopped by a time limit keeps them
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in (*PHASES, "total")} for v, rs in rows.items()}
+    lines = [f"{'phase':<10}" + "".join(f"{v:>11}" for v in variants)]
+    for k in (*PHASES, "total"):
+        lines.append(f"{k:<10}" + "".join(f"{med[v][k]:11.2f}" for v in variants))
+    print("\n".join(lines))
+    res["median_s"] = med
+    path.write_text(json.dumps(res, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
