@@ -128,3 +128,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def samples_dir() -> Path:
     return SAMPLES
+
+
+@pytest.fixture(scope="module")
+def sample_kl_vae(samples_dir):
+    """The bundled trained image VAE as a plain diffusers AutoencoderKL (fp32, eval), one per test module."""
+    import json
+
+    import safetensors.torch
+    from diffusers import AutoencoderKL
+    from safetensors import safe_open
+
+    path = samples_dir / "tiny_kl_image.safetensors"
+    with safe_open(str(path), "pt") as f:
+        cfg = json.loads(f.metadata()["config"])
+    m = AutoencoderKL(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    m.load_state_dict(safetensors.torch.load_file(str(path)))
+    return m.eval().requires_grad_(False)

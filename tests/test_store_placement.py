@@ -4,13 +4,10 @@ device and the rest on the host; the decode is bitwise the same whichever way th
 
 from __future__ import annotations
 
-import json
 import weakref
 
 import pytest
-import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from vaeopt import tiling, tiling_memory
 from vaeopt.engine import store
@@ -28,15 +25,8 @@ def sdxl():
 
 
 @pytest.fixture(scope="module")
-def vae(samples_dir):
-    from diffusers import AutoencoderKL
-
-    path = samples_dir / "tiny_kl_image.safetensors"
-    with safe_open(str(path), "pt") as f:
-        cfg = json.loads(f.metadata()["config"])
-    m = AutoencoderKL(**{k: v for k, v in cfg.items() if not k.startswith("_")})
-    m.load_state_dict(safetensors.torch.load_file(str(path)))
-    return m.eval().requires_grad_(False)
+def vae(sample_kl_vae):
+    return sample_kl_vae
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,13 @@ small (<= 96x160 output, ~100 tiles).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import weakref
 
 import pytest
-import safetensors.torch
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -41,15 +38,8 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def vae(samples_dir):
-    from diffusers import AutoencoderKL
-
-    path = samples_dir / "tiny_kl_image.safetensors"
-    with safe_open(str(path), "pt") as f:
-        cfg = json.loads(f.metadata()["config"])
-    m = AutoencoderKL(**{k: v for k, v in cfg.items() if not k.startswith("_")})
-    m.load_state_dict(safetensors.torch.load_file(str(path)))
-    return m.eval().requires_grad_(False)
+def vae(sample_kl_vae):
+    return sample_kl_vae
 
 
 @pytest.fixture(scope="module")
