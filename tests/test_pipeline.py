@@ -853,9 +853,9 @@ def test_optimize_follows_model_cpu_offload(samples_dir, fam):
 
 def test_optimize_under_model_offload_keeps_nothing_on_the_device(monkeypatch):
     """Under model CPU offload the VAE's weights come back at a new address for every decode, so the weights vaeopt
-    derives from them (here the head's tap matrix) are rebuilt each time; found on an H100 in the twenty-first
-    session: the old ones stayed on the GPU while the VAE was offloaded (117 MiB at wan21-480p). They are dropped after
-    each decode of an offloaded VAE now, and kept otherwise. (A stand-in for accelerate's hook, on the CPU.)"""
+    derives from them (here the head's tap matrix) are rebuilt each time, and the old ones must not stay on the GPU
+    while the VAE is offloaded (117 MiB at wan21-480p on an H100). They are dropped after each decode of an offloaded
+    VAE, and kept otherwise. (A stand-in for accelerate's hook, on the CPU.)"""
     _need_cpu_triton()
 
     class CpuOffloadStandIn:  # what matters of accelerate's CpuOffload: execution_device, pre_forward
