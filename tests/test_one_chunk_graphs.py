@@ -230,6 +230,7 @@ def test_optimized_wan_vae_graphs_repeated_pictures(qwen, monkeypatch):
     vae = copy.deepcopy(qwen)
     lines = []
     vaeopt.optimize(vae, log=lines.append)
+
     z = torch.randn(1, 16, 1, 6, 5, generator=torch.Generator().manual_seed(7))
     clip = torch.randn(1, 16, 3, 6, 5, generator=torch.Generator().manual_seed(8))
     StandInGraphs.made.clear()
@@ -289,3 +290,24 @@ def test_one_frame_convs_skip_the_zero_history(fused21, stock21, z21, layout):
         assert st["single_frame_conv"] == 1 + 2 * n_blocks + head, st
     _, st = decode(fused21[layout], z21[:, :, :2].contiguous(), 1)
     assert "single_frame_conv" not in st
+
+
+def test_an_optimized_wan_vae_plans_a_clip_of_several_chunks_once(qwen, monkeypatch):
+    """A clip that decodes in several chunks is never captured whole (its chunks have their own graphs): the
+    drop-in's graphs policy plans it on its first call and remembers, instead of planning again on every call."""
+    import copy
+
+    from vaeopt import dropin
+
+    plans = []
+    monkeypatch.setattr(dropin._RepeatGraphs, "_plain", lambda self, z, kw: True)
+    monkeypatch.setattr(planner, "plan_decode", lambda fam, m, shape, *a, **k: plans.append(shape) or _plan(chunk=2))
+    rg = dropin._RepeatGraphs(copy.deepcopy(qwen), QWEN)
+    clip, picture = torch.zeros(1, 16, 5, 6, 5), torch.zeros(1, 16, 1, 6, 5)
+    assert [rg.decode((clip,), {}) for _ in range(3)] == [None] * 3
+    assert plans == [(1, 16, 5, 6, 5)] and rg.never == {((1, 16, 5, 6, 5), torch.float32)}
+    monkeypatch.setattr(planner, "plan_decode", lambda fam, m, shape, *a, **k: plans.append(shape) or _plan())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert rg.decode((picture,), {}) is None and rg.decode((picture,), {}) is None  # one chunk: counted, not yet paid
+    assert plans[1:] == [(1, 16, 1, 6, 5)] * 2 and rg.calls[((1, 16, 1, 6, 5), torch.float32)] == 2

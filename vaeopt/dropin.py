@@ -433,6 +433,7 @@ class _RepeatGraphs:
     def _fresh(self) -> None:
         self.calls: dict = {}
         self.shapes: set = set()
+        self.never: set = set()  # Wan clips of several chunks: per-chunk graphs are the clip decoder's, never these
         self.graphed = None
         self.epoch = None
 
@@ -460,10 +461,16 @@ class _RepeatGraphs:
         if wan and (z.dim() != 5 or video.active_dropout(v) or foreign_hooked(v.decoder) is not None):
             return None  # (what _WanChunkDecode leaves to diffusers' own decode)
         key = (tuple(z.shape), z.dtype)
+        if key in self.never:
+            return None
         n = self.calls[key] = self.calls.get(key, 0) + 1
         if key not in self.shapes:
-            # a Wan clip: whole only where its plan is one untiled chunk (stage_table.one_chunk_clip)
+            # a Wan clip: whole only where its plan is one untiled chunk (stage_table.one_chunk_clip); a clip of
+            # several is remembered, so that its later calls do not plan again only to be told no
             plan = planner.plan_decode(self.family, v, tuple(z.shape), z.dtype, z.device) if wan else None
+            if wan and not stage_table.one_chunk_clip(self.family, plan, tuple(z.shape)):
+                self.never.add(key)
+                return None
             est = plan.est_bytes if wan else planner.estimate_whole(self.family, v, tuple(z.shape), z.dtype)
             d = stage_table.decide_call_graphs("auto", self.family, tuple(z.shape), n, est,
                                                torch.cuda.mem_get_info(z.device)[0],
