@@ -242,7 +242,8 @@ class GroupNormer:
             try:
                 y = gn_kernels().group_norm_apply(x, mean_c.float(), a_c.float(), b.to(x.device, torch.float32),
                                      getattr(norm, "silu", False) is True or plain_silu)
-                return y if plain_silu or nonlin is None or type(nonlin) is nn.Identity else nonlin(y)
+                skip = plain_silu or nonlin is None or (type(nonlin) is nn.Identity and unhooked(nonlin))
+                return y if skip else nonlin(y)  # (a hooked Identity runs, as on the torch path)
             except Exception as e:  # noqa: BLE001
                 self.fallback(e)
         f = dict(dtype=torch.float32, device=x.device)
