@@ -145,3 +145,13 @@ def sample_kl_vae(samples_dir):
     m = AutoencoderKL(**{k: v for k, v in cfg.items() if not k.startswith("_")})
     m.load_state_dict(safetensors.torch.load_file(str(path)))
     return m.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny decodes: on a small shared CPU, thread-pool wake-ups cost more than
+    the work (~100x here). A module opts in with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

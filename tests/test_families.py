@@ -21,12 +21,7 @@ NEW = ("flux2", "qwenimage", "hunyuanvideo15", "ltx2")
 CPU32 = vaeopt.Options(device="cpu", dtype="fp32")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

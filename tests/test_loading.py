@@ -167,13 +167,7 @@ def assert_same_decoder(loaded, ref_model, z=None, fam=None):
         torch.testing.assert_close(decode(loaded.model, z), decode(ref_model, z), rtol=0, atol=1e-6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors: on a small shared CPU, thread-pool wake-ups cost more than the work (~100x here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,7 @@ from vaeopt.engine.stream import StreamDecoder, back_halo, chunk_schedule
 LAT = {"hunyuanvideo15": (1, 32, 3, 4, 3), "ltx2": (1, 128, 4, 6, 5)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
