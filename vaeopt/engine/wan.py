@@ -1,45 +1,26 @@
-"""Wan 2.1 / 2.2's decoder, run chunk by chunk: exact multi-frame chunks, static causal caches.
+"""Wan 2.1 / 2.2's decoder, run chunk by chunk: exact multi-frame chunks, static causal caches (docs/video.md).
 
 diffusers' `AutoencoderKLWan._decode` runs the decoder once per latent frame and keeps, for every causal conv, the
-last `CACHE_T`=2 frames of that conv's *input* (`feat_cache`). Read closely, that cache is exactly a causal
-convolution over the whole clip with 2 zero frames in front: the first call pads 2 zeros, the second pads 1 zero
-behind the 1 cached frame, later calls use 2 cached frames. Two places need more than that:
+last `CACHE_T`=2 frames of that conv's *input* (`feat_cache`): exactly a causal convolution over the whole clip with
+2 zero frames in front. Two places need more than that:
 
 * `WanResample('upsample3d')`: on the first call it stores the marker 'Rep' and does *not* run `time_conv`, so latent
-  frame 0 yields one frame, not two. From the next call on, `time_conv` runs over the frames *after* frame 0 with
-  zero history. A first call of K>1 frames would skip `time_conv` for all K, so diffusers' decoder is exact for
-  K-frame calls only once frame 0 went alone (verified in tests/test_video.py).
-* Wan 2.2's `DupUp3D(first_chunk=True)` drops the first `factor_t-1` frames of the shortcut, which is the same rule
-  (one frame out of frame 0), and it works for any number of frames.
+  frame 0 yields one frame, not two; from the next call on, `time_conv` runs over the frames after frame 0 with zero
+  history. So K-frame calls are exact once frame 0 went alone (verified in tests/test_video.py).
+* Wan 2.2's `DupUp3D(first_chunk=True)` drops the first `factor_t-1` frames of the shortcut: the same rule.
 
-Everything else is per frame (RMS norm over channels, per-frame attention, 2D upsampling) or a causal conv, so a call
-of K latent frames gives the same result as K one-frame calls, up to float summation order.
+Everything else is per frame or a causal conv, so a call of K latent frames equals K one-frame calls up to float
+summation order. `ChunkDecoder` runs the decoder's own submodules (nothing copied or changed) with this control flow:
+one static 2-frame history buffer per conv, updated in place; the conv input built once per call as
+[history | new frames], written straight by the previous norm (`out=`), spatial padding left to the conv (diffusers
+does clone + cat + `F.pad`); channels_last_3d end to end when the Conv3d weights are; a one-frame clip in one call
+(a Qwen-Image picture, `one_call`) runs each causal conv as the Conv2d of its last tap, keeping no history; outputs
+go into a preallocated clip tensor or, frame group by frame group, to the host; oversized norms, 2D upsamples and
+Conv3d calls run over frame groups to keep the peak low (estimate_chunk_bytes). The op sequence per element is
+diffusers', so fp32 agrees to ~1e-6 and bf16 to bf16 rounding.
 
-`ChunkDecoder` below runs the decoder's own submodules (weights, norms, attention, upsamplers are not copied or
-changed) with this control flow instead of diffusers' forwards:
-
-* the causal history of each conv is one static buffer of 2 frames, zero at the start and updated in place;
-* the conv input is built once per call as [history | new frames], with the previous RMS-norm + SiLU writing its
-  result straight into that buffer (`out=`), and the spatial zero padding left to the convolution itself. diffusers
-  does clone + cat + `F.pad` (two extra full copies per conv, and `F.pad` returns NCDHW whatever came in);
-* the layout is channels_last_3d end to end when the decoder's Conv3d weights are (the frame-wise 2D ops then see
-  channels_last views for free), and the nearest 2x upsampling runs in the input dtype (a copy: bit-identical to
-  diffusers' upcast to fp32 and back);
-* the first chunk may hold several latent frames: frame 0 skips `time_conv`, frames 1.. start its causal stream;
-* a clip decoded in one call of one latent frame (a Qwen-Image picture; `one_call`) keeps no history: each causal
-  conv's two zero history frames meet only its first two temporal taps, so it runs as the Conv2d of its last tap on
-  the frame alone (a third of the conv FLOPs: 19.0 -> 7.2 TFLOP at 1328x1328, no zero frames staged or copied);
-* outputs go into a preallocated clip tensor (`decode_video`) or, frame group by frame group, to the host
-  (`iter_decode_video`), never through a growing `torch.cat`;
-* peak memory per chunk is kept low (estimate_chunk_bytes): the RMS norm runs over frame groups, no block input or
-  consumed conv output is held longer than needed, and oversized 2D upsamples / Conv3d calls (int32 indexing on
-  CUDA) run over frame groups.
-
-Numerics: the op sequence per element is diffusers' own (normalize in fp32 for bf16, then * scale * gamma, SiLU;
-residual adds; same conv weights), so fp32 results agree to float rounding (~1e-6) and bf16 results to bf16 rounding.
-
-Fused kernel path (`fused=`; by default on when the Triton kernels can run -- CUDA, or CPU under TRITON_INTERPRET=1 --
-and the fused_norms stage has been applied): each Wan residual block whose norms are RMS norm + SiLU runs as
+Fused kernel path (`fused=`; on by default where the Triton kernels run and fused_norms was applied), per residual
+block:
 
     norm1+SiLU (kernel, + the input's owed bias)  -> written straight into conv1's input buffer (rms_norm_silu out=)
     conv1 without bias                            -> norm2+SiLU with conv1's bias folded in (x_bias), into conv2's
@@ -47,16 +28,11 @@ and the fused_norms stage has been applied): each Wan residual block whose norms
     conv2 without bias [, 1x1x1 shortcut conv without bias]
     one epilogue kernel: (residual + shortcut bias) + (conv2 out + conv2 bias)           (epilogue.bias_residual)
 
-and WanResample's nearest 2x upsample disappears into kernels: for 'upsample2d' the last block's epilogue writes the
-upsampled frames; for 'upsample3d' it writes time_conv's input buffer, time_conv runs without bias, and one kernel
-adds that bias, interleaves the channel halves into frames (diffusers' reshape + stack) and upsamples; frame 0 of the
-clip (the 'Rep' frame, no time_conv) is upsampled alone. The 2D conv after the upsample, and conv_in, run without
-their biases too: the next block folds them into its norm1 (x_bias) and its residual (residual_bias; through a 1x1x1
-shortcut as W @ bias). PyTorch's cuDNN path would add every conv bias as a separate broadcast pass. Blocks or
-resamplers that do not match (hooks, other modules) take the torch path; a bias they cannot fold is added first.
-The sums are formed in fp32 inside the kernels (one rounding), so bf16 results differ from diffusers' by bf16
-rounding; fp32 agrees to ~1e-6. Counts of what was fused: `ChunkDecoder.stats`.
-Notes and measurements: docs/video.md.
+and WanResample's nearest 2x upsample disappears into kernels (the epilogue writes the upsampled frames; for
+'upsample3d' one kernel adds time_conv's bias, interleaves the channel halves into frames and upsamples). Biases
+that cuDNN would add in a broadcast pass are folded into the next norm (x_bias) or residual (residual_bias; through
+a 1x1x1 shortcut as W @ bias). Blocks or resamplers that do not match (hooks, other modules) take the torch path; a
+bias they cannot fold is added first. Counts of what was fused: `ChunkDecoder.stats`.
 """
 
 from __future__ import annotations

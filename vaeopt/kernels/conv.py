@@ -1,8 +1,7 @@
 """Implicit-GEMM convolution in Triton for channels-last activations (NHWC / NDHWC), bf16/fp16 or fp8 operands.
 
-Why: cuDNN picks an sm80 implicit-GEMM kernel (tile 256x32x32, ~260 TFLOP/s on an H200) for Wan's 96-channel
-full-resolution causal Conv3d — 373 of the 800 ms of a wan21-480p decode (docs/experiments.md E5/E9). The same GEMM
-written as one Triton program per [BLOCK_M output pixels x Cout] tile runs on Hopper's wgmma.
+Why: cuDNN picks an sm80 kernel for Wan's 96-channel full-resolution causal Conv3d, most of a wan21-480p decode's
+conv time (docs/experiments.md E5, E12); the same GEMM as Triton programs runs on Hopper's wgmma.
 
 The conv is a GEMM with M = output pixels, N = Cout, K = taps x Cin, where the A operand (im2col) is never built:
 for tap (dt, dy, dx) the rows of A are the input pixels at a constant offset from the output pixel, so each K step
