@@ -461,13 +461,8 @@ def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_b
 # ---- per clip: Wan's per-chunk graphs (vaeopt.video_graphs captures and replays) ---------------------------------
 
 # auto: graphs for clips with at least AUTO_MIN_STEADY steady chunks (after the first) whose output is at most
-# AUTO_MAX_CHUNK_PIXELS per call. Measured on an H200 (docs/experiments.md E14, h200_wan_graphs_2026-11-21.json):
-# at wan21-480p (K=2: 3.2 MP per call) a replayed chunk took 72.6 ms against 72.5 eager (GPU-bound: the Python and
-# the launches run ahead of the GPU), while the capture (9 ms), a slower first replay (+7 ms) and the drains cost
-# ~12 ms per clip: a 735 ms decode became 747 ms (+1.2 to +1.9% over three runs); 240x416 (0.8 MP): 191 -> 198 ms.
-# Graphs pay where launches dominate: at 128x128 (0.13 MP per 2-frame chunk) a replay took 3.86 ms against 5.37
-# eager and a 21-frame decode went 60.5 -> 55.2 ms; its per-clip cost (~8 ms) is ~6 replays' gain, so auto wants
-# 8 steady chunks.
+# AUTO_MAX_CHUNK_PIXELS per call (E14): large chunks are GPU-bound, so a replay gains nothing and the capture costs
+# ~10 ms per clip; at 128x128 a replay saves ~1.5 ms, so the capture is repaid after ~6 chunks.
 AUTO_MIN_STEADY = 8
 AUTO_MAX_CHUNK_PIXELS = 512 * 512 * 2
 MIN_STEADY = 2  # one warm-up chunk, then one to capture and replay

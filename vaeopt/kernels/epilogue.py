@@ -611,8 +611,7 @@ def bias_residual(
 
 def _epi_stats_launch(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     """(tile, warps, programs per SM, row blocks per iteration) of the epilogue that also takes GroupNorm statistics,
-    on CUDA. Measured on an H100 at SDXL's shapes (experiments.md E26): the stats kernel's
-    own launch (8192-element tiles, 2 programs per SM, 4 row blocks per iteration) made it 1.1-3.2x slower."""
+    on CUDA, measured at SDXL's shapes (E26: the stats kernel's own launch made it slower)."""
     return (4096, 4, 4, 1) if C <= 128 else (4096, 4, 4, 2)
 
 
@@ -631,13 +630,6 @@ def upsample_nearest2x(x: torch.Tensor, **kw) -> torch.Tensor:
     """F.interpolate(x, scale_factor=2, mode="nearest") for (N, C, H, W), bitwise, in x's layout (one read, one
     4x write; aten's NHWC kernel is ~2.7x slower than its NCHW one)."""
     return bias_residual(x, upsample2x=True, **kw)
-
-
-def upsample_nearest2x_expand(x: torch.Tensor) -> torch.Tensor:
-    """The same in pure torch for channels_last x: a broadcast view copied once (result channels_last)."""
-    n, c, h, w = x.shape
-    v = x.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(n, h, 2, w, 2, c)
-    return v.reshape(n, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
 
 
 def softmax_rows(s: torch.Tensor, scale: float, out_dtype: torch.dtype, *, block: int | None = None,
@@ -690,5 +682,5 @@ def bias_residual_reference(h, bias=None, residual=None, scale=1.0, upsample2x=F
     return y
 
 
-__all__ = ["bias_residual", "bias_residual_reference", "upsample_nearest2x", "upsample_nearest2x_expand",
+__all__ = ["bias_residual", "bias_residual_reference", "upsample_nearest2x",
            "softmax_rows", "SUPPORTED_DTYPES"]

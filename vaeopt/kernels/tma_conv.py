@@ -423,15 +423,11 @@ def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | 
 
 
 def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, padding: tuple[int, int],
-                     a: ConvArgs, cfg: TmaConfig, yd: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
+                     a: ConvArgs, cfg: TmaConfig, residual: torch.Tensor | None = None) -> torch.Tensor:
     """conv_tma after its arguments were checked (`a` from conv.check_args, pw K-major): what conv_igemm's dispatch
     calls, so that a dispatched call is validated once.
 
-    padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. yd: an
-    (N*T, H, W, Cout) view to store into instead of a new tensor, any strides TMA takes (last dim dense, the others
-    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_8bit); returns None then.
-    residual: a tensor of the output's shape and dtype, channels_last, added to the result in the epilogue (2D
+    padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. residual: a tensor of the output's shape and dtype, channels_last, added to the result in the epilogue (2D
     convs; checked by conv.check_residual)."""
     N, Tin, T, H, W = a.N, a.Tin, a.T, a.H, a.W
     _check_k("conv_tma", pw.cin, cfg)
@@ -439,12 +435,8 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
     if residual is not None:  # (N, H, W, Cout) with its dense strides spelled out (size-1 dims report odd ones)
         C = pw.cout
         rv = residual.as_strided((N, H, W, C), (H * W * C, W * C, C, 1), residual.storage_offset())
-    if yd is None:
-        yd = torch.empty((N * T, H, W, pw.cout), device=x.device, dtype=a.odt)
-        y = a.output_view(yd)
-    else:
-        y = None
+    yd = torch.empty((N * T, H, W, pw.cout), device=x.device, dtype=a.odt)
     if yd.numel():
         xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, pw.cin)
         _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False, rv)
-    return y
+    return a.output_view(yd)

@@ -73,8 +73,7 @@ MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN 
 # (kernels/group_norm_silu.noted_partials); so does an upsampler's phase-conv interleave for the next up-block's
 # first norm. Where a norm reads next comes from the stock Decoder's structure (_norm_readers).
 # A resnet whose conv2 runs as the int8 kernel adds its input in that conv's epilogue (no residual pass; the next
-# norm takes its own statistics): per pixel 2 passes of the output fewer where no norm reads it next, 1 where one
-# does. sdxl-1024 at the default gate on an H100: 16.07 -> 16.00 ms (E47).
+# norm takes its own statistics; E47).
 # on for the length of a patched Decoder call without foreign hooks (a hook could change an activation in place, which
 # an inference tensor's missing version counter would not show); off outside it, e.g. for the tiler's own calls
 _NOTES_ON = contextvars.ContextVar("vaeopt_gn_notes", default=False)
@@ -299,10 +298,9 @@ def upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
 
 
 # --- the head: conv_norm_out + conv_act + conv_out --------------------------------------------------------------
-# cuDNN runs conv_out (128 -> 3 channels, 3x3) as an implicit GEMM with N = 3 on an sm80 kernel: 0.29 ms of an
-# sdxl-1024 decode on an H200, for 2 GFLOP. Here, as in Wan's head (vaeopt.video, kernels/tapconv): GroupNorm
-# statistics, then one kernel normalizes each pixel and multiplies it by the (C x 27) tap matrix (the normalized
-# activation is never written), then a tap sum. Only inside the decoder's own stock forward: for the length of that
+# cuDNN runs conv_out (128 -> 3 channels, 3x3) as an implicit GEMM with N = 3 on a slow sm80 kernel (E22). Here, as
+# in Wan's head (kernels/tapconv): GroupNorm statistics, then one kernel normalizes each pixel and multiplies it by
+# the (C x 27) tap matrix (the normalized activation is never written), then a tap sum. Only inside the decoder's own stock forward: for the length of that
 # call the patched decoder forward gives conv_norm_out and conv_out instance forwards (conv_norm_out returns its
 # input with the statistics attached, conv_out takes them for exactly that tensor object). Outside it the two
 # modules are stock, for the tiler (which runs the head itself) and anyone else.
