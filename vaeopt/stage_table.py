@@ -376,13 +376,16 @@ def decide_stages(opts, family, dtype: torch.dtype, info: DeviceInfo, layout: st
 # ---- per job: CUDA graphs and cuDNN autotuning -------------------------------------------------------------------
 
 
-def graphs_pay(family, latent_shape: tuple | None, repeats: int, variant: str = "bf16", gpu: str | None = None):
-    """The graphs auto rule for a whole image decode on the GPU named `gpu` (the measured table,
-    planner.graphs_pay): None where they pay, else why not (with the hint that forces them)."""
+def _graphs_auto(family, latent_shape: tuple | None, repeats: int, variant: str, gpu: str | None) -> "GraphsDecision":
+    """The graphs auto rule for a whole image decode on the GPU named `gpu` (the measured table, planner.graphs_pay):
+    captured whole with the table's reason, or not with why not (and the hint that forces them)."""
     if latent_shape is None:
-        return Said("the latent shape is not known here ({0} to force)", Hint("graphs", "on"))
+        return GraphsDecision(None, Said("the latent shape is not known here ({0} to force)", Hint("graphs", "on")))
     pay, why = planner.graphs_pay(family, tuple(latent_shape), repeats, variant, gpu)
-    return None if pay else Said(why.replace("{", "{{").replace("}", "}}") + " ({0} to force)", Hint("graphs", "on"))
+    if pay:
+        return GraphsDecision("whole", why)
+    return GraphsDecision(None, Said(why.replace("{", "{{").replace("}", "}}") + " ({0} to force)",
+                                     Hint("graphs", "on")))
 
 
 def one_chunk_clip(family, plan, latent_shape: tuple | None) -> bool:
@@ -428,10 +431,7 @@ def decide_graphs(opts, family, info: DeviceInfo, plan, latent_shape: tuple | No
         return GraphsDecision(None, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only")
     if opts.graphs == "on":
         return GraphsDecision("whole", "forced on")
-    why = graphs_pay(family, shape, repeats, variant, info.gpu)
-    if why is not None:
-        return GraphsDecision(None, why)
-    return GraphsDecision("whole", planner.graphs_pay(family, tuple(shape), repeats, variant, info.gpu)[1])
+    return _graphs_auto(family, shape, repeats, variant, info.gpu)
 
 
 def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_bytes: int, room_bytes: int | None,
@@ -452,10 +452,7 @@ def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_b
                                     "room for them next to the decode")
     if mode == "on":
         return GraphsDecision("whole", "forced on")
-    why = graphs_pay(family, latent_shape, calls, variant, gpu)
-    if why is not None:
-        return GraphsDecision(None, why)
-    return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape), calls, variant, gpu)[1])
+    return _graphs_auto(family, latent_shape, calls, variant, gpu)
 
 
 # ---- per clip: Wan's per-chunk graphs (vaeopt.video_graphs captures and replays) ---------------------------------
