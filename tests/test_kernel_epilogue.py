@@ -77,7 +77,8 @@ def test_bias_residual_low_precision(device, up, layout, dtype):
     """One rounding of the fp32 result (torch rounds after every op): within one output ulp of the fp32 result, and
     never worse than torch's own composition (+ the interpreter's truncating casts)."""
     _need(device)
-    from vaeopt.kernels.epilogue import bias_residual, bias_residual_reference
+    from kernel_refs import bias_residual_reference
+    from vaeopt.kernels.epilogue import bias_residual
 
     h, b, r, rb = _data((2, 12, 5, 6), dtype, device, seed=3)
     h, r = _lay(h, layout), _lay(r, layout)

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from vaeopt import video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
-from vaeopt.kernels.upconv import interleave_phases, phase_weights, upconv2x, upconv2x_reference
+from vaeopt.kernels.upconv import interleave_phases, phase_weights, upconv2x
 from vaeopt.pipeline import Options
 from vaeopt.stage_table import DeviceInfo, decide_stages
 from vaeopt.stages import Hint, fused_epilogues, fused_norms, upsample_conv
 from vaeopt.engine.wan_ops import phase_ok
 
+from kernel_refs import upconv2x_reference  # noqa: E402
 from test_video_fused import decode as _decode_stats  # noqa: E402 (decode_video + its chunk decoder's stats)
 from test_video_tiling import _wan21 as _tiny_wan21  # noqa: E402 (the trained tiny Wan 2.1, fp32)
 

@@ -245,15 +245,6 @@ def conv_igemm(
     return y
 
 
-def conv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: tuple[int, int]):
-    """The same conv with torch (fp32): the test oracle."""
-    xf, wf = x.float(), weight.float()
-    bf = bias.float() if bias is not None else None
-    if x.ndim == 4:
-        return torch.nn.functional.conv2d(xf, wf, bf, 1, padding)
-    return torch.nn.functional.conv3d(xf, wf, bf, 1, (0, *padding))
-
-
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor e4m3 quantization of an activation (keeps its memory format) -> (x_fp8, scale):
     fp8_quant.quantize_per_tensor, the one definition of the dynamic activation scale."""

@@ -667,20 +667,5 @@ def softmax_rows(s: torch.Tensor, scale: float, out_dtype: torch.dtype, *, block
     return p
 
 
-def bias_residual_reference(h, bias=None, residual=None, scale=1.0, upsample2x=False, residual_bias=None):
-    """The torch composition the kernel replaces (diffusers' association and rounding points aside)."""
-    shape = (1, -1) + (1,) * (h.dim() - 2)
-    y = h if bias is None else h + bias.to(h.dtype).reshape(shape)
-    if residual is not None:
-        r = residual if residual_bias is None else residual + residual_bias.to(h.dtype).reshape(shape)
-        y = r + y
-    elif residual_bias is not None:
-        y = residual_bias.to(h.dtype).reshape(shape) + y
-    y = y / scale
-    if upsample2x:
-        y = torch.nn.functional.interpolate(y, scale_factor=2.0, mode="nearest")
-    return y
-
-
-__all__ = ["bias_residual", "bias_residual_reference", "upsample_nearest2x",
+__all__ = ["bias_residual", "upsample_nearest2x",
            "softmax_rows", "SUPPORTED_DTYPES"]

@@ -203,12 +203,6 @@ def tap_sum(y: torch.Tensor, co: int, kernel: tuple[int, int, int], bias: torch.
     return out
 
 
-def conv_taps_reference(stream: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the pair computes, in torch: the conv over the [history | new] input stream, 'same' in H and W."""
-    pad = (0, w.shape[-2] // 2, w.shape[-1] // 2)
-    return F.conv3d(stream, w, bias, 1, pad)
-
-
 try:
     import triton
     import triton.language as tl
@@ -346,5 +340,5 @@ if triton is not None:
         tl.store(dst, acc.to(o_ptr.dtype.element_ty), mask=pm[:, None] & om[None, :])
 
 
-__all__ = ["tap_weights", "rms_norm_taps", "group_norm_taps", "tap_sum", "conv_taps_reference", "fits", "block_c",
+__all__ = ["tap_weights", "rms_norm_taps", "group_norm_taps", "tap_sum", "fits", "block_c",
            "MAX_TAP_COLUMNS"]

@@ -43,11 +43,6 @@ def phase_weights(w: torch.Tensor) -> torch.Tensor:
     return w4.reshape(4 * w.shape[0], w.shape[1], 2, 2).to(w.dtype)
 
 
-def upconv2x_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The composition it replaces: conv3x3(interpolate(x, 2x nearest), padding 1)."""
-    return F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), w, bias, padding=1)
-
-
 def upconv2x(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None = None,
              stats_groups: int | None = None) -> torch.Tensor:
     """conv3x3(2x nearest upsample of x) for x (N, Cin, H, W), given w4 = phase_weights(w): (N, Cout, 2H, 2W) in
