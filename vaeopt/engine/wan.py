@@ -68,12 +68,8 @@ class ChunkDecoder:
     Otherwise (and for any module that does not match) the torch path below runs unchanged. `stats` counts what the
     fused path did (per decoder, over all calls)."""
 
-    TAPS = True  # conv_out (3 channels) as kernels/tapconv's norm+GEMM and tap sum (band decoders exchange the
-    # GEMM output's edge rows: _tap_sum)
     STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (spatial tiles, which crop the staged
     # 5-D input, turn it off; band decoders exchange rows of the stack instead)
-    DEFER = True  # a residual block followed by another one (or by the head) leaves its output Pending: the next
-    # norm adds the residual itself (no epilogue pass, one read less)
 
     def __init__(self, vae, channels_last: bool, fused: bool | None = None, stack: bool | None = None, arena=None,
                  halo=None):
@@ -411,7 +407,9 @@ class ChunkDecoder:
                 break
             # the next block's norm1 (or the head's norm) can add this block's residual itself
             nxt = ps[i + 1] is not None if i < last else (defer_last and resampler is None and not dup)
-            defer = self.DEFER and nxt and self.mf is torch.channels_last_3d  # (channels-first: no one-pass kernel)
+            # a residual block followed by another one (or by the head) leaves its output Pending: the next norm adds
+            # the residual itself (no epilogue pass, one read less; channels-first has no such one-pass kernel)
+            defer = nxt and self.mf is torch.channels_last_3d
             box, xb = [self._block(res, box, xb, defer=defer)], None
         if x is None:
             x = box.pop()
@@ -566,7 +564,9 @@ class ChunkDecoder:
         return y4.permute(0, 2, 3, 1).reshape(N, k, H, W, Co).permute(0, 4, 1, 2, 3)
 
     def _taps_ok(self, conv, src: Tensor) -> bool:
-        return (self.TAPS and self.mf is torch.channels_last_3d and conv.kernel_size == (3, 3, 3)
+        """conv_out (3 channels) runs as kernels/tapconv's norm+GEMM and tap sum (band decoders exchange the GEMM
+        output's edge rows: _tap_sum)."""
+        return (self.mf is torch.channels_last_3d and conv.kernel_size == (3, 3, 3)
                 and tuple(conv._padding) == (1, 1, 1, 1, 2, 0) and conv.groups == 1 and tuple(conv.dilation) == (1, 1, 1)
                 and tuple(conv.stride) == (1, 1, 1) and src.dtype == conv.weight.dtype and src.shape[1] <= 256
                 and src.dtype in tapconv.SUPPORTED_DTYPES and tapconv.fits(conv.out_channels)
