@@ -1,9 +1,8 @@
 """Conv epilogues as one memory pass: out = ((h + bias[c]) + (residual + residual_bias[c])) / scale, optionally
 written straight into its 2x nearest-upsampled form; and a row softmax for chunked attention.
 
-Why: with a bias, PyTorch's cuDNN conv path runs `output.add_(bias.reshape(1, C, 1, 1))` as a separate,
-non-vectorized broadcast kernel after every conv (a full read + write), and diffusers' ResnetBlock2D then runs
-`(input + hidden) / output_scale_factor` as two more full passes. Here the conv runs without its bias and one
+Why: with a bias, PyTorch's cuDNN conv path adds it in a separate broadcast kernel after every conv (a full read +
+write, E3), and diffusers' ResnetBlock2D then runs `(input + hidden) / output_scale_factor` as two more. Here the conv runs without its bias and one
 kernel reads h and the residual once and writes the output once. With `upsample2x`, the Upsample2D interpolate that
 follows the last resnet of an up-block disappears too: the kernel writes each value to its 2x2 output pixels
 (F.interpolate(scale_factor=2, mode="nearest") copies input (h, w) to exactly those four; bitwise the same).

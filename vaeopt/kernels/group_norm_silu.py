@@ -1,7 +1,7 @@
 """Fused GroupNorm (+ optional SiLU) for NCHW / NHWC / NCDHW / NDHWC activations, output in the input's layout.
 
-Why: aten GroupNorm reduces with one CUDA block per (sample, group) — 32 blocks on a 132-SM GPU for a batch-1 VAE —
-and relayouts channels_last inputs to NCHW and back; SiLU is one more full read+write. Here:
+Why: aten GroupNorm reduces with one CUDA block per (sample, group) and relayouts channels_last inputs; SiLU is one
+more full read+write (docs/kernels.md, E1). Here:
 
   1. stats     many programs per (n, group): each reduces a chunk to (count, mean, M2). Sums are taken around a
                shift (the mean of the chunk's first block), so there is no E[x^2]-E[x]^2 cancellation.
@@ -10,20 +10,14 @@ and relayouts channels_last inputs to NCHW and back; SiLU is one more full read+
   3. apply     elementwise y = (x - mean) * a + bias, SiLU, one read + one write. Tiles are visited in the reverse of
                the stats order, so the tail that stats read last is still in L2.
 
-DRAM traffic: 2 reads + 1 write of x (vs 5 passes for aten GroupNorm + SiLU); ~1 read + 1 write when x fits in L2.
-
 Input bias (`x_bias`, optional [C]): the kernels normalize x + x_bias[c] instead of x, so a conv can run without its
-bias and the bias is folded in here (one full read+write pass less per conv: aten's cuDNN path adds the bias in a
-separate broadcast kernel). Stats add it on load; finalize subtracts it from the per-channel mean it writes
-(mean' = mean_g - x_bias[c]), so apply is unchanged: (x - mean') * a + b = (x + x_bias - mean_g) * a + b.
+bias (cuDNN would add it in a separate broadcast pass). Stats add it on load; finalize subtracts it from the
+per-channel mean it writes (mean' = mean_g - x_bias[c]), so apply is unchanged: (x - mean') * a + b.
 
-Split API (vaeopt/tiling.py's exact tiled decoder, whose norms need the statistics of a whole activation that is only
-ever seen a tile at a time): `group_norm_partials` runs the stats kernels on a tile (optionally with `x_bias`) and
-returns the per-chunk (count, mean, M2) partials -- partials of disjoint tiles concatenate into those of their union;
-`group_norm_finalize` merges any number of them exactly in one launch of the finalize kernel; `group_norm_apply`
-(gn_window.py) normalizes a region with given per-(n, channel) mean/scale (+ x_bias, affine bias, SiLU) in one read
-and one write in the model dtype, reading the region in place from a larger buffer (any strides) and optionally
-writing a zero ring around it (the next conv's padding). `merge_partials` is the float64 torch reference of the merge.
+Split API (the exact tiled decoder, whose norms need the statistics of an activation only ever seen a tile at a time):
+`group_norm_partials` returns a tile's per-chunk (count, mean, M2) partials (those of disjoint tiles concatenate into
+those of their union); `group_norm_finalize` merges any number of them exactly in one launch; `group_norm_apply`
+(gn_window.py) normalizes a region of a larger buffer with them. `merge_partials` is the float64 torch reference.
 
 Layouts: every tensor is seen as (N, C, S) with S = flattened spatial dims; "channels-first" means each sample is a
 contiguous [C, S] block (NCHW, NCDHW, (B, C, L)), "channels-last" means a contiguous [S, C] block (NHWC, NDHWC,
