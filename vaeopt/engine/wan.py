@@ -60,13 +60,10 @@ from vaeopt.stages.marks import is_2x_nearest, packed_fp8, stacked
 class ChunkDecoder:
     """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches.
 
-    fused (None: auto, True: required, False: off; `VAEOPT_VIDEO_FUSED` when None): with the Triton kernels runnable
-    for the latents (CUDA, or CPU under TRITON_INTERPRET=1; fp32/bf16/fp16, no autocast) -- and, in auto mode, the
-    fused_norms stage applied to the decoder -- residual blocks whose norms are Wan RMS norm + SiLU run with conv
-    biases folded into the next kernel, one epilogue kernel for bias + residual, norms writing straight into the
-    conv input buffers, and WanResample's upsample as a kernel fused with that epilogue / the time_conv interleave.
-    Otherwise (and for any module that does not match) the torch path below runs unchanged. `stats` counts what the
-    fused path did (per decoder, over all calls)."""
+    fused (None: auto, True: required, False: off; `VAEOPT_VIDEO_FUSED` when None): the fused kernel path of the
+    module docstring, where the Triton kernels run for the latents (CUDA, or CPU under TRITON_INTERPRET=1; no
+    autocast) and, in auto mode, the fused_norms and fused_epilogues stages were applied; otherwise (and for any module
+    that does not match) the torch path. `stats` counts what the fused path did (per decoder, over all calls)."""
 
     STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (spatial tiles, which crop the staged
     # 5-D input, turn it off; band decoders exchange rows of the stack instead)

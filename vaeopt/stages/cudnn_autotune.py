@@ -21,7 +21,7 @@ from vaeopt.stages import StageResult
 NAME = "cudnn_autotune"
 LIMIT = 10  # engine configs timed per new conv shape (torch's default benchmark_limit)
 TUNE_S, GAIN = 1.7, 0.02  # measured at wan21-480p on an H100: one-time cost, fraction saved per decode after it
-PEAK_GROWTH = 1.48  # first-decode peak while tuning / untuned: 10.05 / 6.81 GiB (H200 ladder above)
+PEAK_GROWTH = 1.48  # first-decode peak while tuning / untuned: 10.05 / 6.81 GiB (wan21-480p ladder, H200, E19)
 MIN_REPEATS = 128  # ~TUNE_S / (GAIN x 0.62 s): break-even at wan21-480p (~140 decodes), rounded to a power of 2
 
 
