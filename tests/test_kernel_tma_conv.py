@@ -9,6 +9,8 @@ import torch
 # interpreter on CPU, the GPU for gpu tests)
 from test_kernel_conv import _backend, _case, _rel  # noqa: F401
 
+from kernel_refs import conv_reference  # noqa: E402
+
 K = pytest.importorskip("vaeopt.kernels.conv")
 TC = pytest.importorskip("vaeopt.kernels.tma_conv")
 pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host-side tensor descriptors")
@@ -29,7 +31,7 @@ def test_matches_torch_fp32(shape, cfg, bias):
     x, w, b = _case(*shape)
     b = b if bias else None
     y = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg)
-    ref = K.conv_reference(x, w, b, (1, 1))
+    ref = conv_reference(x, w, b, (1, 1))
     assert y.shape == ref.shape
     mf = torch.channels_last if x.ndim == 4 else torch.channels_last_3d
     assert y.is_contiguous(memory_format=mf)
@@ -53,7 +55,7 @@ def test_fp8_matches_dequantized_reference_and_pointer_kernel():
     assert y.dtype == torch.bfloat16
     assert torch.allclose(y.float(), y_ptr.float(), rtol=1e-2, atol=1e-3)
     wq = (pw.w.float() * pw.scale[:, None]).reshape(32, 3, 3, 32).permute(0, 3, 1, 2)  # dequantized weights
-    ref = K.conv_reference(xq.float() * s.view(2, 1, 1, 1), wq, b, (1, 1))
+    ref = conv_reference(xq.float() * s.view(2, 1, 1, 1), wq, b, (1, 1))
     assert _rel(y, ref) < 1e-2
 
 
@@ -89,7 +91,7 @@ def test_int8_with_zero_point_matches_dequantized_reference(shape, cfg):
     a = K.check_args("test", q, pw, (1, 1), s, torch.float32, zq)
     y = TC.conv_tma_checked(q, pw, b, (1, 1), a, cfg)
     wd = (pw.w.float() * pw.scale[:, None]).reshape(CO, 3, 3, C).permute(0, 3, 1, 2)
-    ref = K.conv_reference(xd, wd, b, (1, 1))
+    ref = conv_reference(xd, wd, b, (1, 1))
     assert (y - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
     # conv_igemm sends int8 to this kernel on any device (its own tile), and the zero point matters
     y2 = K.conv_igemm(q, pw, b, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.float32)
@@ -114,7 +116,7 @@ def test_int8_is_closer_to_fp32_than_e4m3_on_silu_inputs():
     x = torch.nn.functional.silu(torch.randn(1, 64, 8, 8, generator=g) * 2).contiguous(
         memory_format=torch.channels_last)
     w = torch.randn(64, 64, 3, 3, generator=torch.Generator().manual_seed(4)) * 0.1
-    ref = K.conv_reference(x, w, None, (1, 1))
+    ref = conv_reference(x, w, None, (1, 1))
     y8 = K.conv_igemm(q, K.pack_weight(w, torch.int8), None, (1, 1), x_scale=s, x_zero=zq,
                       out_dtype=torch.float32)
     xe, se = K.quantize_activation(x)
@@ -217,13 +219,13 @@ def test_gpu_dispatch_and_match():
         finally:
             TC.TensorDescriptor = desc
         assert _rel(y, y_ptr) < 1e-2
-        assert _rel(y, K.conv_reference(x, w, b, (1, 1))) < 0.08
+        assert _rel(y, conv_reference(x, w, b, (1, 1))) < 0.08
         if torch.cuda.get_device_capability(dev) == (9, 0):
             cfg = TC.tuned_config(shape[1], shape[2], shape[5], True)
             assert cfg is not None and (cfg == TC.ROW_TILE) == (shape[1] != 96 and shape[5] % 128 == 0)
             cfg16 = TC.TmaConfig(1, 128, 32, 64, 32, 4, 3) if shape[1] == 96 else TC.TmaConfig(1, 128, 64, 128, 0, 8, 3)
             y16 = TC.conv_tma(x, K.pack_weight(w, kmajor=True), b, (1, 1), config=cfg16)
-            assert _rel(y16, K.conv_reference(x, w, b, (1, 1))) < 1e-2
+            assert _rel(y16, conv_reference(x, w, b, (1, 1))) < 1e-2
 
 
 @pytest.mark.gpu
@@ -240,7 +242,7 @@ def test_gpu_int8_row_tile_matches_dequantized_reference():
         assert TC.int8_config(C, CO, W) == TC.ROW_TILE
         y = K.conv_igemm(q, pw, None, (1, 1), x_scale=s, x_zero=zq, out_dtype=torch.float32)
         wd = (pw.w.float() * pw.scale[:, None]).reshape(CO, 3, 3, C).permute(0, 3, 1, 2)
-        ref = K.conv_reference(xd.cpu(), wd.cpu(), None, (1, 1))  # on the CPU: no TF32
+        ref = conv_reference(xd.cpu(), wd.cpu(), None, (1, 1))  # on the CPU: no TF32
         assert (y.cpu() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
         # the residual in the epilogue (the register-capped variant, TC.RES_MAXNREG): residual + conv
         r = torch.randn(N, CO, H, W, generator=torch.Generator().manual_seed(13)).cuda().contiguous(

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from vaeopt import video
 from vaeopt.families import build_model, get_family
 from vaeopt.kernels import triton_available
-from vaeopt.kernels.upconv import interleave_phases, phase_weights, upconv2x, upconv2x_reference
+from vaeopt.kernels.upconv import interleave_phases, phase_weights, upconv2x
 from vaeopt.pipeline import Options
 from vaeopt.stage_table import DeviceInfo, decide_stages
 from vaeopt.stages import Hint, fused_epilogues, fused_norms, upsample_conv
 from vaeopt.engine.wan_ops import phase_ok
 
+from kernel_refs import upconv2x_reference  # noqa: E402
 from test_video_fused import decode as _decode_stats  # noqa: E402 (decode_video + its chunk decoder's stats)
 from test_video_tiling import _wan21 as _tiny_wan21  # noqa: E402 (the trained tiny Wan 2.1, fp32)
 
@@ -286,11 +287,11 @@ def _dequantized_reference(x8, s, pw4, b):
     return interleave_phases(F.conv2d(xd, wq.to(xd.device), None, padding=1), b.float())
 
 
-@pytest.mark.parametrize("cfg_args,merged", [((2, 4, 16, 32, 16, 4, 1, 0), True), ((4, 4, 16, 16, 0, 4, 1, 0), True),
-                                             ((2, 4, 16, 32, 16, 4, 1, 0), False), ((1, 8, 16, 16, 0, 4, 1, 16), True)])
-def test_e4m3_phase_convs_store_each_phase_in_place(cfg_args, merged):
+@pytest.mark.parametrize("cfg_args", [(2, 4, 16, 32, 16, 4, 1, 0), (4, 4, 16, 16, 0, 4, 1, 0),
+                                      (1, 8, 16, 16, 0, 4, 1, 16)])
+def test_e4m3_phase_convs_store_each_phase_in_place(cfg_args):
     """Interpreter: the four phases, each a 2x2 conv with its own top/left padding, stored into the strided places
-    of the upsampled output (one launch, or one per phase): equal to the dequantized operands' conv, and close to
+    of the upsampled output in one launch: equal to the dequantized operands' conv, and close to
     upsample + conv3x3 in fp32. Tiles overhang the 5x7 input; one config splits Cin 32 as 16 + 16."""
     _need_tma()
     from vaeopt.kernels.act_quant import quantize_e4m3_per_sample
@@ -301,12 +302,12 @@ def test_e4m3_phase_convs_store_each_phase_in_place(cfg_args, merged):
     x8, s = quantize_e4m3_per_sample(x)
     pw4 = phase_weights_8bit(w)
     assert pw4.kmajor and pw4.kernel == (1, 2, 2) and pw4.cout == 4 * 48 and pw4.scale.shape == (4 * 48,)
-    y = upconv2x_8bit(x8, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args), merged=merged)
+    y = upconv2x_8bit(x8, s, pw4, b, out_dtype=torch.float32, config=TmaConfig(*cfg_args))
     assert y.shape == (2, 48, 10, 14) and y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y, _dequantized_reference(x8, s, pw4, b), rtol=1e-5, atol=1e-5)
     ref = upconv2x_reference(x, w, b)
     assert ((y - ref).norm() / ref.norm()) < 0.06  # e4m3 operands: ~3.6% here
-    yb = upconv2x_8bit(x8, s, pw4, None, out_dtype=torch.bfloat16, config=TmaConfig(*cfg_args), merged=merged)
+    yb = upconv2x_8bit(x8, s, pw4, None, out_dtype=torch.bfloat16, config=TmaConfig(*cfg_args))
     torch.testing.assert_close(yb.float(), y - b.view(1, -1, 1, 1), rtol=1e-2, atol=1e-2)
 
 

@@ -189,16 +189,11 @@ class Pipeline:
                           "({0}, the CPU default)", Hint("dtype", "fp32")))
         return r
 
-    @staticmethod
-    def _stage(name: str):
-        return stage_table.stage(name)
-
     # ---- planning -----------------------------------------------------------------------------------------
     def plan(self, latent_shape: tuple) -> planner.Plan:
         o = self.opts
-        p = planner.plan_decode(self.family, self.model, tuple(latent_shape), self.dtype, self.device,
-                                vram_budget_gb=o.vram_budget_gb, tile=o.tile, chunk=o.chunk, tiling=o.tiling)
-        return p
+        return planner.plan_decode(self.family, self.model, tuple(latent_shape), self.dtype, self.device,
+                                   vram_budget_gb=o.vram_budget_gb, tile=o.tile, chunk=o.chunk, tiling=o.tiling)
 
     def setup_graphs(self, plan: planner.Plan, latent_shape: tuple | None = None, repeats: int = 1,
                      chunks: bool = True, reason: str | None = None):
@@ -206,9 +201,8 @@ class Pipeline:
         `latent_shape` under `plan`, applied and logged: whole decodes captured (GraphedDecode), Wan's per-chunk
         graphs armed (-> the policy, whose report_to gives the measured line after the decodes), or a skip line.
         reason: the line's reason for captured whole decodes instead of the table's."""
-        eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
         d = stage_table.decide_graphs(self.opts, self.family, self.info, plan, latent_shape, repeats, chunks,
-                                      "8bit" if eight else "bf16")
+                                      self._variant())
         if d.kind == "chunks":
             pol = video_graphs.enable(self.model, stage_table.chunk_graphs(d.why, self.info, plan.budget_bytes))
             self._record(stage_table.chunk_graphs_armed(d.why))
@@ -221,13 +215,17 @@ class Pipeline:
             self._record(StageResult.skipped("graphs", d.why))
         return None
 
+    def _variant(self) -> str:
+        """The graphs table's row variant: "8bit" once the fp8 convs applied."""
+        return "8bit" if any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages) else "bf16"
+
     def autotune(self, repeats: int, plan: planner.Plan | None = None) -> StageResult:
         """Decide (stage_table.decide_autotune) and apply (or log why not) cuDNN autotuning for `repeats` same-shape
         decodes of `plan`; once per pipeline."""
         done = next((s for s in self.stages if s.name == "cudnn_autotune"), None)
         if done is not None:
             return done
-        mod = self._stage("cudnn_autotune")
+        mod = stage_table.stage("cudnn_autotune")
         use, why = stage_table.decide_autotune(self.opts.cudnn_autotune, self.info, repeats,
                                                plan.est_bytes if plan else None, plan.budget_bytes if plan else None)
         return self._record(mod.apply(why) if use else StageResult.skipped("cudnn_autotune", why))
@@ -246,17 +244,15 @@ class Pipeline:
         allowed = self.__dict__.setdefault("_graph_shapes", set())
         if shape in allowed:
             return
-        eight = any(s.name == "fp8 convs" and s.status == "applied" for s in self.stages)
         d = stage_table.decide_call_graphs(self.opts.graphs, self.family, shape, seen[shape], plan.est_bytes,
-                                           plan.budget_bytes, "8bit" if eight else "bf16", gpu=self.info.gpu,
-                                           plan=plan)
+                                           plan.budget_bytes, self._variant(), gpu=self.info.gpu, plan=plan)
         if d.kind == "whole":
             allowed.add(shape)
             if self.graphed is None:
                 self.enable_graphs(join(d.why, ", counted over calls"))
 
     def enable_graphs(self, reason: str) -> None:
-        mod = self._stage("graphs")
+        mod = stage_table.stage("graphs")
         wan = self.family.cls_name == "AutoencoderKLWan"  # (one-chunk clips: stage_table.one_chunk_clip)
         self.graphed, r = mod.apply(self._decode_clip_raw if wan else self._decode_whole_raw, self.device)
         self._graphs_epoch = weights_epoch(self.model)

@@ -376,13 +376,16 @@ def decide_stages(opts, family, dtype: torch.dtype, info: DeviceInfo, layout: st
 # ---- per job: CUDA graphs and cuDNN autotuning -------------------------------------------------------------------
 
 
-def graphs_pay(family, latent_shape: tuple | None, repeats: int, variant: str = "bf16", gpu: str | None = None):
-    """The graphs auto rule for a whole image decode on the GPU named `gpu` (the measured table,
-    planner.graphs_pay): None where they pay, else why not (with the hint that forces them)."""
+def _graphs_auto(family, latent_shape: tuple | None, repeats: int, variant: str, gpu: str | None) -> "GraphsDecision":
+    """The graphs auto rule for a whole image decode on the GPU named `gpu` (the measured table, planner.graphs_pay):
+    captured whole with the table's reason, or not with why not (and the hint that forces them)."""
     if latent_shape is None:
-        return Said("the latent shape is not known here ({0} to force)", Hint("graphs", "on"))
+        return GraphsDecision(None, Said("the latent shape is not known here ({0} to force)", Hint("graphs", "on")))
     pay, why = planner.graphs_pay(family, tuple(latent_shape), repeats, variant, gpu)
-    return None if pay else Said(why.replace("{", "{{").replace("}", "}}") + " ({0} to force)", Hint("graphs", "on"))
+    if pay:
+        return GraphsDecision("whole", why)
+    return GraphsDecision(None, Said(why.replace("{", "{{").replace("}", "}}") + " ({0} to force)",
+                                     Hint("graphs", "on")))
 
 
 def one_chunk_clip(family, plan, latent_shape: tuple | None) -> bool:
@@ -428,10 +431,7 @@ def decide_graphs(opts, family, info: DeviceInfo, plan, latent_shape: tuple | No
         return GraphsDecision(None, "video decodes loop over chunks in Python; per-chunk graphs exist for Wan only")
     if opts.graphs == "on":
         return GraphsDecision("whole", "forced on")
-    why = graphs_pay(family, shape, repeats, variant, info.gpu)
-    if why is not None:
-        return GraphsDecision(None, why)
-    return GraphsDecision("whole", planner.graphs_pay(family, tuple(shape), repeats, variant, info.gpu)[1])
+    return _graphs_auto(family, shape, repeats, variant, info.gpu)
 
 
 def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_bytes: int, room_bytes: int | None,
@@ -452,22 +452,14 @@ def decide_call_graphs(mode: str, family, latent_shape: tuple, calls: int, est_b
                                     "room for them next to the decode")
     if mode == "on":
         return GraphsDecision("whole", "forced on")
-    why = graphs_pay(family, latent_shape, calls, variant, gpu)
-    if why is not None:
-        return GraphsDecision(None, why)
-    return GraphsDecision("whole", planner.graphs_pay(family, tuple(latent_shape), calls, variant, gpu)[1])
+    return _graphs_auto(family, latent_shape, calls, variant, gpu)
 
 
 # ---- per clip: Wan's per-chunk graphs (vaeopt.video_graphs captures and replays) ---------------------------------
 
 # auto: graphs for clips with at least AUTO_MIN_STEADY steady chunks (after the first) whose output is at most
-# AUTO_MAX_CHUNK_PIXELS per call. Measured on an H200 (docs/experiments.md E14, h200_wan_graphs_2026-11-21.json):
-# at wan21-480p (K=2: 3.2 MP per call) a replayed chunk took 72.6 ms against 72.5 eager (GPU-bound: the Python and
-# the launches run ahead of the GPU), while the capture (9 ms), a slower first replay (+7 ms) and the drains cost
-# ~12 ms per clip: a 735 ms decode became 747 ms (+1.2 to +1.9% over three runs); 240x416 (0.8 MP): 191 -> 198 ms.
-# Graphs pay where launches dominate: at 128x128 (0.13 MP per 2-frame chunk) a replay took 3.86 ms against 5.37
-# eager and a 21-frame decode went 60.5 -> 55.2 ms; its per-clip cost (~8 ms) is ~6 replays' gain, so auto wants
-# 8 steady chunks.
+# AUTO_MAX_CHUNK_PIXELS per call (E14): large chunks are GPU-bound, so a replay gains nothing and the capture costs
+# ~10 ms per clip; at 128x128 a replay saves ~1.5 ms, so the capture is repaid after ~6 chunks.
 AUTO_MIN_STEADY = 8
 AUTO_MAX_CHUNK_PIXELS = 512 * 512 * 2
 MIN_STEADY = 2  # one warm-up chunk, then one to capture and replay

@@ -16,10 +16,9 @@ eager path's own, so replayed output equals eager output bitwise (tests/test_vid
 benchmarks/decode_video.py's graphs variant; docs/experiments.md E14).
 
 Memory: the graph's intermediates live in a private pool about the size of one eager call's reserved transient
-segments (2.0-2.5x the dry run's live bytes; 4.56 GiB at wan21-480p, K=2). Cached segments are returned to the
-device (empty_cache) before the warm-up (the capture stream cannot reuse the compute stream's segments) and before
-the capture, so the warm-up's and the pool's memory take the place of the eager transients instead of adding to
-them: peak reserved memory equals the eager decode's at 480p. The capture is skipped when reserved memory + the
+segments (POOL_FACTOR). Cached segments are returned to the device (empty_cache) before the warm-up (the capture
+stream cannot reuse the compute stream's segments) and before the capture, so the warm-up's and the pool's memory
+take the place of the eager transients instead of adding to them. The capture is skipped when reserved memory + the
 estimated pool would exceed the decode's VRAM budget (the planner's, vaeopt.planner); a graph whose pool pushed
 reserved memory over the budget is dropped. An out-of-memory error (or any other error) during capture ends the
 capture and the clip goes on eagerly, with the reason recorded. The graph and its pool are freed at the end of the
@@ -29,10 +28,8 @@ Which clips are captured is the stage table's rule (vaeopt.stage_table.decide_ch
 spatially tiled plans, clips with too few steady chunks, decodes already inside a capture; in auto mode not clips
 too large to gain); a `ChunkGraphs` carries it, bound to the mode and the device (stage_table.chunk_graphs).
 
-Bookkeeping: a `ChunkGraphs` attached to the model (`enable`, done by Pipeline.setup_graphs for `--graphs auto|on`)
-is read by vaeopt.video / vaeopt.video_tiling at each clip; it keeps one record per clip (captured or why not,
-replays, eager chunks, capture ms, pool bytes, reserved memory vs the budget) and renders the graphs stage line.
-Measurements: docs/video.md, docs/experiments.md E14.
+A `ChunkGraphs` attached to the model (`enable`, by Pipeline.setup_graphs) is read by vaeopt.video at each clip; it
+keeps one record per clip and renders the graphs stage line. Measurements: docs/video.md, docs/experiments.md E14.
 """
 
 from __future__ import annotations
@@ -53,9 +50,8 @@ from vaeopt.stages import join
 __all__ = ["ChunkGraphs", "GraphedSteps", "disable", "enable", "resolve"]
 
 ATTR = "_vaeopt_chunk_graphs"
-# The graph's pool measured 2.0-2.5x the dry run's live bytes (minus caches) on the H200 (4.56 GiB against 1.86 at
-# wan21-480p, 1.12 / 0.46 at 240x416, 0.16 / 0.08 at 128x128): the caching allocator's segments, as for eager
-# decodes (7.06 GiB reserved for 4.13-4.25 allocated at 480p). The budget check before capture uses this factor.
+# The graph's pool measured 2.0-2.5x the dry run's live bytes (minus caches) on the H200 at 128x128 to 480p (E14):
+# the caching allocator's segments, as for eager decodes. The budget check before capture uses this factor.
 POOL_FACTOR = 2.5
 
 

@@ -1,45 +1,26 @@
-"""Wan 2.1 / 2.2's decoder, run chunk by chunk: exact multi-frame chunks, static causal caches.
+"""Wan 2.1 / 2.2's decoder, run chunk by chunk: exact multi-frame chunks, static causal caches (docs/video.md).
 
 diffusers' `AutoencoderKLWan._decode` runs the decoder once per latent frame and keeps, for every causal conv, the
-last `CACHE_T`=2 frames of that conv's *input* (`feat_cache`). Read closely, that cache is exactly a causal
-convolution over the whole clip with 2 zero frames in front: the first call pads 2 zeros, the second pads 1 zero
-behind the 1 cached frame, later calls use 2 cached frames. Two places need more than that:
+last `CACHE_T`=2 frames of that conv's *input* (`feat_cache`): exactly a causal convolution over the whole clip with
+2 zero frames in front. Two places need more than that:
 
 * `WanResample('upsample3d')`: on the first call it stores the marker 'Rep' and does *not* run `time_conv`, so latent
-  frame 0 yields one frame, not two. From the next call on, `time_conv` runs over the frames *after* frame 0 with
-  zero history. A first call of K>1 frames would skip `time_conv` for all K, so diffusers' decoder is exact for
-  K-frame calls only once frame 0 went alone (verified in tests/test_video.py).
-* Wan 2.2's `DupUp3D(first_chunk=True)` drops the first `factor_t-1` frames of the shortcut, which is the same rule
-  (one frame out of frame 0), and it works for any number of frames.
+  frame 0 yields one frame, not two; from the next call on, `time_conv` runs over the frames after frame 0 with zero
+  history. So K-frame calls are exact once frame 0 went alone (verified in tests/test_video.py).
+* Wan 2.2's `DupUp3D(first_chunk=True)` drops the first `factor_t-1` frames of the shortcut: the same rule.
 
-Everything else is per frame (RMS norm over channels, per-frame attention, 2D upsampling) or a causal conv, so a call
-of K latent frames gives the same result as K one-frame calls, up to float summation order.
+Everything else is per frame or a causal conv, so a call of K latent frames equals K one-frame calls up to float
+summation order. `ChunkDecoder` runs the decoder's own submodules (nothing copied or changed) with this control flow:
+one static 2-frame history buffer per conv, updated in place; the conv input built once per call as
+[history | new frames], written straight by the previous norm (`out=`), spatial padding left to the conv (diffusers
+does clone + cat + `F.pad`); channels_last_3d end to end when the Conv3d weights are; a one-frame clip in one call
+(a Qwen-Image picture, `one_call`) runs each causal conv as the Conv2d of its last tap, keeping no history; outputs
+go into a preallocated clip tensor or, frame group by frame group, to the host; oversized norms, 2D upsamples and
+Conv3d calls run over frame groups to keep the peak low (estimate_chunk_bytes). The op sequence per element is
+diffusers', so fp32 agrees to ~1e-6 and bf16 to bf16 rounding.
 
-`ChunkDecoder` below runs the decoder's own submodules (weights, norms, attention, upsamplers are not copied or
-changed) with this control flow instead of diffusers' forwards:
-
-* the causal history of each conv is one static buffer of 2 frames, zero at the start and updated in place;
-* the conv input is built once per call as [history | new frames], with the previous RMS-norm + SiLU writing its
-  result straight into that buffer (`out=`), and the spatial zero padding left to the convolution itself. diffusers
-  does clone + cat + `F.pad` (two extra full copies per conv, and `F.pad` returns NCDHW whatever came in);
-* the layout is channels_last_3d end to end when the decoder's Conv3d weights are (the frame-wise 2D ops then see
-  channels_last views for free), and the nearest 2x upsampling runs in the input dtype (a copy: bit-identical to
-  diffusers' upcast to fp32 and back);
-* the first chunk may hold several latent frames: frame 0 skips `time_conv`, frames 1.. start its causal stream;
-* a clip decoded in one call of one latent frame (a Qwen-Image picture; `one_call`) keeps no history: each causal
-  conv's two zero history frames meet only its first two temporal taps, so it runs as the Conv2d of its last tap on
-  the frame alone (a third of the conv FLOPs: 19.0 -> 7.2 TFLOP at 1328x1328, no zero frames staged or copied);
-* outputs go into a preallocated clip tensor (`decode_video`) or, frame group by frame group, to the host
-  (`iter_decode_video`), never through a growing `torch.cat`;
-* peak memory per chunk is kept low (estimate_chunk_bytes): the RMS norm runs over frame groups, no block input or
-  consumed conv output is held longer than needed, and oversized 2D upsamples / Conv3d calls (int32 indexing on
-  CUDA) run over frame groups.
-
-Numerics: the op sequence per element is diffusers' own (normalize in fp32 for bf16, then * scale * gamma, SiLU;
-residual adds; same conv weights), so fp32 results agree to float rounding (~1e-6) and bf16 results to bf16 rounding.
-
-Fused kernel path (`fused=`; by default on when the Triton kernels can run -- CUDA, or CPU under TRITON_INTERPRET=1 --
-and the fused_norms stage has been applied): each Wan residual block whose norms are RMS norm + SiLU runs as
+Fused kernel path (`fused=`; on by default where the Triton kernels run and fused_norms was applied), per residual
+block:
 
     norm1+SiLU (kernel, + the input's owed bias)  -> written straight into conv1's input buffer (rms_norm_silu out=)
     conv1 without bias                            -> norm2+SiLU with conv1's bias folded in (x_bias), into conv2's
@@ -47,16 +28,11 @@ and the fused_norms stage has been applied): each Wan residual block whose norms
     conv2 without bias [, 1x1x1 shortcut conv without bias]
     one epilogue kernel: (residual + shortcut bias) + (conv2 out + conv2 bias)           (epilogue.bias_residual)
 
-and WanResample's nearest 2x upsample disappears into kernels: for 'upsample2d' the last block's epilogue writes the
-upsampled frames; for 'upsample3d' it writes time_conv's input buffer, time_conv runs without bias, and one kernel
-adds that bias, interleaves the channel halves into frames (diffusers' reshape + stack) and upsamples; frame 0 of the
-clip (the 'Rep' frame, no time_conv) is upsampled alone. The 2D conv after the upsample, and conv_in, run without
-their biases too: the next block folds them into its norm1 (x_bias) and its residual (residual_bias; through a 1x1x1
-shortcut as W @ bias). PyTorch's cuDNN path would add every conv bias as a separate broadcast pass. Blocks or
-resamplers that do not match (hooks, other modules) take the torch path; a bias they cannot fold is added first.
-The sums are formed in fp32 inside the kernels (one rounding), so bf16 results differ from diffusers' by bf16
-rounding; fp32 agrees to ~1e-6. Counts of what was fused: `ChunkDecoder.stats`.
-Notes and measurements: docs/video.md.
+and WanResample's nearest 2x upsample disappears into kernels (the epilogue writes the upsampled frames; for
+'upsample3d' one kernel adds time_conv's bias, interleaves the channel halves into frames and upsamples). Biases
+that cuDNN would add in a broadcast pass are folded into the next norm (x_bias) or residual (residual_bias; through
+a 1x1x1 shortcut as W @ bias). Blocks or resamplers that do not match (hooks, other modules) take the torch path; a
+bias they cannot fold is added first. Counts of what was fused: `ChunkDecoder.stats`.
 """
 
 from __future__ import annotations
@@ -84,20 +60,13 @@ from vaeopt.stages.marks import is_2x_nearest, packed_fp8, stacked
 class ChunkDecoder:
     """Decodes consecutive latent chunks of one clip with the decoder's submodules; holds the causal caches.
 
-    fused (None: auto, True: required, False: off; `VAEOPT_VIDEO_FUSED` when None): with the Triton kernels runnable
-    for the latents (CUDA, or CPU under TRITON_INTERPRET=1; fp32/bf16/fp16, no autocast) -- and, in auto mode, the
-    fused_norms stage applied to the decoder -- residual blocks whose norms are Wan RMS norm + SiLU run with conv
-    biases folded into the next kernel, one epilogue kernel for bias + residual, norms writing straight into the
-    conv input buffers, and WanResample's upsample as a kernel fused with that epilogue / the time_conv interleave.
-    Otherwise (and for any module that does not match) the torch path below runs unchanged. `stats` counts what the
-    fused path did (per decoder, over all calls)."""
+    fused (None: auto, True: required, False: off; `VAEOPT_VIDEO_FUSED` when None): the fused kernel path of the
+    module docstring, where the Triton kernels run for the latents (CUDA, or CPU under TRITON_INTERPRET=1; no
+    autocast) and, in auto mode, the fused_norms and fused_epilogues stages were applied; otherwise (and for any module
+    that does not match) the torch path. `stats` counts what the fused path did (per decoder, over all calls)."""
 
-    TAPS = True  # conv_out (3 channels) as kernels/tapconv's norm+GEMM and tap sum (band decoders exchange the
-    # GEMM output's edge rows: _tap_sum)
     STACK = True  # stacked_conv3d's Conv2d-over-time-stacked-channels may run (spatial tiles, which crop the staged
     # 5-D input, turn it off; band decoders exchange rows of the stack instead)
-    DEFER = True  # a residual block followed by another one (or by the head) leaves its output Pending: the next
-    # norm adds the residual itself (no epilogue pass, one read less)
 
     def __init__(self, vae, channels_last: bool, fused: bool | None = None, stack: bool | None = None, arena=None,
                  halo=None):
@@ -435,7 +404,9 @@ class ChunkDecoder:
                 break
             # the next block's norm1 (or the head's norm) can add this block's residual itself
             nxt = ps[i + 1] is not None if i < last else (defer_last and resampler is None and not dup)
-            defer = self.DEFER and nxt and self.mf is torch.channels_last_3d  # (channels-first: no one-pass kernel)
+            # a residual block followed by another one (or by the head) leaves its output Pending: the next norm adds
+            # the residual itself (no epilogue pass, one read less; channels-first has no such one-pass kernel)
+            defer = nxt and self.mf is torch.channels_last_3d
             box, xb = [self._block(res, box, xb, defer=defer)], None
         if x is None:
             x = box.pop()
@@ -590,7 +561,9 @@ class ChunkDecoder:
         return y4.permute(0, 2, 3, 1).reshape(N, k, H, W, Co).permute(0, 4, 1, 2, 3)
 
     def _taps_ok(self, conv, src: Tensor) -> bool:
-        return (self.TAPS and self.mf is torch.channels_last_3d and conv.kernel_size == (3, 3, 3)
+        """conv_out (3 channels) runs as kernels/tapconv's norm+GEMM and tap sum (band decoders exchange the GEMM
+        output's edge rows: _tap_sum)."""
+        return (self.mf is torch.channels_last_3d and conv.kernel_size == (3, 3, 3)
                 and tuple(conv._padding) == (1, 1, 1, 1, 2, 0) and conv.groups == 1 and tuple(conv.dilation) == (1, 1, 1)
                 and tuple(conv.stride) == (1, 1, 1) and src.dtype == conv.weight.dtype and src.shape[1] <= 256
                 and src.dtype in tapconv.SUPPORTED_DTYPES and tapconv.fits(conv.out_channels)

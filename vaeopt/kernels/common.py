@@ -146,12 +146,9 @@ def silu_mode(out_dtype: torch.dtype, device: torch.device, wan_rms: bool = Fals
       call, and its ~2^-11 relative error is far below e4m3's 2^-4 step (H200, experiments.md E25).
     - 16-bit outputs: exact (0) in the GroupNorm kernels, bound by memory (the hardware tanh gained nothing there,
       E25). In Wan's channels-last RMS kernels (`wan_rms`: rms_norm_silu's and tapconv's norm + tap GEMM) WAN_RMS_16:
-      3, the exact formula without its range fix-ups. Nsight Compute finds the RMS kernel bound by the instructions
-      it issues (84% of issue slots busy on the 96-ch call; mode 0's SiLU is ~11 of 25.8 instructions per element).
-      Mode 3 gave outputs bitwise equal to mode 0's on every Wan shape and decode measured, 1-9% faster plain calls,
-      and wan21-480p / 720p decodes as fast as mode 2's (H200, experiments.md E31). (Mode 0 lowers to the same ex2 /
-      reciprocal arithmetic with range fix-ups. The one input window where they differ is y in about (-88.7, -87.3):
-      there mode 3 flushes the subnormal reciprocal and returns -0 for a value of magnitude below ~1e-36.)"""
+      3, the exact formula without its range fix-ups: those kernels are bound by instruction issue, and mode 3 was
+      bitwise equal to mode 0 on every Wan shape measured and faster (E31). The one input window where they differ is
+      y in about (-88.7, -87.3): mode 3 returns -0 for a value of magnitude below ~1e-36."""
     if device.type != "cuda" or torch.version.hip is not None or out_dtype == torch.float32 or interpreting():
         return 0  # modes 2/3 are NVIDIA PTX
     if SILU_MODE is not None:

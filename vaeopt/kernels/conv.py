@@ -1,8 +1,7 @@
 """Implicit-GEMM convolution in Triton for channels-last activations (NHWC / NDHWC), bf16/fp16 or fp8 operands.
 
-Why: cuDNN picks an sm80 implicit-GEMM kernel (tile 256x32x32, ~260 TFLOP/s on an H200) for Wan's 96-channel
-full-resolution causal Conv3d — 373 of the 800 ms of a wan21-480p decode (docs/experiments.md E5/E9). The same GEMM
-written as one Triton program per [BLOCK_M output pixels x Cout] tile runs on Hopper's wgmma.
+Why: cuDNN picks an sm80 kernel for Wan's 96-channel full-resolution causal Conv3d, most of a wan21-480p decode's
+conv time (docs/experiments.md E5, E12); the same GEMM as Triton programs runs on Hopper's wgmma.
 
 The conv is a GEMM with M = output pixels, N = Cout, K = taps x Cin, where the A operand (im2col) is never built:
 for tap (dt, dy, dx) the rows of A are the input pixels at a constant offset from the output pixel, so each K step
@@ -244,15 +243,6 @@ def conv_igemm(
         num_warps=cfg.num_warps,
     )
     return y
-
-
-def conv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: tuple[int, int]):
-    """The same conv with torch (fp32): the test oracle."""
-    xf, wf = x.float(), weight.float()
-    bf = bias.float() if bias is not None else None
-    if x.ndim == 4:
-        return torch.nn.functional.conv2d(xf, wf, bf, 1, padding)
-    return torch.nn.functional.conv3d(xf, wf, bf, 1, (0, *padding))
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

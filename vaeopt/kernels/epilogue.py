@@ -1,9 +1,8 @@
 """Conv epilogues as one memory pass: out = ((h + bias[c]) + (residual + residual_bias[c])) / scale, optionally
 written straight into its 2x nearest-upsampled form; and a row softmax for chunked attention.
 
-Why: with a bias, PyTorch's cuDNN conv path runs `output.add_(bias.reshape(1, C, 1, 1))` as a separate,
-non-vectorized broadcast kernel after every conv (a full read + write), and diffusers' ResnetBlock2D then runs
-`(input + hidden) / output_scale_factor` as two more full passes. Here the conv runs without its bias and one
+Why: with a bias, PyTorch's cuDNN conv path adds it in a separate broadcast kernel after every conv (a full read +
+write, E3), and diffusers' ResnetBlock2D then runs `(input + hidden) / output_scale_factor` as two more. Here the conv runs without its bias and one
 kernel reads h and the residual once and writes the output once. With `upsample2x`, the Upsample2D interpolate that
 follows the last resnet of an up-block disappears too: the kernel writes each value to its 2x2 output pixels
 (F.interpolate(scale_factor=2, mode="nearest") copies input (h, w) to exactly those four; bitwise the same).
@@ -611,8 +610,7 @@ def bias_residual(
 
 def _epi_stats_launch(C: int, dev: torch.device) -> tuple[int, int, int, int]:
     """(tile, warps, programs per SM, row blocks per iteration) of the epilogue that also takes GroupNorm statistics,
-    on CUDA. Measured on an H100 at SDXL's shapes (experiments.md E26): the stats kernel's
-    own launch (8192-element tiles, 2 programs per SM, 4 row blocks per iteration) made it 1.1-3.2x slower."""
+    on CUDA, measured at SDXL's shapes (E26: the stats kernel's own launch made it slower)."""
     return (4096, 4, 4, 1) if C <= 128 else (4096, 4, 4, 2)
 
 
@@ -631,13 +629,6 @@ def upsample_nearest2x(x: torch.Tensor, **kw) -> torch.Tensor:
     """F.interpolate(x, scale_factor=2, mode="nearest") for (N, C, H, W), bitwise, in x's layout (one read, one
     4x write; aten's NHWC kernel is ~2.7x slower than its NCHW one)."""
     return bias_residual(x, upsample2x=True, **kw)
-
-
-def upsample_nearest2x_expand(x: torch.Tensor) -> torch.Tensor:
-    """The same in pure torch for channels_last x: a broadcast view copied once (result channels_last)."""
-    n, c, h, w = x.shape
-    v = x.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(n, h, 2, w, 2, c)
-    return v.reshape(n, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
 
 
 def softmax_rows(s: torch.Tensor, scale: float, out_dtype: torch.dtype, *, block: int | None = None,
@@ -675,20 +666,5 @@ def softmax_rows(s: torch.Tensor, scale: float, out_dtype: torch.dtype, *, block
     return p
 
 
-def bias_residual_reference(h, bias=None, residual=None, scale=1.0, upsample2x=False, residual_bias=None):
-    """The torch composition the kernel replaces (diffusers' association and rounding points aside)."""
-    shape = (1, -1) + (1,) * (h.dim() - 2)
-    y = h if bias is None else h + bias.to(h.dtype).reshape(shape)
-    if residual is not None:
-        r = residual if residual_bias is None else residual + residual_bias.to(h.dtype).reshape(shape)
-        y = r + y
-    elif residual_bias is not None:
-        y = residual_bias.to(h.dtype).reshape(shape) + y
-    y = y / scale
-    if upsample2x:
-        y = torch.nn.functional.interpolate(y, scale_factor=2.0, mode="nearest")
-    return y
-
-
-__all__ = ["bias_residual", "bias_residual_reference", "upsample_nearest2x", "upsample_nearest2x_expand",
+__all__ = ["bias_residual", "upsample_nearest2x",
            "softmax_rows", "SUPPORTED_DTYPES"]

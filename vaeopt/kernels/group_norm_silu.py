@@ -1,7 +1,7 @@
 """Fused GroupNorm (+ optional SiLU) for NCHW / NHWC / NCDHW / NDHWC activations, output in the input's layout.
 
-Why: aten GroupNorm reduces with one CUDA block per (sample, group) — 32 blocks on a 132-SM GPU for a batch-1 VAE —
-and relayouts channels_last inputs to NCHW and back; SiLU is one more full read+write. Here:
+Why: aten GroupNorm reduces with one CUDA block per (sample, group) and relayouts channels_last inputs; SiLU is one
+more full read+write (docs/kernels.md, E1). Here:
 
   1. stats     many programs per (n, group): each reduces a chunk to (count, mean, M2). Sums are taken around a
                shift (the mean of the chunk's first block), so there is no E[x^2]-E[x]^2 cancellation.
@@ -10,20 +10,14 @@ and relayouts channels_last inputs to NCHW and back; SiLU is one more full read+
   3. apply     elementwise y = (x - mean) * a + bias, SiLU, one read + one write. Tiles are visited in the reverse of
                the stats order, so the tail that stats read last is still in L2.
 
-DRAM traffic: 2 reads + 1 write of x (vs 5 passes for aten GroupNorm + SiLU); ~1 read + 1 write when x fits in L2.
-
 Input bias (`x_bias`, optional [C]): the kernels normalize x + x_bias[c] instead of x, so a conv can run without its
-bias and the bias is folded in here (one full read+write pass less per conv: aten's cuDNN path adds the bias in a
-separate broadcast kernel). Stats add it on load; finalize subtracts it from the per-channel mean it writes
-(mean' = mean_g - x_bias[c]), so apply is unchanged: (x - mean') * a + b = (x + x_bias - mean_g) * a + b.
+bias (cuDNN would add it in a separate broadcast pass). Stats add it on load; finalize subtracts it from the
+per-channel mean it writes (mean' = mean_g - x_bias[c]), so apply is unchanged: (x - mean') * a + b.
 
-Split API (vaeopt/tiling.py's exact tiled decoder, whose norms need the statistics of a whole activation that is only
-ever seen a tile at a time): `group_norm_partials` runs the stats kernels on a tile (optionally with `x_bias`) and
-returns the per-chunk (count, mean, M2) partials -- partials of disjoint tiles concatenate into those of their union;
-`group_norm_finalize` merges any number of them exactly in one launch of the finalize kernel; `group_norm_apply`
-(gn_window.py) normalizes a region with given per-(n, channel) mean/scale (+ x_bias, affine bias, SiLU) in one read
-and one write in the model dtype, reading the region in place from a larger buffer (any strides) and optionally
-writing a zero ring around it (the next conv's padding). `merge_partials` is the float64 torch reference of the merge.
+Split API (the exact tiled decoder, whose norms need the statistics of an activation only ever seen a tile at a time):
+`group_norm_partials` returns a tile's per-chunk (count, mean, M2) partials (those of disjoint tiles concatenate into
+those of their union); `group_norm_finalize` merges any number of them exactly in one launch; `group_norm_apply`
+(gn_window.py) normalizes a region of a larger buffer with them. `merge_partials` is the float64 torch reference.
 
 Layouts: every tensor is seen as (N, C, S) with S = flattened spatial dims; "channels-first" means each sample is a
 contiguous [C, S] block (NCHW, NCDHW, (B, C, L)), "channels-last" means a contiguous [S, C] block (NHWC, NDHWC,
@@ -42,9 +36,7 @@ from vaeopt.kernels.fp8_quant import E4M3
 from vaeopt.kernels.gn_window import group_norm_apply  # noqa: F401  (the split API's last step, re-exported)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# (tile, warps) of the channels-last apply on CUDA where the caller sets none. Measured on an H200 at SDXL's shapes
-# (experiments.md E24): per sdxl-1024 decode 1.85 -> 1.82 ms (bf16 out) and 2.09 -> 1.86 ms
-# (e4m3 out) against the shared (4096, 4).
+# (tile, warps) of the channels-last apply on CUDA where the caller sets none (measured at SDXL's shapes, E24)
 APPLY_CL_CUDA = (8192, 4)
 
 
@@ -363,13 +355,9 @@ def _cl_blocks(C: int, S: int, tile: int) -> tuple[int, int]:
 
 
 def _stats_cl_defaults(C: int, dev: torch.device) -> tuple[int, int, int, int]:
-    """(tile, num_warps, target programs, unroll) of the channels-last stats kernel where the caller sets none.
-
-    On CUDA, measured on an H200 at SDXL's decoder shapes (experiments.md E24): with the
-    shared defaults (4096-element tiles, 8 programs per SM, one row block per iteration) the kernel read 0.9-3.6
-    TB/s, against a 4.2 TB/s copy: too few loads in flight per warp (not occupancy: the faster launches use more
-    registers). Wider rows (C >= 256): 8192-element tiles, 2 programs per SM, 4 row blocks loaded per iteration
-    into the same accumulators. C <= 128: 2048-element tiles, 8 warps, 4 programs per SM. The stats kernels of an sdxl-1024 decode: 1.70 -> 1.26 ms (bf16), 2.05 -> 1.30 ms (e4m3)."""
+    """(tile, num_warps, target programs, unroll) of the channels-last stats kernel where the caller sets none. On
+    CUDA, measured at SDXL's decoder shapes (E24): the shared defaults kept too few loads in flight per warp, so wide
+    rows (C >= 256) load 4 row blocks per iteration into the same accumulators."""
     tile = default_tile(dev)
     if dev.type != "cuda":
         return tile, default_warps(tile), n_programs_target(dev), 1
@@ -477,9 +465,7 @@ STATS_MIN_NUMEL_CUDA = 1 << 24
 def producer_stats_ok(C: int, G: int, numel: int, dev: torch.device) -> bool:
     """Whether a kernel writing a channels-last norm input of C channels and numel elements per sample should take
     the norm's statistics (G groups) on its way: G divides C, one tile holds a row (C <= 8192), int32 in-sample
-    offsets, and it pays: on CUDA from 2^24 elements (H100, E26: at 512 ch @128², 8.4M elements, the chunked launch
-    lost 5 us to the plain pass + stats pass; from 512 ch @256² on it gained). Always on the CPU interpreter, where
-    the tests run it on small tensors."""
+    offsets, and it pays: on CUDA from 2^24 elements (E26). Always on the CPU interpreter, where the tests run it."""
     return (C % G == 0 and C <= 8192 and numel < 2**31
             and (dev.type != "cuda" or numel >= STATS_MIN_NUMEL_CUDA))
 
@@ -554,25 +540,14 @@ def group_norm_silu(
     `num_warps` are tuning knobs; tests shrink them (and `max_block_p`, partials merged per finalize step) to
     exercise multi-chunk merges on small tensors.
     """
-    return _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p,
-                       x_bias, out8=False)
+    return _group_norm(x, num_groups, weight, bias, eps, silu, tile=tile, target_programs=target_programs,
+                       num_warps=num_warps, max_block_p=max_block_p, x_bias=x_bias)
 
 
-def group_norm_silu_e4m3(
-    x: torch.Tensor,
-    num_groups: int,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float = 1e-6,
-    silu: bool = True,
-    *,
-    tile: int | None = None,
-    target_programs: int | None = None,
-    num_warps: int | None = None,
-    max_block_p: int = 1024,
-    x_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`group_norm_silu` written as float8_e4m3fn for an fp8 conv: -> (y8, scale), y ~= y8 * scale[n].
+def group_norm_silu_e4m3(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         eps: float = 1e-6, silu: bool = True, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_norm_silu` (the same keywords) written as float8_e4m3fn for an fp8 conv: -> (y8, scale),
+    y ~= y8 * scale[n].
 
     x must be channels-last (NHWC / NDHWC). The scale is per sample and computed on the GPU, with no extra memory
     pass: the stats kernel also takes each channel's max |x - k| (k: the shift it already subtracts for the sums),
@@ -580,43 +555,27 @@ def group_norm_silu_e4m3(
     channel ((max - mean) * rstd * weight + bias, either end; SiLU only shrinks it), and the apply kernel scales by
     448 / (the largest bound). A bound, not the exact amax, so the largest value may use a little less than the full
     e4m3 range: e4m3's relative step (2^-3) is the same at any magnitude, so this costs precision only for values
-    2^17 below the bound (subnormals). The scale tensor stays on the device (no host sync; fits CUDA graphs).
-    Cost on an H200, sdxl-1024: the stats kernels of a decode 1.67 ms in bf16, 2.41 ms when tracking max and min,
-    1.93 ms with the one max |x - k| (h200_tma_decode_sdxl-1024-graphs_2026-11-21{d,e}.json, experiments.md E21)."""
+    2^17 below the bound (subnormals). The scale tensor stays on the device (no host sync; fits CUDA graphs). One
+    max |x - k| instead of max and min made the stats pass cheaper (E21)."""
     if E4M3 is None:
         raise TypeError(f"torch {torch.__version__} has no float8_e4m3fn")
-    return _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p,
-                       x_bias, out8=True)
+    return _group_norm(x, num_groups, weight, bias, eps, silu, out8=True, **kw)
 
 
-def group_norm_silu_int8(
-    x: torch.Tensor,
-    num_groups: int,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float = 1e-6,
-    silu: bool = True,
-    *,
-    tile: int | None = None,
-    target_programs: int | None = None,
-    num_warps: int | None = None,
-    max_block_p: int = 1024,
-    x_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_norm_silu_int8(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         eps: float = 1e-6, silu: bool = True, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`group_norm_silu` written as int8 for an int8 conv: -> (q, scale, zq), y ~= scale[n] * (q + zq[n]).
 
     Asymmetric: the 255 levels span [lo, hi] of each sample, hi the same per-sample bound of the output that the
     e4m3 variant scales by (group_norm_silu_e4m3), lo SiLU's minimum (-0.27846) with silu, else -hi. A SiLU output
-    lies mostly on one side of zero, so this spends no levels on values that cannot occur: on the trained tiny VAE
-    and the random-weight SDXL decoder, a conv on these inputs measured 1-11 dB closer to fp32 than on e4m3 ones
-    (docs/experiments.md E45). The step is uniform, so a loose bound costs precision everywhere (e4m3 keeps its
+    lies mostly on one side of zero, so this spends no levels on values that cannot occur (closer to fp32 than
+    e4m3, E45). The step is uniform, so a loose bound costs precision everywhere (e4m3 keeps its
     relative step); the bound is the group's max |x - k| mapped through the affine, as for e4m3."""
-    return _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p,
-                       x_bias, out8="int8")
+    return _group_norm(x, num_groups, weight, bias, eps, silu, out8="int8", **kw)
 
 
-def _group_norm(x, num_groups, weight, bias, eps, silu, tile, target_programs, num_warps, max_block_p, x_bias,
-                out8: bool | str):
+def _group_norm(x, num_groups, weight, bias, eps, silu, *, tile=None, target_programs=None, num_warps=None,
+                max_block_p=1024, x_bias=None, out8: bool | str = False):
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"group_norm_silu: dtype {x.dtype} not supported")
     if x.dim() < 2:

@@ -1,7 +1,7 @@
 """A conv with very few output channels (a decoder's conv_out: 96 -> 3) as one GEMM per pixel plus a tap sum.
 
-cuDNN runs Wan's conv_out (a causal 3x3x3 Conv3d, 96 -> 3 channels) as an implicit GEMM with N = 3: its sm80 kernel
-(tile 256x32) spends 20 ms of a 0.64 s wan21-480p decode on 0.5 TFLOP. Here the conv is split the other way round:
+cuDNN runs Wan's conv_out (a causal 3x3x3 Conv3d, 96 -> 3 channels) as an implicit GEMM with N = 3 on a slow sm80
+kernel (E18). Here the conv is split the other way round:
 
 1. `rms_norm_taps`: per pixel p, Y[p, tap, o] = sum_c a[p, c] * W[o, c, tap] for all 27 taps and 3 outputs at once
    (one (pixels x C) @ (C x 81) GEMM on tensor cores), where a = silu(rms_norm(x)) is computed by the same kernel
@@ -13,8 +13,7 @@ cuDNN runs Wan's conv_out (a causal 3x3x3 Conv3d, 96 -> 3 channels) as an implic
 The causal history of the conv (its last two input frames) is kept as the last two frames of Y instead: the GEMM
 is linear, so Y of the history frames is what the taps need, and the first chunk's zero padding is Y = 0.
 
-Traffic per output pixel at 96 -> 3 channels in bf16: read x 192 B, write Y 162 B, read Y 162 B, write 6 B, against
-the norm's read + write (384 B) and the conv's repeated reads before. Rounding: a is rounded to the compute dtype as
+Rounding: a is rounded to the compute dtype as
 the conv input would be; Y is rounded once per (tap, output) to the dtype of its buffer (bf16: 27 roundings of
 partial sums instead of one of the total; fp32 buffers make it exact up to summation order).
 """
@@ -204,12 +203,6 @@ def tap_sum(y: torch.Tensor, co: int, kernel: tuple[int, int, int], bias: torch.
     return out
 
 
-def conv_taps_reference(stream: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the pair computes, in torch: the conv over the [history | new] input stream, 'same' in H and W."""
-    pad = (0, w.shape[-2] // 2, w.shape[-1] // 2)
-    return F.conv3d(stream, w, bias, 1, pad)
-
-
 try:
     import triton
     import triton.language as tl
@@ -347,5 +340,5 @@ if triton is not None:
         tl.store(dst, acc.to(o_ptr.dtype.element_ty), mask=pm[:, None] & om[None, :])
 
 
-__all__ = ["tap_weights", "rms_norm_taps", "group_norm_taps", "tap_sum", "conv_taps_reference", "fits", "block_c",
+__all__ = ["tap_weights", "rms_norm_taps", "group_norm_taps", "tap_sum", "fits", "block_c",
            "MAX_TAP_COLUMNS"]

@@ -1,25 +1,15 @@
 """Implicit-GEMM convolution with TMA tensor descriptors (Hopper and newer): the A operand is a box of the NDHWC input.
 
-The pointer kernel (`conv.py`) builds every A block from BLOCK_M row pointers and a border mask. Here each K step
-loads one [1, BH, BW, BK] box of the input seen as a 4D tensor (frames, H, W, C) through a TMA descriptor, at the
-output tile's corner shifted by the tap (t + dt, h0 + dy - ph, w0 + dx - pw, c0). The hardware zero-fills the parts
-of the box that fall outside H or W (negative coordinates included): that is the conv's spatial zero padding, with no
-mask arithmetic, and the copy runs asynchronously so that the pipeline's stages overlap loads and wgmma.
+Where the pointer kernel (`conv.py`) builds every A block from row pointers and a border mask, each K step here
+loads one [1, BH, BW, BK] box of the input seen as (frames, H, W, C) at the output tile's corner shifted by the tap;
+the hardware zero-fills what falls outside H or W (the conv's padding) and copies asynchronously. The output tile is
+BH x BW pixels of one frame; temporal taps read whole frames (causal history in front, as for the pointer kernel).
+Cout that is not a power of two (96, 192) takes two accumulators (64 + 32, 128 + 64) sharing each A box. Weights are
+packed K-major; Cin is a multiple of BK so that a K step never straddles two taps.
 
-The output tile is BH x BW pixels of one frame (a rectangle, so that every tap's box is a rectangle too). Temporal
-taps read whole frames: the caller passes each sample's causal history in front (Tin = T + kt - 1), as for the
-pointer kernel; 2D convs are kt = 1. Cout that is not a power of two (96, 192) is covered by two accumulators of
-power-of-two widths (64 + 32, 128 + 64) that share each A box, so no MMA work is wasted on padding columns.
-
-Weights are packed K-major ([Cout, taps * Cin], `conv.pack_weight(..., kmajor=True)`); Cin must be a multiple of
-BK so that a K step never straddles two taps. fp8 (e4m3) operands, fp32 accumulation, per-output-channel weight
-scale times the activation scale in the epilogue, as in `conv.py`.
-
-Where it runs (measured on an H200, docs/experiments.md E20): `conv.conv_igemm` hands it the e4m3 layers of FP8 level
-3 that have a tile in `tuned_config`, on sm_90: 11-37% faster per call than the pointer kernel, 658-1129 TFLOP/s.
-In bf16 it reaches 460-570 TFLOP/s, behind cuDNN wherever cuDNN's 128-wide column tiles are full. The one bf16 use
-is Wan 2.1's 96-channel causal Conv3d (E28): there cuDNN's time-stacked Conv2d fills 96 of 128 columns and needs the
-stack's triple write and history copies, and the whole 480p decode measured faster with this kernel (`BF16_WAN96`).
+Where it runs (docs/kernels.md, experiments.md E20, E28): the 8-bit convs of FP8 level 3 on sm_90, and in bf16 only
+Wan 2.1's 96-channel causal Conv3d (`BF16_WAN96`) where the Gluon kernel (ws_conv.py) does not run; elsewhere in
+bf16 cuDNN is faster.
 """
 
 from __future__ import annotations
@@ -38,10 +28,8 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 MEASURED_SM = ((9, 0),)
-# The variant that adds a residual in its epilogue (int8 resnet conv2, E47) compiles to 190 registers per thread
-# (128 without): one 8-warp CTA per SM instead of two, and slower than the separate residual pass. Capped at 128 it
-# spills 46 and is faster (H100, row tile: 0.581 vs 0.606 ms per 128-ch @1024² call with the next norm's stats
-# pass, whole sdxl-1024 decode 16.00 vs 16.07 ms; h100_res_in_conv{,-maxnreg128}_2026-11-23{a,b}.json).
+# The variant that adds a residual in its epilogue (int8 resnet conv2) compiles to 190 registers per thread; capped
+# at 128 it spills a little and is faster than both the uncapped variant and a separate residual pass (E47).
 RES_MAXNREG = 128
 
 
@@ -300,14 +288,10 @@ def bf16_wan96(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def tuned_config(cin: int, cout: int, w: int, fp8: bool, video: bool = False) -> TmaConfig | None:
-    """The measured best tile for an e4m3 layer class, or None where the pointer kernel stays: Wan's 96/192 ch from
-    H200 sweeps (benchmarks/results/h200_tma_conv_2026-11-21{a,b}.json, docs/experiments.md E20); 128-512 ch: one
-    128-pixel row with 3 stages for 2D convs whose width w is a multiple of 128 (the image decoders' measured shapes:
-    3-13% faster per call than 4 x 32 on an H100 and an H200 as CUDA-graph replays, whole decodes bitwise equal and
-    faster, h{100,200}_tma_conv_2026-11-22g.json, h{100,200}_tma_tiles_2026-11-22.json, E27), else E20's 4 x 32
-    (video: causal Conv3d layers, not re-measured). bf16: only Wan's 96 -> 96 causal Conv3d (BF16_WAN96; the caller
-    packs those weights K-major only where `bf16_wan96` holds). Elsewhere the kernel trails cuDNN at >= 128 channels
-    (460-570 vs 690-770 TFLOP/s; 13-19% behind as graph replays, E27)."""
+    """The measured best tile for an e4m3 layer class, or None where the pointer kernel stays (E20, E27): Wan's
+    96/192 ch; 128-512 ch as one 128-pixel row for 2D convs whose width w is a multiple of 128, else 4 x 32 (video:
+    causal Conv3d). bf16: only Wan's 96 -> 96 causal Conv3d (BF16_WAN96; the caller packs those weights K-major only
+    where `bf16_wan96` holds); elsewhere the kernel trails cuDNN."""
     if not fp8:
         return BF16_WAN96 if video and cin == cout == 96 else None
     if cin == cout == 96:
@@ -334,10 +318,8 @@ def int8_config(cin: int, cout: int, w: int) -> TmaConfig:
 
 def tuned_upconv_config(cin: int, cout: int, w: int | None = None) -> TmaConfig | None:
     """The measured tile for the merged e4m3 phase convs of an upsampler (upconv_tma_checked) with input width w, or
-    None where the channels do not fit one. Widths that are a multiple of 128 (SDXL/FLUX at 1024²: 128, 256, 512 px)
-    take the resnet convs' row tile: as CUDA-graph replays it was 0.1-12% faster than E21's 8 x 16 on an H100, and
-    on an H200 faster at 512 ch, 1% slower at 256 ch @512² (h{100,200}_upconv_fp8_2026-11-22g.json); other widths
-    (w None: unknown) keep 8 x 16, which wastes fewer padding pixels on narrow frames."""
+    None where the channels do not fit one: the row tile for widths that are a multiple of 128, else 8 x 16, which
+    wastes fewer padding pixels on narrow frames (w None: unknown; E21, E27)."""
     if cin % 128 == 0 and cout % 128 == 0:
         return ROW_TILE if w is not None and w % 128 == 0 else _TILE_8X16
     return None
@@ -441,15 +423,11 @@ def upconv_tma_checked(x: torch.Tensor, pw4: PackedWeight, bias: torch.Tensor | 
 
 
 def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, padding: tuple[int, int],
-                     a: ConvArgs, cfg: TmaConfig, yd: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
+                     a: ConvArgs, cfg: TmaConfig, residual: torch.Tensor | None = None) -> torch.Tensor:
     """conv_tma after its arguments were checked (`a` from conv.check_args, pw K-major): what conv_igemm's dispatch
     calls, so that a dispatched call is validated once.
 
-    padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. yd: an
-    (N*T, H, W, Cout) view to store into instead of a new tensor, any strides TMA takes (last dim dense, the others
-    multiples of 16 bytes), e.g. one phase of an upsampled output (kernels/upconv.upconv2x_8bit); returns None then.
-    residual: a tensor of the output's shape and dtype, channels_last, added to the result in the epilogue (2D
+    padding is the top / left padding (the kernel's tap offsets); the output has the input's H x W. residual: a tensor of the output's shape and dtype, channels_last, added to the result in the epilogue (2D
     convs; checked by conv.check_residual)."""
     N, Tin, T, H, W = a.N, a.Tin, a.T, a.H, a.W
     _check_k("conv_tma", pw.cin, cfg)
@@ -457,12 +435,8 @@ def conv_tma_checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | Non
     if residual is not None:  # (N, H, W, Cout) with its dense strides spelled out (size-1 dims report odd ones)
         C = pw.cout
         rv = residual.as_strided((N, H, W, C), (H * W * C, W * C, C, 1), residual.storage_offset())
-    if yd is None:
-        yd = torch.empty((N * T, H, W, pw.cout), device=x.device, dtype=a.odt)
-        y = a.output_view(yd)
-    else:
-        y = None
+    yd = torch.empty((N * T, H, W, pw.cout), device=x.device, dtype=a.odt)
     if yd.numel():
         xd = (x.permute(0, 2, 3, 1) if x.ndim == 4 else x.permute(0, 2, 3, 4, 1)).reshape(N * Tin, H, W, pw.cin)
         _launch(x, xd, pw, bias, a, cfg, yd, [1, cfg.bh, cfg.bw], N * T, T, pw.cout, padding, False, rv)
-    return y
+    return a.output_view(yd)

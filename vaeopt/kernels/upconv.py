@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vaeopt.kernels.common import flat_layout, triton_available
-from vaeopt.kernels.conv_args import ConvArgs, PackedWeight, pack_weight, per_sample_scales
+from vaeopt.kernels.conv_args import ConvArgs, pack_weight, per_sample_scales
 from vaeopt.kernels.fp8_quant import E4M3
 
 # phase a's 2-tap rows as sums of the 3x3 kernel's rows: a=0 -> [w0, w1+w2], a=1 -> [w0+w1, w2]
@@ -41,11 +41,6 @@ def phase_weights(w: torch.Tensor) -> torch.Tensor:
     r = torch.tensor(_ROWS, dtype=acc, device=w.device)  # (a, tap, 3)
     w4 = torch.einsum("aik,ockl,bjl->abocij", r, w.detach().to(acc), r)  # (2, 2, Cout, Cin, 2, 2)
     return w4.reshape(4 * w.shape[0], w.shape[1], 2, 2).to(w.dtype)
-
-
-def upconv2x_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The composition it replaces: conv3x3(interpolate(x, 2x nearest), padding 1)."""
-    return F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), w, bias, padding=1)
 
 
 def upconv2x(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None = None,
@@ -65,15 +60,8 @@ def phase_weights_8bit(w: torch.Tensor, dtype: torch.dtype | None = None):
     return pack_weight(phase_weights(w.detach().float()), dtype or E4M3)
 
 
-def _phase_slice(pw4, p: int):
-    """Phase p of the packed phase kernels as its own PackedWeight (a view of rows [p * Cout, (p + 1) * Cout))."""
-    co = pw4.cout // 4
-    return PackedWeight(pw4.w[p * co:(p + 1) * co], pw4.kernel, pw4.cin, co, pw4.scale[p * co:(p + 1) * co],
-                        pw4.kmajor)
-
-
 def upconv2x_8bit(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16, config=None, merged: bool = True) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, config=None) -> torch.Tensor:
     """conv3x3(2x nearest upsample of x) for an 8-bit x: an e4m3 x (N, Cin, H, W) channels_last with per-sample scales
     (x ≈ x8 * x_scale[n]) and pw4 = phase_weights_8bit(w): (N, Cout, 2H, 2W) channels_last in out_dtype. An int8 x
     (symmetric, act_quant.quantize_int8_per_sample) takes int8 phase kernels (phase_weights_8bit(w, torch.int8)):
@@ -81,8 +69,8 @@ def upconv2x_8bit(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
 
     Each phase (a, b) is a 2x2 conv of x with top/left padding (1 - a, 1 - b) on the TMA conv kernel
     (kernels/tma_conv.py: e4m3 operands, fp32 accumulation, scales and bias in the epilogue), whose output tile is
-    stored straight into its strided place out[:, 2i + a, 2j + b]: no phase-stacked buffer, no interleave pass.
-    merged: the four phases in one launch (tma_conv.upconv_tma_checked); else four launches, one per phase. Needs
+    stored straight into its strided place out[:, 2i + a, 2j + b]: no phase-stacked buffer, no interleave pass; the
+    four phases in one launch (tma_conv.upconv_tma_checked: fewer launches than one per phase, E21). Needs
     TMA descriptors (sm_90 on a GPU; the interpreter on CPU) and a tile config for the channel counts
     (tma_conv.tuned_upconv_config unless `config` is given)."""
     if (x8.dim() != 4 or x8.dtype not in (E4M3, torch.int8)
@@ -102,14 +90,7 @@ def upconv2x_8bit(x8: torch.Tensor, x_scale: torch.Tensor, pw4, bias: torch.Tens
     if cfg is None:
         raise ValueError(f"upconv2x_8bit: no TMA tile for {C}->{CO} channels")
     args = ConvArgs(N, 1, 1, H, W, True, out_dtype, xs, 1.0, False, int8=x8.dtype == torch.int8)
-    if merged:
-        return tma_conv.upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)
-    y = torch.empty((N, 2 * H, 2 * W, CO), dtype=out_dtype, device=x8.device)
-    y6 = y.view(N, H, 2, W, 2, CO)
-    for p in range(4):
-        a, b = divmod(p, 2)
-        tma_conv.conv_tma_checked(x8, _phase_slice(pw4, p), bias, (1 - a, 1 - b), args, cfg, yd=y6[:, :, a, :, b, :])
-    return y.permute(0, 3, 1, 2)
+    return tma_conv.upconv_tma_checked(x8, pw4, bias, args, cfg).permute(0, 3, 1, 2)
 
 
 def interleave_phases(p: torch.Tensor, bias: torch.Tensor | None = None,

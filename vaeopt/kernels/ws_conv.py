@@ -1,26 +1,14 @@
 """Wan's bf16 96- and 192-channel causal Conv3d as a warp-specialized Gluon kernel for sm_90 (experiments.md E42).
 
-E31-E33 left the Triton TMA conv (`tma_conv.py`) for these layers at 57% of the SM's tensor throughput, with two
-warps per scheduler and a third of the stalls waiting on shared memory. What Triton could not express there is a
-producer / consumer split: here one warp only issues TMA copies into a ring of NUM_STAGES shared-memory stages, and
-the consumer warpgroups only wait, issue wgmma and release stages, with their wgmmas kept in flight across K steps.
+The GEMM is tma_conv's (one program per BH x BW output tile of one frame, K over 27 taps x Cin, A a TMA box of the
+input zero-filled outside H and W, B the K-major weight as two power-of-two boxes so 96 or 192 outputs need no
+padding); what Triton could not express is the producer / consumer split: one warp only issues TMA copies into a
+ring of `stages` shared-memory buffers, the consumer warpgroups only wait, issue wgmma and release stages. At 96
+channels the summation order is the Triton kernel's: outputs are bitwise equal to it.
 
-The GEMM is the same as tma_conv's: one program per BH x BW output tile of one frame; K runs over the 27 taps
-(dt, dy, dx) times Cin in BK-channel steps; each K step's A is a [1, BH, BW, BK] box of the (frames, H, W, C) input,
-zero-filled by TMA outside H and W; B is the K-major packed weight ([Cout, 27 * Cin]) as two boxes of power-of-two
-rows, so that 96 or 192 output channels need no padding (two accumulators, 64 + 32 or 128 + 64, both wgmmas reading
-A from shared memory). At 96 channels the summation order is the Triton kernel's: outputs are bitwise equal to it.
-
-Measured (H100, docs/experiments.md E42): 96 ch, 4.83 ms per 12-frame 480x832 call against 5.53 ms for the
-Triton kernel (494 vs 431 TFLOP/s), and whole wan21-480p decodes 579.9 against 605.7 ms; 192 ch, 3.98 ms per
-12-frame 240x416 call against 4.87 ms for cuDNN's Conv3d, which ran those layers before. A variant that fed A to both
-wgmmas from registers was slower (5.05-5.21 ms) and, in one configuration (4 consumer warps, 4 stages, maxnreg
-128), wrong; it was removed.
-
-conv_igemm hands these layers here where `handles` holds (bf16 on sm_90, Gluon in this Triton; the triton_conv stage
-marks them and packs their weights K-major); a launch that fails because this Triton cannot build the kernel
-switches it off for the process, with a warning: the 96-ch convs then go to the Triton TMA kernel, the 192-ch ones
-back to cuDNN (triton_conv.packed_for stops handing them to conv_igemm).
+conv_igemm hands these layers here where `handles` holds; a launch that fails because this Triton cannot build the
+kernel switches it off for the process, with a warning: the 96-ch convs then go to the Triton TMA kernel, the 192-ch
+ones back to cuDNN (triton_conv.packed_for stops handing them to conv_igemm).
 
 Synchronization: a stage goes back to the producer after `warpgroup_mma_wait(2)`, i.e. once the previous K step's
 two wgmma groups are done; Triton puts a barrier over both consumer warpgroups before the (one-thread) mbarrier
@@ -68,10 +56,7 @@ class WsConfig:
     bn1: int = 32
 
 
-# per channel count (Cin = Cout), from E42's H100 sweeps (benchmarks/results/h100_ws_conv*_2026-11-23*.json):
-# 96 ch (480x832): 6 and 8 stages tie (4.83-4.89 / 4.81-4.85 ms), 2 x 128 tiles 5.01-5.18 ms;
-# 192 ch (240x416): 128 + 64 columns over 2 x 64 pixels (8 warps: 96 accumulator registers), 64-channel K steps, 4
-# stages: 3.98 ms against cuDNN's Conv3d 4.87 ms (the layers' previous kernel); 3 stages 4.21-4.26, 2 stages 7.6.
+# per channel count (Cin = Cout), the best of E42's sweeps (benchmarks/results/h100_ws_conv*_2026-11-23*.json)
 CONFIGS = {96: WsConfig(), 192: WsConfig(bh=2, bw=64, bk=64, stages=4, bn0=128, bn1=64)}
 failed: str | None = None  # why the kernel was switched off in this process (its first failing launch)
 

@@ -80,13 +80,12 @@ def run(model: nn.Module, convert: Callable[..., dict], revert: Callable[[nn.Mod
           on the probe (one emulated fp32 decode per layer), keep the dominant and most sensitive ones until the
           predicted PSNR (calibrated on the failed probe) clears gate + margin_db, and probe again; at most
           `max_rounds` retries, and never more than `max_keep_frac` of the weights kept. Else undone.
-      "always": measure before the first try as well (dominant layers are kept even where the gate would pass).
       "off": conv_in/conv_out only, one try.
     `probe`: the latent to probe with (default: a seeded N(0, 1) latent, 32x32 or 3x16x16).
     A verdict stored for the same weights, probe and settings on this GPU (vaeopt.cache) is applied without probing;
     `log` gets one line if a stored entry was unreadable."""
-    if sensitivity not in ("auto", "always", "off"):
-        raise ValueError(f"sensitivity={sensitivity!r}: auto | always | off")
+    if sensitivity not in ("auto", "off"):
+        raise ValueError(f"sensitivity={sensitivity!r}: auto | off")
     if margin_db < 0:
         raise ValueError(f"margin_db={margin_db}: the retry aims at gate + margin, margin >= 0")
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -153,9 +152,6 @@ def _run(model, convert, revert, family, gate_db, device, dtype, compute, z, sen
                                           dominant_share=dominant_share)
         return kept, {**w, **why}
 
-    if sensitivity == "always":
-        measure()
-        keep, why = choose(1.0)
     tries, stop = [], ""
     while True:
         stats = convert(model, compute=compute, keep=keep)

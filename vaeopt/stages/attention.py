@@ -5,9 +5,7 @@ the memory-efficient kernel there. This stage probes which backends accept the m
 and reports the one SDPA will use.
 
 HunyuanVideo: diffusers' mid-block attention is causal over frames (a query of frame f sees the keys of frames <= f)
-and builds that as an additive mask of (frames * h * w)^2 elements before every call, in the activation dtype (through
-an fp32 torch.where and a bool tensor of the same size). With diffusers' framewise decoding (its default) a call has
-at most 5 latent frames: 1.9 GiB of mask at 60x106 latents in bf16; without it, 19.3 GiB for 16 latent frames.
+and builds that as an additive mask of (frames * h * w)^2 elements before every call (GiBs at video sizes).
 Here the mid-block's forward is replaced by the same computation without the mask: the module's own group_norm
 (over all frames of the call, as before), to_q/k/v and to_out, and for each query frame an attention over the
 prefix of keys it may see, which is what the mask selects (`frame_causal_attention`): exact, and about half the

@@ -15,28 +15,21 @@ Per decoder `ResnetBlock2D` (AutoencoderKL; temb-free, no up/down-sampling insid
     [Upsample2D: F.interpolate nearest 2x]          [same kernel writes the 2x-upsampled output directly]
 
 The upsample is fused for the last resnet of a stock `UpDecoderBlock2D` whose single upsampler is a stock
-`Upsample2D` (interpolate, no norm, no transposed conv). The resnet then returns the upsampled tensor and tells the
-upsampler so through a weak reference to exactly that tensor: the upsampler skips its interpolate only for that
-very object (anything else it receives, it upsamples — with our kernel when it can, bitwise equal to
-F.interpolate). An `output_size` other than 2x is honoured by interpolating from the original pixels
-(`x[..., ::2, ::2]` of the nearest-2x tensor is the input, exactly). When stages/upsample_conv has marked the
-upsampler's conv, the resnet writes its low-resolution output instead and the upsampler runs the 2x2 phase convs on
-it (no upsampled tensor at all).
+`Upsample2D`: the resnet returns the upsampled tensor and tells the upsampler so through a weak reference to exactly
+that tensor, so the upsampler skips its interpolate only for that very object (an `output_size` other than 2x is
+honoured from `x[..., ::2, ::2]`, the input exactly). When stages/upsample_conv marked the upsampler's conv, the
+resnet writes its low-resolution output instead and the upsampler runs the 2x2 phase convs on it.
 
-Mid-block attention (`Attention` with diffusers' AttnProcessor2_0, head_dim > 256, on CUDA in bf16/fp16): SDPA can
-only use its memory-efficient kernel there (flash/cuDNN take head_dim <= 256). The processor set here computes the
-same attention exactly, in query chunks: S = Q K^T as a cuBLAS GEMM with fp32 output, softmax(S / sqrt(d)) in fp32
-(one Triton pass writing P in the input dtype), O = P V as a GEMM; a chunk's fp32 scores stay under
-`max_score_bytes` (512 MiB). The output projection then runs without its bias, which goes with the residual and
-rescale_output_factor into one bias_residual kernel. Everything else (group_norm, to_q/k/v/out, residual_connection,
-rescale_output_factor) is the module's own, as AttnProcessor2_0 uses it; masks, cross-attention, spatial norm,
-q/k norms and autocast take the stock path.
+Mid-block attention (AttnProcessor2_0, head_dim > 256, CUDA, bf16/fp16): SDPA has only its memory-efficient kernel
+there, so the processor set here computes the same attention exactly in query chunks (S = Q K^T as a GEMM with fp32
+output, one Triton softmax pass writing P, O = P V), a chunk's fp32 scores under `max_score_bytes`; the output
+projection's bias goes into one bias_residual kernel with the residual. Masks, cross-attention, spatial norm, q/k
+norms and autocast take the stock path.
 
-Weights are used as they are (F.conv2d(x, conv.weight, None, <conv's stride/padding/...>)): no parameter changes,
-so state_dict and `.to()` are unaffected. Each patched forward re-checks at call time that its fast path still holds
-(kernel backend for this tensor, no autocast/compile tracing, plain nn.Conv2d without hooks, fused norms still in
-place) and otherwise runs the stock diffusers forward: on CPU without TRITON_INTERPRET=1 that is exact torch ops.
-`revert(model)` restores every forward and processor.
+Weights are used as they are (no parameter changes: state_dict and `.to()` are unaffected). Each patched forward
+re-checks at call time that its fast path still holds (kernel backend for this tensor, no autocast/compile tracing,
+plain nn.Conv2d without hooks, fused norms in place), else runs the stock diffusers forward. `revert(model)` restores
+every forward and processor.
 """
 
 from __future__ import annotations
@@ -73,8 +66,7 @@ MIN_HEAD_DIM = 256  # chunked attention replaces SDPA above this (flash / cuDNN 
 # (kernels/group_norm_silu.noted_partials); so does an upsampler's phase-conv interleave for the next up-block's
 # first norm. Where a norm reads next comes from the stock Decoder's structure (_norm_readers).
 # A resnet whose conv2 runs as the int8 kernel adds its input in that conv's epilogue (no residual pass; the next
-# norm takes its own statistics): per pixel 2 passes of the output fewer where no norm reads it next, 1 where one
-# does. sdxl-1024 at the default gate on an H100: 16.07 -> 16.00 ms (E47).
+# norm takes its own statistics; E47).
 # on for the length of a patched Decoder call without foreign hooks (a hook could change an activation in place, which
 # an inference tensor's missing version counter would not show); off outside it, e.g. for the tiler's own calls
 _NOTES_ON = contextvars.ContextVar("vaeopt_gn_notes", default=False)
@@ -299,10 +291,9 @@ def upsample_forward(self, hidden_states, output_size=None, *args, **kwargs):
 
 
 # --- the head: conv_norm_out + conv_act + conv_out --------------------------------------------------------------
-# cuDNN runs conv_out (128 -> 3 channels, 3x3) as an implicit GEMM with N = 3 on an sm80 kernel: 0.29 ms of an
-# sdxl-1024 decode on an H200, for 2 GFLOP. Here, as in Wan's head (vaeopt.video, kernels/tapconv): GroupNorm
-# statistics, then one kernel normalizes each pixel and multiplies it by the (C x 27) tap matrix (the normalized
-# activation is never written), then a tap sum. Only inside the decoder's own stock forward: for the length of that
+# cuDNN runs conv_out (128 -> 3 channels, 3x3) as an implicit GEMM with N = 3 on a slow sm80 kernel (E22). Here, as
+# in Wan's head (kernels/tapconv): GroupNorm statistics, then one kernel normalizes each pixel and multiplies it by
+# the (C x 27) tap matrix (the normalized activation is never written), then a tap sum. Only inside the decoder's own stock forward: for the length of that
 # call the patched decoder forward gives conv_norm_out and conv_out instance forwards (conv_norm_out returns its
 # input with the statistics attached, conv_out takes them for exactly that tensor object). Outside it the two
 # modules are stock, for the tiler (which runs the head itself) and anyone else.
@@ -461,16 +452,14 @@ def _e4m3_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), s.reshape(1)
 
 
-def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | None = None,
-                  scores_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
+def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for (B, H, L, d) tensors with e4m3 GEMMs (FP8 level 2 for the attention core):
     Q, K and V each quantized per tensor (one dynamic scale), S = Q K^T through torch._scaled_mm (fp32 accumulate,
-    `scores_dtype` out: bf16 halves the score traffic at the same error, docs/experiments.md E44), the Triton softmax
+    bf16 out: half the score traffic of fp32 at the same error, docs/experiments.md E44), the Triton softmax
     writing P = exp(S - row max) * 448 in e4m3 with its row scale 1 / (448 * row sum), and O = P V through
     torch._scaled_mm with that row scale: the normalization costs nothing. Lossy (e4m3 Q/K/V/P): the fp8 convs stage
     gates it like a layer. On CUDA with FP8 tensor cores; elsewhere an emulation with the same roundings in fp32 (CPU
-    tests). fast_accum (cuBLAS's fp8 accumulation without promotion) is off: over 16384 keys it measured 2e-1
-    relative error. Queries in chunks whose fp32-sized scores stay under max_score_bytes. Output in v's dtype."""
+    tests). cuBLAS's fp8 fast accumulation stays off: over 16384 keys it measured 2e-1 relative error. Queries in chunks whose fp32-sized scores stay under max_score_bytes. Output in v's dtype."""
     B, H, L, d = q.shape
     Lk, dv = k.shape[2], v.shape[-1]
     q3, k3, v3 = q.reshape(B * H, L, d), k.reshape(B * H, Lk, d), v.reshape(B * H, Lk, dv)
@@ -498,16 +487,14 @@ def fp8_attention(q, k, v, max_score_bytes: int = MAX_SCORE_BYTES, chunk: int | 
         for i in range(0, L, chunk):
             c = min(chunk, L - i)
             if real:
-                s = torch._scaled_mm(q8[i:i + c], k8.t(), scale_a=sq, scale_b=sk, out_dtype=scores_dtype,
-                                     use_fast_accum=fast_accum)
+                s = torch._scaled_mm(q8[i:i + c], k8.t(), scale_a=sq, scale_b=sk, out_dtype=torch.bfloat16)
                 p = (torch.empty if Lp == Lk else torch.zeros)((c, Lp), device=q.device, dtype=E4M3)
                 rs = torch.empty((c, 1), device=q.device, dtype=torch.float32)
                 softmax_rows(s[:, :Lk], sm, E4M3, out=p[:, :Lk], row_scale=rs, pscale=E4M3_MAX)
                 del s
-                out[b, i:i + c] = torch._scaled_mm(p, vt8.t(), scale_a=rs, scale_b=svrow, out_dtype=v.dtype,
-                                                   use_fast_accum=fast_accum)
+                out[b, i:i + c] = torch._scaled_mm(p, vt8.t(), scale_a=rs, scale_b=svrow, out_dtype=v.dtype)
             else:  # the same roundings in fp32
-                s = ((q8[i:i + c].float() @ k8.float().t()) * (sq * sk)).to(scores_dtype).float() * sm
+                s = ((q8[i:i + c].float() @ k8.float().t()) * (sq * sk)).to(torch.bfloat16).float() * sm
                 e = torch.exp(s - s.amax(dim=-1, keepdim=True))
                 p = (e * E4M3_MAX).to(E4M3).float()
                 o = (p @ vt8.float().t()) * (sv / (E4M3_MAX * e.sum(dim=-1, keepdim=True)))

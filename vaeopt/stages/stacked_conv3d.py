@@ -7,16 +7,11 @@ order differs). cuDNN runs that Conv2d on its sm90 kernels, where for 96 channel
 Conv3d. The stacked input is written by the RMS-norm kernel that already writes the conv's input (each frame to its
 up to three places, `rms_norm_silu(taps=3)`), so the only extra cost is 2 more writes of the activation.
 
-Measured on an H200 (benchmarks/results/h200_conv_stack_2026-11-21.json), bf16, 4 output frames per call:
-    96 ch @480x832: cuDNN Conv3d 2.74 ms, our Triton implicit GEMM 2.17, stacked Conv2d 1.49 (534 TFLOP/s)
-    96 ch @720x1280: 6.53 / 5.38 / 3.49;  384 ch @120x208: 1.22 / 2.09 / 0.99 (800 TFLOP/s)
-    192 ch @240x416: 1.24 / 2.13 / 1.31 -- no gain: those stay on the Conv3d
-So auto stacks the convs with 96 or 384 channels (Wan 2.1's full- and quarter-resolution widths) on sm_90, where it
-was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere. One exception in auto: in bf16 where
-the TMA conv kernel runs (kernels/tma_conv.bf16_wan96) and the triton_conv stage will run, the 96-channel convs are
-left to triton_conv, which runs them on that kernel from the plain [history | frames] buffer: no triple write, no 25%
-of cuDNN's 128-wide column tile wasted on Cout = 96. Whole wan21-480p decodes, one process, interleaved, H200:
-609.3 -> 595.6 ms (606.6 -> 589.6 ms of kernels), 720p 1404.4 -> 1377.3 ms (docs/experiments.md E28).
+Measured (E17, E28): it pays at 96 and 384 channels (Wan 2.1's full- and quarter-resolution widths), not at 192, so
+auto stacks those on sm_90, where it was measured; `--stack-conv3d on` stacks every stock causal 3x3x3 conv anywhere.
+In bf16 where the TMA conv kernel runs (kernels/tma_conv.bf16_wan96) and triton_conv will run, auto leaves the
+96-channel convs to triton_conv, which reads the plain [history | frames] buffer: no triple write, no 25% of cuDNN's
+128-wide column tile wasted on Cout = 96 (faster in whole decodes, E28).
 
 It runs in vaeopt.video's fused chunk decoder (kernel path, bf16/fp16/fp32 activations, untiled, one GPU): a conv
 marked here and not taken by FP8 level 3 is staged stacked and run as the Conv2d; its causal history is read back

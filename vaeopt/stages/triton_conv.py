@@ -1,23 +1,14 @@
-"""Triton implicit-GEMM convolution for the layers where it beats cuDNN (vaeopt/kernels/conv.py).
+"""Triton implicit-GEMM convolution for the layers where it beats cuDNN (vaeopt/kernels/conv.py; docs/kernels.md).
 
-Measured on an H200 (benchmarks/results/h200_conv_2026-11-21*.json), bf16, one layer call each:
-    Wan causal Conv3d 96->96 ch, 3x3x3: 480p 3.22 ms cuDNN (an sm80 kernel, 247 TFLOP/s) vs 2.13 ms Triton;
-        720p 7.63 vs 5.33 ms.
-    192/384/512-ch convs (2D and 3D): cuDNN's sm90 kernels are faster (540-610 vs 370-450 TFLOP/s).
-So the policy is: Wan's stock causal Conv3d layers with a 3x3x3 kernel and at most 128 output channels run on the
-Triton kernel; every other conv stays on cuDNN, except Wan's 192 -> 192 convs where the warp-specialized kernel below
-runs (bf16, sm_90, Gluon: 3.98 vs cuDNN's 4.87 ms per 12-frame 240x416 call on an H100, E42). The policy was
-measured on sm_90 only: on other GPUs the stage is skipped in auto mode (cuDNN kept) and runs only when forced
-(--conv-kernel on). stacked_conv3d runs first and takes
-the 96-channel layers as time-stacked cuDNN Conv2d, except in bf16 where the TMA variant runs
-(kernels/tma_conv.bf16_wan96): that variant measured faster in whole decodes (E28), so there they stay here and
-their weights are packed K-major for it. On sm_90 with Gluon in the installed Triton, conv_igemm runs those 96-channel
-convs on a warp-specialized Gluon kernel (kernels/ws_conv.py, E42: 4.83 vs 5.53 ms per 12-frame 480p call on an H100,
-outputs bitwise equal), falling back to the Triton TMA kernel if it fails to launch.
+Policy (measured on sm_90 only, docs/experiments.md E12, E28, E42; elsewhere the stage runs only when forced with
+--conv-kernel on): Wan's causal 3x3x3 Conv3d with 64-128 output channels, and the 192-channel ones where the
+warp-specialized Gluon kernel runs (kernels/ws_conv.py); every other conv stays on cuDNN. stacked_conv3d runs first
+and leaves the 96-channel convs here only where the bf16 TMA variant runs (kernels/tma_conv.bf16_wan96); their
+weights are then packed K-major.
 
 The stage marks the convs; vaeopt.video's chunk decoder runs a marked conv through the kernel (weights packed once
-per weight version, cached on the module). Image VAEs' bf16 convs are left to cuDNN; their resnet convs take the
-e4m3 kernel only under FP8 level 3 (`apply_fp8` below, run by stages/fused_epilogues' resnet forward).
+per weight version, cached on the module). Image VAEs' resnet convs take the 8-bit kernel only under FP8 level 3
+(`apply_fp8` below, run by stages/fused_epilogues' resnet forward).
 """
 
 from __future__ import annotations
@@ -160,19 +151,12 @@ def packed_for(conv: nn.Module, x: torch.Tensor):
     return cached[1]
 
 
-# ---- FP8 level 3: e4m3 implicit-GEMM convs for the residual blocks' 3x3(x3) convs ------------------------------------
-# Measured on an H200 (benchmarks/results/h200_conv_2026-11-21b.json), one layer call, e4m3 operands vs cuDNN bf16:
-# 96 ch 480p 1.31 vs 3.11 ms, 192 ch 0.92 vs 1.45, 384 ch 0.50 vs 0.67. It pays only with the activation quantization
-# fused into the norm kernel that writes the conv's input (a torch quantize pass costs more than the conv), which is
-# what vaeopt.video's fused path does for convs marked here (their input buffers and causal caches are e4m3), and
-# what stages/fused_epilogues' resnet forward does for AutoencoderKL (GroupNorm+SiLU writes e4m3).
-# On sm_90, conv_igemm runs these e4m3 layers on the TMA variant of the kernel (kernels/tma_conv.py), 11-37% faster
-# per call (h200_tma_conv_2026-11-21b.json): wan21-480p with all 28 in e4m3 505.5 -> 452.7 ms, sdxl-1024 (graphs)
-# 19.0 -> 17.4 ms against 18.1 in bf16 (h200_tma_decode_*_2026-11-21.json, docs/experiments.md E20).
-# Image decoders' upsampler convs (sm_90 only) can join as e4m3 2x2 phase convs in one TMA launch, their input
-# quantized per sample by kernels/act_quant.py (stages/upsample_conv.run): per call 0.87 -> 0.58 + 0.09 ms (512 ch
-# @256²), 1.12 -> 0.79 + 0.18 (256 ch @512²), but 0.25 -> 0.22 + 0.07 at 512 ch @128² (h200_upconv_fp8_2026-11-21b).
-# They are the most sensitive layers on the random-weight SDXL model (37.5 / 38.2 dB alone), so the gate decides.
+# ---- FP8 level 3: 8-bit implicit-GEMM convs for the residual blocks' 3x3(x3) convs ------------------------------------
+# They pay only with the activation quantization fused into the norm kernel that writes the conv's input (a torch
+# quantize pass costs more than the conv): vaeopt.video's fused path for Wan, fused_epilogues' resnet forward for
+# AutoencoderKL. On sm_90 conv_igemm runs them on the TMA kernel (E20). Image upsampler convs can join as 8-bit 2x2
+# phase convs in one TMA launch, their input quantized per sample by kernels/act_quant.py; they are the most
+# sensitive layers on random weights, so the gate decides (E21).
 
 
 def fp8_available(device: torch.device) -> tuple[bool, str]:
@@ -180,14 +164,8 @@ def fp8_available(device: torch.device) -> tuple[bool, str]:
     return fp8_stage_available(device)
 
 
-# Image decoders: where (GroupNorm e4m3 + e4m3 conv) measured faster than (GroupNorm bf16 + cuDNN bf16), H200,
-# benchmarks/results/h200_sdxl_fp8_2026-11-21.json: 512 ch @128-256² and 512->256 / 256 ch @512² win (0.02-0.08 ms
-# each), 128-ch layers at 1024² lose (cuDNN 720 TFLOP/s there, and the norm's max/min pass costs 0.1-0.3 ms). Whole
-# sdxl-1024 decode: all 28 resnet convs 21.43 ms, the 22 with >= 256 channels 20.76 ms, bf16 21.24 ms. That was the
-# pointer kernel. On sm_90 the TMA kernel (0.409 vs cuDNN's 0.446 ms at 128 ch @1024²) and the cheaper e4m3 stats
-# pass (one max|x - k| instead of max and min: 2.41 -> 1.93 ms of stats kernels per decode) make the 128-ch layers
-# pay too: all 28 in e4m3 16.0 ms vs the 22 wider ones 16.4 ms, bf16 18.6 (CUDA graphs, one process,
-# h200_tma_decode_sdxl-1024-graphs_2026-11-21f.json; experiments.md E21).
+# Image decoders: the narrowest resnet conv where (8-bit GroupNorm + 8-bit conv) measured faster than bf16 (E15, E21):
+# 128 channels on the TMA kernel, 256 on the pointer kernel.
 IMAGE_FP8_MIN_CH = 256  # pointer kernel (sm_89, sm_120, or sm_90 without TMA descriptors)
 IMAGE_FP8_MIN_CH_TMA = 128  # TMA kernel (sm_90)
 
@@ -288,11 +266,8 @@ def _is_attention(m: nn.Module) -> bool:
     return type(m).__name__ == "Attention"
 
 
-# int8 for the image resnet convs (sm_90, the TMA kernel): a SiLU output quantized to 255 levels over [-0.28, max]
-# measured 1-11 dB closer to fp32 per layer than e4m3 (CPU emulation, trained tiny VAE and random-weight SDXL). Gated
-# at the decode's size (apply_fp8), sdxl-1024 at the default 40 dB gate took 14.62 vs 15.87 ms (e4m3) on an H200 in
-# one process, 40.2 dB at full size (h200_int8_decode_2026-11-23f.json); ladders 14.67 ms (H200), 16.18 ms (H100)
-# after the FLOPs order (_gate_search; docs/experiments.md E45, E46).
+# int8 for the image resnet convs (sm_90, the TMA kernel): a SiLU output over [-0.28, max] in 255 levels is closer
+# to fp32 than e4m3, and faster once gated at the decode's size (docs/experiments.md E45, E46).
 
 
 def int8_convs(model: nn.Module, device: torch.device) -> bool:
@@ -364,7 +339,6 @@ def _image_flops(model: nn.Module, cands: list, latent_hw: tuple[int, int]) -> d
         if r is None:
             return None
         if _is_attention(m):
-        
             tokens = h * w * r * r
             out[name] = 4 * tokens * tokens * head_dim(m) * getattr(m, "heads", 1)
         elif "upsamplers" in parts:
@@ -382,10 +356,8 @@ def _gate_search(model: nn.Module, cands: list, probe: torch.Tensor, dtype: torc
     (binary search on the count). -> (the chosen candidates, or None: no subset passed; stats; note).
 
     The order: least noisy first, or with `flops` (_image_flops) the most FLOPs per unit of noise (FLOPs over
-    10^(-dB/10) of the layer's probe alone) first, so that the noise budget goes where 8 bits save the most time.
-    apply_fp8 passes flops for int8: on an H100 the default gate then admitted 10 convs and the attention instead of
-    18 and the attention, 15.89 against 16.01 ms per sdxl-1024 decode in a same-process A/B (all 21 paired rounds
-    faster). For e4m3 the FLOPs order admitted 2 layers instead of 5 and measured slower (H200; experiments.md E46)."""
+    10^(-dB/10) of the layer's probe alone) first, so that the noise budget goes where 8 bits save the most time:
+    apply_fp8 passes flops for int8, where it measured faster; for e4m3 it measured slower (experiments.md E46)."""
     dname = str(dtype).replace("torch.", "")
     mark([])
     ref, base = _references(model, probe, dtype, decode)  # once: every probe below is compared with the same decodes
