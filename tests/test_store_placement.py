@@ -186,3 +186,38 @@ def test_sdxl_4096_within_16gb_storage_choice(sdxl, monkeypatch):
     td.vram_budget = 24 * GIB
     storage, t, placement = td._choose_storage((512, 512))
     assert storage == torch.device("cuda", 0) and placement is None
+
+
+def test_sdxl_4096_tile_leaves_least_on_host(sdxl, monkeypatch):
+    """With the chunked attention of the fused-epilogues stage (its score block adds ~0.8 GiB to the untiled
+    mid-block's working set) and the tile an H200 plans at 4096² within 16 GB (2432 px): the tile is the largest
+    8-px step that leaves only one 4 GiB buffer on the host (1152 px), where the earlier rule -- the planned tile,
+    its half and its quarter, the untiled part counted beside the buffers -- kept two (8 GiB) at half the tile. The
+    untiled part runs before the first full-size buffer exists, so it does not count beside them; a 1216-px tile
+    would leave 8 GiB."""
+    from vaeopt.stages.fused_epilogues import chunked_processor_class
+
+    with torch.device("meta"):
+        m = build_model(get_family("sdxl")).to(torch.bfloat16)
+    m.decoder.mid_block.attentions[0].set_processor(chunked_processor_class()())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    bufs = tiling_memory.storage_buffers(m, (512, 512), torch.bfloat16)
+
+    def choose():
+        td = tiling.TiledDecoder(m, tile=304, vram_budget=16 * GIB, kernels=True, shape="bands")
+        td.device, td.dtype, td.kernels, td.bands = torch.device("cuda", 0), torch.bfloat16, True, True
+        storage, t, placement = td._choose_storage((512, 512))
+        assert storage.type == "cpu"
+        return t, sum(b for (b, _, _), d in zip(bufs, placement) if not d)
+
+    monkeypatch.delenv(tiling.PLACEMENT_ENV, raising=False)
+    assert choose() == ((144, 144), 4 * GIB)
+    monkeypatch.setenv(tiling.PLACEMENT_ENV, "halves")
+    assert choose() == ((152, 152), 8 * GIB)
+    # one step larger leaves both on the host (the chosen tile is the largest with the fewest host bytes)
+    need = tiling_memory.estimate_tiled_bytes(m, (512, 512), 152, torch.bfloat16, include_weights=False,
+                                              untiled=False, kernels=True, shape="bands", device="cuda")
+    weights = tiling_memory.decoder_weights_bytes(m)
+    assert sum(b for (b, _, _), d in zip(bufs, store.place(bufs, 16 * GIB - weights - need)) if not d) == 8 * GIB

@@ -73,6 +73,7 @@ those raise :class:`TilingError`.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Callable, Sequence
 
@@ -101,6 +102,7 @@ __all__ = [
     "tile_from_pixels",
 ]
 
+PLACEMENT_ENV = "VAEOPT_PLACEMENT"  # "halves": the earlier tile choice for a decode with some buffers on the host
 _STATS_MAX_NUMEL = 2**31  # the stats kernels use int32 in-sample offsets: bigger tiles are reduced in row pieces
 
 
@@ -146,6 +148,20 @@ def _flat(t: torch.Tensor) -> bool:
     return flat_layout(t) is not None
 
 
+def _tile_ladder(tile: tuple[int, int], smallest: tuple[int, int], step: int = 8) -> list[tuple[int, int]]:
+    """`tile`, then tiles of the same aspect whose first side is `step` latent px smaller each time (on multiples of
+    `step`), down to `smallest`; largest first."""
+    th, tw = tile
+    out = [tuple(tile)]
+    s = (th - 1) // step * step
+    while s > smallest[0]:
+        out.append((s, max(1, round(tw * s / th))))
+        s -= step
+    if tuple(smallest) != out[-1]:
+        out.append(tuple(smallest))
+    return out
+
+
 
 
 
@@ -171,7 +187,8 @@ class TiledDecoder:
             its free memory and ``vram_budget``) next to the working set of ``tile`` -- or of ``tile/2``, ``tile/4``
             (a smaller tile with device storage beats host transfers) -- else as many buffers as fit beside the
             working set stay on the compute device and the others go to the CPU (pinned if CUDA is available;
-            :func:`vaeopt.engine.store.place`), with the one of those tiles that leaves the fewest bytes on the host.
+            :func:`vaeopt.engine.store.place`), at the largest tile from ``tile`` down to ``tile/4`` (8-px steps) that
+            leaves the fewest bytes on the host (each is pinned in the first decode and crosses the bus in every one).
         progress: ``progress(done, total)`` after every tile of every pass (``total`` grows if tiles are split).
         min_tile: smallest latent tile the OOM fallback may shrink to.
         vram_budget: bytes the decode may use on a CUDA device (e.g. the planner's budget; weights included).
@@ -312,17 +329,24 @@ class TiledDecoder:
         for t in cands:
             need = estimate_tiled_bytes(self.vae, latent_hw, t, self.dtype, storage_on_device=True, batch=batch,
                                         include_weights=False, kernels=self.kernels,
-                                        shape="bands" if self.bands else "tiles")
+                                        shape="bands" if self.bands else "tiles", device=self.device)
             if need <= 0.9 * free and (self.vram_budget is None or need + weights <= self.vram_budget):
                 return self.device, t, None
         # not all of them: the buffers that fit beside a tile's working set (host storage's, the larger) stay on the
-        # device, the others go to the host; the tile that leaves the fewest bytes there (the larger one on a tie)
+        # device, the others go to the host. Every host byte is paid for twice: page-locked in the first decode of
+        # the process (about 1 s per 8 GiB) and carried over the bus in every decode. So the tile is the largest one
+        # that leaves the fewest bytes there, out of every 8-px step from the planned tile down to a quarter of it
+        # (the tiled passes' working set only: the untiled latent-resolution part has come and gone before the
+        # first full-size buffer exists). PLACEMENT_ENV=halves: the planned tile, its half and its quarter, each
+        # with the untiled part counted (the earlier rule, for A/B runs).
         room = 0.9 * free if self.vram_budget is None else min(0.9 * free, self.vram_budget - weights)
         bufs = storage_buffers(self.vae, latent_hw, self.dtype)
+        halves = os.environ.get(PLACEMENT_ENV, "").strip().lower() == "halves"
         best = None
-        for t in cands:
+        for t in cands if halves else _tile_ladder(self.tile, cands[-1]):
             need = estimate_tiled_bytes(self.vae, latent_hw, t, self.dtype, batch=batch, include_weights=False,
-                                        kernels=self.kernels, shape="bands" if self.bands else "tiles")
+                                        untiled=halves, kernels=self.kernels,
+                                        shape="bands" if self.bands else "tiles", device=self.device)
             placement = place(bufs, room - need)
             host = sum(b for (b, _, _), dev in zip(bufs, placement) if not dev)
             if best is None or host < best[0]:
