@@ -221,3 +221,71 @@ def test_sdxl_4096_tile_leaves_least_on_host(sdxl, monkeypatch):
                                               untiled=False, kernels=True, shape="bands", device="cuda")
     weights = tiling_memory.decoder_weights_bytes(m)
     assert sum(b for (b, _, _), d in zip(bufs, store.place(bufs, 16 * GIB - weights - need)) if not d) == 8 * GIB
+
+
+def test_host_blocks_as_torch_caches_them(sdxl):
+    """The page-locked blocks a decode's host buffers take from torch's host cache: with every sdxl-4096 buffer on
+    the host, 13 blocks and 29.75 GiB -- the 13 pinned buffers and ~30 GiB measured in such a decode on an H200
+    (docs/experiments.md E59: a freed block is not reused by the very next allocation of its size); within 16 GB,
+    the one 4 GiB buffer on the host."""
+    bufs = tiling_memory.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    blocks = store.host_blocks(bufs, [True] * len(bufs))
+    assert len(blocks) == 13 and sum(blocks) == int(29.75 * GIB)
+    assert all(b & (b - 1) == 0 for b in blocks)  # powers of two, as torch rounds requests
+    assert store.host_blocks(bufs, [not d for d in place(bufs, int(12.1 * GIB))]) == [4 * GIB]
+    assert store.host_blocks(bufs, [False] * len(bufs)) == []
+    # a 3-byte request takes a 4-byte block; two alive at once need two
+    assert store.host_blocks([(3, 0, 2), (4, 1, 3), (8, 4, 5)], [True, True, False]) == [4, 4]
+
+
+def test_pin_ahead_pins_then_hands_back(monkeypatch):
+    """PinAhead allocates each block pinned on its own thread (inside fast_pinning), lets them go into torch's host
+    cache, and wait() joins it; an allocation error is kept, never raised."""
+    from contextlib import contextmanager
+
+    calls, threads = [], []
+    real_empty = torch.empty
+
+    @contextmanager
+    def fake_pinning(n):
+        calls.append(("pinning", n))
+        yield True
+
+    def fake_empty(n, dtype=None, pin_memory=False):
+        import threading
+
+        assert pin_memory and dtype is torch.uint8
+        calls.append(n)
+        threads.append(threading.current_thread().name)
+        return real_empty(n, dtype=dtype)
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(store, "fast_pinning", fake_pinning)
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    p = store.PinAhead([64, 64, 16], torch.device("cuda", 0), threads=4)
+    p.wait()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert calls == [("pinning", 4), 64, 64, 16] and set(threads) == {"vaeopt-pin-ahead"}
+    s = p.summary()
+    assert s["blocks"] == 3 and s["bytes"] == 144 and s["error"] is None and s["seconds"] >= 0
+
+    def failing(*a, **k):
+        raise RuntimeError("no pinned memory here")
+
+    monkeypatch.setattr(torch, "empty", failing)
+    q = store.PinAhead([64], torch.device("cuda", 0))
+    q.wait()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert "no pinned memory here" in q.summary()["error"]
+
+
+def test_pin_ahead_switch(monkeypatch, vae, z):
+    """The decoder starts no pinning thread for a CPU decode (nothing is pinned there) or with VAEOPT_PIN_AHEAD=off,
+    and reports none."""
+    monkeypatch.setenv(store.PIN_AHEAD_ENV, "off")
+    assert not store.pin_ahead_enabled()
+    monkeypatch.setenv(store.PIN_AHEAD_ENV, "on")
+    assert store.pin_ahead_enabled()
+    td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands", storage="cpu")
+    td.decode(z[..., :8, :8])
+    assert td.info["pin_ahead"] is None and td._pins is None

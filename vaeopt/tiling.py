@@ -86,7 +86,8 @@ from vaeopt.engine.image import Pass, is_plain_upsampler, kl_decoder, plan_passe
 from vaeopt.engine.regions import (TilingError, conv_region, halo_region, is_plain_conv, pair, tile_geometry,
                                    tile_grid)
 from vaeopt.engine.stats import OOM_ERRORS, KernelStats, Moments, affine_act
-from vaeopt.engine.store import Activation, RegionStore, fast_pinning, layout_of, place
+from vaeopt.engine.store import (Activation, PinAhead, RegionStore, fast_pinning, host_blocks, layout_of,
+                                 pin_ahead_enabled, place)
 from vaeopt.kernels import flat_layout
 from vaeopt.stages import unhooked, upsample_conv
 from vaeopt.tiling_memory import (decoder_weights_bytes, estimate_tiled_bytes, kernels_usable, storage_buffers,
@@ -233,6 +234,7 @@ class TiledDecoder:
         self.overlap = overlap
         self._force_copy = False  # tests: exercise the remote-storage bookkeeping on one device
         self._device_store_bytes: int | None = None  # tests: place the buffers as if this much device memory were left
+        self._pins: PinAhead | None = None
         self.info: dict = {}
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -264,6 +266,7 @@ class TiledDecoder:
         remote = self.mover.remote
         self.storage_format = torch.channels_last if (remote or self.memory_format is torch.channels_last) else (
             torch.contiguous_format)
+        self._pins = self._pin_ahead((h, w))
         self.cur_tile = self.start_tile
         self.done = 0
         self.total = n * sum(len(tile_grid(h * ps.scale, w * ps.scale, *self._tile_px(ps.scale))) for ps in self.passes)
@@ -287,6 +290,7 @@ class TiledDecoder:
             "upsample_phase": 0,
             "bytes_h2d": 0,
             "bytes_d2h": 0,
+            "pin_ahead": None,
         }
         f, c_out = self.factor, self.passes[-1].cout
         out = torch.empty(n, c_out, h * f, w * f, device=self.device, dtype=self.dtype,
@@ -299,6 +303,9 @@ class TiledDecoder:
         self.info["bytes_h2d"] = self.mover.bytes_h2d
         self.info["bytes_d2h"] = self.mover.bytes_d2h
         self.info["prefetch_hits"] = self.mover.prefetch_hits
+        if self._pins is not None:
+            self._pins.wait()  # (done long before: the host buffers waited for it)
+            self.info["pin_ahead"] = self._pins.summary()
         self.info["bias_folded"] //= max(1, n)
         return out
 
@@ -353,6 +360,17 @@ class TiledDecoder:
                 best = (host, t, placement)
         return torch.device("cpu"), best[1], best[2]
 
+    def _pin_ahead(self, latent_hw: tuple[int, int]) -> PinAhead | None:
+        """Page-lock the blocks of this decode's host buffers on a thread (engine.store.PinAhead) when some buffers
+        go to pinned host memory; None otherwise, or with VAEOPT_PIN_AHEAD=off."""
+        if not (self.pin and self.mover.remote and self.storage.type == "cpu" and self.device.type == "cuda"
+                and pin_ahead_enabled()):
+            return None
+        bufs = storage_buffers(self.vae, latent_hw, self.dtype)
+        on_host = [True] * len(bufs) if self.placement is None else [not d for d in self.placement]
+        blocks = host_blocks(bufs, on_host)
+        return PinAhead(blocks, self.device) if blocks else None
+
     def _where(self) -> bool:
         """Whether the next full-size buffer lives on the compute device (else on the storage device)."""
         i, self._nbuf = self._nbuf, self._nbuf + 1
@@ -366,6 +384,8 @@ class TiledDecoder:
         shape = (1, h, w, c) if self.storage_format is torch.channels_last else (1, c, h, w)
         try:
             if not local and self.pin and where.type == "cpu" and self.device.type == "cuda":
+                if self._pins is not None:
+                    self._pins.wait()  # its blocks are in torch's host cache now
                 with fast_pinning():
                     t = torch.empty(shape, dtype=self.dtype, device=where, pin_memory=True)
             else:
