@@ -289,3 +289,29 @@ def test_pin_ahead_switch(monkeypatch, vae, z):
     td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands", storage="cpu")
     td.decode(z[..., :8, :8])
     assert td.info["pin_ahead"] is None and td._pins is None
+
+
+@pytest.mark.gpu
+def test_pin_ahead_on_gpu_same_image(monkeypatch, vae, z):
+    """On a GPU with every buffer on the host: the thread pins host_blocks' blocks, the decode's own pinned
+    allocations all come from torch's host cache (no page-locked allocation beside the thread's), and the image is
+    bitwise the one of a decode that pins as it goes."""
+    import copy
+
+    zz = z.cuda()
+    gpu_vae = copy.deepcopy(vae).cuda()
+    outs = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(store.PIN_AHEAD_ENV, mode)
+        torch.cuda.synchronize()
+        torch._C._host_emptyCache()  # (a fresh host cache: each mode pins its own blocks)
+        n0 = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+        td = tiling.TiledDecoder(gpu_vae, tile=8, storage="cpu", kernels=False, shape="bands")
+        img = td.decode(zz)
+        outs[mode] = (img, dict(td.info), torch.cuda.host_memory_stats().get("num_host_alloc", 0) - n0)
+    (a, ia, _), (b, ib, pinned) = outs["off"], outs["on"]
+    assert ia["pin_ahead"] is None and torch.equal(a, b)
+    pa = ib["pin_ahead"]
+    bufs = tiling_memory.storage_buffers(gpu_vae, tuple(zz.shape[-2:]), torch.float32)
+    assert pa["error"] is None and pa["blocks"] == len(store.host_blocks(bufs, [True] * len(bufs)))
+    assert pinned == pa["blocks"] and pa["seconds"] > 0

@@ -134,7 +134,8 @@ class PinAhead:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            torch.cuda.set_device(self.device)
+            if self.device.index is not None:  # (the decode's device: CUDA's context current on this thread)
+                torch.cuda.set_device(self.device)
             held = []
             with fast_pinning(self.threads):
                 for n in self.blocks:
