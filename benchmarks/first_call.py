@@ -22,13 +22,16 @@ loads), the kernels that ran only in the first decode, and the GPU's busy time i
 take the steady time spends the rest waiting on the host). Its overhead is also given against the steady decode under
 the same profiler ("over/prof"), which carries the profiler's own cost.
 
-    python benchmarks/first_call.py --workloads sdxl-4096,wan21-480p --variants warm --steady 2 --trace DIR/traces --out DIR
+    python benchmarks/first_call.py --workloads sdxl-4096,wan21-480p --variants warm,eager --trace DIR/tr --out DIR
 
 Variants: warm (the Triton and vaeopt caches filled by the warm-up process), cold (both empty for every process),
 autotune (--cudnn-autotune on), graphs (--graphs on: warm-up + capture in the first decode, replays after), eager
 (CUDA_MODULE_LOADING=EAGER: every CUDA kernel loaded at start instead of on first use), nocache (VAEOPT_CACHE=off:
-vaeopt's own cache unused, Triton's kept warm), noprewarm (VAEOPT_PREWARM=off: nothing warmed beside the build).
-sdxl-4096 runs within a 16 GB budget (the tiled plan).
+vaeopt's own cache unused, Triton's kept warm), noprewarm (VAEOPT_PREWARM=off: nothing warmed beside the build),
+nopinahead (VAEOPT_PIN_AHEAD=off: a tiled decode's host buffers pinned as it allocates them, not on a thread ahead),
+halves (VAEOPT_PLACEMENT=halves as well: the earlier tile choice of a decode with buffers on the host).
+sdxl-4096 runs within a 16 GB budget (the tiled plan). The variants of a workload (all but cold) share one cache folder:
+only the first one's warm-up process compiles, so several variants fit one run.
 """
 
 import time
@@ -46,11 +49,15 @@ import tempfile  # noqa: E402
 
 import harness as H  # noqa: E402
 
-VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache", "noprewarm")
+VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache", "noprewarm", "nopinahead", "halves")
+ENV = {"eager": {"CUDA_MODULE_LOADING": "EAGER"}, "nocache": {"VAEOPT_CACHE": "off"},
+       "noprewarm": {"VAEOPT_PREWARM": "off"}, "nopinahead": {"VAEOPT_PIN_AHEAD": "off"},
+       "halves": {"VAEOPT_PLACEMENT": "halves", "VAEOPT_PIN_AHEAD": "off"}}
 # (the first process of a variant is the warm-up: for "warm" it fills the caches the timed one reads)
 DEFAULTS = {"repeats": 1, "warmup": 1}
 BUDGET_GB = {"sdxl-4096": 16.0}  # the tiled plan of a 16 GB card; the others decode whole
 STEADY = 3  # decodes after the first, in each process (--steady)
+WARM_DIRS: dict = {}  # (workload, tiny) -> the cache folder its variants share
 
 
 def add_args(ap):
@@ -71,7 +78,10 @@ def setup(variant, shape, ctx):
            "--steady", str(a.steady),
            *(["--tiny"] if a.tiny else []), *(["--device", a.device] if a.device else []), "--dtype", ctx.dtype_name,
            *(["--vram-budget", str(a.vram_budget)] if a.vram_budget else [])]
-    warm = tempfile.mkdtemp(prefix="first-call-")
+    # one cache folder per workload for every variant but cold: only the first variant's warm-up process compiles
+    if (a.workload, a.tiny) not in WARM_DIRS:
+        WARM_DIRS[a.workload, a.tiny] = tempfile.mkdtemp(prefix="first-call-")
+    warm = WARM_DIRS[a.workload, a.tiny]
     calls = []
 
     def fn():
@@ -82,12 +92,7 @@ def setup(variant, shape, ctx):
         root = tempfile.mkdtemp(prefix="first-call-") if variant == "cold" else warm
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(root, "triton"),
                    VAEOPT_CACHE_DIR=os.path.join(root, "vaeopt"))
-        if variant == "eager":
-            env["CUDA_MODULE_LOADING"] = "EAGER"
-        if variant == "nocache":
-            env["VAEOPT_CACHE"] = "off"
-        if variant == "noprewarm":
-            env["VAEOPT_PREWARM"] = "off"
+        env.update(ENV.get(variant, {}))
         t0 = time.perf_counter()
         p = subprocess.run(cmd + trace, capture_output=True, text=True, env=env)
         if variant == "cold":
@@ -333,8 +338,9 @@ def trace_table(results: list[dict], top: int = 12) -> str:
                     continue
                 busy = tr["gpu_busy_ms"]
                 tf = c.get("tiling_first") or {}
-                out.append(f"\n{res['workload']} {r['variant']} process {i + 1}: first {c['first_decode_s'] * 1e3:.1f} ms, "
-                           f"steady {c['steady_s'] * 1e3:.1f} ms (profiled {c['steady_profiled_s'] * 1e3:.1f} ms, "
+                out.append(f"\n{res['workload']} {r['variant']} process {i + 1}: "
+                           f"first {c['first_decode_s'] * 1e3:.1f} ms, steady {c['steady_s'] * 1e3:.1f} ms "
+                           f"(profiled {c['steady_profiled_s'] * 1e3:.1f} ms, "
                            f"over/prof {c['overhead_profiled_s'] * 1e3:.1f} ms); GPU busy {busy['first']:.1f} ms "
                            f"first vs {busy['steady']:.1f} ms steady; {tr['first_only_kernel_count']} kernels only in "
                            f"the first ({tr['first_only_kernel_ms']:.1f} ms)"
@@ -347,7 +353,8 @@ def trace_table(results: list[dict], top: int = 12) -> str:
                 for x in tr["first_only_kernels"][:top]:
                     out.append(f"  {x['ms']:9.2f} {x['n']:6d} {'':>9} {'':>6}  first only: {x['kernel'][:100]}")
                 for x in tr["kernels_launched_more"][:5]:
-                    out.append(f"  {'':>9} {'+' + str(x['extra']):>6} {'':>9} {'':>6}  launched more: {x['kernel'][:90]}")
+                    out.append(f"  {'':>9} {'+' + str(x['extra']):>6} {'':>9} {'':>6}  "
+                               f"launched more: {x['kernel'][:90]}")
     return "\n".join(out)
 
 

@@ -191,7 +191,8 @@ def main() -> None:
         print(f"  vs every buffer on the host at tile {ck.get('tile')}: bitwise equal {ck.get('bitwise_equal')} "
               f"(max |diff| {ck.get('max_abs_diff')}), that decode {ck.get('all_host_decode_s', 0):.2f} s")
     print(f"\n{'variant':<11} {'tile':>5} {'host GiB':>8} {'pinned 1st':>10} {'ahead s':>7} {'waited':>6} "
-          f"{'first s':>8} {'steady s':>8} {'over s':>7}  (ahead: the pinning thread's time; waited: the decode's wait)")
+          f"{'first s':>8} {'steady s':>8} {'over s':>7}  (ahead: the pinning thread's time; waited: the decode's "
+          "wait)")
     for v, d in decs.items():
         if "failed" in d:
             print(f"{v:<11} failed: {d['failed'][-300:]}")
