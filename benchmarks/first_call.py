@@ -306,19 +306,19 @@ def _tiling_summary(t: dict | None) -> dict | None:
 
 def table(results: list[dict]) -> str:
     """One line per process: its phases (variant/1st: the warm-up process, which filled the caches)."""
-    out = [f"{'workload':<12} {'variant':<13} {'import':>7} {'build':>7} {'stages':>7} {'plan':>7} {'first':>8} "
+    out = [f"{'workload':<12} {'variant':<15} {'import':>7} {'build':>7} {'stages':>7} {'plan':>7} {'first':>8} "
            f"{'steady':>8} {'over':>8} {'x1st':>5} {'pw/wait':>9} {'trit c/h':>9} {'process':>8}  (s; x1st: first / "
            "steady; pw: the warm-up thread's time, and the join's wait; trit: kernels compiled/cache hits)"]
     for res in results:
         for r in res["rows"]:
             if r["status"] != "ok" or not r["info"]["calls"]:
-                out.append(f"{res['workload']:<12} {r['variant']:<13} {r['status']}: {r.get('reason', '')[:80]}")
+                out.append(f"{res['workload']:<12} {r['variant']:<15} {r['status']}: {r.get('reason', '')[:80]}")
                 continue
             for i, c in enumerate(r["info"]["calls"]):
                 tf, tb = c["triton_first_decode"], c["triton_before_first_decode"]
                 name = r["variant"] + ("/1st" if i == 0 and r["variant"] != "cold" else "")  # (it filled the caches)
                 pw = c["prewarm"] or {"seconds": 0.0, "waited": 0.0}  # (None: no GPU, or VAEOPT_PREWARM=off)
-                out.append(f"{res['workload']:<12} {name:<13} {c['import_s']:7.2f} {c['build_s']:7.2f} "
+                out.append(f"{res['workload']:<12} {name:<15} {c['import_s']:7.2f} {c['build_s']:7.2f} "
                            f"{c['stages_s']:7.2f} {c['plan_s']:7.2f} {c['first_decode_s']:8.3f} {c['steady_s']:8.3f} "
                            f"{c['overhead_s']:8.3f} {c['first_over_steady']:5.2f} "
                            f"{pw['seconds']:4.2f}/{pw['waited']:4.2f} "

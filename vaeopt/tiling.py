@@ -266,7 +266,7 @@ class TiledDecoder:
         remote = self.mover.remote
         self.storage_format = torch.channels_last if (remote or self.memory_format is torch.channels_last) else (
             torch.contiguous_format)
-        self._pins = self._pin_ahead((h, w))
+        self._pins = None
         self.cur_tile = self.start_tile
         self.done = 0
         self.total = n * sum(len(tile_grid(h * ps.scale, w * ps.scale, *self._tile_px(ps.scale))) for ps in self.passes)
@@ -295,16 +295,20 @@ class TiledDecoder:
         f, c_out = self.factor, self.passes[-1].cout
         out = torch.empty(n, c_out, h * f, w * f, device=self.device, dtype=self.dtype,
                           memory_format=self.memory_format)
-        for i in range(n):
-            self._nbuf = 0  # the next buffer's index in the placement
-            self._decode_one(z[i : i + 1], out[i : i + 1])
+        self._pins = self._pin_ahead((h, w))
+        try:
+            for i in range(n):
+                self._nbuf = 0  # the next buffer's index in the placement
+                self._decode_one(z[i : i + 1], out[i : i + 1])
+        finally:
+            if self._pins is not None:
+                self._pins.wait()  # (done long before: the host buffers waited for it)
         self.info["tiles"] = self.done
         self.info["final_tile"] = self.cur_tile
         self.info["bytes_h2d"] = self.mover.bytes_h2d
         self.info["bytes_d2h"] = self.mover.bytes_d2h
         self.info["prefetch_hits"] = self.mover.prefetch_hits
         if self._pins is not None:
-            self._pins.wait()  # (done long before: the host buffers waited for it)
             self.info["pin_ahead"] = self._pins.summary()
         self.info["bias_folded"] //= max(1, n)
         return out

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator, Sequence
 
 import torch
@@ -121,13 +121,16 @@ class PinAhead:
     buffers are the large ones at full resolution, which it needs only in its last passes: the ~0.13 s per GiB of
     page-locking then runs beside the first passes instead of inside the decode. The decode calls :meth:`wait`
     before its first host allocation (so the two never page-lock at once; an allocation the thread did not foresee
-    pins as before). torch frees the thread's tensors without the GIL, and any error is kept in ``error`` and costs
-    only the head start."""
+    pins as before) and once it ends. torch's pinning option (:func:`fast_pinning`) is switched on and back by the
+    thread that makes the PinAhead and waits for it, never beside another thread's allocations; torch frees the
+    thread's tensors without the GIL, and any error is kept in ``error`` and costs only the head start."""
 
     def __init__(self, blocks: Sequence[int], device: torch.device, threads: int = PIN_THREADS):
-        self.blocks, self.device, self.threads = list(blocks), device, threads
+        self.blocks, self.device = list(blocks), device
         self.seconds = self.waited = 0.0
         self.error: str | None = None
+        self._pinning = ExitStack()
+        self._pinning.enter_context(fast_pinning(threads))
         self.thread = threading.Thread(target=self._run, name="vaeopt-pin-ahead", daemon=True)
         self.thread.start()
 
@@ -136,10 +139,7 @@ class PinAhead:
         try:
             if self.device.index is not None:  # (the decode's device: CUDA's context current on this thread)
                 torch.cuda.set_device(self.device)
-            held = []
-            with fast_pinning(self.threads):
-                for n in self.blocks:
-                    held.append(torch.empty(n, dtype=torch.uint8, pin_memory=True))
+            held = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in self.blocks]
             del held  # into torch's host cache
         except Exception as e:  # noqa: BLE001 (the decode pins what it needs itself)
             self.error = f"{type(e).__name__}: {str(e)[:160]}"
@@ -150,6 +150,7 @@ class PinAhead:
         t0 = time.perf_counter()
         self.thread.join()
         self.waited += time.perf_counter() - t0
+        self._pinning.close()  # torch's pinning option back (once)
 
     def summary(self) -> dict:
         return {"blocks": len(self.blocks), "bytes": sum(self.blocks), "seconds": self.seconds, "waited": self.waited,
