@@ -7,11 +7,12 @@
 ``pinned_use_cuda_host_register`` option with 1 and 8 threads (through vaeopt.engine.store.fast_pinning, as the
 tiled decoder pins), each with the host->device copy speed out of the buffer.
 (ii) sdxl at 4096² (latent (1, 4, 512, 512), bf16, random weights) within a 16 GB budget: a warm-up process fills
-Triton's cache, then a fresh process per variant times its first decode and the steady ones, reports where the
-buffers went (GPU, host) and what pinning took, and checks the decode bitwise against one with every buffer on the
-host. Variants (--variants): ``default``; ``nopinahead`` (VAEOPT_PIN_AHEAD=off: each host buffer pinned when the
-decode allocates it); ``halves`` (VAEOPT_PLACEMENT=halves and VAEOPT_PIN_AHEAD=off: the tile choice and pinning
-before both changes). Prints a table; writes gpu_store_check.json under --out.
+Triton's cache and records the kernels it loads; then a fresh process per variant (the GPU warmed and those kernels
+preloaded on a thread while the model is built, as `vaeopt decode` does) times its first decode and the steady ones,
+reports where the buffers went (GPU, host) and what pinning took, and checks the decode bitwise against one with
+every buffer on the host. Variants (--variants): ``default``; ``nopinahead`` (VAEOPT_PIN_AHEAD=off: each host buffer
+pinned when the decode allocates it); ``halves`` (VAEOPT_PLACEMENT=halves and VAEOPT_PIN_AHEAD=off: the tile choice
+and pinning before both changes). Prints a table; writes gpu_store_check.json under --out.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def pin_child(mode: str, gib: float) -> dict:
 def decode_child(tiny: bool, steady: int, check: bool) -> dict:
     import torch
 
-    from vaeopt import tiling
+    from vaeopt import prewarm, tiling
     from vaeopt.families import build_model, get_family
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import Options, Pipeline
@@ -77,14 +78,23 @@ def decode_child(tiny: bool, steady: int, check: bool) -> dict:
     over = dict(block_out_channels=(32, 32, 64, 64), layers_per_block=1, norm_num_groups=8) if tiny else {}
     shape = (1, 4, 64, 64) if tiny else (1, 4, 512, 512)
     budget = 0.02 if tiny else 16.0  # GB: the tiny decode is tiled too
+    opts = Options(device=str(dev), dtype="bf16" if dev.type == "cuda" else "fp32", vram_budget_gb=budget,
+                   decode_shape=shape)
+    # as `vaeopt decode` runs: the GPU warmed on a thread while the model is built (the Triton kernels the last
+    # process of this check loaded, preloaded), joined before the stages; the kernels this one loads are recorded
+    key = prewarm.key(f"gpu_store_check:{'tiny' if tiny else 'sdxl-4096'}", opts)
     t = time.perf_counter()
+    pw = prewarm.start(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, key)
     torch.manual_seed(0)
     model = build_model(fam, **over).to(dev)
     phases["build_s"] = time.perf_counter() - t
+    if pw is not None:
+        pw.join()
+    phases["prewarm"] = pw.summary() if pw is not None else None
+    record = prewarm.Record(key, dev)
+    record.__enter__()
     t = time.perf_counter()
-    pipe = Pipeline(LoadedVAE(model, fam, "benchmark", None, [], None),
-                    Options(device=str(dev), dtype="bf16" if dev.type == "cuda" else "fp32", vram_budget_gb=budget,
-                            decode_shape=shape), log=lambda s: None)
+    pipe = Pipeline(LoadedVAE(model, fam, "benchmark", None, [], None), opts, log=lambda s: None)
     plan = pipe.plan(shape)
     phases["stages_plan_s"] = time.perf_counter() - t
     z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -103,6 +113,7 @@ def decode_child(tiny: bool, steady: int, check: bool) -> dict:
     stats = [pipe.decode(z, plan, to_host=False)[1] for _ in range(steady)]
     times, times_info = [x.seconds for x in stats], [x.tiling or {} for x in stats]
     phases["steady_s"] = statistics.median(times) if times else float("nan")
+    record.__exit__(None, None, None)
     ti = st.tiling or {}
     r = {**phases, "overhead_s": phases["first_s"] - phases["steady_s"], "steady_all_s": times, "plan": plan.mode,
          "plan_tile": plan.tile, "budget_gb": budget, "device": torch.cuda.get_device_name() if dev.type == "cuda"
@@ -191,8 +202,8 @@ def main() -> None:
         print(f"  vs every buffer on the host at tile {ck.get('tile')}: bitwise equal {ck.get('bitwise_equal')} "
               f"(max |diff| {ck.get('max_abs_diff')}), that decode {ck.get('all_host_decode_s', 0):.2f} s")
     print(f"\n{'variant':<11} {'tile':>5} {'host GiB':>8} {'pinned 1st':>10} {'ahead s':>7} {'waited':>6} "
-          f"{'first s':>8} {'steady s':>8} {'over s':>7}  (ahead: the pinning thread's time; waited: the decode's "
-          "wait)")
+          f"{'first s':>8} {'steady s':>8} {'over s':>7} {'kernels':>7}  (ahead: the pinning thread's time; waited: "
+          "the decode's wait; kernels: Triton kernels preloaded beside the build)")
     for v, d in decs.items():
         if "failed" in d:
             print(f"{v:<11} failed: {d['failed'][-300:]}")
@@ -200,7 +211,8 @@ def main() -> None:
         ti, pf, pa = d["tiling"], d["pinned_first_decode"], d["tiling"].get("pin_ahead") or {}
         print(f"{v:<11} {str(ti['tile'][0] if ti['tile'] else '-'):>5} {(ti['host_store_bytes'] or 0) / GIB:8.2f} "
               f"{pf.get('alloc_s', 0):9.3f}s {pa.get('seconds', 0):7.3f} {pa.get('waited', 0):6.3f} "
-              f"{d['first_s']:8.3f} {d['steady_s']:8.3f} {d['overhead_s']:7.3f}")
+              f"{d['first_s']:8.3f} {d['steady_s']:8.3f} {d['overhead_s']:7.3f} "
+              f"{(d.get('prewarm') or {}).get('kernels', 0):7d}")
     print(f"\n{time.perf_counter() - T0:.0f} s; {os.path.join(a.out, 'gpu_store_check.json')}")
 
 
