@@ -353,15 +353,33 @@ class TiledDecoder:
         room = 0.9 * free if self.vram_budget is None else min(0.9 * free, self.vram_budget - weights)
         bufs = storage_buffers(self.vae, latent_hw, self.dtype)
         halves = os.environ.get(PLACEMENT_ENV, "").strip().lower() == "halves"
-        best = None
-        for t in cands if halves else _tile_ladder(self.tile, cands[-1]):
+
+        def at(t):  # -> (host bytes, tile, placement)
             need = estimate_tiled_bytes(self.vae, latent_hw, t, self.dtype, batch=batch, include_weights=False,
                                         untiled=halves, kernels=self.kernels,
                                         shape="bands" if self.bands else "tiles", device=self.device)
             placement = place(bufs, room - need)
-            host = sum(b for (b, _, _), dev in zip(bufs, placement) if not dev)
-            if best is None or host < best[0]:
-                best = (host, t, placement)
+            return sum(b for (b, _, _), dev in zip(bufs, placement) if not dev), t, placement
+
+        if halves:
+            best = None
+            for t in cands:
+                r = at(t)
+                if best is None or r[0] < best[0]:
+                    best = r
+            return torch.device("cpu"), best[1], best[2]
+        # a smaller tile leaves at least as much room, so the fewest host bytes are the smallest tile's: bisect the
+        # ladder for the largest tile that leaves as few (a handful of estimates per decode, not one per step)
+        ladder = _tile_ladder(self.tile, cands[-1])
+        best = at(ladder[-1])
+        lo, hi = 0, len(ladder) - 1  # ladder[hi] leaves best[0]; the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            r = at(ladder[mid])
+            if r[0] <= best[0]:
+                best, hi = r, mid
+            else:
+                lo = mid + 1
         return torch.device("cpu"), best[1], best[2]
 
     def _pin_ahead(self, latent_hw: tuple[int, int]) -> PinAhead | None:
