@@ -15,7 +15,8 @@ autotune benchmarks (count, time), cuDNN's benchmark state, pinned host memory a
 against the same items in a steady decode (per op and input shape: a conv shape cuDNN has not seen yet shows up).
 
 --trace DIR: the first decode and one steady decode of each process are profiled with CUDA activity too (kernels and
-CUDA runtime calls); each process writes the first decode's Chrome trace (DIR/<workload>_<variant>_<n>_first.json.gz,
+CUDA runtime calls); each timed process (not a variant's warm-up process, whose trace would show compiling) writes
+the first decode's Chrome trace (DIR/<workload>_<variant>_<n>_first.json.gz,
 chrome://tracing or ui.perfetto.dev), and the summary prints, per process, the first decode against the steady one:
 the items by CPU time (ops, CUDA runtime calls such as cudaMalloc, cudaHostRegister, cudaFuncGetAttributes or module
 loads), the kernels that ran only in the first decode, and the GPU's busy time in each (a first decode whose kernels
@@ -67,6 +68,7 @@ def add_args(ap):
     ap.add_argument("--steady", type=int, default=STEADY, help="timed decodes after the first, per process")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="profile with CUDA activity and write each process's first-decode trace under DIR")
+    ap.add_argument("--trace-file", type=int, default=1, help=argparse.SUPPRESS)  # 0: the summary only
 
 
 items = H.decode_items()
@@ -86,9 +88,10 @@ def setup(variant, shape, ctx):
 
     def fn():
         trace = []
-        if a.trace:  # (one file per process: the warm-up process's first decode is the compiling one)
+        if a.trace:  # (a file per timed process: the warm-up process's first decode is the compiling one)
             os.makedirs(a.trace, exist_ok=True)
-            trace = ["--trace", os.path.join(a.trace, f"{a.workload}_{variant}_{len(calls)}_first.json")]
+            trace = ["--trace", os.path.join(a.trace, f"{a.workload}_{variant}_{len(calls)}_first.json"),
+                     "--trace-file", str(int(variant == "cold" or len(calls) > 0))]
         root = tempfile.mkdtemp(prefix="first-call-") if variant == "cold" else warm
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(root, "triton"),
                    VAEOPT_CACHE_DIR=os.path.join(root, "vaeopt"))
@@ -264,7 +267,8 @@ def child(args) -> None:
     host0 = _host_alloc(torch, dev)
     t = time.perf_counter()
     cuda = bool(args.trace) and dev.type == "cuda"
-    (_, st), first_prof = _profiled(torch, lambda: pipe.decode(z, plan), cuda, args.trace)
+    (_, st), first_prof = _profiled(torch, lambda: pipe.decode(z, plan), cuda,
+                                    args.trace if args.trace_file else None)
     phases["first_decode_wall_s"] = time.perf_counter() - t
     phases["first_decode_s"] = st.seconds
     host1 = _host_alloc(torch, dev)
@@ -293,7 +297,8 @@ def child(args) -> None:
                                        for k, a, b in diff[:args.top]],
         "steady_profiled_s": st_prof.seconds, "overhead_profiled_s": st.seconds - st_prof.seconds,
         "tiling_first": _tiling_summary(st.tiling), "tiling_steady": _tiling_summary(st_prof.tiling),
-        "trace": {**_first_only(first_prof, steady_prof, args.top), "file": args.trace + ".gz"} if args.trace else None,
+        "trace": {**_first_only(first_prof, steady_prof, args.top),
+                  "file": args.trace + ".gz" if args.trace_file else None} if args.trace else None,
     }))
 
 
@@ -345,7 +350,8 @@ def trace_table(results: list[dict], top: int = 12) -> str:
                            f"first vs {busy['steady']:.1f} ms steady; {tr['first_only_kernel_count']} kernels only in "
                            f"the first ({tr['first_only_kernel_ms']:.1f} ms)"
                            + (f"; tile {tf.get('tile')}, host {(tf.get('host_store_bytes') or 0) / 2**30:.1f} GiB, "
-                              f"pin-ahead {tf.get('pin_ahead')}" if tf else "") + f"; trace {tr['file']}")
+                              f"pin-ahead {tf.get('pin_ahead')}" if tf else "")
+                           + (f"; trace {tr['file']}" if tr["file"] else ""))
                 out.append(f"  {'first ms':>9} {'n':>6} {'steady ms':>9} {'n':>6}  CPU item (by first - steady)")
                 for x in tr["cpu_items"][:top]:
                     out.append(f"  {x['first_ms']:9.2f} {x['first_n']:6d} {x['steady_ms']:9.2f} {x['steady_n']:6d}  "

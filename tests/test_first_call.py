@@ -61,15 +61,17 @@ def test_first_only_summary():
 
 
 def test_first_call_trace(tmp_path):
-    """--trace DIR: each process writes its first decode's Chrome trace (gzipped) there, and the summary after the
-    table compares its profile with a steady decode's under the same profiler."""
+    """--trace DIR: the timed process writes its first decode's Chrome trace (gzipped) there, and the summary after
+    the table compares each process's profile with a steady decode's under the same profiler."""
     import gzip
 
     p = subprocess.run([sys.executable, "first_call.py", "--tiny", "--device", "cpu", "--variants", "warm",
                         "--steady", "1", "--trace", str(tmp_path / "tr"), "--out", str(tmp_path)],
                        cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    c = json.loads((tmp_path / "first_call_sdxl-1024.json").read_text())["rows"][0]["info"]["calls"][-1]
+    warmup, c = json.loads((tmp_path / "first_call_sdxl-1024.json").read_text())["rows"][0]["info"]["calls"]
+    assert warmup["trace"]["file"] is None and warmup["trace"]["cpu_items"]  # (its summary, not its trace file)
+    assert [f.name for f in (tmp_path / "tr").iterdir()] == ["sdxl-1024_warm_1_first.json.gz"]
     tr = c["trace"]
     assert tr["file"].endswith("sdxl-1024_warm_1_first.json.gz")
     assert json.loads(gzip.open(tr["file"]).read())["traceEvents"]
