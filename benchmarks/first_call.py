@@ -199,6 +199,21 @@ def _profiled(torch, fn, cuda: bool = False, trace: str | None = None):
     return out, {"shapes": rows, "names": names, "kernels": kernels}
 
 
+# What a profiler item's self CPU time is spent on, by name (the first match; CUDA runtime calls are children of the
+# op that makes them, so an op's self time is its host-side work: cuDNN's heuristics and plans, cuBLAS's choices)
+KINDS = (("cudnn", ("cudnn",)), ("cublas", ("aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm", "cublas")),
+         ("kernel loading", ("cudaFuncGetAttributes", "cuModuleLoad", "cuModuleGetFunction", "cuLibrary",
+                             "cudaGetFuncBySymbol", "cuFuncGetAttribute", "cuKernelGet")),
+         ("allocator", ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemAddressReserve")),
+         ("host pinning", ("cudaHostRegister", "cudaHostAlloc", "cudaMallocHost", "cudaHostUnregister")),
+         ("waits", ("Synchronize", "cudaEventQuery", "cudaStreamWaitEvent")),
+         ("launches", ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpy", "cudaMemset")))
+
+
+def _kind(item: str) -> str:
+    return next((k for k, names in KINDS if any(n in item for n in names)), "other")
+
+
 def _first_only(first: dict, steady: dict, top: int) -> dict:
     """What the first decode's profile has beyond the steady one's: items by CPU time (first - steady), the kernels
     that ran only in the first decode, and the GPU busy time of each."""
@@ -207,7 +222,11 @@ def _first_only(first: dict, steady: dict, top: int) -> dict:
     only = sorted(((k, v) for k, v in first["kernels"].items() if k not in steady["kernels"]), key=lambda r: -r[1][0])
     more = sorted(((k, v[1] - steady["kernels"][k][1]) for k, v in first["kernels"].items()
                    if k in steady["kernels"] and v[1] > steady["kernels"][k][1]), key=lambda r: -r[1])
+    kinds: dict[str, float] = {}
+    for k, a, _, b in names:
+        kinds[_kind(k)] = kinds.get(_kind(k), 0.0) + a - b[0]
     return {
+        "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "cpu_items": [{"item": k, "first_ms": round(a, 3), "first_n": n, "steady_ms": round(b[0], 3),
                        "steady_n": b[1]} for k, a, n, b in names[:top]],
         "first_only_kernels": [{"kernel": k, "ms": round(v[0], 3), "n": v[1]} for k, v in only[:top]],
@@ -352,6 +371,8 @@ def trace_table(results: list[dict], top: int = 12) -> str:
                            + (f"; tile {tf.get('tile')}, host {(tf.get('host_store_bytes') or 0) / 2**30:.1f} GiB, "
                               f"pin-ahead {tf.get('pin_ahead')}" if tf else "")
                            + (f"; trace {tr['file']}" if tr["file"] else ""))
+                out.append("  self CPU time, first - steady (ms): " + ", ".join(
+                    f"{k} {v:+.1f}" for k, v in tr.get("by_kind_ms", {}).items()))
                 out.append(f"  {'first ms':>9} {'n':>6} {'steady ms':>9} {'n':>6}  CPU item (by first - steady)")
                 for x in tr["cpu_items"][:top]:
                     out.append(f"  {x['first_ms']:9.2f} {x['first_n']:6d} {x['steady_ms']:9.2f} {x['steady_n']:6d}  "

@@ -58,6 +58,10 @@ def test_first_only_summary():
     assert r["first_only_kernel_count"] == 1 and r["first_only_kernel_ms"] == 0.5
     assert r["kernels_launched_more"] == [{"kernel": "gn_apply", "extra": 2}]
     assert r["gpu_busy_ms"] == {"first": 6.5, "steady": 5.8}
+    # the first decode's extra self CPU time by kind: 29.8 ms in the allocator, 1.0 in aten::conv2d ("other": cuDNN's
+    # own time shows under aten::cudnn_convolution), 0.5 launching
+    assert r["by_kind_ms"] == {"allocator": 29.8, "other": 1.0, "launches": 0.5}
+    assert fc._kind("aten::cudnn_convolution") == "cudnn" and fc._kind("cudaFuncGetAttributes") == "kernel loading"
 
 
 def test_first_call_trace(tmp_path):
