@@ -14,11 +14,25 @@ autotune benchmarks (count, time), cuDNN's benchmark state, pinned host memory a
 (torch's host allocator stats), graph capture time, and the profiler's largest CPU-time items of the first decode
 against the same items in a steady decode (per op and input shape: a conv shape cuDNN has not seen yet shows up).
 
+--trace DIR: the first decode and one steady decode of each process are profiled with CUDA activity too (kernels and
+CUDA runtime calls); each timed process (not a variant's warm-up process, whose trace would show compiling) writes
+the first decode's Chrome trace (DIR/<workload>_<variant>_<n>_first.json.gz,
+chrome://tracing or ui.perfetto.dev), and the summary prints, per process, the first decode against the steady one:
+the items by CPU time (ops, CUDA runtime calls such as cudaMalloc, cudaHostRegister, cudaFuncGetAttributes or module
+loads), the kernels that ran only in the first decode, and the GPU's busy time in each (a first decode whose kernels
+take the steady time spends the rest waiting on the host). Its overhead is also given against the steady decode under
+the same profiler ("over/prof"), which carries the profiler's own cost.
+
+    python benchmarks/first_call.py --workloads sdxl-4096,wan21-480p --variants warm,eager --trace DIR/tr --out DIR
+
 Variants: warm (the Triton and vaeopt caches filled by the warm-up process), cold (both empty for every process),
 autotune (--cudnn-autotune on), graphs (--graphs on: warm-up + capture in the first decode, replays after), eager
 (CUDA_MODULE_LOADING=EAGER: every CUDA kernel loaded at start instead of on first use), nocache (VAEOPT_CACHE=off:
-vaeopt's own cache unused, Triton's kept warm), noprewarm (VAEOPT_PREWARM=off: nothing warmed beside the build).
-sdxl-4096 runs within a 16 GB budget (the tiled plan).
+vaeopt's own cache unused, Triton's kept warm), noprewarm (VAEOPT_PREWARM=off: nothing warmed beside the build),
+nopinahead (VAEOPT_PIN_AHEAD=off: a tiled decode's host buffers pinned as it allocates them, not on a thread ahead),
+halves (VAEOPT_PLACEMENT=halves as well: the earlier tile choice of a decode with buffers on the host).
+sdxl-4096 runs within a 16 GB budget (the tiled plan). The variants of a workload (all but cold) share one cache folder:
+only the first one's warm-up process compiles, so several variants fit one run.
 """
 
 import time
@@ -36,11 +50,15 @@ import tempfile  # noqa: E402
 
 import harness as H  # noqa: E402
 
-VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache", "noprewarm")
+VARIANTS = ("warm", "cold", "autotune", "graphs", "eager", "nocache", "noprewarm", "nopinahead", "halves")
+ENV = {"eager": {"CUDA_MODULE_LOADING": "EAGER"}, "nocache": {"VAEOPT_CACHE": "off"},
+       "noprewarm": {"VAEOPT_PREWARM": "off"}, "nopinahead": {"VAEOPT_PIN_AHEAD": "off"},
+       "halves": {"VAEOPT_PLACEMENT": "halves", "VAEOPT_PIN_AHEAD": "off"}}
 # (the first process of a variant is the warm-up: for "warm" it fills the caches the timed one reads)
 DEFAULTS = {"repeats": 1, "warmup": 1}
 BUDGET_GB = {"sdxl-4096": 16.0}  # the tiled plan of a 16 GB card; the others decode whole
 STEADY = 3  # decodes after the first, in each process (--steady)
+WARM_DIRS: dict = {}  # (workload, tiny) -> the cache folder its variants share
 
 
 def add_args(ap):
@@ -48,6 +66,9 @@ def add_args(ap):
     ap.add_argument("--vram-budget", type=float, default=None, help="GB (default: 16 for sdxl-4096, else none)")
     ap.add_argument("--top", type=int, default=12, help="profiler items kept per process")
     ap.add_argument("--steady", type=int, default=STEADY, help="timed decodes after the first, per process")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="profile with CUDA activity and write each process's first-decode trace under DIR")
+    ap.add_argument("--trace-file", type=int, default=1, help=argparse.SUPPRESS)  # 0: the summary only
 
 
 items = H.decode_items()
@@ -59,21 +80,24 @@ def setup(variant, shape, ctx):
            "--steady", str(a.steady),
            *(["--tiny"] if a.tiny else []), *(["--device", a.device] if a.device else []), "--dtype", ctx.dtype_name,
            *(["--vram-budget", str(a.vram_budget)] if a.vram_budget else [])]
-    warm = tempfile.mkdtemp(prefix="first-call-")
+    # one cache folder per workload for every variant but cold: only the first variant's warm-up process compiles
+    if (a.workload, a.tiny) not in WARM_DIRS:
+        WARM_DIRS[a.workload, a.tiny] = tempfile.mkdtemp(prefix="first-call-")
+    warm = WARM_DIRS[a.workload, a.tiny]
     calls = []
 
     def fn():
+        trace = []
+        if a.trace:  # (a file per timed process: the warm-up process's first decode is the compiling one)
+            os.makedirs(a.trace, exist_ok=True)
+            trace = ["--trace", os.path.join(a.trace, f"{a.workload}_{variant}_{len(calls)}_first.json"),
+                     "--trace-file", str(int(variant == "cold" or len(calls) > 0))]
         root = tempfile.mkdtemp(prefix="first-call-") if variant == "cold" else warm
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(root, "triton"),
                    VAEOPT_CACHE_DIR=os.path.join(root, "vaeopt"))
-        if variant == "eager":
-            env["CUDA_MODULE_LOADING"] = "EAGER"
-        if variant == "nocache":
-            env["VAEOPT_CACHE"] = "off"
-        if variant == "noprewarm":
-            env["VAEOPT_PREWARM"] = "off"
+        env.update(ENV.get(variant, {}))
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        p = subprocess.run(cmd + trace, capture_output=True, text=True, env=env)
         if variant == "cold":
             shutil.rmtree(root, ignore_errors=True)
         if p.returncode:
@@ -145,15 +169,73 @@ def _host_alloc(torch, dev) -> dict:
             "alloc_ms": s.get("host_alloc_time.total", 0) / 1e3}
 
 
-def _profiled(torch, fn):
+def _profiled(torch, fn, cuda: bool = False, trace: str | None = None):
+    """Run fn under torch.profiler: CPU ops (and with `cuda`, kernels and CUDA runtime calls; trace: the Chrome trace
+    written there, gzipped). -> (fn's result, {"shapes": self CPU ms per op and input shapes, "names": (self CPU ms,
+    count) per item, "kernels": (GPU ms, count) per kernel})."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
         out = fn()
+        if cuda:
+            torch.cuda.synchronize()
     rows = {}
     for e in prof.key_averages(group_by_input_shape=True):
         rows[f"{e.key} {e.input_shapes}"[:140]] = e.self_cpu_time_total / 1e3  # ms
-    return out, rows
+    names, kernels = {}, {}
+    for e in prof.key_averages():
+        if "cuda" in str(getattr(e, "device_type", "")).lower():  # a kernel, a memcpy or a memset on the GPU
+            kernels[e.key[:160]] = (getattr(e, "self_device_time_total", 0) / 1e3, e.count)
+        else:
+            names[e.key[:160]] = (e.self_cpu_time_total / 1e3, e.count)
+    if trace:
+        import gzip
+
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(trace)
+    return out, {"shapes": rows, "names": names, "kernels": kernels}
+
+
+# What a profiler item's self CPU time is spent on, by name (the first match; CUDA runtime calls are children of the
+# op that makes them, so an op's self time is its host-side work: cuDNN's heuristics and plans, cuBLAS's choices)
+KINDS = (("cudnn", ("cudnn",)), ("cublas", ("aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm", "cublas")),
+         ("kernel loading", ("cudaFuncGetAttributes", "cuModuleLoad", "cuModuleGetFunction", "cuLibrary",
+                             "cudaGetFuncBySymbol", "cuFuncGetAttribute", "cuKernelGet")),
+         ("allocator", ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemAddressReserve")),
+         ("host pinning", ("cudaHostRegister", "cudaHostAlloc", "cudaMallocHost", "cudaHostUnregister")),
+         ("waits", ("Synchronize", "cudaEventQuery", "cudaStreamWaitEvent")),
+         ("launches", ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpy", "cudaMemset")))
+
+
+def _kind(item: str) -> str:
+    return next((k for k, names in KINDS if any(n in item for n in names)), "other")
+
+
+def _first_only(first: dict, steady: dict, top: int) -> dict:
+    """What the first decode's profile has beyond the steady one's: items by CPU time (first - steady), the kernels
+    that ran only in the first decode, and the GPU busy time of each."""
+    names = sorted(((k, v[0], v[1], steady["names"].get(k, (0.0, 0))) for k, v in first["names"].items()),
+                   key=lambda r: -(r[1] - r[3][0]))
+    only = sorted(((k, v) for k, v in first["kernels"].items() if k not in steady["kernels"]), key=lambda r: -r[1][0])
+    more = sorted(((k, v[1] - steady["kernels"][k][1]) for k, v in first["kernels"].items()
+                   if k in steady["kernels"] and v[1] > steady["kernels"][k][1]), key=lambda r: -r[1])
+    kinds: dict[str, float] = {}
+    for k, a, _, b in names:
+        kinds[_kind(k)] = kinds.get(_kind(k), 0.0) + a - b[0]
+    return {
+        "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "cpu_items": [{"item": k, "first_ms": round(a, 3), "first_n": n, "steady_ms": round(b[0], 3),
+                       "steady_n": b[1]} for k, a, n, b in names[:top]],
+        "first_only_kernels": [{"kernel": k, "ms": round(v[0], 3), "n": v[1]} for k, v in only[:top]],
+        "first_only_kernel_count": len(only),
+        "first_only_kernel_ms": round(sum(v[0] for _, v in only), 3),
+        "kernels_launched_more": [{"kernel": k, "extra": n} for k, n in more[:top]],
+        "gpu_busy_ms": {"first": round(sum(v[0] for v in first["kernels"].values()), 3),
+                        "steady": round(sum(v[0] for v in steady["kernels"].values()), 3)},
+    }
 
 
 def child(args) -> None:
@@ -203,12 +285,14 @@ def child(args) -> None:
     z = ctx.latent()
     host0 = _host_alloc(torch, dev)
     t = time.perf_counter()
-    (_, st), first_prof = _profiled(torch, lambda: pipe.decode(z, plan))
+    cuda = bool(args.trace) and dev.type == "cuda"
+    (_, st), first_prof = _profiled(torch, lambda: pipe.decode(z, plan), cuda,
+                                    args.trace if args.trace_file else None)
     phases["first_decode_wall_s"] = time.perf_counter() - t
     phases["first_decode_s"] = st.seconds
     host1 = _host_alloc(torch, dev)
     steady = [pipe.decode(z, plan)[1].seconds for _ in range(max(1, args.steady))]
-    _, steady_prof = _profiled(torch, lambda: pipe.decode(z, plan))
+    (_, st_prof), steady_prof = _profiled(torch, lambda: pipe.decode(z, plan), cuda)
     record.__exit__(None, None, None)
     phases["steady_s"] = statistics.median(steady)
     def since(v, b):  # what the first decode added to a counter, a time or a list of names
@@ -217,7 +301,8 @@ def child(args) -> None:
         return v - (b or 0) if isinstance(v, (int, float)) else v[len(b or []):]
 
     tri_first = {k: since(v, triton_before.get(k)) for k, v in tri.snapshot().items()}
-    diff = sorted(((k, v, steady_prof.get(k, 0.0)) for k, v in first_prof.items()), key=lambda r: -(r[1] - r[2]))
+    diff = sorted(((k, v, steady_prof["shapes"].get(k, 0.0)) for k, v in first_prof["shapes"].items()),
+                  key=lambda r: -(r[1] - r[2]))
     g = pipe.graphed
     print(json.dumps({
         **phases, "overhead_s": st.seconds - phases["steady_s"], "steady_all_s": steady,
@@ -229,29 +314,74 @@ def child(args) -> None:
         "graph_capture_s": g.capture_s if g is not None else None,
         "profile_first_vs_steady_ms": [{"item": k, "first_ms": round(a, 3), "steady_ms": round(b, 3)}
                                        for k, a, b in diff[:args.top]],
+        "steady_profiled_s": st_prof.seconds, "overhead_profiled_s": st.seconds - st_prof.seconds,
+        "tiling_first": _tiling_summary(st.tiling), "tiling_steady": _tiling_summary(st_prof.tiling),
+        "trace": {**_first_only(first_prof, steady_prof, args.top),
+                  "file": args.trace + ".gz" if args.trace_file else None} if args.trace else None,
     }))
+
+
+def _tiling_summary(t: dict | None) -> dict | None:
+    """The tiled decode's choices that bear on its first call: tile, host store, the pinning thread."""
+    if not t:
+        return None
+    return {k: t.get(k) for k in ("tile", "storage", "host_store_bytes", "pin_ahead")}
 
 
 def table(results: list[dict]) -> str:
     """One line per process: its phases (variant/1st: the warm-up process, which filled the caches)."""
-    out = [f"{'workload':<12} {'variant':<13} {'import':>7} {'build':>7} {'stages':>7} {'plan':>7} {'first':>8} "
+    out = [f"{'workload':<12} {'variant':<15} {'import':>7} {'build':>7} {'stages':>7} {'plan':>7} {'first':>8} "
            f"{'steady':>8} {'over':>8} {'x1st':>5} {'pw/wait':>9} {'trit c/h':>9} {'process':>8}  (s; x1st: first / "
            "steady; pw: the warm-up thread's time, and the join's wait; trit: kernels compiled/cache hits)"]
     for res in results:
         for r in res["rows"]:
             if r["status"] != "ok" or not r["info"]["calls"]:
-                out.append(f"{res['workload']:<12} {r['variant']:<13} {r['status']}: {r.get('reason', '')[:80]}")
+                out.append(f"{res['workload']:<12} {r['variant']:<15} {r['status']}: {r.get('reason', '')[:80]}")
                 continue
             for i, c in enumerate(r["info"]["calls"]):
                 tf, tb = c["triton_first_decode"], c["triton_before_first_decode"]
                 name = r["variant"] + ("/1st" if i == 0 and r["variant"] != "cold" else "")  # (it filled the caches)
                 pw = c["prewarm"] or {"seconds": 0.0, "waited": 0.0}  # (None: no GPU, or VAEOPT_PREWARM=off)
-                out.append(f"{res['workload']:<12} {name:<13} {c['import_s']:7.2f} {c['build_s']:7.2f} "
+                out.append(f"{res['workload']:<12} {name:<15} {c['import_s']:7.2f} {c['build_s']:7.2f} "
                            f"{c['stages_s']:7.2f} {c['plan_s']:7.2f} {c['first_decode_s']:8.3f} {c['steady_s']:8.3f} "
                            f"{c['overhead_s']:8.3f} {c['first_over_steady']:5.2f} "
                            f"{pw['seconds']:4.2f}/{pw['waited']:4.2f} "
                            f"{tb['compiled'] + tf['compiled']:>4}/"
                            f"{tb['cache_hits'] + tf['cache_hits']:<4} {c['process_s']:8.1f}")
+    return "\n".join(out)
+
+
+def trace_table(results: list[dict], top: int = 12) -> str:
+    """Per profiled process: where its first decode's time went beyond the steady decode's."""
+    out = []
+    for res in results:
+        for r in res["rows"]:
+            for i, c in enumerate(r["info"]["calls"] if r["status"] == "ok" else []):
+                tr = c.get("trace")
+                if not tr:
+                    continue
+                busy = tr["gpu_busy_ms"]
+                tf = c.get("tiling_first") or {}
+                out.append(f"\n{res['workload']} {r['variant']} process {i + 1}: "
+                           f"first {c['first_decode_s'] * 1e3:.1f} ms, steady {c['steady_s'] * 1e3:.1f} ms "
+                           f"(profiled {c['steady_profiled_s'] * 1e3:.1f} ms, "
+                           f"over/prof {c['overhead_profiled_s'] * 1e3:.1f} ms); GPU busy {busy['first']:.1f} ms "
+                           f"first vs {busy['steady']:.1f} ms steady; {tr['first_only_kernel_count']} kernels only in "
+                           f"the first ({tr['first_only_kernel_ms']:.1f} ms)"
+                           + (f"; tile {tf.get('tile')}, host {(tf.get('host_store_bytes') or 0) / 2**30:.1f} GiB, "
+                              f"pin-ahead {tf.get('pin_ahead')}" if tf else "")
+                           + (f"; trace {tr['file']}" if tr["file"] else ""))
+                out.append("  self CPU time, first - steady (ms): " + ", ".join(
+                    f"{k} {v:+.1f}" for k, v in tr.get("by_kind_ms", {}).items()))
+                out.append(f"  {'first ms':>9} {'n':>6} {'steady ms':>9} {'n':>6}  CPU item (by first - steady)")
+                for x in tr["cpu_items"][:top]:
+                    out.append(f"  {x['first_ms']:9.2f} {x['first_n']:6d} {x['steady_ms']:9.2f} {x['steady_n']:6d}  "
+                               f"{x['item'][:100]}")
+                for x in tr["first_only_kernels"][:top]:
+                    out.append(f"  {x['ms']:9.2f} {x['n']:6d} {'':>9} {'':>6}  first only: {x['kernel'][:100]}")
+                for x in tr["kernels_launched_more"][:5]:
+                    out.append(f"  {'':>9} {'+' + str(x['extra']):>6} {'':>9} {'':>6}  "
+                               f"launched more: {x['kernel'][:90]}")
     return "\n".join(out)
 
 
@@ -271,6 +401,8 @@ def main(argv: list[str]) -> list[dict]:
         except Exception as e:  # (one workload's failure leaves the others' results)
             print(f"{w}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
     print("\n" + table(results))
+    if "--trace" in rest:
+        print(trace_table(results))
     return results
 
 

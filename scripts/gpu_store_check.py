@@ -7,9 +7,12 @@
 ``pinned_use_cuda_host_register`` option with 1 and 8 threads (through vaeopt.engine.store.fast_pinning, as the
 tiled decoder pins), each with the host->device copy speed out of the buffer.
 (ii) sdxl at 4096² (latent (1, 4, 512, 512), bf16, random weights) within a 16 GB budget: a warm-up process fills
-Triton's cache, then a fresh process times its first decode and the steady ones, reports where the buffers went
-(GPU, host) and what pinning took, and checks the decode bitwise against one with every buffer on the host.
-Prints a table; writes gpu_store_check.json under --out.
+Triton's cache and records the kernels it loads; then a fresh process per variant (the GPU warmed and those kernels
+preloaded on a thread while the model is built, as `vaeopt decode` does) times its first decode and the steady ones,
+reports where the buffers went (GPU, host) and what pinning took, and checks the decode bitwise against one with
+every buffer on the host. Variants (--variants): ``default``; ``nopinahead`` (VAEOPT_PIN_AHEAD=off: each host buffer
+pinned when the decode allocates it); ``halves`` (VAEOPT_PLACEMENT=halves and VAEOPT_PIN_AHEAD=off: the tile choice
+and pinning before both changes). Prints a table; writes gpu_store_check.json under --out.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ T0 = time.perf_counter()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 GIB = 2**30
+VARIANTS = {"default": {}, "nopinahead": {"VAEOPT_PIN_AHEAD": "off"},
+            "halves": {"VAEOPT_PLACEMENT": "halves", "VAEOPT_PIN_AHEAD": "off"}}
 
 
 def pin_child(mode: str, gib: float) -> dict:
@@ -61,7 +66,7 @@ def pin_child(mode: str, gib: float) -> dict:
 def decode_child(tiny: bool, steady: int, check: bool) -> dict:
     import torch
 
-    from vaeopt import tiling
+    from vaeopt import prewarm, tiling
     from vaeopt.families import build_model, get_family
     from vaeopt.loading import LoadedVAE
     from vaeopt.pipeline import Options, Pipeline
@@ -73,14 +78,23 @@ def decode_child(tiny: bool, steady: int, check: bool) -> dict:
     over = dict(block_out_channels=(32, 32, 64, 64), layers_per_block=1, norm_num_groups=8) if tiny else {}
     shape = (1, 4, 64, 64) if tiny else (1, 4, 512, 512)
     budget = 0.02 if tiny else 16.0  # GB: the tiny decode is tiled too
+    opts = Options(device=str(dev), dtype="bf16" if dev.type == "cuda" else "fp32", vram_budget_gb=budget,
+                   decode_shape=shape)
+    # as `vaeopt decode` runs: the GPU warmed on a thread while the model is built (the Triton kernels the last
+    # process of this check loaded, preloaded), joined before the stages; the kernels this one loads are recorded
+    key = prewarm.key(f"gpu_store_check:{'tiny' if tiny else 'sdxl-4096'}", opts)
     t = time.perf_counter()
+    pw = prewarm.start(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, key)
     torch.manual_seed(0)
     model = build_model(fam, **over).to(dev)
     phases["build_s"] = time.perf_counter() - t
+    if pw is not None:
+        pw.join()
+    phases["prewarm"] = pw.summary() if pw is not None else None
+    record = prewarm.Record(key, dev)
+    record.__enter__()
     t = time.perf_counter()
-    pipe = Pipeline(LoadedVAE(model, fam, "benchmark", None, [], None),
-                    Options(device=str(dev), dtype="bf16" if dev.type == "cuda" else "fp32", vram_budget_gb=budget,
-                            decode_shape=shape), log=lambda s: None)
+    pipe = Pipeline(LoadedVAE(model, fam, "benchmark", None, [], None), opts, log=lambda s: None)
     plan = pipe.plan(shape)
     phases["stages_plan_s"] = time.perf_counter() - t
     z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -96,14 +110,18 @@ def decode_child(tiny: bool, steady: int, check: bool) -> dict:
     _, st = pipe.decode(z, plan, to_host=False)
     phases["first_s"] = st.seconds
     h1 = host()
-    times = [pipe.decode(z, plan, to_host=False)[1].seconds for _ in range(steady)]
+    stats = [pipe.decode(z, plan, to_host=False)[1] for _ in range(steady)]
+    times, times_info = [x.seconds for x in stats], [x.tiling or {} for x in stats]
     phases["steady_s"] = statistics.median(times) if times else float("nan")
+    record.__exit__(None, None, None)
     ti = st.tiling or {}
     r = {**phases, "overhead_s": phases["first_s"] - phases["steady_s"], "steady_all_s": times, "plan": plan.mode,
          "plan_tile": plan.tile, "budget_gb": budget, "device": torch.cuda.get_device_name() if dev.type == "cuda"
          else "cpu", "torch": torch.__version__,
          "tiling": {k: ti.get(k) for k in ("storage", "tile", "host_store_bytes", "pinned", "bytes_h2d",
-                                           "bytes_d2h", "shrinks", "kernels", "shape")},
+                                           "bytes_d2h", "shrinks", "kernels", "shape", "pin_ahead")},
+         "steady_tiling": {k: times_info[-1].get(k) for k in ("tile", "host_store_bytes", "pin_ahead")} if times_info
+         else None,
          "pinned_first_decode": {k: h1[k] - h0.get(k, 0) for k in h1},
          "peak_gib": (st.peak_bytes or 0) / GIB}
     if check:  # bitwise against every buffer on the host, at the tile the decode used
@@ -121,8 +139,9 @@ def decode_child(tiny: bool, steady: int, check: bool) -> dict:
     return r
 
 
-def run(args: list[str]) -> dict:
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True)
+def run(args: list[str], env: dict | None = None) -> dict:
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
+                       env=dict(os.environ, **(env or {})))
     if p.returncode:
         return {"failed": (p.stderr or p.stdout)[-1500:], "args": args}
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -133,6 +152,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--tiny", action="store_true", help="small shapes: a smoke test, on a CPU too")
     ap.add_argument("--steady", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-check", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -142,10 +162,19 @@ def main() -> None:
         print(json.dumps(r))
         return
     tiny = ["--tiny"] if a.tiny else []
+    variants = [v for v in a.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        sys.exit(f"unknown variant(s) {', '.join(bad)}: choose from {', '.join(VARIANTS)}")
     pins = [run(["--child", m, *tiny]) for m in ("default", "register1", "register8")]
     warm = run(["--child", "decode", "--steady", "0", "--no-check", *tiny])  # fills Triton's cache for the next
-    dec = run(["--child", "decode", "--steady", str(a.steady), *tiny])
-    res = {"pinning": pins, "warmup_process": warm, "decode": dec, "total_s": time.perf_counter() - T0}
+    decs = {}
+    for i, v in enumerate(variants):  # (the bitwise check once: it does not depend on the variant's first call)
+        decs[v] = run(["--child", "decode", "--steady", str(a.steady), *tiny, *([] if i == 0 else ["--no-check"])],
+                      VARIANTS[v])
+    dec = decs[variants[0]] if variants else {"failed": "no variant"}
+    res = {"pinning": pins, "warmup_process": warm, "decode": dec, "variants": decs,
+           "total_s": time.perf_counter() - T0}
     os.makedirs(a.out, exist_ok=True)
     tmp = os.path.join(a.out, "gpu_store_check.json.tmp")
     with open(tmp, "w") as f:
@@ -172,6 +201,18 @@ def main() -> None:
               f"{(ti['bytes_d2h'] or 0) / GIB:.1f} GiB per decode")
         print(f"  vs every buffer on the host at tile {ck.get('tile')}: bitwise equal {ck.get('bitwise_equal')} "
               f"(max |diff| {ck.get('max_abs_diff')}), that decode {ck.get('all_host_decode_s', 0):.2f} s")
+    print(f"\n{'variant':<11} {'tile':>5} {'host GiB':>8} {'pinned 1st':>10} {'ahead s':>7} {'waited':>6} "
+          f"{'first s':>8} {'steady s':>8} {'over s':>7} {'kernels':>7}  (ahead: the pinning thread's time; waited: "
+          "the decode's wait; kernels: Triton kernels preloaded beside the build)")
+    for v, d in decs.items():
+        if "failed" in d:
+            print(f"{v:<11} failed: {d['failed'][-300:]}")
+            continue
+        ti, pf, pa = d["tiling"], d["pinned_first_decode"], d["tiling"].get("pin_ahead") or {}
+        print(f"{v:<11} {str(ti['tile'][0] if ti['tile'] else '-'):>5} {(ti['host_store_bytes'] or 0) / GIB:8.2f} "
+              f"{pf.get('alloc_s', 0):9.3f}s {pa.get('seconds', 0):7.3f} {pa.get('waited', 0):6.3f} "
+              f"{d['first_s']:8.3f} {d['steady_s']:8.3f} {d['overhead_s']:7.3f} "
+              f"{(d.get('prewarm') or {}).get('kernels', 0):7d}")
     print(f"\n{time.perf_counter() - T0:.0f} s; {os.path.join(a.out, 'gpu_store_check.json')}")
 
 

@@ -186,3 +186,132 @@ def test_sdxl_4096_within_16gb_storage_choice(sdxl, monkeypatch):
     td.vram_budget = 24 * GIB
     storage, t, placement = td._choose_storage((512, 512))
     assert storage == torch.device("cuda", 0) and placement is None
+
+
+def test_sdxl_4096_tile_leaves_least_on_host(sdxl, monkeypatch):
+    """With the chunked attention of the fused-epilogues stage (its score block adds ~0.8 GiB to the untiled
+    mid-block's working set) and the tile an H200 plans at 4096² within 16 GB (2432 px): the tile is the largest
+    8-px step that leaves only one 4 GiB buffer on the host (1152 px), where the earlier rule -- the planned tile,
+    its half and its quarter, the untiled part counted beside the buffers -- kept two (8 GiB) at half the tile. The
+    untiled part runs before the first full-size buffer exists, so it does not count beside them; a 1216-px tile
+    would leave 8 GiB."""
+    from vaeopt.stages.fused_epilogues import chunked_processor_class
+
+    with torch.device("meta"):
+        m = build_model(get_family("sdxl")).to(torch.bfloat16)
+    m.decoder.mid_block.attentions[0].set_processor(chunked_processor_class()())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    bufs = tiling_memory.storage_buffers(m, (512, 512), torch.bfloat16)
+
+    def choose():
+        td = tiling.TiledDecoder(m, tile=304, vram_budget=16 * GIB, kernels=True, shape="bands")
+        td.device, td.dtype, td.kernels, td.bands = torch.device("cuda", 0), torch.bfloat16, True, True
+        storage, t, placement = td._choose_storage((512, 512))
+        assert storage.type == "cpu"
+        return t, sum(b for (b, _, _), d in zip(bufs, placement) if not d)
+
+    monkeypatch.delenv(tiling.PLACEMENT_ENV, raising=False)
+    assert choose() == ((144, 144), 4 * GIB)
+    monkeypatch.setenv(tiling.PLACEMENT_ENV, "halves")
+    assert choose() == ((152, 152), 8 * GIB)
+    # one step larger leaves both on the host (the chosen tile is the largest with the fewest host bytes)
+    need = tiling_memory.estimate_tiled_bytes(m, (512, 512), 152, torch.bfloat16, include_weights=False,
+                                              untiled=False, kernels=True, shape="bands", device="cuda")
+    weights = tiling_memory.decoder_weights_bytes(m)
+    assert sum(b for (b, _, _), d in zip(bufs, store.place(bufs, 16 * GIB - weights - need)) if not d) == 8 * GIB
+
+
+def test_host_blocks_as_torch_caches_them(sdxl):
+    """The page-locked blocks a decode's host buffers take from torch's host cache: with every sdxl-4096 buffer on
+    the host, 13 blocks and 29.75 GiB -- the 13 pinned buffers and ~30 GiB measured in such a decode on an H200
+    (docs/experiments.md E59: a freed block is not reused by the very next allocation of its size); within 16 GB,
+    the one 4 GiB buffer on the host."""
+    bufs = tiling_memory.storage_buffers(sdxl, (512, 512), torch.bfloat16)
+    blocks = store.host_blocks(bufs, [True] * len(bufs))
+    assert len(blocks) == 13 and sum(blocks) == int(29.75 * GIB)
+    assert all(b & (b - 1) == 0 for b in blocks)  # powers of two, as torch rounds requests
+    assert store.host_blocks(bufs, [not d for d in place(bufs, int(12.1 * GIB))]) == [4 * GIB]
+    assert store.host_blocks(bufs, [False] * len(bufs)) == []
+    # a 3-byte request takes a 4-byte block; two alive at once need two
+    assert store.host_blocks([(3, 0, 2), (4, 1, 3), (8, 4, 5)], [True, True, False]) == [4, 4]
+
+
+def test_pin_ahead_pins_then_hands_back(monkeypatch):
+    """PinAhead allocates each block pinned on its own thread (inside fast_pinning), lets them go into torch's host
+    cache, and wait() joins it; an allocation error is kept, never raised."""
+    from contextlib import contextmanager
+
+    calls, threads = [], []
+    real_empty = torch.empty
+
+    @contextmanager
+    def fake_pinning(n):
+        calls.append(("pinning", n))
+        yield True
+
+    def fake_empty(n, dtype=None, pin_memory=False):
+        import threading
+
+        assert pin_memory and dtype is torch.uint8
+        calls.append(n)
+        threads.append(threading.current_thread().name)
+        return real_empty(n, dtype=dtype)
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(store, "fast_pinning", fake_pinning)
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    p = store.PinAhead([64, 64, 16], torch.device("cuda", 0), threads=4)
+    p.wait()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert calls == [("pinning", 4), 64, 64, 16] and set(threads) == {"vaeopt-pin-ahead"}
+    s = p.summary()
+    assert s["blocks"] == 3 and s["bytes"] == 144 and s["error"] is None and s["seconds"] >= 0
+
+    def failing(*a, **k):
+        raise RuntimeError("no pinned memory here")
+
+    monkeypatch.setattr(torch, "empty", failing)
+    q = store.PinAhead([64], torch.device("cuda", 0))
+    q.wait()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert "no pinned memory here" in q.summary()["error"]
+
+
+def test_pin_ahead_switch(monkeypatch, vae, z):
+    """The decoder starts no pinning thread for a CPU decode (nothing is pinned there) or with VAEOPT_PIN_AHEAD=off,
+    and reports none."""
+    monkeypatch.setenv(store.PIN_AHEAD_ENV, "off")
+    assert not store.pin_ahead_enabled()
+    monkeypatch.setenv(store.PIN_AHEAD_ENV, "on")
+    assert store.pin_ahead_enabled()
+    td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands", storage="cpu")
+    td.decode(z[..., :8, :8])
+    assert td.info["pin_ahead"] is None and td._pins is None
+
+
+@pytest.mark.gpu
+def test_pin_ahead_on_gpu_same_image(monkeypatch, vae, z):
+    """On a GPU with every buffer on the host: the thread pins host_blocks' blocks, the decode's own pinned
+    allocations all come from torch's host cache (no page-locked allocation beside the thread's), and the image is
+    bitwise the one of a decode that pins as it goes."""
+    import copy
+
+    zz = z.cuda()
+    gpu_vae = copy.deepcopy(vae).cuda()
+    outs = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(store.PIN_AHEAD_ENV, mode)
+        torch.cuda.synchronize()
+        torch._C._host_emptyCache()  # (a fresh host cache: each mode pins its own blocks)
+        n0 = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+        td = tiling.TiledDecoder(gpu_vae, tile=8, storage="cpu", kernels=False, shape="bands")
+        img = td.decode(zz)
+        outs[mode] = (img, dict(td.info), torch.cuda.host_memory_stats().get("num_host_alloc", 0) - n0)
+    (a, ia, _), (b, ib, pinned) = outs["off"], outs["on"]
+    assert ia["pin_ahead"] is None and torch.equal(a, b)
+    pa = ib["pin_ahead"]
+    bufs = tiling_memory.storage_buffers(gpu_vae, tuple(zz.shape[-2:]), torch.float32)
+    assert pa["error"] is None and pa["blocks"] == len(store.host_blocks(bufs, [True] * len(bufs)))
+    assert pinned == pa["blocks"] and pa["seconds"] > 0

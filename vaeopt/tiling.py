@@ -73,6 +73,7 @@ those raise :class:`TilingError`.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Callable, Sequence
 
@@ -85,7 +86,8 @@ from vaeopt.engine.image import Pass, is_plain_upsampler, kl_decoder, plan_passe
 from vaeopt.engine.regions import (TilingError, conv_region, halo_region, is_plain_conv, pair, tile_geometry,
                                    tile_grid)
 from vaeopt.engine.stats import OOM_ERRORS, KernelStats, Moments, affine_act
-from vaeopt.engine.store import Activation, RegionStore, fast_pinning, layout_of, place
+from vaeopt.engine.store import (Activation, PinAhead, RegionStore, fast_pinning, host_blocks, layout_of,
+                                 pin_ahead_enabled, place)
 from vaeopt.kernels import flat_layout
 from vaeopt.stages import unhooked, upsample_conv
 from vaeopt.tiling_memory import (decoder_weights_bytes, estimate_tiled_bytes, kernels_usable, storage_buffers,
@@ -101,6 +103,7 @@ __all__ = [
     "tile_from_pixels",
 ]
 
+PLACEMENT_ENV = "VAEOPT_PLACEMENT"  # "halves": the earlier tile choice for a decode with some buffers on the host
 _STATS_MAX_NUMEL = 2**31  # the stats kernels use int32 in-sample offsets: bigger tiles are reduced in row pieces
 
 
@@ -146,6 +149,20 @@ def _flat(t: torch.Tensor) -> bool:
     return flat_layout(t) is not None
 
 
+def _tile_ladder(tile: tuple[int, int], smallest: tuple[int, int], step: int = 8) -> list[tuple[int, int]]:
+    """`tile`, then tiles of the same aspect whose first side is `step` latent px smaller each time (on multiples of
+    `step`), down to `smallest`; largest first."""
+    th, tw = tile
+    out = [tuple(tile)]
+    s = (th - 1) // step * step
+    while s > smallest[0]:
+        out.append((s, max(1, round(tw * s / th))))
+        s -= step
+    if tuple(smallest) != out[-1]:
+        out.append(tuple(smallest))
+    return out
+
+
 
 
 
@@ -171,7 +188,8 @@ class TiledDecoder:
             its free memory and ``vram_budget``) next to the working set of ``tile`` -- or of ``tile/2``, ``tile/4``
             (a smaller tile with device storage beats host transfers) -- else as many buffers as fit beside the
             working set stay on the compute device and the others go to the CPU (pinned if CUDA is available;
-            :func:`vaeopt.engine.store.place`), with the one of those tiles that leaves the fewest bytes on the host.
+            :func:`vaeopt.engine.store.place`), at the largest tile from ``tile`` down to ``tile/4`` (8-px steps) that
+            leaves the fewest bytes on the host (each is pinned in the first decode and crosses the bus in every one).
         progress: ``progress(done, total)`` after every tile of every pass (``total`` grows if tiles are split).
         min_tile: smallest latent tile the OOM fallback may shrink to.
         vram_budget: bytes the decode may use on a CUDA device (e.g. the planner's budget; weights included).
@@ -216,6 +234,7 @@ class TiledDecoder:
         self.overlap = overlap
         self._force_copy = False  # tests: exercise the remote-storage bookkeeping on one device
         self._device_store_bytes: int | None = None  # tests: place the buffers as if this much device memory were left
+        self._pins: PinAhead | None = None
         self.info: dict = {}
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -247,6 +266,7 @@ class TiledDecoder:
         remote = self.mover.remote
         self.storage_format = torch.channels_last if (remote or self.memory_format is torch.channels_last) else (
             torch.contiguous_format)
+        self._pins = None
         self.cur_tile = self.start_tile
         self.done = 0
         self.total = n * sum(len(tile_grid(h * ps.scale, w * ps.scale, *self._tile_px(ps.scale))) for ps in self.passes)
@@ -270,18 +290,26 @@ class TiledDecoder:
             "upsample_phase": 0,
             "bytes_h2d": 0,
             "bytes_d2h": 0,
+            "pin_ahead": None,
         }
         f, c_out = self.factor, self.passes[-1].cout
         out = torch.empty(n, c_out, h * f, w * f, device=self.device, dtype=self.dtype,
                           memory_format=self.memory_format)
-        for i in range(n):
-            self._nbuf = 0  # the next buffer's index in the placement
-            self._decode_one(z[i : i + 1], out[i : i + 1])
+        self._pins = self._pin_ahead((h, w))
+        try:
+            for i in range(n):
+                self._nbuf = 0  # the next buffer's index in the placement
+                self._decode_one(z[i : i + 1], out[i : i + 1])
+        finally:
+            if self._pins is not None:
+                self._pins.wait()  # (done long before: the host buffers waited for it)
         self.info["tiles"] = self.done
         self.info["final_tile"] = self.cur_tile
         self.info["bytes_h2d"] = self.mover.bytes_h2d
         self.info["bytes_d2h"] = self.mover.bytes_d2h
         self.info["prefetch_hits"] = self.mover.prefetch_hits
+        if self._pins is not None:
+            self.info["pin_ahead"] = self._pins.summary()
         self.info["bias_folded"] //= max(1, n)
         return out
 
@@ -312,22 +340,58 @@ class TiledDecoder:
         for t in cands:
             need = estimate_tiled_bytes(self.vae, latent_hw, t, self.dtype, storage_on_device=True, batch=batch,
                                         include_weights=False, kernels=self.kernels,
-                                        shape="bands" if self.bands else "tiles")
+                                        shape="bands" if self.bands else "tiles", device=self.device)
             if need <= 0.9 * free and (self.vram_budget is None or need + weights <= self.vram_budget):
                 return self.device, t, None
         # not all of them: the buffers that fit beside a tile's working set (host storage's, the larger) stay on the
-        # device, the others go to the host; the tile that leaves the fewest bytes there (the larger one on a tie)
+        # device, the others go to the host. Every host byte is paid for twice: page-locked in the first decode of
+        # the process (about 1 s per 8 GiB) and carried over the bus in every decode. So the tile is the largest one
+        # that leaves the fewest bytes there, out of every 8-px step from the planned tile down to a quarter of it
+        # (the tiled passes' working set only: the untiled latent-resolution part has come and gone before the
+        # first full-size buffer exists). PLACEMENT_ENV=halves: the planned tile, its half and its quarter, each
+        # with the untiled part counted (the earlier rule, for A/B runs).
         room = 0.9 * free if self.vram_budget is None else min(0.9 * free, self.vram_budget - weights)
         bufs = storage_buffers(self.vae, latent_hw, self.dtype)
-        best = None
-        for t in cands:
+        halves = os.environ.get(PLACEMENT_ENV, "").strip().lower() == "halves"
+
+        def at(t):  # -> (host bytes, tile, placement)
             need = estimate_tiled_bytes(self.vae, latent_hw, t, self.dtype, batch=batch, include_weights=False,
-                                        kernels=self.kernels, shape="bands" if self.bands else "tiles")
+                                        untiled=halves, kernels=self.kernels,
+                                        shape="bands" if self.bands else "tiles", device=self.device)
             placement = place(bufs, room - need)
-            host = sum(b for (b, _, _), dev in zip(bufs, placement) if not dev)
-            if best is None or host < best[0]:
-                best = (host, t, placement)
+            return sum(b for (b, _, _), dev in zip(bufs, placement) if not dev), t, placement
+
+        if halves:
+            best = None
+            for t in cands:
+                r = at(t)
+                if best is None or r[0] < best[0]:
+                    best = r
+            return torch.device("cpu"), best[1], best[2]
+        # a smaller tile leaves at least as much room, so the fewest host bytes are the smallest tile's: bisect the
+        # ladder for the largest tile that leaves as few (a handful of estimates per decode, not one per step)
+        ladder = _tile_ladder(self.tile, cands[-1])
+        best = at(ladder[-1])
+        lo, hi = 0, len(ladder) - 1  # ladder[hi] leaves best[0]; the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            r = at(ladder[mid])
+            if r[0] <= best[0]:
+                best, hi = r, mid
+            else:
+                lo = mid + 1
         return torch.device("cpu"), best[1], best[2]
+
+    def _pin_ahead(self, latent_hw: tuple[int, int]) -> PinAhead | None:
+        """Page-lock the blocks of this decode's host buffers on a thread (engine.store.PinAhead) when some buffers
+        go to pinned host memory; None otherwise, or with VAEOPT_PIN_AHEAD=off."""
+        if not (self.pin and self.mover.remote and self.storage.type == "cpu" and self.device.type == "cuda"
+                and pin_ahead_enabled()):
+            return None
+        bufs = storage_buffers(self.vae, latent_hw, self.dtype)
+        on_host = [True] * len(bufs) if self.placement is None else [not d for d in self.placement]
+        blocks = host_blocks(bufs, on_host)
+        return PinAhead(blocks, self.device) if blocks else None
 
     def _where(self) -> bool:
         """Whether the next full-size buffer lives on the compute device (else on the storage device)."""
@@ -342,6 +406,8 @@ class TiledDecoder:
         shape = (1, h, w, c) if self.storage_format is torch.channels_last else (1, c, h, w)
         try:
             if not local and self.pin and where.type == "cpu" and self.device.type == "cuda":
+                if self._pins is not None:
+                    self._pins.wait()  # its blocks are in torch's host cache now
                 with fast_pinning():
                     t = torch.empty(shape, dtype=self.dtype, device=where, pin_memory=True)
             else:

@@ -204,6 +204,7 @@ def estimate_tiled_bytes(
     batch: int = 1,
     *,
     include_weights: bool = True,
+    untiled: bool = True,
     kernels: bool | None = None,
     shape: str = "auto",
     device: torch.device | str | None = None,
@@ -221,7 +222,9 @@ def estimate_tiled_bytes(
         ``shape`` as tiled_decode decides them for the model's ``device`` when None): see `_pass_bytes`,
     times 1.125 (CPU) or 1.10 plus CUDNN_WORKSPACE_BYTES for cuDNN workspaces (CUDA). The tiled part grows with the
     tile area, the latent-resolution part with the latent area. Validated against a live-tensor tracker on CPU
-    (docs/tiling.md).
+    (docs/tiling.md). ``untiled=False`` leaves the latent-resolution part out: the working set that lives beside the
+    full-size buffers (the untiled part runs before the first of them is allocated, and its memory is free again
+    when the tiled passes begin), which is what the placement of those buffers must leave room for.
     """
     h, w = latent_hw
     th, tw = pair(tile)
@@ -235,7 +238,7 @@ def estimate_tiled_bytes(
     dec = kl_decoder(vae)
     c_mid = passes[0].cin
     low = b < 4
-    peak = h * w * c_mid * (8 * b + (4 if low else 0)) + _attention_extra(dec, h * w, b)
+    peak = h * w * c_mid * (8 * b + (4 if low else 0)) + _attention_extra(dec, h * w, b) if untiled else 0
     for ps in passes:
         ty, tx = tile_geometry((h, w), (th, tw), ps.scale, bands)
         peak = max(peak, _pass_bytes(ps, ty, tx, b, kernels, not storage_on_device, not bands))

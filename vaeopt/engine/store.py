@@ -8,15 +8,19 @@ the bias its producer still owes.
 
 Placement (:func:`place`): which buffers stay on the compute device when not all of them fit. A buffer the device
 cannot hold goes to pinned host memory; the store moves regions of host buffers and hands out views of device ones,
-so one decode may mix both. :func:`fast_pinning` makes the page-locking of new host buffers cheaper.
+so one decode may mix both. :func:`fast_pinning` makes the page-locking of new host buffers cheaper, and
+:class:`PinAhead` moves it off the decode's path: the host blocks are page-locked on a thread of their own while the
+first passes (which need none of them) run.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 import weakref
 from collections import deque
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator, Sequence
 
 import torch
@@ -25,6 +29,7 @@ from vaeopt.engine.stats import KernelStats, Moments
 
 MAX_INFLIGHT_WRITES = 2  # device->host tile writes allowed in flight before the host waits (bounds memory)
 PIN_THREADS = 8  # threads that fault in a new pinned buffer's pages before cudaHostRegister (torch's own option)
+PIN_AHEAD_ENV = "VAEOPT_PIN_AHEAD"  # "off": each host buffer is page-locked when the decode allocates it
 
 
 def place(buffers: Sequence[tuple[int, int, int]], device_bytes: float) -> list[bool]:
@@ -90,6 +95,66 @@ def fast_pinning(threads: int = PIN_THREADS) -> Iterator[bool]:
         yield True
     finally:
         put(f"{head}pinned_use_cuda_host_register:False,pinned_num_register_threads:1")
+
+
+def pin_ahead_enabled() -> bool:
+    return os.environ.get(PIN_AHEAD_ENV, "").strip().lower() not in ("off", "0", "no", "false")
+
+
+def host_blocks(buffers: Sequence[tuple[int, int, int]], on_host: Sequence[bool]) -> list[int]:
+    """The page-locked blocks (bytes each) torch's host cache needs for the host buffers of one decode: ``buffers``
+    as :func:`place` takes them, ``on_host[i]`` whether buffer i lives on the host. torch rounds a request up to a
+    power of two and reuses a freed block of that size once the copies that used it are done, so a size needs as
+    many blocks as its buffers alive at once -- a buffer counted as alive one step past its free, since the copies
+    of a buffer freed just before the next one of its size are still in flight then. In order of first use."""
+    out: list[int] = []
+    for size in dict.fromkeys(1 << max(0, int(b) - 1).bit_length() for (b, _, _), h in zip(buffers, on_host) if h):
+        spans = [(a, f + 2) for (b, a, f), h in zip(buffers, on_host)
+                 if h and 1 << max(0, int(b) - 1).bit_length() == size]
+        out += [size] * max(sum(1 for a, f in spans if a <= s < f) for s, _ in spans)
+    return out
+
+
+class PinAhead:
+    """Page-locks, on a thread of its own, the host blocks a tiled decode will take (:func:`host_blocks`), then hands
+    them to torch's host cache (frees them), where the decode's own pinned allocations find them. A decode's host
+    buffers are the large ones at full resolution, which it needs only in its last passes: the ~0.13 s per GiB of
+    page-locking then runs beside the first passes instead of inside the decode. The decode calls :meth:`wait`
+    before its first host allocation (so the two never page-lock at once; an allocation the thread did not foresee
+    pins as before) and once it ends. torch's pinning option (:func:`fast_pinning`) is switched on and back by the
+    thread that makes the PinAhead and waits for it, never beside another thread's allocations; torch frees the
+    thread's tensors without the GIL, and any error is kept in ``error`` and costs only the head start."""
+
+    def __init__(self, blocks: Sequence[int], device: torch.device, threads: int = PIN_THREADS):
+        self.blocks, self.device = list(blocks), device
+        self.seconds = self.waited = 0.0
+        self.error: str | None = None
+        self._pinning = ExitStack()
+        self._pinning.enter_context(fast_pinning(threads))
+        self.thread = threading.Thread(target=self._run, name="vaeopt-pin-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.device.index is not None:  # (the decode's device: CUDA's context current on this thread)
+                torch.cuda.set_device(self.device)
+            held = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in self.blocks]
+            del held  # into torch's host cache
+        except Exception as e:  # noqa: BLE001 (the decode pins what it needs itself)
+            self.error = f"{type(e).__name__}: {str(e)[:160]}"
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        self.thread.join()
+        self.waited += time.perf_counter() - t0
+        self._pinning.close()  # torch's pinning option back (once)
+
+    def summary(self) -> dict:
+        return {"blocks": len(self.blocks), "bytes": sum(self.blocks), "seconds": self.seconds, "waited": self.waited,
+                "error": self.error}
 
 
 def is_dense(t: torch.Tensor) -> bool:
