@@ -259,3 +259,25 @@ def test_qwenimage_pictures_are_graphed_through_the_view(monkeypatch):
     assert runs and all(m is dropin.wan_runs(vae) for m in runs)
     for out in outs + [tup]:
         assert out.shape == want.shape == (1, 3, 1, 48, 64) and (out - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_qwenimage_dropin_runs_the_fused_wan_path():
+    """On a GPU in bf16: the Qwen-Image drop-in applies the GPU stages through its Wan view (fused norms and
+    epilogues, phase upsample convs) and decodes as an optimized AutoencoderKLWan with the same weights does, within
+    bf16 rounding of diffusers' fp32 decode."""
+    stock = _tiny("AutoencoderKLQwenImage")
+    wan = _tiny("AutoencoderKLWan")
+    wan.load_state_dict(stock.state_dict())
+    z = torch.randn(1, 16, 1, 40, 36, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        ref = stock.decode(z).sample.cuda()
+    lines = []
+    vae = vaeopt.optimize(copy.deepcopy(stock).cuda().to(torch.bfloat16), log=lines.append)
+    vaeopt.optimize(wan.cuda().to(torch.bfloat16), log=None)
+    assert any(x.startswith("✓ fused_norms") for x in lines) and any(x.startswith("✓ fused_epilogues") for x in lines)
+    zb = z.cuda().to(torch.bfloat16)
+    with torch.inference_mode():
+        got, twin = vae.decode(zb).sample, wan.decode(zb).sample
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    assert psnr(got.float(), twin.float()) >= 60 and psnr(got.float(), ref) >= 35
