@@ -301,15 +301,21 @@ def test_the_clip_state_is_freed_when_the_decode_returns(case, monkeypatch):
 
 
 # Measured on an H200, bf16 (benchmarks/results/h200_*_2026-11-29.json): (workload family, latent shape, chunk, tile
-# or None, GiB above the start of the timed decode). The rows of decode_video.py's emulated budgets ("budget" and
-# "tiled" variants, peak_above_start_gib), whose start held the model's weights (the outputs go to the host): the
-# decode's own peak is the weights plus that.
+# or None, GiB above the start of the timed decode). decode_video.py's rows ("budget" and "tiled" variants at the
+# emulated budgets, "vaeopt" in the profiled runs: peak_above_start_gib), whose start held the model's weights (the
+# outputs go to the host): the decode's own peak is the weights plus that. The variants run's rows give only the
+# absolute peak (peak_gib, the harness's tensors included): less the weights, an upper bound of the same quantity.
+LTX2_WEIGHTS_GIB = 2.277045698836446  # (the full model's bf16 weights, as _full counts them)
 MEASURED = [
-    ("ltx2", (1, 128, 16, 24, 40), 2, None, 4.662479877471924),  # h200_ltx2-768_budget16_2026-11-29.json (and 8)
-    ("ltx2", (1, 128, 16, 24, 40), 1, 20, 3.345097064971924),  # h200_ltx2-768_budget8_2026-11-29.json, tiled 640px
-    ("hunyuanvideo15", (1, 32, 31, 30, 53), 1, None, 7.512186527252197),  # h200_hunyuan15-480p_budget8_2026-11-29
-    ("hunyuanvideo15", (1, 32, 31, 30, 53), 2, None, 11.546297550201416),  # h200_hunyuan15-480p_budget16_2026-11-29
-    ("hunyuanvideo15", (1, 32, 31, 30, 53), 1, 27, 5.976278781890869),  # ..._budget8_2026-11-29.json, tiled 432px
+    ("ltx2", (1, 128, 16, 24, 40), 16, None, 23.186884880065918),  # h200_ltx2-768_prof_2026-11-29.json, the clip
+    ("ltx2", (1, 128, 16, 24, 40), 4, None, 10.09 - LTX2_WEIGHTS_GIB),  # h200_ltx2-768_variants_2026-11-29, chunk4
+    ("ltx2", (1, 128, 16, 24, 40), 2, None, 4.662479877471924),  # h200_ltx2-768_budget16_before_2026-11-29 (and 8)
+    ("ltx2", (1, 128, 16, 24, 40), 1, None, 5.54 - LTX2_WEIGHTS_GIB),  # h200_ltx2-768_variants_2026-11-29, chunk1
+    ("ltx2", (1, 128, 16, 24, 40), 1, 20, 3.345097064971924),  # h200_ltx2-768_budget8_before_..., tiled 640px
+    ("hunyuanvideo15", (1, 32, 31, 30, 53), 16, None, 69.95178747177124),  # h200_hunyuan15-480p_prof_2026-11-29
+    ("hunyuanvideo15", (1, 32, 31, 30, 53), 1, None, 7.512186527252197),  # h200_hunyuan15-480p_budget8_before_...
+    ("hunyuanvideo15", (1, 32, 31, 30, 53), 2, None, 11.546297550201416),  # h200_hunyuan15-480p_budget16_before_...
+    ("hunyuanvideo15", (1, 32, 31, 30, 53), 1, 27, 5.976278781890869),  # ..._budget8_before_..., tiled 432px
 ]
 
 
@@ -323,15 +329,17 @@ def _full(fam):
 @pytest.mark.parametrize("fam,shape,chunk,tile,above", MEASURED)
 def test_stream_estimate_covers_the_measured_peaks(fam, shape, chunk, tile, above):
     """planner.estimate_stream (configs/memory_model.json) against the measured peaks of the real-size models: at or
-    above each, and no more than 35% above (the 1.15 margin plus the fit's spread), so budgets hold without
-    wasting the card."""
+    above each, and no more than 20% above (the 1.05 / 1.07 margins plus the clip's output, which the estimate
+    counts on the device for vae.decode's callers), so budgets hold without wasting the card: the whole LTX-2 clip
+    is planned at 27.7 GB for its 25.5 GB peak (31.3 GB before the refit), HunyuanVideo 1.5's 16-frame chunk at 76.1
+    for 72.3 (80.5)."""
     from vaeopt import planner
 
     spec, m = _full(fam)
     weights = sum(p.numel() for p in m.parameters()) * 2
     measured = weights + above * 2**30
     est = planner.estimate_stream(spec, m, shape, torch.bfloat16, chunk, tile)
-    assert measured <= est <= 1.35 * measured, (fam, chunk, tile, est / 2**30, measured / 2**30)
+    assert measured <= est <= 1.2 * measured, (fam, chunk, tile, est / 2**30, measured / 2**30)
 
 
 def test_the_h200_plans_take_the_largest_chunk_and_hold_the_budgets():
@@ -347,6 +355,15 @@ def test_the_h200_plans_take_the_largest_chunk_and_hold_the_budgets():
         for gb in (16, 8):
             p = planner.plan_decode(spec, m, shape, torch.bfloat16, cuda, vram_budget_gb=gb)
             assert p.est_bytes <= gb * 2**30, (fam, gb, p.reason)
+    # the plans whose peaks were measured at those budgets (the decode's own peak, weights included): LTX-2 chunk 2
+    # at 8 GB (6.9 GiB), chunk 6 at 16 GB (13.1 GiB, the variants run's budget16 row), HunyuanVideo 1.5 chunk 2 at
+    # 16 GB (13.9 GiB); and a 32 GB card (28 GB after the reserve) now takes LTX-2's whole clip in one call
+    for fam, shape, gb, chunk in (("ltx2", (1, 128, 16, 24, 40), 8, 2), ("ltx2", (1, 128, 16, 24, 40), 16, 6),
+                                  ("hunyuanvideo15", (1, 32, 31, 30, 53), 16, 2),
+                                  ("ltx2", (1, 128, 16, 24, 40), 28, 16)):
+        spec, m = _full(fam)
+        p = planner.plan_decode(spec, m, shape, torch.bfloat16, cuda, vram_budget_gb=gb)
+        assert p.mode == "chunked" and p.chunk == chunk, (fam, gb, p.reason)
     assert planner.stream_chunks(31)[:4] == [31, 16, 11, 8]
 
 

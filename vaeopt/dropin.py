@@ -39,6 +39,53 @@ _OPTIMIZE_FAMILIES = {"AutoencoderKL": "sdxl", "AutoencoderKLWan": "wan21", "Aut
 _OPTIMIZE_CLASSES = tuple(_OPTIMIZE_FAMILIES)
 
 
+def wan_view(vae) -> tuple[torch.nn.Module | None, str]:
+    """An AutoencoderKLWan over an AutoencoderKLQwenImage's own decoder weights, for vaeopt's Wan path (the stages and
+    the chunk decoder know Wan's module classes), or (None, why not). Qwen-Image's decoder is Wan 2.1's module for
+    module (diffusers' autoencoder_kl_qwenimage.py is autoencoder_kl_wan.py renamed, is_residual=False), so each Wan
+    module shares its Qwen-Image twin's parameter, buffer and hook dicts (all but its children): one set of weights,
+    no copy, and whatever edits one (in-place edits, load_state_dict with or without assign, `module.weight =
+    nn.Parameter(...)`, `.to()`, a hook) edits both; the stages' state-dict and load hooks serve the VAE's own
+    state_dict / load_state_dict, as on a Wan VAE. The encoder and quant_conv are the VAE's own modules. The view is
+    built on the meta device (no memory) and is not a submodule of the VAE (its state dict stays the same)."""
+    import inspect
+
+    from diffusers import AutoencoderKLWan
+
+    from vaeopt.loading.config import alias_new_class
+
+    cfg = alias_new_class(dict(vae.config), "the VAE's config", [])
+    params = inspect.signature(AutoencoderKLWan.__init__).parameters
+    with torch.device("meta"):
+        wan = AutoencoderKLWan(**{k: v for k, v in cfg.items() if k in params})
+    pairs = []
+    for wan_part, own in ((wan.decoder, vae.decoder), (wan.post_quant_conv, vae.post_quant_conv)):
+        ours, theirs = dict(own.named_modules()), dict(wan_part.named_modules())
+        if ours.keys() != theirs.keys():
+            extra = sorted(ours.keys() ^ theirs.keys())[0]
+            return None, f"its decoder is not Qwen-Image's stock one ({extra or 'its root'} differs)"
+        for name, m in ours.items():
+            w = theirs[name]
+            if (type(m).__name__.replace("QwenImage", "Wan") != type(w).__name__
+                    or m._parameters.keys() != w._parameters.keys() or m._buffers.keys() != w._buffers.keys()):
+                return None, f"its module {name or 'decoder'} ({type(m).__name__}) is not Qwen-Image's stock one"
+            pairs.append((w, m))
+    for w, m in pairs:
+        w.__dict__.update({k: v for k, v in m.__dict__.items()
+                           if k.startswith("_") and k != "_modules" and isinstance(v, (dict, set))})
+        w.training = False  # (the drop-in sends active dropout to diffusers' own decode)
+    wan.encoder, wan.quant_conv = vae.encoder, vae.quant_conv
+    wan.training = False
+    return wan, ""
+
+
+def wan_runs(vae) -> torch.nn.Module:
+    """The model vaeopt's stages changed and its chunk decoder runs: the VAE, or an AutoencoderKLQwenImage's Wan view
+    (wan_view)."""
+    d = vae.__dict__.get("_decode")
+    return d.wan if isinstance(d, _WanChunkDecode) else vae
+
+
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -110,6 +157,17 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     fam_name = _OPTIMIZE_FAMILIES.get(cls, "sdxl")
     base = get_family(fam_name)
     spec = FamilySpec(base.name, base.title, {"_class_name": cls, **cfg})
+    runner = vae  # the model the stages change and the fast path runs
+    if cls == "AutoencoderKLQwenImage":
+        # diffusers' Qwen-Image decode runs the decoder once per latent frame: vaeopt's Wan path (the stages, the
+        # chunk decoder, a picture's one-frame convs as Conv2d) runs an AutoencoderKLWan over the same weights
+        runner, why_not = wan_view(vae)
+        if runner is None:
+            runner = vae
+            if log:
+                log(f"! vae.decode stays diffusers' own frame loop: {why_not}, so vaeopt's Wan path does not run it")
+        else:
+            spec = FamilySpec(base.name, base.title, {**runner.config, "_class_name": "AutoencoderKLWan"})
     first = next(vae.parameters(), None)
     home = first.device if first is not None else None
     explicit_device = device
@@ -125,7 +183,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
         # keep the caller's precision: pipelines hand `vae.decode` latents in their own dtype (an fp16 pipeline's
         # latents into a bf16/fp32 VAE raise "Input type (Half) and bias type ... should be the same")
         dtype = DTYPE_NAMES.get(compute_dtype(vae), "auto")
-    loaded = LoadedVAE(model=vae, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
+    loaded = LoadedVAE(model=runner, family=spec, layout="in-memory", path=None, notes=[], dtype_on_disk=None)
     pipe = Pipeline(loaded, Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton,
                                     attention=attention, graphs="off"), log=log, spell=spell_optimize)
     if (log and pipe.device.type == "cpu" and runs_on is None and explicit_device is None
@@ -134,7 +192,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
             "Move it first (pipe.to('cuda')), or call optimize after pipe.enable_model_cpu_offload(), which it follows")
     if runs_on is not None and home is not None and not _same_device(pipe.device, home):
         vae.to(home)  # set up on the offload hook's device; the weights wait where they were until a decode
-        free_derived(vae)  # and nothing stays behind on the GPU (phase weights built by upsample_conv)
+        free_derived(runner)  # and nothing stays behind on the GPU (phase weights built by upsample_conv)
         if log:
             log(f"model CPU offload: optimized for {pipe.device}, where the offload hook moves the VAE for each decode; "
                 f"its weights are back on {home}")
@@ -143,14 +201,16 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     vae._vaeopt_device = pipe.device  # the device its stages were chosen for (_off_plan)
     if callable(getattr(type(vae), "enable_group_offload", None)):  # (pipe.enable_group_offload calls this one)
         vae.enable_group_offload = _StandDownFirst(vae)
-    if cls == "AutoencoderKLWan":
+    wan = spec.cls_name == "AutoencoderKLWan"  # (Wan 2.1 / 2.2, and Qwen-Image through its Wan view)
+    if wan:
         # diffusers' Wan decode runs the decoder one latent frame at a time; the stages' Wan work (fused chunk
         # decoder, time-stacked and phase convs, the planner's chunk) lives in vaeopt.video: send vae.decode there
-        vae._decode = _WanChunkDecode(vae, spec)
+        vae._decode = _WanChunkDecode(vae, spec, runner)
         if log:
             log("vae.decode: vaeopt's exact chunk decoder (chunk and spatial tiles planned per clip from free "
-                "memory); diffusers' own decode where autograd is needed, or with enable_tiling() on a latent "
-                "larger than its tile")
+                "memory" + ("; Qwen-Image's decoder runs as Wan 2.1's, on the same weights" if runner is not vae
+                            else "") + "); diffusers' own decode where autograd is needed, or with enable_tiling() "
+                "on a latent larger than its tile")
     elif cls in video_stream.STREAM_CLASSES:
         # HunyuanVideo 1.5 / LTX-2: diffusers decodes the whole clip in one decoder call (memory grows with the
         # clip); vaeopt.video_stream streams it in exact chunks, with exact tiles where a chunk does not fit
@@ -163,7 +223,7 @@ def optimize(vae: torch.nn.Module, *, device: str | None = None, dtype: str = "a
     # optimized decoder ends with (`.view(...)` on it would raise)
     vae.decoder.register_forward_hook(_contiguous_output)
     # repeated image shapes, and one-chunk Wan clips (a picture: one latent frame), through CUDA graphs once they pay
-    vae.decode = _Decode(vae, _RepeatGraphs(vae, spec, log) if not spec.is_video or cls == "AutoencoderKLWan" else None)
+    vae.decode = _Decode(vae, _RepeatGraphs(vae, spec, log, runner) if not spec.is_video or wan else None)
     return vae
 
 
@@ -250,11 +310,12 @@ def _stand_down(vae, why: str) -> None:
     device's plan and another device's kernels. For good: the model is not re-planned behind the user's back."""
     import importlib
 
+    runs = wan_runs(vae)
     for r in reversed(getattr(vae, "_vaeopt_stages", None) or []):
         name = _REVERTIBLE.get(r.name)
         if name is not None and r.status == "applied":
-            importlib.import_module(f"vaeopt.stages.{name}").revert(vae)
-    free_derived(vae)
+            importlib.import_module(f"vaeopt.stages.{name}").revert(runs)
+    free_derived(runs)
     vae._vaeopt_stood_down = why
     warnings.warn(f"vaeopt: {why}, so vae.decode is diffusers' own decode from here on (vaeopt's in-place changes "
                   "undone: the same output as the stock model there). For vaeopt's path, optimize the VAE where it "
@@ -295,10 +356,13 @@ class _WanChunkDecode:
     have no backward), enable_tiling() on a latent larger than diffusers' tile (the user asked for its tiles), and
     training mode with an active dropout (p > 0; its random drops are diffusers'). Training mode alone (a model
     built with from_config, or a frozen VAE in a training script) decodes here: nothing in the decoder differs.
-    A class, not a closure: the model still pickles and deep-copies."""
+    An AutoencoderKLQwenImage's decode runs the same way through its Wan view (`wan`, see wan_view); the checks
+    above look at the VAE itself, whose modules a user hooks or tiles. A class, not a closure: the model still
+    pickles and deep-copies."""
 
-    def __init__(self, vae, family):
+    def __init__(self, vae, family, wan=None):
         self.vae, self.family = vae, family
+        self.wan = vae if wan is None else wan
 
     def _diffusers_tiles(self, z: torch.Tensor) -> bool:
         v = self.vae
@@ -308,7 +372,6 @@ class _WanChunkDecode:
 
     def __call__(self, z: torch.Tensor, return_dict: bool = True):
         from diffusers.models.autoencoders.vae import DecoderOutput
-
 
         v = self.vae
         if (getattr(v, "_vaeopt_stood_down", None) is not None  # (see _off_plan)
@@ -326,9 +389,9 @@ class _WanChunkDecode:
                               "own frame loop instead, so that it fires", stacklevel=2)
             return type(v)._decode(v, z, return_dict=return_dict)
         w = v.post_quant_conv.weight  # where the model is now (it may have moved since optimize)
-        plan = planner.plan_decode(self.family, v, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
+        plan = planner.plan_decode(self.family, self.wan, tuple(z.shape), compute_dtype(v) or w.dtype, w.device)
         with torch.no_grad():
-            out = video.decode_video(v, z, **Pipeline._video_kwargs(plan, {}))  # as `vaeopt decode` runs a clip
+            out = video.decode_video(self.wan, z, **Pipeline._video_kwargs(plan, {}))  # as `vaeopt decode` runs a clip
         return DecoderOutput(sample=out) if return_dict else (out,)
 
 
@@ -413,7 +476,7 @@ class _Decode:
             return type(v).decode(v, *args, **kwargs)
         finally:
             if _offload_device(v) is not None:
-                free_derived(v)
+                free_derived(wan_runs(v))
 
 
 class _RepeatGraphs:
@@ -424,10 +487,12 @@ class _RepeatGraphs:
     Only plain calls take this path: latents on a CUDA device, no autograd, no offload hooks or hooks of others, no
     diffusers slicing or tiling, not inside torch.compile or another capture, and room on the device for the graph's
     pool; everything else runs diffusers' decode as before. A new weights version (vaeopt.refresh, an in-place edit)
-    captures again. Pickling or copying the model keeps the policy and drops the graphs (they hold device memory)."""
+    captures again. Pickling or copying the model keeps the policy and drops the graphs (they hold device memory).
+    `run`: the model the Wan path decodes with (an AutoencoderKLQwenImage's Wan view; the VAE itself when None)."""
 
-    def __init__(self, vae, family: FamilySpec, log: Callable[[str], None] | None = None):
+    def __init__(self, vae, family: FamilySpec, log: Callable[[str], None] | None = None, run=None):
         self.vae, self.family, self.log = vae, family, log
+        self.run = vae if run is None else run
         self._fresh()
 
     def _fresh(self) -> None:
@@ -438,7 +503,7 @@ class _RepeatGraphs:
         self.epoch = None
 
     def __getstate__(self):
-        return {"vae": self.vae, "family": self.family, "log": self.log}
+        return {"vae": self.vae, "family": self.family, "log": self.log, "run": self.run}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -467,7 +532,7 @@ class _RepeatGraphs:
         if key not in self.shapes:
             # a Wan clip: whole only where its plan is one untiled chunk (stage_table.one_chunk_clip); a clip of
             # several is remembered, so that its later calls do not plan again only to be told no
-            plan = planner.plan_decode(self.family, v, tuple(z.shape), z.dtype, z.device) if wan else None
+            plan = planner.plan_decode(self.family, self.run, tuple(z.shape), z.dtype, z.device) if wan else None
             if wan and not stage_table.one_chunk_clip(self.family, plan, tuple(z.shape)):
                 self.never.add(key)
                 return None
@@ -487,7 +552,8 @@ class _RepeatGraphs:
 
             # Wan: the chunk decoder in one call, as _WanChunkDecode runs it, without its planning (free memory)
             # and OOM retries, which have no place inside a capture
-            fn = (lambda x: video.decode_video(v, x, chunk=x.shape[2], graphs="off")) if wan else \
+            run = self.run
+            fn = (lambda x: video.decode_video(run, x, chunk=x.shape[2], graphs="off")) if wan else \
                 (lambda x: type(v).decode(v, x).sample)
             self.graphed = graphs_stage.GraphedDecode(fn, z.device)
         if (now := weights_epoch(v)) != self.epoch:

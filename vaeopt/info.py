@@ -54,6 +54,56 @@ def _decisions(family, shape: tuple, dtype: torch.dtype, info: stage_table.Devic
     return rows
 
 
+def _grouped(got: list[tuple], n: int) -> str:
+    """One stage's (family title, runs, why) over the workloads, as one text: the reason once where all agree, else
+    each group's families before their reason."""
+    groups: dict[tuple, list[str]] = {}
+    for title, ok, why in got:
+        groups.setdefault((ok, why), []).append(title)
+    mixed = len({ok for ok, _ in groups}) > 1
+    if len(groups) == 1 and len(got) == n:
+        return next(iter(groups))[1]
+    return "; ".join(f"{', '.join(titles)}{(' (runs)' if ok else ' (skipped)') if mixed else ''}: {why}"
+                     for (ok, why), titles in groups.items())
+
+
+# A GPU with FP8 tensor cores and the Triton kernels, as the table sees one: what `vaeopt info` describes for the FP8
+# rows on a machine without FP8 compute (a CPU, an sm_80 GPU), instead of setting the GPU path's reasons beside its own.
+_FP8_GPU = stage_table.DeviceInfo("cuda", "a GPU with FP8 tensor cores", (9, 0), triton=(True, ""),
+                                  fp8_compute=(True, ""), graphs=(True, ""), cudnn=(True, ""))
+
+
+def _on_fp8_gpu(spell) -> dict[str, str]:
+    """The fp8 and fp8 convs rows' text for the WORKLOADS on _FP8_GPU (bf16, --fp8 on). A family whose FP8 runs as
+    the 8-bit convs has the fp8 row point there."""
+    per: dict[str, list] = {}
+    for name, _ in WORKLOADS:
+        family = get_family(name)
+        rs = {r.name: r for r in stage_table.decide_stages(Options(fp8="on"), family, torch.bfloat16, _FP8_GPU)}
+        for stage, r in rs.items():
+            if stage not in ("fp8", "fp8 convs"):
+                continue
+            ok = r.status == "applied"
+            why = WHAT[stage] if ok else r.detail
+            if stage == "fp8" and not ok and getattr(rs.get("fp8 convs"), "status", None) == "applied":
+                ok, why = True, "as 8-bit implicit-GEMM convs (the fp8 convs row)"
+            per.setdefault(stage, []).append((family.title, ok, spelled(why, spell)))
+    return {k: _grouped(v, len(WORKLOADS)) for k, v in per.items()}
+
+
+def _storage_here(dtype: torch.dtype, info: stage_table.DeviceInfo, spell) -> str:
+    """Whether level 1 (--fp8 weights: e4m3 weight storage, cast per layer) runs here, for the WORKLOADS."""
+    weights = spelled(Said("{0}", Hint("fp8", "weights")), spell)
+    got = []
+    for name, _ in WORKLOADS:
+        family = get_family(name)
+        r = next(r for r in stage_table.decide_stages(Options(fp8="weights"), family, dtype, info) if r.name == "fp8")
+        got.append((family.title, r.status == "applied", spelled(r.detail, spell)))
+    if all(ok for _, ok, _ in got):
+        return f"{weights} (level 1: e4m3 weight storage, cast per layer; less memory, no FP8 math) runs"
+    return f"{weights}: " + _grouped(got, len(WORKLOADS))
+
+
 def stage_outlook(mi: MachineInfo, spell=None) -> list[dict]:
     """One row per stage: whether it runs here for any of the WORKLOADS, and why (each workload's reason where they
     differ). spell: how the hints are written (`vaeopt info`: as `vaeopt decode`'s flags)."""
@@ -66,19 +116,22 @@ def stage_outlook(mi: MachineInfo, spell=None) -> list[dict]:
         for stage, (ok, why) in _decisions(family, shape, dtype, info).items():
             per.setdefault(stage, []).append((family.title, ok, spelled(why, spell)))
     rows = [{"stage": "precision", "runs": True, "why": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp16") + f" on {info.name}"}]
+    fp8_gpu = None if info.fp8_compute[0] else _on_fp8_gpu(spell)  # (what FP8 would do where it can run)
     for stage in [r.name for r in stage_table.ROWS[1:]] + ["graphs", "cudnn_autotune"]:
         got = per.get(stage)
         if not got:
             continue
-        groups: dict[tuple, list[str]] = {}
-        for title, ok, why in got:
-            groups.setdefault((ok, why), []).append(title)
-        mixed = len({ok for ok, _ in groups}) > 1
-        why = next(iter(groups))[1] if len(groups) == 1 and len(got) == len(WORKLOADS) else "; ".join(
-            f"{', '.join(titles)}{(' (runs)' if ok else ' (skipped)') if mixed else ''}: {why}"
-            for (ok, why), titles in groups.items())
+        why = _grouped(got, len(WORKLOADS))
         if stage in ("fp8", "fp8 convs"):  # opt-in: what it would do
-            why = spelled(Said("opt-in, with {0}: ", Hint("fp8", "on")), spell) + why
+            on = spelled(Said("{0}", Hint("fp8", "on")), spell)
+            if fp8_gpu is None:
+                why = f"opt-in, with {on}: " + why
+            else:  # no FP8 compute here: say so once, then what a GPU with it would do (not next to this device's)
+                here = f"opt-in. Here {on} runs no FP8 compute" + (f" ({info.fp8_compute[1]})" if info.fp8_compute[1]
+                                                                    else "")
+                if stage == "fp8":
+                    here += "; " + _storage_here(dtype, info, spell)
+                why = f"{here}. On a GPU with FP8 tensor cores (sm_89+), with {on}: {fp8_gpu[stage]}"
         rows.append({"stage": stage, "runs": any(ok for _, ok, _ in got), "why": why})
     rows.append({"stage": "planner", "runs": True, "why": (
         f"tiles/chunks planned from {mi.gpus[0].free_gib:.1f} GiB free VRAM" if mi.gpus else
