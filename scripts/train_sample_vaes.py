@@ -21,8 +21,8 @@ frame of a 17-frame clip (frames 9-16 lost 5-7 dB and up to 38/255 of red). `--i
 The video VAE trains on whole clips in one call per module: a causal conv over the whole clip with causal zero
 padding is the function diffusers' frame-by-frame cached loop computes, and the temporal resamplers are run over
 the whole clip the way that loop runs them chunk by chunk (`whole_clip`; tests/test_train_whole_clip.py checks the
-training forward against `vae.encode`/`vae.decode`). That turns ~100 small launches per latent frame into one
-launch per layer. Its decoder is wider than its encoder (`decoder_base_dim`): the decoder is what turns the shipped
+training forward against `vae.encode`/`vae.decode`). The loop calls every module once per latent frame (the
+encoder once per 4-frame chunk), mostly on small tensors; the whole clip calls each module once. Its decoder is wider than its encoder (`decoder_base_dim`): the decoder is what turns the shipped
 latents into frames; the encoder only makes them. The last `--decoder-only` fraction of the run freezes the encoder
 and trains the decoder on the latents it will ship (the encoder's mode, rounded to fp16, as the latents file holds).
 
