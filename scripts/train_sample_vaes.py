@@ -11,10 +11,20 @@ synthesized from the same photos (pans and zooms), and the held-out clips are pa
     python3 scripts/train_sample_vaes.py --which image --minutes 5 --out out/
     python3 scripts/train_sample_vaes.py --which video --minutes 10 --out out/
     python3 scripts/train_sample_vaes.py --which frames --out out/   # only the held-out clips' frames (CPU)
+    python3 scripts/train_sample_vaes.py --which pack --out .train_data/  # the photos in one file, for a machine
+                                                                          # without scikit-image (then --data FILE)
 
 The two models are small: run the image and video trainings side by side on one GPU. Video clips are as long as the
 held-out ones (17 frames): trained on 9-frame clips, the causal decoder drifted in colour after the third latent
 frame of a 17-frame clip (frames 9-16 lost 5-7 dB and up to 38/255 of red). `--init` resumes from saved weights.
+
+The video VAE trains on whole clips in one call per module: a causal conv over the whole clip with causal zero
+padding is the function diffusers' frame-by-frame cached loop computes, and the temporal resamplers are run over
+the whole clip the way that loop runs them chunk by chunk (`whole_clip`; tests/test_train_whole_clip.py checks the
+training forward against `vae.encode`/`vae.decode`). The loop calls every module once per latent frame (the
+encoder once per 4-frame chunk), mostly on small tensors; the whole clip calls each module once. Its decoder is wider than its encoder (`decoder_base_dim`): the decoder is what turns the shipped
+latents into frames; the encoder only makes them. The last `--decoder-only` fraction of the run freezes the encoder
+and trains the decoder on the latents it will ship (the encoder's mode, rounded to fp16, as the latents file holds).
 
 Each run writes (into --out): the fp16 weights in diffusers key layout with the config in the safetensors metadata
 under "config" (how vaeopt reads the samples), the latents file, for video the held-out frames as lossless MP4s,
@@ -51,9 +61,10 @@ IMAGE_CONFIG = {
     "scaling_factor": 1.0,  # replaced by 1/std of the training latents before saving
 }
 VIDEO_CONFIG = {
-    "base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "base_dim": 16, "decoder_base_dim": 22, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
     "temperal_downsample": [False, True, True], "dropout": 0.0,
 }
+VIDEO_FILE_LIMIT = 12_000_000  # bytes of the fp16 weights file
 CLIP_FRAMES = 17
 CLIP_SIZE = (256, 384)  # (height, width) of the held-out clips: 32x48 latents
 
@@ -74,16 +85,22 @@ def _rgb(a: np.ndarray) -> np.ndarray | None:
     return a
 
 
+# the photos packed into one file by `--which pack` (read with --data): a machine without scikit-image trains on the
+# same photos. Training photos keep their files' bytes (JPEG/PNG, a quarter of the pixels' size); the held-out ones
+# are stored as pixels, so the held-out clips are bit-identical to the ones made from scikit-image.
+PACK: dict[str, np.ndarray] | None = None
+
+
 def held_out_photo(name: str) -> np.ndarray:
+    if PACK is not None:
+        return PACK[f"held:{name}"]
     import skimage.data
 
     return _rgb(getattr(skimage.data, name)())
 
 
-def training_photos(min_side: int = 128) -> list[tuple[str, np.ndarray]]:
-    """(name, HxWx3 uint8) of every photo shipped in the installed packages, less the held-out ones."""
-    from PIL import Image
-
+def photo_files() -> list[str]:
+    """Paths of the photos shipped in the installed packages, less the held-out ones and the non-photos."""
     paths = []
     try:
         import skimage.data
@@ -104,12 +121,22 @@ def training_photos(min_side: int = 128) -> list[tuple[str, np.ndarray]]:
         paths += [os.path.join(matplotlib.get_data_path(), "sample_data", "grace_hopper.jpg")]
     except ImportError:
         pass
+    return [p for p in paths if Path(p).stem not in HELD_OUT and Path(p).stem not in NOT_PHOTOS and os.path.isfile(p)]
+
+
+def training_photos(min_side: int = 128) -> list[tuple[str, np.ndarray]]:
+    """(name, HxWx3 uint8) of every training photo: from the pack (--data) or the installed packages."""
+    import io
+
+    from PIL import Image
+
+    if PACK is not None:
+        files = [(k[len("train:"):], io.BytesIO(v.tobytes())) for k, v in PACK.items() if k.startswith("train:")]
+    else:
+        files = [(Path(p).stem, p) for p in photo_files()]
     photos = []
-    for p in paths:
-        name = Path(p).stem
-        if name in HELD_OUT or name in NOT_PHOTOS or not os.path.isfile(p):
-            continue
-        a = _rgb(np.array(Image.open(p)))
+    for name, f in files:
+        a = _rgb(np.array(Image.open(f)))
         if a is not None and min(a.shape[:2]) >= min_side:
             photos.append((name, a))
     if not photos:
@@ -180,7 +207,9 @@ class PhotoSampler:
                 side0 = size * math.exp(r.uniform(0, 0.3))
                 side1 = side0 * math.exp(r.uniform(-0.25, 0.25))
             side0, side1 = min(side0, min(h, w)), min(side1, min(h, w))
-            v = 0.0 if kind < 0.15 else r.uniform(0, 8)  # pixels per frame
+            # pixels per frame, up to the held-out pan's 11.3 (8 down and 8 right): a pan faster than any seen in
+            # training smeared (the held-out pan lost 4 dB against the zoom)
+            v = 0.0 if kind < 0.15 else r.uniform(0, 12)
             ang = r.uniform(0, 2 * math.pi)
             cy0, cx0 = r.uniform(side0 / 2, h - side0 / 2), r.uniform(side0 / 2, w - side0 / 2)
             cy1 = min(max(cy0 + v * (frames - 1) * math.sin(ang), side1 / 2), h - side1 / 2)
@@ -212,6 +241,21 @@ def render_path(img: torch.Tensor, frames: int, size: tuple[int, int], box0, box
     return torch.stack(out, 1)
 
 
+def write_pack(path: Path) -> Path:
+    """All training photos (their files' bytes) and the held-out photos (pixels) in one compressed .npz."""
+    arrays = {f"train:{Path(p).stem}": np.frombuffer(Path(p).read_bytes(), np.uint8) for p in photo_files()}
+    arrays.update({f"held:{n}": held_out_photo(n) for n in HELD_OUT})
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def read_pack(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
 def held_out_clips() -> dict[str, np.ndarray]:
     """The two held-out clips, (T, H, W, 3) uint8, made on the CPU from the held-out photos: a diagonal pan over the
     astronaut at full resolution (whole-pixel moves) and a slow zoom into the coffee cup."""
@@ -226,8 +270,9 @@ def held_out_clips() -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------------------------- losses
-def recon_loss(rec: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """rec, x: (N, 3, H, W) in [-1, 1]. Returns the loss and the batch PSNR (dB, on [0, 255])."""
+def recon_loss(rec: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rec, x: (N, 3, H, W) in [-1, 1]. Returns the loss and the batch PSNR (dB, on [0, 255]; a tensor, read only
+    when logged, so that a step does not wait for the device)."""
     rec = rec.float()
     d = rec - x
     mse = d.pow(2).mean()
@@ -235,7 +280,7 @@ def recon_loss(rec: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, float]
     if min(x.shape[-2:]) >= 8:
         loss = loss + 0.5 * (F.avg_pool2d(rec, 8) - F.avg_pool2d(x, 8)).abs().mean()
     loss = loss + 0.5 * (rec.mean((2, 3)) - x.mean((2, 3))).abs().mean()
-    psnr = 10 * math.log10(4.0 / max(mse.item(), 1e-12))
+    psnr = 10 * torch.log10(4.0 / mse.detach().clamp_min(1e-12))
     return loss, psnr
 
 
@@ -258,10 +303,75 @@ def wan_decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, 2)
 
 
-def build(which: str, init: str | None):
+def _resample_forward(self, x: torch.Tensor, feat_cache=None, feat_idx=None) -> torch.Tensor:
+    """WanResample.forward that also runs a whole clip, (B, C, T, H, W), when given no feature cache, computing what
+    diffusers' cached loop computes chunk by chunk: upsample3d leaves the first frame as it is (the loop's first chunk
+    skips the time conv) and turns each later frame into two, by a causal time conv over frames 1.. with zero
+    history; downsample3d keeps the first frame and adds the stride-2 time conv over the whole clip (its windows
+    [0,1,2], [2,3,4], ... are the loop's, which prepends the last frame of the previous chunk). With a cache (diffusers'
+    own encode/decode), the stock forward runs."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+
+    if feat_cache is not None:
+        return WanResample.forward(self, x, feat_cache, feat_idx)
+    b, c, t, h, w = x.shape
+    if self.mode == "upsample3d" and t > 1:
+        y = self.time_conv(x[:, :, 1:])  # (B, 2C, T-1, H, W): the two output frames of each input frame
+        y = y.unflatten(1, (2, c)).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * (t - 1), h, w)
+        x = torch.cat([x[:, :, :1], y], 2)
+    t = x.shape[2]
+    x = self.resample(x.transpose(1, 2).flatten(0, 1))  # frame by frame, as one batch
+    x = x.unflatten(0, (b, t)).transpose(1, 2)
+    if self.mode == "downsample3d" and t > 1:
+        x = torch.cat([x[:, :, :1], self.time_conv(x)], 2)
+    return x
+
+
+def whole_clip(vae):
+    """Give the Wan VAE's resamplers the whole-clip forward (an instance attribute; diffusers' encode/decode, which
+    pass a feature cache, still run the stock one). Every other Wan module already runs a whole clip when given no
+    cache: its causal convs pad the clip's start with zeros, as the cached loop's first chunk does. Returns the VAE."""
+    import types
+
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+
+    for m in vae.modules():
+        if isinstance(m, WanResample):
+            m.forward = types.MethodType(_resample_forward, m)
+    return vae
+
+
+def wan_encode_whole(vae, x: torch.Tensor):
+    """The posterior of AutoencoderKLWan.encode(x), x (B, 3, 1+4k, H, W), in one pass over the whole clip."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    return DiagonalGaussianDistribution(vae.quant_conv(vae.encoder(x)))
+
+
+def wan_decode_whole(vae, z: torch.Tensor) -> torch.Tensor:
+    """AutoencoderKLWan.decode(z) in one pass over the whole clip, unclamped (see wan_decode_unclamped)."""
+    return vae.decoder(vae.post_quant_conv(z))
+
+
+def video_config(base_dim: int | None = None, decoder_base_dim: int | None = None) -> dict:
+    cfg = dict(VIDEO_CONFIG)
+    if base_dim:
+        cfg["base_dim"] = base_dim
+    if decoder_base_dim:
+        cfg["decoder_base_dim"] = decoder_base_dim
+    if cfg.get("decoder_base_dim") == cfg["base_dim"]:
+        del cfg["decoder_base_dim"]  # the plain Wan 2.1 layout: one width
+    return cfg
+
+
+def build(which: str, init: str | None, cfg: dict):
     from diffusers import AutoencoderKL, AutoencoderKLWan
 
-    vae = AutoencoderKL(**IMAGE_CONFIG) if which == "image" else AutoencoderKLWan(**VIDEO_CONFIG)
+    vae = AutoencoderKL(**cfg) if which == "image" else whole_clip(AutoencoderKLWan(**cfg))
+    n = sum(p.numel() for p in vae.parameters())
+    log(f"[{which}] {n / 1e6:.2f}M parameters ({2 * n / 1e6:.1f} MB in fp16)")
+    if which == "video" and 2 * n > VIDEO_FILE_LIMIT:
+        sys.exit(f"the video VAE would be {2 * n / 1e6:.1f} MB in fp16, over {VIDEO_FILE_LIMIT / 1e6:.0f} MB")
     if init:
         from safetensors.torch import load_file
 
@@ -275,23 +385,47 @@ def lr_at(step: int, frac: float, base: float, warmup: int) -> float:
     return base * w * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def video_step(vae, x: torch.Tensor, args, decoder_only: bool):
+    """One video forward: (posterior, unclamped reconstruction). decoder_only: the encoder runs without gradient and
+    the decoder gets the shipped latents (the mode, rounded to fp16)."""
+    enc, dec = (wan_encode_whole, wan_decode_whole) if args.loop == "whole" else \
+        (lambda v, c: v.encode(c).latent_dist, wan_decode_unclamped)
+    if decoder_only:
+        with torch.no_grad():
+            post = enc(vae, x)
+        return post, dec(vae, post.mode().half().to(post.mean.dtype))
+    post = enc(vae, x)
+    return post, dec(vae, post.sample())
+
+
 def train(which: str, args) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     dev = torch.device(args.device)
-    vae = build(which, args.init).to(dev).train()
+    vae = build(which, args.init, args.cfg).to(dev).train()
+    if args.channels_last:
+        vae = vae.to(memory_format=torch.channels_last_3d if which == "video" else torch.channels_last)
     photos = training_photos()
     log(f"[{which}] {len(photos)} training photos: {', '.join(n for n, _ in photos)}")
     sampler = PhotoSampler(photos, dev, args.seed + (0 if which == "image" else 1))
     opt = torch.optim.AdamW(vae.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=1e-4)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    amp_dtype = {"bf16": torch.bfloat16, "off": None}.get(args.amp, torch.bfloat16 if dev.type == "cuda" else None)
+    amp = torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype is not None)
     budget = args.minutes * 60
     t0 = last = time.time()
-    step, hist, skipped = 0, [], 0
+    step, hist, skipped, frozen = 0, [], 0, False
     while True:
-        frac = (time.time() - t0) / budget
-        if frac >= 1 or (args.max_steps and step >= args.max_steps):
+        # the run's progress in [0, 1]: time, or steps, whichever is further along
+        frac = max((time.time() - t0) / budget if budget > 0 else 0.0,
+                   step / args.max_steps if args.max_steps else 0.0)
+        if frac >= 1:
             break
+        decoder_only = which == "video" and frac >= 1 - args.decoder_only
+        if decoder_only and not frozen:
+            frozen = True
+            for p in list(vae.encoder.parameters()) + list(vae.quant_conv.parameters()):
+                p.requires_grad_(False)
+            log(f"[{which}] step {step} {time.time() - t0:.0f}s: encoder frozen, decoder trained on its fp16 latents")
         for g in opt.param_groups:
             g["lr"] = lr_at(step, frac, args.lr, args.warmup)
         if which == "image":
@@ -302,27 +436,28 @@ def train(which: str, args) -> torch.nn.Module:
             loss, psnr = recon_loss(rec, x)
         else:
             x = sampler.clips(args.batch, args.frames, args.crop)
+            if args.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last_3d)
             with amp:
-                post = vae.encode(x).latent_dist
-                rec = wan_decode_unclamped(vae, post.sample())
+                post, rec = video_step(vae, x, args, decoder_only)
             flat = lambda v: v.transpose(1, 2).flatten(0, 1)  # noqa: E731  (B,3,T,H,W) -> (B*T,3,H,W)
             loss, psnr = recon_loss(flat(rec), flat(x))
         kl = kl_per_element(post)
-        total = loss + args.kl * kl
+        total = loss + (0.0 if decoder_only else args.kl) * kl
         opt.zero_grad(set_to_none=True)
         if not torch.isfinite(total):  # a rare bf16 blow-up: skip the batch rather than poison the weights
             skipped += 1
             continue
         total.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in vae.parameters() if p.requires_grad], 1.0)
         opt.step()
-        hist.append(psnr)
+        hist = hist[-49:] + [psnr]
         step += 1
         if time.time() - last > args.log_every or step == 1:
             last = time.time()
             log(f"[{which}] step {step} {time.time() - t0:.0f}s loss {loss.item():.4f} kl {kl.item():.2f} "
-                f"train psnr(avg last 50) {np.mean(hist[-50:]):.2f} dB lr {opt.param_groups[0]['lr']:.2e} "
-                f"{step / (time.time() - t0):.1f} it/s")
+                f"train psnr(avg last 50) {torch.stack(hist).mean().item():.2f} dB lr {opt.param_groups[0]['lr']:.2e} "
+                f"{step / (time.time() - t0):.2f} it/s")
     log(f"[{which}] trained {step} steps in {time.time() - t0:.0f}s ({skipped} non-finite batches skipped)")
     vae.eval()
     vae.train_steps = step
@@ -386,7 +521,7 @@ def finish_image(vae, args, out: Path) -> dict:
 
     dev = torch.device(args.device)
     # the shipped weights are fp16: measure those, in fp32 compute
-    sd = save_weights(vae, IMAGE_CONFIG, out / "tiny_kl_image.safetensors")
+    sd = save_weights(vae, args.cfg, out / "tiny_kl_image.safetensors")
     m = AutoencoderKL(**IMAGE_CONFIG).to(dev).eval()
     m.load_state_dict({k: v.float() for k, v in sd.items()})
     # scaling_factor = 1/std of the latents (encoder mode) over training crops, as Stable Diffusion's was chosen
@@ -415,17 +550,22 @@ def finish_video(vae, args, out: Path) -> dict:
     from diffusers import AutoencoderKLWan
 
     dev = torch.device(args.device)
-    sd = save_weights(vae, VIDEO_CONFIG, out / "tiny_wan_video.safetensors")
-    m = AutoencoderKLWan(**VIDEO_CONFIG).to(dev).eval()
+    path = out / "tiny_wan_video.safetensors"
+    sd = save_weights(vae, args.cfg, path)
+    # measured as shipped: fp16 weights in fp32 compute, through diffusers' own frame-by-frame encode and decode
+    m = AutoencoderKLWan(**args.cfg).to(dev).eval()
     m.load_state_dict({k: v.float() for k, v in sd.items()})
-    res, lat = {"train_steps": getattr(vae, "train_steps", 0)}, {}
+    res = {"train_steps": getattr(vae, "train_steps", 0), "config": args.cfg, "file_bytes": path.stat().st_size}
+    lat = {}
     for name, frames in held_out_clips().items():
-        res[name + "_file"] = write_lossless_mp4(frames, out / f"{name}_frames.mp4").name
+        if not args.skip_frames:
+            res[name + "_file"] = write_lossless_mp4(frames, out / f"{name}_frames.mp4").name
         x = torch.from_numpy(frames).to(dev).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
         z = m.encode(x).latent_dist.mode().half()  # raw latents: Wan's latents_mean/std are not applied
         lat[name] = z.cpu()
-        dec = m.decode(z.float()).sample[0]
-        res[name] = measure(to_uint8(dec), frames)
+        dec = to_uint8(m.decode(z.float()).sample[0])
+        res[name] = measure(dec, frames)
+        res[name]["frame_psnr_db"] = [measure(dec[i], frames[i])["psnr_db"] for i in range(len(frames))]
         log(f"[video] {name} {tuple(z.shape)}: {res[name]}")
     torch.save(lat, out / "tiny_wan_video_latents.pt")
     return res
@@ -433,14 +573,28 @@ def finish_video(vae, args, out: Path) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--which", choices=["image", "video", "frames"], required=True)
+    ap.add_argument("--which", choices=["image", "video", "frames", "pack"], required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minutes", type=float, default=5.0, help="wall-clock training budget")
+    ap.add_argument("--data", type=Path, default=None, help="the photos packed by --which pack (else the installed "
+                                                             "packages' photos)")
+    ap.add_argument("--minutes", type=float, default=5.0, help="wall-clock training budget (0 with --max-steps: "
+                                                               "steps only)")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: time only)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--crop", type=int, default=None, help="training crop side (pixels)")
     ap.add_argument("--frames", type=int, default=CLIP_FRAMES, help="frames per training clip (video): 1 + 4k")
+    ap.add_argument("--base-dim", type=int, default=None, help=f"video encoder width (default "
+                                                                f"{VIDEO_CONFIG['base_dim']})")
+    ap.add_argument("--decoder-base-dim", type=int, default=None, help=f"video decoder width (default "
+                                                                        f"{VIDEO_CONFIG['decoder_base_dim']})")
+    ap.add_argument("--loop", choices=["whole", "cached"], default="whole",
+                    help="video training forward: whole clips per call, or diffusers' frame-by-frame cached loop")
+    ap.add_argument("--decoder-only", type=float, default=0.25,
+                    help="video: the last fraction of the run trains the decoder alone on the fp16 latents")
+    ap.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="autocast (auto: bf16 on CUDA)")
+    ap.add_argument("--channels-last", action="store_true", help="channels-last activations and weights")
+    ap.add_argument("--skip-frames", action="store_true", help="video: do not write the held-out frames")
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--kl", type=float, default=1e-6, help="weight of the per-element KL")
@@ -453,11 +607,24 @@ def main(argv=None):
         args.batch = 24 if args.which == "image" else 6
     if args.crop is None:
         args.crop = 256 if args.which == "image" else 160
+    if args.minutes <= 0 and not args.max_steps:
+        ap.error("--minutes 0 needs --max-steps")
+    if args.which == "pack":
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = write_pack(args.out / "photos.npz")
+        log(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+        return
+    global PACK
+    if args.data is not None:
+        if not args.data.is_file():
+            ap.error(f"--data {args.data}: no such file (make it with --which pack)")
+        PACK = read_pack(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.which == "frames":
         for name, frames in held_out_clips().items():
             log(f"wrote {write_lossless_mp4(frames, args.out / f'{name}_frames.mp4')}")
         return
+    args.cfg = IMAGE_CONFIG if args.which == "image" else video_config(args.base_dim, args.decoder_base_dim)
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 measurements stay fp32
     if args.device.startswith("cuda"):

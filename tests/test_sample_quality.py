@@ -23,6 +23,12 @@ def _measure(dec: np.ndarray, ref: np.ndarray) -> tuple[float, np.ndarray]:
     return 10 * np.log10(255**2 / (d**2).mean()), d.reshape(-1, 3).mean(0)
 
 
+@pytest.mark.parametrize("name", ["tiny_kl_image.safetensors", "tiny_wan_video.safetensors"])
+def test_sample_weights_stay_small(samples_dir, name):
+    """The samples ship inside the package: each VAE file stays within 12 MB (fp16 weights, ~6M parameters)."""
+    assert (samples_dir / name).stat().st_size <= 12_000_000
+
+
 def test_image_sample_decodes_the_astronaut_without_a_colour_cast(samples_dir):
     z = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["astronaut"]
     out = vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors", latent_space="scaled")
