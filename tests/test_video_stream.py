@@ -365,3 +365,62 @@ def test_the_variant_benchmark_parses_its_variants():
     names = "diffusers,vaeopt,whole,chunk1,chunk4,cl,nofused,cl_nofused,budget16,budget8"
     args = harness.parse("decode_video", ["--workload", "ltx2-768", "--tiny", "--variants", names])
     assert args.tiny and len(args.variants) == 10
+
+
+@BOTH
+def test_the_preallocated_pad_equals_diffusers_padding(case, monkeypatch):
+    """The conv inputs built in one buffer (interior copy, then borders) give bit for bit what torch.cat + F.pad /
+    the conv's own reflect padding give, in every chunking, and no replicate/reflect F.pad runs at all."""
+    import torch.nn.functional as F
+
+    fam, m, z, ref = case
+    t = z.shape[2]
+    real_pad, modes = F.pad, []
+
+    def spy(x, pad, mode="constant", value=None):
+        modes.append(mode)
+        return real_pad(x, pad, mode=mode, value=value)
+
+    monkeypatch.setattr(F, "pad", spy)
+    for k in (t, 1, 2):
+        outs = {}
+        for fast in (True, False):
+            modes.clear()
+            sd = StreamDecoder(m, cap=k)
+            sd.fast_pad = fast
+            sched = chunk_schedule(t, k)
+            outs[fast] = torch.cat([sd.step(z[:, :, a:b], final=i == len(sched) - 1)
+                                    for i, (a, b) in enumerate(sched)], dim=2)
+            if fast:
+                assert not [md for md in modes if md != "constant"], (fam, k, set(modes))
+            else:
+                assert {"replicate" if fam == "hunyuanvideo15" else "reflect"} <= set(modes)
+        assert torch.equal(outs[True], outs[False]), (fam, k)
+
+
+@BOTH
+def test_channels_last_weights_get_channels_last_conv_inputs(case, monkeypatch):
+    """With the channels_last stage's weights, every 3x3x3 conv input is built channels_last_3d (cuDNN reads it
+    without a transpose) and the decode is unchanged."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from vaeopt.stages import channels_last
+
+    fam, m, z, ref = case
+    mc = copy.deepcopy(m)
+    channels_last.apply(mc)
+    seen, real = [], F.conv3d
+
+    def spy(x, w, *a, **k):
+        if w.shape[-1] > 1:  # (1x1x1 convs read whatever layout their producer left)
+            seen.append(x.is_contiguous(memory_format=torch.channels_last_3d))
+        return real(x, w, *a, **k)
+
+    monkeypatch.setattr(F, "conv3d", spy)
+    sd = StreamDecoder(mc, cap=2)
+    sched = chunk_schedule(z.shape[2], 2)
+    y = torch.cat([sd.step(z[:, :, a:b], final=i == len(sched) - 1) for i, (a, b) in enumerate(sched)], dim=2)
+    assert psnr(y, ref) >= 100
+    assert seen and all(seen), (fam, seen.count(False), len(seen))

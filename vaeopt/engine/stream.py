@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vaeopt.engine.pad import fill_borders, padded_empty
 from vaeopt.errors import VaeoptError
+from vaeopt.stages import foreign_global_hooks, unhooked
 
 STREAM_CLASSES = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video")
 
@@ -151,9 +153,76 @@ class StreamDecoder:
         self._build()
 
     # -- streamed primitives -------------------------------------------------------------------------------
+    # False: the conv input is built as diffusers builds it (torch.cat of the time padding, then F.pad / the conv's
+    # own padding_mode), for measuring the preallocated buffer against it
+    fast_pad = True
+
     def conv(self, wrapper, x: Tensor, final: bool) -> Tensor:
         """A causal-conv wrapper (HunyuanVideo15CausalConv3d / LTX2VideoCausalConv3d) continuing its stream: the new
         frames x after the kept input history; -> the output frames that are complete."""
+        if not self.fast_pad:
+            return self._conv_torch_pad(wrapper, x, final)
+        conv = wrapper.conv
+        kt = conv.kernel_size[0]
+        st = self.state.get(wrapper)
+        if st is None:
+            st = self.state[wrapper] = _ConvState()
+        first = st.hist is None
+        if first and x.shape[2] == 0:
+            return empty_frames(x, conv.out_channels)
+        keep = kt - 1
+        if self.kind == "hv15":
+            p = wrapper.time_causal_padding  # (w, w, h, h, t_front, t_back) as F.pad reads it, in pad_mode
+            space, time_mode, left, right = p[:4], wrapper.pad_mode, p[4], p[5]
+        else:
+            left, right = (kt - 1, 0) if self.causal else ((kt - 1) // 2, (kt - 1) // 2)
+            space, time_mode = self._own_spatial_pad(conv), "replicate"  # diffusers repeats frame 0 / the last
+        head = 0 if first else st.hist.shape[2]
+        front = left if first else 0  # the clip's first frames: the front padding, filled like a border
+        back = right if final else 0  # the clip's end: the back padding
+        n = front + head + x.shape[2]  # the stream's frames in the buffer (before the back padding)
+        buf, inner = padded_empty((x.shape[0], x.shape[1], n + back, x.shape[3], x.shape[4]), space, x,
+                                  self._layout(conv))
+        if head:
+            inner[:, :, :head].copy_(st.hist)
+        inner[:, :, front + head:n].copy_(x)
+        data = buf[:, :, front:n]
+        if any(space):
+            fill_borders(data, space, self._space_mode(wrapper))
+        if front or back:
+            fill_borders(buf.movedim(2, -1), (front, back), time_mode)  # whole frames, their borders included
+        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        st.hist = inner[:, :, max(0, n - keep):n].clone() if keep and not final else None
+        if buf.shape[2] < kt:
+            return empty_frames(x, conv.out_channels)
+        if self.kind == "ltx2" and any(space):  # the conv's own padding is in the buffer: run it without
+            return F.conv3d(buf, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+        return conv(buf)
+
+    @staticmethod
+    def _own_spatial_pad(conv: nn.Conv3d) -> tuple[int, ...]:
+        """LTX-2: the spatial padding of a plain nn.Conv3d whose padding_mode is not zeros (reflect), which the buffer
+        then holds so the conv runs unpadded; (0, 0, 0, 0) where cuDNN's zero padding is free, or where the conv is
+        not a plain, unhooked nn.Conv3d (its forward must run, and it pads itself)."""
+        if (conv.padding_mode == "zeros" or type(conv) is not nn.Conv3d or not unhooked(conv) or "forward" in
+                conv.__dict__ or not isinstance(conv.padding, tuple) or foreign_global_hooks()):
+            return (0, 0, 0, 0)
+        _, ph, pw = conv.padding
+        return (pw, pw, ph, ph)
+
+    def _space_mode(self, wrapper) -> str:
+        return wrapper.pad_mode if self.kind == "hv15" else wrapper.conv.padding_mode
+
+    @staticmethod
+    def _layout(conv: nn.Conv3d) -> torch.memory_format:
+        """The layout the channels_last stage gave the conv's weights, so cuDNN reads its input as it is."""
+        w = conv.weight
+        return (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d)
+                and not w.is_contiguous() else torch.contiguous_format)
+
+    def _conv_torch_pad(self, wrapper, x: Tensor, final: bool) -> Tensor:
+        """conv() with diffusers' padding ops: torch.cat over time, F.pad (HunyuanVideo 1.5) or the conv's own
+        padding_mode (LTX-2) in space."""
         conv = wrapper.conv
         kt = conv.kernel_size[0]
         st = self.state.get(wrapper)
@@ -168,8 +237,6 @@ class StreamDecoder:
             if x.shape[2] == 0:
                 return empty_frames(x, conv.out_channels)
             if self.kind == "hv15":
-                # the clip's first frames: one F.pad over time and space, as diffusers pads the clip (one copy, not
-                # a concatenation and then a pad); the history is the last frames of the time-padded stream
                 if keep and not final:
                     st.hist = (x if x.shape[2] >= keep else
                                _cat(x[:, :, :1].expand(-1, -1, keep - x.shape[2], -1, -1), x))[:, :, -keep:].clone()
@@ -177,16 +244,13 @@ class StreamDecoder:
             head = x[:, :, :1].expand(-1, -1, left, -1, -1) if left else None
         else:
             head = st.hist
-        # one concatenation of the history (or the clip's front padding), the new frames and, at the clip's end, the
-        # back padding, as diffusers concatenates its padding: no second full copy of the input
         tail = None
         if final and right:
             last = x if x.shape[2] else head
             tail = last[:, :, -1:].expand(-1, -1, right, -1, -1)
         parts = [t for t in (head, x, tail) if t is not None and t.shape[2]]
         buf = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        n = (head.shape[2] if head is not None else 0) + x.shape[2]  # the stream's frames in buf (before the tail)
-        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        n = (head.shape[2] if head is not None else 0) + x.shape[2]
         st.hist = buf[:, :, max(0, n - keep):n].clone() if keep and not final else None
         if buf.shape[2] < kt:
             return empty_frames(x, conv.out_channels)
@@ -195,12 +259,9 @@ class StreamDecoder:
             buf = F.pad(buf, (p[0], p[1], p[2], p[3], 0, 0), mode=wrapper.pad_mode)
         return self._conv_call(conv, buf)
 
-    @staticmethod
-    def _conv_call(conv: nn.Conv3d, buf: Tensor) -> Tensor:
-        w = conv.weight  # the layout the channels_last stage gave the weights (cat/pad may have dropped it)
-        mf = (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
-              else torch.contiguous_format)
-        return conv(buf.contiguous(memory_format=mf))
+    @classmethod
+    def _conv_call(cls, conv: nn.Conv3d, buf: Tensor) -> Tensor:
+        return conv(buf.contiguous(memory_format=cls._layout(conv)))
 
     def pointwise(self, conv: nn.Conv3d, x: Tensor) -> Tensor:
         return conv(x) if x.shape[2] else empty_frames(x, conv.out_channels)
