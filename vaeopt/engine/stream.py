@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from vaeopt.engine.pad import fill_borders, padded_empty
 from vaeopt.errors import VaeoptError
 from vaeopt.stages import foreign_global_hooks, unhooked
+from vaeopt.stages.fused_norms import writes_into
 
 STREAM_CLASSES = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video")
 
@@ -157,11 +158,12 @@ class StreamDecoder:
     # own padding_mode), for measuring the preallocated buffer against it
     fast_pad = True
 
-    def conv(self, wrapper, x: Tensor, final: bool) -> Tensor:
+    def conv(self, wrapper, x: Tensor, final: bool, norm: nn.Module | None = None) -> Tensor:
         """A causal-conv wrapper (HunyuanVideo15CausalConv3d / LTX2VideoCausalConv3d) continuing its stream: the new
-        frames x after the kept input history; -> the output frames that are complete."""
+        frames x after the kept input history; -> the output frames that are complete. norm: the conv's input is
+        norm(x) (a fused RMS norm + SiLU, which then writes straight into the conv's padded input buffer)."""
         if not self.fast_pad:
-            return self._conv_torch_pad(wrapper, x, final)
+            return self._conv_torch_pad(wrapper, norm(x) if norm is not None and x.shape[2] else x, final)
         conv = wrapper.conv
         kt = conv.kernel_size[0]
         st = self.state.get(wrapper)
@@ -185,7 +187,14 @@ class StreamDecoder:
                                   self._layout(conv))
         if head:
             inner[:, :, :head].copy_(st.hist)
-        inner[:, :, front + head:n].copy_(x)
+        if x.shape[2]:
+            dst = inner[:, :, front + head:n]
+            if norm is None:
+                dst.copy_(x)
+            elif writes_into(norm):
+                norm(x, out=dst)  # the producer writes the interior: the pad costs only its borders
+            else:
+                dst.copy_(norm(x))
         data = buf[:, :, front:n]
         if any(space):
             fill_borders(data, space, self._space_mode(wrapper))
@@ -274,14 +283,26 @@ class StreamDecoder:
         return h + q[:, :, :n] if n else h
 
     # -- blocks --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _fused(act: nn.Module, norm: nn.Module) -> bool:
+        """norm -> act is one fused norm + SiLU module (fused_norms) that can write into a conv's input buffer."""
+        return type(act) is nn.Identity and unhooked(act) and writes_into(norm)
+
     def resnet(self, blk, x: Tensor, final: bool) -> Tensor:
         act = blk.nonlinearity
-        h = self.conv(blk.conv1, act(blk.norm1(x)), final)
-        h = blk.norm2(h)
-        h = act(h)
-        if getattr(blk, "dropout", None) is not None:
-            h = blk.dropout(h)
-        h = self.conv(blk.conv2, h, final)
+        if self._fused(act, blk.norm1):
+            h = self.conv(blk.conv1, x, final, norm=blk.norm1)
+        else:
+            h = self.conv(blk.conv1, act(blk.norm1(x)), final)
+        drop = getattr(blk, "dropout", None)
+        idle = drop is None or (type(drop) is nn.Dropout and (not drop.training or drop.p == 0) and unhooked(drop))
+        if idle and self._fused(act, blk.norm2):
+            h = self.conv(blk.conv2, h, final, norm=blk.norm2)
+        else:
+            h = act(blk.norm2(h))
+            if drop is not None:
+                h = drop(h)
+            h = self.conv(blk.conv2, h, final)
         r = x
         if getattr(blk, "norm3", None) is not None and r.shape[2]:
             r = blk.norm3(r.movedim(1, -1)).movedim(-1, 1)
@@ -395,7 +416,10 @@ class StreamDecoder:
     def _head(self, x: Tensor, final: bool) -> Tensor:
         """norm_out, SiLU, conv_out (and LTX-2's unpatchify)."""
         dec = self.dec
-        x = self.conv(dec.conv_out, dec.conv_act(dec.norm_out(x)), final)
+        if self._fused(dec.conv_act, dec.norm_out):
+            x = self.conv(dec.conv_out, x, final, norm=dec.norm_out)
+        else:
+            x = self.conv(dec.conv_out, dec.conv_act(dec.norm_out(x)), final)
         if self.kind == "ltx2":
             p, pt = dec.patch_size, dec.patch_size_t
             b, c, f, h, w = x.shape
