@@ -9,10 +9,12 @@ Variants: diffusers (vae.decode: Wan one latent frame per call), vaeopt (every d
 graphs off), graphs (+ Wan's per-chunk CUDA graphs, armed as `vaeopt decode` arms them), fp8 (+ FP8), tiled (spatial
 tiles within --vram-budget), budget (the planner's own choice within --vram-budget: chunks, tiles where a chunk does not
 fit), budget16 / budget8 (the same within 16 / 8 GB); vaeopt with one thing changed: whole (the clip in one call),
-chunkK (K latent frames per call), cl (channels_last_3d on), nofused (no Triton norms), cl_nofused. The reference is the
-fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without its growing
-torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock; the table's "decode" is
-their own peak (the weights plus the peak above the call's start), held against the plan's estimate and the budget.
+chunkK (K latent frames per call), cl (channels_last_3d on), nofused (no Triton norms), cl_nofused, oldpad / cl_oldpad
+(HunyuanVideo 1.5, LTX-2: conv inputs padded by torch.cat + PyTorch's 3D pad kernels, as before the one-buffer pad).
+The reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without
+its growing torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock; the table's
+"decode" is their own peak (the weights plus the peak above the call's start), held against the plan's estimate and
+the budget.
 """
 
 import torch
@@ -20,7 +22,10 @@ import torch
 import harness as H
 
 VARIANTS = ("diffusers", "vaeopt", "graphs", "fp8", "tiled", "budget", "budget16", "budget8", "whole", "chunk1",
-            "chunk2", "chunk4", "cl", "nofused", "cl_nofused")
+            "chunk2", "chunk4", "cl", "nofused", "cl_nofused", "oldpad", "cl_oldpad")
+# HunyuanVideo 1.5 / LTX-2 conv inputs built as diffusers builds them (torch.cat + PyTorch's 3D pad kernels) instead of
+# in one preallocated buffer whose borders are filled after the data (engine.stream.StreamDecoder.fast_pad)
+OLD_PAD = ("oldpad", "cl_oldpad")
 DEFAULTS = {"workload": "wan21-480p", "repeats": 5, "warmup": 2}
 _V = dict(graphs="off", tiling="off")
 OPTIONS = {"vaeopt": _V, "graphs": dict(graphs="on", tiling="off"),
@@ -28,7 +33,8 @@ OPTIONS = {"vaeopt": _V, "graphs": dict(graphs="on", tiling="off"),
            "budget": dict(graphs="off", tiling="auto"), "whole": _V,
            **{f"budget{g}": dict(graphs="off", tiling="auto", vram_budget_gb=g) for g in (16, 8)},
            **{f"chunk{k}": dict(_V, chunk=k) for k in (1, 2, 4)}, "cl": dict(_V, channels_last="on"),
-           "nofused": dict(_V, triton="off"), "cl_nofused": dict(_V, channels_last="on", triton="off")}
+           "nofused": dict(_V, triton="off"), "cl_nofused": dict(_V, channels_last="on", triton="off"),
+           "oldpad": _V, "cl_oldpad": dict(_V, channels_last="on")}
 
 
 add_args = H.decode_args
@@ -62,8 +68,27 @@ def setup(variant, shape, ctx):
     if variant == "fp8" and not any(s.name.startswith("fp8") and s.status == "applied" for s in pipe.stages):
         raise H.Skip("FP8 did not run: " + "; ".join(f"{s.name}: {s.text()}" for s in pipe.stages
                                                     if s.name.startswith("fp8")))
-    return H.pipeline_case(pipe, plan, z, reference, flops, est_gib=plan.est_bytes / 2**30, weights_gib=weights / 2**30,
+    case = H.pipeline_case(pipe, plan, z, reference, flops, est_gib=plan.est_bytes / 2**30, weights_gib=weights / 2**30,
                            budget_gib=(plan.budget_bytes or 0) / 2**30 if opts["tiling"] != "off" else None)
+    if variant in OLD_PAD:
+        if not video_stream.applies(pipe.model):
+            raise H.Skip("the torch-pad variant exists for HunyuanVideo 1.5's and LTX-2's chunk decoder only")
+        case.fn = _torch_pad(case.fn)
+    return case
+
+
+def _torch_pad(fn):
+    """fn with the chunk decoder's conv inputs built by torch.cat + F.pad for the call (profiled calls included)."""
+    from vaeopt.engine.stream import StreamDecoder
+
+    def call():
+        StreamDecoder.fast_pad = False
+        try:
+            return fn()
+        finally:
+            StreamDecoder.fast_pad = True
+
+    return call
 
 
 def table(res: dict) -> None:
