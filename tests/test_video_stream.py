@@ -459,3 +459,26 @@ def test_fused_norms_write_the_conv_buffers(case, monkeypatch):
             assert calls and not any(calls)
     assert torch.equal(outs[True], outs[False])
     assert psnr(outs[True], ref) >= 60
+
+
+def test_hv_upsample_in_one_add_equals_diffusers():
+    """HunyuanVideo 1.5's upsamplers (with and without the temporal step): conv, channel-to-space of the conv output
+    and of the repeated shortcut, summed in one add written into the upsampled layout, give the module's own forward
+    bit for bit, over the whole clip and when the clip comes in two pieces (frame 0 special in the first only), in
+    both layouts."""
+    m = tiny("hunyuanvideo15")
+    ups = [u for u in m.decoder.modules() if type(u).__name__ == "HunyuanVideo15Upsample"]
+    assert {u.add_temporal_upsample for u in ups} == {True, False}
+    g = torch.Generator().manual_seed(5)
+    for u in ups:
+        x = torch.randn(1, u.conv.conv.in_channels, 3, 4, 5, generator=g)
+        with torch.no_grad():
+            ref = u(x)
+            for cl in (False, True):
+                xin = x.contiguous(memory_format=torch.channels_last_3d) if cl else x
+                sd = StreamDecoder(m)
+                assert torch.equal(sd.hv_upsample(u, xin, True), ref)
+                sd = StreamDecoder(m)
+                a = sd.hv_upsample(u, xin[:, :, :2], False)
+                b = sd.hv_upsample(u, xin[:, :, 2:], True)
+                assert torch.equal(torch.cat([a, b], dim=2), ref), (u.add_temporal_upsample, cl)

@@ -128,6 +128,22 @@ def _spatial_up(m) -> int:
     return 0
 
 
+def _into_space(dst: Tensor, h: Tensor, x: Tensor, r1: int, repeats: int, take: int | None = None) -> None:
+    """dst (N, c, r1*T, 2H, 2W) <- HunyuanVideo 1.5's channel-to-space of h (N, r1*4*c', T, H, W; its first `take`
+    channels of each sub-position when given, else all) plus that of x with each channel repeated `repeats` times, in
+    one add: diffusers' `_dcae_upsample_rearrange` puts packed channel (sub, ch) at sub-position sub = (i1, i2, i3) of
+    output channel ch, and the shortcut's output channel ch reads x's channel ch // repeats of the same sub-position
+    (whether the repeat comes before the rearrange, as without a temporal upsample, or after it), so
+    dst[ch, t, i1, y, i2, w, i3] = h[sub, ch] + x[sub, ch // repeats]."""
+    N, _, T, H, W = h.shape
+    c = dst.shape[1]
+    k = c // repeats  # x's channels per sub-position
+    hv = h.view(N, r1, 2, 2, h.shape[1] // (r1 * 4), T, H, W)[:, :, :, :, :take or c]
+    hv = hv.unflatten(4, (k, repeats)).permute(0, 4, 5, 6, 1, 7, 2, 8, 3)
+    xv = x.view(N, r1, 2, 2, k, 1, T, H, W).expand(N, r1, 2, 2, k, repeats, T, H, W).permute(0, 4, 5, 6, 1, 7, 2, 8, 3)
+    torch.add(hv, xv, out=dst.view(N, k, repeats, T, r1, H, 2, W, 2))
+
+
 class _ConvState:
     __slots__ = ("hist",)
 
@@ -337,7 +353,30 @@ class StreamDecoder:
         return blk.proj_out(y) + x
 
     def hv_upsample(self, up, x: Tensor, final: bool) -> Tensor:
+        """HunyuanVideo15Upsample continuing its stream: conv, channel-to-space of the conv output and of the
+        shortcut (the input's channels repeated), and their sum, as one add written straight into the upsampled
+        layout (`_into_space`), not diffusers' rearrange, repeat_interleave, cat and add passes: the same sums."""
         h = self.conv(up.conv, x, final)
+        r1 = 2 if up.add_temporal_upsample else 1
+        c = h.shape[1] // (r1 * 4)  # output channels
+        N, _, T, H, W = x.shape
+        if T == 0:
+            return h.new_empty((N, c, 0, 2 * H, 2 * W))
+        if h.shape[2] != T or c % up.repeats or (r1 == 2 and (up.repeats % 2 or c % (up.repeats // 2))):
+            return self._hv_upsample_ops(up, x, h)
+        first = up.add_temporal_upsample and up not in self.state
+        self.state[up] = True
+        out = torch.empty((N, c, r1 * T - (1 if first else 0), 2 * H, 2 * W), dtype=h.dtype, device=h.device,
+                          memory_format=self._layout(up.conv.conv))
+        if first:  # frame 0 of the clip: one frame, the first half of its channel-to-space result
+            _into_space(out[:, :, :1], h[:, :, :1], x[:, :, :1], 1, up.repeats // 2, take=c)
+            h, x = h[:, :, 1:], x[:, :, 1:]
+        if h.shape[2]:
+            _into_space(out[:, :, 1 if first else 0:], h, x, r1, up.repeats)
+        return out
+
+    def _hv_upsample_ops(self, up, x: Tensor, h: Tensor) -> Tensor:
+        """hv_upsample with diffusers' own ops (where the conv's output frames do not line up with its input's)."""
         rr = up._dcae_upsample_rearrange
         if not up.add_temporal_upsample:
             sc = rr(x.repeat_interleave(repeats=up.repeats, dim=1), r1=1, r2=2, r3=2)
