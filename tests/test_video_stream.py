@@ -482,3 +482,25 @@ def test_hv_upsample_in_one_add_equals_diffusers():
                 a = sd.hv_upsample(u, xin[:, :, :2], False)
                 b = sd.hv_upsample(u, xin[:, :, 2:], True)
                 assert torch.equal(torch.cat([a, b], dim=2), ref), (u.add_temporal_upsample, cl)
+
+
+def test_ltx_upsample_in_one_add_equals_diffusers():
+    """LTX-2's residual upsamplers: the conv output and the repeated shortcut summed in one add written into the
+    upsampled layout give the module's own forward bit for bit (non-causal: the conv's output lags its input, the
+    shortcut waits for it), whole or in two pieces, in both layouts."""
+    m = tiny("ltx2")
+    ups = [u for u in m.decoder.modules() if type(u).__name__ == "LTX2VideoUpsampler3d" and u.residual]
+    assert ups
+    g = torch.Generator().manual_seed(6)
+    for u in ups:
+        x = torch.randn(1, u.conv.conv.in_channels, 3, 4, 5, generator=g)
+        with torch.no_grad():
+            ref = u(x, causal=m.decoder.is_causal)
+            for cl in (False, True):
+                xin = x.contiguous(memory_format=torch.channels_last_3d) if cl else x
+                sd = StreamDecoder(m)
+                assert torch.equal(sd.ltx_upsample(u, xin, True), ref)
+                sd = StreamDecoder(m)
+                a = sd.ltx_upsample(u, xin[:, :, :2], False)
+                b = sd.ltx_upsample(u, xin[:, :, 2:], True)
+                assert torch.equal(torch.cat([a, b], dim=2), ref), cl

@@ -410,11 +410,31 @@ class StreamDecoder:
             self.state[key] = left - n
             return t[:, :, n:]
 
-        h = drop((up, "h"), d2s(self.conv(up.conv, x, final)))
+        hl = self.conv(up.conv, x, final)
+        k = (s[0] * s[1] * s[2]) // up.upscale_factor  # the shortcut's channel repeats
         if not up.residual:
-            return h
-        r = d2s(x).repeat(1, (s[0] * s[1] * s[2]) // up.upscale_factor, 1, 1, 1)
-        return self._align(up, drop((up, "r"), r), h)
+            return drop((up, "h"), d2s(hl))
+        if hl.shape[1] != k * x.shape[1] or (up, "h") in self.state:
+            h = drop((up, "h"), d2s(hl))
+            r = d2s(x).repeat(1, k, 1, 1, 1)
+            return self._align(up, drop((up, "r"), r), h)
+        # the conv's output lags its input (non-causal): line x's frames up with it at the latent side, then the sum
+        # of the two channel-to-space results in one add written into the upsampled layout: diffusers' d2s puts
+        # packed channel (ch, sub) at sub-position sub of output channel ch, and the repeated shortcut's channel
+        # ki * Cx + cx reads x's channel (cx, sub); the same sums as d2s(h) + d2s(x).repeat, without their copies
+        q = _cat(self.state.get((up, "x")), x)
+        n = hl.shape[2]
+        self.state[(up, "x")] = q[:, :, n:].clone() if q.shape[2] > n else None  # (a view would keep q alive)
+        N, _, _, H, W = x.shape
+        cx = x.shape[1] // (s[0] * s[1] * s[2])
+        out = torch.empty((N, k * cx, n * s[0], H * s[1], W * s[2]), dtype=hl.dtype, device=hl.device,
+                          memory_format=self._layout(up.conv.conv))
+        if n:
+            order = (0, 1, 2, 6, 3, 7, 4, 8, 5)  # -> (N, k, cx, f, s0, H, s1, W, s2)
+            hv = hl.view(N, k, cx, *s, n, H, W).permute(order)
+            xv = q[:, :, :n].view(N, 1, cx, *s, n, H, W).expand(N, k, cx, *s, n, H, W).permute(order)
+            torch.add(hv, xv, out=out.view(N, k, cx, n, s[0], H, s[1], W, s[2]))
+        return drop((up, "o"), out)
 
     # -- the decoder as a list of stages -------------------------------------------------------------------
     def _build(self) -> None:
