@@ -338,6 +338,9 @@ def _padded_out(out: torch.Tensor, kind: str) -> dict | None:
         return None
     N, C, T, H, W = out.shape
     sn, sc, st, sh, sw = out.stride()
+    row = W if kind == "cf" else W * C
+    if (H > 1 and sh < row) or (T > 1 and st < H * max(sh, row)):  # rows or frames that overlap: not a buffer
+        return None
     if kind == "cf" and (sw == 1 or W == 1):
         return dict(stride_n=sn, stride_c=sc, OUT_PAD=True, OW=W, OHW=H * W, stride_yt=st, stride_yh=sh)
     if kind == "cl" and (sc == 1 or C == 1) and (sw == C or W == 1):
