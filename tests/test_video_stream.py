@@ -504,3 +504,20 @@ def test_ltx_upsample_in_one_add_equals_diffusers():
                 a = sd.ltx_upsample(u, xin[:, :, :2], False)
                 b = sd.ltx_upsample(u, xin[:, :, 2:], True)
                 assert torch.equal(torch.cat([a, b], dim=2), ref), cl
+
+
+@BOTH
+def test_every_switch_off_decodes_the_same(case):
+    """StreamDecoder's measurement switches (fast_pad, fused_upsample) off: diffusers' own padding and upsampler ops,
+    the same decode bit for bit, chunked as well as whole."""
+    fam, m, z, ref = case
+    t = z.shape[2]
+    for k in (t, 1):
+        outs = []
+        for on in (True, False):
+            sd = StreamDecoder(m, cap=k)
+            sd.fast_pad = sd.fused_upsample = on
+            sched = chunk_schedule(t, k)
+            outs.append(torch.cat([sd.step(z[:, :, a:b], final=i == len(sched) - 1)
+                                   for i, (a, b) in enumerate(sched)], dim=2))
+        assert torch.equal(outs[0], outs[1]), (fam, k)

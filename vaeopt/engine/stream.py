@@ -173,6 +173,8 @@ class StreamDecoder:
     # False: the conv input is built as diffusers builds it (torch.cat of the time padding, then F.pad / the conv's
     # own padding_mode), for measuring the preallocated buffer against it
     fast_pad = True
+    # False: the upsamplers run diffusers' rearrange / repeat / cat / add ops instead of one add into the output
+    fused_upsample = True
 
     def conv(self, wrapper, x: Tensor, final: bool, norm: nn.Module | None = None) -> Tensor:
         """A causal-conv wrapper (HunyuanVideo15CausalConv3d / LTX2VideoCausalConv3d) continuing its stream: the new
@@ -362,7 +364,8 @@ class StreamDecoder:
         N, _, T, H, W = x.shape
         if T == 0:
             return h.new_empty((N, c, 0, 2 * H, 2 * W))
-        if h.shape[2] != T or c % up.repeats or (r1 == 2 and (up.repeats % 2 or c % (up.repeats // 2))):
+        if (not self.fused_upsample or h.shape[2] != T or c % up.repeats
+                or (r1 == 2 and (up.repeats % 2 or c % (up.repeats // 2)))):
             return self._hv_upsample_ops(up, x, h)
         first = up.add_temporal_upsample and up not in self.state
         self.state[up] = True
@@ -414,7 +417,7 @@ class StreamDecoder:
         k = (s[0] * s[1] * s[2]) // up.upscale_factor  # the shortcut's channel repeats
         if not up.residual:
             return drop((up, "h"), d2s(hl))
-        if hl.shape[1] != k * x.shape[1] or (up, "h") in self.state:
+        if not self.fused_upsample or hl.shape[1] != k * x.shape[1] or (up, "h") in self.state:
             h = drop((up, "h"), d2s(hl))
             r = d2s(x).repeat(1, k, 1, 1, 1)
             return self._align(up, drop((up, "r"), r), h)
