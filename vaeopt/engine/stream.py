@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vaeopt.engine.pad import MODES as PAD_MODES
 from vaeopt.engine.pad import fill_borders, padded_empty
 from vaeopt.errors import VaeoptError
 from vaeopt.stages import foreign_global_hooks, unhooked
@@ -180,7 +181,7 @@ class StreamDecoder:
         """A causal-conv wrapper (HunyuanVideo15CausalConv3d / LTX2VideoCausalConv3d) continuing its stream: the new
         frames x after the kept input history; -> the output frames that are complete. norm: the conv's input is
         norm(x) (a fused RMS norm + SiLU, which then writes straight into the conv's padded input buffer)."""
-        if not self.fast_pad:
+        if not self.fast_pad or (self.kind == "hv15" and wrapper.pad_mode not in PAD_MODES):
             return self._conv_torch_pad(wrapper, norm(x) if norm is not None and x.shape[2] else x, final)
         conv = wrapper.conv
         kt = conv.kernel_size[0]
@@ -228,11 +229,12 @@ class StreamDecoder:
 
     @staticmethod
     def _own_spatial_pad(conv: nn.Conv3d) -> tuple[int, ...]:
-        """LTX-2: the spatial padding of a plain nn.Conv3d whose padding_mode is not zeros (reflect), which the buffer
-        then holds so the conv runs unpadded; (0, 0, 0, 0) where cuDNN's zero padding is free, or where the conv is
-        not a plain, unhooked nn.Conv3d (its forward must run, and it pads itself)."""
-        if (conv.padding_mode == "zeros" or type(conv) is not nn.Conv3d or not unhooked(conv) or "forward" in
-                conv.__dict__ or not isinstance(conv.padding, tuple) or foreign_global_hooks()):
+        """LTX-2: the spatial padding of a plain nn.Conv3d with padding_mode reflect (or replicate), which the buffer
+        then holds so the conv runs unpadded; (0, 0, 0, 0) where cuDNN's zero padding is free, where the mode is one
+        engine.pad does not fill (circular), or where the conv is not a plain, unhooked nn.Conv3d (its forward must
+        run, and it pads itself)."""
+        if (conv.padding_mode not in ("reflect", "replicate") or type(conv) is not nn.Conv3d or not unhooked(conv)
+                or "forward" in conv.__dict__ or not isinstance(conv.padding, tuple) or foreign_global_hooks()):
             return (0, 0, 0, 0)
         _, ph, pw = conv.padding
         return (pw, pw, ph, ph)
