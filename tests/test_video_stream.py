@@ -521,3 +521,23 @@ def test_every_switch_off_decodes_the_same(case):
             outs.append(torch.cat([sd.step(z[:, :, a:b], final=i == len(sched) - 1)
                                    for i, (a, b) in enumerate(sched)], dim=2))
         assert torch.equal(outs[0], outs[1]), (fam, k)
+
+
+def test_a_hooked_reflect_conv_still_runs_its_forward():
+    """LTX-2's reflect-padded convs run unpadded on the buffer's borders only when they are plain nn.Conv3d: one with
+    a forward hook gets the time-padded buffer through its own forward (which pads itself), so the hook fires and
+    sees what it would under diffusers, and the decode is unchanged."""
+    m = tiny("ltx2")
+    z = torch.randn(*LAT["ltx2"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m.decode(z).sample
+    conv = m.decoder.conv_in.conv
+    assert conv.padding_mode == "reflect"
+    seen = []
+    h = conv.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        y = StreamDecoder(m, cap=z.shape[2]).step(z, final=True)
+    finally:
+        h.remove()
+    assert seen == [(1, 128, z.shape[2] + 2, *z.shape[3:])]  # time-padded (non-causal: 1 + 1 frames), not in space
+    assert torch.equal(y, ref)
