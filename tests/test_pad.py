@@ -37,7 +37,7 @@ def _ref(x, pads, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_pad_equals_f_pad(shape, mode, cl):
-    g = torch.Generator().manual_seed(hash((shape, mode)) % 1000)
+    g = torch.Generator().manual_seed(sum(shape) * 10 + MODES.index(mode))
     x = torch.randn(shape, generator=g)
     if cl:
         x = x.contiguous(memory_format=torch.channels_last_3d)
