@@ -362,6 +362,9 @@ def test_the_variant_benchmark_parses_its_variants():
 
     assert set(decode_video.VARIANTS) - {"diffusers"} == set(decode_video.OPTIONS)
     assert decode_video.OPTIONS["budget8"]["vram_budget_gb"] == 8 and decode_video.OPTIONS["chunk4"]["chunk"] == 4
+    # the chunk decoder's switch variants name switches StreamDecoder has (a typo would set a new attribute)
+    assert set(decode_video.STREAM_SWITCHES) <= set(decode_video.VARIANTS)
+    assert all(isinstance(getattr(StreamDecoder, k), bool) for sw in decode_video.STREAM_SWITCHES.values() for k in sw)
     names = "diffusers,vaeopt,whole,chunk1,chunk4,cl,nofused,cl_nofused,budget16,budget8"
     args = harness.parse("decode_video", ["--workload", "ltx2-768", "--tiny", "--variants", names])
     assert args.tiny and len(args.variants) == 10
