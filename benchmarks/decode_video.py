@@ -9,10 +9,13 @@ Variants: diffusers (vae.decode: Wan one latent frame per call), vaeopt (every d
 graphs off), graphs (+ Wan's per-chunk CUDA graphs, armed as `vaeopt decode` arms them), fp8 (+ FP8), tiled (spatial
 tiles within --vram-budget), budget (the planner's own choice within --vram-budget: chunks, tiles where a chunk does not
 fit), budget16 / budget8 (the same within 16 / 8 GB); vaeopt with one thing changed: whole (the clip in one call),
-chunkK (K latent frames per call), cl (channels_last_3d on), nofused (no Triton norms), cl_nofused. The reference is the
-fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without its growing
-torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock; the table's "decode" is
-their own peak (the weights plus the peak above the call's start), held against the plan's estimate and the budget.
+chunkK (K latent frames per call), cl (channels_last_3d on), nofused (no Triton norms), cl_nofused; HunyuanVideo 1.5
+and LTX-2 only: oldpad / cl_oldpad (conv inputs padded by torch.cat + PyTorch's 3D pad kernels, not in one buffer),
+before (that, and the upsamplers as diffusers' rearrange / repeat / add ops).
+The reference is the fp32 decode that `vaeopt benchmark` uses (Wan: vaeopt's chunk-1 loop, diffusers' schedule without
+its growing torch.cat), so the PSNRs match its table. vaeopt's rows are timed by the pipeline's own clock; the table's
+"decode" is their own peak (the weights plus the peak above the call's start), held against the plan's estimate and
+the budget.
 """
 
 import torch
@@ -20,7 +23,12 @@ import torch
 import harness as H
 
 VARIANTS = ("diffusers", "vaeopt", "graphs", "fp8", "tiled", "budget", "budget16", "budget8", "whole", "chunk1",
-            "chunk2", "chunk4", "cl", "nofused", "cl_nofused")
+            "chunk2", "chunk4", "cl", "nofused", "cl_nofused", "oldpad", "cl_oldpad", "before")
+# HunyuanVideo 1.5 / LTX-2's chunk decoder with diffusers' ops in place of its own, as StreamDecoder's switches:
+# (fast_pad: conv inputs in one preallocated buffer whose borders are filled after the data, not torch.cat + PyTorch's
+# 3D pad kernels; fused_upsample: the upsamplers' channel-to-space and shortcut as one add into the output)
+STREAM_SWITCHES = {"oldpad": dict(fast_pad=False), "cl_oldpad": dict(fast_pad=False),
+                   "before": dict(fast_pad=False, fused_upsample=False)}
 DEFAULTS = {"workload": "wan21-480p", "repeats": 5, "warmup": 2}
 _V = dict(graphs="off", tiling="off")
 OPTIONS = {"vaeopt": _V, "graphs": dict(graphs="on", tiling="off"),
@@ -28,7 +36,8 @@ OPTIONS = {"vaeopt": _V, "graphs": dict(graphs="on", tiling="off"),
            "budget": dict(graphs="off", tiling="auto"), "whole": _V,
            **{f"budget{g}": dict(graphs="off", tiling="auto", vram_budget_gb=g) for g in (16, 8)},
            **{f"chunk{k}": dict(_V, chunk=k) for k in (1, 2, 4)}, "cl": dict(_V, channels_last="on"),
-           "nofused": dict(_V, triton="off"), "cl_nofused": dict(_V, channels_last="on", triton="off")}
+           "nofused": dict(_V, triton="off"), "cl_nofused": dict(_V, channels_last="on", triton="off"),
+           "oldpad": _V, "cl_oldpad": dict(_V, channels_last="on"), "before": _V}
 
 
 add_args = H.decode_args
@@ -62,8 +71,30 @@ def setup(variant, shape, ctx):
     if variant == "fp8" and not any(s.name.startswith("fp8") and s.status == "applied" for s in pipe.stages):
         raise H.Skip("FP8 did not run: " + "; ".join(f"{s.name}: {s.text()}" for s in pipe.stages
                                                     if s.name.startswith("fp8")))
-    return H.pipeline_case(pipe, plan, z, reference, flops, est_gib=plan.est_bytes / 2**30, weights_gib=weights / 2**30,
+    case = H.pipeline_case(pipe, plan, z, reference, flops, est_gib=plan.est_bytes / 2**30, weights_gib=weights / 2**30,
                            budget_gib=(plan.budget_bytes or 0) / 2**30 if opts["tiling"] != "off" else None)
+    if variant in STREAM_SWITCHES:
+        if not video_stream.applies(pipe.model):
+            raise H.Skip("this variant exists for HunyuanVideo 1.5's and LTX-2's chunk decoder only")
+        case.fn = _switched(case.fn, STREAM_SWITCHES[variant])
+    return case
+
+
+def _switched(fn, switches: dict):
+    """fn with StreamDecoder's switches set for the call (profiled calls included), then put back."""
+    from vaeopt.engine.stream import StreamDecoder
+
+    def call():
+        old = {k: getattr(StreamDecoder, k) for k in switches}
+        for k, v in switches.items():
+            setattr(StreamDecoder, k, v)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                setattr(StreamDecoder, k, v)
+
+    return call
 
 
 def table(res: dict) -> None:

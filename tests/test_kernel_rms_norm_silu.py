@@ -4,6 +4,8 @@ The reference is WanRMS_norm's own computation (F.normalize in fp32, downcast, *
 accuracy rules, the same in fp64. CPU runs use the Triton interpreter; "cuda" repeats every check on a GPU.
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -382,3 +384,32 @@ def test_e4m3_out_scale(out_scale, max_block_c):
     assert off.sum().item() <= 2 and bool(((out.float() - ref).abs() <= step)[off].all())
     assert bool((out.float() - y).abs().le(step / 2 + 1e-6).all())  # every value is a nearest grid point
     assert out_scale > 0.01 or out.float().abs().max().item() == 448.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+@pytest.mark.parametrize("max_block_c", [1024, 16])
+def test_out_into_a_padded_buffer_interior(device, layout, max_block_c):
+    """out= the interior of a conv input padded in H and W (and in time: frames of history before it), as
+    vaeopt.engine.pad builds it: the kernel writes the interior in place, never the borders or the other frames,
+    with the same values as without out=."""
+    _need(device)
+    from vaeopt.engine.pad import padded_empty
+    from vaeopt.kernels import rms_norm_silu
+    rn = importlib.import_module("vaeopt.kernels.rms_norm_silu")  # (the package exports the function by that name)
+
+    for shape in ((2, 40, 3, 5, 6), (1, 7, 1, 3, 11)):  # batch 2, 40 channels; 7 channels, one frame, odd W
+        x, gamma, bias = _inputs(shape, torch.float32, device, seed=13)
+        x = _layout(x, layout)
+        mf = torch.channels_last_3d if layout == "cl" else torch.contiguous_format
+        full = (shape[0], shape[1], shape[2] + 2, *shape[3:])
+        buf, inner = padded_empty(full, (1, 2, 1, 1), x, mf)
+        buf.fill_(7.0)
+        dst = inner[:, :, 2:]
+        assert rn._padded_out(dst, layout) is not None  # addressed by the kernel itself, not filled through a copy
+        ret = rms_norm_silu(x, gamma, bias, out=dst, max_block_c=max_block_c)
+        assert ret is dst
+        assert torch.equal(dst, rms_norm_silu(x, gamma, bias, max_block_c=max_block_c))
+        mask = torch.ones_like(buf, dtype=torch.bool)
+        mask[:, :, 2:, 1:-1, 1:-2] = False
+        assert (buf[mask] == 7.0).all()  # borders and history frames untouched

@@ -40,7 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vaeopt.engine.pad import MODES as PAD_MODES
+from vaeopt.engine.pad import fill_borders, padded_empty
 from vaeopt.errors import VaeoptError
+from vaeopt.stages import foreign_global_hooks, unhooked
+from vaeopt.stages.fused_norms import writes_into
 
 STREAM_CLASSES = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video")
 
@@ -125,6 +129,22 @@ def _spatial_up(m) -> int:
     return 0
 
 
+def _into_space(dst: Tensor, h: Tensor, x: Tensor, r1: int, repeats: int, take: int | None = None) -> None:
+    """dst (N, c, r1*T, 2H, 2W) <- HunyuanVideo 1.5's channel-to-space of h (N, r1*4*c', T, H, W; its first `take`
+    channels of each sub-position when given, else all) plus that of x with each channel repeated `repeats` times, in
+    one add: diffusers' `_dcae_upsample_rearrange` puts packed channel (sub, ch) at sub-position sub = (i1, i2, i3) of
+    output channel ch, and the shortcut's output channel ch reads x's channel ch // repeats of the same sub-position
+    (whether the repeat comes before the rearrange, as without a temporal upsample, or after it), so
+    dst[ch, t, i1, y, i2, w, i3] = h[sub, ch] + x[sub, ch // repeats]."""
+    N, _, T, H, W = h.shape
+    c = dst.shape[1]
+    k = c // repeats  # x's channels per sub-position
+    hv = h.view(N, r1, 2, 2, h.shape[1] // (r1 * 4), T, H, W)[:, :, :, :, :take or c]
+    hv = hv.unflatten(4, (k, repeats)).permute(0, 4, 5, 6, 1, 7, 2, 8, 3)
+    xv = x.view(N, r1, 2, 2, k, 1, T, H, W).expand(N, r1, 2, 2, k, repeats, T, H, W).permute(0, 4, 5, 6, 1, 7, 2, 8, 3)
+    torch.add(hv, xv, out=dst.view(N, k, repeats, T, r1, H, 2, W, 2))
+
+
 class _ConvState:
     __slots__ = ("hist",)
 
@@ -151,9 +171,87 @@ class StreamDecoder:
         self._build()
 
     # -- streamed primitives -------------------------------------------------------------------------------
-    def conv(self, wrapper, x: Tensor, final: bool) -> Tensor:
+    # False: the conv input is built as diffusers builds it (torch.cat of the time padding, then F.pad / the conv's
+    # own padding_mode), for measuring the preallocated buffer against it
+    fast_pad = True
+    # False: the upsamplers run diffusers' rearrange / repeat / cat / add ops instead of one add into the output
+    fused_upsample = True
+
+    def conv(self, wrapper, x: Tensor, final: bool, norm: nn.Module | None = None) -> Tensor:
         """A causal-conv wrapper (HunyuanVideo15CausalConv3d / LTX2VideoCausalConv3d) continuing its stream: the new
-        frames x after the kept input history; -> the output frames that are complete."""
+        frames x after the kept input history; -> the output frames that are complete. norm: the conv's input is
+        norm(x) (a fused RMS norm + SiLU, which then writes straight into the conv's padded input buffer)."""
+        if not self.fast_pad or (self.kind == "hv15" and wrapper.pad_mode not in PAD_MODES):
+            return self._conv_torch_pad(wrapper, norm(x) if norm is not None and x.shape[2] else x, final)
+        conv = wrapper.conv
+        kt = conv.kernel_size[0]
+        st = self.state.get(wrapper)
+        if st is None:
+            st = self.state[wrapper] = _ConvState()
+        first = st.hist is None
+        if first and x.shape[2] == 0:
+            return empty_frames(x, conv.out_channels)
+        keep = kt - 1
+        if self.kind == "hv15":
+            p = wrapper.time_causal_padding  # (w, w, h, h, t_front, t_back) as F.pad reads it, in pad_mode
+            space, time_mode, left, right = p[:4], wrapper.pad_mode, p[4], p[5]
+        else:
+            left, right = (kt - 1, 0) if self.causal else ((kt - 1) // 2, (kt - 1) // 2)
+            space, time_mode = self._own_spatial_pad(conv), "replicate"  # diffusers repeats frame 0 / the last
+        head = 0 if first else st.hist.shape[2]
+        front = left if first else 0  # the clip's first frames: the front padding, filled like a border
+        back = right if final else 0  # the clip's end: the back padding
+        n = front + head + x.shape[2]  # the stream's frames in the buffer (before the back padding)
+        buf, inner = padded_empty((x.shape[0], x.shape[1], n + back, x.shape[3], x.shape[4]), space, x,
+                                  self._layout(conv))
+        if head:
+            inner[:, :, :head].copy_(st.hist)
+        if x.shape[2]:
+            dst = inner[:, :, front + head:n]
+            if norm is None:
+                dst.copy_(x)
+            elif writes_into(norm):
+                norm(x, out=dst)  # the producer writes the interior: the pad costs only its borders
+            else:
+                dst.copy_(norm(x))
+        data = buf[:, :, front:n]
+        if any(space):
+            fill_borders(data, space, self._space_mode(wrapper))
+        if front or back:
+            fill_borders(buf.movedim(2, -1), (front, back), time_mode)  # whole frames, their borders included
+        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        st.hist = inner[:, :, max(0, n - keep):n].clone() if keep and not final else None
+        if buf.shape[2] < kt:
+            return empty_frames(x, conv.out_channels)
+        if self.kind == "ltx2" and any(space):  # the conv's own padding is in the buffer: run it without
+            return F.conv3d(buf, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+        return conv(buf)
+
+    @staticmethod
+    def _own_spatial_pad(conv: nn.Conv3d) -> tuple[int, ...]:
+        """LTX-2: the spatial padding of a plain nn.Conv3d with padding_mode reflect (or replicate), which the buffer
+        then holds so the conv runs unpadded; (0, 0, 0, 0) where cuDNN's zero padding is free, where the mode is one
+        engine.pad does not fill (circular), or where the conv is not a plain, unhooked nn.Conv3d (its forward must
+        run, and it pads itself)."""
+        if (conv.padding_mode not in ("reflect", "replicate") or type(conv) is not nn.Conv3d or not unhooked(conv)
+                or "forward" in conv.__dict__ or not isinstance(conv.padding, tuple) or foreign_global_hooks()):
+            return (0, 0, 0, 0)
+        _, ph, pw = conv.padding
+        return (pw, pw, ph, ph)
+
+    def _space_mode(self, wrapper) -> str:
+        return wrapper.pad_mode if self.kind == "hv15" else wrapper.conv.padding_mode
+
+    @staticmethod
+    def _layout(conv: nn.Conv3d) -> torch.memory_format:
+        """The layout the channels_last stage gave the conv's weights, so cuDNN reads its input as it is."""
+        w = conv.weight
+        return (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d)
+                and not w.is_contiguous() else torch.contiguous_format)
+
+    def _conv_torch_pad(self, wrapper, x: Tensor, final: bool) -> Tensor:
+        """conv() with diffusers' padding ops: torch.cat over time, F.pad (HunyuanVideo 1.5) or the conv's own
+        padding_mode (LTX-2) in space."""
         conv = wrapper.conv
         kt = conv.kernel_size[0]
         st = self.state.get(wrapper)
@@ -168,8 +266,6 @@ class StreamDecoder:
             if x.shape[2] == 0:
                 return empty_frames(x, conv.out_channels)
             if self.kind == "hv15":
-                # the clip's first frames: one F.pad over time and space, as diffusers pads the clip (one copy, not
-                # a concatenation and then a pad); the history is the last frames of the time-padded stream
                 if keep and not final:
                     st.hist = (x if x.shape[2] >= keep else
                                _cat(x[:, :, :1].expand(-1, -1, keep - x.shape[2], -1, -1), x))[:, :, -keep:].clone()
@@ -177,16 +273,13 @@ class StreamDecoder:
             head = x[:, :, :1].expand(-1, -1, left, -1, -1) if left else None
         else:
             head = st.hist
-        # one concatenation of the history (or the clip's front padding), the new frames and, at the clip's end, the
-        # back padding, as diffusers concatenates its padding: no second full copy of the input
         tail = None
         if final and right:
             last = x if x.shape[2] else head
             tail = last[:, :, -1:].expand(-1, -1, right, -1, -1)
         parts = [t for t in (head, x, tail) if t is not None and t.shape[2]]
         buf = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        n = (head.shape[2] if head is not None else 0) + x.shape[2]  # the stream's frames in buf (before the tail)
-        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        n = (head.shape[2] if head is not None else 0) + x.shape[2]
         st.hist = buf[:, :, max(0, n - keep):n].clone() if keep and not final else None
         if buf.shape[2] < kt:
             return empty_frames(x, conv.out_channels)
@@ -195,12 +288,9 @@ class StreamDecoder:
             buf = F.pad(buf, (p[0], p[1], p[2], p[3], 0, 0), mode=wrapper.pad_mode)
         return self._conv_call(conv, buf)
 
-    @staticmethod
-    def _conv_call(conv: nn.Conv3d, buf: Tensor) -> Tensor:
-        w = conv.weight  # the layout the channels_last stage gave the weights (cat/pad may have dropped it)
-        mf = (torch.channels_last_3d if w.is_contiguous(memory_format=torch.channels_last_3d) and not w.is_contiguous()
-              else torch.contiguous_format)
-        return conv(buf.contiguous(memory_format=mf))
+    @classmethod
+    def _conv_call(cls, conv: nn.Conv3d, buf: Tensor) -> Tensor:
+        return conv(buf.contiguous(memory_format=cls._layout(conv)))
 
     def pointwise(self, conv: nn.Conv3d, x: Tensor) -> Tensor:
         return conv(x) if x.shape[2] else empty_frames(x, conv.out_channels)
@@ -213,14 +303,26 @@ class StreamDecoder:
         return h + q[:, :, :n] if n else h
 
     # -- blocks --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _fused(act: nn.Module, norm: nn.Module) -> bool:
+        """norm -> act is one fused norm + SiLU module (fused_norms) that can write into a conv's input buffer."""
+        return type(act) is nn.Identity and unhooked(act) and writes_into(norm)
+
     def resnet(self, blk, x: Tensor, final: bool) -> Tensor:
         act = blk.nonlinearity
-        h = self.conv(blk.conv1, act(blk.norm1(x)), final)
-        h = blk.norm2(h)
-        h = act(h)
-        if getattr(blk, "dropout", None) is not None:
-            h = blk.dropout(h)
-        h = self.conv(blk.conv2, h, final)
+        if self._fused(act, blk.norm1):
+            h = self.conv(blk.conv1, x, final, norm=blk.norm1)
+        else:
+            h = self.conv(blk.conv1, act(blk.norm1(x)), final)
+        drop = getattr(blk, "dropout", None)
+        idle = drop is None or (type(drop) is nn.Dropout and (not drop.training or drop.p == 0) and unhooked(drop))
+        if idle and self._fused(act, blk.norm2):
+            h = self.conv(blk.conv2, h, final, norm=blk.norm2)
+        else:
+            h = act(blk.norm2(h))
+            if drop is not None:
+                h = drop(h)
+            h = self.conv(blk.conv2, h, final)
         r = x
         if getattr(blk, "norm3", None) is not None and r.shape[2]:
             r = blk.norm3(r.movedim(1, -1)).movedim(-1, 1)
@@ -255,7 +357,31 @@ class StreamDecoder:
         return blk.proj_out(y) + x
 
     def hv_upsample(self, up, x: Tensor, final: bool) -> Tensor:
+        """HunyuanVideo15Upsample continuing its stream: conv, channel-to-space of the conv output and of the
+        shortcut (the input's channels repeated), and their sum, as one add written straight into the upsampled
+        layout (`_into_space`), not diffusers' rearrange, repeat_interleave, cat and add passes: the same sums."""
         h = self.conv(up.conv, x, final)
+        r1 = 2 if up.add_temporal_upsample else 1
+        c = h.shape[1] // (r1 * 4)  # output channels
+        N, _, T, H, W = x.shape
+        if T == 0:
+            return h.new_empty((N, c, 0, 2 * H, 2 * W))
+        if (not self.fused_upsample or h.shape[2] != T or c % up.repeats
+                or (r1 == 2 and (up.repeats % 2 or c % (up.repeats // 2)))):
+            return self._hv_upsample_ops(up, x, h)
+        first = up.add_temporal_upsample and up not in self.state
+        self.state[up] = True
+        out = torch.empty((N, c, r1 * T - (1 if first else 0), 2 * H, 2 * W), dtype=h.dtype, device=h.device,
+                          memory_format=self._layout(up.conv.conv))
+        if first:  # frame 0 of the clip: one frame, the first half of its channel-to-space result
+            _into_space(out[:, :, :1], h[:, :, :1], x[:, :, :1], 1, up.repeats // 2, take=c)
+            h, x = h[:, :, 1:], x[:, :, 1:]
+        if h.shape[2]:
+            _into_space(out[:, :, 1 if first else 0:], h, x, r1, up.repeats)
+        return out
+
+    def _hv_upsample_ops(self, up, x: Tensor, h: Tensor) -> Tensor:
+        """hv_upsample with diffusers' own ops (where the conv's output frames do not line up with its input's)."""
         rr = up._dcae_upsample_rearrange
         if not up.add_temporal_upsample:
             sc = rr(x.repeat_interleave(repeats=up.repeats, dim=1), r1=1, r2=2, r3=2)
@@ -289,11 +415,31 @@ class StreamDecoder:
             self.state[key] = left - n
             return t[:, :, n:]
 
-        h = drop((up, "h"), d2s(self.conv(up.conv, x, final)))
+        hl = self.conv(up.conv, x, final)
+        k = (s[0] * s[1] * s[2]) // up.upscale_factor  # the shortcut's channel repeats
         if not up.residual:
-            return h
-        r = d2s(x).repeat(1, (s[0] * s[1] * s[2]) // up.upscale_factor, 1, 1, 1)
-        return self._align(up, drop((up, "r"), r), h)
+            return drop((up, "h"), d2s(hl))
+        if not self.fused_upsample or hl.shape[1] != k * x.shape[1] or (up, "h") in self.state:
+            h = drop((up, "h"), d2s(hl))
+            r = d2s(x).repeat(1, k, 1, 1, 1)
+            return self._align(up, drop((up, "r"), r), h)
+        # the conv's output lags its input (non-causal): line x's frames up with it at the latent side, then the sum
+        # of the two channel-to-space results in one add written into the upsampled layout: diffusers' d2s puts
+        # packed channel (ch, sub) at sub-position sub of output channel ch, and the repeated shortcut's channel
+        # ki * Cx + cx reads x's channel (cx, sub); the same sums as d2s(h) + d2s(x).repeat, without their copies
+        q = _cat(self.state.get((up, "x")), x)
+        n = hl.shape[2]
+        self.state[(up, "x")] = q[:, :, n:].clone() if q.shape[2] > n else None  # (a view would keep q alive)
+        N, _, _, H, W = x.shape
+        cx = x.shape[1] // (s[0] * s[1] * s[2])
+        out = torch.empty((N, k * cx, n * s[0], H * s[1], W * s[2]), dtype=hl.dtype, device=hl.device,
+                          memory_format=self._layout(up.conv.conv))
+        if n:
+            order = (0, 1, 2, 6, 3, 7, 4, 8, 5)  # -> (N, k, cx, f, s0, H, s1, W, s2)
+            hv = hl.view(N, k, cx, *s, n, H, W).permute(order)
+            xv = q[:, :, :n].view(N, 1, cx, *s, n, H, W).expand(N, k, cx, *s, n, H, W).permute(order)
+            torch.add(hv, xv, out=out.view(N, k, cx, n, s[0], H, s[1], W, s[2]))
+        return drop((up, "o"), out)
 
     # -- the decoder as a list of stages -------------------------------------------------------------------
     def _build(self) -> None:
@@ -334,7 +480,10 @@ class StreamDecoder:
     def _head(self, x: Tensor, final: bool) -> Tensor:
         """norm_out, SiLU, conv_out (and LTX-2's unpatchify)."""
         dec = self.dec
-        x = self.conv(dec.conv_out, dec.conv_act(dec.norm_out(x)), final)
+        if self._fused(dec.conv_act, dec.norm_out):
+            x = self.conv(dec.conv_out, x, final, norm=dec.norm_out)
+        else:
+            x = self.conv(dec.conv_out, dec.conv_act(dec.norm_out(x)), final)
         if self.kind == "ltx2":
             p, pt = dec.patch_size, dec.patch_size_t
             b, c, f, h, w = x.shape

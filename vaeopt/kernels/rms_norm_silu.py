@@ -10,7 +10,8 @@ Input bias (`x_bias`, optional [C]): the kernels normalize x + x_bias[c] (formed
 the conv before the norm can run without its bias (PyTorch's cuDNN path adds a conv bias as a separate broadcast
 pass). `out=`: write into a given tensor (e.g. the frames after the causal history in a conv's input buffer) instead
 of a new one; it may be a strided view as long as each sample is [C, S] with contiguous S ("cf", any channel
-stride) or a contiguous [S, C] block ("cl"), in x's layout kind.
+stride) or a contiguous [S, C] block ("cl"), in x's layout kind, or the interior of a buffer padded in H and W
+(any frame and row strides), so a conv's padded input costs only its borders.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def _rms_cf_kernel(
     SILU: tl.constexpr,
     SAT8: tl.constexpr = False,  # e4m3 output: saturate to +-448 before the cast
     EXACT8: tl.constexpr = False,  # and round to the e4m3 grid first (the CPU interpreter's fp8 cast misrounds)
+    OUT_PAD: tl.constexpr = False,  # y is the interior of a padded buffer: position s = (t, h, w) at OUT_PAD's strides
+    OW=1,  # OUT_PAD: the interior's W, H*W, and the buffer's frame and row strides (w's stride is 1)
+    OHW=1,
+    stride_yt=0,
+    stride_yh=0,
 ):
     sb = tl.program_id(0)
     n = tl.program_id(1)
@@ -58,6 +64,10 @@ def _rms_cf_kernel(
     cc = tl.arange(0, BLOCK_C)
     xb = x_ptr + n.to(tl.int64) * stride_xn
     yb = y_ptr + n.to(tl.int64) * stride_yn
+    if OUT_PAD:
+        so = (s // OHW).to(tl.int64) * stride_yt + ((s % OHW) // OW).to(tl.int64) * stride_yh + s % OW
+    else:
+        so = s
     if ONE_PASS:
         cm = cc < C
         m = cm[:, None] & sm[None, :]
@@ -75,7 +85,7 @@ def _rms_cf_kernel(
         y = y * out_mul
         if SAT8:
             y = sat_e4m3(y, EXACT8)
-        tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(yb + c64 * stride_yc + so[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         acc = tl.zeros([BLOCK_S], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -104,7 +114,7 @@ def _rms_cf_kernel(
             y = y * out_mul
             if SAT8:
                 y = sat_e4m3(y, EXACT8)
-            tl.store(yb + c64 * stride_yc + s[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+            tl.store(yb + c64 * stride_yc + so[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -145,13 +155,22 @@ def _rms_cl_kernel(
     STORE_U: tl.constexpr = False,
     SILU_MODE: tl.constexpr = 0,  # see common.silu
     HAS_MUL: tl.constexpr = True,  # out_mul != 1: otherwise the one-pass path leaves the multiply out
+    OUT_PAD: tl.constexpr = False,  # y is the interior of a padded buffer: position s = (t, h, w) at OUT_PAD's strides
+    OW=1,  # OUT_PAD: the interior's W, H*W, and the buffer's frame and row strides (w's stride is C)
+    OHW=1,
+    stride_yt=0,
+    stride_yh=0,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
     n = r // S
     s = r % S
     xo = n.to(tl.int64) * stride_xn + s.to(tl.int64) * C  # [BLOCK_R]
-    yo = n.to(tl.int64) * stride_yn + s.to(tl.int64) * C
+    if OUT_PAD:
+        yo = (n.to(tl.int64) * stride_yn + (s // OHW).to(tl.int64) * stride_yt
+              + ((s % OHW) // OW).to(tl.int64) * stride_yh + (s % OW).to(tl.int64) * C)
+    else:
+        yo = n.to(tl.int64) * stride_yn + s.to(tl.int64) * C
     cc = tl.arange(0, BLOCK_C)
     if ONE_PASS:
         cm = cc < C
@@ -311,6 +330,24 @@ def _out_strides(out: torch.Tensor, kind: str, S: int) -> tuple[int, int] | None
     return st[0], st[1]
 
 
+def _padded_out(out: torch.Tensor, kind: str) -> dict | None:
+    """The kernels' OUT_PAD arguments for an `out` (N, C, T, H, W) that is the interior of a larger buffer in x's
+    layout kind (a conv input padded in H and W, vaeopt.engine.pad): W with stride 1 ("cf") or C ("cl"), channels
+    at stride 1 ("cl"), any frame and row strides. None where it is not such a view."""
+    if out.dim() != 5:
+        return None
+    N, C, T, H, W = out.shape
+    sn, sc, st, sh, sw = out.stride()
+    row = W if kind == "cf" else W * C
+    if (H > 1 and sh < row) or (T > 1 and st < H * max(sh, row)):  # rows or frames that overlap: not a buffer
+        return None
+    if kind == "cf" and (sw == 1 or W == 1):
+        return dict(stride_n=sn, stride_c=sc, OUT_PAD=True, OW=W, OHW=H * W, stride_yt=st, stride_yh=sh)
+    if kind == "cl" and (sc == 1 or C == 1) and (sw == C or W == 1):
+        return dict(stride_n=sn, stride_c=1, OUT_PAD=True, OW=W, OHW=H * W, stride_yt=st, stride_yh=sh)
+    return None
+
+
 def rms_norm_silu(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -393,11 +430,15 @@ def rms_norm_silu(
         layout = flat_layout(x)
     kind, stride_n = (layout[0], layout[2]) if layout is not None else ("cf", xs[0])
     ys = _out_strides(out, kind, S) if out is not None else None
-    if ys is None:
+    pad = _padded_out(out, kind) if out is not None and ys is None and res is None else None
+    if pad is not None:  # the interior of a padded buffer: written in place
+        ys, y = (pad.pop("stride_n"), pad.pop("stride_c")), out
+    elif ys is None:
         y = new_like(x, kind)  # e4m3 `out`: scaled and saturated here, rounded by the copy below
         ys = (C * S, S if kind == "cf" else 1)
     else:
         y = out
+    pad = pad or {}
     tile = tile or default_tile(x.device)
     BLOCK_C = min(triton.next_power_of_2(C), max_block_c)
     one_pass = triton.next_power_of_2(C) <= max_block_c
@@ -410,7 +451,7 @@ def rms_norm_silu(
         _rms_cf_kernel[(triton.cdiv(S, BLOCK_S), N)](
             x, y, g, b, xbp, C, S, stride_n, stride_c, ys[0], ys[1], scale, float(eps), out_mul,
             BLOCK_C=BLOCK_C, BLOCK_S=BLOCK_S, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
-            SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu", num_warps=nw,
+            SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu", num_warps=nw, **pad,
         )  # fmt: skip
     else:
         R = N * S
@@ -421,7 +462,7 @@ def rms_norm_silu(
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=one_pass, HAS_BIAS=has_bias, HAS_XB=xb is not None,
             SILU=silu, SAT8=sat8, EXACT8=y.dtype in OUT8 and x.device.type == "cpu",
             SILU_MODE=silu_mode(y.dtype, x.device, wan_rms=True), HAS_MUL=out_mul != 1.0, num_warps=nw,
-            **(res or {}),
+            **(res or {}), **pad,
         )  # fmt: skip
     if out is not None and y is not out:  # an `out` whose strides the kernels cannot address directly
         out.copy_(y)

@@ -64,6 +64,18 @@ class FusedGroupNormSiLU(nn.Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, silu={self.silu}"
 
 
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+def writes_into(m: nn.Module) -> bool:
+    """m is one of this stage's RMS norm (+ SiLU) modules, unhooked, so `m(x, out=buf)` writes its result straight
+    into a buffer (a conv's padded input) instead of a new tensor that is then copied there."""
+    return type(m) in (FusedRMSNormSiLU, FusedPixelRMSNormSiLU) and unhooked(m)
+
+
 class FusedRMSNormSiLU(nn.Module):
     """diffusers' WanRMS_norm (channel_first) followed by SiLU (silu=True) or alone, as one kernel."""
 
@@ -76,16 +88,17 @@ class FusedRMSNormSiLU(nn.Module):
         self.eps = 1e-12  # F.normalize's default, as WanRMS_norm uses it
         self.silu = silu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: where to write the result (x's shape; e.g. the interior of a conv's padded input buffer), returned."""
         if use_kernel(x, self.gamma, self.bias):
             from vaeopt.kernels.rms_norm_silu import rms_norm_silu
 
-            return rms_norm_silu(x, self.gamma, self.bias, self.eps, self.silu, scale=self.scale)
+            return rms_norm_silu(x, self.gamma, self.bias, self.eps, self.silu, scale=self.scale, out=out)
         # WanRMS_norm.forward, op for op
         upcast = x.dtype in (torch.float16, torch.bfloat16)
         y = F.normalize(x.float() if upcast else x, dim=1, eps=self.eps).to(x.dtype)
         y = y * self.scale * self.gamma + self.bias
-        return F.silu(y) if self.silu else y
+        return _into(F.silu(y) if self.silu else y, out)
 
     def extra_repr(self) -> str:
         return f"{self.gamma.shape[0]}, scale={self.scale:.4g}, silu={self.silu}"
@@ -104,7 +117,8 @@ class FusedPixelRMSNormSiLU(nn.Module):
         self.silu = silu
         self._ones: dict[tuple, torch.Tensor] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: where to write the result (x's shape; e.g. the interior of a conv's padded input buffer), returned."""
         if use_kernel(x):
             from vaeopt.kernels.rms_norm_silu import rms_norm_silu
 
@@ -113,10 +127,10 @@ class FusedPixelRMSNormSiLU(nn.Module):
             g = self._ones.get(key)
             if g is None:
                 g = self._ones[key] = torch.ones(c, device=x.device, dtype=torch.float32)
-            return rms_norm_silu(x, g, None, (c * self.eps) ** 0.5, self.silu, scale=c**0.5)
+            return rms_norm_silu(x, g, None, (c * self.eps) ** 0.5, self.silu, scale=c**0.5, out=out)
         # PerChannelRMSNorm.forward, op for op
         y = x / torch.sqrt(torch.mean(x**2, dim=1, keepdim=True) + self.eps)
-        return F.silu(y) if self.silu else y
+        return _into(F.silu(y) if self.silu else y, out)
 
     def extra_repr(self) -> str:
         return f"eps={self.eps:g}, silu={self.silu}"
