@@ -147,14 +147,15 @@ def decode(
             and sum(len(f.entries) for f in files) == 1):
         outputs.check_writable([output], overwrite)  # one output file named by -o: exists? said now, not after the load
     model_path, why = api.resolve_model(model, files)
-    # the GPU warmed (CUDA context, cuDNN, cuBLAS, the Triton kernels this decode loaded last time) on a thread while
-    # diffusers imports and the checkpoint loads; joined before the stages use the GPU. None on a CPU.
+    # the GPU warmed on a thread: the CUDA context, cuDNN and cuBLAS while diffusers imports, then the Triton kernels
+    # this decode loaded last time while the checkpoint loads (told by imports_done); joined before the stages use
+    # the GPU. None on a CPU.
     from vaeopt import hw, prewarm
 
     dev = hw.resolve_device(device)
     kernels_key = prewarm.key(prewarm.source_id(model_path), opts)
     pw = prewarm.start(dev, hw.resolve_dtype(dtype, dev), kernels_key,
-                       video=any(e.tensor.dim() == 5 for f in files for e in f.entries))
+                       video=any(e.tensor.dim() == 5 for f in files for e in f.entries), imports_pending=True)
     try:
         _load_and_decode(files, model_path, why, family, config, latent_space, output, out_folder, overwrite, limits,
                          fps, fps_given, chunk, opts, as_json, pw, kernels_key, dev)
@@ -173,9 +174,13 @@ def _load_and_decode(files, model_path, why, family, config, latent_space, outpu
     if family is None and why.startswith(lat.MANIFEST):  # the manifest that named the model may name its family too
         family = from_manifest = api.manifest_family(files)
     t0 = time.perf_counter()
-    import diffusers  # noqa: F401  (a few seconds on first import; timed apart from reading the checkpoint)
-
+    try:  # diffusers' VAE classes with all they import (seconds), timed apart from reading the checkpoint
+        import diffusers.models.autoencoders  # noqa: F401
+    except ImportError:
+        pass  # (load_vae says what is missing, as one line)
     t_import = time.perf_counter() - t0
+    if pw is not None:  # the imports are over: the warm-up thread's Python-heavy part (the kernels) may run now
+        pw.imports_done()
     t0 = time.perf_counter()
     loaded = load_vae(model_path, family=family, config=config)
     report_model(loaded, model_path, why, time.perf_counter() - t0, t_import)
