@@ -6,7 +6,7 @@ and for creating the CUDA context (docs/experiments.md E54: 0.80 s over a 20 ms 
 needs the model, so `vaeopt decode` does it on a thread of its own while the main thread reads the checkpoint and
 builds the model (`start`), and waits for it before anything else touches the GPU (`Prewarm.join`).
 
-In two parts, because of the GIL (E64): while the main thread imports diffusers (seconds of Python), the thread only
+In two parts, because of the GIL (E66): while the main thread imports diffusers (seconds of Python), the thread only
 does what runs outside the interpreter: the CUDA context, cuDNN's and cuBLAS's first calls, and the hash Triton
 keeps of its own compiler (its first cache lookup reads and hashes libtriton, ~500 MB). Loading the kernels is
 Python (cache lookups, launchers): run beside the imports, every file the importer reads hands the GIL to the thread
