@@ -26,6 +26,7 @@ def fake_gpu(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(prewarm, "open_context", lambda i: False)
     monkeypatch.setattr(cache, "environment", lambda device=None: {"format": cache.FORMAT, "gpu": "Test GPU"})
     monkeypatch.setattr(prewarm, "warm_libraries", lambda dev, dt, video=False: calls.append(("libs", dt, video)))
     monkeypatch.setattr(prewarm, "warm_triton", lambda: (calls.append(("triton",)), True)[1])
@@ -121,6 +122,36 @@ def test_the_switch_and_its_modes(value, expect, fake_gpu, monkeypatch):
     kernels = [c for c in fake_gpu if c[0] == "kernel"]
     assert kernels == ([("kernel", "_a")] if expect == "early" else [])
     assert ("triton",) in fake_gpu and pw.libraries
+
+
+def test_open_context_through_the_driver(monkeypatch):
+    """cuInit, the device by its index, its primary context retained: in that order, through ctypes (which lets go
+    of the GIL); False at the first failing call, or without a driver library (then torch makes it, as before)."""
+    import ctypes
+
+    calls = []
+
+    class Lib:
+        def __init__(self, fail=None):
+            self.fail = fail
+
+        def __getattr__(self, name):
+            def f(*a):
+                calls.append((name, a[-1] if name != "cuDevicePrimaryCtxRetain" else None))
+                return 100 if name == self.fail else 0
+            return f
+
+    libs = {}
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libs[name])
+    libs["libcuda.so.1"] = Lib()
+    assert prewarm.open_context(3) is True
+    assert calls == [("cuInit", 0), ("cuDeviceGet", 3), ("cuDevicePrimaryCtxRetain", None)]
+    calls.clear()
+    libs["libcuda.so.1"] = Lib(fail="cuDeviceGet")
+    assert prewarm.open_context(1) is False and [c[0] for c in calls] == ["cuInit", "cuDeviceGet"]
+    del libs["libcuda.so.1"]
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    assert prewarm.open_context(0) is False
 
 
 def test_warm_triton_computes_tritons_own_hash_only_where_triton_is_imported(monkeypatch):

@@ -7,7 +7,8 @@ needs the model, so `vaeopt decode` does it on a thread of its own while the mai
 builds the model (`start`), and waits for it before anything else touches the GPU (`Prewarm.join`).
 
 In two parts, because of the GIL (E66): while the main thread imports diffusers (seconds of Python), the thread only
-does what runs outside the interpreter: the CUDA context, cuDNN's and cuBLAS's first calls, and the hash Triton
+does what runs outside the interpreter: the CUDA context (made through the driver directly, as torch makes it holding
+the GIL), cuDNN's and cuBLAS's first calls, and the hash Triton
 keeps of its own compiler (its first cache lookup reads and hashes libtriton, ~500 MB). Loading the kernels is
 Python (cache lookups, launchers): run beside the imports, every file the importer reads hands the GIL to the thread
 for up to a switch interval (on an H200 host the diffusers import took 7.3 s beside it, against about 4.4 s in a
@@ -218,7 +219,9 @@ def start(device: torch.device, dtype: torch.dtype, k: dict | None, video: bool 
 def _run(pw: Prewarm, device, dtype, k, video) -> None:
     t0 = time.perf_counter()
     try:
-        torch.cuda.set_device(device.index if device.index is not None else 0)
+        index = device.index if device.index is not None else 0
+        open_context(index)
+        torch.cuda.set_device(index)
         warm_libraries(device, dtype, video)
         pw.libraries = True
         pw.triton = not pw.stop.is_set() and warm_triton()  # (joined already: the decode hashes it if it needs it)
@@ -248,6 +251,23 @@ def _run(pw: Prewarm, device, dtype, k, video) -> None:
         pw.error = f"{type(err).__name__}: {str(err)[:200]}"
     finally:
         pw.seconds = time.perf_counter() - t0
+
+
+def open_context(index: int) -> bool:
+    """The CUDA driver's initialization and device `index`'s primary context (the one torch's runtime uses), made
+    through ctypes, which lets go of the GIL for the call: torch.cuda.set_device makes them holding the GIL (CUDA 12
+    creates the context in cudaSetDevice), and the main thread's imports would stand still meanwhile. After it,
+    set_device finds the context made. False where there is no driver library or a call fails (set_device then does
+    it all, as before)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")  # (Linux's driver library; elsewhere torch does it)
+    except OSError:
+        return False
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    return (lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), index) == 0
+            and lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0)
 
 
 def warm_libraries(device: torch.device, dtype: torch.dtype, video: bool = False) -> None:
