@@ -7,13 +7,13 @@ needs the model, so `vaeopt decode` does it on a thread of its own while the mai
 builds the model (`start`), and waits for it before anything else touches the GPU (`Prewarm.join`).
 
 In two parts, because of the GIL (E66): while the main thread imports diffusers (seconds of Python), the thread only
-does what runs outside the interpreter: the CUDA context (made through the driver directly, as torch makes it holding
-the GIL), cuDNN's and cuBLAS's first calls, and the hash Triton
-keeps of its own compiler (its first cache lookup reads and hashes libtriton, ~500 MB). Loading the kernels is
-Python (cache lookups, launchers): run beside the imports, every file the importer reads hands the GIL to the thread
-for up to a switch interval (on an H200 host the diffusers import took 7.3 s beside it, against about 4.4 s in a
-plain diffusers script). So the kernels wait until the caller says its imports are done (`Prewarm.imports_done`),
-and then load while it reads and checks the weights; what the join stops short of, the decode loads itself.
+does what runs outside the interpreter: the CUDA context (made through the driver directly, as torch makes it
+holding the GIL), cuDNN's and cuBLAS's first calls, and the hash Triton keeps of its own compiler (its first cache
+lookup reads and hashes libtriton, ~500 MB). Loading the kernels is Python (cache lookups, launchers): run beside the
+imports, every file the importer reads hands the GIL to the thread for up to a switch interval (on an H200 host the
+diffusers import took 7.3 s beside it, against about 4.4 s in a plain diffusers script). So the kernels wait until
+the caller says its imports are done (`Prewarm.imports_done`), and then load while it reads and checks the weights;
+what the join stops short of, the decode loads itself.
 
 Which kernels: the ones the same decode (checkpoint, stage options) loaded last time, as Triton specialized them for
 its shapes (alignment, constants, launch options). `Record` collects them through Triton's post-compile hook during
