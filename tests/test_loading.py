@@ -511,6 +511,18 @@ def test_non_finite_decoder_weights_are_refused_in_every_dtype(disk, tmp_path):
     assert load_vae(_save_st(tmp_path / "enc.safetensors", {**sd, enc: t.to(disk)}, meta)).family.name == "sd15"
 
 
+def test_the_model_is_built_without_running_weight_init(monkeypatch):
+    """The meta-device skeleton skips torch.nn.init (diffusers' no_init_weights, as its from_pretrained), and the
+    init functions are torch's own again afterwards; the weights are the file's, bitwise."""
+    calls = []
+    real = torch.nn.init.kaiming_uniform_
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    r = load_vae(SAMPLES / "tiny_kl_image.safetensors")
+    assert calls == [] and torch.nn.init.kaiming_uniform_ is real
+    tensors, _ = read_state_dict(SAMPLES / "tiny_kl_image.safetensors")
+    assert all(torch.equal(r.model.state_dict()[k], v.float()) for k, v in tensors.items())
+
+
 def test_family_argument_and_explicit_config(models, tmp_path):
     model, cfg = models["sd15"]
     f = _save_st(tmp_path / "vae.safetensors", to_ldm(model.state_dict()))

@@ -107,13 +107,24 @@ def _all_finite(v: Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
+def _no_init():
+    """diffusers' own switch for building a model whose weights come from a file (its from_pretrained builds in it):
+    torch.nn.init's functions skipped. On the meta device they change nothing, but still cost their Python calls
+    (SDXL's VAE built in 0.05 s instead of 0.10-0.18 s on a CPU)."""
+    try:
+        from diffusers.models.modeling_utils import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _instantiate(spec: FamilySpec, label: str, meta: bool = False):
     params = init_params(spec.cls_name)
     kwargs = {k: v for k, v in spec.config.items() if k in params}
     cls = model_class(spec.cls_name)
     try:
         if meta:  # no memory, no init: every tensor is assigned from the checkpoint afterwards
-            with torch.device("meta"):
+            with torch.device("meta"), _no_init():
                 return cls(**kwargs)
         return cls(**kwargs)
     except Exception as e:
