@@ -299,8 +299,9 @@ def test_decode_starts_the_warmup_before_the_load_and_joins_it_before_the_stages
     model = samples_dir / "tiny_kl_image.safetensors"
     r = run("decode", tmp_path / "l.pt", "-m", model, "-o", tmp_path / "o.png", "--device", "cpu")
     assert r.exit_code == 0, r.output
-    assert order[:4] == ["start", ("load", True, True), "join", "stages"]  # (the later join of the error path: a
-    (device, dtype, k, video, pending), = started  # no-op)
+    # (the later join of the error path: a no-op)
+    assert order[:4] == ["start", ("load", True, True), "join", "stages"]
+    (device, dtype, k, video, pending), = started
     assert (device, dtype, video, pending) == (torch.device("cpu"), torch.float32, False, True)
     assert k == prewarm.key(prewarm.source_id(model), Options(device="cpu"))
     assert r.output.count("stand-in failure") == 1 and (tmp_path / "o.png").is_file()
