@@ -3,12 +3,14 @@ the same job (from_pretrained, decode, PIL save), each a fresh process timed fro
 
     python3 scripts/one_shot_phases.py --out "$OUT"                                  # sdxl-1024 on the GPU (~5 min)
     python3 scripts/one_shot_phases.py --device cpu --latent 1,4,16,16 --out /tmp/p  # full-size weights, small decode
+    python3 scripts/one_shot_phases.py --family wan21 --latent 1,16,21,60,104 --out "$OUT"   # wan21-480p -> MP4
 
 The model: the family's architecture with random weights (seed 0) saved as a diffusers folder, as
 benchmarks/one_shot.py builds it; latents N(0, 1), decoded as raw latents by both. Runs: `vaeopt` (as shipped),
 `fullexit` (VAEOPT_FAST_EXIT=off: the interpreter's teardown kept), `noprewarm` (VAEOPT_PREWARM=off), `libraries`
 (VAEOPT_PREWARM=libraries: the warm-up thread without the kernels), `early` (VAEOPT_PREWARM=early: the kernels
-loaded beside the diffusers import), `notriton` (--triton/--epilogues/--upsample-conv/--conv-kernel off), and `plain`.
+loaded beside the diffusers import), `importgc` (VAEOPT_IMPORT_GC=on: Python's garbage collector left running
+through the imports), `notriton` (--triton/--epilogues/--upsample-conv/--conv-kernel off), and `plain`.
 One untimed run of each first fills Triton's and vaeopt's caches (as one_shot.py's warm variant), then --repeats
 timed runs; the table shows each phase's median seconds. A phase is the time from the previous mark to its own:
     python    interpreter start to the first line of the command (site, the interpreter itself)
@@ -20,7 +22,8 @@ timed runs; the table shows each phase's median seconds. A phase is the time fro
     plan      output names, checks, the plan
     stages    vaeopt.Pipeline: the warm-up thread joined, weights to the device, the stages applied
     decode    the decode (synchronized) / the same in plain
-    write     to uint8 and the PNG written (atomically for vaeopt)
+    write     to uint8 and the PNG written (atomically for vaeopt); a clip's MP4: vaeopt encodes frames as they are
+              decoded, so there its decode is in this phase too (and "decode" is 0)
     report    the --json summary and what else runs after the file is written, up to the atexit handlers
     exit      the rest of the process's exit: the interpreter's teardown and CUDA's (measured by the parent)
 Below the phases, for vaeopt's runs, the warm-up thread (vaeopt.prewarm): its own seconds (pw s), the Triton kernels
@@ -84,6 +87,7 @@ P = vaeopt.pipeline.Pipeline
 wrap(P, "__init__", after="stages")
 wrap(P, "decode", after="decode", sync=True)
 wrap(vaeopt.api, "write_job", after="write")
+wrap(vaeopt.api, "run_jobs", after="write")  # (a clip's frames are encoded as they are decoded: both in "write")
 sys.argv = ["vaeopt"] + sys.argv[1:]
 vaeopt.cli.run()  # as `python -m vaeopt` runs it: its exit included
 '''
@@ -112,8 +116,21 @@ with torch.inference_mode():
         torch.cuda.synchronize()
 mark("decode")
 x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
-from PIL import Image
-Image.fromarray(x[0].permute(1, 2, 0).numpy()).save(out)
+if x.dim() == 4:
+    from PIL import Image
+    Image.fromarray(x[0].permute(1, 2, 0).numpy()).save(out)
+else:  # a clip: H.264 at crf 18, as vaeopt writes it (benchmarks/one_shot.py's plain script)
+    import av
+    frames = x[0].permute(1, 2, 3, 0).numpy()  # T, H, W, 3
+    with av.open(out, "w") as c:
+        s = c.add_stream("libx264", rate=16)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        s.options = {"crf": "18"}
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
 mark("write"); mark("report")
 '''
 
@@ -141,6 +158,8 @@ def run_once(variant: str, folder: Path, lat: Path, out: Path, device: str, env:
                "--latent-space", "raw", "--device", device, "--json", "-q"]
         if variant in PREWARM:
             env["VAEOPT_PREWARM"] = PREWARM[variant]
+        if variant == "importgc":
+            env["VAEOPT_IMPORT_GC"] = "on"
         if variant == "fullexit":
             env["VAEOPT_FAST_EXIT"] = "off"
         if variant == "notriton":
@@ -185,12 +204,13 @@ def main(argv=None) -> dict:
     latent = tuple(int(s) for s in args.latent.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="one-shot-phases-"))
     folder, lat = build(tmp, args.family, latent)
+    suffix = ".mp4" if len(latent) == 5 else ".png"
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "triton"), VAEOPT_CACHE_DIR=str(tmp / "vaeopt"),
                HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     variants = args.variants.split(",")
     rows = {v: [] for v in variants}
     for v in variants:  # one untimed run each: the caches filled, as for one_shot.py's warm variant
-        run_once(v, folder, lat, tmp / f"{v}.png", device, env)
+        run_once(v, folder, lat, tmp / f"{v}{suffix}", device, env)
     res = {"setup": "one_shot_phases", "device": device, "family": args.family, "latent": list(latent),
            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
            "versions": {"torch": torch.__version__}, "runs": rows}
@@ -198,7 +218,7 @@ def main(argv=None) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(args.repeats):  # interleaved: a busy machine slows every variant alike
         for v in variants:
-            rows[v].append(run_once(v, folder, lat, tmp / f"{v}.png", device, env))
+            rows[v].append(run_once(v, folder, lat, tmp / f"{v}{suffix}", device, env))
             print(f"{v}: {rows[v][-1]['total']:.2f} s", file=sys.stderr, flush=True)
             path.write_text(json.dumps(res, indent=1))  # after every run: a run stopped by a time limit keeps them
     def median(rs, k):

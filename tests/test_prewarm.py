@@ -342,3 +342,39 @@ def test_warmup_records_under_the_key_decode_reads(samples_dir, monkeypatch):
     assert len(rep.shapes) == 1
     assert seen == [(prewarm.key(prewarm.source_id(model), Options(device="cpu")), torch.device("cuda")), "enter",
                     "exit"]
+
+
+def test_imports_without_gc_pauses_the_collector_and_freezes_what_was_imported(monkeypatch):
+    """`vaeopt decode`'s import blocks: no cyclic collection inside, the collector back on after (also after an
+    error), what a block imported frozen out of later collections; a block that imports nothing freezes nothing, and
+    a collector the caller had turned off stays off."""
+    import gc
+    import sys
+    import types
+
+    from vaeopt.cli.decode import imports_without_gc
+
+    frozen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(1))
+    assert gc.isenabled()
+    with imports_without_gc():
+        assert not gc.isenabled()
+        monkeypatch.setitem(sys.modules, "vaeopt_test_imported", types.ModuleType("vaeopt_test_imported"))
+    assert gc.isenabled() and frozen == [1]
+    with pytest.raises(ImportError):
+        with imports_without_gc():
+            raise ImportError("no such module")
+    assert gc.isenabled() and frozen == [1]  # (nothing imported: nothing frozen)
+    monkeypatch.setenv("VAEOPT_IMPORT_GC", "on")  # the collector left alone
+    with imports_without_gc():
+        assert gc.isenabled()
+        monkeypatch.setitem(sys.modules, "vaeopt_test_imported3", types.ModuleType("vaeopt_test_imported3"))
+    assert frozen == [1]
+    monkeypatch.delenv("VAEOPT_IMPORT_GC")
+    gc.disable()
+    try:
+        with imports_without_gc():
+            monkeypatch.setitem(sys.modules, "vaeopt_test_imported2", types.ModuleType("vaeopt_test_imported2"))
+        assert not gc.isenabled() and frozen == [1]
+    finally:
+        gc.enable()
