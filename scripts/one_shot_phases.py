@@ -61,7 +61,9 @@ atexit.register(lambda: (mark("atexit"), open(os.environ["PHASES_OUT"], "w").wri
 mark("python")
 import vaeopt.cli
 mark("cli")
-import vaeopt.api, vaeopt.latents, vaeopt.loading, vaeopt.outputs, vaeopt.pipeline, vaeopt.prewarm
+from vaeopt.cli.decode import imports_without_gc
+with imports_without_gc():  # (as `vaeopt decode` imports these: the garbage collector paused, unless VAEOPT_IMPORT_GC=on)
+    import vaeopt.api, vaeopt.latents, vaeopt.loading, vaeopt.outputs, vaeopt.pipeline, vaeopt.prewarm
 mark("torch")
 import torch
 def wrap(owner, attr, before=None, after=None, sync=False):
