@@ -16,6 +16,8 @@ Variants (each a fresh process, timed from its start to its exit):
   warmup     `vaeopt warmup` of the same model and shape into empty caches (its own time reported), then decode
   diffusers  the plain script (bf16 on a GPU; fp32 on a CPU)
 Each row: the process's wall time, and for vaeopt the decode's own seconds from its --json (what its line shows).
+A process past --timeout seconds (default 150) is stopped: its row says "timeout", with every thread's stack at that
+moment (also printed), and the run goes on with the next row.
 Rows land in DIR/one_shot.json (`setup`: one_shot; rows with job, variant, total_s, decode_s, ...; make_tables.py's
 one_shot_table renders them); the table is printed last.
 """
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,10 +101,35 @@ def prepare(job: str, args, tmp: Path) -> tuple[Path, Path]:
     return folder, lat
 
 
-def timed_run(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
+TIMEOUT_RC = -signal.SIGABRT  # a process stopped at --timeout
+
+
+def timed_run(cmd: list[str], env: dict, timeout: float | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    """Run cmd; past `timeout` seconds it is stopped with SIGABRT, on which Python's faulthandler (enabled here
+    through PYTHONFAULTHANDLER) prints every thread's stack: the row then says where the time went, and one slow
+    process never takes the whole run's time with it."""
+    env = dict(env, PYTHONFAULTHANDLER="1")
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    return time.perf_counter() - t0, p
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # (stuck in native code with the signal blocked)
+            p.kill()
+            out, err = p.communicate()
+        return time.perf_counter() - t0, subprocess.CompletedProcess(cmd, TIMEOUT_RC, out, err)
+    return time.perf_counter() - t0, subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def failed(row: dict, p: subprocess.CompletedProcess, secs: float) -> dict:
+    """The row of a process that failed or was stopped at --timeout (then with the stacks it printed)."""
+    text = (p.stderr or p.stdout or "").strip()
+    if p.returncode == TIMEOUT_RC:
+        return {**row, "status": "timeout", "reason": f"stopped after {secs:.0f} s", "stacks": text[-6000:]}
+    return {**row, "status": "failed", "reason": text[-300:]}
 
 
 def run_variant(job: str, variant: str, folder: Path, lat: Path, args, tmp: Path, caches: dict) -> dict:
@@ -118,7 +146,7 @@ def run_variant(job: str, variant: str, folder: Path, lat: Path, args, tmp: Path
         script.write_text(PLAIN)
         tiled = "1" if job == "sdxl-4096" else "0"
         secs, p = timed_run([sys.executable, str(script), str(folder), str(lat), str(out), device, tiled],
-                            dict(os.environ))
+                            dict(os.environ), args.timeout)
         if p.returncode == 0:
             row.update(json.loads(p.stdout.strip().splitlines()[-1]))
     else:
@@ -131,18 +159,18 @@ def run_variant(job: str, variant: str, folder: Path, lat: Path, args, tmp: Path
         decode = [sys.executable, "-m", "vaeopt", "decode", str(lat), "-m", str(folder), "-o", str(out),
                   "--latent-space", "raw", *dev, *flags, "--json", "-q"]
         if prime:
-            row["primed_s"], p = timed_run(decode, env)
+            row["primed_s"], p = timed_run(decode, env, args.timeout)
             out.unlink(missing_ok=True)
             if p.returncode:
-                return {**row, "status": "failed", "reason": (p.stderr or p.stdout).strip()[-300:]}
+                return failed({**row, "failed_in": "prime"}, p, row["primed_s"])
         if variant == "warmup":
             shape = ",".join(map(str, H.torch.load(lat, weights_only=True).shape))
             s, p = timed_run([sys.executable, "-m", "vaeopt", "warmup", str(folder), "--shape", shape, *dev,
-                              *flags, "-q"], env)
+                              *flags, "-q"], env, args.timeout)
             row["warmup_s"] = s
             if p.returncode:
-                return {**row, "status": "failed", "reason": (p.stderr or p.stdout).strip()[-300:]}
-        secs, p = timed_run(decode, env)
+                return failed({**row, "failed_in": "warmup"}, p, s)
+        secs, p = timed_run(decode, env, args.timeout)
         if p.returncode == 0:
             doc = json.loads(p.stdout[p.stdout.index("{"):])
             row["decode_s"] = doc["outputs"][0]["seconds"]
@@ -150,7 +178,7 @@ def run_variant(job: str, variant: str, folder: Path, lat: Path, args, tmp: Path
         if variant == "cold":
             caches[job] = root  # the warm variant runs on what the cold run left
     if p.returncode:
-        return {**row, "status": "failed", "reason": (p.stderr or p.stdout).strip()[-300:]}
+        return failed(row, p, secs)
     row.update(total_s=secs, output_bytes=out.stat().st_size if out.is_file() else None)
     if not out.is_file():
         row.update(status="failed", reason="no output written")
@@ -177,6 +205,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--tiny", action="store_true", help="narrow models and small latents (smoke test)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--timeout", type=float, default=150.0,
+                    help="seconds one process may take (default 150); past it the row says 'timeout' and where it was")
     args = ap.parse_args(argv)
     jobs, variants = args.jobs.split(","), args.variants.split(",")
     bad = [j for j in jobs if j not in JOBS] + [v for v in variants if v not in VARIANTS]
@@ -203,6 +233,8 @@ def main(argv=None) -> dict:
                 H.write_json(res, path)  # after every row: a run stopped by a time limit keeps what it measured
                 print(f"{job} {v}: {rows[-1].get('total_s', 0):.1f} s {rows[-1]['status']}", file=sys.stderr,
                       flush=True)
+                if rows[-1]["status"] == "timeout":  # where it was when stopped (faulthandler's stacks)
+                    print(rows[-1]["stacks"][-3000:], file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n" + table(rows) + f"\n-> {path}")

@@ -489,6 +489,40 @@ def test_half_precision_on_disk(disk, models, tmp_path):
         assert torch.equal(r.model.state_dict()[k], v.to(torch.bfloat16)), k
 
 
+@pytest.mark.parametrize("disk", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_non_finite_decoder_weights_are_refused_in_every_dtype(disk, tmp_path):
+    """One NaN, +Inf or -Inf anywhere in a decoder tensor (here deep inside the largest one, and in a 1-element one)
+    is found, in every floating dtype on disk; an encoder tensor's NaN is not the decoder's concern."""
+    tensors, meta = read_state_dict(SAMPLES / "tiny_kl_image.safetensors")
+    sd = {k: v.to(disk) for k, v in tensors.items()}
+    big = max((k for k in sd if k.startswith("decoder.")), key=lambda k: sd[k].numel())
+    assert load_vae(_save_st(tmp_path / "ok.safetensors", sd, meta)).family.name == "sd15"
+    for k, i in ((big, sd[big].numel() * 2 // 3), ("decoder.conv_out.bias", 2)):
+        # (e4m3fn has no Inf: torch's cast saturates it to ±448, so there only NaN)
+        for bad in (float("nan"),) + ((float("inf"), float("-inf")) if disk != torch.float8_e4m3fn else ()):
+            t = sd[k].float().clone()
+            t.view(-1)[i] = bad
+            f = _save_st(tmp_path / "bad.safetensors", {**sd, k: t.to(disk)}, meta)
+            with pytest.raises(CheckpointError, match=rf"1 decoder weight tensor\(s\) hold NaN/Inf \(e.g. {k}\)"):
+                load_vae(f)
+    enc = next(k for k in sd if k.startswith("encoder.") and sd[k].numel() > 1)
+    t = sd[enc].float().clone()
+    t.view(-1)[0] = float("nan")
+    assert load_vae(_save_st(tmp_path / "enc.safetensors", {**sd, enc: t.to(disk)}, meta)).family.name == "sd15"
+
+
+def test_the_model_is_built_without_running_weight_init(monkeypatch):
+    """The meta-device skeleton skips torch.nn.init (diffusers' no_init_weights, as its from_pretrained), and the
+    init functions are torch's own again afterwards; the weights are the file's, bitwise."""
+    calls = []
+    real = torch.nn.init.kaiming_uniform_
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    r = load_vae(SAMPLES / "tiny_kl_image.safetensors")
+    assert calls == [] and torch.nn.init.kaiming_uniform_ is real
+    tensors, _ = read_state_dict(SAMPLES / "tiny_kl_image.safetensors")
+    assert all(torch.equal(r.model.state_dict()[k], v.float()) for k, v in tensors.items())
+
+
 def test_family_argument_and_explicit_config(models, tmp_path):
     model, cfg = models["sd15"]
     f = _save_st(tmp_path / "vae.safetensors", to_ldm(model.state_dict()))

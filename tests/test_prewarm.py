@@ -26,9 +26,12 @@ def fake_gpu(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(prewarm, "open_context", lambda i: False)
     monkeypatch.setattr(cache, "environment", lambda device=None: {"format": cache.FORMAT, "gpu": "Test GPU"})
     monkeypatch.setattr(prewarm, "warm_libraries", lambda dev, dt, video=False: calls.append(("libs", dt, video)))
+    monkeypatch.setattr(prewarm, "warm_triton", lambda: (calls.append(("triton",)), True)[1])
     monkeypatch.setattr(prewarm, "load_kernel", lambda e: calls.append(("kernel", e["name"])))
+    monkeypatch.delenv("VAEOPT_PREWARM", raising=False)
     return calls
 
 
@@ -60,7 +63,8 @@ def test_thread_warms_the_libraries_and_the_stored_kernels_and_is_joined(fake_gp
     lines, details = [], []
     pw.join(lines.append, details.append)
     assert not pw.thread.is_alive() and pw.waited >= 0.1
-    # the join came while the libraries warmed: the thread stops before the kernels (the decode loads them itself)
+    # the join came while the libraries warmed: the thread stops before Triton's hash and the kernels (the decode
+    # does what it needs itself)
     assert fake_gpu == [("set_device", 1), ("libs", torch.bfloat16, True)]
     assert lines == [] and details == ["warmed beside the load: cuDNN and cuBLAS (%.2f s; the decode waited %.2f s "
                                        "for it)" % (pw.seconds, pw.waited)]
@@ -74,8 +78,92 @@ def test_thread_warms_the_libraries_and_the_stored_kernels_and_is_joined(fake_gp
     details = []
     pw.join(lines.append, details.append)
     # ("os" is not a vaeopt kernel module: a stored entry never makes the thread import anything else)
-    assert fake_gpu == [("set_device", 1), ("libs", torch.bfloat16, True), ("kernel", "_a"), ("kernel", "_b")]
-    assert lines == [] and details[0].startswith("warmed beside the load: 2 Triton kernels, cuDNN and cuBLAS")
+    assert fake_gpu == [("set_device", 1), ("libs", torch.bfloat16, True), ("triton",), ("kernel", "_a"),
+                        ("kernel", "_b")]
+    assert lines == [] and details[0].startswith("warmed beside the load: 2 Triton kernels, cuDNN and cuBLAS, "
+                                                 "Triton's compiler hash (")
+
+
+def test_kernels_wait_for_the_callers_imports(fake_gpu, monkeypatch):
+    """imports_pending: the libraries and Triton's hash at once (outside the GIL, beside the caller's imports), the
+    kernels (Python) only after imports_done(); a join before it ends the thread without them."""
+    cache.put(prewarm.KIND, KEY, {"kernels": [_entry("_a"), _entry("_b")]}, "cuda")
+    pw = prewarm.start(torch.device("cuda"), torch.bfloat16, KEY, imports_pending=True)
+    pw.thread.join(0.5)
+    assert pw.thread.is_alive() and fake_gpu == [("set_device", 0), ("libs", torch.bfloat16, False), ("triton",)]
+    pw.imports_done()
+    pw.thread.join(5)
+    assert fake_gpu[3:] == [("kernel", "_a"), ("kernel", "_b")] and pw.kernels == 2 and pw.kernels_after > 0
+    pw.join()
+    assert pw.summary()["kernels_after"] == pw.kernels_after and pw.summary()["triton"] is True
+    # never told: the join ends it before any kernel, at once
+    fake_gpu.clear()
+    pw = prewarm.start(torch.device("cuda"), torch.bfloat16, KEY, imports_pending=True)
+    pw.thread.join(0.5)
+    pw.join()
+    assert not pw.thread.is_alive() and pw.waited < 1 and ("kernel", "_a") not in fake_gpu
+    assert (pw.kernels, pw.kernels_after, pw.libraries) == (0, None, True)
+
+
+@pytest.mark.parametrize("value, expect", [("", "on"), ("on", "on"), ("bogus", "on"), ("libraries", "libraries"),
+                                           (" Early", "early"), ("off", "off"), ("0", "off"), ("false", "off")])
+def test_the_switch_and_its_modes(value, expect, fake_gpu, monkeypatch):
+    """VAEOPT_PREWARM: libraries warms the libraries and Triton's hash but loads no kernel; early loads the kernels
+    at once even while the caller imports (the earlier behaviour, for measurements); off makes no thread."""
+    monkeypatch.setenv("VAEOPT_PREWARM", value)
+    assert prewarm.mode() == expect and prewarm.enabled() == (expect != "off")
+    cache.put(prewarm.KIND, KEY, {"kernels": [_entry("_a")]}, "cuda")
+    pw = prewarm.start(torch.device("cuda"), torch.bfloat16, KEY, imports_pending=True)
+    if expect == "off":
+        assert pw is None
+        return
+    pw.thread.join(0.5)
+    pw.join()
+    kernels = [c for c in fake_gpu if c[0] == "kernel"]
+    assert kernels == ([("kernel", "_a")] if expect == "early" else [])
+    assert ("triton",) in fake_gpu and pw.libraries
+
+
+def test_open_context_through_the_driver(monkeypatch):
+    """cuInit, the device by its index, its primary context retained: in that order, through ctypes (which lets go
+    of the GIL); False at the first failing call, or without a driver library (then torch makes it, as before)."""
+    import ctypes
+
+    calls = []
+
+    class Lib:
+        def __init__(self, fail=None):
+            self.fail = fail
+
+        def __getattr__(self, name):
+            def f(*a):
+                calls.append((name, a[-1] if name != "cuDevicePrimaryCtxRetain" else None))
+                return 100 if name == self.fail else 0
+            return f
+
+    libs = {}
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libs[name])
+    libs["libcuda.so.1"] = Lib()
+    assert prewarm.open_context(3) is True
+    assert calls == [("cuInit", 0), ("cuDeviceGet", 3), ("cuDevicePrimaryCtxRetain", None)]
+    calls.clear()
+    libs["libcuda.so.1"] = Lib(fail="cuDeviceGet")
+    assert prewarm.open_context(1) is False and [c[0] for c in calls] == ["cuInit", "cuDeviceGet"]
+    del libs["libcuda.so.1"]
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    assert prewarm.open_context(0) is False
+
+
+def test_warm_triton_computes_tritons_own_hash_only_where_triton_is_imported(monkeypatch):
+    import sys
+
+    import triton.runtime.cache as tc
+
+    calls = []
+    monkeypatch.setattr(tc, "triton_key", lambda: calls.append(1) or "k")
+    assert prewarm.warm_triton() is True and calls == [1]
+    monkeypatch.delitem(sys.modules, "triton")  # (a process that has not imported it: not imported here either)
+    assert prewarm.warm_triton() is False and calls == [1]
 
 
 def test_errors_in_the_thread_are_said_once_and_never_raised(fake_gpu, monkeypatch):
@@ -179,7 +267,7 @@ def test_decode_starts_the_warmup_before_the_load_and_joins_it_before_the_stages
     import vaeopt.loading
     import vaeopt.pipeline
 
-    order, started = [], []
+    order, started, handles = [], [], []
     real_load, real_pipe = vaeopt.loading.load_vae, vaeopt.pipeline.Pipeline
 
     class Handle(prewarm.Prewarm):
@@ -187,10 +275,16 @@ def test_decode_starts_the_warmup_before_the_load_and_joins_it_before_the_stages
             order.append("join")
             super().join(log, detail)
 
-    def start(device, dtype, k, video=False):
+    def start(device, dtype, k, video=False, imports_pending=False):
         order.append("start")
-        started.append((device, dtype, k, video))
-        return Handle(error="stand-in failure")
+        started.append((device, dtype, k, video, imports_pending))
+        return handles.append(Handle(error="stand-in failure")) or handles[-1]
+
+    def load(*a, **k):  # the warm-up was told the imports are done, and diffusers' VAE classes are imported
+        import sys
+
+        order.append(("load", handles[0].go.is_set(), "diffusers.models.autoencoders" in sys.modules))
+        return real_load(*a, **k)
 
     class Pipe(real_pipe):
         def __init__(self, *a, **k):
@@ -198,16 +292,17 @@ def test_decode_starts_the_warmup_before_the_load_and_joins_it_before_the_stages
             super().__init__(*a, **k)
 
     monkeypatch.setattr(prewarm, "start", start)
-    monkeypatch.setattr(vaeopt.loading, "load_vae", lambda *a, **k: (order.append("load"), real_load(*a, **k))[1])
+    monkeypatch.setattr(vaeopt.loading, "load_vae", load)
     monkeypatch.setattr(vaeopt.pipeline, "Pipeline", Pipe)
     lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][:, :, :16, :16]
     torch.save(lat, tmp_path / "l.pt")
     model = samples_dir / "tiny_kl_image.safetensors"
     r = run("decode", tmp_path / "l.pt", "-m", model, "-o", tmp_path / "o.png", "--device", "cpu")
     assert r.exit_code == 0, r.output
-    assert order[:4] == ["start", "load", "join", "stages"]  # (the later join of the error path: a no-op)
-    (device, dtype, k, video), = started
-    assert (device, dtype, video) == (torch.device("cpu"), torch.float32, False)
+    # (the later join of the error path: a no-op)
+    assert order[:4] == ["start", ("load", True, True), "join", "stages"]
+    (device, dtype, k, video, pending), = started
+    assert (device, dtype, video, pending) == (torch.device("cpu"), torch.float32, False, True)
     assert k == prewarm.key(prewarm.source_id(model), Options(device="cpu"))
     assert r.output.count("stand-in failure") == 1 and (tmp_path / "o.png").is_file()
 
@@ -247,3 +342,39 @@ def test_warmup_records_under_the_key_decode_reads(samples_dir, monkeypatch):
     assert len(rep.shapes) == 1
     assert seen == [(prewarm.key(prewarm.source_id(model), Options(device="cpu")), torch.device("cuda")), "enter",
                     "exit"]
+
+
+def test_imports_without_gc_pauses_the_collector_and_freezes_what_was_imported(monkeypatch):
+    """`vaeopt decode`'s import blocks: no cyclic collection inside, the collector back on after (also after an
+    error), what a block imported frozen out of later collections; a block that imports nothing freezes nothing, and
+    a collector the caller had turned off stays off."""
+    import gc
+    import sys
+    import types
+
+    from vaeopt.cli.decode import imports_without_gc
+
+    frozen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(1))
+    assert gc.isenabled()
+    with imports_without_gc():
+        assert not gc.isenabled()
+        monkeypatch.setitem(sys.modules, "vaeopt_test_imported", types.ModuleType("vaeopt_test_imported"))
+    assert gc.isenabled() and frozen == [1]
+    with pytest.raises(ImportError):
+        with imports_without_gc():
+            raise ImportError("no such module")
+    assert gc.isenabled() and frozen == [1]  # (nothing imported: nothing frozen)
+    monkeypatch.setenv("VAEOPT_IMPORT_GC", "on")  # the collector left alone
+    with imports_without_gc():
+        assert gc.isenabled()
+        monkeypatch.setitem(sys.modules, "vaeopt_test_imported3", types.ModuleType("vaeopt_test_imported3"))
+    assert frozen == [1]
+    monkeypatch.delenv("VAEOPT_IMPORT_GC")
+    gc.disable()
+    try:
+        with imports_without_gc():
+            monkeypatch.setitem(sys.modules, "vaeopt_test_imported2", types.ModuleType("vaeopt_test_imported2"))
+        assert not gc.isenabled() and frozen == [1]
+    finally:
+        gc.enable()

@@ -6,6 +6,15 @@ and for creating the CUDA context (docs/experiments.md E54: 0.80 s over a 20 ms 
 needs the model, so `vaeopt decode` does it on a thread of its own while the main thread reads the checkpoint and
 builds the model (`start`), and waits for it before anything else touches the GPU (`Prewarm.join`).
 
+In two parts, because of the GIL (E67): while the main thread imports diffusers (seconds of Python), the thread only
+does what runs outside the interpreter: the CUDA context (made through the driver directly, as torch makes it
+holding the GIL), cuDNN's and cuBLAS's first calls, and the hash Triton keeps of its own compiler (its first cache
+lookup reads and hashes libtriton, ~500 MB). Loading the kernels is Python (cache lookups, launchers): run beside the
+imports, every file the importer reads hands the GIL to the thread for up to a switch interval (on an H200 host the
+diffusers import took 7.3 s beside it, against about 4.4 s in a plain diffusers script). So the kernels wait until
+the caller says its imports are done (`Prewarm.imports_done`), and then load while it reads and checks the weights;
+what the join stops short of, the decode loads itself.
+
 Which kernels: the ones the same decode (checkpoint, stage options) loaded last time, as Triton specialized them for
 its shapes (alignment, constants, launch options). `Record` collects them through Triton's post-compile hook during
 a decode or a `vaeopt warmup`, and stores them in vaeopt's cache (cache.py, kind "kernels", so per GPU, driver and
@@ -19,12 +28,16 @@ torch initializes it under a lock; cuDNN and cuBLAS handles are per thread, and 
 torch's pool when it ends, for the main thread to reuse; the thread's own work runs on a side stream. Any error in it
 is caught, said once at the join, and costs nothing but the warm-up: the decode loads what it needs as before. On a
 CPU, or with VAEOPT_PREWARM=off, no thread starts.
+
+VAEOPT_PREWARM (for measuring one against another): on (the default: as above), libraries (the first part only;
+the decode loads its kernels), early (the kernels at once, beside the imports: the earlier behaviour), off.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +49,8 @@ import torch
 from vaeopt import cache
 
 KIND = "kernels"
-ENV_SWITCH = "VAEOPT_PREWARM"  # "off": no thread, nothing preloaded
+ENV_SWITCH = "VAEOPT_PREWARM"  # on (default) | libraries | early | off: see the module's docstring
+MODES = ("on", "libraries", "early", "off")
 MAX_KERNELS = 256  # kernels kept per key: every shape decoded so far, the newest first
 # the Options that decide which kernels run (not the shapes, plans or budgets: the kernels of every shape are kept)
 STAGE_FIELDS = ("dtype", "channels_last", "triton", "epilogues", "attention", "upsample_conv", "stack_conv3d",
@@ -44,8 +58,16 @@ STAGE_FIELDS = ("dtype", "channels_last", "triton", "epilogues", "attention", "u
 PACKAGE = "vaeopt.kernels."  # the only modules a stored kernel may name (an entry never imports anything else)
 
 
+def mode() -> str:
+    """VAEOPT_PREWARM as one of MODES (unset or unknown: on; 0/no/false: off)."""
+    v = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if v in ("0", "no", "false"):
+        return "off"
+    return v if v in MODES else "on"
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip().lower() not in ("off", "0", "no", "false")
+    return mode() != "off"
 
 
 def source_id(path: str | Path) -> str:
@@ -132,6 +154,7 @@ class Prewarm:
     kernels: int = 0  # Triton kernels preloaded
     failed: int = 0  # stored kernels that could not be preloaded (first error in .error)
     libraries: bool = False  # cuDNN and cuBLAS initialized
+    triton: bool = False  # Triton's hash of its own compiler computed
     error: str | None = None
     seconds: float = 0.0  # the thread's own time
     waited: float = 0.0  # how long the join waited for it
@@ -139,12 +162,20 @@ class Prewarm:
     # set by join(): the thread stops preloading at the next kernel, so a decode never waits for more than the one in
     # flight (a kernel missing from Triton's disk cache compiles, which can take seconds; the decode loads the rest)
     stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    # set by imports_done() (or join): the kernels may load now (the thread waits for it after the libraries)
+    go: threading.Event = field(default_factory=threading.Event, repr=False)
+    kernels_after: float | None = None  # when the kernels began, seconds after the thread started (None: never)
+
+    def imports_done(self) -> None:
+        """The caller's imports are over: the thread may load the kernels (Python, which slowed them down)."""
+        self.go.set()
 
     def join(self, log: Callable[[str], None] | None = None, detail: Callable[[str], None] | None = None) -> None:
         if self.joined:
             return
         t0 = time.perf_counter()
         self.stop.set()
+        self.go.set()
         if self.thread is not None:
             self.thread.join()
         self.waited = time.perf_counter() - t0
@@ -154,23 +185,32 @@ class Prewarm:
         if detail is not None:
             what = [f"{self.kernels} Triton kernel{'s' if self.kernels != 1 else ''}"] if self.kernels else []
             what += ["cuDNN and cuBLAS"] if self.libraries else []
+            what += ["Triton's compiler hash"] if self.triton else []
             if what:
                 detail(f"warmed beside the load: {', '.join(what)} ({self.seconds:.2f} s; the decode waited "
                        f"{self.waited:.2f} s for it)")
 
     def summary(self) -> dict:
-        return {"kernels": self.kernels, "failed": self.failed, "libraries": self.libraries, "error": self.error,
-                "seconds": self.seconds, "waited": self.waited}
+        return {"kernels": self.kernels, "failed": self.failed, "libraries": self.libraries, "triton": self.triton,
+                "error": self.error, "seconds": self.seconds, "waited": self.waited,
+                "kernels_after": self.kernels_after}
 
 
-def start(device: torch.device, dtype: torch.dtype, k: dict | None, video: bool = False) -> Prewarm | None:
+def start(device: torch.device, dtype: torch.dtype, k: dict | None, video: bool = False,
+          imports_pending: bool = False) -> Prewarm | None:
     """Start warming `device` for decodes in `dtype` (the kernels stored for key k; video: 3-D convs too) on a thread.
+    imports_pending: the caller still imports (diffusers): the kernels wait for its `imports_done()` (or the join).
     None where there is nothing to warm: a CPU device, no CUDA, or VAEOPT_PREWARM=off. The caller joins it before
     its first use of the GPU or of Triton."""
     device = torch.device(device)
-    if device.type != "cuda" or not enabled() or not torch.cuda.is_available():
+    m = mode()
+    if device.type != "cuda" or m == "off" or not torch.cuda.is_available():
         return None
     pw = Prewarm()
+    if m == "libraries":
+        k = None
+    if not imports_pending or m == "early":
+        pw.go.set()
     pw.thread = threading.Thread(target=_run, args=(pw, device, dtype, k, video), name="vaeopt-prewarm", daemon=True)
     pw.thread.start()
     return pw
@@ -179,10 +219,19 @@ def start(device: torch.device, dtype: torch.dtype, k: dict | None, video: bool 
 def _run(pw: Prewarm, device, dtype, k, video) -> None:
     t0 = time.perf_counter()
     try:
-        torch.cuda.set_device(device.index if device.index is not None else 0)
+        index = device.index if device.index is not None else 0
+        open_context(index)
+        torch.cuda.set_device(index)
         warm_libraries(device, dtype, video)
         pw.libraries = True
-        entries, bad = stored(k, device) if k is not None else [], []
+        pw.triton = not pw.stop.is_set() and warm_triton()  # (joined already: the decode hashes it if it needs it)
+        if k is None:
+            return
+        pw.go.wait()  # (the caller's imports; a join sets it too, and stop with it)
+        if pw.stop.is_set():
+            return
+        pw.kernels_after = time.perf_counter() - t0
+        entries, bad = stored(k, device), []
         for e in entries:
             if pw.stop.is_set():
                 break
@@ -204,6 +253,23 @@ def _run(pw: Prewarm, device, dtype, k, video) -> None:
         pw.seconds = time.perf_counter() - t0
 
 
+def open_context(index: int) -> bool:
+    """The CUDA driver's initialization and device `index`'s primary context (the one torch's runtime uses), made
+    through ctypes, which lets go of the GIL for the call: torch.cuda.set_device makes them holding the GIL (CUDA 12
+    creates the context in cudaSetDevice), and the main thread's imports would stand still meanwhile. After it,
+    set_device finds the context made. False where there is no driver library or a call fails (set_device then does
+    it all, as before)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")  # (Linux's driver library; elsewhere torch does it)
+    except OSError:
+        return False
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    return (lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), index) == 0
+            and lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0)
+
+
 def warm_libraries(device: torch.device, dtype: torch.dtype, video: bool = False) -> None:
     """One tiny convolution (channels last, as the decodes run) and one GEMM in `dtype` on `device`, on a side stream:
     the CUDA context, cuDNN's and cuBLAS's libraries and handles."""
@@ -219,6 +285,24 @@ def warm_libraries(device: torch.device, dtype: torch.dtype, video: bool = False
         a = torch.randn(64, 64, device=device, dtype=dtype)
         torch.mm(a, a)
     s.synchronize()
+
+
+def warm_triton() -> bool:
+    """Triton's hash of its own compiler (triton_key: every compiler source file and libtriton, ~500 MB, read and
+    hashed), which its first kernel cache lookup in a process computes and keeps. Hashing runs outside the GIL. Only
+    where Triton is imported already (importing it here would be seconds of Python beside the caller's imports);
+    False where it is not, or has no such function."""
+    if "triton" not in sys.modules:
+        return False
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return False
+    triton_key()
+    return True
 
 
 def load_kernel(e: dict) -> None:

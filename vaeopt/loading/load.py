@@ -97,13 +97,34 @@ def _dtype_on_disk(tensors: dict[str, Tensor], notes: list[str]) -> torch.dtype 
     return main
 
 
+def _all_finite(v: Tensor) -> bool:
+    """No NaN or Inf in v. Its minimum and maximum in one pass (a NaN makes both NaN, an Inf shows in one): no bool
+    tensor the size of each weight, as isfinite(v).all() makes; over SDXL's 84M fp32 weights on one CPU thread 0.05 s
+    against 0.64 s, on every load of a checkpoint."""
+    if v.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(v if v.element_size() > 1 else v.float())  # (8-bit floats: no min/max kernels)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _no_init():
+    """diffusers' own switch for building a model whose weights come from a file (its from_pretrained builds in it):
+    torch.nn.init's functions skipped. On the meta device they change nothing, but still cost their Python calls
+    (SDXL's VAE built in 0.05 s instead of 0.10-0.18 s on a CPU)."""
+    try:
+        from diffusers.models.modeling_utils import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _instantiate(spec: FamilySpec, label: str, meta: bool = False):
     params = init_params(spec.cls_name)
     kwargs = {k: v for k, v in spec.config.items() if k in params}
     cls = model_class(spec.cls_name)
     try:
         if meta:  # no memory, no init: every tensor is assigned from the checkpoint afterwards
-            with torch.device("meta"):
+            with torch.device("meta"), _no_init():
                 return cls(**kwargs)
         return cls(**kwargs)
     except Exception as e:
@@ -228,7 +249,7 @@ def load_vae(
         notes.insert(0, sibling_note)
     disk = _dtype_on_disk(a.sd, notes)
     bad = [k for k, v in a.sd.items() if k.startswith(("decoder.", "post_quant_conv.")) and v.is_floating_point()
-           and not torch.isfinite(v if v.element_size() > 1 else v.float()).all()]
+           and not _all_finite(v)]
     if bad:  # the decode would be NaN and blamed on fp16 or the latents
         raise CheckpointError(f"{label}: {len(bad)} decoder weight tensor(s) hold NaN/Inf (e.g. {bad[0]}): a broken "
                               "checkpoint (a diverged training run, or a bad conversion)")
