@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from vaeopt import fidelity, video, video_stream
+from vaeopt.cache import driver_version
 from vaeopt.errors import VaeoptError
 from vaeopt.families import FamilySpec, build_model
 from vaeopt.hw import DTYPE_NAMES, ClockSampler, machine_info
@@ -252,9 +253,8 @@ class Bench:
 def clock_note(rows: list[dict]) -> str | None:
     """One line on the GPU clock during the last measured ladder row's timed repeats (the headline row), or None
     when no clock was sampled: its median SM clock against the rated maximum, the highest power draw against the
-    limit, and what slowed the clock in how many readings. Back-to-back decodes that hold the power limit run at a
-    lower clock than decodes after an idle GPU (wan21-480p on an H200: 1560-1650 against 1690-1730 MHz per decode,
-    experiments.md E31), and the more work a decode does per second the lower that clock."""
+    limit, and what slowed the clock in how many readings (decodes back to back at the power limit run at a lower
+    clock: experiments.md E31)."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("gpu_clock") and r.get("kind") == "ladder"]
     if not ok:
         return None
@@ -309,8 +309,7 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
             model.tiled_decode = tiled_decode
             if _would_tile(model, b.shape) is False:  # the same untiled decode as the row above: not run again
                 fn = lambda: model.decode(z).sample  # noqa: E731
-                fn.skip_reason = (f"diffusers' enable_tiling() does not tile a {b.shape[-2]}x{b.shape[-1]} latent "
-                                  "(below its tile size): the same untiled decode as the diffusers row above")
+                fn.skip_reason = _not_tiled(b.shape)
                 return fn
         if compile_:
             model.to(memory_format=torch.channels_last) if not b.spec.is_video else None
@@ -325,6 +324,11 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
 
     make.tiled_decodes = counted
     return make
+
+
+def _not_tiled(shape: tuple) -> str:
+    return (f"diffusers' enable_tiling() does not tile a {shape[-2]}x{shape[-1]} latent (below its tile size): the "
+            "same untiled decode as the diffusers row above")
 
 
 def _would_tile(model, shape: tuple) -> bool | None:
@@ -362,9 +366,8 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
     def make():
         model = b.fresh_model(torch.float32)
         loaded = LoadedVAE(model=model, family=b.spec, layout="benchmark", path=None, notes=[], dtype_on_disk=None)
-        o = Options(device=str(b.device), dtype=str(b.dtype).replace("torch.", "").replace("bfloat16", "bf16")
-                    .replace("float32", "fp32").replace("float16", "fp16"),
-                    cudnn_autotune="on" if tuned else "off", decode_shape=tuple(b.shape), **opts)
+        o = Options(device=str(b.device), dtype=DTYPE_NAMES[b.dtype], cudnn_autotune="on" if tuned else "off",
+                    decode_shape=tuple(b.shape), **opts)
         lines = []
         pipe = Pipeline(loaded, o, log=lines.append, spell=b.spell)  # (the rows show its stage lines)
         if tuned is not None:
@@ -422,17 +425,15 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         tuned = cudnn_autotune.apply("benchmark --cudnn-autotune")
         log("✓ " + tuned.detail)
     try:
-        return _run_benchmark(spec, state_dict, shape, device=device, dtype=dtype, peers=peers, repeats=repeats,
-                              warmup=warmup, fp8=fp8, log=log, workload=workload, command=command,
-                              model_overrides=model_overrides, ladder_hook=ladder_hook, gate_db=gate_db,
-                              tuned=tuned, detail=detail or log, spell=spell)
+        return _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload,
+                              command, model_overrides, ladder_hook, gate_db, tuned, detail or log, spell)
     finally:
         if tuned is not None:
             cudnn_autotune.revert(tuned)
 
 
-def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
-                   log, workload, command, model_overrides, ladder_hook, gate_db, tuned, detail, spell) -> dict:
+def _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload, command,
+                   model_overrides, ladder_hook, gate_db, tuned, detail, spell) -> dict:
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides, detail)
     b.spell = spell
     detail(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
@@ -450,9 +451,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         make = _peer_fn(b, dtype, tiling=True)
         row = b.run(f"diffusers {DTYPE_NAMES[dtype]} + tiling", "peer", make, log_row=False)
         if row.status == "ok" and not make.tiled_decodes[0]:  # timed its untiled decode: not a tiling row
-            row.status = "skipped"
-            row.reason = (f"diffusers' enable_tiling() does not tile a {shape[-2]}x{shape[-1]} latent (below its tile "
-                          "size): the same untiled decode as the diffusers row above")
+            row.status, row.reason = "skipped", _not_tiled(shape)
         b.log_row(row)  # after that check: the log and the table tell the same story
         rows.append(row)
     if "compile" in peers:
@@ -489,7 +488,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         "cpu_numbers": device.type != "cuda", "flops": b.flops, "matmul_tflops": b.matmul,
         "versions": {"torch": mi.torch, "cuda": mi.cuda, "cudnn": mi.cudnn, "triton": mi.triton,
                      "diffusers": mi.diffusers, "python": mi.python},
-        "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "driver": driver_version(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command, "repeats": repeats, "warmup": warmup,
         "cudnn_autotune": {"benchmark_limit": tuned.data["limit"]} if tuned else None,
         "speedup_baseline": baseline, "rows": [asdict(r) for r in rows],
@@ -661,16 +660,6 @@ _ROW_STAGE = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms
               "+ fused epilogues": "fused_epilogues", "+ phase upsample convs": "upsample_conv",
               "+ stacked Conv3d": "stacked_conv3d", "+ Triton conv": "triton_conv", "+ attention backend": "attention",
               "+ CUDA graphs": "graphs"}
-
-
-def _driver() -> str | None:
-    try:
-        import subprocess
-
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _speedups(rows: list[Row], dtype) -> str | None:

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from vaeopt.cache import package_version
 from vaeopt.errors import VaeoptError
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @dataclass
@@ -60,18 +53,9 @@ def gpu_info(index: int) -> GPUInfo:
     sm = f"sm_{p.major}{p.minor}"
     in_build = sm in arch_list or any(a.startswith("compute_") and int(a.split("_")[1]) <= p.major * 10 + p.minor
                                       for a in arch_list)
-    return GPUInfo(
-        index=index,
-        name=p.name,
-        sm=sm,
-        capability=cap,
-        total_gib=total / 2**30,
-        free_gib=free / 2**30,
-        multiprocessors=p.multi_processor_count,
-        bf16=cap >= (8, 0),
-        fp8=cap >= (8, 9),
-        arch_in_build=in_build,
-    )
+    return GPUInfo(index, p.name, sm, cap, total_gib=total / 2**30, free_gib=free / 2**30,
+                   multiprocessors=p.multi_processor_count, bf16=cap >= (8, 0), fp8=cap >= (8, 9),
+                   arch_in_build=in_build)
 
 
 def sdpa_backends() -> dict[str, bool]:
@@ -92,19 +76,11 @@ def machine_info() -> MachineInfo:
     if torch.cuda.is_available() and torch.backends.cudnn.is_available():
         v = torch.backends.cudnn.version()
         cudnn = f"{v // 10000}.{(v // 100) % 100}.{v % 100}" if v and v >= 10000 else str(v)
-    info = MachineInfo(
-        python=platform.python_version(),
-        platform=platform.platform(),
-        torch=torch.__version__,
-        cuda=cuda,
-        cudnn=cudnn,
-        triton=_version("triton"),
-        diffusers=_version("diffusers"),
-        pyav=_version("av"),
-        torch_arch_list=torch.cuda.get_arch_list() if torch.cuda.is_available() else [],
-        sdpa_backends=sdpa_backends(),
-        triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
-    )
+    info = MachineInfo(platform.python_version(), platform.platform(), torch.__version__, cuda, cudnn,
+                       triton=package_version("triton"), diffusers=package_version("diffusers"),
+                       pyav=package_version("av"),
+                       torch_arch_list=torch.cuda.get_arch_list() if torch.cuda.is_available() else [],
+                       sdpa_backends=sdpa_backends(), triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
     if torch.cuda.is_available():
         info.gpus = [gpu_info(i) for i in range(torch.cuda.device_count())]
     return info
@@ -212,11 +188,10 @@ class ClockSampler:
             ...timed work...
         cs.summary  # summarize_clocks(...) or None
 
-    A decode that runs back to back at the GPU's power limit is clocked down (wan21-480p on an H200 at 700 W:
-    1560-1650 MHz per decode against 1690-1730 with 2 s idle gaps, experiments.md E31), so benchmark rows carry this to tell apart what the code and what the
-    power budget did. nvidia-smi writes to a temporary file (no pipe to fill on long rows). Does nothing (summary
-    None) off CUDA, on ROCm, on a MIG slice, without nvidia-smi, with VAEOPT_GPU_CLOCKS=0, or when anything about it
-    fails: it never raises into the timed work."""
+    Decodes back to back at the GPU's power limit are clocked down (experiments.md E31): benchmark rows carry this to
+    tell apart what the code and what the power budget did. nvidia-smi writes to a temporary file (no pipe to fill on
+    long rows). Does nothing (summary None) off CUDA, on ROCm, on a MIG slice, without nvidia-smi, with
+    VAEOPT_GPU_CLOCKS=0, or when anything about it fails: it never raises into the timed work."""
 
     def __init__(self, device: torch.device, interval_ms: int = 100):
         self.device, self.interval_ms = device, interval_ms

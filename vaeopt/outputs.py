@@ -33,16 +33,10 @@ def unknown_type(where: str, suffix: str) -> str:
     """The message for an -o whose suffix names no output vaeopt writes (the CLI checks before the load, plan_jobs
     again for every output)."""
     return f"{where}: unknown output type '{suffix}' (use .png, .mp4, .safetensors, or a folder for frames)"
-# libx264's threading in Mp4Writer. PyAV's default is slice threads; frame threads encode 481 frames at 480x832 about
-# twice as fast on a 16-core host (2.66 vs 5.05 s), fast enough that a Wan decode no longer waits for the encoder
-# (h100_stream_mp4_2026-11-22b.json, experiments.md E34). None: PyAV's default. MP4_THREADS: the encoder's thread
-# count (None or 0: libx264's own choice, from the CPU count).
-MP4_THREAD_TYPE: str | None = "FRAME"
-MP4_THREADS: int | None = None
-# The MP4's colour: RGB -> YUV with the BT.709 matrix in limited (TV) range, and the stream tagged so (matrix,
-# primaries, transfer, range), as ffmpeg's `-colorspace bt709 -color_primaries bt709 -color_trc bt709 -color_range tv`.
-# PyAV's default converts with BT.601 and leaves the tags unspecified; players then guess, and those that assume
-# BT.709 for HD (most, at 720p) showed pure green as (0, 215, 0). VAE outputs are sRGB, whose primaries are BT.709's.
+
+
+# The MP4's colour: BT.709 in limited (TV) range, and the stream tagged so, which is what players assume for HD video
+# (PyAV's default BT.601, untagged, showed pure green as (0, 215, 0); experiments.md E36). sRGB's primaries are 709's.
 _BT709 = 1  # the value of AVCOL_SPC_BT709, AVCOL_PRI_BT709 and AVCOL_TRC_BT709 alike
 _TV_RANGE = 1  # AVCOL_RANGE_MPEG
 
@@ -557,10 +551,9 @@ class Mp4Writer:
                             stream.width, stream.height = w + (w % 2), h + (h % 2)
                             stream.pix_fmt = "yuv420p"
                             stream.options = {"crf": str(self.crf)}
-                            if MP4_THREAD_TYPE:
-                                stream.codec_context.thread_type = MP4_THREAD_TYPE
-                            if MP4_THREADS:
-                                stream.codec_context.thread_count = MP4_THREADS
+                            # frame threads (libx264's count): twice as fast as PyAV's default slice threads, so
+                            # a Wan decode does not wait for the encoder (experiments.md E34)
+                            stream.codec_context.thread_type = "FRAME"
                             _tag_bt709(stream.codec_context)
                         arr = frame.numpy()
                         if arr.shape[0] % 2 or arr.shape[1] % 2:

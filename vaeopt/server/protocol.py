@@ -1,20 +1,7 @@
-"""The wire protocol of diffusers' remote VAE client (`diffusers.utils.remote_utils.remote_decode`), both ways.
-
-Request: POST of the latents' raw bytes (`Content-Type: tensor/binary`, C order, the tensor's own dtype), with every
-parameter in the query string: `shape` (repeated, one per dimension), `dtype` (float16 / bfloat16 / float32),
-`output_type` (pil / pt / mp4), `image_format` (jpg / png), `partial_postprocess` (True / False), optionally
-`scaling_factor` and `shift_factor` (the server unscales: latents / scaling_factor + shift_factor, as diffusers'
-pipelines do before vae.decode), `do_scaling` (the deprecated flag: the model's own scaling), `height` and `width`
-(packed FLUX latents (B, H/16 * W/16, 64) are unpacked to (B, 16, H/8, W/8)).
-
-Response, as the client parses it:
-- output_type=pil, Accept image/*: the image file (JPEG or PNG);
-- output_type=pil, Accept tensor/binary (the client passed a processor): float [0, 1] frames (N, 3, H, W), in the
-  latents' dtype, with `shape` and `dtype` headers;
-- output_type=pt: the decoder output in [-1, 1], (N, 3, H, W) or (N, 3, T, H, W), in the latents' dtype; with
-  partial_postprocess, uint8 channels-last (N, H, W, 3) images, or (T, H, W, 3) frames of one clip;
-- output_type=mp4: an H.264 MP4 file (video models, one clip per request).
-Errors are non-2xx answers with a JSON body {"error": "...", "status": N}; the client raises them as RuntimeError.
+"""The wire protocol of diffusers' remote VAE client (`diffusers.utils.remote_utils.remote_decode`), both ways
+(docs/serve.md, "Protocol"): a POST of the latents' raw bytes with every parameter in the query string; answers as
+the client parses them (an image file, tensor bytes with `shape` / `dtype` headers, an MP4); errors as non-2xx
+answers with a JSON body {"error": "...", "status": N}.
 
 Everything here is pure (no sockets, no state; prepare() runs on whatever device holds its tensor): the HTTP
 layer and the worker call it, and tests can too.
