@@ -46,10 +46,8 @@ __all__ = ["band_parallel_decode", "band_rows", "supports_band"]
 
 
 def _attn_split_ok(attn: nn.Module) -> tuple[bool, str]:
-    try:
-        from diffusers.models.attention_processor import AttnProcessor2_0
-    except ImportError:  # pragma: no cover
-        return False, "diffusers' AttnProcessor2_0 is not importable"
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
     proc = getattr(attn, "processor", None)
     if not (type(proc) is AttnProcessor2_0 or type(proc).__name__ == "ChunkedAttnProcessor"):
         return False, f"attention processor {type(proc).__name__} is not one whose math is known here"
@@ -512,24 +510,10 @@ def supports_band(vae: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
-def _model_device(vae: nn.Module) -> tuple[torch.device, torch.dtype]:
-    p = next(p for p in vae.parameters() if p.is_floating_point())
-    return p.device, p.dtype
-
-
 @torch.no_grad()
-def band_parallel_decode(
-    vae: nn.Module,
-    z_raw: Tensor,
-    group=None,
-    *,
-    chunk: int | Sequence[int] | None = 4,
-    gather: bool = True,
-    kernels: bool | None = None,
-    fused: bool | None = None,
-    channels_last: bool | None = None,
-    return_info: bool = False,
-):
+def band_parallel_decode(vae: nn.Module, z_raw: Tensor, group=None, *, chunk: int | Sequence[int] | None = 4,
+                         gather: bool = True, kernels: bool | None = None, fused: bool | None = None,
+                         channels_last: bool | None = None, return_info: bool = False):
     """Decode raw latents on all ranks of `group` (default: the world), each rank one horizontal band
     (docs/multi-gpu.md). Call it on every rank with the same VAE weights and latents (checked): (N, C, h, w) for an
     AutoencoderKL -> (N, 3, 8h, 8w) as ``vae.decode(z).sample``; (N, C, T, h, w) for an AutoencoderKLWan -> as
@@ -543,7 +527,8 @@ def band_parallel_decode(
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError("band_parallel_decode needs an initialised process group (torchrun, or "
                                "vaeopt.distributed.launch / init_distributed)")
-    device, dtype = _model_device(vae)
+    p = next(p for p in vae.parameters() if p.is_floating_point())
+    device, dtype = p.device, p.dtype
     if getattr(vae, "training", False):
         raise DistributedError("band-parallel decoding runs in eval mode only (call vae.eval())")
     cls = type(vae).__name__

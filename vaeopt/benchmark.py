@@ -711,7 +711,6 @@ def plot(result: dict, path: Path) -> None:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-
     rows = [r for r in result["rows"] if r["status"] == "ok" and r.get("median_ms")]
     skipped = [r for r in result["rows"] if r["status"] != "ok"]
     base = result.get("speedup_baseline")
@@ -733,8 +732,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlim(0, max(max(r["max_ms"] for r in rows), 1e-9) * 1.02 if rows else 1)
     ax.grid(axis="x", color="#dddddd", linewidth=0.8)
     ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
+    ax.spines[["top", "right"]].set_visible(False)
     # each row's numbers in a column right of the axes: time, speedup, PSNR
     tx = ax.get_yaxis_transform()  # x in axes fractions, y in rows
     for yi, r in zip(y, rows):

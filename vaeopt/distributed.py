@@ -30,19 +30,8 @@ from vaeopt.loading import load_vae
 from vaeopt.pipeline import Options, Pipeline
 from vaeopt.stages import join, spelled
 
-__all__ = [
-    "DistributedError",
-    "ENV_RULES",
-    "band_parallel_decode",
-    "band_rows",
-    "supports_band",
-    "launch",
-    "init_distributed",
-    "rank_device",
-    "under_torchrun",
-    "decode_files_distributed",
-    "assign_jobs",
-]
+__all__ = ["DistributedError", "ENV_RULES", "band_parallel_decode", "band_rows", "supports_band", "launch",
+           "init_distributed", "rank_device", "under_torchrun", "decode_files_distributed", "assign_jobs"]
 
 # NVLink SHARP / multicast off: the decode's collectives are small halos and all-gathers that gain nothing from
 # it, and setting multicast up can take a shared host's GPUs out of service for other jobs (docs/multi-gpu.md).
@@ -88,14 +77,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         backend = backend or _default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        kw = {}
-        if backend == "nccl":
-            kw["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        try:
-            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s),
-                                    **kw)
-        except TypeError:  # an older torch without device_id
-            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                                if backend == "nccl" else None)
     dev = rank_device(dist.get_backend())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -260,24 +244,12 @@ def _result_dict(r, rank: int, mode: str) -> dict:
             "plan": r.plan, "retries": list(r.retries), "rank": rank, "mode": mode}
 
 
-def decode_files_distributed(
-    latents: Sequence[str | Path],
-    model: str | Path | None = None,
-    *,
-    output: str | Path | None = None,
-    family: str | None = None,
-    config: str | Path | None = None,
-    key: str | None = None,
-    latent_space: str | None = None,
-    overwrite: bool = False,
-    options=None,
-    fps: float = 16.0,
-    mode: str = "auto",
-    group=None,
-    log: Callable[[str], None] | None = None,
-    limits: api.Limits | None = None,
-    spell: Callable | None = None,
-) -> list[dict] | None:
+def decode_files_distributed(latents: Sequence[str | Path], model: str | Path | None = None, *,
+                             output: str | Path | None = None, family: str | None = None,
+                             config: str | Path | None = None, key: str | None = None, latent_space: str | None = None,
+                             overwrite: bool = False, options=None, fps: float = 16.0, mode: str = "auto", group=None,
+                             log: Callable[[str], None] | None = None, limits: api.Limits | None = None,
+                             spell: Callable | None = None) -> list[dict] | None:
     """Per-rank entry of ``vaeopt decode ... --gpus N`` (docs/multi-gpu.md), called on every rank of an
     initialised process group (``launch(N, decode_files_distributed, paths, model, kwargs={...})``). Every rank
     reads the latents within ``limits`` and plans the same jobs (vaeopt.api.plan_jobs) before anyone writes, and

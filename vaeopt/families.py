@@ -94,7 +94,10 @@ class FamilySpec:
     def describe_scaling(self) -> str:
         c = self.config
         if "_bn" in c:
-            return _bn_describe(c)
+            where = ("the checkpoint's" if c["_bn"].get("mean") is not None
+                     else "default (0/1, no statistics in the weights)")
+            return (f"BatchNorm latent normalization over 2x2 patches ({where} running mean/var, eps "
+                    f"{c['_bn'].get('eps', 1e-4)})")
         if c.get("latents_mean") is not None and c.get("latents_std") is not None:
             return f"per-channel mean/std ({len(c['latents_mean'])} channels)"
         s = f"scaling_factor {c.get('scaling_factor', 1.0)}"
@@ -234,9 +237,3 @@ def bn_scale(x: torch.Tensor, c: dict) -> torch.Tensor:
     p = patchify(x)
     mean, std = bn_stats(c, p.shape[1], x.dtype)
     return unpatchify((p - mean) / std)
-
-
-def _bn_describe(c: dict) -> str:
-    bn = c["_bn"]
-    where = "the checkpoint's" if bn.get("mean") is not None else "default (0/1, no statistics in the weights)"
-    return f"BatchNorm latent normalization over 2x2 patches ({where} running mean/var, eps {bn.get('eps', 1e-4)})"

@@ -176,11 +176,6 @@ def summarize_clocks(samples: list[dict]) -> dict | None:
             "power_limit_w": samples[0]["power_limit_w"], "slowdown": {k: v for k, v in reasons.items() if v}}
 
 
-def clocks_enabled() -> bool:
-    """VAEOPT_GPU_CLOCKS=0 turns the benchmark's clock sampling off."""
-    return os.environ.get("VAEOPT_GPU_CLOCKS", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
 class ClockSampler:
     """Samples the GPU's SM clock, power and slowdown reasons with `nvidia-smi -lms` while a block runs:
 
@@ -216,8 +211,8 @@ class ClockSampler:
         import subprocess
         import tempfile
 
-        if (self.device.type != "cuda" or torch.version.hip is not None or not clocks_enabled()
-                or shutil.which("nvidia-smi") is None):
+        off = os.environ.get("VAEOPT_GPU_CLOCKS", "1").strip().lower() in ("0", "off", "false", "no")
+        if self.device.type != "cuda" or torch.version.hip is not None or off or shutil.which("nvidia-smi") is None:
             return self
         try:
             sel = self._select()

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import errno
 import hashlib
+import itertools
 import os
 import queue
 import re
@@ -188,7 +189,7 @@ class _Landing:
         for tmp, _ in self.ready:
             _remove(tmp)
         self.ready.clear()
-        _remove_empty(self.made)
+        remove_empty(self.made)
 
     def commit(self) -> None:
         placed: list[Path] = []
@@ -203,7 +204,7 @@ class _Landing:
             if not self.overwrite:  # the ones placed are new files of this run: removed, so none of the batch stays
                 for p in placed:
                     _remove(p)
-                _remove_empty(self.made)
+                remove_empty(self.made)
                 what = f"none of the batch's {len(self.paths)} outputs was written"
             else:
                 shown = ", ".join(map(str, placed[:3])) + (", ..." if len(placed) > 3 else "")
@@ -280,28 +281,24 @@ def atomic_path(path: Path, overwrite: bool = True, folder: bool = False) -> Ite
             _remove(tmp)
             raise
     except BaseException:
-        _remove_empty(made)
+        remove_empty(made)
         raise
 
 
 def _make_parents(folder: Path) -> list[Path]:
     """Make `folder` and the folders above it that are missing; return those made, innermost first."""
-    made = []
-    p = folder
-    while not os.path.lexists(p) and p != p.parent:
-        made.append(p)
-        p = p.parent
+    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), [folder, *folder.parents]))
     if made:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            _remove_empty(made)
+            remove_empty(made)
             raise _os_error(folder, e) from e
         cleanup.add_folders(made)
     return made
 
 
-def _remove_empty(folders: list[Path]) -> None:
+def remove_empty(folders: list[Path]) -> None:
     """Remove the folders this process made, innermost first, as far as they are empty."""
     for p in folders:
         try:
@@ -554,7 +551,9 @@ class Mp4Writer:
                             # frame threads (libx264's count): twice as fast as PyAV's default slice threads, so
                             # a Wan decode does not wait for the encoder (experiments.md E34)
                             stream.codec_context.thread_type = "FRAME"
-                            _tag_bt709(stream.codec_context)
+                            cc = stream.codec_context  # (written into the H.264 VUI, where players read it)
+                            cc.colorspace = cc.color_primaries = cc.color_trc = _BT709
+                            cc.color_range = _TV_RANGE
                         arr = frame.numpy()
                         if arr.shape[0] % 2 or arr.shape[1] % 2:
                             import numpy as np
@@ -621,14 +620,6 @@ class Mp4Writer:
                 self._thread.join(timeout=10)
         finally:
             _remove(self._tmp)
-
-
-def _tag_bt709(ctx) -> None:
-    """The encoder writes these into the H.264 stream's VUI, where players read the colour space."""
-    ctx.colorspace = _BT709
-    ctx.color_primaries = _BT709
-    ctx.color_trc = _BT709
-    ctx.color_range = _TV_RANGE
 
 
 def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0, overwrite: bool = True) -> int:

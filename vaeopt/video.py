@@ -16,49 +16,22 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from vaeopt import video_graphs, video_tiling
+from vaeopt import video_tiling
 from vaeopt.engine.memory import estimate_chunk_bytes
-from vaeopt.engine.wan import ChunkDecoder
 from vaeopt.engine.wan_ops import (Chunk, active_dropout, chunk_schedule, output_frame_counts, patch_size,
                                    prepare_latents, temporal_factor)
 from vaeopt.errors import DecodeError, LatentError
-from vaeopt.stages.marks import wan_channels_last
 
-__all__ = [
-    "active_dropout",
-    "chunk_schedule",
-    "decode_video",
-    "estimate_chunk_bytes",
-    "iter_decode_video",
-    "output_frame_counts",
-    "to_uint8_frames",
-]
-
-
-def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None,
-              fused: bool | None = None, graphs=None) -> Iterator[tuple[int, Tensor]]:
-    """(first output frame index, raw decoder output) per call. `graphs`: per-chunk CUDA graphs
-    (vaeopt.video_graphs; None: the policy vaeopt.video_graphs.enable attached to the model, if any)."""
-    sched = chunk_schedule(z.shape[2], chunk)
-    cd = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused)
-    cd.one_call = len(sched) == 1
-    dec = video_graphs.wrap(cd, vae, z, sched, graphs)
-    t0 = f0 = 0
-    for k in sched:
-        y = dec.step(z[:, :, t0 : t0 + k])
-        t0 += k
-        yield f0, y
-        f0 += y.shape[2]
-        del y
-    if isinstance(dec, video_graphs.GraphedSteps):
-        dec.finish()
+__all__ = ["active_dropout", "chunk_schedule", "decode_video", "estimate_chunk_bytes", "iter_decode_video",
+           "output_frame_counts", "to_uint8_frames"]
 
 
 def _raw(vae, z: Tensor, sched: list[int], channels_last: bool | None, fused: bool | None, tile,
          tiling: dict, graphs=None) -> Iterator[tuple[int, Tensor]]:
-    """_iter_raw, or vaeopt.video_tiling's tiled / OOM-retrying version when a tile or tiling options are given."""
-    if tile is None and not tiling:
-        return _iter_raw(vae, z, sched, channels_last, fused, graphs)
+    """(first output frame index, raw decoder output) per call (vaeopt.video_tiling.iter_raw: untiled, tiled, or
+    restarted after an out-of-memory error). Untiled without tiling options, the causal caches are allocated one by
+    one, not reserved up front by a dry run."""
+    tiling.setdefault("arena", tile is not None or bool(tiling))
     return video_tiling.iter_raw(vae, z, sched, tile, channels_last=channels_last, fused=fused, graphs=graphs,
                                  **tiling)
 
@@ -149,20 +122,9 @@ class _HostSlots:
         return buf[: math.prod(shape)].view(shape)
 
 
-def iter_decode_video(
-    vae,
-    z_raw: Tensor,
-    chunk: Chunk = 4,
-    copy_stream: bool = True,
-    *,
-    output: str = "uint8",
-    reuse_buffers: bool = False,
-    channels_last: bool | None = None,
-    fused: bool | None = None,
-    tile=None,
-    graphs=None,
-    **tiling,
-) -> Iterator[Tensor]:
+def iter_decode_video(vae, z_raw: Tensor, chunk: Chunk = 4, copy_stream: bool = True, *, output: str = "uint8",
+                      reuse_buffers: bool = False, channels_last: bool | None = None, fused: bool | None = None,
+                      tile=None, graphs=None, **tiling) -> Iterator[Tensor]:
     """Decode a clip chunk by chunk, yielding consecutive groups of output frames on the CPU.
 
     output="uint8" (default): frames of one clip as (f, H, W, 3) uint8 (NHWC with N = frames), the clamped values

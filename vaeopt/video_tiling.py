@@ -38,18 +38,8 @@ from vaeopt.engine.wan_ops import Chunk, check_vae, chunk_schedule, prepare_late
 from vaeopt.errors import VaeoptError
 from vaeopt.stages.marks import wan_channels_last
 
-__all__ = [
-    "TiledVideoPlan",
-    "band_tiles",
-    "cache_floor_bytes",
-    "check_tile",
-    "default_split",
-    "estimate_tiled_video_bytes",
-    "iter_raw",
-    "min_tile_rows",
-    "receptive_field",
-    "resolve_tile",
-]
+__all__ = ["TiledVideoPlan", "band_tiles", "cache_floor_bytes", "check_tile", "default_split",
+           "estimate_tiled_video_bytes", "iter_raw", "min_tile_rows", "receptive_field", "resolve_tile"]
 
 MAX_INFLIGHT_WRITES = 1  # host cache storage: tiles whose device caches may still be on their way to the host
 

@@ -92,19 +92,11 @@ def few(keys, n: int = 3) -> str:
 
 
 def magic_name(head: bytes) -> str:
-    for magic, name in (
-        (b"\x89PNG", "a PNG image"),
-        (b"\xff\xd8\xff", "a JPEG image"),
-        (b"GIF8", "a GIF image"),
-        (b"%PDF", "a PDF document"),
-        (b"RIFF", "a RIFF (WebP/WAV/AVI) file"),
-        (b"\x1f\x8b", "a gzip archive"),
-        (b"GGUF", "a GGUF file (not supported)"),
-        (b"\x93NUMPY", "a NumPy array"),
-        (b"<", "an HTML/XML document"),
-        (b"{", "a JSON/text file"),
-        (b"version https://git-lfs", "a Git LFS pointer (the weights were never downloaded)"),
-    ):
+    for magic, name in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+                        (b"%PDF", "a PDF document"), (b"RIFF", "a RIFF (WebP/WAV/AVI) file"),
+                        (b"\x1f\x8b", "a gzip archive"), (b"GGUF", "a GGUF file (not supported)"),
+                        (b"\x93NUMPY", "a NumPy array"), (b"<", "an HTML/XML document"), (b"{", "a JSON/text file"),
+                        (b"version https://git-lfs", "a Git LFS pointer (the weights were never downloaded)")):
         if head.startswith(magic):
             return name
     return "unrecognised file header"

@@ -64,11 +64,7 @@ class DecodeRequest:
 
     @property
     def body_bytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _flag(name: str, v: str) -> bool:
