@@ -127,26 +127,17 @@ def iter_decode_video(vae, z_raw: Tensor, chunk: Chunk = 4, copy_stream: bool = 
                       tile=None, graphs=None, **tiling) -> Iterator[Tensor]:
     """Decode a clip chunk by chunk, yielding consecutive groups of output frames on the CPU.
 
-    output="uint8" (default): frames of one clip as (f, H, W, 3) uint8 (NHWC with N = frames), the clamped values
-    mapped by round((x + 1) * 127.5): what a video writer takes. It needs a single clip (z_raw.shape[0] == 1);
-    decode a batch clip by clip (z_raw[i:i+1]) or as floats.
-    output="float": (N, 3, f, H, W) in the VAE's dtype, clamped to [-1, 1]: the matching slice of decode_video's
-    result. Concatenated along the frame axis the groups are the whole clip; the first group holds 1 + 4(k-1)
-    frames, later ones 4k (k = latent frames of that call, see chunk_schedule).
+    output="uint8" (default): frames of one clip (z_raw.shape[0] == 1) as (f, H, W, 3) uint8, round((x + 1) * 127.5)
+    of the clamped values: what a video writer takes. output="float": (N, 3, f, H, W) in the VAE's dtype, clamped to
+    [-1, 1]: the matching slice of decode_video's result. The first group holds 1 + 4(k-1) frames, later ones 4k
+    (k = latent frames of that call, see chunk_schedule).
 
-    Host memory: the iterator itself holds at most two chunks (the one handed out and the one being copied), so it
-    stays bounded for any clip length as long as the consumer lets go of what it has written. By default each group
-    is a fresh tensor the caller owns (on CUDA from PyTorch's caching pinned-memory allocator, so freed groups are
-    recycled, not re-pinned): safe for consumers that queue groups, like outputs.Mp4Writer. reuse_buffers=True
-    instead writes into two fixed host buffers alternately: each yielded tensor is then valid only until the
-    iterator is advanced again, so a consumer must write it out (or copy it) before calling next().
-
-    On CUDA with copy_stream=True, chunk i+1's kernels are queued before chunk i is handed out; its device->host copy
-    runs on a side stream (ordered after chunk i's compute by an event) into a pinned buffer, and the device tensor
-    is kept alive until that copy's event has completed. So the caller's work on chunk i overlaps the GPU decoding
-    chunk i+1. copy_stream=False (and any CPU decode) is synchronous: decode, copy, yield.
-    `fused`, `tile`, `graphs`, `tiling`: as in decode_video (a tiled chunk is handed out once all its tiles are
-    done; a replayed chunk is a copy of the graph's output, so groups are independent of later replays).
+    The iterator holds at most two chunks. By default each group is a fresh tensor the caller owns (on CUDA from
+    torch's caching pinned-memory allocator): safe for consumers that queue groups, like outputs.Mp4Writer.
+    reuse_buffers=True writes into two fixed host buffers alternately: a yielded tensor is then valid only until the
+    iterator advances. On CUDA with copy_stream=True, chunk i's copy to the host runs on a side stream while chunk
+    i+1 decodes, so the caller's work on chunk i overlaps the GPU; otherwise decode, copy, yield.
+    `fused`, `tile`, `graphs`, `tiling`: as in decode_video.
     """
     if output not in ("uint8", "float"):
         raise ValueError(f"output must be 'uint8' or 'float', not {output!r}")
