@@ -165,11 +165,7 @@ def get_family(name: str) -> FamilySpec:
 
 
 def model_class(cls_name: str):
-    try:
-        import diffusers
-    except ImportError as e:
-        raise CheckpointError(f"diffusers is not installed ({e}); vaeopt builds its models with it: "
-                              "pip install diffusers") from e
+    import diffusers
 
     try:
         return getattr(diffusers, cls_name)

@@ -59,12 +59,8 @@ def gpu_info(index: int) -> GPUInfo:
 
 
 def sdpa_backends() -> dict[str, bool]:
-    b = torch.backends.cuda
-    out = {}
-    for name, fn in (("flash", "flash_sdp_enabled"), ("mem_efficient", "mem_efficient_sdp_enabled"),
-                     ("math", "math_sdp_enabled"), ("cudnn", "cudnn_sdp_enabled")):
-        f = getattr(b, fn, None)
-        out[name] = bool(f()) if f is not None else False
+    names = ("flash", "mem_efficient", "math", "cudnn")
+    out = {n: bool(getattr(torch.backends.cuda, f"{n}_sdp_enabled")()) for n in names}
     if not torch.cuda.is_available():  # on CPU, SDPA has a flash kernel and the math path (same global switches)
         out = {k: (v and k in ("flash", "math")) for k, v in out.items()}
     return out

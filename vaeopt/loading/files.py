@@ -183,12 +183,10 @@ def allow_numpy_scalars():
     """A context in which weights_only torch.load also rebuilds numpy scalars and dtypes (old training checkpoints
     store a numpy `global_step`/`epoch`): plain data, not code. Exactly numpy's scalar reconstructor (under numpy 2's
     and numpy 1's module names) and np.dtype with its bool/integer/float/complex dtype classes; nothing else."""
+    import numpy as np
+
     sg = getattr(torch.serialization, "safe_globals", None)  # torch 2.5+
-    try:
-        import numpy as np
-    except ImportError:
-        np = None
-    if sg is None or np is None:
+    if sg is None:
         return contextlib.nullcontext()
     try:
         from numpy._core.multiarray import scalar
