@@ -199,9 +199,10 @@ class Bench:
             row.psnr_db, row.max_abs = f["psnr_db"], f["max_abs"]
         return row
 
-    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]], log_row: bool = True,
-            precheck: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> Row:
-        """Build (`make`), then time. precheck(stage lines) -> (status, reason) marks the row so without timing it."""
+    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]],
+            skip: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> Row:
+        """Build (`make`), time, log. skip(stage lines) -> (status, reason) marks the row so: untimed where the stages
+        as built say so, else after the timed runs (graphs that were never captured)."""
         row = Row(name, kind)
         self.detail(f"{name} ...")
         gc.collect()  # the rows before: their models (and graph pools) gone before this row's peak is measured
@@ -211,24 +212,24 @@ class Bench:
             t0 = time.perf_counter()
             fn = make()
             row.setup_s = time.perf_counter() - t0
-            if skip := getattr(fn, "skip_reason", None):  # known from the built model: not timed
-                row.status, row.reason = "skipped", skip
-                return row
             built = getattr(fn, "built_stages", None)
-            if precheck is not None and built is not None and (skip := precheck(built())):
-                row.status, row.reason = skip
+            if reason := getattr(fn, "skip_reason", None):  # known from the built model: not timed
+                row.status, row.reason = "skipped", reason
+            elif skip is not None and built is not None and (said := skip(built())):
+                row.status, row.reason = said
                 row.stages = built()
-                return row
-            clocks = ClockSampler(self.device)
-            with torch.inference_mode():
-                out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats, clocks)
-            row.gpu_clock = clocks.summary
-            out = out.float().cpu()
-            if kind == "reference":
-                self.ref = out.clamp(-1, 1)
-            self.finish(row, out, times, peak)
-            if hasattr(fn, "stages"):
-                row.stages = fn.stages()
+            else:
+                clocks = ClockSampler(self.device)
+                with torch.inference_mode():
+                    out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats, clocks)
+                row.gpu_clock = clocks.summary
+                out = out.float().cpu()
+                if kind == "reference":
+                    self.ref = out.clamp(-1, 1)
+                self.finish(row, out, times, peak)
+                row.stages = fn.stages() if hasattr(fn, "stages") else []
+                if skip is not None and (said := skip(row.stages)):
+                    row.status, row.reason = said
         except torch.cuda.OutOfMemoryError as e:
             row.status, row.reason = "failed", f"out of memory: {str(e).splitlines()[0][:120]}"
         except VaeoptError as e:
@@ -242,8 +243,7 @@ class Bench:
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        if log_row:
-            self.log_row(row)
+        self.log_row(row)
         return row
 
     def log_row(self, row: Row) -> None:
@@ -448,12 +448,9 @@ def _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmu
     if "bf16" in peers and dtype != torch.float32:
         rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} eager", "peer", _peer_fn(b, dtype)))
     if "tiling" in peers and spec.cls_name != "AutoencoderTiny":
-        make = _peer_fn(b, dtype, tiling=True)
-        row = b.run(f"diffusers {DTYPE_NAMES[dtype]} + tiling", "peer", make, log_row=False)
-        if row.status == "ok" and not make.tiled_decodes[0]:  # timed its untiled decode: not a tiling row
-            row.status, row.reason = "skipped", _not_tiled(shape)
-        b.log_row(row)  # after that check: the log and the table tell the same story
-        rows.append(row)
+        make = _peer_fn(b, dtype, tiling=True)  # (a row that timed its untiled decode is no tiling row)
+        rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} + tiling", "peer", make,
+                          skip=lambda _: None if make.tiled_decodes[0] else ("skipped", _not_tiled(shape))))
     if "compile" in peers:
         rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
     acc: dict = {"gate_db": gate_db}
@@ -472,13 +469,8 @@ def _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmu
         make = _ladder_fn(b, dict(acc), tuned)
         if ladder_hook is not None:
             make = ladder_hook(name, make)
-        # logged below, once it is known whether the stage ran; a row whose stage did nothing is not timed
-        r = b.run(name, "ladder", make, log_row=False,
-                  precheck=lambda stages, name=name: _row_skipped(name, stages, spec, shape))
-        if r.status == "ok" and (skip := _row_skipped(name, r.stages, spec, shape)):
-            r.status, r.reason = skip  # known only after the timed runs (graphs that were never captured)
-        b.log_row(r)
-        rows.append(r)
+        # a row whose stage did nothing is shown so, not as a measurement of the row above it
+        rows.append(b.run(name, "ladder", make, skip=lambda stages, name=name: _row_skipped(name, stages, spec, shape)))
     levels = _fp8_levels(b, rows, acc, tuned, spec) if fp8 else None
     baseline = _speedups(rows, dtype)
     mi = machine_info()
@@ -531,11 +523,7 @@ def _fp8_levels(b: Bench, rows: list[Row], acc: dict, tuned, spec: FamilySpec) -
     out = []
     for level, name, what, mode in FP8_LEVELS:
         r = b.run(name, "fp8", _ladder_fn(b, {**dict(LADDER)["vaeopt plain"], "gate_db": acc["gate_db"], "fp8": mode},
-                                          tuned), log_row=False,
-                  precheck=lambda stages: _row_skipped("+ fp8", stages, spec))
-        if r.status == "ok" and (skip := _row_skipped("+ fp8", r.stages, spec)):
-            r.status, r.reason = skip
-        b.log_row(r)
+                                          tuned), skip=lambda stages: _row_skipped("+ fp8", stages, spec))
         rows.append(r)
         line = _stage_line(r, "fp8") or {}
         d = line.get("data") or {}
