@@ -242,10 +242,9 @@ class _ImageBandDecoder:
         whole_until = last_attn if last_attn is not None else len(ops)
         for kind, m in ops[:whole_until]:
             x = m(x) if kind == "attn" else m(x, None)
-        if last_attn is not None:
-            x = self._attention(ops[last_attn][1], x)  # full -> this rank's rows
-        else:
-            x = x.narrow(2, comm.a, comm.b - comm.a).contiguous()
+        # full -> this rank's rows
+        x = (self._attention(ops[last_attn][1], x) if last_attn is not None
+             else x.narrow(2, comm.a, comm.b - comm.a).contiguous())
         for kind, m in ops[whole_until + 1 :]:  # (resnets: their two halves as the up-blocks' passes run)
             ps = Pass("res", m, 0, 0, 1, "mid")
             x = self.res2(None, ps, Activation(x, None), self.res1(None, ps, Activation(x, None))).t

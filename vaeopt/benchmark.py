@@ -173,10 +173,8 @@ class Bench:
         self.flops = count_flops(spec, shape, self.overrides)
         self.matmul = matmul_tflops(device)
         n, h, w = shape[0], shape[-2] * spec.spatial_factor, shape[-1] * spec.spatial_factor
-        if spec.is_video:
-            self.units, self.unit = n * spec.output_frames(shape[2]), "frames/s"
-        else:
-            self.units, self.unit = n * h * w / 1e6, "MP/s"
+        self.units, self.unit = ((n * spec.output_frames(shape[2]), "frames/s") if spec.is_video
+                                 else (n * h * w / 1e6, "MP/s"))
 
     def fresh_model(self, dtype: torch.dtype) -> torch.nn.Module:
         with torch.device("meta"):

@@ -114,10 +114,8 @@ def _stream(front, backs, regions, halo, split, z, sched, total, progress, clamp
     done = 0
     for i, (a, b) in enumerate(sched):
         final = i == len(sched) - 1
-        if regions is None:
-            pieces = front.pieces(z[:, :, a:b], final)
-        else:
-            pieces = _tiled_pieces(front, backs, regions, halo, split, z[:, :, a:b], final)
+        pieces = (front.pieces(z[:, :, a:b], final) if regions is None
+                  else _tiled_pieces(front, backs, regions, halo, split, z[:, :, a:b], final))
         for y in pieces:
             if out is None:
                 out = torch.empty((n, y.shape[1], total, *y.shape[-2:]), dtype=y.dtype, device=y.device)

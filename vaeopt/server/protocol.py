@@ -118,16 +118,13 @@ def parse_request(params: list[tuple[str, str]], accept: str, content_type: str,
     shape = tuple(_number("shape", s, int) for s in shape_s)
     if any(d < 1 or d > MAX_DIM for d in shape):
         raise ProtocolError(422, f"shape {list(shape)}: every dimension must be between 1 and {MAX_DIM}")
-    dname = one.get("dtype", "float32")
-    if dname not in DTYPES:
-        raise ProtocolError(422, f"dtype {dname!r}: send float16, bfloat16 or float32 latents")
+    for k, default, allowed, want in (("dtype", "float32", DTYPES, "send float16, bfloat16 or float32 latents"),
+                                      ("output_type", "pil", OUTPUT_TYPES, "expected pil, pt or mp4"),
+                                      ("image_format", "jpg", IMAGE_FORMATS, "expected jpg or png")):
+        if one.setdefault(k, default) not in allowed:
+            raise ProtocolError(422, f"{k} {one[k]!r}: {want}")
+    dname, output_type, image_format = one["dtype"], one["output_type"], one["image_format"]
     dtype = DTYPES[dname]
-    output_type = one.get("output_type", "pil")
-    if output_type not in OUTPUT_TYPES:
-        raise ProtocolError(422, f"output_type {output_type!r}: expected pil, pt or mp4")
-    image_format = one.get("image_format", "jpg")
-    if image_format not in IMAGE_FORMATS:
-        raise ProtocolError(422, f"image_format {image_format!r}: expected jpg or png")
     partial = _flag("partial_postprocess", one.get("partial_postprocess", "False"))
     scaling = _number("scaling_factor", one["scaling_factor"]) if "scaling_factor" in one else None
     if scaling is not None and scaling == 0:
