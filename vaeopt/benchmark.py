@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
+import importlib.util
 import statistics
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -673,8 +675,6 @@ _KIND_LABELS = {"reference": "fp32 reference", "peer": "diffusers peers", "ladde
 
 
 def plot_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("matplotlib") is not None
 
 
@@ -692,8 +692,6 @@ def plot(result: dict, path: Path) -> None:
     hardware line as the title. Needs matplotlib (the `plot` extra)."""
     if not plot_available():
         raise VaeoptError(PLOT_MISSING)
-    import textwrap
-
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 

@@ -10,7 +10,9 @@ import datetime
 import heapq
 import math
 import os
+import pickle
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -129,9 +131,6 @@ _COMM_ERRORS = ("gloo", "nccl", "connection closed", "connection reset", "broken
 def _failure_report(ctx) -> str:
     """One message for all failed ranks, the root cause first: a rank's own exception (or death) rather than the
     communication errors it caused in its peers."""
-    import pickle
-    import signal
-
     fails = []
     for i, p in enumerate(ctx.processes):
         p.join(0.2)

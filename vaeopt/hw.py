@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+import subprocess
+import tempfile
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -203,10 +206,6 @@ class ClockSampler:
         return ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]
 
     def __enter__(self) -> ClockSampler:
-        import shutil
-        import subprocess
-        import tempfile
-
         off = os.environ.get("VAEOPT_GPU_CLOCKS", "1").strip().lower() in ("0", "off", "false", "no")
         if self.device.type != "cuda" or torch.version.hip is not None or off or shutil.which("nvidia-smi") is None:
             return self

@@ -10,10 +10,14 @@ Latent space: pipelines hand out *scaled* latents (diffusers ``output_type="late
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
+import lzma
 import math
 import pickle
 import warnings
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,8 +129,6 @@ def read_manifest(path: Path) -> dict:
 def _known_keys(mpath: Path, d: dict, known: tuple[str, ...], where: str) -> None:
     """A manifest key vaeopt does not know is an error, not ignored: `"latent-space": "raw"` (the flag's spelling)
     silently decoded in the other latent space. Keys starting with "_" are comments."""
-    import difflib
-
     for k in d:
         if k not in known and not k.startswith("_"):  # "_doc", "_comment": notes for people
             near = difflib.get_close_matches(k.replace("-", "_"), known, n=1, cutoff=0.6)
@@ -207,8 +209,6 @@ def _check_zip_inflation(path: Path, infos: list, torch_file: bool) -> None:
     """Refuse a zip whose members would unpack to far more than the file holds (MAX_INFLATION), from its directory,
     before anything is unpacked. torch_file: a torch.save zip, whose tensor data (<archive>/data/<n>) torch.save
     always stores uncompressed: compressed tensor data is refused at any size."""
-    import zipfile
-
     packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED]
     data = [i for i in packed if i.filename.split("/")[-2:-1] == ["data"]] if torch_file else []
     if data:
@@ -232,9 +232,6 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     """One .npy array from the open binary stream fh (a file, or a member of an .npz) of `size` bytes, as a tensor
     (float16/32/64 kept, other floats as float32, native byte order). Never unpickles. A non-float array returns
     the message that says so (an .npz may hold a seed beside its latents); unreadable ones raise LatentError."""
-    import lzma
-    import zlib
-
     import numpy as np
 
     try:
@@ -304,8 +301,6 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     file_meta: dict = {}
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
-        import zipfile
-
         infos = []
         with open(path, "rb") as fh:
             is_zip = fh.read(4) == b"PK\x03\x04"  # as torch.load tells its zip format from the legacy one
@@ -404,10 +399,6 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             raise LatentError(t)
         entries.append(LatentEntry("", t))
     elif suffix == ".npz":  # numpy.savez(_compressed): a zip of .npy members, read one by one without pickles
-        import lzma
-        import zipfile
-        import zlib
-
         fmt = "npz"
         try:
             zf = zipfile.ZipFile(path)
@@ -612,8 +603,6 @@ def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | N
     standard deviation near 1; raw ones differ from that by the family's scaling (about 5.5 for SD 1.x). Read both
     ways, the one whose spread is nearer 1 is the likelier; nothing is said when the two readings are within 2x of
     each other (a family whose scaling is near 1) or for tiny decoders (their raw latents are another VAE's)."""
-    import math
-
     if family.cls_name == "AutoencoderTiny" or latents.numel() < 64 or not latents.is_floating_point():
         return None
     try:
