@@ -54,7 +54,7 @@ def test_bad_entry_is_ignored_with_one_line_and_rebuilt(damage):
 
 def test_stale_environment_is_another_folder(monkeypatch):
     cache.put("verdicts", {"k": 1}, {"v": 1})
-    monkeypatch.setattr(cache, "_version", lambda pkg: "9.9" if pkg == "triton" else None)  # a Triton upgrade
+    monkeypatch.setattr(cache, "package_version", lambda pkg: "9.9" if pkg == "triton" else None)  # a Triton upgrade
     assert cache.get("verdicts", {"k": 1}) is None
 
 

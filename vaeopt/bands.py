@@ -1,39 +1,13 @@
-"""Band-parallel decodes on torch.distributed: one large image / clip split into horizontal bands over the ranks.
-The ranks are started by vaeopt.distributed (launch, torchrun); the halo exchange is vaeopt.engine.halo.
+"""Band-parallel decodes on torch.distributed: one large image / clip split into horizontal bands over the ranks,
+equal to the single-process decode up to float rounding (docs/multi-gpu.md, "Design: bands", says how each operator
+is made exact across band edges). The ranks are started by vaeopt.distributed; the halo exchange is
+vaeopt.engine.halo, the GroupNorm statistics merge vaeopt.engine.stats.
 
-Band-parallel decode (one large decode, :func:`band_parallel_decode`)
-----------------------------------------------------------------------
-Every rank owns the rows ``[r*h//R, (r+1)*h//R)`` of the latent (``R`` ranks, ``h`` latent rows); at a layer that runs
-at ``s`` times the latent resolution it owns the rows ``s`` times those bounds. The result equals the single-process
-decode up to float rounding because every operator is either pointwise, or made exact across band boundaries:
-
-* 3x3 convolutions: the conv runs on the band with its own zero padding, so only the band's first and last output
-  rows are wrong (they saw a zero row where the neighbour's row belongs). The boundary rows of the conv *input* are
-  exchanged with the neighbours (one row each way, ``isend``/``irecv``, overlapped with the band's conv), and the two
-  edge rows are recomputed from 3-row slabs ``[neighbour row | own rows]``. Rows at the true image border keep the
-  conv's zero padding. The conv module itself is called (fused / quantised / hooked modules work as long as they
-  are stride-1, size-preserving 3x3 convs); a stock ``nn.Conv2d`` / ``WanCausalConv3d`` runs the slabs as
-  ``F.conv2d`` / ``F.conv3d`` on its own weights.
-* Nearest-2x upsampling + conv: pixel-local; the conv's halo is the neighbour's upsampled boundary row (Wan: the
-  source row, upsampled locally).
-* GroupNorm (AutoencoderKL): each rank computes per-group (count, mean, M2) of its band (fp32 partial sums, a Triton
-  reduction on CUDA), the ranks ``all_gather`` them in fp64 and merge exactly (Chan et al.: mean = sum n_i m_i / n,
-  M2 = sum M2_i + n_i (m_i - mean)^2), so the norm uses the statistics of the whole activation, as the single-GPU
-  decode does. Applied as (x - mean) * rstd * w + b in fp32 (the Triton apply kernel on CUDA), then the model's
-  nonlinearity. On CUDA, as in the fused single-GPU path, plain convs run without bias and the bias is folded into
-  the next norm (statistics and apply) or the residual epilogue (which also writes an up-block's 2x upsample).
-* RMS norm (Wan) is per pixel over channels: no cross-rank statistics at all.
-* Mid-block attention at latent resolution (global over all latent tokens): the mid-block up to the attention runs
-  redundantly on every rank at latent resolution (AutoencoderKL: conv_in + first resnet, 1/64 of the output pixels).
-  The attention is then split by *queries*: every rank computes K and V for all tokens and Q only for its own rows,
-  which is exactly the attention of those rows (softmax rows are independent). Wan's per-frame attention gathers its
-  latent-resolution input (all_gather of the bands) and does the same per frame.
-* Wan's causal convolutions: each rank keeps the static 2-frame causal caches of its own band for the whole clip
-  (vaeopt.video's chunk decoder, subclassed here); the halo rows sent to a neighbour include the cached history
-  frames of the conv input, so the neighbour's edge rows see the same history as the single-GPU decode.
-
-The output is gathered on rank 0 (``gather=True``) or left on each rank as its band with its row range
-(``gather=False``; e.g. for a rank to write its slice of a memory-mapped output). See docs/multi-gpu.md.
+Rank r of R owns latent rows [r*h//R, (r+1)*h//R), and s times those at a layer s times the latent resolution. 3x3
+convs run on the band with their own zero padding, and the two edge rows are completed from the neighbours'
+boundary rows (exchanged while the band's conv runs); GroupNorm merges every band's (count, mean, M2) exactly; the
+mid-block attention is split by queries; Wan's causal caches hold each rank's own rows, and the halo rows carry
+their history frames. The output is gathered on rank 0 (gather=True) or left on each rank with its row range.
 """
 
 from __future__ import annotations
@@ -72,10 +46,8 @@ __all__ = ["band_parallel_decode", "band_rows", "supports_band"]
 
 
 def _attn_split_ok(attn: nn.Module) -> tuple[bool, str]:
-    try:
-        from diffusers.models.attention_processor import AttnProcessor2_0
-    except ImportError:  # pragma: no cover
-        return False, "diffusers' AttnProcessor2_0 is not importable"
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
     proc = getattr(attn, "processor", None)
     if not (type(proc) is AttnProcessor2_0 or type(proc).__name__ == "ChunkedAttnProcessor"):
         return False, f"attention processor {type(proc).__name__} is not one whose math is known here"
@@ -270,10 +242,9 @@ class _ImageBandDecoder:
         whole_until = last_attn if last_attn is not None else len(ops)
         for kind, m in ops[:whole_until]:
             x = m(x) if kind == "attn" else m(x, None)
-        if last_attn is not None:
-            x = self._attention(ops[last_attn][1], x)  # full -> this rank's rows
-        else:
-            x = x.narrow(2, comm.a, comm.b - comm.a).contiguous()
+        # full -> this rank's rows
+        x = (self._attention(ops[last_attn][1], x) if last_attn is not None
+             else x.narrow(2, comm.a, comm.b - comm.a).contiguous())
         for kind, m in ops[whole_until + 1 :]:  # (resnets: their two halves as the up-blocks' passes run)
             ps = Pass("res", m, 0, 0, 1, "mid")
             x = self.res2(None, ps, Activation(x, None), self.res1(None, ps, Activation(x, None))).t
@@ -500,15 +471,19 @@ def _decode_wan_band(vae, z: Tensor, comm: BandComm, chunk, fused, channels_last
             if m is not None:
                 mid.attentions[i] = m
     scale = band.shape[3] // (comm.b - comm.a)
-    info = {"stats": dict(dec.stats), "schedule": sched, "scale": scale}
-    if not gather:
-        return band, info
+    return (_gather(comm, band, 3, scale) if gather else band), {"stats": dict(dec.stats), "schedule": sched,
+                                                                  "scale": scale}
+
+
+def _gather(comm: BandComm, band: Tensor, dim: int, scale: int) -> Tensor | None:
+    """Every rank's band (rows along `dim`) -> the whole output on rank 0, None elsewhere."""
     out = None
     if comm.rank == 0:
-        N, C, T, _, W = band.shape
-        out = torch.empty((N, C, T, scale * comm.bands[-1][1], W), dtype=band.dtype, device=band.device)
-    comm.gather_to_root(band, 3, scale, out)
-    return out, info
+        shape = list(band.shape)
+        shape[dim] = scale * comm.bands[-1][1]
+        out = torch.empty(shape, dtype=band.dtype, device=band.device)
+    comm.gather_to_root(band, dim, scale, out)
+    return out
 
 
 # ================================================================================================================
@@ -534,45 +509,25 @@ def supports_band(vae: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
-def _model_device(vae: nn.Module) -> tuple[torch.device, torch.dtype]:
-    p = next(p for p in vae.parameters() if p.is_floating_point())
-    return p.device, p.dtype
-
-
 @torch.no_grad()
-def band_parallel_decode(
-    vae: nn.Module,
-    z_raw: Tensor,
-    group=None,
-    *,
-    chunk: int | Sequence[int] | None = 4,
-    gather: bool = True,
-    kernels: bool | None = None,
-    fused: bool | None = None,
-    channels_last: bool | None = None,
-    return_info: bool = False,
-):
-    """Decode raw latents on all ranks of `group` (default: the world), each rank one horizontal band.
-
-    Call it on every rank with the same VAE weights and the same latents (checked). Images: ``z_raw`` (N, C, h, w)
-    for a diffusers AutoencoderKL -> (N, 3, 8h, 8w) like ``vae.decode(z).sample``. Video: (N, C, T, h, w) for an
-    AutoencoderKLWan -> (N, 3, T', 8h, 8w) clamped to [-1, 1] like ``vaeopt.video.decode_video`` (``chunk`` latent
-    frames per decoder call, ``fused`` / ``channels_last`` as there). Runs on the VAE's device in its dtype
-    (one GPU per rank: NCCL; CPU: gloo). Needs at least one latent row per rank.
-
-    Returns, with ``gather=True``, the whole decode on rank 0 (model dtype, model device) and None on the other
-    ranks; with ``gather=False``, ``(band, (y0, y1))`` on every rank: its output rows y0:y1. With
-    ``return_info=True`` a dict is returned as well (as the last element): halo exchanges / bytes, statistics
-    merges, notes on fallbacks, the bands. ``kernels``: the Triton GroupNorm statistics / apply kernels for the
-    image path (None: on CUDA when available, True: required, False: torch ops).
-    """
+def band_parallel_decode(vae: nn.Module, z_raw: Tensor, group=None, *, chunk: int | Sequence[int] | None = 4,
+                         gather: bool = True, kernels: bool | None = None, fused: bool | None = None,
+                         channels_last: bool | None = None, return_info: bool = False):
+    """Decode raw latents on all ranks of `group` (default: the world), each rank one horizontal band
+    (docs/multi-gpu.md). Call it on every rank with the same VAE weights and latents (checked): (N, C, h, w) for an
+    AutoencoderKL -> (N, 3, 8h, 8w) as ``vae.decode(z).sample``; (N, C, T, h, w) for an AutoencoderKLWan -> as
+    ``vaeopt.video.decode_video`` (``chunk``, ``fused``, ``channels_last`` as there). ``kernels``: the Triton
+    GroupNorm kernels of the image path (None: on CUDA when available). Returns the whole decode on rank 0 and None
+    elsewhere (``gather=True``), or ``(band, (y0, y1))`` on every rank; with ``return_info`` also a dict (halo
+    exchanges and bytes, statistics merges, fallbacks, the bands) as the last element."""
     ok, why = supports_band(vae)
     if not ok:
         raise DistributedError(spelled(why))  # (its hint as an Options field: this is the Python entry)
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError("band_parallel_decode needs an initialised process group (torchrun, or "
                                "vaeopt.distributed.launch / init_distributed)")
-    device, dtype = _model_device(vae)
+    p = next(p for p in vae.parameters() if p.is_floating_point())
+    device, dtype = p.device, p.dtype
     if getattr(vae, "training", False):
         raise DistributedError("band-parallel decoding runs in eval mode only (call vae.eval())")
     cls = type(vae).__name__
@@ -598,15 +553,7 @@ def band_parallel_decode(
         del bands
         scale = band.shape[2] // (comm.b - comm.a)
         info = {"kind": "image", "notes": dec.notes, "scale": scale, "fold": dec.fold, **dec.counts}
-        if gather:
-            out = None
-            if comm.rank == 0:
-                N, C, _, W = band.shape
-                out = torch.empty((N, C, scale * h, W), dtype=band.dtype, device=band.device)
-            comm.gather_to_root(band, 2, scale, out)
-            res = out
-        else:
-            res = band
+        res = _gather(comm, band, 2, scale) if gather else band
     scale = info["scale"]
     info.update(comm.counts, bands=comm.bands, rank=comm.rank, world=comm.world,
                 seconds=time.perf_counter() - t0)

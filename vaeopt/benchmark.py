@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
+import importlib.util
 import statistics
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Callable
 import torch
 
 from vaeopt import fidelity, video, video_stream
+from vaeopt.cache import driver_version
 from vaeopt.errors import VaeoptError
 from vaeopt.families import FamilySpec, build_model
 from vaeopt.hw import DTYPE_NAMES, ClockSampler, machine_info
@@ -172,10 +175,8 @@ class Bench:
         self.flops = count_flops(spec, shape, self.overrides)
         self.matmul = matmul_tflops(device)
         n, h, w = shape[0], shape[-2] * spec.spatial_factor, shape[-1] * spec.spatial_factor
-        if spec.is_video:
-            self.units, self.unit = n * spec.output_frames(shape[2]), "frames/s"
-        else:
-            self.units, self.unit = n * h * w / 1e6, "MP/s"
+        self.units, self.unit = ((n * spec.output_frames(shape[2]), "frames/s") if spec.is_video
+                                 else (n * h * w / 1e6, "MP/s"))
 
     def fresh_model(self, dtype: torch.dtype) -> torch.nn.Module:
         with torch.device("meta"):
@@ -198,9 +199,10 @@ class Bench:
             row.psnr_db, row.max_abs = f["psnr_db"], f["max_abs"]
         return row
 
-    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]], log_row: bool = True,
-            precheck: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> Row:
-        """Build (`make`), then time. precheck(stage lines) -> (status, reason) marks the row so without timing it."""
+    def run(self, name: str, kind: str, make: Callable[[], Callable[[], torch.Tensor]],
+            skip: Callable[[list[dict]], tuple[str, str] | None] | None = None) -> Row:
+        """Build (`make`), time, log. skip(stage lines) -> (status, reason) marks the row so: untimed where the stages
+        as built say so, else after the timed runs (graphs that were never captured)."""
         row = Row(name, kind)
         self.detail(f"{name} ...")
         gc.collect()  # the rows before: their models (and graph pools) gone before this row's peak is measured
@@ -210,24 +212,24 @@ class Bench:
             t0 = time.perf_counter()
             fn = make()
             row.setup_s = time.perf_counter() - t0
-            if skip := getattr(fn, "skip_reason", None):  # known from the built model: not timed
-                row.status, row.reason = "skipped", skip
-                return row
             built = getattr(fn, "built_stages", None)
-            if precheck is not None and built is not None and (skip := precheck(built())):
-                row.status, row.reason = skip
+            if reason := getattr(fn, "skip_reason", None):  # known from the built model: not timed
+                row.status, row.reason = "skipped", reason
+            elif skip is not None and built is not None and (said := skip(built())):
+                row.status, row.reason = said
                 row.stages = built()
-                return row
-            clocks = ClockSampler(self.device)
-            with torch.inference_mode():
-                out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats, clocks)
-            row.gpu_clock = clocks.summary
-            out = out.float().cpu()
-            if kind == "reference":
-                self.ref = out.clamp(-1, 1)
-            self.finish(row, out, times, peak)
-            if hasattr(fn, "stages"):
-                row.stages = fn.stages()
+            else:
+                clocks = ClockSampler(self.device)
+                with torch.inference_mode():
+                    out, times, peak = time_fn(fn, self.device, self.warmup, self.repeats, clocks)
+                row.gpu_clock = clocks.summary
+                out = out.float().cpu()
+                if kind == "reference":
+                    self.ref = out.clamp(-1, 1)
+                self.finish(row, out, times, peak)
+                row.stages = fn.stages() if hasattr(fn, "stages") else []
+                if skip is not None and (said := skip(row.stages)):
+                    row.status, row.reason = said
         except torch.cuda.OutOfMemoryError as e:
             row.status, row.reason = "failed", f"out of memory: {str(e).splitlines()[0][:120]}"
         except VaeoptError as e:
@@ -241,8 +243,7 @@ class Bench:
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        if log_row:
-            self.log_row(row)
+        self.log_row(row)
         return row
 
     def log_row(self, row: Row) -> None:
@@ -252,9 +253,8 @@ class Bench:
 def clock_note(rows: list[dict]) -> str | None:
     """One line on the GPU clock during the last measured ladder row's timed repeats (the headline row), or None
     when no clock was sampled: its median SM clock against the rated maximum, the highest power draw against the
-    limit, and what slowed the clock in how many readings. Back-to-back decodes that hold the power limit run at a
-    lower clock than decodes after an idle GPU (wan21-480p on an H200: 1560-1650 against 1690-1730 MHz per decode,
-    experiments.md E31), and the more work a decode does per second the lower that clock."""
+    limit, and what slowed the clock in how many readings (decodes back to back at the power limit run at a lower
+    clock: experiments.md E31)."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("gpu_clock") and r.get("kind") == "ladder"]
     if not ok:
         return None
@@ -309,8 +309,7 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
             model.tiled_decode = tiled_decode
             if _would_tile(model, b.shape) is False:  # the same untiled decode as the row above: not run again
                 fn = lambda: model.decode(z).sample  # noqa: E731
-                fn.skip_reason = (f"diffusers' enable_tiling() does not tile a {b.shape[-2]}x{b.shape[-1]} latent "
-                                  "(below its tile size): the same untiled decode as the diffusers row above")
+                fn.skip_reason = _not_tiled(b.shape)
                 return fn
         if compile_:
             model.to(memory_format=torch.channels_last) if not b.spec.is_video else None
@@ -325,6 +324,11 @@ def _peer_fn(b: Bench, dtype: torch.dtype, tiling=False, compile_=False) -> Call
 
     make.tiled_decodes = counted
     return make
+
+
+def _not_tiled(shape: tuple) -> str:
+    return (f"diffusers' enable_tiling() does not tile a {shape[-2]}x{shape[-1]} latent (below its tile size): the "
+            "same untiled decode as the diffusers row above")
 
 
 def _would_tile(model, shape: tuple) -> bool | None:
@@ -362,9 +366,8 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
     def make():
         model = b.fresh_model(torch.float32)
         loaded = LoadedVAE(model=model, family=b.spec, layout="benchmark", path=None, notes=[], dtype_on_disk=None)
-        o = Options(device=str(b.device), dtype=str(b.dtype).replace("torch.", "").replace("bfloat16", "bf16")
-                    .replace("float32", "fp32").replace("float16", "fp16"),
-                    cudnn_autotune="on" if tuned else "off", decode_shape=tuple(b.shape), **opts)
+        o = Options(device=str(b.device), dtype=DTYPE_NAMES[b.dtype], cudnn_autotune="on" if tuned else "off",
+                    decode_shape=tuple(b.shape), **opts)
         lines = []
         pipe = Pipeline(loaded, o, log=lines.append, spell=b.spell)  # (the rows show its stage lines)
         if tuned is not None:
@@ -422,17 +425,15 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         tuned = cudnn_autotune.apply("benchmark --cudnn-autotune")
         log("✓ " + tuned.detail)
     try:
-        return _run_benchmark(spec, state_dict, shape, device=device, dtype=dtype, peers=peers, repeats=repeats,
-                              warmup=warmup, fp8=fp8, log=log, workload=workload, command=command,
-                              model_overrides=model_overrides, ladder_hook=ladder_hook, gate_db=gate_db,
-                              tuned=tuned, detail=detail or log, spell=spell)
+        return _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload,
+                              command, model_overrides, ladder_hook, gate_db, tuned, detail or log, spell)
     finally:
         if tuned is not None:
             cudnn_autotune.revert(tuned)
 
 
-def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, dtype, peers, repeats, warmup, fp8,
-                   log, workload, command, model_overrides, ladder_hook, gate_db, tuned, detail, spell) -> dict:
+def _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload, command,
+                   model_overrides, ladder_hook, gate_db, tuned, detail, spell) -> dict:
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides, detail)
     b.spell = spell
     detail(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
@@ -447,14 +448,9 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
     if "bf16" in peers and dtype != torch.float32:
         rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} eager", "peer", _peer_fn(b, dtype)))
     if "tiling" in peers and spec.cls_name != "AutoencoderTiny":
-        make = _peer_fn(b, dtype, tiling=True)
-        row = b.run(f"diffusers {DTYPE_NAMES[dtype]} + tiling", "peer", make, log_row=False)
-        if row.status == "ok" and not make.tiled_decodes[0]:  # timed its untiled decode: not a tiling row
-            row.status = "skipped"
-            row.reason = (f"diffusers' enable_tiling() does not tile a {shape[-2]}x{shape[-1]} latent (below its tile "
-                          "size): the same untiled decode as the diffusers row above")
-        b.log_row(row)  # after that check: the log and the table tell the same story
-        rows.append(row)
+        make = _peer_fn(b, dtype, tiling=True)  # (a row that timed its untiled decode is no tiling row)
+        rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} + tiling", "peer", make,
+                          skip=lambda _: None if make.tiled_decodes[0] else ("skipped", _not_tiled(shape))))
     if "compile" in peers:
         rows.append(b.run(f"diffusers {DTYPE_NAMES[dtype]} + torch.compile", "peer", _peer_fn(b, dtype, compile_=True)))
     acc: dict = {"gate_db": gate_db}
@@ -473,13 +469,8 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         make = _ladder_fn(b, dict(acc), tuned)
         if ladder_hook is not None:
             make = ladder_hook(name, make)
-        # logged below, once it is known whether the stage ran; a row whose stage did nothing is not timed
-        r = b.run(name, "ladder", make, log_row=False,
-                  precheck=lambda stages, name=name: _row_skipped(name, stages, spec, shape))
-        if r.status == "ok" and (skip := _row_skipped(name, r.stages, spec, shape)):
-            r.status, r.reason = skip  # known only after the timed runs (graphs that were never captured)
-        b.log_row(r)
-        rows.append(r)
+        # a row whose stage did nothing is shown so, not as a measurement of the row above it
+        rows.append(b.run(name, "ladder", make, skip=lambda stages, name=name: _row_skipped(name, stages, spec, shape)))
     levels = _fp8_levels(b, rows, acc, tuned, spec) if fp8 else None
     baseline = _speedups(rows, dtype)
     mi = machine_info()
@@ -489,7 +480,7 @@ def _run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device, 
         "cpu_numbers": device.type != "cuda", "flops": b.flops, "matmul_tflops": b.matmul,
         "versions": {"torch": mi.torch, "cuda": mi.cuda, "cudnn": mi.cudnn, "triton": mi.triton,
                      "diffusers": mi.diffusers, "python": mi.python},
-        "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "driver": driver_version(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command, "repeats": repeats, "warmup": warmup,
         "cudnn_autotune": {"benchmark_limit": tuned.data["limit"]} if tuned else None,
         "speedup_baseline": baseline, "rows": [asdict(r) for r in rows],
@@ -532,11 +523,7 @@ def _fp8_levels(b: Bench, rows: list[Row], acc: dict, tuned, spec: FamilySpec) -
     out = []
     for level, name, what, mode in FP8_LEVELS:
         r = b.run(name, "fp8", _ladder_fn(b, {**dict(LADDER)["vaeopt plain"], "gate_db": acc["gate_db"], "fp8": mode},
-                                          tuned), log_row=False,
-                  precheck=lambda stages: _row_skipped("+ fp8", stages, spec))
-        if r.status == "ok" and (skip := _row_skipped("+ fp8", r.stages, spec)):
-            r.status, r.reason = skip
-        b.log_row(r)
+                                          tuned), skip=lambda stages: _row_skipped("+ fp8", stages, spec))
         rows.append(r)
         line = _stage_line(r, "fp8") or {}
         d = line.get("data") or {}
@@ -663,16 +650,6 @@ _ROW_STAGE = {"+ fp8": "fp8", "+ channels_last": "channels_last", "+ fused norms
               "+ CUDA graphs": "graphs"}
 
 
-def _driver() -> str | None:
-    try:
-        import subprocess
-
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _speedups(rows: list[Row], dtype) -> str | None:
     """Fill each row's speedups; returns the baseline row's name: diffusers' eager decode in the benchmark's dtype,
     else the fp32 reference (speedup_vs_baseline). speedup_vs_diffusers_bf16 only where that is the baseline."""
@@ -698,8 +675,6 @@ _KIND_LABELS = {"reference": "fp32 reference", "peer": "diffusers peers", "ladde
 
 
 def plot_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("matplotlib") is not None
 
 
@@ -717,11 +692,8 @@ def plot(result: dict, path: Path) -> None:
     hardware line as the title. Needs matplotlib (the `plot` extra)."""
     if not plot_available():
         raise VaeoptError(PLOT_MISSING)
-    import textwrap
-
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
-
 
     rows = [r for r in result["rows"] if r["status"] == "ok" and r.get("median_ms")]
     skipped = [r for r in result["rows"] if r["status"] != "ok"]
@@ -744,8 +716,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlim(0, max(max(r["max_ms"] for r in rows), 1e-9) * 1.02 if rows else 1)
     ax.grid(axis="x", color="#dddddd", linewidth=0.8)
     ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
+    ax.spines[["top", "right"]].set_visible(False)
     # each row's numbers in a column right of the axes: time, speedup, PSNR
     tx = ax.get_yaxis_transform()  # x in axes fractions, y in rows
     for yi, r in zip(y, rows):

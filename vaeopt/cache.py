@@ -1,25 +1,11 @@
-"""What decodes measure once per GPU and reuse: the FP8 gates' verdicts, the planner's plans, the Triton kernels a
-decode loaded (which the next one loads beside its checkpoint read: prewarm.py), and what `vaeopt warmup` records;
-kept on disk between processes.
+"""What decodes measure once per GPU and reuse (the FP8 gates' verdicts, the planner's plans, the Triton kernels a
+decode loaded: prewarm.py), kept on disk between processes; docs/user-guide.md says where, how entries are keyed and
+how to clear them. Triton's compiled kernels stay in Triton's own cache, which is already keyed by source, compiler
+and GPU target and shared with every Triton user on the machine.
 
-Where: $VAEOPT_CACHE_DIR, else $XDG_CACHE_HOME/vaeopt, else ~/.cache/vaeopt. VAEOPT_CACHE=off turns it off (nothing
-read or written). `vaeopt warmup` prints the folder; deleting it (or one kind's subfolder) clears the cache.
-
-Layout: <dir>/<kind>/<environment>/<key>.json, one JSON file per entry. The environment is a hash of what makes a
-measurement stale: the GPU's name, the NVIDIA driver, and the torch, CUDA, cuDNN, Triton and vaeopt versions (a new
-driver or vaeopt starts a new folder; the old one is not read again). The key is a hash of what the caller says the
-entry depends on (for the FP8 gate: a fingerprint of the weights, the latent shape, the gate's settings). Each file
-repeats its environment and key in full and is checked against them on reading, so a file copied between machines
-or left half-written is never trusted.
-
-Writes go to a temporary file in the same folder, then os.replace: a process killed half-way leaves the old entry or
-none. A file that does not parse, lacks a field, or holds another environment or key is ignored (one line through
-the caller's log, saying it is measured again) and the caller measures again and writes it anew; reading never raises.
-
-Triton's compiled kernels are not kept here: Triton's own cache ($TRITON_CACHE_DIR, default ~/.triton/cache) is
-already keyed by the kernel source, the compiler and the GPU target, and shared with every Triton user on the machine
-(torch.compile included); a second copy under vaeopt's folder would compile everything twice and override a folder the
-user may have chosen. `vaeopt warmup` fills that cache and prints where it is.
+One JSON file per entry, <dir>/<kind>/<hash of the environment>/<hash of the key>.json, written to a temporary and
+renamed. Each file repeats its environment and key and is checked against them on reading, so a file copied between
+machines or left half-written is ignored (one line to the caller's log) and measured again: reading never raises.
 """
 
 from __future__ import annotations
@@ -51,14 +37,14 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "vaeopt"
 
 
-def _version(pkg: str) -> str | None:
+def package_version(pkg: str) -> str | None:
     try:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
         return None
 
 
-def _driver() -> str | None:
+def driver_version() -> str | None:
     """The NVIDIA kernel driver's version, from /proc (Linux), without NVML."""
     try:
         text = Path("/proc/driver/nvidia/version").read_text()
@@ -77,11 +63,11 @@ def environment(device=None) -> dict:
     from vaeopt.version import VERSION as __version__
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    env = {"format": FORMAT, "vaeopt": __version__, "torch": torch.__version__, "triton": _version("triton")}
+    env = {"format": FORMAT, "vaeopt": __version__, "torch": torch.__version__, "triton": package_version("triton")}
     if dev.type == "cuda" and torch.cuda.is_available():
         cudnn = torch.backends.cudnn.version()
         env.update(gpu=torch.cuda.get_device_name(dev), capability=list(torch.cuda.get_device_capability(dev)),
-                   driver=_driver(), cuda=torch.version.cuda, cudnn=cudnn)
+                   driver=driver_version(), cuda=torch.version.cuda, cudnn=cudnn)
     else:  # (a plan for a CUDA device made where none is present: keyed as such, never mixed with a GPU's)
         env.update(gpu=dev.type)
     return env

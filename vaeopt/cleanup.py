@@ -10,6 +10,7 @@ the CLI installs it before anything heavy is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -110,7 +111,7 @@ def exit_promptly_on_signals(signals=(signal.SIGTERM, signal.SIGHUP), grace_s: f
             # the main thread is inside one long operation and cannot run its handler: end here
             hit = hits[0]
             remove_all()
-            with _suppress():
+            with contextlib.suppress(OSError):
                 os.write(2, (f"\n{signal.Signals(hit).name} during a long operation: stopped at once; temporary "
                              "outputs removed, nothing partial left behind\n").encode())
             os._exit(128 + hit)
@@ -122,11 +123,3 @@ def exit_promptly_on_signals(signals=(signal.SIGTERM, signal.SIGHUP), grace_s: f
 
 
 _keep: list = []
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True

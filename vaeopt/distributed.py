@@ -1,18 +1,7 @@
-"""Multi-GPU decoding on torch.distributed: one large image / clip split into horizontal bands over the ranks, or
-many files spread over the ranks. NCCL on GPUs, gloo on CPU; started by torchrun or by :func:`launch`.
-
-Band-parallel decode (one large decode, :func:`band_parallel_decode`): vaeopt.bands.
-
-Many files (:func:`decode_files_distributed`)
----------------------------------------------
-Jobs (one per latent tensor) are assigned to ranks, largest first to the least loaded rank; each rank loads the VAE
-once, builds its own Pipeline (own planner, own device) and writes its own outputs with vaeopt.api; rank 0 gathers a
-summary. With fewer jobs than ranks (one big file), the ranks decode each job together band-parallel and rank 0 writes.
-
-Launch (:func:`launch`): spawns N local processes (NCCL on CUDA when there are N GPUs, else gloo on CPU) on
-127.0.0.1 with a free port, joins with a timeout, and turns any rank's failure into one :class:`DistributedError`
-(the other ranks are terminated, nothing hangs). Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) it
-joins the existing job instead of spawning. NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are always set.
+"""Multi-GPU decoding on torch.distributed (docs/multi-gpu.md): one large image / clip split into horizontal bands
+over the ranks (vaeopt.bands), or many files spread over the ranks (:func:`decode_files_distributed`). NCCL on GPUs,
+gloo on CPU; started by torchrun or by :func:`launch`, which spawns local ranks, joins them with a timeout and turns
+any rank's failure into one :class:`DistributedError` (the other ranks are terminated, nothing hangs).
 """
 
 from __future__ import annotations
@@ -21,7 +10,9 @@ import datetime
 import heapq
 import math
 import os
+import pickle
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -41,19 +32,8 @@ from vaeopt.loading import load_vae
 from vaeopt.pipeline import Options, Pipeline
 from vaeopt.stages import join, spelled
 
-__all__ = [
-    "DistributedError",
-    "ENV_RULES",
-    "band_parallel_decode",
-    "band_rows",
-    "supports_band",
-    "launch",
-    "init_distributed",
-    "rank_device",
-    "under_torchrun",
-    "decode_files_distributed",
-    "assign_jobs",
-]
+__all__ = ["DistributedError", "ENV_RULES", "band_parallel_decode", "band_rows", "supports_band", "launch",
+           "init_distributed", "rank_device", "under_torchrun", "decode_files_distributed", "assign_jobs"]
 
 # NVLink SHARP / multicast off: the decode's collectives are small halos and all-gathers that gain nothing from
 # it, and setting multicast up can take a shared host's GPUs out of service for other jobs (docs/multi-gpu.md).
@@ -99,14 +79,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         backend = backend or _default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        kw = {}
-        if backend == "nccl":
-            kw["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        try:
-            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s),
-                                    **kw)
-        except TypeError:  # an older torch without device_id
-            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                                if backend == "nccl" else None)
     dev = rank_device(dist.get_backend())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -156,9 +131,6 @@ _COMM_ERRORS = ("gloo", "nccl", "connection closed", "connection reset", "broken
 def _failure_report(ctx) -> str:
     """One message for all failed ranks, the root cause first: a rank's own exception (or death) rather than the
     communication errors it caused in its peers."""
-    import pickle
-    import signal
-
     fails = []
     for i, p in enumerate(ctx.processes):
         p.join(0.2)
@@ -193,18 +165,11 @@ def _failure_report(ctx) -> str:
 
 def launch(n_procs: int | None, fn: Callable, *args, backend: str | None = None, timeout: float | None = 3600.0,
            kwargs: dict | None = None) -> Any:
-    """Run ``fn(*args, **kwargs)`` on `n_procs` ranks of a fresh process group and return rank 0's result.
-
-    * Under torchrun (env vars present): no spawning; joins the job (initialising the default group if needed),
-      runs fn on this rank and returns its result. `n_procs`, if given, must equal WORLD_SIZE.
-    * Otherwise spawns `n_procs` local processes (spawn start method; fn and args must be picklable: a module-level
-      function) on 127.0.0.1 with a free port. backend None: NCCL with one GPU per rank when CUDA has n_procs
-      devices, else gloo on CPU. Returns rank 0's return value (passed back through torch.save / torch.load).
-
-    Any rank raising or dying ends the others and raises :class:`DistributedError` naming the rank, with its
-    traceback; after `timeout` seconds all ranks are terminated and DistributedError is raised. Inside fn, use
-    ``torch.distributed.get_rank()`` and :func:`rank_device`.
-    """
+    """Run ``fn(*args, **kwargs)`` on `n_procs` ranks of a fresh process group and return rank 0's result
+    (docs/multi-gpu.md). Under torchrun: joins the job and runs fn on this rank (`n_procs`, if given, must equal
+    WORLD_SIZE). Else spawns local processes (spawn start method: fn must be a module-level function) on 127.0.0.1,
+    NCCL with one GPU per rank when CUDA has `n_procs` devices, else gloo. A rank raising or dying, or the
+    `timeout`, ends all of them and raises one :class:`DistributedError` naming the rank that caused it."""
     _apply_env_rules()
     kwargs = kwargs or {}
     if under_torchrun():
@@ -278,40 +243,19 @@ def _result_dict(r, rank: int, mode: str) -> dict:
             "plan": r.plan, "retries": list(r.retries), "rank": rank, "mode": mode}
 
 
-def decode_files_distributed(
-    latents: Sequence[str | Path],
-    model: str | Path | None = None,
-    *,
-    output: str | Path | None = None,
-    family: str | None = None,
-    config: str | Path | None = None,
-    key: str | None = None,
-    latent_space: str | None = None,
-    overwrite: bool = False,
-    options=None,
-    fps: float = 16.0,
-    mode: str = "auto",
-    group=None,
-    log: Callable[[str], None] | None = None,
-    limits: api.Limits | None = None,
-    spell: Callable | None = None,
-) -> list[dict] | None:
-    """Per-rank entry of ``vaeopt decode ... --gpus N``: call it on every rank of an initialised process group
-    (e.g. ``launch(N, decode_files_distributed, paths, model, kwargs={...})``).
-
-    Every rank reads the latents and plans the same jobs (vaeopt.api.plan_jobs: same output paths, same checks),
-    loads the VAE once and builds its own Pipeline on its own device (``options``: a pipeline.Options; its device is
-    replaced by the rank's). mode "files": jobs spread over the ranks (:func:`assign_jobs`), each rank decodes and
-    writes its own with vaeopt.api.run_jobs. mode "band": all ranks decode every job together
-    (:func:`band_parallel_decode`, the planner's chunk for the band) and rank 0 writes it. "auto": "band" when there
-    are fewer jobs than ranks and the model supports it, else "files". ``limits``: what one input file may ask for
-    (vaeopt.api.Limits, as `vaeopt decode --max-outputs/--max-output-gb`; default Limits()), checked on every rank
-    before any decode.
-
-    Returns on rank 0 the summary of every job in job order (dicts: source, entry, shape, written, seconds,
-    peak_bytes, plan, retries, rank, mode), None on the other ranks. If any rank failed, every rank raises
-    DistributedError listing the failures.
-    """
+def decode_files_distributed(latents: Sequence[str | Path], model: str | Path | None = None, *,
+                             output: str | Path | None = None, family: str | None = None,
+                             config: str | Path | None = None, key: str | None = None, latent_space: str | None = None,
+                             overwrite: bool = False, options=None, fps: float = 16.0, mode: str = "auto", group=None,
+                             log: Callable[[str], None] | None = None, limits: api.Limits | None = None,
+                             spell: Callable | None = None) -> list[dict] | None:
+    """Per-rank entry of ``vaeopt decode ... --gpus N`` (docs/multi-gpu.md), called on every rank of an
+    initialised process group (``launch(N, decode_files_distributed, paths, model, kwargs={...})``). Every rank
+    reads the latents within ``limits`` and plans the same jobs (vaeopt.api.plan_jobs) before anyone writes, and
+    builds its own Pipeline on its own device from ``options``. mode "files": jobs spread over the ranks
+    (:func:`assign_jobs`); "band": all ranks decode every job together, rank 0 writes; "auto": band when there are
+    fewer jobs than ranks and the model allows it. Returns on rank 0 the summary of every job in job order (None
+    elsewhere); a failure on any rank raises DistributedError on every rank."""
     if not dist.is_initialized():
         raise DistributedError("decode_files_distributed runs inside a process group (use vaeopt.distributed.launch)")
     if mode not in ("auto", "files", "band"):

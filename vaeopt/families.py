@@ -94,7 +94,10 @@ class FamilySpec:
     def describe_scaling(self) -> str:
         c = self.config
         if "_bn" in c:
-            return _bn_describe(c)
+            where = ("the checkpoint's" if c["_bn"].get("mean") is not None
+                     else "default (0/1, no statistics in the weights)")
+            return (f"BatchNorm latent normalization over 2x2 patches ({where} running mean/var, eps "
+                    f"{c['_bn'].get('eps', 1e-4)})")
         if c.get("latents_mean") is not None and c.get("latents_std") is not None:
             return f"per-channel mean/std ({len(c['latents_mean'])} channels)"
         s = f"scaling_factor {c.get('scaling_factor', 1.0)}"
@@ -102,24 +105,26 @@ class FamilySpec:
             s += f", shift_factor {c['shift_factor']}"
         return s
 
+    def _mean_std(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-channel (dim 1) latents_mean / latents_std shaped for x (Wan, LTX-2), or None."""
+        c = self.config
+        if c.get("latents_mean") is None or c.get("latents_std") is None:
+            return None
+        shape = [1, -1] + [1] * (x.ndim - 2)
+        return (torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape),
+                torch.tensor(c["latents_std"], dtype=x.dtype).view(shape))
+
     def unscale(self, latents: torch.Tensor) -> torch.Tensor:
         """Pipeline ("scaled") latents -> raw decoder latents, exactly as diffusers' pipelines do before vae.decode."""
         c = self.config
         x = latents.float()
         if "_bn" in c:
             return bn_unscale(x, c)
-        if c.get("latents_mean") is not None and c.get("latents_std") is not None and c.get("scaling_factor"):
-            # LTX-2 (pipeline_ltx2.py _denormalize_latents): latents * std / scaling_factor + mean
-            shape = [1, -1] + [1] * (x.ndim - 2)
-            mean = torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape)
-            std = torch.tensor(c["latents_std"], dtype=x.dtype).view(shape)
-            return x * std / float(c["scaling_factor"]) + mean
-        if c.get("latents_mean") is not None and c.get("latents_std") is not None:
-            # Wan pipelines: latents / (1/std) + mean, per channel (dim 1).
-            shape = [1, -1] + [1] * (x.ndim - 2)
-            mean = torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape)
-            std = torch.tensor(c["latents_std"], dtype=x.dtype).view(shape)
-            return x * std + mean
+        if (ms := self._mean_std(x)) is not None:
+            mean, std = ms
+            if c.get("scaling_factor"):  # LTX-2 (pipeline_ltx2.py _denormalize_latents)
+                return x * std / float(c["scaling_factor"]) + mean
+            return x * std + mean  # Wan pipelines: latents / (1/std) + mean
         x = x / float(c.get("scaling_factor") or 1.0)
         if c.get("shift_factor"):
             x = x + float(c["shift_factor"])
@@ -131,15 +136,10 @@ class FamilySpec:
         x = raw.float()
         if "_bn" in c:
             return bn_scale(x, c)
-        if c.get("latents_mean") is not None and c.get("latents_std") is not None and c.get("scaling_factor"):
-            shape = [1, -1] + [1] * (x.ndim - 2)  # LTX-2 (pipeline_ltx2.py _normalize_latents)
-            mean = torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape)
-            std = torch.tensor(c["latents_std"], dtype=x.dtype).view(shape)
-            return (x - mean) * float(c["scaling_factor"]) / std
-        if c.get("latents_mean") is not None and c.get("latents_std") is not None:
-            shape = [1, -1] + [1] * (x.ndim - 2)
-            mean = torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape)
-            std = torch.tensor(c["latents_std"], dtype=x.dtype).view(shape)
+        if (ms := self._mean_std(x)) is not None:
+            mean, std = ms
+            if c.get("scaling_factor"):  # LTX-2 (pipeline_ltx2.py _normalize_latents)
+                return (x - mean) * float(c["scaling_factor"]) / std
             return (x - mean) / std
         if c.get("shift_factor"):
             x = x - float(c["shift_factor"])
@@ -165,11 +165,7 @@ def get_family(name: str) -> FamilySpec:
 
 
 def model_class(cls_name: str):
-    try:
-        import diffusers
-    except ImportError as e:
-        raise CheckpointError(f"diffusers is not installed ({e}); vaeopt builds its models with it: "
-                              "pip install diffusers") from e
+    import diffusers
 
     try:
         return getattr(diffusers, cls_name)
@@ -237,9 +233,3 @@ def bn_scale(x: torch.Tensor, c: dict) -> torch.Tensor:
     p = patchify(x)
     mean, std = bn_stats(c, p.shape[1], x.dtype)
     return unpatchify((p - mean) / std)
-
-
-def _bn_describe(c: dict) -> str:
-    bn = c["_bn"]
-    where = "the checkpoint's" if bn.get("mean") is not None else "default (0/1, no statistics in the weights)"
-    return f"BatchNorm latent normalization over 2x2 patches ({where} running mean/var, eps {bn.get('eps', 1e-4)})"

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
+import shutil
+import subprocess
+import tempfile
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from vaeopt.cache import package_version
 from vaeopt.errors import VaeoptError
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @dataclass
@@ -60,27 +56,14 @@ def gpu_info(index: int) -> GPUInfo:
     sm = f"sm_{p.major}{p.minor}"
     in_build = sm in arch_list or any(a.startswith("compute_") and int(a.split("_")[1]) <= p.major * 10 + p.minor
                                       for a in arch_list)
-    return GPUInfo(
-        index=index,
-        name=p.name,
-        sm=sm,
-        capability=cap,
-        total_gib=total / 2**30,
-        free_gib=free / 2**30,
-        multiprocessors=p.multi_processor_count,
-        bf16=cap >= (8, 0),
-        fp8=cap >= (8, 9),
-        arch_in_build=in_build,
-    )
+    return GPUInfo(index, p.name, sm, cap, total_gib=total / 2**30, free_gib=free / 2**30,
+                   multiprocessors=p.multi_processor_count, bf16=cap >= (8, 0), fp8=cap >= (8, 9),
+                   arch_in_build=in_build)
 
 
 def sdpa_backends() -> dict[str, bool]:
-    b = torch.backends.cuda
-    out = {}
-    for name, fn in (("flash", "flash_sdp_enabled"), ("mem_efficient", "mem_efficient_sdp_enabled"),
-                     ("math", "math_sdp_enabled"), ("cudnn", "cudnn_sdp_enabled")):
-        f = getattr(b, fn, None)
-        out[name] = bool(f()) if f is not None else False
+    names = ("flash", "mem_efficient", "math", "cudnn")
+    out = {n: bool(getattr(torch.backends.cuda, f"{n}_sdp_enabled")()) for n in names}
     if not torch.cuda.is_available():  # on CPU, SDPA has a flash kernel and the math path (same global switches)
         out = {k: (v and k in ("flash", "math")) for k, v in out.items()}
     return out
@@ -92,19 +75,11 @@ def machine_info() -> MachineInfo:
     if torch.cuda.is_available() and torch.backends.cudnn.is_available():
         v = torch.backends.cudnn.version()
         cudnn = f"{v // 10000}.{(v // 100) % 100}.{v % 100}" if v and v >= 10000 else str(v)
-    info = MachineInfo(
-        python=platform.python_version(),
-        platform=platform.platform(),
-        torch=torch.__version__,
-        cuda=cuda,
-        cudnn=cudnn,
-        triton=_version("triton"),
-        diffusers=_version("diffusers"),
-        pyav=_version("av"),
-        torch_arch_list=torch.cuda.get_arch_list() if torch.cuda.is_available() else [],
-        sdpa_backends=sdpa_backends(),
-        triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
-    )
+    info = MachineInfo(platform.python_version(), platform.platform(), torch.__version__, cuda, cudnn,
+                       triton=package_version("triton"), diffusers=package_version("diffusers"),
+                       pyav=package_version("av"),
+                       torch_arch_list=torch.cuda.get_arch_list() if torch.cuda.is_available() else [],
+                       sdpa_backends=sdpa_backends(), triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
     if torch.cuda.is_available():
         info.gpus = [gpu_info(i) for i in range(torch.cuda.device_count())]
     return info
@@ -200,11 +175,6 @@ def summarize_clocks(samples: list[dict]) -> dict | None:
             "power_limit_w": samples[0]["power_limit_w"], "slowdown": {k: v for k, v in reasons.items() if v}}
 
 
-def clocks_enabled() -> bool:
-    """VAEOPT_GPU_CLOCKS=0 turns the benchmark's clock sampling off."""
-    return os.environ.get("VAEOPT_GPU_CLOCKS", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
 class ClockSampler:
     """Samples the GPU's SM clock, power and slowdown reasons with `nvidia-smi -lms` while a block runs:
 
@@ -212,11 +182,10 @@ class ClockSampler:
             ...timed work...
         cs.summary  # summarize_clocks(...) or None
 
-    A decode that runs back to back at the GPU's power limit is clocked down (wan21-480p on an H200 at 700 W:
-    1560-1650 MHz per decode against 1690-1730 with 2 s idle gaps, experiments.md E31), so benchmark rows carry this to tell apart what the code and what the
-    power budget did. nvidia-smi writes to a temporary file (no pipe to fill on long rows). Does nothing (summary
-    None) off CUDA, on ROCm, on a MIG slice, without nvidia-smi, with VAEOPT_GPU_CLOCKS=0, or when anything about it
-    fails: it never raises into the timed work."""
+    Decodes back to back at the GPU's power limit are clocked down (experiments.md E31): benchmark rows carry this to
+    tell apart what the code and what the power budget did. nvidia-smi writes to a temporary file (no pipe to fill on
+    long rows). Does nothing (summary None) off CUDA, on ROCm, on a MIG slice, without nvidia-smi, with
+    VAEOPT_GPU_CLOCKS=0, or when anything about it fails: it never raises into the timed work."""
 
     def __init__(self, device: torch.device, interval_ms: int = 100):
         self.device, self.interval_ms = device, interval_ms
@@ -237,12 +206,8 @@ class ClockSampler:
         return ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]
 
     def __enter__(self) -> ClockSampler:
-        import shutil
-        import subprocess
-        import tempfile
-
-        if (self.device.type != "cuda" or torch.version.hip is not None or not clocks_enabled()
-                or shutil.which("nvidia-smi") is None):
+        off = os.environ.get("VAEOPT_GPU_CLOCKS", "1").strip().lower() in ("0", "off", "false", "no")
+        if self.device.type != "cuda" or torch.version.hip is not None or off or shutil.which("nvidia-smi") is None:
             return self
         try:
             sel = self._select()

@@ -8,7 +8,7 @@ import torch
 from vaeopt import planner, stage_table
 from vaeopt.engine.wan_ops import chunk_schedule
 from vaeopt.families import family_names, get_family
-from vaeopt.hw import MachineInfo, resolve_dtype
+from vaeopt.hw import DTYPE_NAMES, MachineInfo, resolve_dtype
 from vaeopt.pipeline import Options
 from vaeopt.stages import Hint, Said, join, spelled
 
@@ -115,7 +115,7 @@ def stage_outlook(mi: MachineInfo, spell=None) -> list[dict]:
         family = get_family(name)
         for stage, (ok, why) in _decisions(family, shape, dtype, info).items():
             per.setdefault(stage, []).append((family.title, ok, spelled(why, spell)))
-    rows = [{"stage": "precision", "runs": True, "why": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, "fp16") + f" on {info.name}"}]
+    rows = [{"stage": "precision", "runs": True, "why": f"{DTYPE_NAMES[dtype]} on {info.name}"}]
     fp8_gpu = None if info.fp8_compute[0] else _on_fp8_gpu(spell)  # (what FP8 would do where it can run)
     for stage in [r.name for r in stage_table.ROWS[1:]] + ["graphs", "cudnn_autotune"]:
         got = per.get(stage)

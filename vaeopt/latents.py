@@ -10,10 +10,14 @@ Latent space: pipelines hand out *scaled* latents (diffusers ``output_type="late
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
+import lzma
 import math
 import pickle
 import warnings
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,8 +129,6 @@ def read_manifest(path: Path) -> dict:
 def _known_keys(mpath: Path, d: dict, known: tuple[str, ...], where: str) -> None:
     """A manifest key vaeopt does not know is an error, not ignored: `"latent-space": "raw"` (the flag's spelling)
     silently decoded in the other latent space. Keys starting with "_" are comments."""
-    import difflib
-
     for k in d:
         if k not in known and not k.startswith("_"):  # "_doc", "_comment": notes for people
             near = difflib.get_close_matches(k.replace("-", "_"), known, n=1, cutoff=0.6)
@@ -188,6 +190,14 @@ def _text_file(head: bytes) -> str | None:
     return f"a text file, not a tensor file (it starts {text.split(chr(10))[0][:24]!r})"
 
 
+def _what_file(path: Path) -> str | None:
+    """What a file's first bytes say it is ("a PNG image", "a text file, ..."), or None."""
+    with open(path, "rb") as fh:
+        head = fh.read(32)
+    what = magic_name(head)
+    return _text_file(head) if what == "unrecognised file header" else what
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -199,8 +209,6 @@ def _check_zip_inflation(path: Path, infos: list, torch_file: bool) -> None:
     """Refuse a zip whose members would unpack to far more than the file holds (MAX_INFLATION), from its directory,
     before anything is unpacked. torch_file: a torch.save zip, whose tensor data (<archive>/data/<n>) torch.save
     always stores uncompressed: compressed tensor data is refused at any size."""
-    import zipfile
-
     packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED]
     data = [i for i in packed if i.filename.split("/")[-2:-1] == ["data"]] if torch_file else []
     if data:
@@ -216,13 +224,14 @@ def _check_zip_inflation(path: Path, infos: list, torch_file: bool) -> None:
                           "unpacking (a zip bomb?)")
 
 
+def _unreadable_npy(where: str, e: BaseException) -> LatentError:
+    return LatentError(f"{where}: not a readable .npy file ({(str(e).splitlines() or [type(e).__name__])[0][:120]})")
+
+
 def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     """One .npy array from the open binary stream fh (a file, or a member of an .npz) of `size` bytes, as a tensor
     (float16/32/64 kept, other floats as float32, native byte order). Never unpickles. A non-float array returns
     the message that says so (an .npz may hold a seed beside its latents); unreadable ones raise LatentError."""
-    import lzma
-    import zlib
-
     import numpy as np
 
     try:
@@ -234,8 +243,7 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     except Exception as e:  # noqa: BLE001  numpy parses the header as Python text (tokenize: TokenError, SyntaxError)
         if isinstance(e, MemoryError):
             raise
-        raise LatentError(f"{where}: not a readable .npy file ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
-                          ) from e
+        raise _unreadable_npy(where, e) from e
     if dtype.hasobject:
         raise LatentError(f"{where}: refusing a pickled .npy of Python objects (allow_pickle=False)")
     if dtype.kind != "f":
@@ -255,8 +263,7 @@ def _read_npy(fh, where: str, size: int) -> torch.Tensor | str:
     except (zlib.error, lzma.LZMAError):
         raise
     except (ValueError, OSError, EOFError, TypeError) as e:
-        raise LatentError(f"{where}: not a readable .npy file ({(str(e).splitlines() or [type(e).__name__])[0][:120]})"
-                          ) from e
+        raise _unreadable_npy(where, e) from e
     native = arr.dtype.newbyteorder("=")  # big-endian files: torch takes native byte order only
     keep = native in (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))  # shown as stored
     return torch.from_numpy(np.ascontiguousarray(arr.astype(native if keep else "float32", copy=False)))
@@ -294,8 +301,6 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     file_meta: dict = {}
     if suffix in (".pt", ".pth", ".ckpt", ".bin"):
         fmt = "pt"
-        import zipfile
-
         infos = []
         with open(path, "rb") as fh:
             is_zip = fh.read(4) == b"PK\x03\x04"  # as torch.load tells its zip format from the legacy one
@@ -314,12 +319,8 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             with open(path, "rb") as fh:
                 raw_pickle = fh.read(1) == b"\x80"  # a bare pickle stream, not torch's zip container
             if not code and not raw_pickle:  # garbage, not code: say what the bytes are, not torch's boilerplate
-                with open(path, "rb") as fh:
-                    head = fh.read(32)
-                what = magic_name(head)
-                if what == "unrecognised file header":
-                    what = _text_file(head) or "corrupt or truncated?"
-                raise LatentError(f"{path}: not a readable torch file ({what})") from e
+                raise LatentError(f"{path}: not a readable torch file ({_what_file(path) or 'corrupt or truncated?'})"
+                                  ) from e
             name = refused_global(e)
             if name is None:
                 line = next((ln.strip() for ln in msg.splitlines() if "GLOBAL" in ln or "nsupported" in ln), "")
@@ -343,11 +344,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         except MemoryError:
             raise
         except Exception as e:  # noqa: BLE001  (torch's legacy reader raises KeyError on text, and more)
-            with open(path, "rb") as fh:
-                head = fh.read(32)
-            what = magic_name(head)
-            if what == "unrecognised file header":
-                what = _text_file(head)
+            what = _what_file(path)
             first = (str(e).splitlines()[0].split(". ")[0][:160] if str(e) else type(e).__name__)  # one sentence
             if isinstance(e, (KeyError, IndexError)):  # "101", "pop from empty list": torch's internals, no reason
                 first = ""
@@ -402,10 +399,6 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             raise LatentError(t)
         entries.append(LatentEntry("", t))
     elif suffix == ".npz":  # numpy.savez(_compressed): a zip of .npy members, read one by one without pickles
-        import lzma
-        import zipfile
-        import zlib
-
         fmt = "npz"
         try:
             zf = zipfile.ZipFile(path)
@@ -517,6 +510,7 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         t = as_float(t, where)  # e.g. float8 latents: upcast (and so isfinite works)
     want = 5 if family.is_video else 4
+    kind = "(N,C,T,H,W) video" if family.is_video else "(N,C,H,W) image"
     cin = family.latent_channels
     unbatched = None
     packed = t.shape[-1:] == (4 * cin,) and (t.ndim == 2 or (t.ndim == 3 and (
@@ -547,7 +541,7 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
                 f"{where}: shape {tuple(t.shape)} reads two ways for {family.title}: one clip of {n} latent frames "
                 f"(C,T,H,W), or {n} one-frame latents (N,C,H,W); save it 5-D, as (1, {cin}, {n}, H, W) or "
                 f"({n}, {cin}, 1, H, W)")
-        t = t.unsqueeze(0) if t.shape[0] == family.latent_channels else t.unsqueeze(2)
+        t = t.unsqueeze(0) if t.shape[0] == cin else t.unsqueeze(2)
     elif t.ndim == want - 1:
         unbatched = tuple(t.shape)  # (C,H,W): its first dim is counted as channels below
         t = t.unsqueeze(0)
@@ -557,11 +551,10 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
         if not family.is_video and t.ndim == 5 and t.shape[1] == cin:
             raise LatentError(f"{where}: shape {tuple(t.shape)} is {t.shape[2]} latent frames (N,C,T,H,W), but "
                               f"{family.title} is an image VAE: pass one frame, or a video VAE with --model")
-        kind = "(N,C,T,H,W) video" if family.is_video else "(N,C,H,W) image"
         raise NotALatent(f"{where}: shape {tuple(t.shape)} does not fit {family.title}: expected {kind} latents",
                          f"{t.ndim} dims")
     c = t.shape[1]
-    if c != family.latent_channels:
+    if c != cin:
         hint = ""
         if t.shape[-1] == cin and cin < min(t.shape[1:-1]):  # (N,H,W,C): C smaller than every other dim
             hint = " (channels look last: save latents channels-first)"
@@ -571,11 +564,10 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
             # e.g. prompt embeddings (1, 77, 768): not "1 channel", no latent shape at all (no VAE has fewer than 4
             # or more than 128 latent channels; a (16, H, W) FLUX latent for SDXL keeps the channel message)
             one = "(C,T,H,W)" if family.is_video else "(C,H,W)"
-            kind = "(N,C,T,H,W) video" if family.is_video else "(N,C,H,W) image"
             raise NotALatent(f"{where}: shape {unbatched} does not fit {family.title}: expected {kind} latents, or "
                              f"one {one} latent with {cin} channels (read so, it would have {c})",
                              f"{len(unbatched)} dims, not a {cin}-channel {one} latent")
-        msg = f"{where}: {c} latent channels, but the {family.title} VAE takes {family.latent_channels}{hint}"
+        msg = f"{where}: {c} latent channels, but the {family.title} VAE takes {cin}{hint}"
         raise LatentError(msg) if hint else NotALatent(msg, f"{c} channel{'s' if c != 1 else ''}, not {cin}")
     if t.numel() == 0 or min(t.shape) == 0:
         raise LatentError(f"{where}: empty latent tensor {tuple(t.shape)}")
@@ -611,8 +603,6 @@ def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | N
     standard deviation near 1; raw ones differ from that by the family's scaling (about 5.5 for SD 1.x). Read both
     ways, the one whose spread is nearer 1 is the likelier; nothing is said when the two readings are within 2x of
     each other (a family whose scaling is near 1) or for tiny decoders (their raw latents are another VAE's)."""
-    import math
-
     if family.cls_name == "AutoencoderTiny" or latents.numel() < 64 or not latents.is_floating_point():
         return None
     try:

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import errno
 import hashlib
+import itertools
 import os
 import queue
 import re
@@ -33,16 +34,10 @@ def unknown_type(where: str, suffix: str) -> str:
     """The message for an -o whose suffix names no output vaeopt writes (the CLI checks before the load, plan_jobs
     again for every output)."""
     return f"{where}: unknown output type '{suffix}' (use .png, .mp4, .safetensors, or a folder for frames)"
-# libx264's threading in Mp4Writer. PyAV's default is slice threads; frame threads encode 481 frames at 480x832 about
-# twice as fast on a 16-core host (2.66 vs 5.05 s), fast enough that a Wan decode no longer waits for the encoder
-# (h100_stream_mp4_2026-11-22b.json, experiments.md E34). None: PyAV's default. MP4_THREADS: the encoder's thread
-# count (None or 0: libx264's own choice, from the CPU count).
-MP4_THREAD_TYPE: str | None = "FRAME"
-MP4_THREADS: int | None = None
-# The MP4's colour: RGB -> YUV with the BT.709 matrix in limited (TV) range, and the stream tagged so (matrix,
-# primaries, transfer, range), as ffmpeg's `-colorspace bt709 -color_primaries bt709 -color_trc bt709 -color_range tv`.
-# PyAV's default converts with BT.601 and leaves the tags unspecified; players then guess, and those that assume
-# BT.709 for HD (most, at 720p) showed pure green as (0, 215, 0). VAE outputs are sRGB, whose primaries are BT.709's.
+
+
+# The MP4's colour: BT.709 in limited (TV) range, and the stream tagged so, which is what players assume for HD video
+# (PyAV's default BT.601, untagged, showed pure green as (0, 215, 0); experiments.md E36). sRGB's primaries are 709's.
 _BT709 = 1  # the value of AVCOL_SPC_BT709, AVCOL_PRI_BT709 and AVCOL_TRC_BT709 alike
 _TV_RANGE = 1  # AVCOL_RANGE_MPEG
 
@@ -194,7 +189,7 @@ class _Landing:
         for tmp, _ in self.ready:
             _remove(tmp)
         self.ready.clear()
-        _remove_empty(self.made)
+        remove_empty(self.made)
 
     def commit(self) -> None:
         placed: list[Path] = []
@@ -209,7 +204,7 @@ class _Landing:
             if not self.overwrite:  # the ones placed are new files of this run: removed, so none of the batch stays
                 for p in placed:
                     _remove(p)
-                _remove_empty(self.made)
+                remove_empty(self.made)
                 what = f"none of the batch's {len(self.paths)} outputs was written"
             else:
                 shown = ", ".join(map(str, placed[:3])) + (", ..." if len(placed) > 3 else "")
@@ -286,28 +281,24 @@ def atomic_path(path: Path, overwrite: bool = True, folder: bool = False) -> Ite
             _remove(tmp)
             raise
     except BaseException:
-        _remove_empty(made)
+        remove_empty(made)
         raise
 
 
 def _make_parents(folder: Path) -> list[Path]:
     """Make `folder` and the folders above it that are missing; return those made, innermost first."""
-    made = []
-    p = folder
-    while not os.path.lexists(p) and p != p.parent:
-        made.append(p)
-        p = p.parent
+    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), [folder, *folder.parents]))
     if made:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            _remove_empty(made)
+            remove_empty(made)
             raise _os_error(folder, e) from e
         cleanup.add_folders(made)
     return made
 
 
-def _remove_empty(folders: list[Path]) -> None:
+def remove_empty(folders: list[Path]) -> None:
     """Remove the folders this process made, innermost first, as far as they are empty."""
     for p in folders:
         try:
@@ -557,11 +548,12 @@ class Mp4Writer:
                             stream.width, stream.height = w + (w % 2), h + (h % 2)
                             stream.pix_fmt = "yuv420p"
                             stream.options = {"crf": str(self.crf)}
-                            if MP4_THREAD_TYPE:
-                                stream.codec_context.thread_type = MP4_THREAD_TYPE
-                            if MP4_THREADS:
-                                stream.codec_context.thread_count = MP4_THREADS
-                            _tag_bt709(stream.codec_context)
+                            # frame threads (libx264's count): twice as fast as PyAV's default slice threads, so
+                            # a Wan decode does not wait for the encoder (experiments.md E34)
+                            stream.codec_context.thread_type = "FRAME"
+                            cc = stream.codec_context  # (written into the H.264 VUI, where players read it)
+                            cc.colorspace = cc.color_primaries = cc.color_trc = _BT709
+                            cc.color_range = _TV_RANGE
                         arr = frame.numpy()
                         if arr.shape[0] % 2 or arr.shape[1] % 2:
                             import numpy as np
@@ -628,14 +620,6 @@ class Mp4Writer:
                 self._thread.join(timeout=10)
         finally:
             _remove(self._tmp)
-
-
-def _tag_bt709(ctx) -> None:
-    """The encoder writes these into the H.264 stream's VUI, where players read the colour space."""
-    ctx.colorspace = _BT709
-    ctx.color_primaries = _BT709
-    ctx.color_trc = _BT709
-    ctx.color_range = _TV_RANGE
 
 
 def write_mp4(path: Path, chunks: Iterable[torch.Tensor], fps: float = 16.0, overwrite: bool = True) -> int:

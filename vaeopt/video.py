@@ -16,49 +16,22 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from vaeopt import video_graphs, video_tiling
+from vaeopt import video_tiling
 from vaeopt.engine.memory import estimate_chunk_bytes
-from vaeopt.engine.wan import ChunkDecoder
 from vaeopt.engine.wan_ops import (Chunk, active_dropout, chunk_schedule, output_frame_counts, patch_size,
                                    prepare_latents, temporal_factor)
 from vaeopt.errors import DecodeError, LatentError
-from vaeopt.stages.marks import wan_channels_last
 
-__all__ = [
-    "active_dropout",
-    "chunk_schedule",
-    "decode_video",
-    "estimate_chunk_bytes",
-    "iter_decode_video",
-    "output_frame_counts",
-    "to_uint8_frames",
-]
-
-
-def _iter_raw(vae, z: Tensor, chunk: Chunk, channels_last: bool | None,
-              fused: bool | None = None, graphs=None) -> Iterator[tuple[int, Tensor]]:
-    """(first output frame index, raw decoder output) per call. `graphs`: per-chunk CUDA graphs
-    (vaeopt.video_graphs; None: the policy vaeopt.video_graphs.enable attached to the model, if any)."""
-    sched = chunk_schedule(z.shape[2], chunk)
-    cd = ChunkDecoder(vae, wan_channels_last(vae, channels_last), fused)
-    cd.one_call = len(sched) == 1
-    dec = video_graphs.wrap(cd, vae, z, sched, graphs)
-    t0 = f0 = 0
-    for k in sched:
-        y = dec.step(z[:, :, t0 : t0 + k])
-        t0 += k
-        yield f0, y
-        f0 += y.shape[2]
-        del y
-    if isinstance(dec, video_graphs.GraphedSteps):
-        dec.finish()
+__all__ = ["active_dropout", "chunk_schedule", "decode_video", "estimate_chunk_bytes", "iter_decode_video",
+           "output_frame_counts", "to_uint8_frames"]
 
 
 def _raw(vae, z: Tensor, sched: list[int], channels_last: bool | None, fused: bool | None, tile,
          tiling: dict, graphs=None) -> Iterator[tuple[int, Tensor]]:
-    """_iter_raw, or vaeopt.video_tiling's tiled / OOM-retrying version when a tile or tiling options are given."""
-    if tile is None and not tiling:
-        return _iter_raw(vae, z, sched, channels_last, fused, graphs)
+    """(first output frame index, raw decoder output) per call (vaeopt.video_tiling.iter_raw: untiled, tiled, or
+    restarted after an out-of-memory error). Untiled without tiling options, the causal caches are allocated one by
+    one, not reserved up front by a dry run."""
+    tiling.setdefault("arena", tile is not None or bool(tiling))
     return video_tiling.iter_raw(vae, z, sched, tile, channels_last=channels_last, fused=fused, graphs=graphs,
                                  **tiling)
 
@@ -149,42 +122,22 @@ class _HostSlots:
         return buf[: math.prod(shape)].view(shape)
 
 
-def iter_decode_video(
-    vae,
-    z_raw: Tensor,
-    chunk: Chunk = 4,
-    copy_stream: bool = True,
-    *,
-    output: str = "uint8",
-    reuse_buffers: bool = False,
-    channels_last: bool | None = None,
-    fused: bool | None = None,
-    tile=None,
-    graphs=None,
-    **tiling,
-) -> Iterator[Tensor]:
+def iter_decode_video(vae, z_raw: Tensor, chunk: Chunk = 4, copy_stream: bool = True, *, output: str = "uint8",
+                      reuse_buffers: bool = False, channels_last: bool | None = None, fused: bool | None = None,
+                      tile=None, graphs=None, **tiling) -> Iterator[Tensor]:
     """Decode a clip chunk by chunk, yielding consecutive groups of output frames on the CPU.
 
-    output="uint8" (default): frames of one clip as (f, H, W, 3) uint8 (NHWC with N = frames), the clamped values
-    mapped by round((x + 1) * 127.5): what a video writer takes. It needs a single clip (z_raw.shape[0] == 1);
-    decode a batch clip by clip (z_raw[i:i+1]) or as floats.
-    output="float": (N, 3, f, H, W) in the VAE's dtype, clamped to [-1, 1]: the matching slice of decode_video's
-    result. Concatenated along the frame axis the groups are the whole clip; the first group holds 1 + 4(k-1)
-    frames, later ones 4k (k = latent frames of that call, see chunk_schedule).
+    output="uint8" (default): frames of one clip (z_raw.shape[0] == 1) as (f, H, W, 3) uint8, round((x + 1) * 127.5)
+    of the clamped values: what a video writer takes. output="float": (N, 3, f, H, W) in the VAE's dtype, clamped to
+    [-1, 1]: the matching slice of decode_video's result. The first group holds 1 + 4(k-1) frames, later ones 4k
+    (k = latent frames of that call, see chunk_schedule).
 
-    Host memory: the iterator itself holds at most two chunks (the one handed out and the one being copied), so it
-    stays bounded for any clip length as long as the consumer lets go of what it has written. By default each group
-    is a fresh tensor the caller owns (on CUDA from PyTorch's caching pinned-memory allocator, so freed groups are
-    recycled, not re-pinned): safe for consumers that queue groups, like outputs.Mp4Writer. reuse_buffers=True
-    instead writes into two fixed host buffers alternately: each yielded tensor is then valid only until the
-    iterator is advanced again, so a consumer must write it out (or copy it) before calling next().
-
-    On CUDA with copy_stream=True, chunk i+1's kernels are queued before chunk i is handed out; its device->host copy
-    runs on a side stream (ordered after chunk i's compute by an event) into a pinned buffer, and the device tensor
-    is kept alive until that copy's event has completed. So the caller's work on chunk i overlaps the GPU decoding
-    chunk i+1. copy_stream=False (and any CPU decode) is synchronous: decode, copy, yield.
-    `fused`, `tile`, `graphs`, `tiling`: as in decode_video (a tiled chunk is handed out once all its tiles are
-    done; a replayed chunk is a copy of the graph's output, so groups are independent of later replays).
+    The iterator holds at most two chunks. By default each group is a fresh tensor the caller owns (on CUDA from
+    torch's caching pinned-memory allocator): safe for consumers that queue groups, like outputs.Mp4Writer.
+    reuse_buffers=True writes into two fixed host buffers alternately: a yielded tensor is then valid only until the
+    iterator advances. On CUDA with copy_stream=True, chunk i's copy to the host runs on a side stream while chunk
+    i+1 decodes, so the caller's work on chunk i overlaps the GPU; otherwise decode, copy, yield.
+    `fused`, `tile`, `graphs`, `tiling`: as in decode_video.
     """
     if output not in ("uint8", "float"):
         raise ValueError(f"output must be 'uint8' or 'float', not {output!r}")

@@ -1,16 +1,11 @@
-"""HunyuanVideo 1.5 and LTX-2 clips: exact chunks in time, exact tiles in space (vaeopt.engine.stream).
+"""HunyuanVideo 1.5 and LTX-2 clips: exact chunks in time, exact tiles in space (vaeopt.engine.stream;
+docs/video.md, "HunyuanVideo 1.5 and LTX-2").
 
-`decode_clip` streams a clip through `StreamDecoder` a chunk of latent frames at a time and writes the frames into
-one preallocated clip tensor, clamped to [-1, 1] as diffusers' pipelines clamp. With `tile`, each step runs in two
-parts, as Wan's spatial tiles (vaeopt.video_tiling) do: the front (conv_in, the mid-block with HunyuanVideo 1.5's
-whole-frame attention, the first up blocks) on whole frames, the back (the last up blocks and the head) per spatial
-tile, each tile with its own StreamDecoder (own conv histories) and a halo that covers the back's reach
-(`engine.stream.back_halo`): every norm of these decoders is per position, so the tiles' interiors are the untiled
-decode's, whatever padding lands on a tile's edge.
-
-Memory: a stage never runs on more than `chunk` latent frames' worth (LTX-2's non-causal convs hold frames back and
-release them at the clip's end, in pieces of that size). An out-of-memory error restarts the clip with the plan
-`replan` gives (vaeopt.planner.smaller_stream_plan: half the chunk, then smaller tiles), where one is given.
+`decode_clip` streams a clip through `StreamDecoder` a chunk of latent frames at a time into one preallocated clip
+tensor. With `tile`, the front (up to up_blocks[split]) runs on whole frames and the back per spatial tile, each tile
+with its own StreamDecoder and a halo covering the back's reach (`engine.stream.back_halo`): every norm of these
+decoders is per position, so the tiles' interiors are the untiled decode's. An out-of-memory error restarts the clip
+with the plan `replan` gives, where one is given.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from vaeopt.engine.regions import tile_grid
+from vaeopt.engine.regions import halo_region, tile_grid
 from vaeopt.engine.stream import STREAM_CLASSES, StreamDecoder, back_halo, chunk_schedule, unsupported
 from vaeopt.errors import VaeoptError
 
@@ -119,10 +114,8 @@ def _stream(front, backs, regions, halo, split, z, sched, total, progress, clamp
     done = 0
     for i, (a, b) in enumerate(sched):
         final = i == len(sched) - 1
-        if regions is None:
-            pieces = front.pieces(z[:, :, a:b], final)
-        else:
-            pieces = _tiled_pieces(front, backs, regions, halo, split, z[:, :, a:b], final)
+        pieces = (front.pieces(z[:, :, a:b], final) if regions is None
+                  else _tiled_pieces(front, backs, regions, halo, split, z[:, :, a:b], final))
         for y in pieces:
             if out is None:
                 out = torch.empty((n, y.shape[1], total, *y.shape[-2:]), dtype=y.dtype, device=y.device)
@@ -144,7 +137,7 @@ def _tiled_pieces(front, backs, regions, halo, split, z, final):
         _, _, _, H, W = x.shape
         y = None
         for dec, (y0, y1, x0, x1) in zip(backs, regions):
-            c0, c1, d0, d1 = max(0, y0 - halo), min(H, y1 + halo), max(0, x0 - halo), min(W, x1 + halo)
+            c0, c1, d0, d1 = halo_region((H, W), y0, y1, x0, x1, halo, halo)
             part = dec.back(x[:, :, :, c0:c1, d0:d1], split, last)
             s = part.shape[-1] // (d1 - d0)  # output px per px at the split
             if y is None:

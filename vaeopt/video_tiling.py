@@ -1,47 +1,19 @@
-"""Exact spatial tiling of causal video decodes (Wan 2.1 / 2.2), with one causal cache per tile for the whole clip.
+"""Exact spatial tiling of causal video decodes (Wan 2.1 / 2.2), with one causal cache per tile for the whole clip
+(docs/video.md, "Spatial tiles for small cards"): for when one chunk of latent frames does not fit.
 
-Why: vaeopt.video already bounds memory in time (chunks of latent frames), but one latent frame of wan21-720p still
-needs ~6-7 GB of activations and causal caches, so an 8 GB card cannot decode it. This module cuts the frame into
-spatial tiles (full-width row bands by default) for the high-resolution end of the decoder.
+Per chunk (vaeopt.video's schedule), the *front* -- post_quant_conv, conv_in, the mid-block (its per-frame attention
+is global, so never tiled) and up_blocks[:split] -- runs once on the whole frame (`ChunkDecoder.front`); the *back*
+-- up_blocks[split:], norm_out, conv_out -- runs tile by tile (`ChunkDecoder.back`) on a crop of the front's output
+widened by the back's receptive field (`receptive_field`, counted from its modules), keeping the interior. Every op
+in the back is per pixel, a nearest 2x upsample / DupUp3D, or a conv of known radius, and no statistics cross pixels
+(no GroupNorm), so the interior equals the untiled decode and nothing is merged or blended. Each tile owns a
+`ChunkDecoder` whose causal caches persist across the clip's chunks, so chunking and tiling compose exactly.
 
-How, per chunk of latent frames (the chunk schedule is vaeopt.video's):
-
-* The *front* -- post_quant_conv, conv_in, the mid-block (per-frame attention over the whole frame: global, so it is
-  never tiled) and the first `split` up blocks -- runs once on the whole frame with its own `ChunkDecoder`
-  (`ChunkDecoder.front`). These layers run at 1/8-1/2 of the output resolution (at split = the last up block its
-  largest tensor is the 2x upsample into full resolution).
-* The *back* -- up_blocks[split:], norm_out, conv_out -- runs tile by tile (`ChunkDecoder.back`): each tile crops
-  the front's output with a halo of R pixels (R = the receptive field of the back, counted from its modules by
-  `receptive_field`), runs the back on that crop with zero padding at the crop's edges, and keeps the interior.
-  Every tile owns a `ChunkDecoder`, i.e. its own causal caches, which persist across all chunks of the clip: a
-  cache is never restarted inside a clip, so chunking and tiling compose exactly.
-
-Why that is exact: everything in the back is per pixel (RMS norm over channels, SiLU, residual adds, 1x1x1
-shortcuts), nearest 2x upsampling, Wan 2.2's DupUp3D (pixel shuffle of duplicated channels: local), or a
-convolution with spatial radius r. A wrong value at the crop's edge (zero padding where the frame continues)
-spreads inwards by r pixels per conv and doubles in pixels per 2x upsample; the halo is the sum over the back of
-those radii, rounded up at each upsample, so the interior never sees it. Where a tile touches the true frame border
-it has no halo on that side, and the conv's zero padding is the untiled decode's. In time, a tile's caches hold the
-conv inputs over the same crop for every chunk, so the same argument holds for the temporal taps. No statistics
-cross pixels (no GroupNorm), so there is nothing to merge between tiles, unlike the image tiler (vaeopt/tiling.py).
-Temporal overlaps are never used (chunks are exact), so nothing is blended.
-
-Cost: the halo ring is computed by two neighbouring tiles; with bands and split = the last up block (only the
-full-resolution block and the head are tiled) it is 2 x 7 rows of the output per interior band edge: +0.7% conv
-FLOPs for 2 bands at wan21-720p, +3.4% for 6; tiling from the up block before costs 4-20% (halo 10 px at half
-resolution) but leaves a much smaller front.
-Memory: the causal caches are most of a video decode's memory (4 GiB of 6.4 at wan21-720p with one latent frame per
-call), and tiling does not shrink them: all tiles' caches together are the whole frame's plus the halo rings. They
-live on the compute device when they fit (`storage="device"`), else in pinned host memory (`storage="host"`), where
-each tile's caches are prefetched to the GPU while the previous tile computes and written back after it. Either way
-a decode reserves its caches in one allocation up front (_Arena): allocated one by one between transient buffers
-they fragmented the caching allocator by 30-48% on the H200.
-
-Planning and OOM: `estimate_tiled_video_bytes` is a dry run of this exact decode on meta tensors (vaeopt.video's
-live-storage counter); vaeopt.planner searches tiles, splits, chunks and cache storage with it. `iter_raw` with a
-`replan` (vaeopt.planner.smaller_video_plan) restarts the clip with the plan it gives after a CUDA out-of-memory
-error, never the same plan twice, and skips the frames it has already handed out.
-Notes and measurements: docs/video.md.
+The caches are most of the memory and tiling does not shrink them: they stay on the device (storage="device") or
+live in pinned host memory (storage="host"), prefetched while the previous tile computes; either way they are
+carved from one allocation made up front (_Arena). `estimate_tiled_video_bytes` is a dry run of this decode on meta
+tensors, which vaeopt.planner searches plans with; `iter_raw` with a `replan` restarts the clip with the next plan
+after a CUDA out-of-memory error, skipping the frames already handed out.
 """
 
 from __future__ import annotations
@@ -59,25 +31,15 @@ from torch import Tensor
 from vaeopt import video_graphs
 from vaeopt.engine import memory
 from vaeopt.engine.stats import OOM_ERRORS
-from vaeopt.engine.regions import (TilingError, band_tiles, default_split, front_scale, min_tile_rows,
+from vaeopt.engine.regions import (TilingError, band_tiles, default_split, front_scale, halo_region, min_tile_rows,
                                    receptive_field, resolve_tile, spatial_factor, tile_grid)
 from vaeopt.engine.wan import ChunkDecoder
 from vaeopt.engine.wan_ops import Chunk, check_vae, chunk_schedule, prepare_latents
 from vaeopt.errors import VaeoptError
 from vaeopt.stages.marks import wan_channels_last
 
-__all__ = [
-    "TiledVideoPlan",
-    "band_tiles",
-    "cache_floor_bytes",
-    "check_tile",
-    "default_split",
-    "estimate_tiled_video_bytes",
-    "iter_raw",
-    "min_tile_rows",
-    "receptive_field",
-    "resolve_tile",
-]
+__all__ = ["TiledVideoPlan", "band_tiles", "cache_floor_bytes", "check_tile", "default_split",
+           "estimate_tiled_video_bytes", "iter_raw", "min_tile_rows", "receptive_field", "resolve_tile"]
 
 MAX_INFLIGHT_WRITES = 1  # host cache storage: tiles whose device caches may still be on their way to the host
 
@@ -109,12 +71,8 @@ class TiledVideoPlan:
 # ---------------------------------------------------------------------------------------------------------------
 # Causal caches carved from one allocation
 #
-# Measured on the H200 (benchmarks/results/h200_video_tiling_2026-11-21.json): with the caches allocated one by one
-# during the first call, between that call's transient buffers, the caching allocator's reserved memory ran 30-48%
-# above the allocated peak (wan21-720p K=1: 10.5 GiB reserved for 7.1 allocated), and every plan that fitted its
-# budget by the estimate ran out of memory under set_per_process_memory_fraction: long-lived caches pin the segments
-# the transients were cut from. So a decode reserves its caches' bytes up front (sized by a dry run) and the
-# decoders carve their caches from that block; the transients then come and go in segments of their own.
+# Reserved up front (sized by a dry run): caches allocated one by one between transient buffers fragment the
+# caching allocator (docs/video.md, "Spatial tiles for small cards").
 
 _ALIGN = 512
 
@@ -137,8 +95,13 @@ class _Arena:
         if stride is None:
             stride = torch.empty(shape, device="meta", memory_format=memory_format).stride()
         t = self.buf[self.off : self.off + nb].view(dtype).as_strided(shape, stride)
-        self.off += -(-nb // _ALIGN) * _ALIGN
+        self.off += _aligned(nb)
         return t
+
+
+def _config_json(vae) -> str:
+    """The model's config as the key of the dry-run caches below."""
+    return json.dumps(dict(vae.config), sort_keys=True, default=str)
 
 
 def _aligned(nbytes: int) -> int:
@@ -152,7 +115,7 @@ def cache_bytes_per_decoder(vae, latent_shape: Sequence[int], plan: TiledVideoPl
     a cache ends up in fp8)."""
     dtype = vae.post_quant_conv.weight.dtype
     shape = tuple(int(s) for s in latent_shape)
-    config = json.dumps(dict(vae.config), sort_keys=True, default=str)
+    config = _config_json(vae)
     return _decoder_cache_bytes(type(vae), config, shape, plan.chunk, plan.tile, plan.split, dtype,
                                 bool(channels_last))
 
@@ -316,16 +279,16 @@ class _CacheStore:
     def _retire(self, event, dev: dict) -> None:
         """Keep `dev` alive until its write is done, with at most MAX_INFLIGHT_WRITES writes in flight."""
         self.inflight.append((event, dev))
-        while len(self.inflight) > MAX_INFLIGHT_WRITES:
+        self._drain(MAX_INFLIGHT_WRITES)
+
+    def _drain(self, keep: int) -> None:
+        while len(self.inflight) > keep:
             ev, _ = self.inflight.popleft()
             if ev is not None:
                 ev.synchronize()
 
     def finish(self) -> None:
-        while self.inflight:
-            ev, _ = self.inflight.popleft()
-            if ev is not None:
-                ev.synchronize()
+        self._drain(0)
         self.ready.clear()
 
 
@@ -354,8 +317,7 @@ class _TiledClip:
         # interior regions at the front's output resolution, aligned to latent pixels
         self.regions = [(y0 * s, y1 * s, x0 * s, x1 * s) for y0, y1, x0, x1 in tile_grid(h, w, th, tw)]
         H, W = h * s, w * s
-        self.ext = [(max(0, y0 - self.halo), min(H, y1 + self.halo), max(0, x0 - self.halo), min(W, x1 + self.halo))
-                    for y0, y1, x0, x1 in self.regions]
+        self.ext = [halo_region((H, W), *r, self.halo, self.halo) for r in self.regions]
         # a tile's convs run on the 5-D staged input: a time-stacked Conv2d's 3x input is not in the tiled estimate
         self.front = ChunkDecoder(vae, channels_last, fused, stack=False)
         self.tiles = [ChunkDecoder(vae, channels_last, fused, stack=False) for _ in self.regions]
@@ -579,7 +541,7 @@ def estimate_tiled_video_bytes(
     K = max(chunk_schedule(shape[2], chunk))
     t = None if tile is None else resolve_tile(tile, shape[-2:])
     split = default_split(vae) if split is None else int(split)
-    config = json.dumps(dict(vae.config), sort_keys=True, default=str)
+    config = _config_json(vae)
     stacked = memory.stacked_names(vae) if t is None and fused else ()  # tiles never run stacked (stack=False)
     return _estimate(type(vae), config, shape, K, t, dtype, bool(channels_last), bool(fused), split, storage,
                      stacked)
@@ -604,7 +566,7 @@ def cache_floor_bytes(vae, latent_shape: Sequence[int], dtype: torch.dtype | Non
     check_vae(vae)
     dtype = dtype or vae.post_quant_conv.weight.dtype
     N, C, T, h, w = (int(s) for s in latent_shape)
-    config = json.dumps(dict(vae.config), sort_keys=True, default=str)
+    config = _config_json(vae)
     return _cache_floor(type(vae), config, (N, C, min(T, 2), h, w), dtype, bool(channels_last))
 
 

@@ -1,14 +1,7 @@
 """`vaeopt warmup`: run the decodes a later `vaeopt decode` will run, once, so that what they compile, choose and
-measure is on disk before the first real decode.
-
-What is filled: Triton's kernel cache (every kernel of the planned decode compiled; $TRITON_CACHE_DIR, default
-~/.triton/cache) and vaeopt's cache (vaeopt/cache.py: the FP8 gates' verdicts with --fp8, the planner's plans, and
-on a GPU the kernels the decodes loaded, which `vaeopt decode` loads while it reads the checkpoint: prewarm.py). What
-is not: cuDNN's and the CUDA driver's per-process state (loaded kernels, heuristics per conv shape) and CUDA graphs,
-which live and die with a process.
-
-A warm-up with the user's checkpoint fills everything; one with --workload (the family's architecture, random weights)
-fills the kernels and plans, but an FP8 verdict is per weights, so `--fp8 on` needs the checkpoint itself.
+measure (Triton's kernel cache; vaeopt's cache: FP8 verdicts, plans, the kernels to preload) is on disk before the
+first real decode. cuDNN's and the driver's per-process state and CUDA graphs live and die with a process. An FP8
+verdict is per weights, so `--fp8 on` needs the checkpoint itself, not a --workload's random weights.
 """
 
 from __future__ import annotations

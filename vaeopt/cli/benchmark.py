@@ -168,12 +168,9 @@ def bench_inputs(model, family, workload, shape, dev):
         wl_family, shp = bm.WORKLOADS[workload]
         family = family or (None if model else wl_family)
     if shape:
-        try:
-            shp = tuple(int(s) for s in shape.replace("x", ",").split(","))
-        except ValueError:
-            raise VaeoptError(f"--shape '{shape}': expected integers like 1,4,128,128") from None
-    if shp is not None and any(d < 1 for d in shp):
-        raise VaeoptError(f"--shape {','.join(map(str, shp))}: every dimension must be at least 1")
+        from vaeopt.warmup import parse_shape
+
+        shp = parse_shape(shape)
     if model is not None:
         from vaeopt.loading import load_vae
 

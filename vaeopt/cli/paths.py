@@ -4,6 +4,7 @@ folder, and a folder made for a decode that fails is removed again."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from pathlib import Path
 from typing import List
@@ -62,25 +63,14 @@ def output_folder(path: Path | None):
     empty, remove it, so that "nothing was left behind" holds."""
     made = []  # the folders mkdir makes, innermost first (-o new/newer/ makes both)
     if path is not None:
-        p = path
-        while not p.exists() and not p.is_symlink() and p != p.parent:
-            made.append(p)
-            p = p.parent
-        _make_output_folder(path)
+        made = list(itertools.takewhile(lambda p: not os.path.lexists(p), [path, *path.parents]))
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{path}/: cannot create the output folder ({e.strerror or e})") from None
         cleanup.add_folders(made)  # (removed if still empty when a signal must end the process at once)
     try:
         yield
     except BaseException:
-        for p in made:
-            try:
-                p.rmdir()  # only if empty
-            except OSError:
-                break
+        outputs.remove_empty(made)  # (only as far as they are empty)
         raise
-
-
-def _make_output_folder(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"{path}/: cannot create the output folder ({e.strerror or e})") from None

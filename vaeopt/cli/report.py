@@ -106,13 +106,11 @@ _STAGE_WORDS = {"fp8": "FP8", "fp8 convs": "FP8 convs", "channels_last": "channe
                 "cudnn_autotune": "cuDNN autotuning"}
 
 
-_DTYPE_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # as --dtype spells them
-
-
 def optimizer_summary(stages, device, dtype) -> str:
     """One line for what the optimizer did in this run: the stages applied, or that the plain path ran and why."""
-    dt = str(dtype).replace("torch.", "")
-    where = f"{_DTYPE_WORDS.get(dt, dt)}, {'CPU' if device.type == 'cpu' else device}"
+    from vaeopt.hw import DTYPE_NAMES  # (as --dtype spells them)
+
+    where = f"{DTYPE_NAMES.get(dtype, str(dtype).replace('torch.', ''))}, {'CPU' if device.type == 'cpu' else device}"
     applied = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "applied" and s.name != "precision"]
     fell = [_STAGE_WORDS.get(s.name, s.name) for s in stages if s.status == "fallback"]
     skipped = [s for s in stages if s.status == "skipped"]

@@ -181,10 +181,8 @@ def choose_family(a: Analysis, family, explicit, meta_cfg, metadata, other_keys,
             notes.append(f"family {name} from the weights")
             return spec
     if explicit or (isinstance(meta_cfg, dict) and meta_cfg.get("scaling_factor") is not None):
-        if a.cls_name == "AutoencoderKL":
-            base = "sd15" if "post_quant_conv.weight" in a.sd else "flux"
-        else:
-            base = _DEFAULTS.get(a.cls_name, "sd15")
+        base = (("sd15" if "post_quant_conv.weight" in a.sd else "flux") if a.cls_name == "AutoencoderKL"
+                else _DEFAULTS.get(a.cls_name, "sd15"))
         notes.append(f"{_structure(a)} matches no known family; using {base} as the base config (scaling from config)")
         return get_family(base)
     raise CheckpointError(

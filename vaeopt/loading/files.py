@@ -92,19 +92,11 @@ def few(keys, n: int = 3) -> str:
 
 
 def magic_name(head: bytes) -> str:
-    for magic, name in (
-        (b"\x89PNG", "a PNG image"),
-        (b"\xff\xd8\xff", "a JPEG image"),
-        (b"GIF8", "a GIF image"),
-        (b"%PDF", "a PDF document"),
-        (b"RIFF", "a RIFF (WebP/WAV/AVI) file"),
-        (b"\x1f\x8b", "a gzip archive"),
-        (b"GGUF", "a GGUF file (not supported)"),
-        (b"\x93NUMPY", "a NumPy array"),
-        (b"<", "an HTML/XML document"),
-        (b"{", "a JSON/text file"),
-        (b"version https://git-lfs", "a Git LFS pointer (the weights were never downloaded)"),
-    ):
+    for magic, name in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+                        (b"%PDF", "a PDF document"), (b"RIFF", "a RIFF (WebP/WAV/AVI) file"),
+                        (b"\x1f\x8b", "a gzip archive"), (b"GGUF", "a GGUF file (not supported)"),
+                        (b"\x93NUMPY", "a NumPy array"), (b"<", "an HTML/XML document"), (b"{", "a JSON/text file"),
+                        (b"version https://git-lfs", "a Git LFS pointer (the weights were never downloaded)")):
         if head.startswith(magic):
             return name
     return "unrecognised file header"
@@ -191,12 +183,10 @@ def allow_numpy_scalars():
     """A context in which weights_only torch.load also rebuilds numpy scalars and dtypes (old training checkpoints
     store a numpy `global_step`/`epoch`): plain data, not code. Exactly numpy's scalar reconstructor (under numpy 2's
     and numpy 1's module names) and np.dtype with its bool/integer/float/complex dtype classes; nothing else."""
+    import numpy as np
+
     sg = getattr(torch.serialization, "safe_globals", None)  # torch 2.5+
-    try:
-        import numpy as np
-    except ImportError:
-        np = None
-    if sg is None or np is None:
+    if sg is None:
         return contextlib.nullcontext()
     try:
         from numpy._core.multiarray import scalar

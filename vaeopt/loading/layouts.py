@@ -63,22 +63,11 @@ def no_vae_error(label: str, keys: list[str]) -> CheckpointError:
     return unrecognised(label, keys)
 
 
-_WAN_RES = {
-    "residual.0.gamma": "norm1.gamma",
-    "residual.2.weight": "conv1.weight",
-    "residual.2.bias": "conv1.bias",
-    "residual.3.gamma": "norm2.gamma",
-    "residual.6.weight": "conv2.weight",
-    "residual.6.bias": "conv2.bias",
-    "shortcut.weight": "conv_shortcut.weight",
-    "shortcut.bias": "conv_shortcut.bias",
-}
-_WAN_TOP = {
-    "conv1.weight": "quant_conv.weight",
-    "conv1.bias": "quant_conv.bias",
-    "conv2.weight": "post_quant_conv.weight",
-    "conv2.bias": "post_quant_conv.bias",
-}
+_WAN_RES = {"residual.0.gamma": "norm1.gamma", "residual.2.weight": "conv1.weight", "residual.2.bias": "conv1.bias",
+            "residual.3.gamma": "norm2.gamma", "residual.6.weight": "conv2.weight", "residual.6.bias": "conv2.bias",
+            "shortcut.weight": "conv_shortcut.weight", "shortcut.bias": "conv_shortcut.bias"}
+_WAN_TOP = {"conv1.weight": "quant_conv.weight", "conv1.bias": "quant_conv.bias",
+            "conv2.weight": "post_quant_conv.weight", "conv2.bias": "post_quant_conv.bias"}
 
 
 def convert_wan22_original(sd: dict[str, Tensor]) -> dict[str, Tensor]:

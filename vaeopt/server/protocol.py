@@ -1,20 +1,7 @@
-"""The wire protocol of diffusers' remote VAE client (`diffusers.utils.remote_utils.remote_decode`), both ways.
-
-Request: POST of the latents' raw bytes (`Content-Type: tensor/binary`, C order, the tensor's own dtype), with every
-parameter in the query string: `shape` (repeated, one per dimension), `dtype` (float16 / bfloat16 / float32),
-`output_type` (pil / pt / mp4), `image_format` (jpg / png), `partial_postprocess` (True / False), optionally
-`scaling_factor` and `shift_factor` (the server unscales: latents / scaling_factor + shift_factor, as diffusers'
-pipelines do before vae.decode), `do_scaling` (the deprecated flag: the model's own scaling), `height` and `width`
-(packed FLUX latents (B, H/16 * W/16, 64) are unpacked to (B, 16, H/8, W/8)).
-
-Response, as the client parses it:
-- output_type=pil, Accept image/*: the image file (JPEG or PNG);
-- output_type=pil, Accept tensor/binary (the client passed a processor): float [0, 1] frames (N, 3, H, W), in the
-  latents' dtype, with `shape` and `dtype` headers;
-- output_type=pt: the decoder output in [-1, 1], (N, 3, H, W) or (N, 3, T, H, W), in the latents' dtype; with
-  partial_postprocess, uint8 channels-last (N, H, W, 3) images, or (T, H, W, 3) frames of one clip;
-- output_type=mp4: an H.264 MP4 file (video models, one clip per request).
-Errors are non-2xx answers with a JSON body {"error": "...", "status": N}; the client raises them as RuntimeError.
+"""The wire protocol of diffusers' remote VAE client (`diffusers.utils.remote_utils.remote_decode`), both ways
+(docs/serve.md, "Protocol"): a POST of the latents' raw bytes with every parameter in the query string; answers as
+the client parses them (an image file, tensor bytes with `shape` / `dtype` headers, an MP4); errors as non-2xx
+answers with a JSON body {"error": "...", "status": N}.
 
 Everything here is pure (no sockets, no state; prepare() runs on whatever device holds its tensor): the HTTP
 layer and the worker call it, and tests can too.
@@ -77,11 +64,7 @@ class DecodeRequest:
 
     @property
     def body_bytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _flag(name: str, v: str) -> bool:
@@ -135,16 +118,13 @@ def parse_request(params: list[tuple[str, str]], accept: str, content_type: str,
     shape = tuple(_number("shape", s, int) for s in shape_s)
     if any(d < 1 or d > MAX_DIM for d in shape):
         raise ProtocolError(422, f"shape {list(shape)}: every dimension must be between 1 and {MAX_DIM}")
-    dname = one.get("dtype", "float32")
-    if dname not in DTYPES:
-        raise ProtocolError(422, f"dtype {dname!r}: send float16, bfloat16 or float32 latents")
+    for k, default, allowed, want in (("dtype", "float32", DTYPES, "send float16, bfloat16 or float32 latents"),
+                                      ("output_type", "pil", OUTPUT_TYPES, "expected pil, pt or mp4"),
+                                      ("image_format", "jpg", IMAGE_FORMATS, "expected jpg or png")):
+        if one.setdefault(k, default) not in allowed:
+            raise ProtocolError(422, f"{k} {one[k]!r}: {want}")
+    dname, output_type, image_format = one["dtype"], one["output_type"], one["image_format"]
     dtype = DTYPES[dname]
-    output_type = one.get("output_type", "pil")
-    if output_type not in OUTPUT_TYPES:
-        raise ProtocolError(422, f"output_type {output_type!r}: expected pil, pt or mp4")
-    image_format = one.get("image_format", "jpg")
-    if image_format not in IMAGE_FORMATS:
-        raise ProtocolError(422, f"image_format {image_format!r}: expected jpg or png")
     partial = _flag("partial_postprocess", one.get("partial_postprocess", "False"))
     scaling = _number("scaling_factor", one["scaling_factor"]) if "scaling_factor" in one else None
     if scaling is not None and scaling == 0:

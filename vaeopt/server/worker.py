@@ -1,15 +1,9 @@
-"""One decode worker per device: its own copy of every model, one thread, one queue.
+"""One decode worker per device: its own copy of every model, one thread, one queue (docs/serve.md, "Throughput").
 
-The HTTP loop never touches the GPU: it hands a Job to the worker with the shortest queue and awaits the job's
-future. A worker decodes one job at a time (or one batch of same-shape image jobs, where --batch allows), through
-vaeopt.decode, whose planner sizes each decode against the memory free at that moment; since nothing else decodes on
-that device meanwhile, what the planner sees is what the decode gets. A CUDA out-of-memory error that vaeopt's own
-retries did not absorb is retried once, tiled; if that fails too the request is answered 503 and the worker goes on.
-
-On a GPU the decode's output stays there: each job's answer tensor (uint8 channels-last for images, the latents'
-dtype for pt) is computed on the GPU and its copy to the host is queued behind it (into pinned memory, not waited
-for), so that the worker starts the next decode at once; the encode threads wait for the copy, then encode. The
-worker thread thus spends its time launching decodes, not converting and copying float32 images on the CPU.
+A worker decodes one job (or one batch of same-shape image jobs) at a time, so what the planner sees free is what the
+decode gets; an out-of-memory error vaeopt's own retries did not absorb is retried once tiled, then answered 503.
+On a GPU each answer tensor is made there and its copy to the host queued behind it, not waited for: the worker
+starts the next decode at once, and the encode threads wait for the copy.
 """
 
 from __future__ import annotations
