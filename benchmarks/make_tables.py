@@ -41,11 +41,18 @@ FP8 = [  # `vaeopt benchmark --fp8 [--fp8-gate G]`: lossy, gated on PSNR vs fp32
 FP8_LEVELS = ["h200_sdxl-1024-fp8-gate30-levels_2026-11-28b.json", "h200_sdxl-1024-fp8-levels_2026-11-28b.json"]
 OTHER_LADDERS = ["h100_hunyuan-480p_2026-11-22.json", "h200_ltx2-768_2026-11-29.json", "h200_hunyuan15-480p_2026-11-29.json"]
 DISTRIBUTED = ["h200x2_distributed_2026-11-22.json", "h200x4_distributed_2026-11-22.json"]
-ONE_SHOT = ["h200_one_shot_2026-11-29.json"]
-LADDER_NOTES = {f: "Measured before the planner took the whole clip and channels_last_3d went off for this family on "
-                   "CUDA (E61); LTX-2's default is now the whole clip, 509.6 ms against diffusers' 557.9 ms "
-                   "(`h200_ltx2-768_variants_2026-11-29.json`).\n"
-                for f in ("h200_ltx2-768_2026-11-29.json", "h200_hunyuan15-480p_2026-11-29.json")}  # benchmarks/one_shot.py: the whole `vaeopt decode` process against a plain diffusers script
+ONE_SHOT = ["h200_one_shot_2026-11-29.json", "h200_one_shot_wan21-480p_2026-11-29.json"]
+PHASES = ["h200_one_shot_phases_sdxl-1024_2026-11-29.json"]  # scripts/one_shot_phases.py: the same job, phase by phase
+# benchmarks/decode_video.py and benchmarks/dropin.py: one thing changed per row against diffusers
+VARIANTS = ["h200_ltx2-768_onebuffer_2026-11-29.json", "h200_hunyuan15-480p_onebuffer_2026-11-29.json",
+            "h200_qwenimage-1328_dropin_2026-11-29.json"]
+VARIANT_NOTES = {
+    f: "vaeopt: NCDHW, the auto layout when this ran; cl: channels_last_3d, the auto layout since (E66).\n"
+    for f in VARIANTS[:2]} | {VARIANTS[2]: "optimize: `vaeopt.optimize(pipe.vae)` on diffusers' own AutoencoderKLQwenImage; "
+                                          "graphs: the same with CUDA graphs on (repeated same-shape calls).\n"}
+LADDER_NOTES = {f: "Measured before the planner took the whole clip (E61) and before each conv's input was padded in one "
+                   "buffer (E66); the current default is in the variants table above (`cl`).\n"
+                for f in ("h200_ltx2-768_2026-11-29.json", "h200_hunyuan15-480p_2026-11-29.json")}
 
 
 def load(name: str) -> dict:
@@ -140,6 +147,31 @@ def one_shot_table(path: str) -> str:
             f"`{r['command']}` → `benchmarks/results/{Path(path).name}`\n\n" + "\n".join(lines) + "\n")
 
 
+def phases_table(path: str) -> str:
+    """scripts/one_shot_phases.py: where each process's seconds go (medians), vaeopt against the plain script."""
+    r = load(path)
+    runs = {k: v for k, v in r["median_s"].items()}
+    phases = [p for p in next(iter(runs.values())) if not p.startswith("pw ")]
+    lines = ["| phase | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    lines += [f"| {p} | " + " | ".join(f"{v[p]:.2f} s" for v in runs.values()) + " |" for p in phases]
+    return (f"{r['gpu']}; torch {r['versions']['torch']}; {r['family']} latent {tuple(r['latent'])} to PNG. "
+            f"`scripts/one_shot_phases.py` → `benchmarks/results/{Path(path).name}`\n\n" + "\n".join(lines) + "\n")
+
+
+def variants_table(path: str) -> str:
+    """The harness's variant rows (decode_video.py, dropin.py): time, speed-up over the first row, PSNR vs fp32, peak."""
+    r = load(path)
+    lines = ["| variant | ms | x | PSNR vs fp32 | peak GiB |", "|---|---|---|---|---|"]
+    for x in r["rows"]:
+        if x["status"] != "ok":
+            lines.append(f"| {x['variant']} | *{x['status']}: {x.get('reason', '')}* | | | |")
+            continue
+        lines.append(f"| {x['variant']} | {x['median_ms']:.1f} | {x.get('speedup', 1.0):.2f}x | {x['psnr_db']:.1f} dB "
+                     f"| {x['peak_gib']:.1f} |")
+    return (f"{hardware(r)}. `{r['command'].split(' --json')[0]}` → `benchmarks/results/{Path(path).name}`\n\n"
+            + "\n".join(lines) + "\n")
+
+
 def table(path: str) -> str:
     r = load(path)
     head = (f"**{r['workload']}**, latent {tuple(r['latent_shape'])}, {r['dtype']}, median of {r['repeats']}. "
@@ -179,7 +211,11 @@ def main() -> str:
              "\n## FP8 level 3 (`--fp8`, lossy, gated on fidelity)\n", fp8_summary(),
              "\n## Several GPUs (`--gpus N`)\n", distributed()]
     if ONE_SHOT:
-        parts += ["\n## One-shot `vaeopt decode` (whole process)\n", *map(one_shot_table, ONE_SHOT)]
+        parts += ["\n## One-shot `vaeopt decode` (whole process)\n", *map(one_shot_table, ONE_SHOT),
+                  "\nPhase by phase, after the warm-up thread left the GIL to the imports (E67):\n", *map(phases_table, PHASES)]
+    parts.append("\n## Variants (one thing changed per row)\n")
+    for f in VARIANTS:
+        parts += [f"### {load(f)['workload']}\n", VARIANT_NOTES.get(f, ""), variants_table(f)]
     parts.append("\n## Ladders\n")
     for f in [*HEADLINE.values(), *COMPILE, *OTHER_LADDERS, *FP8, *FP8_LEVELS]:
         parts += [f"### {load(f)['workload']} ({load(f)['gpu']}, `{f}`)\n", *[LADDER_NOTES.get(f)][:f in LADDER_NOTES], table(f)]
@@ -188,7 +224,8 @@ def main() -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:]:
-        print("\n".join(one_shot_table(p) if load(p).get("setup") == "one_shot" else table(p) for p in sys.argv[1:]))
+        print("\n".join(one_shot_table(p) if load(p).get("setup") == "one_shot" else
+                        variants_table(p) if "variants" in load(p) else table(p) for p in sys.argv[1:]))
     else:
         (ROOT / "docs" / "benchmarks.md").write_text(main())
         print("wrote docs/benchmarks.md")

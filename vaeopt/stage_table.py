@@ -36,12 +36,6 @@ HUNYUAN_CL_SKIP = Said("HunyuanVideo's causal convs pad with F.pad(mode='replica
                        "channels_last_3d weights every conv would convert its input and output ({0} to force)",
                        Hint("channels_last", "on"))
 
-# measured on an H200 (bf16, benchmarks/results/h200_ltx2-768_2026-11-29.json, h200_hunyuan15-480p_2026-11-29.json):
-# channels_last_3d made the exact chunk decoder slower, LTX-2 776.7 -> 1094.7 ms, HunyuanVideo 1.5 5029 -> 7147 ms
-STREAM_CL_SKIP = Said("measured slower on an H200 with channels_last_3d (LTX-2 777 -> 1095 ms, HunyuanVideo 1.5 "
-                      "5.0 -> 7.1 s; likely the relayout of each conv's padded, concatenated input) ({0} to force)",
-                      Hint("channels_last", "on"))
-
 
 def stage(name: str):
     """The stage module `name` (vaeopt.stages.<name>), imported when a pipeline first needs it."""
@@ -123,8 +117,6 @@ def channels_last_veto(family, device_type: str = "cuda") -> Said | None:
     forcing it on."""
     if family.cls_name == "AutoencoderKLHunyuanVideo":
         return HUNYUAN_CL_SKIP
-    if family.cls_name in ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video") and device_type == "cuda":
-        return STREAM_CL_SKIP
     return None
 
 
