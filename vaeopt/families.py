@@ -165,7 +165,11 @@ def get_family(name: str) -> FamilySpec:
 
 
 def model_class(cls_name: str):
-    import diffusers
+    try:
+        import diffusers
+    except ImportError as e:  # missing, or broken by a dependency: what to install, not a traceback
+        raise CheckpointError(f"diffusers is not installed ({e}); vaeopt builds its models with it: "
+                              "pip install diffusers") from e
 
     try:
         return getattr(diffusers, cls_name)
