@@ -1364,3 +1364,16 @@ def test_a_full_disk_at_a_later_input_says_what_was_kept(tmp_path, samples_dir, 
     line = next(ln for ln in r.output.splitlines() if ln.startswith("error"))
     assert "b.png: disk full" in line and "kept the 1 output(s) written before it" in line and "a.png" in line, line
     assert sorted(os.listdir(out)) == ["a.png"]
+
+
+def test_decode_without_diffusers_is_one_line(tmp_path, samples_dir, monkeypatch):
+    """A missing (or broken) diffusers install: `vaeopt decode` says what to install in one line, exit 2, and
+    writes nothing; it is not reported as a bug of vaeopt's."""
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # every `import diffusers...` raises ImportError
+    out = tmp_path / "out"
+    r = run("decode", samples_dir / "tiny_kl_image_latents.pt", "--model", samples_dir / "tiny_kl_image.safetensors",
+            "--device", "cpu", "-o", f"{out}/")
+    assert r.exit_code == 2, r.output
+    assert "diffusers is not installed" in r.output and "pip install diffusers" in r.output
+    assert "vaeopt bug" not in r.output and "Traceback" not in r.output
+    assert not out.exists()

@@ -633,3 +633,16 @@ def test_ltx23_folder_and_original_file(tmp_path):
         assert r.family.config["decoder_spatial_padding_mode"] == "zeros"
         check_weights(r, model, "ltx2")
         assert torch.equal(vaeopt.decode(z, r, latent_space="raw", options=CPU32, log=None), ref)
+
+
+def test_model_class_without_diffusers_is_a_one_line_error(monkeypatch):
+    """A missing or broken diffusers install is said as a CheckpointError (exit 2, what to install), not reported
+    as an unexpected error of vaeopt's own."""
+    import sys
+
+    from vaeopt.errors import CheckpointError
+    from vaeopt.families import model_class
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # `import diffusers` raises ImportError
+    with pytest.raises(CheckpointError, match=r"diffusers is not installed .*pip install diffusers"):
+        model_class("AutoencoderKL")

@@ -164,8 +164,16 @@ def get_family(name: str) -> FamilySpec:
     raise CheckpointError(f"unknown family '{name}'. Known: {', '.join(_FAMILIES)}")
 
 
+def diffusers_missing(e: ImportError) -> CheckpointError:
+    """The one-line error for a diffusers that does not import (missing, or broken by one of its dependencies)."""
+    return CheckpointError(f"diffusers is not installed ({e}); vaeopt builds its models with it: pip install diffusers")
+
+
 def model_class(cls_name: str):
-    import diffusers
+    try:
+        import diffusers
+    except ImportError as e:  # what to install, not a traceback
+        raise diffusers_missing(e) from e
 
     try:
         return getattr(diffusers, cls_name)

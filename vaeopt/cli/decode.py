@@ -210,8 +210,10 @@ def _load_and_decode(files, model_path, why, family, config, latent_space, outpu
     with imports_without_gc():  # diffusers' VAE classes with all they import (seconds), timed apart from the load
         try:
             import diffusers.models.autoencoders  # noqa: F401
-        except ImportError:
-            pass  # (load_vae says what is missing, as one line)
+        except ImportError as e:  # every load builds a diffusers model: what to install, as one line
+            from vaeopt.families import diffusers_missing
+
+            raise diffusers_missing(e) from e
     t_import = time.perf_counter() - t0
     if pw is not None:  # the imports are over: the warm-up thread's Python-heavy part (the kernels) may run now
         pw.imports_done()
