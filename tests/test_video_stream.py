@@ -599,3 +599,23 @@ def test_sums_go_into_the_conv_buffers_and_reordered_channels_change_nothing(cas
         if k == t:  # one call per conv (LTX-2: diffusers' ops in diffusers' order; HV1.5's attention splits keys)
             assert torch.equal(outs[True, True], ref) or fam == "hunyuanvideo15"
             assert copies[False, True] - copies[True, True] == len(sd.feeds), copies
+
+
+def test_the_reordered_upsampler_weights_are_one_copy_per_clip():
+    """The spatial tiles' decoders of one clip share one reordered copy of each LTX-2 upsampler conv's weight (a
+    tiled decode runs within a memory budget), and it is freed with the last decoder that holds it."""
+    import gc
+
+    from vaeopt.engine import stream
+
+    m = tiny("ltx2")
+    up = next(u for u in m.decoder.modules() if type(u).__name__ == "LTX2VideoUpsampler3d" and u.residual)
+    a, b = StreamDecoder(m), StreamDecoder(m)
+    wa, wb = a._sub_major_weight(up)[0], b._sub_major_weight(up)[0]
+    assert wa is wb and wa.shape == up.conv.conv.weight.shape and not torch.equal(wa, up.conv.conv.weight)
+    del wa, wb
+    a.close()
+    assert len(stream._SUB_MAJOR) >= 1
+    b.close()
+    gc.collect()
+    assert len(stream._SUB_MAJOR) == 0

@@ -34,6 +34,7 @@ where the chunk is the whole clip, and to float rounding otherwise (the attentio
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +48,8 @@ from vaeopt.stages import foreign_global_hooks, unhooked
 from vaeopt.stages.fused_norms import writes_into
 
 STREAM_CLASSES = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video")
+# LTX-2 upsampler conv weights in sub-position-major channel order, alive while a decoder's state holds them
+_SUB_MAJOR: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def kind_of(vae) -> str | None:
@@ -509,16 +512,23 @@ class StreamDecoder:
     def _sub_major_weight(self, up) -> tuple[Tensor, Tensor | None]:
         """LTX-2 upsampler conv's weight and bias with the output channels reordered from diffusers' (k, cx, s0, s1,
         s2) to (s0, s1, s2, k, cx): every output channel is the same dot product, only its place changes, so that
-        one add reads each sub-position's k*cx channels contiguously. Made once per clip (the largest is 0.23 GB in
-        bf16 at LTX-2.0's widths), freed with the clip's state."""
+        one add reads each sub-position's k*cx channels contiguously. Made once per clip and shared by the clip's
+        decoders (the spatial tiles': one copy, 0.3 GB in bf16 for LTX-2.0's three), freed with the last of them."""
         key = (up, "w")
         if key not in self.state:
             conv, s = up.conv.conv, up.stride
             w, b = conv.weight, conv.bias
             kc = w.shape[0] // (s[0] * s[1] * s[2])
-            w = w.unflatten(0, (kc, *s)).permute(1, 2, 3, 0, *range(4, w.dim() + 3)).flatten(0, 3)
-            b = b.view(kc, *s).permute(1, 2, 3, 0).flatten() if b is not None else None
-            self.state[key] = (w.contiguous(memory_format=self._layout(conv)), b)
+            wkey = (id(conv), w.data_ptr(), w._version, w.dtype)  # a changed or reloaded weight gets a new copy
+            # (not shared while a CUDA graph is captured: its copy is made by the graph, in the graph's memory)
+            capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+            wp = None if capturing else _SUB_MAJOR.get(wkey)
+            if wp is None:
+                wp = w.unflatten(0, (kc, *s)).permute(1, 2, 3, 0, *range(4, w.dim() + 3)).flatten(0, 3)
+                wp = wp.contiguous(memory_format=self._layout(conv))
+                if not capturing:
+                    _SUB_MAJOR[wkey] = wp
+            self.state[key] = (wp, b.view(kc, *s).permute(1, 2, 3, 0).flatten() if b is not None else None)
         return self.state[key]
 
     # -- the decoder as a list of stages -------------------------------------------------------------------
