@@ -26,9 +26,12 @@ frames at a time, with every conv keeping the last input frames it needs, and gi
 vaeopt.engine.wan's ChunkDecoder does: vaeopt.video_stream runs the front on whole frames and the back per spatial
 tile, each tile a StreamDecoder of its own with a halo (`back_halo`) that covers the back's spatial reach.
 
-The decoder's own modules and weights are called (convs, norms, LayerNorms, 1x1 convs, diffusers' channel-to-space
-rearrangement); only the control flow across chunks is vaeopt's. fp32 on the CPU: bit-identical to diffusers' decode
-where the chunk is the whole clip, and to float rounding otherwise (the attention's keys are split differently).
+The decoder's own modules and weights are called (convs, norms, LayerNorms, 1x1 convs); what moves between them is
+vaeopt's: each conv's input is one padded buffer its producer writes into (a norm, or the residual sum before an
+upsampler), the upsamplers' channel-to-space and shortcut are one add into the upsampled layout, and LTX-2's upsampler
+convs compute their output channels in the order that add reads (a reordered copy of the weight, the same dot
+products). fp32 on the CPU: bit-identical to diffusers' decode where the chunk is the whole clip (LTX-2), and to float
+rounding otherwise (HunyuanVideo 1.5's attention splits its keys differently; chunks).
 """
 
 from __future__ import annotations
