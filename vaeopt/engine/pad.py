@@ -76,11 +76,12 @@ def fill_borders(buf: Tensor, pads: tuple[int, ...], mode: str = "replicate") ->
                 at(0, left).zero_()
             if right:
                 at(n - right, n).zero_()
-        elif mode == "replicate":
-            if left:
-                at(0, left).copy_(at(left, left + 1).expand_as(at(0, left)))
-            if right:
-                at(n - right, n).copy_(at(n - right - 1, n - right).expand_as(at(n - right, n)))
+        elif mode == "replicate":  # plane by plane: source and destination then have the same strides, which on
+            # CUDA is a vectorized copy (a whole frame in NDHWC), not the generic strided kernel an expand needs
+            for j in range(left):
+                at(j, j + 1).copy_(at(left, left + 1))
+            for j in range(n - right, n):
+                at(j, j + 1).copy_(at(n - right - 1, n - right))
         else:  # reflect: plane left - j <- left + j, plane n - right - 1 + j <- n - right - 1 - j (1 plane each)
             for j in range(1, left + 1):
                 at(left - j, left - j + 1).copy_(at(left + j, left + j + 1))

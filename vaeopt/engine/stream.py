@@ -26,14 +26,18 @@ frames at a time, with every conv keeping the last input frames it needs, and gi
 vaeopt.engine.wan's ChunkDecoder does: vaeopt.video_stream runs the front on whole frames and the back per spatial
 tile, each tile a StreamDecoder of its own with a halo (`back_halo`) that covers the back's spatial reach.
 
-The decoder's own modules and weights are called (convs, norms, LayerNorms, 1x1 convs, diffusers' channel-to-space
-rearrangement); only the control flow across chunks is vaeopt's. fp32 on the CPU: bit-identical to diffusers' decode
-where the chunk is the whole clip, and to float rounding otherwise (the attention's keys are split differently).
+The decoder's own modules and weights are called (convs, norms, LayerNorms, 1x1 convs); what moves between them is
+vaeopt's: each conv's input is one padded buffer its producer writes into (a norm, or the residual sum before an
+upsampler), the upsamplers' channel-to-space and shortcut are one add into the upsampled layout, and LTX-2's upsampler
+convs compute their output channels in the order that add reads (a reordered copy of the weight, the same dot
+products). fp32 on the CPU: bit-identical to diffusers' decode where the chunk is the whole clip (LTX-2), and to float
+rounding otherwise (HunyuanVideo 1.5's attention splits its keys differently; chunks).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +51,8 @@ from vaeopt.stages import foreign_global_hooks, unhooked
 from vaeopt.stages.fused_norms import writes_into
 
 STREAM_CLASSES = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video")
+# LTX-2 upsampler conv weights in sub-position-major channel order, alive while a decoder's state holds them
+_SUB_MAJOR: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def kind_of(vae) -> str | None:
@@ -176,56 +182,98 @@ class StreamDecoder:
     fast_pad = True
     # False: the upsamplers run diffusers' rearrange / repeat / cat / add ops instead of one add into the output
     fused_upsample = True
+    # False: a resnet's output (its residual sum) is a new tensor that the next conv (an upsampler's) copies into its
+    # padded input buffer, instead of the sum written into that buffer's interior
+    feed_buffers = True
+    # False: LTX-2's upsampler convs compute their output channels in diffusers' order (channel-major), so the
+    # upsample's one add reads them at a stride of stride_t*stride_h*stride_w elements, instead of sub-position-major
+    # (each sub-position's channels contiguous: coalesced reads)
+    sub_major = True
 
-    def conv(self, wrapper, x: Tensor, final: bool, norm: nn.Module | None = None) -> Tensor:
+    def conv(self, wrapper, x: Tensor, final: bool, norm: nn.Module | None = None,
+             weight: tuple[Tensor, Tensor | None] | None = None) -> Tensor:
         """A causal-conv wrapper (HunyuanVideo15CausalConv3d / LTX2VideoCausalConv3d) continuing its stream: the new
         frames x after the kept input history; -> the output frames that are complete. norm: the conv's input is
-        norm(x) (a fused RMS norm + SiLU, which then writes straight into the conv's padded input buffer)."""
-        if not self.fast_pad or (self.kind == "hv15" and wrapper.pad_mode not in PAD_MODES):
+        norm(x) (a fused RMS norm + SiLU, which then writes straight into the conv's padded input buffer). weight:
+        (weight, bias) to run in place of the conv's own (the same conv with its output channels reordered; only
+        where `_plain_padding` holds)."""
+        if not self._fast(wrapper):
             return self._conv_torch_pad(wrapper, norm(x) if norm is not None and x.shape[2] else x, final)
         conv = wrapper.conv
         kt = conv.kernel_size[0]
         st = self.state.get(wrapper)
         if st is None:
             st = self.state[wrapper] = _ConvState()
-        first = st.hist is None
-        if first and x.shape[2] == 0:
+        if st.hist is None and x.shape[2] == 0:
             return empty_frames(x, conv.out_channels)
+        fed = self.state.pop((wrapper, "fed"), None)
+        if fed is not None and fed[2] is x and norm is None:  # the producer already wrote x into this buffer's interior
+            buf, inner, _, (front, head, n, back, space, time_mode) = fed
+        else:
+            front, head, n, back, space, time_mode = self._geometry(wrapper, x.shape[2], final)
+            buf, inner = padded_empty((x.shape[0], x.shape[1], n + back, x.shape[3], x.shape[4]), space, x,
+                                      self._layout(conv))
+            if x.shape[2]:
+                dst = inner[:, :, front + head:n]
+                if norm is None:
+                    dst.copy_(x)
+                elif writes_into(norm):
+                    norm(x, out=dst)  # the producer writes the interior: the pad costs only its borders
+                else:
+                    dst.copy_(norm(x))
+        if head:
+            inner[:, :, :head].copy_(st.hist)
+        data = buf[:, :, front:n]
+        if any(space):
+            fill_borders(data, space, self._space_mode(wrapper))
+        if front or back:
+            fill_borders(buf.movedim(2, -1), (front, back), time_mode)  # whole frames, their borders included
         keep = kt - 1
+        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
+        st.hist = inner[:, :, max(0, n - keep):n].clone() if keep and not final else None
+        if buf.shape[2] < kt:
+            return empty_frames(x, conv.out_channels)
+        if weight is not None or (self.kind == "ltx2" and any(space)):  # the conv's own padding is in the buffer
+            w, b = weight or (conv.weight, conv.bias)
+            return F.conv3d(buf, w, b, conv.stride, 0 if any(space) else conv.padding, conv.dilation, conv.groups)
+        return conv(buf)
+
+    def _fast(self, wrapper) -> bool:
+        """The conv's input goes into one preallocated buffer (engine.pad fills the padding mode)."""
+        return self.fast_pad and not (self.kind == "hv15" and wrapper.pad_mode not in PAD_MODES)
+
+    def _geometry(self, wrapper, frames: int, final: bool) -> tuple:
+        """The conv's padded input buffer for its next `frames` frames: (front, head, n, back, space, time_mode):
+        the front padding (the clip's first call), the kept history, the stream's frames before the back padding
+        (the clip's end), that back padding, the spatial pads the buffer holds and the time padding's mode."""
+        conv = wrapper.conv
+        kt = conv.kernel_size[0]
+        hist = self.state[wrapper].hist if wrapper in self.state else None
         if self.kind == "hv15":
             p = wrapper.time_causal_padding  # (w, w, h, h, t_front, t_back) as F.pad reads it, in pad_mode
             space, time_mode, left, right = p[:4], wrapper.pad_mode, p[4], p[5]
         else:
             left, right = (kt - 1, 0) if self.causal else ((kt - 1) // 2, (kt - 1) // 2)
             space, time_mode = self._own_spatial_pad(conv), "replicate"  # diffusers repeats frame 0 / the last
-        head = 0 if first else st.hist.shape[2]
-        front = left if first else 0  # the clip's first frames: the front padding, filled like a border
+        head = 0 if hist is None else hist.shape[2]
+        front = left if hist is None else 0  # the clip's first frames: the front padding, filled like a border
         back = right if final else 0  # the clip's end: the back padding
-        n = front + head + x.shape[2]  # the stream's frames in the buffer (before the back padding)
-        buf, inner = padded_empty((x.shape[0], x.shape[1], n + back, x.shape[3], x.shape[4]), space, x,
-                                  self._layout(conv))
-        if head:
-            inner[:, :, :head].copy_(st.hist)
-        if x.shape[2]:
-            dst = inner[:, :, front + head:n]
-            if norm is None:
-                dst.copy_(x)
-            elif writes_into(norm):
-                norm(x, out=dst)  # the producer writes the interior: the pad costs only its borders
-            else:
-                dst.copy_(norm(x))
-        data = buf[:, :, front:n]
-        if any(space):
-            fill_borders(data, space, self._space_mode(wrapper))
-        if front or back:
-            fill_borders(buf.movedim(2, -1), (front, back), time_mode)  # whole frames, their borders included
-        # a copy: a view would keep the whole chunk's input alive until the next call (none after the clip's end)
-        st.hist = inner[:, :, max(0, n - keep):n].clone() if keep and not final else None
-        if buf.shape[2] < kt:
-            return empty_frames(x, conv.out_channels)
-        if self.kind == "ltx2" and any(space):  # the conv's own padding is in the buffer: run it without
-            return F.conv3d(buf, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
-        return conv(buf)
+        return front, head, front + head + frames, back, space, time_mode
+
+    def _feed(self, wrapper, like: Tensor, final: bool) -> Tensor | None:
+        """The interior slot of `wrapper`'s next padded input buffer for frames shaped like `like`, for the stage
+        before the conv to write its output into (then the conv's input costs no copy); None where the conv does not
+        take the one-buffer path."""
+        if not (self.feed_buffers and self._fast(wrapper)) or like.shape[2] == 0:
+            return None
+        self.state.setdefault(wrapper, _ConvState())
+        g = self._geometry(wrapper, like.shape[2], final)
+        front, head, n, back, space, _ = g
+        N, C, _, H, W = like.shape
+        buf, inner = padded_empty((N, C, n + back, H, W), space, like, self._layout(wrapper.conv))
+        dst = inner[:, :, front + head:n]
+        self.state[(wrapper, "fed")] = (buf, inner, dst, g)
+        return dst
 
     @staticmethod
     def _own_spatial_pad(conv: nn.Conv3d) -> tuple[int, ...]:
@@ -233,11 +281,23 @@ class StreamDecoder:
         then holds so the conv runs unpadded; (0, 0, 0, 0) where cuDNN's zero padding is free, where the mode is one
         engine.pad does not fill (circular), or where the conv is not a plain, unhooked nn.Conv3d (its forward must
         run, and it pads itself)."""
-        if (conv.padding_mode not in ("reflect", "replicate") or type(conv) is not nn.Conv3d or not unhooked(conv)
-                or "forward" in conv.__dict__ or not isinstance(conv.padding, tuple) or foreign_global_hooks()):
+        if conv.padding_mode not in ("reflect", "replicate") or not StreamDecoder._plain(conv):
             return (0, 0, 0, 0)
         _, ph, pw = conv.padding
         return (pw, pw, ph, ph)
+
+    @staticmethod
+    def _plain(conv: nn.Conv3d) -> bool:
+        """A plain, unhooked nn.Conv3d with its weight at hand: F.conv3d on its weight is its forward."""
+        return (type(conv) is nn.Conv3d and unhooked(conv) and "forward" not in conv.__dict__
+                and isinstance(conv.padding, tuple) and isinstance(conv.weight, Tensor) and not foreign_global_hooks())
+
+    def _plain_padding(self, wrapper) -> bool:
+        """conv(..., weight=) can stand for the conv: its spatial padding is in the buffer, or zeros that F.conv3d
+        adds itself."""
+        conv = wrapper.conv
+        return self._fast(wrapper) and self.kind == "ltx2" and (
+            any(self._own_spatial_pad(conv)) or (conv.padding_mode == "zeros" and self._plain(conv)))
 
     def _space_mode(self, wrapper) -> str:
         return wrapper.pad_mode if self.kind == "hv15" else wrapper.conv.padding_mode
@@ -295,12 +355,16 @@ class StreamDecoder:
     def pointwise(self, conv: nn.Conv3d, x: Tensor) -> Tensor:
         return conv(x) if x.shape[2] else empty_frames(x, conv.out_channels)
 
-    def _align(self, key, residual: Tensor, h: Tensor) -> Tensor:
-        """h + the residual frames that line up with h (the residual stream runs ahead where convs lag)."""
+    def _align(self, key, residual: Tensor, h: Tensor, into=None, final: bool = False) -> Tensor:
+        """h + the residual frames that line up with h (the residual stream runs ahead where convs lag). into: the
+        conv wrapper that reads the sum next, which is then written into its padded input buffer (`_feed`)."""
         q = _cat(self.state.get(key), residual)
         n = h.shape[2]
         self.state[key] = q[:, :, n:].clone() if q.shape[2] > n else None  # (a view would keep q alive)
-        return h + q[:, :, :n] if n else h
+        if not n:
+            return h
+        dst = self._feed(into, h, final) if into is not None else None
+        return torch.add(h, q[:, :, :n], out=dst) if dst is not None else h + q[:, :, :n]
 
     # -- blocks --------------------------------------------------------------------------------------------
     @staticmethod
@@ -328,7 +392,8 @@ class StreamDecoder:
             r = blk.norm3(r.movedim(1, -1)).movedim(-1, 1)
         if blk.conv_shortcut is not None:
             r = self.pointwise(blk.conv_shortcut, r)
-        return self._align(blk, r, h)
+        nxt = self.feeds.get(blk)  # the conv that reads this block's output: the sum goes into its buffer
+        return self._align(blk, r, h, into=nxt, final=final)
 
     def hv_attention(self, blk, x: Tensor) -> Tensor:
         """HunyuanVideo15AttnBlock with the clip's earlier keys/values: latent frame i attends to frames 0..i."""
@@ -415,11 +480,14 @@ class StreamDecoder:
             self.state[key] = left - n
             return t[:, :, n:]
 
-        hl = self.conv(up.conv, x, final)
         k = (s[0] * s[1] * s[2]) // up.upscale_factor  # the shortcut's channel repeats
+        fused = (up.residual and self.fused_upsample and up.conv.conv.out_channels == k * x.shape[1]
+                 and (up, "h") not in self.state)
+        sub = s if fused and self.sub_major and self._plain_padding(up.conv) else None
+        hl = self.conv(up.conv, x, final, weight=self._sub_major_weight(up) if sub else None)
         if not up.residual:
             return drop((up, "h"), d2s(hl))
-        if not self.fused_upsample or hl.shape[1] != k * x.shape[1] or (up, "h") in self.state:
+        if not fused:
             h = drop((up, "h"), d2s(hl))
             r = d2s(x).repeat(1, k, 1, 1, 1)
             return self._align(up, drop((up, "r"), r), h)
@@ -435,17 +503,43 @@ class StreamDecoder:
         out = torch.empty((N, k * cx, n * s[0], H * s[1], W * s[2]), dtype=hl.dtype, device=hl.device,
                           memory_format=self._layout(up.conv.conv))
         if n:
-            order = (0, 1, 2, 6, 3, 7, 4, 8, 5)  # -> (N, k, cx, f, s0, H, s1, W, s2)
-            hv = hl.view(N, k, cx, *s, n, H, W).permute(order)
+            if sub:  # hl's channels are (s0, s1, s2, k, cx): the same sums, each sub-position's channels contiguous
+                hv = hl.view(N, *s, k, cx, n, H, W).permute(0, 4, 5, 6, 1, 7, 2, 8, 3)
+            else:
+                hv = hl.view(N, k, cx, *s, n, H, W).permute(0, 1, 2, 6, 3, 7, 4, 8, 5)  # -> (N, k, cx, f, s0, ...)
+            order = (0, 1, 2, 6, 3, 7, 4, 8, 5)
             xv = q[:, :, :n].view(N, 1, cx, *s, n, H, W).expand(N, k, cx, *s, n, H, W).permute(order)
             torch.add(hv, xv, out=out.view(N, k, cx, n, s[0], H, s[1], W, s[2]))
         return drop((up, "o"), out)
+
+    def _sub_major_weight(self, up) -> tuple[Tensor, Tensor | None]:
+        """LTX-2 upsampler conv's weight and bias with the output channels reordered from diffusers' (k, cx, s0, s1,
+        s2) to (s0, s1, s2, k, cx): every output channel is the same dot product, only its place changes, so that
+        one add reads each sub-position's k*cx channels contiguously. Made once per clip and shared by the clip's
+        decoders (the spatial tiles': one copy, 0.3 GB in bf16 for LTX-2.0's three), freed with the last of them."""
+        key = (up, "w")
+        if key not in self.state:
+            conv, s = up.conv.conv, up.stride
+            w, b = conv.weight, conv.bias
+            kc = w.shape[0] // (s[0] * s[1] * s[2])
+            wkey = (id(conv), w.data_ptr(), w._version, w.dtype)  # a changed or reloaded weight gets a new copy
+            # (not shared while a CUDA graph is captured: its copy is made by the graph, in the graph's memory)
+            capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+            wp = None if capturing else _SUB_MAJOR.get(wkey)
+            if wp is None:
+                wp = w.unflatten(0, (kc, *s)).permute(1, 2, 3, 0, *range(4, w.dim() + 3)).flatten(0, 3)
+                wp = wp.contiguous(memory_format=self._layout(conv))
+                if not capturing:
+                    _SUB_MAJOR[wkey] = wp
+            self.state[key] = (wp, b.view(kc, *s).permute(1, 2, 3, 0).flatten() if b is not None else None)
+        return self.state[key]
 
     # -- the decoder as a list of stages -------------------------------------------------------------------
     def _build(self) -> None:
         """self.stages: (fn(x, final) -> x, temporal rate of the input vs the latents); self.at[s]: the index of
         up_blocks[s]'s first stage (self.at[len(up_blocks)]: the head's)."""
         dec, st, at = self.dec, [], []
+        self.feeds: dict[nn.Module, nn.Module] = {}  # resnet -> the upsampler conv that reads its output
         if self.kind == "hv15":
             st.append((lambda x, f: self.conv(dec.conv_in, x, f) + x.repeat_interleave(repeats=dec.repeat, dim=1), 1))
             mid = dec.mid_block
@@ -458,21 +552,31 @@ class StreamDecoder:
             st.append((lambda x, f: self.conv(dec.conv_in, x, f), 1))
             st += [(lambda x, f, r=r: self.resnet(r, x, f), 1) for r in dec.mid_block.resnets]
         rate = 1
+        last = dec.mid_block.resnets[-1] if len(dec.mid_block.resnets) else None  # the latest stage, if a resnet
         for ub in dec.up_blocks:
             at.append(len(st))
             ups = list(ub.upsamplers or ())
             if self.kind == "ltx2":
                 if ub.conv_in is not None:
                     st.append((lambda x, f, r=ub.conv_in: self.resnet(r, x, f), rate))
+                    last = ub.conv_in
                 for up in ups:
+                    if last is not None:
+                        self.feeds[last] = up.conv
                     st.append((lambda x, f, u=up: self.ltx_upsample(u, x, f), rate))
                     rate *= up.stride[0]
+                    last = None
                 st += [(lambda x, f, r=r: self.resnet(r, x, f), rate) for r in ub.resnets]
+                last = ub.resnets[-1] if len(ub.resnets) else last
             else:
                 st += [(lambda x, f, r=r: self.resnet(r, x, f), rate) for r in ub.resnets]
+                last = ub.resnets[-1] if len(ub.resnets) else last
                 for up in ups:
+                    if last is not None:
+                        self.feeds[last] = up.conv
                     st.append((lambda x, f, u=up: self.hv_upsample(u, x, f), rate))
                     rate *= 2 if up.add_temporal_upsample else 1
+                    last = None
         at.append(len(st))
         st.append((self._head, rate))
         self.stages, self.at = st, at
