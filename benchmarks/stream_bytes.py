@@ -1,7 +1,7 @@
 """Every byte HunyuanVideo 1.5's / LTX-2's chunk decoder moves outside its convs, counted on the meta device.
 
     python benchmarks/stream_bytes.py --workload ltx2-768 [--chunk 16] [--layout cl|cf] [--top 25]
-    python benchmarks/stream_bytes.py --workload hunyuan15-480p --before   # feed_buffers, sub_major off
+    python benchmarks/stream_bytes.py --workload hunyuan15-480p --fed   # feed_buffers, sub_major on
 
 The workload's full-size decoder is built on the meta device in bf16 with the pipeline's stages as they are on CUDA
 (channels_last_3d, the fused RMS norm + SiLU modules) and `video_stream.decode_clip` runs it (clamped output, as
@@ -212,11 +212,12 @@ def main() -> None:
                                                               if f in ("ltx2", "hunyuanvideo15")])
     ap.add_argument("--chunk", type=int, default=None, help="latent frames per call (default: the whole clip)")
     ap.add_argument("--layout", default="cl", choices=("cl", "cf"), help="channels_last_3d or channels-first")
-    ap.add_argument("--before", action="store_true",
-                    help="StreamDecoder's feed_buffers and sub_major off (inputs copied, diffusers' channel order)")
+    ap.add_argument("--fed", action="store_true",
+                    help="StreamDecoder's feed_buffers and sub_major on (sums written into the conv buffers, "
+                         "sub-position-major upsampler channels)")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    switches = {"feed_buffers": False, "sub_major": False} if a.before else {}
+    switches = {"feed_buffers": True, "sub_major": True} if a.fed else {}
     report(count(a.workload, a.chunk, a.layout, switches), a.top)
 
 

@@ -182,13 +182,14 @@ class StreamDecoder:
     fast_pad = True
     # False: the upsamplers run diffusers' rearrange / repeat / cat / add ops instead of one add into the output
     fused_upsample = True
-    # False: a resnet's output (its residual sum) is a new tensor that the next conv (an upsampler's) copies into its
-    # padded input buffer, instead of the sum written into that buffer's interior
-    feed_buffers = True
-    # False: LTX-2's upsampler convs compute their output channels in diffusers' order (channel-major), so the
-    # upsample's one add reads them at a stride of stride_t*stride_h*stride_w elements, instead of sub-position-major
-    # (each sub-position's channels contiguous: coalesced reads)
-    sub_major = True
+    # True: a resnet's output (its residual sum) is written into the next conv's (an upsampler's) padded input buffer
+    # instead of being a new tensor that conv copies in. Off until measured on a GPU: it saves the copy but turns the
+    # sum into a strided write (E68)
+    feed_buffers = False
+    # True: LTX-2's upsampler convs compute their output channels sub-position-major (each sub-position's channels
+    # contiguous, so the upsample's one add reads coalesced) instead of in diffusers' channel-major order. Off until
+    # measured on a GPU (E68)
+    sub_major = False
 
     def conv(self, wrapper, x: Tensor, final: bool, norm: nn.Module | None = None,
              weight: tuple[Tensor, Tensor | None] | None = None) -> Tensor:
