@@ -388,15 +388,17 @@ def lr_at(step: int, frac: float, base: float, warmup: int) -> float:
 class VideoForward:
     """The video training forward: the whole-clip encoder and decoder (or diffusers' cached loop), optionally compiled.
 
-    The encoder and decoder are compiled apart, each at one fixed shape per crop: the graph is the same in both phases
-    of the run, so the decoder-only phase costs no recompile (the encoder still runs with gradient enabled there, its
-    output detached: the encoder gets no gradient, which is what freezing it did, and compiled code guarded on
+    The encoder and decoder are compiled apart, once per crop. The graphs are the same in both phases of the run, so
+    the decoder-only phase costs no recompile: the encoder still runs with gradient enabled there, its output
+    detached (the encoder gets no gradient, which is what freezing it did, and compiled code guarded on
     requires_grad stays valid). A compile that fails falls back to eager, with one line in the log."""
 
     def __init__(self, vae, loop: str = "whole", compile_mode: str = "off", backend: str = "inductor"):
         self.vae, self.loop, self.compile_mode = vae, loop, compile_mode
         self.encoder, self.decoder = vae.encoder, vae.decoder
         if compile_mode != "off" and loop == "whole":
+            # static shapes: one graph each per (batch, crop), two with a crop curriculum (traced with dynamic
+            # shapes, the Wan encoder and decoder broke into 7 graphs, not 2)
             kw = {"backend": backend, "dynamic": False}
             if backend == "inductor" and compile_mode != "default":
                 kw["mode"] = compile_mode
@@ -406,8 +408,8 @@ class VideoForward:
 
     def eager(self, why: BaseException) -> None:
         """Drop the compiled modules (the run goes on eager)."""
-        log(f"[video] torch.compile failed ({type(why).__name__}: {str(why).splitlines()[0][:160] if str(why) else ''});"
-            " training eager")
+        first = (str(why).splitlines() or [""])[0][:160]
+        log(f"[video] torch.compile failed ({type(why).__name__}: {first}); training eager")
         torch._dynamo.reset()
         self.encoder, self.decoder, self.compile_mode = self.vae.encoder, self.vae.decoder, "off"
 
@@ -465,13 +467,15 @@ def train(which: str, args) -> torch.nn.Module:
     photos = training_photos()
     log(f"[{which}] {len(photos)} training photos: {', '.join(n for n, _ in photos)}")
     sampler = PhotoSampler(photos, dev, args.seed + (0 if which == "image" else 1))
-    opt = torch.optim.AdamW(vae.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=1e-4)
+    # fused: one kernel for the whole update on CUDA, where the small model's ~200 tensors are many launches
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=1e-4,
+                            fused=dev.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "off": None}.get(args.amp, torch.bfloat16 if dev.type == "cuda" else None)
     amp = torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype is not None)
     fwd = VideoForward(vae, args.loop, args.compile, args.compile_backend) if which == "video" else None
     budget = args.minutes * 60
     t0 = last = time.time()
-    step, hist, skipped, frozen, shape = 0, [], 0, False, None
+    step, hist, skipped, frozen, shape, ahead = 0, [], 0, False, None, None
     while True:
         # the run's progress in [0, 1]: time, or steps, whichever is further along
         frac = max((time.time() - t0) / budget if budget > 0 else 0.0,
@@ -498,9 +502,9 @@ def train(which: str, args) -> torch.nn.Module:
                 shape = (batch, crop)
                 log(f"[{which}] step {step} {time.time() - t0:.0f}s: batch {batch} of {args.frames}x{crop}x{crop} "
                     f"clips{' (compiling)' if fwd.compile_mode != 'off' else ''}")
-            x = sampler.clips(batch, args.frames, crop)
-            if args.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last_3d)
+            clips = lambda: sampler.clips(batch, args.frames, crop).contiguous(  # noqa: E731
+                memory_format=torch.channels_last_3d if args.channels_last else torch.contiguous_format)
+            x = ahead if ahead is not None and ahead.shape[0] == batch and ahead.shape[-1] == crop else clips()
             try:
                 total, loss, psnr, kl = video_loss(fwd, x, args.kl, decoder_only, amp)
             except Exception as e:  # noqa: BLE001  (a compiler error must not cost the run: go on eager)
@@ -508,6 +512,8 @@ def train(which: str, args) -> torch.nn.Module:
                     raise
                 fwd.eager(e)
                 total, loss, psnr, kl = video_loss(fwd, x, args.kl, decoder_only, amp)
+            # the next batch is cut while the device runs this forward (the finiteness check below waits for it)
+            ahead = clips()
         opt.zero_grad(set_to_none=True)
         if not torch.isfinite(total):  # a rare bf16 blow-up: skip the batch rather than poison the weights
             skipped += 1

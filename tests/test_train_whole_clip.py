@@ -187,3 +187,4 @@ def test_crop_curriculum(trainer):
     args = SimpleNamespace(small_crop=96, small_batch=40, small_frac=0.5, batch=16, crop=160)
     assert [trainer.crop_at(f, args) for f in (0.0, 0.49, 0.5, 0.99)] == [(40, 96), (40, 96), (16, 160), (16, 160)]
     assert trainer.crop_at(0.0, SimpleNamespace(**{**vars(args), "small_crop": 0})) == (16, 160)
+
