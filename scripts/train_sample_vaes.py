@@ -463,7 +463,11 @@ def train(which: str, args) -> torch.nn.Module:
     dev = torch.device(args.device)
     vae = build(which, args.init, args.cfg).to(dev).train()
     if args.channels_last:
-        vae = vae.to(memory_format=torch.channels_last_3d if which == "video" else torch.channels_last)
+        # the Wan VAE mixes 3D convs with 2D ones (its spatial resamplers): each weight takes its rank's layout
+        for p in vae.parameters():
+            if p.dim() in (4, 5):
+                p.data = p.data.contiguous(memory_format=torch.channels_last if p.dim() == 4 else
+                                           torch.channels_last_3d)
     photos = training_photos()
     log(f"[{which}] {len(photos)} training photos: {', '.join(n for n, _ in photos)}")
     sampler = PhotoSampler(photos, dev, args.seed + (0 if which == "image" else 1))
