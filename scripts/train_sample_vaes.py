@@ -25,6 +25,9 @@ training forward against `vae.encode`/`vae.decode`). The loop calls every module
 encoder once per 4-frame chunk), mostly on small tensors; the whole clip calls each module once. Its decoder is wider than its encoder (`decoder_base_dim`): the decoder is what turns the shipped
 latents into frames; the encoder only makes them. The last `--decoder-only` fraction of the run freezes the encoder
 and trains the decoder on the latents it will ship (the encoder's mode, rounded to fp16, as the latents file holds).
+`--compile` compiles the whole-clip encoder and decoder (once per crop; eager if the compile fails), and
+`--small-crop` trains the first `--small-frac` of the run on smaller crops: at these widths the step is bound by the
+memory traffic of norms, activations and pads around small convs, which compiling fuses and small crops cut.
 
 Each run writes (into --out): the fp16 weights in diffusers key layout with the config in the safetensors metadata
 under "config" (how vaeopt reads the samples), the latents file, for video the held-out frames as lossless MP4s,
