@@ -188,3 +188,33 @@ def test_crop_curriculum(trainer):
     assert [trainer.crop_at(f, args) for f in (0.0, 0.49, 0.5, 0.99)] == [(40, 96), (40, 96), (16, 160), (16, 160)]
     assert trainer.crop_at(0.0, SimpleNamespace(**{**vars(args), "small_crop": 0})) == (16, 160)
 
+
+
+def test_training_run_survives_a_failing_compiler(trainer, tmp_path, capsys):
+    """The whole run, as the GPU command starts it (compile, crop curriculum, decoder-only phase), with a compiler
+    that fails: it logs one line, trains every step eager, and writes the weights, latents and measurements."""
+    import json
+
+    from torch._dynamo import register_backend
+
+    data = SCRIPT.parents[1] / ".train_data" / "photos.npz"
+    if not data.is_file():
+        pytest.skip("no photo pack (make it with `train_sample_vaes.py --which pack`)")
+
+    @register_backend(name="broken_for_test")
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    trainer.main(["--which", "video", "--data", str(data), "--out", str(tmp_path), "--minutes", "0",
+                  "--max-steps", "4", "--batch", "1", "--crop", "16", "--small-crop", "8", "--small-batch", "2",
+                  "--decoder-only", "0.25", "--compile", "default", "--compile-backend", "broken_for_test",
+                  "--base-dim", "4", "--decoder-base-dim", "4", "--skip-frames", "--log-every", "0", "--device", "cpu"])
+    log = capsys.readouterr().out
+    assert log.count("torch.compile failed (") == 1 and "training eager" in log
+    assert "batch 2 of 17x8x8 clips" in log and "batch 1 of 17x16x16 clips" in log and "encoder frozen" in log
+    res = json.loads((tmp_path / "video_results.json").read_text())
+    assert res["train_steps"] == 4 and res["astronaut_pan"]["psnr_db"] > 0
+    assert {p.name for p in tmp_path.iterdir()} == {"tiny_wan_video.safetensors", "tiny_wan_video_latents.pt",
+                                                    "video_results.json"}
+    torch._dynamo.reset()
