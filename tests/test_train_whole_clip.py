@@ -105,3 +105,116 @@ def test_saved_sample_decodes_the_same_through_vaeopt(trainer, tiny_wan, tmp_pat
     out = vaeopt.decode(z, path, latent_space="raw")
     assert out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=0)
+
+
+def _step_grads(trainer, fwd, x, decoder_only, seed):
+    """One training step's loss and gradients through `fwd` (a VideoForward), as the trainer takes it."""
+    fwd.vae.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # post.sample()'s noise
+    total, loss, psnr, kl = trainer.video_loss(fwd, x, 1e-3, decoder_only, torch.autocast("cpu", enabled=False))
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in fwd.vae.named_parameters() if p.grad is not None}
+    fwd.vae.zero_grad(set_to_none=True)
+    return total.detach(), grads
+
+
+def test_compiled_step_equals_eager_step_without_recompiling(trainer, tiny_wan):
+    """The compiled training step (encoder and decoder compiled apart) is the eager step: same loss, same gradients, in
+    both phases of a run; and the switch to the decoder-only phase reuses the two compiled graphs. aot_eager traces
+    what inductor compiles (dynamo's graph, AOTAutograd's forward and backward) and runs it op by op; inductor's C++
+    build of this graph takes minutes on a CPU."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    eager = trainer.VideoForward(tiny_wan)
+    compiled = trainer.VideoForward(tiny_wan, compile_mode="default", backend=counter)
+    torch.manual_seed(5)
+    x = torch.rand(2, 3, 5, 16, 24) * 2 - 1
+    for decoder_only in (False, True):
+        ref_total, ref = _step_grads(trainer, eager, x, decoder_only, seed=6)
+        got_total, got = _step_grads(trainer, compiled, x, decoder_only, seed=6)
+        torch.testing.assert_close(got_total, ref_total, atol=1e-5, rtol=1e-5)
+        assert got.keys() == ref.keys()
+        # the full phase trains both halves; the decoder-only phase leaves the encoder without gradient (frozen)
+        assert any(n.startswith("encoder.") for n in ref) != decoder_only
+        assert any(n.startswith("decoder.") and "time_conv" in n for n in ref)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert compiled.compile_mode == "default" and counter.frame_count == 2  # encoder + decoder, compiled once each
+    torch._dynamo.reset()
+
+
+def test_decoder_only_step_is_the_frozen_encoder_step(trainer, tiny_wan):
+    """The decoder-only phase (encoder output detached, so the compiled graphs hold) trains the decoder exactly as a
+    frozen encoder under no_grad did: the decoder's gradients on the fp16-rounded latents of the encoder's mode."""
+    torch.manual_seed(7)
+    x = torch.rand(1, 3, 5, 16, 16) * 2 - 1
+    _, got = _step_grads(trainer, trainer.VideoForward(tiny_wan), x, True, seed=0)
+    with torch.no_grad():
+        z = trainer.wan_encode_whole(tiny_wan, x).mode().half().float()
+    rec = trainer.wan_decode_whole(tiny_wan, z)
+    loss, _ = trainer.recon_loss(rec.transpose(1, 2).flatten(0, 1), x.transpose(1, 2).flatten(0, 1))
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in tiny_wan.named_parameters() if p.grad is not None}
+    tiny_wan.zero_grad(set_to_none=True)
+    assert got.keys() == ref.keys() and not any(n.startswith(("encoder.", "quant_conv")) for n in got)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_compile_failure_falls_back_to_eager(trainer, tiny_wan):
+    """A compiler that fails costs the run nothing but the compile: the step runs eager and says so once."""
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    fwd = trainer.VideoForward(tiny_wan, compile_mode="default", backend=broken)
+    x = torch.rand(1, 3, 1, 16, 16) * 2 - 1
+    with pytest.raises(Exception):
+        fwd(x, False)
+    fwd.eager(RuntimeError("no compiler here"))
+    assert fwd.compile_mode == "off" and fwd.encoder is tiny_wan.encoder and fwd.decoder is tiny_wan.decoder
+    post, rec = fwd(x, False)
+    assert rec.shape == x.shape
+    torch._dynamo.reset()
+
+
+def test_crop_curriculum(trainer):
+    """Small crops (a larger batch) for the first --small-frac of the run, then the full crop; off by default."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(small_crop=96, small_batch=40, small_frac=0.5, batch=16, crop=160)
+    assert [trainer.crop_at(f, args) for f in (0.0, 0.49, 0.5, 0.99)] == [(40, 96), (40, 96), (16, 160), (16, 160)]
+    assert trainer.crop_at(0.0, SimpleNamespace(**{**vars(args), "small_crop": 0})) == (16, 160)
+
+
+
+def test_training_run_survives_a_failing_compiler(trainer, tmp_path, capsys):
+    """The whole run, as the GPU command starts it (compile, crop curriculum, decoder-only phase), with a compiler
+    that fails: it logs one line, trains every step eager, and writes the weights, latents and measurements."""
+    import json
+
+    from torch._dynamo import register_backend
+
+    data = SCRIPT.parents[1] / ".train_data" / "photos.npz"
+    if not data.is_file():
+        pytest.skip("no photo pack (make it with `train_sample_vaes.py --which pack`)")
+
+    @register_backend(name="broken_for_test")
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    trainer.main(["--which", "video", "--data", str(data), "--out", str(tmp_path), "--minutes", "0",
+                  "--max-steps", "4", "--batch", "1", "--crop", "16", "--small-crop", "8", "--small-batch", "2",
+                  "--decoder-only", "0.25", "--compile", "default", "--compile-backend", "broken_for_test",
+                  "--base-dim", "4", "--decoder-base-dim", "4", "--skip-frames", "--log-every", "0", "--device", "cpu"])
+    log = capsys.readouterr().out
+    assert log.count("torch.compile failed (") == 1 and "training eager" in log
+    assert "batch 2 of 17x8x8 clips" in log and "batch 1 of 17x16x16 clips" in log and "encoder frozen" in log
+    res = json.loads((tmp_path / "video_results.json").read_text())
+    assert res["train_steps"] == 4 and res["astronaut_pan"]["psnr_db"] > 0
+    assert {p.name for p in tmp_path.iterdir()} == {"tiny_wan_video.safetensors", "tiny_wan_video_latents.pt",
+                                                    "video_results.json"}
+    torch._dynamo.reset()
