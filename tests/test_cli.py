@@ -1364,3 +1364,25 @@ def test_a_full_disk_at_a_later_input_says_what_was_kept(tmp_path, samples_dir, 
     line = next(ln for ln in r.output.splitlines() if ln.startswith("error"))
     assert "b.png: disk full" in line and "kept the 1 output(s) written before it" in line and "a.png" in line, line
     assert sorted(os.listdir(out)) == ["a.png"]
+
+
+def test_bad_option_values_are_reported_before_torch_loads(tmp_path):
+    """A misspelled switch, dtype or device, or an out-of-range number, is an argument mistake like a missing file:
+    reported before torch and diffusers are imported (seconds on a busy machine), not after."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in ((["--channels-last", "maybe"], "channels_last (--channels-last) must be one of auto, on, off"),
+                      (["--fp8", "bogus"], "fp8 (--fp8) must be one of"),
+                      (["--tile", "-3"], "--tile -3: tiles must be at least 8 latent pixels"),
+                      (["--tile", "16", "--tiling", "off"], "--tile conflicts with --tiling off"),
+                      (["--chunk", "0"], "--chunk 0: must be at least 1 latent frame"),
+                      (["--vram-budget", "-1"], "--vram-budget must be a positive number of GB"),
+                      (["--dtype", "fp64"], "unknown dtype 'fp64' (auto, fp32, bf16, fp16)"),
+                      (["--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+                      (["--gpus", "0"], "--gpus must be at least 1"),
+                      (["--max-outputs", "0"], "--max-outputs must be a whole number of at least 1"),
+                      (["--max-output-gb", "-2"], "--max-output-gb must be a positive number of GB")):
+        p = subprocess.run([sys.executable, "-c", code, "decode", __file__, *args], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)

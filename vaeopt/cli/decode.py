@@ -25,6 +25,7 @@ from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, log, say, set_
 from vaeopt.cli.report import (DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read,
                                spell_flags)
 from vaeopt.errors import VaeoptError
+from vaeopt.options import Options, check_device_name, check_dtype_name, check_limits
 
 
 @contextlib.contextmanager
@@ -138,17 +139,21 @@ def decode(
         raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
     check_inputs_exist(latents)
     output, out_folder = output_arg(output)
-
-    with imports_without_gc():  # torch, Triton and vaeopt's stages: seconds
-        from vaeopt import api
-        from vaeopt import latents as lat
-        from vaeopt.pipeline import Options
-
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
                    upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
                    vram_budget_gb=vram_budget)
     opts.validate()
+    check_dtype_name(dtype)
+    check_device_name(device)
+    if gpus is not None and gpus < 1:
+        raise VaeoptError("--gpus must be at least 1")
+    check_limits(max_outputs, max_output_gb)
+
+    with imports_without_gc():  # torch, Triton and vaeopt's stages: seconds
+        from vaeopt import api
+        from vaeopt import latents as lat
+
     if gpus == 1 and (device or "").strip().lower() == "cpu":  # one rank on the CPU: the plain CPU decode
         log("--gpus 1 --device cpu: one CPU decode (--gpus spreads work over GPUs)")
         gpus = None
