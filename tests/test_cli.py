@@ -1386,3 +1386,15 @@ def test_bad_option_values_are_reported_before_torch_loads(tmp_path):
         p = subprocess.run([sys.executable, "-c", code, "decode", __file__, *args], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+
+
+def test_missing_model_is_reported_before_torch_loads(tmp_path):
+    """-m naming a checkpoint file that is not there is a typo like a missing latent file: said at once, in the
+    loader's words, not after torch, diffusers and the latents have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    missing = tmp_path / "nope.safetensors"
+    p = subprocess.run([sys.executable, "-c", code, "decode", __file__, "-m", str(missing)], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert "torch not loaded 2" in p.stdout and f"checkpoint not found: {missing}" in p.stderr, (p.stdout, p.stderr)

@@ -20,7 +20,7 @@ from rich.markup import escape
 from vaeopt import outputs
 from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
-from vaeopt.cli.paths import check_inputs_exist, output_arg, output_folder
+from vaeopt.cli.paths import check_inputs_exist, check_model_exists, output_arg, output_folder
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, log, say, set_verbosity
 from vaeopt.cli.report import (DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read,
                                spell_flags)
@@ -138,6 +138,7 @@ def decode(
     if not 0.01 <= fps <= 1000:  # also NaN/inf; an MP4 frame rate is a fraction with a bounded denominator
         raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
     check_inputs_exist(latents)
+    check_model_exists(model)
     output, out_folder = output_arg(output)
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
                    upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,

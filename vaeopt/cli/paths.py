@@ -20,6 +20,20 @@ def check_inputs_exist(latents: List[Path]) -> None:
             raise VaeoptError(f"{p}: " + ("a broken or looping symlink" if p.is_symlink() else "no such file"))
 
 
+def check_model_exists(model: Path | None) -> None:
+    """A --model file that is not there, said before torch loads. Names that may be a Hugging Face Hub id (no
+    suffix, relative) are left to the loader, whose message says how to fetch one."""
+    if model is None:
+        return
+    try:
+        path = model.expanduser()
+    except RuntimeError:  # '~nosuchuser': the loader words it
+        return
+    if not path.exists() and (path.suffix or path.is_absolute() or str(model).startswith((".", "~"))):
+        raise VaeoptError(f"checkpoint not found: {path}" + (" (a broken or looping symlink)" if path.is_symlink()
+                                                             else ""))
+
+
 def output_arg(output: str | None) -> tuple[Path | None, bool]:
     """-o as typed -> (path, is a folder). A trailing separator means a folder whatever the name looks like
     ("renders/2024.06.01/", "renders/run.safetensors/"); Path() drops it, so it is read from the text."""
