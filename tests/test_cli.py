@@ -1398,3 +1398,30 @@ def test_missing_model_is_reported_before_torch_loads(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, "decode", __file__, "-m", str(missing)], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert "torch not loaded 2" in p.stdout and f"checkpoint not found: {missing}" in p.stderr, (p.stdout, p.stderr)
+
+
+def test_benchmark_and_warmup_argument_mistakes_before_torch_loads():
+    """benchmark's and warmup's argument mistakes (a bad --shape, --repeats, --dtype, --device, workload name,
+    FP8 gate) are said before torch loads, as decode's are: at once, not seconds later."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in ((["benchmark"], "give a checkpoint, --family or --workload"),
+                      (["benchmark", "--shape", "foo"], "--shape 'foo': expected integers like 1,4,128,128"),
+                      (["benchmark", "--shape", "1,4,0,8"], "every dimension must be at least 1"),
+                      (["benchmark", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+                      (["benchmark", "--warmup", "-1"], "--warmup must be 0 or more, got -1"),
+                      (["benchmark", "--fp8-gate", "-5"], "--fp8-gate must be a PSNR in dB"),
+                      (["benchmark", "--dtype", "fp64"], "unknown dtype 'fp64'"),
+                      (["benchmark", "--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+                      (["benchmark", "--workload", "nope"], "unknown workload 'nope' (known: sdxl-1024"),
+                      (["benchmark", "--peers", "bogus"], "--peers: unknown bogus (choose from fp32, bf16, tiling, "
+                                                          "compile)"),
+                      (["warmup", "--shape", "1,4,x"], "--shape '1,4,x': expected integers"),
+                      (["warmup", "--dtype", "fp64"], "unknown dtype 'fp64'"),
+                      (["warmup", "--fp8", "bogus"], "fp8 (--fp8) must be one of"),
+                      (["warmup", "--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N")):
+        p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+

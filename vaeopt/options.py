@@ -91,3 +91,14 @@ def check_limits(max_outputs, max_output_gb) -> None:
         raise VaeoptError(f"--max-outputs must be a whole number of at least 1, got {max_outputs}")
     if not (isinstance(max_output_gb, int | float) and 0 < max_output_gb < float("inf")):
         raise VaeoptError(f"--max-output-gb must be a positive number of GB, got {max_output_gb}")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """'1,4,128,128' or '1x4x128x128' -> (1, 4, 128, 128); bad input -> VaeoptError (one line, exit 2)."""
+    try:
+        shp = tuple(int(s) for s in text.replace("x", ",").split(","))
+    except ValueError:
+        raise VaeoptError(f"--shape '{text}': expected integers like 1,4,128,128") from None
+    if not shp or any(d < 1 for d in shp):
+        raise VaeoptError(f"--shape '{text}': every dimension must be at least 1")
+    return shp
