@@ -286,14 +286,14 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         raise LatentError(f"{path}: file is empty")
     suffix = path.suffix.lower()
     notes: list[str] = []
-    if suffix in (".pt", ".pth", ".ckpt", ".bin", ".safetensors"):
+    if suffix in (".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".latent"):
         with contextlib.suppress(Exception):  # whatever the bytes are, the reader of the suffix says it below
             kind = sniff(path)
-            if kind == "safetensors" and suffix != ".safetensors":
+            if kind == "safetensors" and suffix not in (".safetensors", ".latent"):
                 notes.append(f"a safetensors file despite its '{path.suffix}' suffix: read as safetensors")
                 suffix = ".safetensors"
-            elif kind == "torch-zip" and suffix == ".safetensors":
-                notes.append("a torch.save file despite its '.safetensors' suffix: read as one (weights_only)")
+            elif kind == "torch-zip" and suffix in (".safetensors", ".latent"):
+                notes.append(f"a torch.save file despite its '{suffix}' suffix: read as one (weights_only)")
                 suffix = ".pt"
     entries: list[LatentEntry] = []
     default_space = "scaled"
