@@ -1381,6 +1381,8 @@ def test_bad_option_values_are_reported_before_torch_loads(tmp_path):
                       (["--dtype", "fp64"], "unknown dtype 'fp64' (auto, fp32, bf16, fp16)"),
                       (["--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
                       (["--gpus", "0"], "--gpus must be at least 1"),
+                      (["--height", "64"], "--height and --width go together, as positive pixel counts (got 64, None)"),
+                      (["--height", "64", "--width", "0"], "--height and --width go together"),
                       (["--max-outputs", "0"], "--max-outputs must be a whole number of at least 1"),
                       (["--max-output-gb", "-2"], "--max-output-gb must be a positive number of GB")):
         p = subprocess.run([sys.executable, "-c", code, "decode", __file__, *args], capture_output=True, text=True,

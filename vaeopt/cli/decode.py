@@ -150,6 +150,8 @@ def decode(
     if gpus is not None and gpus < 1:
         raise VaeoptError("--gpus must be at least 1")
     check_limits(max_outputs, max_output_gb)
+    if (height is not None or width is not None) and (height is None or width is None or height <= 0 or width <= 0):
+        raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
 
     with imports_without_gc():  # torch, Triton and vaeopt's stages: seconds
         from vaeopt import api
@@ -175,9 +177,7 @@ def decode(
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space), max_tensors=max_outputs)
              for p in latents]
-    if height is not None or width is not None:  # packed token sequences: the image size they were made for
-        if height is None or width is None or height <= 0 or width <= 0:
-            raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
+    if height is not None:  # packed token sequences: the image size they were made for (both given: checked above)
         for f in files:
             for e in f.entries + (f.all_entries or []):
                 e.size = (height, width)
