@@ -154,6 +154,10 @@ def test_nan_and_inf_named(tmp_path):
     t[0, 1, 0, 0] = float("inf")
     with pytest.raises(LatentError, match=r"f.pt \[x\]: 4 non-finite values \(3 NaN, 1 Inf\)"):
         lat.validate(lat.LatentEntry("x", t), SDXL, tmp_path / "f.pt")
+    one = torch.randn(1, 4, 8, 8)
+    one[0, 0, 0, 0] = float("nan")  # one bad value: said in the singular
+    with pytest.raises(LatentError, match=r"f.pt \[x\]: 1 non-finite value \(1 NaN, 0 Inf\) in"):
+        lat.validate(lat.LatentEntry("x", one), SDXL, tmp_path / "f.pt")
 
 
 def test_bad_files(tmp_path):

@@ -581,7 +581,8 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     bad = (~torch.isfinite(t)).sum().item() if values else 0
     if bad:
         nans = torch.isnan(t).sum().item()
-        raise LatentError(f"{where}: {bad} non-finite values ({nans} NaN, {bad - nans} Inf) in {tuple(t.shape)} latents")
+        raise LatentError(f"{where}: {bad} non-finite value{'s' if bad > 1 else ''} ({nans} NaN, {bad - nans} Inf) in "
+                          f"{tuple(t.shape)} latents")
     return t
 
 
