@@ -381,6 +381,8 @@ def test_output_kind_existing_folder_wins_over_suffix(tmp_path):
     assert api.output_kind(tmp_path / "y.png", is_video=False) == "png"
     with pytest.raises(Exception, match="unknown output type '.5'"):
         api.output_kind(tmp_path / "w1.5", is_video=False)
+    # a new name without a suffix is a folder, as docs/user-guide.md's outputs table says
+    assert api.output_kind(tmp_path / "renders", is_video=False) == "png-dir"
 
 
 def test_triton_cache_count(tmp_path, monkeypatch):
