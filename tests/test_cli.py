@@ -1429,3 +1429,20 @@ def test_benchmark_and_warmup_argument_mistakes_before_torch_loads():
                            env={**os.environ, "COLUMNS": "200"})
         assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
 
+
+
+def test_output_naming_an_input_or_the_model_is_said_before_torch_loads(tmp_path):
+    """-o naming the latent file or the checkpoint itself (even with --overwrite) is refused at once, in the words
+    the planner uses, not after torch, diffusers and the model have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    z, m = tmp_path / "z.safetensors", tmp_path / "vae.safetensors"
+    z.write_bytes(b"x" * 64)
+    m.write_bytes(b"y" * 64)
+    for args, msg in ((["-o", str(z)], "would overwrite an input latent file (even --overwrite does not replace"),
+                      (["-o", str(m)], "would overwrite the model (even --overwrite does not replace")):
+        p = subprocess.run([sys.executable, "-c", code, "decode", str(z), "-m", str(m), "--overwrite", *args],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+    assert z.read_bytes() == b"x" * 64 and m.read_bytes() == b"y" * 64

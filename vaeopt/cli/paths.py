@@ -71,6 +71,23 @@ def output_arg(output: str | None) -> tuple[Path | None, bool]:
     return path, folder
 
 
+def check_output_not_an_input(output: Path | None, out_folder: bool, latents: List[Path],
+                              model: Path | None) -> None:
+    """-o naming an input latent file or the checkpoint, said before torch loads (api.plan_jobs checks every output
+    name again, numbered and keyed ones included)."""
+    if output is None or out_folder:
+        return
+    try:
+        r = output.resolve()
+        inputs = {p.resolve() for p in latents}
+        model_r = model.expanduser().resolve() if model is not None else None
+    except (OSError, RuntimeError):  # a symlink loop, '~nosuchuser': said where the paths are used
+        return
+    if r in inputs or r == model_r:
+        raise VaeoptError(f"{output}: would overwrite {'an input latent file' if r in inputs else 'the model'}"
+                          " (even --overwrite does not replace inputs); choose another -o")
+
+
 @contextlib.contextmanager
 def output_folder(path: Path | None):
     """Make the -o folder (a trailing '/'); if the decode then fails or is interrupted and the folder it made is still
