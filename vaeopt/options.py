@@ -69,11 +69,11 @@ class Options:
             raise VaeoptError("--tile conflicts with --tiling off")
 
 
-DTYPE_NAMES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "half")
+DTYPE_WORDS = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "half")
 
 
 def check_dtype_name(dtype: str | None) -> None:
-    if (dtype or "auto").lower() not in DTYPE_NAMES:
+    if (dtype or "auto").lower() not in DTYPE_WORDS:  # (hw.DTYPE_NAMES maps torch dtypes to these)
         raise VaeoptError(f"unknown dtype '{dtype}' (auto, fp32, bf16, fp16)")
 
 
