@@ -342,9 +342,10 @@ def test_table_fits_a_narrow_terminal(result, monkeypatch):
 
 def test_workload_names_in_help_are_the_benchmarks():
     from vaeopt import benchmark
-    from vaeopt.cli.benchmark import WORKLOAD_NAMES
+    from vaeopt.cli.benchmark import PEER_NAMES, WORKLOAD_NAMES
 
     assert tuple(benchmark.WORKLOADS) == WORKLOAD_NAMES
+    assert benchmark.PEERS == PEER_NAMES  # (--peers is checked with these before torch loads)
 
 
 def test_the_cuda_graphs_row_is_timed_when_graphs_are_armed(monkeypatch):

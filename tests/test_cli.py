@@ -381,6 +381,8 @@ def test_output_kind_existing_folder_wins_over_suffix(tmp_path):
     assert api.output_kind(tmp_path / "y.png", is_video=False) == "png"
     with pytest.raises(Exception, match="unknown output type '.5'"):
         api.output_kind(tmp_path / "w1.5", is_video=False)
+    # a new name without a suffix is a folder, as docs/user-guide.md's outputs table says
+    assert api.output_kind(tmp_path / "renders", is_video=False) == "png-dir"
 
 
 def test_triton_cache_count(tmp_path, monkeypatch):
@@ -1377,3 +1379,83 @@ def test_decode_without_diffusers_is_one_line(tmp_path, samples_dir, monkeypatch
     assert "diffusers is not installed" in r.output and "pip install diffusers" in r.output
     assert "vaeopt bug" not in r.output and "Traceback" not in r.output
     assert not out.exists()
+
+
+def test_bad_option_values_are_reported_before_torch_loads(tmp_path):
+    """A misspelled switch, dtype or device, or an out-of-range number, is an argument mistake like a missing file:
+    reported before torch and diffusers are imported (seconds on a busy machine), not after."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in ((["--channels-last", "maybe"], "channels_last (--channels-last) must be one of auto, on, off"),
+                      (["--fp8", "bogus"], "fp8 (--fp8) must be one of"),
+                      (["--tile", "-3"], "--tile -3: tiles must be at least 8 latent pixels"),
+                      (["--tile", "16", "--tiling", "off"], "--tile conflicts with --tiling off"),
+                      (["--chunk", "0"], "--chunk 0: must be at least 1 latent frame"),
+                      (["--vram-budget", "-1"], "--vram-budget must be a positive number of GB"),
+                      (["--dtype", "fp64"], "unknown dtype 'fp64' (auto, fp32, bf16, fp16)"),
+                      (["--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+                      (["--gpus", "0"], "--gpus must be at least 1"),
+                      (["--height", "64"], "--height and --width go together, as positive pixel counts (got 64, None)"),
+                      (["--height", "64", "--width", "0"], "--height and --width go together"),
+                      (["--max-outputs", "0"], "--max-outputs must be a whole number of at least 1"),
+                      (["--max-output-gb", "-2"], "--max-output-gb must be a positive number of GB")):
+        p = subprocess.run([sys.executable, "-c", code, "decode", __file__, *args], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+
+
+def test_missing_model_is_reported_before_torch_loads(tmp_path):
+    """-m naming a checkpoint file that is not there is a typo like a missing latent file: said at once, in the
+    loader's words, not after torch, diffusers and the latents have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    missing = tmp_path / "nope.safetensors"
+    p = subprocess.run([sys.executable, "-c", code, "decode", __file__, "-m", str(missing)], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert "torch not loaded 2" in p.stdout and f"checkpoint not found: {missing}" in p.stderr, (p.stdout, p.stderr)
+
+
+def test_benchmark_and_warmup_argument_mistakes_before_torch_loads():
+    """benchmark's and warmup's argument mistakes (a bad --shape, --repeats, --dtype, --device, workload name,
+    FP8 gate) are said before torch loads, as decode's are: at once, not seconds later."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in ((["benchmark"], "give a checkpoint, --family or --workload"),
+                      (["benchmark", "--shape", "foo"], "--shape 'foo': expected integers like 1,4,128,128"),
+                      (["benchmark", "--shape", "1,4,0,8"], "every dimension must be at least 1"),
+                      (["benchmark", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+                      (["benchmark", "--warmup", "-1"], "--warmup must be 0 or more, got -1"),
+                      (["benchmark", "--fp8-gate", "-5"], "--fp8-gate must be a PSNR in dB"),
+                      (["benchmark", "--dtype", "fp64"], "unknown dtype 'fp64'"),
+                      (["benchmark", "--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+                      (["benchmark", "--workload", "nope"], "unknown workload 'nope' (known: sdxl-1024"),
+                      (["benchmark", "--peers", "bogus"], "--peers: unknown bogus (choose from fp32, bf16, tiling, "
+                                                          "compile)"),
+                      (["warmup", "--shape", "1,4,x"], "--shape '1,4,x': expected integers"),
+                      (["warmup", "--dtype", "fp64"], "unknown dtype 'fp64'"),
+                      (["warmup", "--fp8", "bogus"], "fp8 (--fp8) must be one of"),
+                      (["warmup", "--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N")):
+        p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+
+
+
+def test_output_naming_an_input_or_the_model_is_said_before_torch_loads(tmp_path):
+    """-o naming the latent file or the checkpoint itself (even with --overwrite) is refused at once, in the words
+    the planner uses, not after torch, diffusers and the model have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    z, m = tmp_path / "z.safetensors", tmp_path / "vae.safetensors"
+    z.write_bytes(b"x" * 64)
+    m.write_bytes(b"y" * 64)
+    for args, msg in ((["-o", str(z)], "would overwrite an input latent file (even --overwrite does not replace"),
+                      (["-o", str(m)], "would overwrite the model (even --overwrite does not replace")):
+        p = subprocess.run([sys.executable, "-c", code, "decode", str(z), "-m", str(m), "--overwrite", *args],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+    assert z.read_bytes() == b"x" * 64 and m.read_bytes() == b"y" * 64

@@ -154,6 +154,10 @@ def test_nan_and_inf_named(tmp_path):
     t[0, 1, 0, 0] = float("inf")
     with pytest.raises(LatentError, match=r"f.pt \[x\]: 4 non-finite values \(3 NaN, 1 Inf\)"):
         lat.validate(lat.LatentEntry("x", t), SDXL, tmp_path / "f.pt")
+    one = torch.randn(1, 4, 8, 8)
+    one[0, 0, 0, 0] = float("nan")  # one bad value: said in the singular
+    with pytest.raises(LatentError, match=r"f.pt \[x\]: 1 non-finite value \(1 NaN, 0 Inf\) in"):
+        lat.validate(lat.LatentEntry("x", one), SDXL, tmp_path / "f.pt")
 
 
 def test_bad_files(tmp_path):
@@ -546,3 +550,14 @@ def test_a_file_repeating_one_tensor_is_bounded_before_any_decode(tmp_path):
     assert "20000 tensors (1 distinct" in msg and "--max-outputs 20000" in msg and "\n" not in msg
     assert len(lat.read_latents(tmp_path / "many.pt", max_tensors=20000).entries) == 20000
     assert len(lat.read_latents(tmp_path / "many.pt", key="7").entries) == 1  # --key: one tensor
+
+
+def test_a_latent_file_saved_with_torch_save_is_read_as_one(tmp_path):
+    """A script that saves ComfyUI's LATENT dict with torch.save under ComfyUI's .latent suffix: read as the torch
+    file it is (weights_only), its 'samples' raw as ComfyUI's, not refused as a corrupt safetensors file."""
+    z = torch.randn(1, 4, 8, 8)
+    torch.save({"samples": z}, tmp_path / "x.latent")
+    lf = lat.read_latents(tmp_path / "x.latent")
+    assert lf.format == "comfyui-dict" and lf.default_space == "raw"
+    assert torch.equal(lf.entries[0].tensor, z)
+    assert any("torch.save file despite its '.latent' suffix" in n for n in lf.notes), lf.notes

@@ -570,3 +570,27 @@ def test_png_encoder_is_lossless(shape):
     data = png.encode(a)
     Image.open(io.BytesIO(data)).verify()  # chunk CRCs
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))).reshape(a.shape), a)
+
+
+def test_cli_argument_mistakes_before_torch_loads(tmp_path):
+    """serve's argument mistakes (a bad --dtype, --device, --log-level, port, missing model) are one line and exit
+    2, said before torch loads and before the server binds; a bad --log-level used to end in an internal KeyError
+    after the server had started."""
+    import os
+    import subprocess
+
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in ((["--dtype", "fp64"], "unknown dtype 'fp64' (auto, fp32, bf16, fp16)"),
+                      (["--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+                      (["--log-level", "bogus"], "--log-level bogus: one of debug, info, warning"),
+                      (["--port", "-1"], "--port -1: between 0 and 65535"),
+                      (["--gpus", "0"], "--gpus 0: must be at least 1"),
+                      (["--device", "cpu", "--gpus", "1"], "--device and --gpus: give one")):
+        p = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(IMG), "--port", "0", *args],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+    p = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(tmp_path / "gone.safetensors")],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert "torch not loaded 2" in p.stdout and "checkpoint not found" in p.stderr, (p.stdout, p.stderr)

@@ -21,6 +21,7 @@ from vaeopt.errors import DecodeError, LatentError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, expand_user, load_vae, parse_json
+from vaeopt.options import check_limits
 from vaeopt.pipeline import DecodeStats, Options, Pipeline, compute_dtype
 from vaeopt.stages import Hint
 
@@ -304,10 +305,7 @@ class Limits:
     max_output_gb: float = lat.DEFAULT_MAX_OUTPUT_GB
 
     def check(self) -> None:
-        if isinstance(self.max_outputs, bool) or not isinstance(self.max_outputs, int) or self.max_outputs < 1:
-            raise VaeoptError(f"--max-outputs must be a whole number of at least 1, got {self.max_outputs}")
-        if not (isinstance(self.max_output_gb, int | float) and 0 < self.max_output_gb < float("inf")):
-            raise VaeoptError(f"--max-output-gb must be a positive number of GB, got {self.max_output_gb}")
+        check_limits(self.max_outputs, self.max_output_gb)
 
 
 def _check_limits(lf: lat.LatentFile, entries: list[lat.LatentEntry], fam, limits: Limits, raw_floats: bool) -> None:

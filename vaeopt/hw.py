@@ -13,6 +13,7 @@ import torch
 
 from vaeopt.cache import package_version
 from vaeopt.errors import VaeoptError
+from vaeopt.options import check_dtype_name
 
 
 @dataclass
@@ -116,10 +117,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         if device.type == "cuda":
             return torch.float16
         return torch.float32
+    check_dtype_name(dtype)
     table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
              "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
-    if d not in table:
-        raise VaeoptError(f"unknown dtype '{dtype}' (auto, fp32, bf16, fp16)")
     return table[d]
 
 

@@ -286,14 +286,14 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
         raise LatentError(f"{path}: file is empty")
     suffix = path.suffix.lower()
     notes: list[str] = []
-    if suffix in (".pt", ".pth", ".ckpt", ".bin", ".safetensors"):
+    if suffix in (".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".latent"):
         with contextlib.suppress(Exception):  # whatever the bytes are, the reader of the suffix says it below
             kind = sniff(path)
-            if kind == "safetensors" and suffix != ".safetensors":
+            if kind == "safetensors" and suffix not in (".safetensors", ".latent"):
                 notes.append(f"a safetensors file despite its '{path.suffix}' suffix: read as safetensors")
                 suffix = ".safetensors"
-            elif kind == "torch-zip" and suffix == ".safetensors":
-                notes.append("a torch.save file despite its '.safetensors' suffix: read as one (weights_only)")
+            elif kind == "torch-zip" and suffix in (".safetensors", ".latent"):
+                notes.append(f"a torch.save file despite its '{suffix}' suffix: read as one (weights_only)")
                 suffix = ".pt"
     entries: list[LatentEntry] = []
     default_space = "scaled"
@@ -581,7 +581,8 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     bad = (~torch.isfinite(t)).sum().item() if values else 0
     if bad:
         nans = torch.isnan(t).sum().item()
-        raise LatentError(f"{where}: {bad} non-finite values ({nans} NaN, {bad - nans} Inf) in {tuple(t.shape)} latents")
+        raise LatentError(f"{where}: {bad} non-finite value{'s' if bad > 1 else ''} ({nans} NaN, {bad - nans} Inf) in "
+                          f"{tuple(t.shape)} latents")
     return t
 
 

@@ -18,6 +18,7 @@ from vaeopt import cache, prewarm
 from vaeopt.errors import VaeoptError
 from vaeopt.hw import resolve_device
 from vaeopt.loading import LoadedVAE
+from vaeopt.options import parse_shape
 from vaeopt.pipeline import Options, Pipeline
 
 
@@ -43,17 +44,6 @@ class Report:
         return {"shapes": [{**vars(w), "shape": list(w.shape)} for w in self.shapes], "triton_dir": self.triton_dir,
                 "prepare_triton": list(self.prepare), "cache_dir": str(self.cache_dir), "cache_enabled": cache.enabled(),
                 "written": [str(p) for p in self.written], "seconds": self.seconds}
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """'1,4,128,128' or '1x4x128x128' -> (1, 4, 128, 128); bad input -> VaeoptError (one line, exit 2)."""
-    try:
-        shp = tuple(int(s) for s in text.replace("x", ",").split(","))
-    except ValueError:
-        raise VaeoptError(f"--shape '{text}': expected integers like 1,4,128,128") from None
-    if not shp or any(d < 1 for d in shp):
-        raise VaeoptError(f"--shape '{text}': every dimension must be at least 1")
-    return shp
 
 
 def triton_cache_dir() -> str | None:

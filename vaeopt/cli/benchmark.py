@@ -18,6 +18,7 @@ from vaeopt.cli.report import spell_benchmark_flags
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.printing import detail, log, say, set_verbosity
 from vaeopt.errors import VaeoptError
+from vaeopt.options import check_device_name, check_dtype_name, parse_shape
 from vaeopt.outputs import atomic_path, check_writable
 
 
@@ -25,6 +26,7 @@ from vaeopt.outputs import atomic_path, check_writable
 WORKLOAD_NAMES = ("sdxl-1024", "sdxl-2048", "sdxl-4096", "flux-1024", "sd15-512", "wan21-480p", "wan21-720p",
                   "wan22-720p", "hunyuan-480p", "taesd-1024", "flux2-1024", "qwenimage-1328", "hunyuan15-480p",
                   "ltx2-768")
+PEER_NAMES = ("fp32", "bf16", "tiling", "compile")  # vaeopt.benchmark.PEERS, likewise
 
 
 @clean_errors
@@ -64,28 +66,37 @@ def benchmark(
 
     A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors (a 256x256 decode, under a minute)."""
     set_verbosity(verbose, quiet)
-    from vaeopt import benchmark as bm
-    from vaeopt.hw import resolve_device, resolve_dtype
-
-    if plot_out is not None and not bm.plot_available():  # before minutes of measuring, not after
-        raise VaeoptError(bm.PLOT_MISSING)
-
+    # argument mistakes first, before torch loads (seconds)
     if repeats is not None and repeats < 1:
         raise VaeoptError(f"--repeats must be at least 1, got {repeats}")
     if warmup < 0:
         raise VaeoptError(f"--warmup must be 0 or more, got {warmup}")
     if not 0 <= fp8_gate < float("inf"):
         raise VaeoptError(f"--fp8-gate must be a PSNR in dB, 0 or more, got {fp8_gate}")
+    check_dtype_name(dtype)
+    check_device_name(device)
+    if workload and workload not in WORKLOAD_NAMES:
+        raise VaeoptError(f"unknown workload '{workload}' (known: {', '.join(WORKLOAD_NAMES)})")
+    if shape:
+        parse_shape(shape)
+    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
+    bad = [p for p in peer_list if p not in PEER_NAMES]
+    if bad:  # (before the checkpoint loads)
+        raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(PEER_NAMES)})")
+    if model is None and not family and not workload:
+        raise VaeoptError("give a checkpoint, --family or --workload")
+    from vaeopt import benchmark as bm
+    from vaeopt.hw import resolve_device, resolve_dtype
+
+    if plot_out is not None and not bm.plot_available():  # before minutes of measuring, not after
+        raise VaeoptError(bm.PLOT_MISSING)
+
     # '--json=~/r.json': the shell leaves a '~' after '=' as it is; decode's -o and --model expand it, so do these
     from vaeopt.loading import expand_user  # ('~nosuchuser/r.json': one clear line, not an internal error)
 
     json_out, plot_out = (expand_user(p, flag) if p is not None else None
                           for p, flag in ((json_out, "--json"), (plot_out, "--plot")))
     _check_bench_outputs(model, json_out, plot_out)  # before minutes of measuring, not after
-    peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
-    bad = [p for p in peer_list if p not in bm.PEERS]
-    if bad:  # (before the checkpoint loads)
-        raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(bm.PEERS)})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if repeats is None:
@@ -168,8 +179,6 @@ def bench_inputs(model, family, workload, shape, dev):
         wl_family, shp = bm.WORKLOADS[workload]
         family = family or (None if model else wl_family)
     if shape:
-        from vaeopt.warmup import parse_shape
-
         shp = parse_shape(shape)
     if model is not None:
         from vaeopt.loading import load_vae

@@ -20,11 +20,13 @@ from rich.markup import escape
 from vaeopt import outputs
 from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
-from vaeopt.cli.paths import check_inputs_exist, output_arg, output_folder
+from vaeopt.cli.paths import (check_inputs_exist, check_model_exists, check_output_not_an_input, output_arg,
+                               output_folder)
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, log, say, set_verbosity
 from vaeopt.cli.report import (DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read,
                                spell_flags)
 from vaeopt.errors import VaeoptError
+from vaeopt.options import Options, check_device_name, check_dtype_name, check_limits
 
 
 @contextlib.contextmanager
@@ -137,18 +139,26 @@ def decode(
     if not 0.01 <= fps <= 1000:  # also NaN/inf; an MP4 frame rate is a fraction with a bounded denominator
         raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
     check_inputs_exist(latents)
+    check_model_exists(model)
     output, out_folder = output_arg(output)
-
-    with imports_without_gc():  # torch, Triton and vaeopt's stages: seconds
-        from vaeopt import api
-        from vaeopt import latents as lat
-        from vaeopt.pipeline import Options
-
+    check_output_not_an_input(output, out_folder, latents, model)
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
                    upsample_conv=upsample_conv, stack_conv3d=stack_conv3d, conv_kernel=conv_kernel, fp8=fp8,
                    gate_db=fp8_gate, graphs=graphs, cudnn_autotune=cudnn_autotune, tiling=tiling, tile=tile, chunk=chunk,
                    vram_budget_gb=vram_budget)
     opts.validate()
+    check_dtype_name(dtype)
+    check_device_name(device)
+    if gpus is not None and gpus < 1:
+        raise VaeoptError("--gpus must be at least 1")
+    check_limits(max_outputs, max_output_gb)
+    if (height is not None or width is not None) and (height is None or width is None or height <= 0 or width <= 0):
+        raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
+
+    with imports_without_gc():  # torch, Triton and vaeopt's stages: seconds
+        from vaeopt import api
+        from vaeopt import latents as lat
+
     if gpus == 1 and (device or "").strip().lower() == "cpu":  # one rank on the CPU: the plain CPU decode
         log("--gpus 1 --device cpu: one CPU decode (--gpus spreads work over GPUs)")
         gpus = None
@@ -169,9 +179,7 @@ def decode(
     t0 = time.perf_counter()
     files = [lat.read_latents(p, key, manifest_needed=not (model and latent_space), max_tensors=max_outputs)
              for p in latents]
-    if height is not None or width is not None:  # packed token sequences: the image size they were made for
-        if height is None or width is None or height <= 0 or width <= 0:
-            raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
+    if height is not None:  # packed token sequences: the image size they were made for (both given: checked above)
         for f in files:
             for e in f.entries + (f.all_entries or []):
                 e.size = (height, width)

@@ -20,6 +20,20 @@ def check_inputs_exist(latents: List[Path]) -> None:
             raise VaeoptError(f"{p}: " + ("a broken or looping symlink" if p.is_symlink() else "no such file"))
 
 
+def check_model_exists(model: Path | None) -> None:
+    """A --model file that is not there, said before torch loads. Names that may be a Hugging Face Hub id (no
+    suffix, relative) are left to the loader, whose message says how to fetch one."""
+    if model is None:
+        return
+    try:
+        path = model.expanduser()
+    except RuntimeError:  # '~nosuchuser': the loader words it
+        return
+    if not path.exists() and (path.suffix or path.is_absolute() or str(model).startswith((".", "~"))):
+        raise VaeoptError(f"checkpoint not found: {path}" + (" (a broken or looping symlink)" if path.is_symlink()
+                                                             else ""))
+
+
 def output_arg(output: str | None) -> tuple[Path | None, bool]:
     """-o as typed -> (path, is a folder). A trailing separator means a folder whatever the name looks like
     ("renders/2024.06.01/", "renders/run.safetensors/"); Path() drops it, so it is read from the text."""
@@ -55,6 +69,23 @@ def output_arg(output: str | None) -> tuple[Path | None, bool]:
                           f"({path.with_name('out' + path.name)}), or leave -o out to write each output beside its input")
     outputs.check_output_folder(path, folder, f"-o {output}")  # /proc, a read-only folder: now, not after the decode
     return path, folder
+
+
+def check_output_not_an_input(output: Path | None, out_folder: bool, latents: List[Path],
+                              model: Path | None) -> None:
+    """-o naming an input latent file or the checkpoint, said before torch loads (api.plan_jobs checks every output
+    name again, numbered and keyed ones included)."""
+    if output is None or out_folder:
+        return
+    try:
+        r = output.resolve()
+        inputs = {p.resolve() for p in latents}
+        model_r = model.expanduser().resolve() if model is not None else None
+    except (OSError, RuntimeError):  # a symlink loop, '~nosuchuser': said where the paths are used
+        return
+    if r in inputs or r == model_r:
+        raise VaeoptError(f"{output}: would overwrite {'an input latent file' if r in inputs else 'the model'}"
+                          " (even --overwrite does not replace inputs); choose another -o")
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, say, set_verbosity
 from vaeopt.cli.report import spell_flags
+from vaeopt.options import Options, check_device_name, check_dtype_name, parse_shape
 
 
 @clean_errors
@@ -36,13 +37,16 @@ def warmup(
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ):
     """Compile and cache what later decodes on this GPU need: Triton kernels, plans, FP8 verdicts (prints where)."""
-    from vaeopt import warmup as wu
-    from vaeopt.hw import resolve_device
-    from vaeopt.pipeline import Options
-
     set_verbosity(verbose, quiet)
     opts = Options(device=device, dtype=dtype, fp8=fp8, gate_db=fp8_gate, vram_budget_gb=vram_budget)
-    opts.validate()
+    opts.validate()  # argument mistakes first, before torch loads (seconds)
+    check_dtype_name(dtype)
+    check_device_name(device)
+    for s in shape or ():
+        parse_shape(s)
+    from vaeopt import warmup as wu
+    from vaeopt.hw import resolve_device
+
     loaded, shapes = wu.load(model, workload, family, shape, resolve_device(device))
     rep = wu.run(loaded, shapes, opts, log=detail, spell=spell_flags)
     if as_json:

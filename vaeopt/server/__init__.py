@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from vaeopt.errors import VaeoptError
+from vaeopt.options import Options, check_device_name, check_dtype_name
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _RESERVED = {"health", "metrics"}
@@ -81,10 +82,7 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, token: s
         import uvicorn  # noqa: F401
     except ImportError:
         raise VaeoptError("vaeopt serve needs starlette and uvicorn: pip install 'vaeopt[serve]'") from None
-    import vaeopt
-    from vaeopt.server.app import Config, Server, bind
-    from vaeopt.server.protocol import Limits
-
+    # argument mistakes first, before torch loads (seconds)
     token = token or os.environ.get("VAEOPT_TOKEN") or None
     if not is_loopback(host) and not token:
         raise VaeoptError(f"--host {host} lets other machines in: give a token (--token, or VAEOPT_TOKEN in the "
@@ -103,9 +101,21 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, token: s
         raise VaeoptError(f"--jpeg-quality {jpeg_quality}: between 1 and 100")
     if not 0 <= port <= 65535:
         raise VaeoptError(f"--port {port}: between 0 and 65535")
+    if log_level.lower() not in ("debug", "info", "warning"):
+        raise VaeoptError(f"--log-level {log_level}: one of debug, info, warning")
+    log_level = log_level.lower()
+    check_dtype_name(dtype)
+    check_device_name(device)
+    if device is not None and gpus is not None:
+        raise VaeoptError("--device and --gpus: give one (--device cuda:1 serves on that GPU alone)")
+    if gpus is not None and gpus < 1:
+        raise VaeoptError(f"--gpus {gpus}: must be at least 1")
     named = parse_models(models)
+    from vaeopt.server.app import Config, Server, bind
+    from vaeopt.server.protocol import Limits
+
     devs = devices(device, gpus)
-    opts = vaeopt.Options(dtype=dtype)
+    opts = Options(dtype=dtype)
     opts.validate()
     cfg = Config(named, devs, opts, token=token, max_queue=max_queue, max_batch=batch, timeout_s=timeout_s,
                  body_timeout_s=body_timeout_s, jpeg_quality=jpeg_quality,
