@@ -619,3 +619,29 @@ def test_the_reordered_upsampler_weights_are_one_copy_per_clip():
     b.close()
     gc.collect()
     assert len(stream._SUB_MAJOR) == 0
+
+
+def test_the_shared_reordered_weights_follow_refresh_and_inference_tensors():
+    """A weight edited where torch counts no version (param.data) is picked up after vaeopt.refresh(), as every
+    derived weight is, even while another decoder still holds the old reordered copy; a model built under
+    torch.inference_mode (ComfyUI) has weights without version counters and is reordered all the same."""
+    import vaeopt
+
+    m = tiny("ltx2")
+    up = next(u for u in m.decoder.modules() if type(u).__name__ == "LTX2VideoUpsampler3d" and u.residual)
+    w = up.conv.conv.weight
+    a = StreamDecoder(m)
+    old = a._sub_major_weight(up)[0].clone()
+    with torch.no_grad():
+        w.data.mul_(2)  # no version counted
+    vaeopt.refresh()
+    new = StreamDecoder(m)._sub_major_weight(up)[0]
+    assert torch.equal(new, old * 2)
+    a.close()
+    with torch.inference_mode():
+        mi = tiny("ltx2")
+    upi = next(u for u in mi.decoder.modules() if type(u).__name__ == "LTX2VideoUpsampler3d" and u.residual)
+    assert upi.conv.conv.weight.is_inference()
+    wi = StreamDecoder(mi)._sub_major_weight(upi)[0]
+    assert wi.shape == upi.conv.conv.weight.shape and torch.equal(wi.flatten().sort().values,
+                                                                 upi.conv.conv.weight.flatten().sort().values)

@@ -20,16 +20,23 @@ def check_inputs_exist(latents: List[Path]) -> None:
             raise VaeoptError(f"{p}: " + ("a broken or looping symlink" if p.is_symlink() else "no such file"))
 
 
+CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".json")
+
+
 def check_model_exists(model: Path | None) -> None:
-    """A --model file that is not there, said before torch loads. Names that may be a Hugging Face Hub id (no
-    suffix, relative) are left to the loader, whose message says how to fetch one."""
+    """A --model file that is not there, said before torch loads. Names that may be a Hugging Face Hub id (owner/name,
+    relative, no checkpoint suffix) are left to the loader, whose message says how to fetch one."""
     if model is None:
         return
     try:
         path = model.expanduser()
     except RuntimeError:  # '~nosuchuser': the loader words it
         return
-    if not path.exists() and (path.suffix or path.is_absolute() or str(model).startswith((".", "~"))):
+    # a dot in a Hub repository name ('Wan-AI/Wan2.1-T2V-1.3B-Diffusers') reads as a suffix: only a checkpoint's
+    # suffix, or a name with no owner/name form, is surely a local file
+    parts = str(model).split("/")
+    hub_like = len(parts) in (2, 3) and path.suffix.lower() not in CHECKPOINT_SUFFIXES
+    if not path.exists() and (path.suffix and not hub_like or path.is_absolute() or str(model).startswith((".", "~"))):
         raise VaeoptError(f"checkpoint not found: {path}" + (" (a broken or looping symlink)" if path.is_symlink()
                                                              else ""))
 

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from vaeopt.engine.pad import MODES as PAD_MODES
 from vaeopt.engine.pad import fill_borders, padded_empty
 from vaeopt.errors import VaeoptError
-from vaeopt.stages import foreign_global_hooks, unhooked
+from vaeopt.stages import foreign_global_hooks, unhooked, weight_version
 from vaeopt.stages.fused_norms import writes_into
 
 STREAM_CLASSES = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video")
@@ -523,7 +523,9 @@ class StreamDecoder:
             conv, s = up.conv.conv, up.stride
             w, b = conv.weight, conv.bias
             kc = w.shape[0] // (s[0] * s[1] * s[2])
-            wkey = (id(conv), w.data_ptr(), w._version, w.dtype)  # a changed or reloaded weight gets a new copy
+            # a changed or reloaded weight gets a new copy (vaeopt.refresh() included, as for every derived weight;
+            # inference tensors, which count no version, too)
+            wkey = (id(conv), weight_version(w), w.dtype)
             # (not shared while a CUDA graph is captured: its copy is made by the graph, in the graph's memory)
             capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
             wp = None if capturing else _SUB_MAJOR.get(wkey)
