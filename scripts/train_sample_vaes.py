@@ -525,6 +525,9 @@ def train(which: str, args) -> torch.nn.Module:
         opt.zero_grad(set_to_none=True)
         if not torch.isfinite(total):  # a rare bf16 blow-up: skip the batch rather than poison the weights
             skipped += 1
+            if skipped > max(100, step):  # not rare: the run has diverged, and a --max-steps run would never end
+                raise SystemExit(f"[{which}] {skipped} non-finite batches in {step} steps: the run diverged "
+                                 "(try a lower --lr or --amp off)")
             continue
         try:
             total.backward()

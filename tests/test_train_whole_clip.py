@@ -218,3 +218,18 @@ def test_training_run_survives_a_failing_compiler(trainer, tmp_path, capsys):
     assert {p.name for p in tmp_path.iterdir()} == {"tiny_wan_video.safetensors", "tiny_wan_video_latents.pt",
                                                     "video_results.json"}
     torch._dynamo.reset()
+
+
+def test_a_diverged_run_stops_with_one_line(trainer, tmp_path, monkeypatch):
+    """Losses that are never finite are a diverged run, not rare bf16 blow-ups: it stops with one line instead of
+    skipping batches for ever (a --max-steps run would never end) and writes nothing."""
+    data = SCRIPT.parents[1] / ".train_data" / "photos.npz"
+    if not data.is_file():
+        pytest.skip("no photo pack (make it with `train_sample_vaes.py --which pack`)")
+    nan = torch.tensor(float("nan"))
+    monkeypatch.setattr(trainer, "video_loss", lambda *a, **k: (nan, nan, 0.0, nan))
+    with pytest.raises(SystemExit, match="non-finite batches in 0 steps: the run diverged"):
+        trainer.main(["--which", "video", "--data", str(data), "--out", str(tmp_path), "--minutes", "0",
+                      "--max-steps", "4", "--batch", "1", "--crop", "16", "--base-dim", "4", "--decoder-base-dim", "4",
+                      "--skip-frames", "--log-every", "0", "--device", "cpu"])
+    assert not any(tmp_path.iterdir())
