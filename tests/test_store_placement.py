@@ -71,10 +71,11 @@ def test_place_overflow_to_host(sdxl):
         assert any(p) and not all(p)
 
 
-def test_schedule_is_what_the_decoder_allocates(vae, z):
-    """storage_buffers is the decoder's own order of allocations and frees (every buffer on the 'host' here, so each
-    goes through the decoder's allocation; weakref finalizers see the frees)."""
-    events, sizes = [], []
+def _allocation_schedule(vae, z, keep_inputs: bool = False) -> list[tuple[int, int, int]]:
+    """(bytes, allocation step, free step) of each full-size buffer of a tiled decode (every buffer on the 'host',
+    so each goes through the decoder's allocation; weakref finalizers see the frees). keep_inputs: every activation
+    object a pass is given stays referenced until the decode ends."""
+    events, sizes, kept = [], [], []
     td = tiling.TiledDecoder(vae, tile=8, kernels=False, shape="bands")
     td._force_copy = True
     real = td._alloc
@@ -87,14 +88,35 @@ def test_schedule_is_what_the_decoder_allocates(vae, z):
         weakref.finalize(t, lambda: events.append(("free", i)))
         return t
 
+    def keeping(step):
+        def run(i, ps, *acts):
+            kept.extend(acts)
+            return step(i, ps, *acts)
+        return run
+
     td._alloc = alloc
+    if keep_inputs:
+        td.res1, td.res2, td.up, td.head = (keeping(s) for s in (td.res1, td.res2, td.up, td.head))
     td.decode(z)
     del td
+    kept.clear()
     steps = {}
     for s, (what, i) in enumerate(events):
         steps.setdefault(i, [None, None])[what == "free"] = s
-    got = [(sizes[i], a, f) for i, (a, f) in sorted(steps.items())]
-    assert got == tiling_memory.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+    return [(sizes[i], a, f) for i, (a, f) in sorted(steps.items())]
+
+
+def test_schedule_is_what_the_decoder_allocates(vae, z):
+    """storage_buffers is the decoder's own order of allocations and frees."""
+    assert _allocation_schedule(vae, z) == tiling_memory.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32)
+
+
+def test_schedule_holds_when_pass_inputs_are_kept_alive(vae, z):
+    """A pass lets its input buffer go itself once it has read it: the schedule does not depend on the walk's own
+    references being the last ones. (Python keeps a frame's arguments until it returns while torch's compiler hooks
+    frames, e.g. for the rest of a process in which a torch.compile failed.)"""
+    assert (_allocation_schedule(vae, z, keep_inputs=True)
+            == tiling_memory.storage_buffers(vae, tuple(z.shape[-2:]), torch.float32))
 
 
 def test_mixed_placement_decodes_bitwise_the_same(vae, z):

@@ -623,6 +623,14 @@ class TiledDecoder:
 
         return reads
 
+    @staticmethod
+    def _release(act: Activation) -> None:
+        """Let a pass's input go once the pass has read it: the walk drops its own reference to the activation when
+        the pass returns, but a caller may still hold the object (Python keeps a frame's arguments alive until it
+        returns while torch's compiler hooks frames, e.g. after a torch.compile that failed in the same process),
+        and a full-size buffer kept there is memory the storage plan counted as free."""
+        act.t = None
+
     def res1(self, i: int, ps: Pass, src: Activation) -> Activation:
         """h1 = conv1(act(norm1(x))) -- x is kept (it is the residual)."""
         hw = self._hw(ps)
@@ -656,6 +664,7 @@ class TiledDecoder:
         # The block output may overwrite its input in place: a tile reads the residual only at its own pixels.
         inplace = sc_conv is None and ps.cout == ps.sc_cin
         dst = Activation(res_t if inplace else self._alloc(ps.cout, *hw), self._new_stats(ps.cout, norm_next))
+        res.t = None  # (see _release)
         del res
         sc_plain = (k and sc_conv is not None and is_plain_conv(sc_conv) and tuple(sc_conv.kernel_size) == (1, 1)
                     and sc_conv.groups == 1)
@@ -704,6 +713,7 @@ class TiledDecoder:
 
         self._run(ps, hw, fn, self._reads(src, *self._halo(blk.conv2, blk.norm2, blk.nonlinearity),
                                           extra=Activation(res_t, None)))
+        self._release(src)
         return dst
 
     def up(self, i: int, ps: Pass, src: Activation) -> Activation:
@@ -774,6 +784,7 @@ class TiledDecoder:
             return [(src.t, *halo_region(src.hw, y0 // 2, (y1 + 1) // 2, x0 // 2, (x1 + 1) // 2, 1, 1))]
 
         self._run(ps, hw, fn, reads)
+        self._release(src)
         return dst
 
     def head(self, i: int, ps: Pass, src: Activation) -> None:
