@@ -40,7 +40,7 @@ from vaeopt import fidelity  # noqa: E402
 from vaeopt.benchmark import WORKLOADS, count_flops  # noqa: E402
 from vaeopt.families import build_model, get_family  # noqa: E402
 
-SETUPS = ("op_norm", "op_conv", "op_attention", "op_upsample", "op_pad", "decode_image", "decode_video", "decode_band",
+SETUPS = ("op_norm", "op_conv", "op_attention", "op_upsample", "decode_image", "decode_video", "decode_band", "dropin",
           "first_call")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # --tiny: the workload's family at a narrow width and a small latent (same code paths, seconds on a CPU)
