@@ -55,14 +55,7 @@ def main() -> None:
     a = ap.parse_args()
     t_start = time.perf_counter()
     tmp = tempfile.TemporaryDirectory(prefix="vaeopt-batch-")
-    model = a.model
-    if model is None:
-        from vaeopt.families import build_model, get_family
-
-        torch.manual_seed(0)
-        model = Path(tmp.name) / a.family
-        build_model(get_family(a.family)).save_pretrained(model)
-    loaded = vaeopt.load_vae(model)
+    loaded = vaeopt.load_vae(a.model or H.save_model(a.family, Path(tmp.name) / a.family))
     opts = vaeopt.Options(device=a.device) if a.device else vaeopt.Options()
     c = loaded.family.latent_channels
     rows = []
