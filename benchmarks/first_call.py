@@ -44,7 +44,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -93,18 +92,14 @@ def setup(variant, shape, ctx):
             trace = ["--trace", os.path.join(a.trace, f"{a.workload}_{variant}_{len(calls)}_first.json"),
                      "--trace-file", str(int(variant == "cold" or len(calls) > 0))]
         root = tempfile.mkdtemp(prefix="first-call-") if variant == "cold" else warm
-        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(root, "triton"),
-                   VAEOPT_CACHE_DIR=os.path.join(root, "vaeopt"))
-        env.update(ENV.get(variant, {}))
-        t0 = time.perf_counter()
-        p = subprocess.run(cmd + trace, capture_output=True, text=True, env=env)
+        secs, p = H.timed_run(cmd + trace, H.cache_env(root, **ENV.get(variant, {})))
         if variant == "cold":
             shutil.rmtree(root, ignore_errors=True)
         if p.returncode:
             # a row that says why, and the other variants and workloads still run
             raise H.Skip(f"the child process failed: {(p.stderr or p.stdout)[-800:]}")
         r = json.loads(p.stdout.strip().splitlines()[-1])
-        calls.append({**r, "process_s": time.perf_counter() - t0})
+        calls.append({**r, "process_s": secs})
         return H.Timed(None, r["overhead_s"] * 1e3)
 
     return H.Case(fn, info={"calls": calls, "what": "first decode minus the steady median (ms)"})

@@ -20,13 +20,12 @@ import gc
 import importlib
 import json
 import os
-import platform
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -39,8 +38,9 @@ os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")  # (its note on every .to(
 from vaeopt import fidelity  # noqa: E402
 from vaeopt.benchmark import WORKLOADS, count_flops  # noqa: E402
 from vaeopt.families import build_model, get_family  # noqa: E402
+from vaeopt.hw import machine_info  # noqa: E402
 
-SETUPS = ("op_norm", "op_conv", "op_attention", "op_upsample", "op_pad", "decode_image", "decode_video", "decode_band",
+SETUPS = ("op_norm", "op_conv", "op_attention", "op_upsample", "decode_image", "decode_video", "decode_band", "dropin",
           "first_call")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # --tiny: the workload's family at a narrow width and a small latent (same code paths, seconds on a CPU)
@@ -379,13 +379,6 @@ def line(r: dict) -> str:
             f"{extra}{psnr}{peak}{sp}")
 
 
-def _v(pkg: str) -> str | None:
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def git_revision() -> dict:
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -397,21 +390,62 @@ def git_revision() -> dict:
         return {"rev": os.environ.get("VAEOPT_GIT_REV"), "dirty": None}
 
 
+def header(device: torch.device, command: str) -> dict:
+    """What every result file starts with: the GPU, the versions (CUDA's and cuDNN's on a GPU run), the git revision,
+    the date and the command that reproduces the run."""
+    cuda, m = device.type == "cuda", machine_info()
+    return {"gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "gpu_count": torch.cuda.device_count() if cuda else 0,
+            "versions": {"torch": m.torch, "cuda": m.cuda if cuda else None, "cudnn": m.cudnn if cuda else None,
+                         "triton": m.triton, "diffusers": m.diffusers, "av": m.pyav, "python": m.python},
+            "git": git_revision(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command}
+
+
 def result(setup_name: str, args, ctx: Ctx, rows: list[dict]) -> dict:
-    cuda = ctx.device.type == "cuda"
-    cudnn = torch.backends.cudnn.version() if cuda else None
-    return {
-        "setup": setup_name, "workload": args.workload, "tiny": args.tiny, "latent_shape": list(ctx.shape),
-        "dtype": ctx.dtype_name, "device": str(ctx.device),
-        "gpu": torch.cuda.get_device_name(ctx.device) if cuda else None,
-        "gpu_count": torch.cuda.device_count() if cuda else 0,
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
-                     "cudnn": f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if cudnn else None,
-                     "triton": _v("triton"), "diffusers": _v("diffusers"), "python": platform.python_version()},
-        "git": git_revision(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": args.command, "repeats": args.repeats,
-        "warmup": args.warmup, "variants": args.variants, "rows": rows,
-    }
+    return {"setup": setup_name, "workload": args.workload, "tiny": args.tiny, "latent_shape": list(ctx.shape),
+            "dtype": ctx.dtype_name, "device": str(ctx.device), **header(ctx.device, args.command),
+            "repeats": args.repeats, "warmup": args.warmup, "variants": args.variants, "rows": rows}
+
+
+def save_model(family: str, folder: Path, overrides: dict | None = None) -> Path:
+    """The family's architecture (narrowed by `overrides`) with diffusers' default init under seed 0, as the workloads
+    build it, saved as a diffusers model folder (config.json + safetensors) that vaeopt and diffusers both load."""
+    spec = get_family(family)
+    torch.manual_seed(0)
+    build_model(spec.with_config(overrides) if overrides else spec, **(overrides or {})).save_pretrained(
+        folder, safe_serialization=True)
+    return folder
+
+
+def cache_env(root: Path | str, **extra: str) -> dict:
+    """The environment of a fresh process whose Triton and vaeopt caches are under `root` (empty: a new machine's;
+    shared: warm), with this checkout importable."""
+    return dict(os.environ, TRITON_CACHE_DIR=os.path.join(root, "triton"), VAEOPT_CACHE_DIR=os.path.join(root, "vaeopt"),
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+TIMEOUT_RC = -signal.SIGABRT  # a process stopped at its timeout
+
+
+def timed_run(cmd: list[str], env: dict, timeout: float | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    """Run cmd -> (wall seconds, the finished process). Past `timeout` seconds it is stopped with SIGABRT, on which
+    Python's faulthandler (on through PYTHONFAULTHANDLER) prints every thread's stack: its output then says where the
+    time went, and one slow process never takes the whole run's time with it."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(env, PYTHONFAULTHANDLER="1"))
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # (stuck in native code with the signal blocked)
+            p.kill()
+            out, err = p.communicate()
+        return time.perf_counter() - t0, subprocess.CompletedProcess(cmd, TIMEOUT_RC, out, err)
+    return time.perf_counter() - t0, subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def write_json(res: dict, path: Path) -> None:

@@ -26,11 +26,9 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import harness as H
@@ -42,92 +40,23 @@ JOBS = {  # job -> (workload, output suffix, vaeopt's extra flags)
 }
 VARIANTS = ("cold", "warm", "warmup", "diffusers")
 
-PLAIN = r'''
-import sys, time
-t0 = time.perf_counter()
-import torch, diffusers
-folder, lat, out, device, tiled = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1"
-dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-cfg = __import__("json").load(open(folder + "/config.json"))
-vae = getattr(diffusers, cfg["_class_name"]).from_pretrained(folder, torch_dtype=dtype).to(device).eval()
-if tiled:
-    vae.enable_tiling()
-z = torch.load(lat, weights_only=True).to(device, dtype)
-with torch.inference_mode():
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    x = vae.decode(z).sample
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    decode_s = time.perf_counter() - t
-x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
-if x.dim() == 4:
-    from PIL import Image
-    Image.fromarray(x[0].permute(1, 2, 0).numpy()).save(out)
-else:
-    import av
-    frames = x[0].permute(1, 2, 3, 0).numpy()  # T, H, W, 3
-    with av.open(out, "w") as c:
-        s = c.add_stream("libx264", rate=16)
-        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        s.options = {"crf": "18"}
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-print(__import__("json").dumps({"decode_s": decode_s, "in_process_s": time.perf_counter() - t0}))
-'''
-
 
 def prepare(job: str, args, tmp: Path) -> tuple[Path, Path]:
     """The job's model folder and latent file (built once per job)."""
-    import torch
-
-    from vaeopt.families import build_model
-
     workload = JOBS[job][0]
-    a = argparse.Namespace(workload=workload, tiny=args.tiny)
-    shape, over = H.workload_shape(a)
-    ctx = H.Ctx(workload, shape, over, H.torch.device("cpu"), H.torch.float32, a)
-    folder = tmp / f"{job}-vae"
+    shape, over = H.workload_shape(argparse.Namespace(workload=workload, tiny=args.tiny))
+    folder, lat = tmp / f"{job}-vae", tmp / f"{job}-latents.pt"
     if not folder.is_dir():
-        torch.manual_seed(0)
-        build_model(ctx.family, **over).save_pretrained(folder, safe_serialization=True)
-    lat = tmp / f"{job}-latents.pt"
+        H.save_model(H.WORKLOADS[workload][0], folder, over)
     if not lat.is_file():
-        torch.save(H.randn(shape, 0), lat)
+        H.torch.save(H.randn(shape, 0), lat)
     return folder, lat
-
-
-TIMEOUT_RC = -signal.SIGABRT  # a process stopped at --timeout
-
-
-def timed_run(cmd: list[str], env: dict, timeout: float | None = None) -> tuple[float, subprocess.CompletedProcess]:
-    """Run cmd; past `timeout` seconds it is stopped with SIGABRT, on which Python's faulthandler (enabled here
-    through PYTHONFAULTHANDLER) prints every thread's stack: the row then says where the time went, and one slow
-    process never takes the whole run's time with it."""
-    env = dict(env, PYTHONFAULTHANDLER="1")
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGABRT)
-        try:
-            out, err = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # (stuck in native code with the signal blocked)
-            p.kill()
-            out, err = p.communicate()
-        return time.perf_counter() - t0, subprocess.CompletedProcess(cmd, TIMEOUT_RC, out, err)
-    return time.perf_counter() - t0, subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def failed(row: dict, p: subprocess.CompletedProcess, secs: float) -> dict:
     """The row of a process that failed or was stopped at --timeout (then with the stacks it printed)."""
     text = (p.stderr or p.stdout or "").strip()
-    if p.returncode == TIMEOUT_RC:
+    if p.returncode == H.TIMEOUT_RC:
         return {**row, "status": "timeout", "reason": f"stopped after {secs:.0f} s", "stacks": text[-6000:]}
     return {**row, "status": "failed", "reason": text[-300:]}
 
@@ -142,11 +71,9 @@ def run_variant(job: str, variant: str, folder: Path, lat: Path, args, tmp: Path
     if args.tiny:
         flags = [f for f in flags if f not in ("--vram-budget", "16")]
     if variant == "diffusers":
-        script = tmp / "plain_decode.py"
-        script.write_text(PLAIN)
         tiled = "1" if job == "sdxl-4096" else "0"
-        secs, p = timed_run([sys.executable, str(script), str(folder), str(lat), str(out), device, tiled],
-                            dict(os.environ), args.timeout)
+        secs, p = H.timed_run([sys.executable, str(Path(__file__).with_name("plain_decode.py")), str(folder), str(lat),
+                               str(out), device, tiled], dict(os.environ), args.timeout)
         if p.returncode == 0:
             row.update(json.loads(p.stdout.strip().splitlines()[-1]))
     else:
@@ -154,23 +81,22 @@ def run_variant(job: str, variant: str, folder: Path, lat: Path, args, tmp: Path
         if variant in ("cold", "warmup") or job not in caches:
             caches[job] = Path(tempfile.mkdtemp(prefix="one-shot-cache-", dir=tmp))  # empty
         root = caches[job]
-        env = dict(os.environ, TRITON_CACHE_DIR=str(root / "triton"), VAEOPT_CACHE_DIR=str(root / "vaeopt"),
-                   PYTHONPATH=os.pathsep.join([str(H.ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = H.cache_env(root)
         decode = [sys.executable, "-m", "vaeopt", "decode", str(lat), "-m", str(folder), "-o", str(out),
                   "--latent-space", "raw", *dev, *flags, "--json", "-q"]
         if prime:
-            row["primed_s"], p = timed_run(decode, env, args.timeout)
+            row["primed_s"], p = H.timed_run(decode, env, args.timeout)
             out.unlink(missing_ok=True)
             if p.returncode:
                 return failed({**row, "failed_in": "prime"}, p, row["primed_s"])
         if variant == "warmup":
             shape = ",".join(map(str, H.torch.load(lat, weights_only=True).shape))
-            s, p = timed_run([sys.executable, "-m", "vaeopt", "warmup", str(folder), "--shape", shape, *dev,
-                              *flags, "-q"], env, args.timeout)
+            s, p = H.timed_run([sys.executable, "-m", "vaeopt", "warmup", str(folder), "--shape", shape, *dev,
+                                *flags, "-q"], env, args.timeout)
             row["warmup_s"] = s
             if p.returncode:
                 return failed({**row, "failed_in": "warmup"}, p, s)
-        secs, p = timed_run(decode, env, args.timeout)
+        secs, p = H.timed_run(decode, env, args.timeout)
         if p.returncode == 0:
             doc = json.loads(p.stdout[p.stdout.index("{"):])
             row["decode_s"] = doc["outputs"][0]["seconds"]
@@ -216,11 +142,7 @@ def main(argv=None) -> dict:
 
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = {"setup": "one_shot", "tiny": args.tiny, "device": dev,
-           "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None,
-           "versions": {"torch": torch.__version__, "triton": H._v("triton"), "diffusers": H._v("diffusers"),
-                        "cudnn": None, "av": H._v("av")},
-           "git": H.git_revision(), "command": "python benchmarks/one_shot.py " + " ".join(argv or sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": []}
+           **H.header(torch.device(dev), "python benchmarks/one_shot.py " + " ".join(argv or sys.argv[1:])), "rows": []}
     path = Path(args.out) / "one_shot.json"
     rows = res["rows"]
     tmp = Path(tempfile.mkdtemp(prefix="one-shot-"))

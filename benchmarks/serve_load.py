@@ -89,16 +89,6 @@ def summary(ms: list[float]) -> dict:
             "mean_ms": statistics.fmean(ms) if ms else None, "max_ms": max(ms) if ms else None}
 
 
-def random_sdxl(folder: Path) -> Path:
-    """SDXL's full-size VAE with random weights, as `vaeopt benchmark --workload sdxl-1024` builds it, saved as a
-    diffusers folder (its config keeps SDXL's scaling factor)."""
-    from vaeopt.families import build_model, get_family
-
-    torch.manual_seed(0)
-    build_model(get_family("sdxl")).save_pretrained(folder)
-    return folder
-
-
 _PORTS: set[int] = set()
 
 
@@ -312,7 +302,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="vaeopt-load-")
     if a.model is None and a.family != "sdxl":
         raise SystemExit("give --model PATH or --family sdxl")
-    model = a.model or random_sdxl(Path(tmp.name) / "sdxl")
+    model = a.model or H.save_model("sdxl", Path(tmp.name) / "sdxl")  # (its config keeps SDXL's scaling factor)
 
     # 1. the servers: started first, they load while the references are computed
     servers = [(None, a.url)] if a.url else [start_server(model, a, b) for b in batches]

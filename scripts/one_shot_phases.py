@@ -6,7 +6,8 @@ the same job (from_pretrained, decode, PIL save), each a fresh process timed fro
     python3 scripts/one_shot_phases.py --family wan21 --latent 1,16,21,60,104 --out "$OUT"   # wan21-480p -> MP4
 
 The model: the family's architecture with random weights (seed 0) saved as a diffusers folder, as
-benchmarks/one_shot.py builds it; latents N(0, 1), decoded as raw latents by both. Runs: `vaeopt` (as shipped),
+benchmarks/one_shot.py builds it; latents N(0, 1), decoded as raw latents by both. `plain` is
+benchmarks/plain_decode.py, one_shot.py's plain script, with its marks on. Runs: `vaeopt` (as shipped),
 `fullexit` (VAEOPT_FAST_EXIT=off: the interpreter's teardown kept), `noprewarm` (VAEOPT_PREWARM=off), `libraries`
 (VAEOPT_PREWARM=libraries: the warm-up thread without the kernels), `early` (VAEOPT_PREWARM=early: the kernels
 loaded beside the diffusers import), `importgc` (VAEOPT_IMPORT_GC=on: Python's garbage collector left running
@@ -94,58 +95,12 @@ sys.argv = ["vaeopt"] + sys.argv[1:]
 vaeopt.cli.run()  # as `python -m vaeopt` runs it: its exit included
 '''
 
-PLAIN_CHILD = r'''
-import atexit, json, os, sys, time
-T0 = float(os.environ["PHASES_T0"]); marks = []
-def mark(name): marks.append((name, time.time() - T0))
-atexit.register(lambda: (mark("atexit"), open(os.environ["PHASES_OUT"], "w").write(json.dumps({"marks": marks}))))
-mark("python"); mark("cli")
-import torch, diffusers
-mark("torch"); mark("read")
-folder, lat, out, device = sys.argv[1:5]
-dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-cfg = json.load(open(folder + "/config.json"))
-cls = getattr(diffusers, cfg["_class_name"])
-mark("diffusers")
-vae = cls.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
-z = torch.load(lat, weights_only=True).to(device, dtype)
-if device.startswith("cuda"):
-    torch.cuda.synchronize()
-mark("load"); mark("plan"); mark("stages")
-with torch.inference_mode():
-    x = vae.decode(z).sample
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-mark("decode")
-x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
-if x.dim() == 4:
-    from PIL import Image
-    Image.fromarray(x[0].permute(1, 2, 0).numpy()).save(out)
-else:  # a clip: H.264 at crf 18, as vaeopt writes it (benchmarks/one_shot.py's plain script)
-    import av
-    frames = x[0].permute(1, 2, 3, 0).numpy()  # T, H, W, 3
-    with av.open(out, "w") as c:
-        s = c.add_stream("libx264", rate=16)
-        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        s.options = {"crf": "18"}
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-mark("write"); mark("report")
-'''
-
-
 def build(tmp: Path, family: str, latent: tuple) -> tuple[Path, Path]:
+    import harness as H
     import torch
 
-    from vaeopt.families import build_model, get_family
-
-    folder, lat = tmp / "vae", tmp / "latents.pt"
-    torch.manual_seed(0)
-    build_model(get_family(family)).save_pretrained(folder, safe_serialization=True)
-    torch.save(torch.randn(latent, generator=torch.Generator().manual_seed(0)), lat)
+    folder, lat = H.save_model(family, tmp / "vae"), tmp / "latents.pt"
+    torch.save(H.randn(latent, 0), lat)
     return folder, lat
 
 
@@ -154,7 +109,7 @@ def run_once(variant: str, folder: Path, lat: Path, out: Path, device: str, env:
     marks_file = out.with_suffix(".marks.json")
     env = dict(env, PHASES_OUT=str(marks_file))
     if variant == "plain":
-        cmd = [sys.executable, "-c", PLAIN_CHILD, str(folder), str(lat), str(out), device]
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "plain_decode.py"), str(folder), str(lat), str(out), device]
     else:
         cmd = [sys.executable, "-c", VAEOPT_CHILD, "decode", str(lat), "-m", str(folder), "-o", str(out),
                "--latent-space", "raw", "--device", device, "--json", "-q"]
@@ -199,7 +154,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the harness, which puts the repository first
+    import harness as H
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,8 +163,7 @@ def main(argv=None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="one-shot-phases-"))
     folder, lat = build(tmp, args.family, latent)
     suffix = ".mp4" if len(latent) == 5 else ".png"
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "triton"), VAEOPT_CACHE_DIR=str(tmp / "vaeopt"),
-               HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = H.cache_env(tmp, HF_HUB_OFFLINE="1")
     variants = args.variants.split(",")
     rows = {v: [] for v in variants}
     for v in variants:  # one untimed run each: the caches filled, as for one_shot.py's warm variant

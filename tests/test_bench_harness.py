@@ -68,3 +68,43 @@ def test_summary_is_median_with_p20_p80(harness):
 def test_bad_variant_is_refused(harness):
     with pytest.raises(SystemExit):
         harness.parse("decode_image", ["--variants", "nope"])
+
+
+def test_a_process_past_its_timeout_is_stopped_with_its_stacks(harness):
+    """one_shot.py's and first_call.py's child processes: one past its timeout is stopped, and says where it was."""
+    import os
+
+    secs, p = harness.timed_run([sys.executable, "-c", "import time\ntime.sleep(60)"], dict(os.environ), timeout=1)
+    assert p.returncode == harness.TIMEOUT_RC and secs < 30
+    assert "most recent call first" in p.stderr and 'File "<string>", line 2' in p.stderr
+
+
+def test_plain_script_writes_diffusers_decode_and_its_phases(harness, tmp_path):
+    """benchmarks/plain_decode.py, the baseline of one_shot.py and scripts/one_shot_phases.py: the PNG is diffusers'
+    own decode of the folder's model, and with $PHASES_OUT it leaves one mark per phase, in order."""
+    import os
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    over = harness.TINY["AutoencoderKL"][0]
+    folder = harness.save_model("sdxl", tmp_path / "vae", over)
+    z = harness.randn((1, 4, 8, 8), 0)
+    torch.save(z, tmp_path / "z.pt")
+    env = dict(os.environ, PHASES_T0=repr(__import__("time").time()), PHASES_OUT=str(tmp_path / "marks.json"))
+    p = subprocess.run([sys.executable, str(BENCH / "plain_decode.py"), str(folder), str(tmp_path / "z.pt"),
+                        str(tmp_path / "out.png"), "cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.splitlines()[-1])["decode_s"] > 0
+    from diffusers import AutoencoderKL
+
+    with torch.inference_mode():
+        x = AutoencoderKL.from_pretrained(folder).decode(z).sample
+    want = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)[0].permute(1, 2, 0).numpy()
+    got = np.asarray(Image.open(tmp_path / "out.png"))
+    assert got.shape == want.shape == (64, 64, 3) and np.abs(got.astype(int) - want).max() <= 1
+    marks = json.loads((tmp_path / "marks.json").read_text())["marks"]
+    assert [m[0] for m in marks] == ["python", "cli", "torch", "read", "diffusers", "load", "plan", "stages", "decode",
+                                     "write", "report", "atexit"]
+    assert all(a[1] <= b[1] for a, b in zip(marks, marks[1:]))
