@@ -24,7 +24,7 @@ from vaeopt.errors import DecodeError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, quiet_diffusers
-from vaeopt.options import FP8_MODES, SWITCHES, Options  # noqa: F401 (their home before; imported from here)
+from vaeopt.options import Options
 from vaeopt.stages import Hint, Said, StageResult, join, spelled, unhooked, watch_loads, weights_epoch
 
 STANDARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
