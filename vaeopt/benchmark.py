@@ -393,11 +393,7 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
                     for s in pipe.stages] + [{"name": "plan", "status": "applied", "detail": pipe.text(plan.reason)}]
 
         def stages():  # read after the timed runs: graphs are captured during them
-            if pipe.graphed is not None:
-                for s in pipe.stages:
-                    if s.name == "graphs":
-                        s.status = "applied" if pipe.graphed.captures else "skipped"
-                        s.detail = pipe.graphed.report()
+            pipe.report_graphs()
             return lines()
 
         fn.stages = stages

@@ -198,6 +198,18 @@ class Pipeline:
         r.detail = join(r.detail, " (", reason, ")")
         self._record(r)
 
+    def report_graphs(self) -> list[StageResult]:
+        """The graphs stage lines brought up to date after the decodes (whole-decode CUDA graphs are captured during
+        them): applied where something was captured, else skipped, with the counts. [] when graphs were not enabled."""
+        if self.graphed is None:
+            return []
+        lines = [s for s in self.stages if s.name == "graphs"]
+        for s in lines:
+            s.status = "applied" if self.graphed.captures else "skipped"
+            s.detail = self.graphed.report()
+            s.data = {"replays": self.graphed.replays, "captures": self.graphed.captures}
+        return lines
+
     # ---- decoding -----------------------------------------------------------------------------------------
     def _decode_whole_raw(self, z: torch.Tensor) -> torch.Tensor:
         return self.model.decode(z).sample
