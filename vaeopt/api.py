@@ -564,11 +564,6 @@ def _run_jobs(pipe, jobs, fps, progress, on_result, results: list[DecodeResult])
             on_result(results[-1])
     if vg is not None:
         video_graphs.report_to(pipe, vg)  # the measured outcome, after the decodes
-    if pipe.graphed is not None:
-        for s in pipe.stages:
-            if s.name == "graphs":
-                s.status = "applied" if pipe.graphed.captures else "skipped"
-                s.detail = pipe.graphed.report()
-                s.data = {"replays": pipe.graphed.replays, "captures": pipe.graphed.captures}
-                pipe.log(s.line(pipe.spell))  # the measured outcome, after the decodes
+    for s in pipe.report_graphs():
+        pipe.log(s.line(pipe.spell))  # the measured outcome, after the decodes
     return results

@@ -393,11 +393,7 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
                     for s in pipe.stages] + [{"name": "plan", "status": "applied", "detail": pipe.text(plan.reason)}]
 
         def stages():  # read after the timed runs: graphs are captured during them
-            if pipe.graphed is not None:
-                for s in pipe.stages:
-                    if s.name == "graphs":
-                        s.status = "applied" if pipe.graphed.captures else "skipped"
-                        s.detail = pipe.graphed.report()
+            pipe.report_graphs()
             return lines()
 
         fn.stages = stages
@@ -411,8 +407,8 @@ def _ladder_fn(b: Bench, opts: dict, tuned=None) -> Callable[[], Callable]:
 
 def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: torch.device, dtype: torch.dtype,
                   peers: tuple[str, ...], repeats: int, warmup: int, fp8: bool, log: Callable[[str], None],
-                  workload: str | None, command: str, model_overrides: dict | None = None,
-                  ladder_hook: Callable | None = None, gate_db: float = 40.0, autotune: bool = False,
+                  workload: str | None, command: str, model_overrides: dict | None = None, gate_db: float = 40.0,
+                  autotune: bool = False,
                   detail: Callable[[str], None] | None = None, spell: Callable | None = None) -> dict:
     """`log` gets each measured row as it lands; `detail` (default: log) the rest: each row starting, the skipped
     rows (also in the result, with their reasons), the decode's FLOPs. `spell` writes the hints in the stages'
@@ -426,14 +422,14 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         log("✓ " + tuned.detail)
     try:
         return _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload,
-                              command, model_overrides, ladder_hook, gate_db, tuned, detail or log, spell)
+                              command, model_overrides, gate_db, tuned, detail or log, spell)
     finally:
         if tuned is not None:
             cudnn_autotune.revert(tuned)
 
 
 def _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload, command,
-                   model_overrides, ladder_hook, gate_db, tuned, detail, spell) -> dict:
+                   model_overrides, gate_db, tuned, detail, spell) -> dict:
     b = Bench(spec, state_dict, shape, device, dtype, repeats, warmup, log, model_overrides, detail)
     b.spell = spell
     detail(f"decode FLOPs {b.flops / 1e12:.2f} TFLOP" + (f"; bf16 matmul {b.matmul:.0f} TFLOP/s here" if b.matmul else ""))
@@ -461,14 +457,12 @@ def _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmu
             acc["fp8"] = "off"
             continue
         # the decode's auto choice, not the row's forced "on"
-        if name == "+ channels_last" and (veto := channels_last_veto(spec, b.device.type)):
+        if name == "+ channels_last" and (veto := channels_last_veto(spec)):
             rows.append(Row(name, "ladder", status="skipped", reason=spelled(veto, b.spell)))
             b.log_row(rows[-1])
             acc["channels_last"] = "off"
             continue
         make = _ladder_fn(b, dict(acc), tuned)
-        if ladder_hook is not None:
-            make = ladder_hook(name, make)
         # a row whose stage did nothing is shown so, not as a measurement of the row above it
         rows.append(b.run(name, "ladder", make, skip=lambda stages, name=name: _row_skipped(name, stages, spec, shape)))
     levels = _fp8_levels(b, rows, acc, tuned, spec) if fp8 else None

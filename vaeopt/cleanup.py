@@ -69,10 +69,10 @@ def remove_all() -> None:
             pass
 
 
-def exit_promptly_on_signals(signals=(signal.SIGTERM, signal.SIGHUP), grace_s: float | None = None) -> bool:
-    """Start the watchdog (once per process; from the main thread, after Python handlers that call handled() are
-    installed for `signals`). Returns whether it runs (not where the wakeup fd is taken, e.g. by an asyncio loop, or
-    outside the main thread)."""
+def exit_promptly_on_signals() -> bool:
+    """Start the watchdog for SIGTERM and SIGHUP (once per process; from the main thread, after Python handlers that
+    call handled() are installed for them). Returns whether it runs (not where the wakeup fd is taken, e.g. by an
+    asyncio loop, or outside the main thread)."""
     global _installed
     if _installed:
         return True
@@ -90,7 +90,7 @@ def exit_promptly_on_signals(signals=(signal.SIGTERM, signal.SIGHUP), grace_s: f
         r.close()
         w.close()
         return False
-    wanted = {int(s) for s in signals}
+    wanted = {int(signal.SIGTERM), int(signal.SIGHUP)}
 
     def watch():
         global _received
@@ -105,7 +105,7 @@ def exit_promptly_on_signals(signals=(signal.SIGTERM, signal.SIGHUP), grace_s: f
             if not hits:
                 continue
             _received += len(hits)
-            time.sleep(GRACE_S if grace_s is None else grace_s)
+            time.sleep(GRACE_S)
             if _handled >= _received:  # the main thread ran its handler: it unwinds (or chose to go on) by itself
                 continue
             # the main thread is inside one long operation and cannot run its handler: end here

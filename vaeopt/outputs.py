@@ -19,10 +19,13 @@ import tempfile
 import threading
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from vaeopt import cleanup
 from vaeopt.errors import OutputError
+
+if TYPE_CHECKING:  # annotations only: the CLI checks -o with this module before torch loads
+    import torch
 
 IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4",)

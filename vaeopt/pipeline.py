@@ -24,7 +24,7 @@ from vaeopt.errors import DecodeError, VaeoptError
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, quiet_diffusers
-from vaeopt.options import FP8_MODES, SWITCHES, Options  # noqa: F401 (their home before; imported from here)
+from vaeopt.options import Options
 from vaeopt.stages import Hint, Said, StageResult, join, spelled, unhooked, watch_loads, weights_epoch
 
 STANDARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -197,6 +197,18 @@ class Pipeline:
         self._graphs_epoch = weights_epoch(self.model)
         r.detail = join(r.detail, " (", reason, ")")
         self._record(r)
+
+    def report_graphs(self) -> list[StageResult]:
+        """The graphs stage lines brought up to date after the decodes (whole-decode CUDA graphs are captured during
+        them): applied where something was captured, else skipped, with the counts. [] when graphs were not enabled."""
+        if self.graphed is None:
+            return []
+        lines = [s for s in self.stages if s.name == "graphs"]
+        for s in lines:
+            s.status = "applied" if self.graphed.captures else "skipped"
+            s.detail = self.graphed.report()
+            s.data = {"replays": self.graphed.replays, "captures": self.graphed.captures}
+        return lines
 
     # ---- decoding -----------------------------------------------------------------------------------------
     def _decode_whole_raw(self, z: torch.Tensor) -> torch.Tensor:

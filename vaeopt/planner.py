@@ -287,8 +287,7 @@ def plan_cost(vae, latent_hw: tuple[int, int], plan: vt.TiledVideoPlan, max_chun
     return cost
 
 
-def candidate_plans(vae, latent_hw: tuple[int, int], chunks, host: bool,
-                    max_chunk: int = MAX_CHUNK) -> list[vt.TiledVideoPlan]:
+def candidate_plans(vae, latent_hw: tuple[int, int], chunks, host: bool) -> list[vt.TiledVideoPlan]:
     """Tiled plans worth trying, cheapest first (plan_cost): full-width bands (BAND_COUNTS bands, down to the
     halo's minimum rows), split at the last up block or the one before it (earlier splits have larger halos and
     a front too small to matter), each chunk in `chunks`, caches on the device, or on the host when `host`."""
@@ -307,7 +306,7 @@ def candidate_plans(vae, latent_hw: tuple[int, int], chunks, host: bool,
             for k in chunks:
                 for st in ("device", "host") if host else ("device",):
                     out.add(vt.TiledVideoPlan(int(k), (r, w), split, st))
-    return sorted(out, key=lambda p: (plan_cost(vae, latent_hw, p, max_chunk), p.split != n_up - 1, -p.tile[0]))
+    return sorted(out, key=lambda p: (plan_cost(vae, latent_hw, p), p.split != n_up - 1, -p.tile[0]))
 
 
 def smaller_video_plan(vae, latent_shape, plan: vt.TiledVideoPlan, tried: set, dtype: torch.dtype,

@@ -111,8 +111,8 @@ def precision_dtype(family, dtype: torch.dtype, layout: str) -> tuple[torch.dtyp
     return dtype, None
 
 
-def channels_last_veto(family, device_type: str = "cuda") -> Said | None:
-    """Why channels_last stays off in auto mode for this family on this device type whatever the other stages (None:
+def channels_last_veto(family) -> Said | None:
+    """Why channels_last stays off in auto mode for this family whatever the device and the other stages (None:
     no such reason): what the pipeline logs, and what the benchmark ladder's channels_last row follows instead of
     forcing it on."""
     if family.cls_name == "AutoencoderKLHunyuanVideo":
@@ -173,7 +173,7 @@ def _fp8_apply(ctx: Context) -> StageResult:
 
 def _channels_last_auto(ctx: Context):
     o, cls = ctx.opts, ctx.cls
-    if o.channels_last == "auto" and (veto := channels_last_veto(ctx.family, ctx.info.type)):
+    if o.channels_last == "auto" and (veto := channels_last_veto(ctx.family)):
         return veto
     if o.channels_last == "auto" and _cl_alone(ctx):
         return None

@@ -86,10 +86,10 @@ def norm_scale(n: int, mean_g: torch.Tensor, m2_g: torch.Tensor, norm: nn.Module
     return mean_c, rstd.repeat_interleave(cg) * w, b
 
 
-def norm_affine(n: int, mean_g: torch.Tensor, m2_g: torch.Tensor, norm: nn.Module, channels: int,
-                xb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_affine(n: int, mean_g: torch.Tensor, m2_g: torch.Tensor, norm: nn.Module, channels: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale_c, shift_c), (C,) in the statistics' dtype, with GroupNorm(x)_c = x_c * scale_c + shift_c."""
-    mean_c, scale, b = norm_scale(n, mean_g, m2_g, norm, channels, xb)
+    mean_c, scale, b = norm_scale(n, mean_g, m2_g, norm, channels)
     return scale, b - mean_c * scale
 
 

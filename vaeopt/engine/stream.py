@@ -172,7 +172,6 @@ class StreamDecoder:
         # LTX-2: diffusers' decode(causal=None) runs `causal or decoder.is_causal`
         self.causal = True if self.kind == "hv15" else bool(causal or self.dec.is_causal)
         self.state: dict[nn.Module, object] = {}
-        self.frames_in = 0
         self.cap = max(1, int(cap))  # latent frames' worth that one stage runs on at once (the chunk)
         self._build()
 
@@ -627,7 +626,6 @@ class StreamDecoder:
         """conv_in, the mid-block and up_blocks[:stop] on the next latent frames -> pieces of up_blocks[stop]'s input
         (the frames that are complete), at most `cap` latent frames' worth each, with whether each is the clip's
         last."""
-        self.frames_in += z.shape[2]
         with torch.no_grad():
             yield from self._run(0, self.at[stop], z, final)
 
@@ -641,7 +639,6 @@ class StreamDecoder:
     def pieces(self, z: Tensor, final: bool = False) -> Iterator[Tensor]:
         """The next latent frames (final: the clip's last) -> the output frames that are complete, in pieces of at
         most `cap` latent frames' worth."""
-        self.frames_in += z.shape[2]
         with torch.no_grad():
             for y, _ in self._run(0, len(self.stages), z, final):
                 yield y

@@ -217,9 +217,9 @@ class ChunkDecoder:
     # -- causal conv with a static 2-frame history ------------------------------------------------------------
     # A conv call is split in two so that callers can drop the producer's tensor between them:
     #   staged = self._stage(conv, src, norm, act); del src; y = self._run(conv, staged)
-    def _conv(self, conv: nn.Module, src: Tensor, norm: nn.Module | None = None, act: nn.Module | None = None):
-        """conv(act(norm(src))) continuing the conv's causal stream. src: (N, C, k, H, W)."""
-        return self._run(conv, self._stage(conv, src, norm, act))
+    def _conv(self, conv: nn.Module, src: Tensor):
+        """conv(src) continuing the conv's causal stream. src: (N, C, k, H, W)."""
+        return self._run(conv, self._stage(conv, src))
 
     @staticmethod
     def _plain(conv: nn.Module) -> bool:

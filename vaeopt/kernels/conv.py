@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from vaeopt.kernels import tma_conv, ws_conv
-from vaeopt.kernels.conv_args import (ConvArgs, PackedWeight, check_args, check_residual, pack_weight,  # noqa: F401
-                                      per_sample_scales, residual_fits, tap_sums)
+from vaeopt.kernels.conv_args import PackedWeight, check_args, check_residual, pack_weight, residual_fits  # noqa: F401
 from vaeopt.kernels.fp8_quant import E4M3, quantize_per_tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

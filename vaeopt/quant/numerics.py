@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vaeopt.kernels.fp8_quant import (E4M3, E4M3_MAX, quantize_per_channel, quantize_per_channel_int8,  # noqa: F401
-                                      quantize_per_tensor)
+from vaeopt.kernels.fp8_quant import E4M3, E4M3_MAX, quantize_per_channel, quantize_per_tensor  # noqa: F401
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -77,7 +77,6 @@ class Job:
         self.loop = loop
         self.future = loop.create_future()
         self.batch_key = (model, tuple(z.shape[1:])) if batchable else None
-        self.enqueued = time.monotonic()
         self.seconds = 0.0  # decode time (shared by a batch)
         self.batch = 1
         self.retries: list[str] = []
@@ -118,7 +117,6 @@ class Worker(threading.Thread):
         self.decode_ewma = 0.0  # seconds per decode, for Retry-After
         self.done = 0
         self.oom_retries = 0
-        self.oom_refused = 0
         self.dropped = 0  # jobs whose client had gone (timeout, disconnect) before their decode began
 
     # ---------------------------------------------------------------------------------------------- HTTP side
@@ -282,7 +280,6 @@ class Worker(threading.Thread):
             if not (is_oom(e) or isinstance(e, VaeoptError)):
                 raise
         self._free()
-        self.oom_refused += 1
         raise ProtocolError(503, f"out of memory on {self.device} decoding {list(z.shape)}, also tiled: retry later "
                                  "or send a smaller batch", {"Retry-After": str(self.retry_after())})
 

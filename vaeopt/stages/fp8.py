@@ -19,7 +19,7 @@ from torch import nn
 # The formats and the plan are the quantization package's; they stay importable from here for the stage's callers.
 from vaeopt.quant import gate
 from vaeopt.quant.numerics import E4M3, E4M3_MAX, dequantize, quantize_per_channel, quantize_per_tensor  # noqa: F401
-from vaeopt.quant.plan import KEEP, decoder_of, gemm_eligible, is_kept, plan_layers  # noqa: F401
+from vaeopt.quant.plan import KEEP, decoder_of, is_kept, plan_layers  # noqa: F401
 from vaeopt.stages import StageResult
 
 NAME = "fp8"
