@@ -18,6 +18,7 @@ import torch
 from vaeopt import latents as lat
 from vaeopt import outputs, stage_table, video_graphs
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
+from vaeopt.families import get_family
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, expand_user, load_vae, parse_json
@@ -285,6 +286,21 @@ def _latent_entries(lf: lat.LatentFile, fam, log: Callable[[str], None] | None) 
             + ", ".join(f"{e.name} {tuple(e.tensor.shape)} ({err.reason})" for e, err in misfits[:4])
             + (", ..." if len(misfits) > 4 else ""))
     return fits
+
+
+def check_latents_early(latent_files: list[lat.LatentFile], family: str | None) -> None:
+    """The latents' own mistakes before the model loads (seconds), with the lines plan_jobs gives after it: NaN/Inf
+    in a file's one tensor always (a dict may hold other tensors, e.g. masks with -inf, that are not decoded); where
+    the family is named (--family, vaeopt.json beside the latents) the whole validation, shapes and channel counts
+    too: a named family's weights must have its latent channels or the load refuses them. A tiny decoder takes its
+    channel count from its weights: values only."""
+    spec = get_family(family) if family else None
+    for lf in latent_files:
+        if spec is not None and spec.cls_name != "AutoencoderTiny":
+            for e in _latent_entries(lf, spec, None):
+                lat.validate(e, spec, lf.path)
+        elif len(lf.entries) == 1:
+            lat.check_values(lf.entries[0], lf.path)
 
 
 def _have_pyav() -> bool:
