@@ -433,3 +433,27 @@ def test_warmup_0_is_said_in_the_table(tmp_path, samples_dir):
         assert said in " ".join(r.output.split()), r.output
         ref = json.loads(out.read_text())["rows"][0]
         assert ref["cold_ms"] > 0 and ref["median_is_cold"] == (repeats == "1")
+
+
+def test_rows_collect_garbage_without_walking_the_imports(monkeypatch):
+    """Each row collects the rows before it (their models gone before its peak is read). A full collection walks every
+    object Python tracks: after torch and diffusers are imported, half a second per row on a CPU, seconds per run.
+    What exists before the first row is frozen out of those walks, and let go again after the run."""
+    import gc
+
+    from vaeopt import benchmark as B
+    from vaeopt.families import build_model, get_family
+
+    seen = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: seen.append(gc.get_freeze_count()) or real(*a))
+    spec = get_family("sdxl")
+    over = dict(block_out_channels=[32, 32], norm_num_groups=8, layers_per_block=1,
+                down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)
+    gc.unfreeze()  # (as in a fresh `vaeopt benchmark` process: a decode test before may have frozen its imports)
+    B.run_benchmark(spec, build_model(spec, **over).state_dict(), (1, 4, 8, 8), device=torch.device("cpu"),
+                    dtype=torch.float32, peers=(), repeats=1, warmup=0, fp8=False, log=lambda s: None,
+                    workload=None, command="x", model_overrides=over)
+    # one collection before the freeze, then the rows': torch alone is hundreds of thousands of objects
+    assert len(seen) >= 4 and seen[0] == 0 and min(seen[1:]) > 1000
+    assert gc.get_freeze_count() == 0
