@@ -457,3 +457,21 @@ def test_rows_collect_garbage_without_walking_the_imports(monkeypatch):
     # one collection before the freeze, then the rows': torch alone is hundreds of thousands of objects
     assert len(seen) >= 4 and seen[0] == 0 and min(seen[1:]) > 1000
     assert gc.get_freeze_count() == 0
+
+
+def test_the_readme_cpu_example_runs_and_is_small(tmp_path, samples_dir):
+    """The README's CPU benchmark line runs as written (flags still spelled so) on a latent small enough for a quick
+    answer on a CPU: every row decodes a 128x128 image, the run is mostly imports."""
+    import re
+    import shlex
+
+    readme = (samples_dir.parent / "README.md").read_text()
+    line = next(m.group(1) for m in re.finditer(r"^\s+vaeopt (benchmark samples/[^#\n]*?)\s*#", readme, re.M))
+    args = shlex.split(line)
+    args[1] = str(samples_dir.parent / args[1])
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, [*args, "--device", "cpu", "--json", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["latent_shape"][-2] * data["latent_shape"][-1] <= 16 * 16 and data["cpu_numbers"]
+    assert all(row["status"] in ("ok", "skipped") for row in data["rows"])

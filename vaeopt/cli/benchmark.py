@@ -66,7 +66,7 @@ def benchmark(
 ):
     """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last.
 
-    A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors (a 256x256 decode, under a minute)."""
+    A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors --shape 1,4,16,16 (a 128x128 decode)."""
     set_verbosity(verbose, quiet)
     # argument mistakes first, before torch loads (seconds)
     if repeats is not None and repeats < 1:
