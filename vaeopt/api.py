@@ -115,10 +115,13 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     if options is not None and not isinstance(options, Options):
         raise VaeoptError(f"options must be vaeopt.Options(...), got {type(options).__name__} (e.g. "
                           "Options(dtype='bf16'))")
-    loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
-    pipe = _pipeline_for(loaded, options, log)
     entry = lat.LatentEntry("", latents)
-    z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
+    if not isinstance(vae, LoadedVAE):
+        lat.check_values(entry, Path("<tensor>"))  # NaN/Inf need no VAE: said before seconds of loading one
+    loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
+    t = lat.validate(entry, loaded.family, Path("<tensor>"))  # (before the stages are set up on the model)
+    pipe = _pipeline_for(loaded, options, log)
+    z = lat.to_raw(t, loaded.family, latent_space)
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
     # per-chunk graphs (Wan clips of several chunks); a one-chunk clip is counted and captured whole, as an image
