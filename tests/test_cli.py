@@ -1459,3 +1459,39 @@ def test_output_naming_an_input_or_the_model_is_said_before_torch_loads(tmp_path
                            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
     assert z.read_bytes() == b"x" * 64 and m.read_bytes() == b"y" * 64
+
+
+def test_latent_mistakes_are_reported_before_the_model_loads(tmp_path, samples_dir, monkeypatch):
+    """NaN/Inf in the latents, and a wrong channel count where the family is named (--family, or vaeopt.json beside
+    the latents), are refused before the checkpoint loads (seconds), with the line the check after the load gives;
+    nothing is written. A family the weights alone would tell still gets the check after the load."""
+    import time
+
+    import vaeopt.loading
+
+    model = samples_dir / "tiny_kl_image.safetensors"
+    torch.save(torch.randn(1, 8, 8, 8), tmp_path / "c8.pt")
+    nan = torch.randn(4, 8, 8)
+    nan[0, 1, 2] = float("nan")
+    torch.save(nan, tmp_path / "nan.pt")
+    late = {name: run("decode", tmp_path / name, "-m", model, "-o", tmp_path / "o.png").output
+            for name in ("c8.pt", "nan.pt")}  # the model loads (its family from the weights), then the check
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(vaeopt.loading, "load_vae", no_load)
+    (tmp_path / "m").mkdir()
+    torch.save(torch.randn(1, 8, 8, 8), tmp_path / "m" / "c8.pt")
+    (tmp_path / "m" / "vaeopt.json").write_text(json.dumps({"model": str(model), "family": "sd15"}))
+    for args in ((tmp_path / "nan.pt", "-m", model), (tmp_path / "c8.pt", "-m", model, "--family", "sd15"),
+                 (tmp_path / "m" / "c8.pt",)):
+        t0 = time.perf_counter()
+        r = run("decode", *args, "-o", tmp_path / "o.png")
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert time.perf_counter() - t0 < 1.0  # (torch is imported already in this process)
+        assert "non-finite value (1 NaN, 0 Inf) in (4, 8, 8) latents" in r.output or "8 latent channels" in r.output
+        error = next(line for line in r.output.splitlines() if line.startswith("error:"))
+        error = error.replace(str(args[0]), str(tmp_path / args[0].name))  # (m/c8.pt: the same file name)
+        assert error in late[args[0].name].splitlines(), (r.output, late)  # the line the check after the load gives
+    assert not (tmp_path / "o.png").exists()

@@ -281,3 +281,36 @@ def test_gpu_qwenimage_dropin_runs_the_fused_wan_path():
         got, twin = vae.decode(zb).sample, wan.decode(zb).sample
     assert got.shape == ref.shape and got.dtype == torch.bfloat16
     assert psnr(got.float(), twin.float()) >= 60 and psnr(got.float(), ref) >= 35
+
+
+@pytest.mark.parametrize("where", ["decoder.conv_out", "decoder.up_blocks.0.resnets.0", "post_quant_conv"])
+def test_qwenimage_module_swapped_after_optimize_is_the_one_decoding(monkeypatch, where):
+    """A child module replaced on the VAE after optimize (`pipe.vae.decoder.conv_out = new_conv`: a fine-tuned or
+    LoRA-merged layer) is not in the Wan view, whose modules were the VAE's at optimize time; the view would decode
+    with the old one, silently. vaeopt steps aside at the next decode instead (its changes undone, one warning
+    naming the module): the output is the stock model's with the same swap, bitwise."""
+    stock = _tiny("AutoencoderKLQwenImage")
+    vae = copy.deepcopy(stock)
+    vaeopt.optimize(vae, device="cpu", log=None)
+    z = torch.randn(1, 16, 1, 6, 8, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = vae.decode(z).sample  # the view's path, with the modules optimize saw
+    parent, _, name = where.rpartition(".")
+    new = copy.deepcopy(stock.get_submodule(where))
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(-1)
+    for m in (stock, vae):
+        setattr(m.get_submodule(parent) if parent else m, name, copy.deepcopy(new))
+    with torch.no_grad():
+        want = stock.decode(z).sample
+    calls = _spy(monkeypatch, vae)
+    with torch.no_grad(), pytest.warns(UserWarning, match=f"vae.{where} was replaced after vaeopt.optimize"):
+        got = vae.decode(z).sample
+    assert calls == {"chunk": 0, "frames": 1} and torch.equal(got, want)
+    assert (before - want).abs().max().item() > 0.01  # (the swap changes the image: the old view would be wrong)
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # and stays diffusers' decode, without a second warning
+        assert torch.equal(vae.decode(z).sample, want)

@@ -1014,3 +1014,23 @@ def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
                                           "conv_kernel='on'))")
     assert spell_options((Hint("vram_budget_gb", 8),)) == "vaeopt.Options(vram_budget_gb=8)"
     assert said.spell() == said.spell(plain) == "off (enable with fp8=on; dtype=fp32) and triton=on, conv_kernel=on"
+
+
+def test_api_decode_refuses_nonfinite_latents_before_loading(samples_dir, monkeypatch):
+    """vaeopt.decode(latents, path): NaN/Inf latents are refused before the checkpoint loads (seconds), with the line
+    given after a load; a channel mismatch before the stages are set up on the loaded model."""
+    from vaeopt import api
+    from vaeopt.errors import LatentError
+
+    z = torch.randn(1, 4, 8, 8)
+    z[0, 0, 0, 0] = float("inf")
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    with pytest.raises(LatentError) as after:
+        vaeopt.decode(z, loaded)
+    monkeypatch.setattr(api, "load_vae", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    with pytest.raises(LatentError) as before:
+        vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors")
+    assert str(before.value) == str(after.value) == "<tensor>: 1 non-finite value (0 NaN, 1 Inf) in (1, 4, 8, 8) latents"
+    monkeypatch.setattr(api, "_pipeline_for", lambda *a, **k: pytest.fail("the stages were set up"))
+    with pytest.raises(LatentError, match="8 latent channels"):
+        vaeopt.decode(torch.randn(1, 8, 8, 8), load_vae(samples_dir / "tiny_kl_image.safetensors"))

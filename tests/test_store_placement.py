@@ -337,3 +337,58 @@ def test_pin_ahead_on_gpu_same_image(monkeypatch, vae, z):
     bufs = tiling_memory.storage_buffers(gpu_vae, tuple(zz.shape[-2:]), torch.float32)
     assert pa["error"] is None and pa["blocks"] == len(store.host_blocks(bufs, [True] * len(bufs)))
     assert pinned == pa["blocks"] and pa["seconds"] > 0
+
+
+def _host_bytes(bufs, placement) -> int:
+    return sum(b for (b, _, _), d in zip(bufs, placement) if not d)
+
+
+def test_place_is_not_monotone_in_room_for_any_buffers():
+    """Why the tile search below is pinned on the decoder's own buffers: `place` keeps the costliest buffers (bytes
+    x lifetime) first, so for an arbitrary list more room can leave MORE bytes on the host (room 6 keeps the 6-byte
+    long-lived buffer and sends both 5-byte short-lived ones out; room 5 keeps those two instead)."""
+    bufs = [(6, 0, 10), (5, 1, 5), (5, 5, 9)]
+    assert _host_bytes(bufs, place(bufs, 5)) == 6 and _host_bytes(bufs, place(bufs, 6)) == 10
+
+
+@pytest.mark.parametrize("kernels,shape", [(True, "bands"), (False, "tiles"), (False, "bands"), (True, "tiles")])
+def test_tile_search_finds_the_largest_tile_of_fewest_host_bytes(kernels, shape, monkeypatch):
+    """_choose_storage bisects the 8-px tile ladder on the assumption that a smaller tile never leaves more bytes on
+    the host. That holds for the KL decoder's buffer schedule: over square, odd and wide latents, planned tiles
+    larger and smaller than the latent, the Triton and torch paths, bands and tiles, and budgets from a sliver of the
+    buffers to nearly all of them, (1) the working set shrinks with the tile, (2) the host bytes never grow as the
+    tile shrinks, and (3) the bisection's choice is the linear scan's: the largest tile of the fewest host bytes."""
+    with torch.device("meta"):
+        models = [build_model(get_family("sdxl")).to(torch.bfloat16),  # SDXL's widths (128, 256, 512, 512)
+                  build_model(get_family("sdxl"), block_out_channels=[64, 128, 256, 256], layers_per_block=1,
+                              norm_num_groups=32).to(torch.bfloat16)]  # a narrower custom KL decoder
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    monkeypatch.delenv(tiling.PLACEMENT_ENV, raising=False)
+    checked = 0
+    for m in models:
+        weights = tiling_memory.decoder_weights_bytes(m)
+        for hw in ((512, 512), (509, 387), (130, 770)):  # square; odd (primes-ish); wider than any tile is tall
+            bufs = tiling_memory.storage_buffers(m, hw, torch.bfloat16)
+            store_bytes = tiling_memory.storage_bytes(m, hw, torch.bfloat16)
+            for tile in ((304, 304), (97, 161), (200, 136)):  # square; odd non-square; taller than 130
+                ladder = tiling._tile_ladder(tile, (max(8, tile[0] // 4), max(8, tile[1] // 4)))
+                needs = [tiling_memory.estimate_tiled_bytes(m, hw, t, torch.bfloat16, include_weights=False,
+                                                            untiled=False, kernels=kernels, shape=shape,
+                                                            device="cuda") for t in ladder]
+                assert needs == sorted(needs, reverse=True), (hw, tile)  # (1)
+                for frac in (0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0):
+                    budget = int(weights + needs[-1] + frac * store_bytes)
+                    hosts = [_host_bytes(bufs, place(bufs, budget - weights - n)) for n in needs]
+                    assert hosts == sorted(hosts, reverse=True), (hw, tile, frac)  # (2)
+                    td = tiling.TiledDecoder(m, tile=tile, vram_budget=budget, kernels=kernels, shape=shape)
+                    td.device, td.dtype, td.kernels, td.bands = (torch.device("cuda", 0), torch.bfloat16, kernels,
+                                                                 shape == "bands")
+                    storage, t, placement = td._choose_storage(hw)
+                    if storage.type != "cpu":
+                        continue  # a smaller tile holds every buffer on the device: no host bytes to weigh
+                    best = min(hosts)
+                    assert (t, _host_bytes(bufs, placement)) == (ladder[hosts.index(best)], best)  # (3)
+                    checked += 1
+    assert checked > 60  # (the grid reaches the host path, not only all-on-device plans)

@@ -18,6 +18,7 @@ import torch
 from vaeopt import latents as lat
 from vaeopt import outputs, stage_table, video_graphs
 from vaeopt.errors import DecodeError, LatentError, VaeoptError
+from vaeopt.families import get_family
 from vaeopt.fidelity import count_nonfinite
 from vaeopt.hw import resolve_device, resolve_dtype
 from vaeopt.loading import LoadedVAE, expand_user, load_vae, parse_json
@@ -114,10 +115,13 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     if options is not None and not isinstance(options, Options):
         raise VaeoptError(f"options must be vaeopt.Options(...), got {type(options).__name__} (e.g. "
                           "Options(dtype='bf16'))")
-    loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
-    pipe = _pipeline_for(loaded, options, log)
     entry = lat.LatentEntry("", latents)
-    z = lat.to_raw(lat.validate(entry, loaded.family, Path("<tensor>")), loaded.family, latent_space)
+    if not isinstance(vae, LoadedVAE):
+        lat.check_values(entry, Path("<tensor>"))  # NaN/Inf need no VAE: said before seconds of loading one
+    loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
+    t = lat.validate(entry, loaded.family, Path("<tensor>"))  # (before the stages are set up on the model)
+    pipe = _pipeline_for(loaded, options, log)
+    z = lat.to_raw(t, loaded.family, latent_space)
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
     # per-chunk graphs (Wan clips of several chunks); a one-chunk clip is counted and captured whole, as an image
@@ -285,6 +289,21 @@ def _latent_entries(lf: lat.LatentFile, fam, log: Callable[[str], None] | None) 
             + ", ".join(f"{e.name} {tuple(e.tensor.shape)} ({err.reason})" for e, err in misfits[:4])
             + (", ..." if len(misfits) > 4 else ""))
     return fits
+
+
+def check_latents_early(latent_files: list[lat.LatentFile], family: str | None) -> None:
+    """The latents' own mistakes before the model loads (seconds), with the lines plan_jobs gives after it: NaN/Inf
+    in a file's one tensor always (a dict may hold other tensors, e.g. masks with -inf, that are not decoded); where
+    the family is named (--family, vaeopt.json beside the latents) the whole validation, shapes and channel counts
+    too: a named family's weights must have its latent channels or the load refuses them. A tiny decoder takes its
+    channel count from its weights: values only."""
+    spec = get_family(family) if family else None
+    for lf in latent_files:
+        if spec is not None and spec.cls_name != "AutoencoderTiny":
+            for e in _latent_entries(lf, spec, None):
+                lat.validate(e, spec, lf.path)
+        elif len(lf.entries) == 1:
+            lat.check_values(lf.entries[0], lf.path)
 
 
 def _have_pyav() -> bool:

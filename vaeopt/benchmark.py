@@ -73,7 +73,12 @@ class Row:
     kind: str  # "peer", "ladder", "reference", "fp8" (one FP8 level on its own, after the ladder)
     status: str = "ok"  # ok, skipped, failed
     reason: str = ""
-    times_ms: list[float] = field(default_factory=list)
+    times_ms: list[float] = field(default_factory=list)  # every timed call, in order
+    # --warmup 0: the first timed call, which pays the one-time costs (compiles, allocator growth, cuDNN's choice).
+    # With 2 or more repeats it is kept out of median/min/max, so those stay steady-state numbers; with one repeat
+    # it is all there is: median_is_cold says the median is that cold call.
+    cold_ms: float | None = None
+    median_is_cold: bool = False
     median_ms: float | None = None
     min_ms: float | None = None
     max_ms: float | None = None
@@ -186,6 +191,10 @@ class Bench:
 
     def finish(self, row: Row, out: torch.Tensor | None, times: list[float], peak) -> Row:
         row.times_ms = [round(t, 3) for t in times]
+        if self.warmup == 0 and times:  # no untimed call before: the first one timed is cold
+            row.cold_ms = times[0]
+            row.median_is_cold = len(times) == 1
+            times = times[1:] or times
         row.median_ms = statistics.median(times)
         row.min_ms, row.max_ms = min(times), max(times)
         row.peak_alloc_gib, row.peak_reserved_gib = peak
@@ -420,10 +429,19 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
             raise VaeoptError(f"--cudnn-autotune: {why}")
         tuned = cudnn_autotune.apply("benchmark --cudnn-autotune")
         log("✓ " + tuned.detail)
+    # Each row's gc.collect() walks every object Python tracks, torch's and diffusers' modules included (half a
+    # second per row on a CPU): what exists before the first row is frozen out of those walks for the run (where no
+    # one froze objects before; the models of the rows are made after it and collected as before).
+    frozen = gc.get_freeze_count() == 0
+    if frozen:
+        gc.collect()
+        gc.freeze()
     try:
         return _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload,
                               command, model_overrides, gate_db, tuned, detail or log, spell)
     finally:
+        if frozen:
+            gc.unfreeze()
         if tuned is not None:
             cudnn_autotune.revert(tuned)
 

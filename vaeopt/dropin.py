@@ -284,6 +284,8 @@ def _off_plan(vae) -> str | None:
     planned = getattr(vae, "_vaeopt_device", None)
     if planned is None:
         return None
+    if (name := _swapped(vae)) is not None:
+        return f"vae.{name}{_SWAPPED}"
     if _placed_by_others(vae):
         return f"{_offloaded_parts(vae) or 'offloading hooks'} place its layers now"
     now = _offload_device(vae)
@@ -303,6 +305,10 @@ _REVERTIBLE = {"channels_last": "channels_last", "fused_norms": "fused_norms", "
                "fp8 convs": "triton_conv", "fp8": "fp8", "attention": "attention"}
 
 
+_SWAP_FIX = ("For vaeopt's path, swap modules before optimizing: load or build the VAE again, make the change, then "
+             "call vaeopt.optimize")
+
+
 def _stand_down(vae, why: str) -> None:
     """Undo what optimize changed in place (layouts, swapped and patched modules, marks), so that vae.decode is
     diffusers' own decode with the VAE as diffusers built it, and say once how to get vaeopt's path back. Where vaeopt
@@ -317,10 +323,12 @@ def _stand_down(vae, why: str) -> None:
             importlib.import_module(f"vaeopt.stages.{name}").revert(runs)
     free_derived(runs)
     vae._vaeopt_stood_down = why
+    fix = _SWAP_FIX if why.endswith(_SWAPPED) else (
+        "For vaeopt's path, optimize the VAE where it decodes: load or build it again, move it there "
+        "(pipe.to('cuda')) and then call vaeopt.optimize; with offloading, use pipe.enable_model_cpu_offload() "
+        "before it")
     warnings.warn(f"vaeopt: {why}, so vae.decode is diffusers' own decode from here on (vaeopt's in-place changes "
-                  "undone: the same output as the stock model there). For vaeopt's path, optimize the VAE where it "
-                  "decodes: load or build it again, move it there (pipe.to('cuda')) and then call vaeopt.optimize; "
-                  "with offloading, use pipe.enable_model_cpu_offload() before it", stacklevel=3)
+                  f"undone: the same output as the stock model there). {fix}", stacklevel=3)
 
 
 class _StandDownFirst:
@@ -344,9 +352,36 @@ def refresh(vae=None) -> None:
     `param.data` (EMA copies, LoRA merges) or under torch.inference_mode, or after replacing a parameter with a new
     one (`module.weight = nn.Parameter(...)`). The weights vaeopt derives from them (tap
     matrices, phase and time-stacked conv weights, packed kernel weights) are rebuilt on their next use, and captured
-    CUDA graphs are captured again. Ordinary in-place edits and load_state_dict are seen without it. `vae` is
-    accepted for readability; the refresh covers every model."""
+    CUDA graphs are captured again. Ordinary in-place edits and load_state_dict are seen without it. A module
+    replaced after optimize (`vae.decoder.conv_out = new_conv`) needs it too where CUDA graphs replay decodes; an
+    AutoencoderKLQwenImage, whose decode runs through a Wan view of the modules optimize saw, notices a replaced
+    module at its next decode by itself and steps aside to diffusers' own decode, with a warning (swap modules
+    before optimize to keep vaeopt's path). `vae` is accepted for readability; the refresh covers every model."""
     refresh_weights()
+
+
+_SWAPPED = " was replaced after vaeopt.optimize, which had set up the module there before"
+
+
+def _decoder_modules(vae) -> list[tuple[str, torch.nn.Module]]:
+    """The VAE's decode-side modules by name (a walk: ~0.1 ms for Qwen-Image's 150)."""
+    return [(f"{part}.{n}" if n else part, m) for part in ("post_quant_conv", "decoder")
+            for n, m in getattr(vae, part).named_modules()]
+
+
+def _swapped(vae) -> str | None:
+    """The first module replaced on an AutoencoderKLQwenImage since optimize built its Wan view (e.g.
+    `vae.decoder.conv_out = new_conv`), or None. The view's modules share their twins' weights and hooks, not their
+    children, so it would go on decoding with the module that was replaced, without a word."""
+    d = vae.__dict__.get("_decode")
+    then = d.__dict__.get("modules") if isinstance(d, _WanChunkDecode) else None
+    if then is None:
+        return None
+    now = _decoder_modules(vae)
+    for (name, m), (_, m_now) in zip(then, now):
+        if m is not m_now:  # (a walk in order: the first module that differs is the one replaced, or its parent's)
+            return name
+    return None if len(then) == len(now) else (then if len(then) > len(now) else now)[min(len(then), len(now))][0]
 
 
 class _WanChunkDecode:
@@ -363,6 +398,8 @@ class _WanChunkDecode:
     def __init__(self, vae, family, wan=None):
         self.vae, self.family = vae, family
         self.wan = vae if wan is None else wan
+        # a Wan view holds the VAE's modules of this moment: one swapped on the VAE later is not in it (_swapped)
+        self.modules = _decoder_modules(vae) if wan is not None and wan is not vae else None
 
     def _diffusers_tiles(self, z: torch.Tensor) -> bool:
         v = self.vae

@@ -493,6 +493,9 @@ class NotALatent(LatentError):
         self.reason = reason
 
 
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool = True) -> torch.Tensor:
     """Shape/dtype/finite checks with one-line errors; returns the tensor as (N,C,H,W) or (N,C,T,H,W).
     values=False: dtype and shape only (is this tensor a latent for this VAE at all?)."""
@@ -502,7 +505,7 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
         raise LatentError(f"{where}: a tensor on the meta device: it has a shape {tuple(t.shape)} but no values to "
                           "decode (saved from a model built with device='meta'?)")
     if t.layout != torch.strided:
-        if t.layout not in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        if t.layout not in _SPARSE:
             raise LatentError(f"{where}: latents must be a dense tensor, got layout {t.layout}")
         t = t.to_dense()  # sparse latents (rare, but a valid tensor): decode their values
     if not torch.is_floating_point(t):
@@ -521,8 +524,8 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     if family.name == "flux2" and t.ndim == 4 and t.shape[1] == 4 * cin:
         # FLUX.2's patchified (N, 128, H/16, W/16) latents, as its transformer and ComfyUI hold them: to_raw
         # unpatchifies them (after the BatchNorm de-normalization for pipeline latents)
-        if values and not torch.isfinite(t).all():
-            raise LatentError(f"{where}: non-finite values in {tuple(t.shape)} latents")
+        if values:
+            _refuse_nonfinite(t, where, tuple(entry.tensor.shape))
         return t
     if family.name == "flux" and packed:
         # (B, (H/16)*(W/16), 64): 2x2 patches of the 16 channels. The sequence does not say H and W (a square count
@@ -578,12 +581,33 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
             f"{where}: latent {h}x{w} would decode to {h * f}x{w * f} pixels per frame — beyond what vaeopt decodes "
             f"({int(math.sqrt(MAX_OUTPUT_PIXELS))}² max)"
         )
-    bad = (~torch.isfinite(t)).sum().item() if values else 0
+    if values:
+        _refuse_nonfinite(t, where, tuple(entry.tensor.shape))
+    return t
+
+
+def _refuse_nonfinite(t: torch.Tensor, where: str, shape: tuple) -> None:
+    """NaN/Inf in latents: how many, in the tensor as the file holds it (`shape`), so that the line is the same
+    whether it comes before the VAE is known (check_values) or after (validate)."""
+    bad = (~torch.isfinite(t)).sum().item()
     if bad:
         nans = torch.isnan(t).sum().item()
         raise LatentError(f"{where}: {bad} non-finite value{'s' if bad > 1 else ''} ({nans} NaN, {bad - nans} Inf) in "
-                          f"{tuple(t.shape)} latents")
-    return t
+                          f"{shape} latents")
+
+
+def check_values(entry: LatentEntry, source: Path) -> None:
+    """validate's NaN/Inf check on its own: it needs no VAE, so `vaeopt decode` makes it before the model loads
+    (seconds). Tensors validate refuses for other reasons (integer, meta) are left to it."""
+    t = entry.tensor
+    if t.device.type == "meta" or not torch.is_floating_point(t) or t.layout not in (torch.strided, *_SPARSE):
+        return
+    where = f"{source}" + (f" [{entry.name}]" if entry.name else "")
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        t = as_float(t, where)
+    _refuse_nonfinite(t, where, tuple(entry.tensor.shape))
 
 
 def _tiny_from_raw(latents: torch.Tensor, family: FamilySpec) -> torch.Tensor:

@@ -369,7 +369,10 @@ class TiledDecoder:
                     best = r
             return torch.device("cpu"), best[1], best[2]
         # a smaller tile leaves at least as much room, so the fewest host bytes are the smallest tile's: bisect the
-        # ladder for the largest tile that leaves as few (a handful of estimates per decode, not one per step)
+        # ladder for the largest tile that leaves as few (a handful of estimates per decode, not one per step).
+        # `place` keeps the costliest buffers first, which for an arbitrary buffer list can leave more bytes on the
+        # host with more room; the KL decoder's schedule does not (tests/test_store_placement.py checks this search
+        # against a scan of every step over shapes, tiles, budgets and both kernel paths)
         ladder = _tile_ladder(self.tile, cands[-1])
         best = at(ladder[-1])
         lo, hi = 0, len(ladder) - 1  # ladder[hi] leaves best[0]; the answer lies in [lo, hi]

@@ -46,7 +46,9 @@ def benchmark(
     repeats: Optional[int] = typer.Option(None, "--repeats", show_default=False,
                                           help="Timed repeats per row, median reported (default 5; 3 on the CPU, "
                                                "where each decode takes seconds)."),
-    warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per row. 0: the first timed run of each "
+                                                   "row is reported on its own as cold (it pays one-time compiles and "
+                                                   "allocations) and left out of the median when --repeats >= 2."),
     fp8: bool = typer.Option(False, "--fp8", help="Include FP8 in the ladder, and measure its three levels each "
                                                   "on its own after it (weight storage, fp8 GEMMs, 8-bit convs)."),
     fp8_gate: float = typer.Option(40.0, "--fp8-gate", help="FP8 fidelity gate (dB PSNR vs fp32) used by the ladder."),
@@ -64,7 +66,7 @@ def benchmark(
 ):
     """Measured ladder: peers (diffusers fp32/bf16/tiling/compile) and each vaeopt stage on top of the last.
 
-    A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors (a 256x256 decode, under a minute)."""
+    A quick CPU run: vaeopt benchmark samples/tiny_kl_image.safetensors --shape 1,4,16,16 (a 128x128 decode)."""
     set_verbosity(verbose, quiet)
     # argument mistakes first, before torch loads (seconds)
     if repeats is not None and repeats < 1:
@@ -219,7 +221,8 @@ def print_bench(result: dict) -> None:
     title = (f"{result.get('workload') or result['family']} {tuple(result['latent_shape'])} {result['dtype']} "
              f"on {result.get('gpu') or 'CPU (CPU numbers)'}")
     f = lambda v, fmt: (fmt.format(v) if v is not None else "-")  # noqa: E731
-    cols = ("row", "ms", "min-max", "GiB", "TFLOP/s", "PSNR", "max err", "speedup")
+    cold = result.get("warmup") == 0 and result.get("repeats", 0) >= 2  # the first call timed on its own
+    cols = ("row", "ms", "min-max") + (("cold ms",) if cold else ()) + ("GiB", "TFLOP/s", "PSNR", "max err", "speedup")
     cells, skipped = [], []
     for r in result["rows"]:
         if r["status"] != "ok":
@@ -227,7 +230,7 @@ def print_bench(result: dict) -> None:
             continue
         psnr = "ref" if r["kind"] == "reference" else psnr_text(r["psnr_db"], "")
         cells.append((r["name"][:36], f(r["median_ms"], "{:.1f}"), f"{r['min_ms']:.1f}-{r['max_ms']:.1f}",
-                      f(r["peak_alloc_gib"], "{:.2f}"),
+                      *((f(r.get("cold_ms"), "{:.1f}"),) if cold else ()), f(r["peak_alloc_gib"], "{:.2f}"),
                       f(r["tflops"], "{:.0f}" if (r["tflops"] or 0) >= 10 else "{:.2g}"), psnr,
                       f(r["max_abs"], "{:.3f}"), f(r.get("speedup_vs_baseline", r["speedup_vs_diffusers_bf16"]),
                                                    "{:.2f}x")))
@@ -235,7 +238,7 @@ def print_bench(result: dict) -> None:
     width = printing.out_console.width
     need = {c: max([len(c)] + [len(row[i]) for row in cells]) + 3 for i, c in enumerate(cols)}
     shown = list(cols)
-    for c in ("min-max", "TFLOP/s", "max err", "GiB"):
+    for c in (c for c in ("cold ms", "min-max", "TFLOP/s", "max err", "GiB") if c in cols):
         if sum(need[k] for k in shown if k != "row") + 16 <= width:
             break
         shown.remove(c)
@@ -255,6 +258,12 @@ def print_bench(result: dict) -> None:
                                f"'{result.get('speedup_baseline')}'{matmul}", style="dim")
     from vaeopt.benchmark import clock_note, level_lines
 
+    if result.get("warmup") == 0:  # the first call pays one-time costs: said, so no one reads it as steady
+        printing.out_console.print(
+            "--warmup 0: the first call of each row (cold: one-time compiles, allocations, kernel choice) is timed "
+            "on its own ('cold ms') and left out of the median" if cold else
+            "--warmup 0 --repeats 1: each time is one cold call (one-time compiles, allocations and kernel choice "
+            "included), not a steady-state time", style="dim", highlight=False)
     if note := clock_note(result["rows"]):
         printing.out_console.print(note, style="dim", highlight=False)
     for r in skipped:  # the reasons in full with -v (and in --json)

@@ -188,6 +188,8 @@ def decode(
             and sum(len(f.entries) for f in files) == 1):
         outputs.check_writable([output], overwrite)  # one output file named by -o: exists? said now, not after the load
     model_path, why = api.resolve_model(model, files)
+    # the latents' own mistakes now, with the lines the checks after the load give, not after seconds of loading
+    api.check_latents_early(files, family or (api.manifest_family(files) if why.startswith(lat.MANIFEST) else None))
     # the GPU warmed on a thread: the CUDA context, cuDNN and cuBLAS while diffusers imports, then the Triton kernels
     # this decode loaded last time while the checkpoint loads (told by imports_done); joined before the stages use
     # the GPU. None on a CPU.
