@@ -459,6 +459,30 @@ def test_rows_collect_garbage_without_walking_the_imports(monkeypatch):
     assert gc.get_freeze_count() == 0
 
 
+def test_an_interrupt_before_the_first_row_leaves_no_global_state(monkeypatch):
+    """Ctrl-C during the collection before the first row (half a second on a CPU), e.g. in a notebook that goes on
+    afterwards: cuDNN's autotuning (--cudnn-autotune, process-wide) is switched back and nothing stays frozen."""
+    import gc
+
+    from vaeopt import benchmark as B
+    from vaeopt.families import get_family
+    from vaeopt.stages import cudnn_autotune
+
+    monkeypatch.setattr(cudnn_autotune, "available", lambda device: (True, ""))  # (no GPU needed to reach the point)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    gc.unfreeze()
+    monkeypatch.setattr(gc, "collect", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        B.run_benchmark(get_family("sdxl"), {}, (1, 4, 8, 8), device=torch.device("cpu"), dtype=torch.float32,
+                        peers=(), repeats=1, warmup=0, fp8=False, log=lambda s: None, workload=None, command="x",
+                        autotune=True)
+    assert torch.backends.cudnn.benchmark is False and gc.get_freeze_count() == 0
+
+
 def test_the_readme_cpu_example_runs_and_is_small(tmp_path, samples_dir):
     """The README's CPU benchmark line runs as written (flags still spelled so) on a latent small enough for a quick
     answer on a CPU: every row decodes a 128x128 image, the run is mostly imports."""

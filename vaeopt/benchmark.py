@@ -431,12 +431,13 @@ def run_benchmark(spec: FamilySpec, state_dict: dict, shape: tuple, *, device: t
         log("✓ " + tuned.detail)
     # Each row's gc.collect() walks every object Python tracks, torch's and diffusers' modules included (half a
     # second per row on a CPU): what exists before the first row is frozen out of those walks for the run (where no
-    # one froze objects before; the models of the rows are made after it and collected as before).
+    # one froze objects before; the models of the rows are made after it and collected as before). Inside the try: a
+    # Ctrl-C during that collection still turns the autotuner back off.
     frozen = gc.get_freeze_count() == 0
-    if frozen:
-        gc.collect()
-        gc.freeze()
     try:
+        if frozen:
+            gc.collect()
+            gc.freeze()
         return _run_benchmark(spec, state_dict, shape, device, dtype, peers, repeats, warmup, fp8, log, workload,
                               command, model_overrides, gate_db, tuned, detail or log, spell)
     finally:
