@@ -350,6 +350,32 @@ def test_estimate_fused(fused21):
     assert 0.8 * torch_path < fused_path <= torch_path, (fused_path / 2**30, torch_path / 2**30)
 
 
+def test_estimate_fused_holds_when_frames_keep_their_arguments():
+    """The fused path lets its large temporaries go itself rather than by unbinding names: the same peak when every
+    frame's arguments stay alive until it returns (as under a profiler, or torch's frame hook for the rest of a
+    process in which a torch.compile failed)."""
+    import sys
+
+    from vaeopt.engine import memory
+
+    with torch.device("meta"):
+        full = build_model(get_family("wan21"))
+
+    def peak():
+        memory.estimate_peak.cache_clear()
+        return video.estimate_chunk_bytes(full, (1, 16, 9, 60, 104), 4, torch.bfloat16, channels_last=True,
+                                          fused=True)
+
+    plain = peak()
+    sys.setprofile(lambda frame, event, arg: frame.f_locals if event == "call" else None)
+    try:
+        held = peak()
+    finally:
+        sys.setprofile(None)
+        memory.estimate_peak.cache_clear()
+    assert held == plain
+
+
 # --- epilogue kernel: out= and groups= (what the fused path uses) ------------------------------------------------
 
 

@@ -400,7 +400,7 @@ class ChunkDecoder:
         ps = [self._res_fusable(res) if self.kern else None for res in ub.resnets]
         for i, (res, p) in enumerate(zip(ub.resnets, ps)):
             if i == last and fuse_up and p is not None:  # its epilogue writes what the resampler needs
-                x, xb = self._resample_fused(resampler, self._res_parts(res, box, xb, p))
+                x, xb = self._resample_fused(resampler, [*self._res_parts(res, box, xb, p)])
                 break
             # the next block's norm1 (or the head's norm) can add this block's residual itself
             nxt = ps[i + 1] is not None if i < last else (defer_last and resampler is None and not dup)
@@ -671,7 +671,7 @@ class ChunkDecoder:
             return False
         return rs.mode == "upsample2d" or (self._plain(rs.time_conv) and self._hist(rs.time_conv) > 0)
 
-    def _resample_fused(self, rs, parts) -> tuple[Tensor, Tensor | None]:
+    def _resample_fused(self, rs, parts: list) -> tuple[Tensor, Tensor | None]:
         """WanResample after a residual block whose epilogue is still to run: the epilogue writes the 2x upsampled
         frames directly (upsample2d), or into time_conv's input buffer, time_conv runs without bias, and one kernel
         adds its bias, interleaves the two channel halves into frames and upsamples (upsample3d). The 2D conv runs
@@ -679,7 +679,7 @@ class ChunkDecoder:
         upsampled: the epilogue / interleave write low-resolution frames and the conv runs as 2x2 phase convs.
         -> (x, owed bias)."""
         h, b2, r, rb = parts
-        del parts
+        parts.clear()  # (emptied, not just unbound: a profiler or torch's frame hook may hold this frame's arguments)
         N, C, t, H, W = h.shape
         conv2d = rs.resample[1]
         phase = phase_ok(conv2d, None, h)  # the 2D conv as 2x2 phase convs: its input is not upsampled
