@@ -393,7 +393,7 @@ def git_revision() -> dict:
 def header(device: torch.device, command: str) -> dict:
     """What every result file starts with: the GPU, the versions (CUDA's and cuDNN's on a GPU run), the git revision,
     the date and the command that reproduces the run."""
-    cuda, m = device.type == "cuda", machine_info()
+    cuda, m = device.type == "cuda", machine_info(gpus=False)
     return {"gpu": torch.cuda.get_device_name(device) if cuda else None,
             "gpu_count": torch.cuda.device_count() if cuda else 0,
             "versions": {"torch": m.torch, "cuda": m.cuda if cuda else None, "cudnn": m.cudnn if cuda else None,

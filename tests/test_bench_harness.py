@@ -108,3 +108,20 @@ def test_plain_script_writes_diffusers_decode_and_its_phases(harness, tmp_path):
     assert [m[0] for m in marks] == ["python", "cli", "torch", "read", "diffusers", "load", "plan", "stages", "decode",
                                      "write", "report", "atexit"]
     assert all(a[1] <= b[1] for a, b in zip(marks, marks[1:]))
+
+
+def test_header_leaves_the_gpus_alone(harness, monkeypatch):
+    """A result file's header records versions without the per-GPU memory query: that query creates a CUDA context
+    on every GPU, which a parent process timing child processes must not hold."""
+    from vaeopt import hw
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_90"])
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    monkeypatch.setattr(hw, "gpu_info", lambda i: asked.append(i))
+    h = harness.header(torch.device("cpu"), "python benchmarks/x.py")
+    assert asked == [] and h["command"] == "python benchmarks/x.py" and h["versions"]["torch"] == torch.__version__
+    hw.machine_info()
+    assert asked == [0, 1]  # (the full machine report still lists every GPU)

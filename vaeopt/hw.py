@@ -70,7 +70,9 @@ def sdpa_backends() -> dict[str, bool]:
     return out
 
 
-def machine_info() -> MachineInfo:
+def machine_info(gpus: bool = True) -> MachineInfo:
+    """gpus=False: without the per-GPU memory query, which creates a CUDA context on every GPU (a parent process
+    that only records versions, beside the processes it times, must hold none)."""
     cuda = torch.version.cuda if torch.cuda.is_available() else None
     cudnn = None
     if torch.cuda.is_available() and torch.backends.cudnn.is_available():
@@ -81,7 +83,7 @@ def machine_info() -> MachineInfo:
                        pyav=package_version("av"),
                        torch_arch_list=torch.cuda.get_arch_list() if torch.cuda.is_available() else [],
                        sdpa_backends=sdpa_backends(), triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
-    if torch.cuda.is_available():
+    if gpus and torch.cuda.is_available():
         info.gpus = [gpu_info(i) for i in range(torch.cuda.device_count())]
     return info
 
