@@ -1495,3 +1495,17 @@ def test_latent_mistakes_are_reported_before_the_model_loads(tmp_path, samples_d
         error = error.replace(str(args[0]), str(tmp_path / args[0].name))  # (m/c8.pt: the same file name)
         assert error in late[args[0].name].splitlines(), (r.output, late)  # the line the check after the load gives
     assert not (tmp_path / "o.png").exists()
+
+
+def test_unknown_family_is_reported_before_torch_loads():
+    """--family with a name no family has is an argument mistake like a bad --dtype: decode, benchmark and warmup say
+    so before torch loads (at once), not after the latents, torch and diffusers (seconds)."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args in (["decode", __file__, "--family", "foo"], ["benchmark", "--family", "foo", "--shape", "1,4,8,8"],
+                 ["warmup", "--family", "foo"]):
+        p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout, (args, p.stdout, p.stderr)
+        assert "unknown family 'foo'. Known: sd15, sd2, sdxl" in p.stderr, (args, p.stderr)

@@ -85,6 +85,10 @@ def benchmark(
     bad = [p for p in peer_list if p not in PEER_NAMES]
     if bad:  # (before the checkpoint loads)
         raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(PEER_NAMES)})")
+    if family is not None:
+        from vaeopt.families import get_family
+
+        get_family(family)  # a misspelled name: the known ones listed
     if model is None and not family and not workload:
         raise VaeoptError("give a checkpoint, --family or --workload")
     from vaeopt import benchmark as bm

@@ -152,6 +152,10 @@ def decode(
     if gpus is not None and gpus < 1:
         raise VaeoptError("--gpus must be at least 1")
     check_limits(max_outputs, max_output_gb)
+    if family is not None:
+        from vaeopt.families import get_family
+
+        get_family(family)  # a misspelled name: the known ones listed
     if (height is not None or width is not None) and (height is None or width is None or height <= 0 or width <= 0):
         raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
 
