@@ -1509,3 +1509,17 @@ def test_unknown_family_is_reported_before_torch_loads():
                            env={**os.environ, "COLUMNS": "200"})
         assert "torch not loaded 2" in p.stdout, (args, p.stdout, p.stderr)
         assert "unknown family 'foo'. Known: sd15, sd2, sdxl" in p.stderr, (args, p.stderr)
+
+
+def test_benchmark_output_names_refused_before_torch_loads(tmp_path):
+    """--json naming a file that is not .json, or --plot one that is not .png, is a typo in the arguments: said
+    before torch loads, as a bad --shape is, not seconds later."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in ((["--json", str(tmp_path / "r.txt")], "the results are a JSON file; give a .json file name"),
+                      (["--plot", str(tmp_path / "p.jpg")], "the chart is a PNG; give a .png file name")):
+        p = subprocess.run([sys.executable, "-c", code, "benchmark", "--family", "sd15", "--shape", "1,4,8,8", *args],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+    assert not any(tmp_path.iterdir())

@@ -89,6 +89,10 @@ def benchmark(
         from vaeopt.families import get_family
 
         get_family(family)  # a misspelled name: the known ones listed
+    if plot_out is not None and plot_out.suffix.lower() != ".png":
+        raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")
+    if json_out is not None and json_out.suffix.lower() != ".json":  # it replaces an existing file: only a .json one
+        raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
     if model is None and not family and not workload:
         raise VaeoptError("give a checkpoint, --family or --workload")
     from vaeopt import benchmark as bm
@@ -141,8 +145,6 @@ def _replacing(p: Path) -> str:
 
 def _check_bench_outputs(model, json_out, plot_out) -> None:
     outs = [p for p in (json_out, plot_out) if p is not None]
-    if plot_out is not None and plot_out.suffix.lower() != ".png":
-        raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")
     if json_out is not None and plot_out is not None and json_out.resolve() == plot_out.resolve():
         raise VaeoptError(f"--json and --plot name the same file {json_out}")
     for p in outs:
@@ -150,8 +152,6 @@ def _check_bench_outputs(model, json_out, plot_out) -> None:
             raise VaeoptError(f"{p}: would overwrite the model being benchmarked; choose another path")
         if p.is_dir():
             raise VaeoptError(f"{p}: is a folder; give a file name")
-    if json_out is not None and json_out.suffix.lower() != ".json":  # it replaces an existing file: only a .json one
-        raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
     from vaeopt.benchmark import is_own_output
 
     for p, flag in ((json_out, "--json"), (plot_out, "--plot")):
