@@ -459,6 +459,9 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     all_entries = None
     if key is not None:
         picked = [e for e in entries if e.name == key]
+        if not picked and len(entries) == 1 and not entries[0].name:
+            raise LatentError(f"{path}: holds one tensor with no name (not a dict of tensors), so --key {key} has "
+                              "nothing to pick: leave --key out")
         if not picked:
             names = [e.name or "<tensor>" for e in entries]
             raise LatentError(f"{path}: no tensor named '{key}'; found: {', '.join(names[:8])}"
