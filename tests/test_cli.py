@@ -1523,3 +1523,27 @@ def test_benchmark_output_names_refused_before_torch_loads(tmp_path):
                            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
     assert not any(tmp_path.iterdir())
+
+
+def test_integer_and_meta_latents_are_refused_before_the_model_loads(tmp_path, samples_dir, monkeypatch):
+    """A file's one tensor that is integer or has no values (meta) is refused whatever the VAE: before the checkpoint
+    loads, with the line the check after the load gives."""
+    import vaeopt.loading
+
+    model = samples_dir / "tiny_kl_image.safetensors"
+    torch.save(torch.randint(0, 5, (1, 4, 8, 8)), tmp_path / "int.pt")
+    torch.save(torch.empty(1, 4, 8, 8, device="meta"), tmp_path / "meta.pt")
+    late = {name: run("decode", tmp_path / name, "-m", model, "-o", tmp_path / "o.png").output
+            for name in ("int.pt", "meta.pt")}
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(vaeopt.loading, "load_vae", no_load)
+    for name, msg in (("int.pt", "latents must be floating point, got torch.int64"),
+                      ("meta.pt", "a tensor on the meta device: it has a shape (1, 4, 8, 8) but no values")):
+        r = run("decode", tmp_path / name, "-m", model, "-o", tmp_path / "o.png")
+        assert r.exit_code == 2 and "Traceback" not in r.output and msg in r.output, r.output
+        error = next(line for line in r.output.splitlines() if line.startswith("error:"))
+        assert error in late[name].splitlines(), (r.output, late)
+    assert not (tmp_path / "o.png").exists()
