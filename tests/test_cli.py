@@ -1547,3 +1547,20 @@ def test_integer_and_meta_latents_are_refused_before_the_model_loads(tmp_path, s
         error = next(line for line in r.output.splitlines() if line.startswith("error:"))
         assert error in late[name].splitlines(), (r.output, late)
     assert not (tmp_path / "o.png").exists()
+
+
+def test_a_latent_file_given_twice_is_said_before_torch_loads(tmp_path):
+    """The same latent file named twice (a.pt and ./a.pt alike) is an argument mistake: said at once, in the words
+    the planner uses, not after torch, the latents and the model have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    z = tmp_path / "z.pt"
+    z.write_bytes(b"x" * 64)
+    (tmp_path / "vae.pt").write_bytes(b"y" * 64)
+    (tmp_path / "sub").mkdir()
+    again = tmp_path / "sub" / ".." / "z.pt"
+    p = subprocess.run([sys.executable, "-c", code, "decode", str(z), str(again), "-m", str(tmp_path / "vae.pt")],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert "torch not loaded 2" in p.stdout, (p.stdout, p.stderr)
+    assert f"error: {again}: given twice (also as {z}); name each latent file once" in p.stderr, p.stderr

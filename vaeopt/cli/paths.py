@@ -14,10 +14,16 @@ from vaeopt.errors import OutputError, VaeoptError
 
 
 def check_inputs_exist(latents: List[Path]) -> None:
-    """A missing latent file, said before torch loads (vaeopt.latents.read_latents checks the rest)."""
+    """A missing latent file, or one named twice, said before torch loads (vaeopt.latents.read_latents checks the
+    rest)."""
+    given: dict[str, Path] = {}
     for p in latents:
         if not p.exists():
             raise VaeoptError(f"{p}: " + ("a broken or looping symlink" if p.is_symlink() else "no such file"))
+        r = os.path.abspath(p)  # as the planner counts them: a.pt and ./a.pt are one file
+        if r in given:
+            raise VaeoptError(f"{p}: given twice (also as {given[r]}); name each latent file once")
+        given[r] = p
 
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".json")
