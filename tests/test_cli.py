@@ -1564,3 +1564,18 @@ def test_a_latent_file_given_twice_is_said_before_torch_loads(tmp_path):
                        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert "torch not loaded 2" in p.stdout, (p.stdout, p.stderr)
     assert f"error: {again}: given twice (also as {z}); name each latent file once" in p.stderr, p.stderr
+
+
+def test_missing_config_is_reported_before_torch_loads(tmp_path):
+    """--config naming a file that is not there (or a folder without config.json) is a typo like a missing -m: said
+    at once, in the loader's words, not after torch, the latents and diffusers have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    (tmp_path / "empty").mkdir()
+    for config, msg in ((tmp_path / "nope.json", f"config file not found: {tmp_path / 'nope.json'}"),
+                        (tmp_path / "empty", f"config file not found: the folder {tmp_path / 'empty'} has no "
+                                             "config.json")):
+        p = subprocess.run([sys.executable, "-c", code, "decode", __file__, "--config", str(config)],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (config, p.stdout, p.stderr)

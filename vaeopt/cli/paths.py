@@ -26,6 +26,20 @@ def check_inputs_exist(latents: List[Path]) -> None:
         given[r] = p
 
 
+def check_config_exists(config: Path | None) -> None:
+    """A --config that is not there, said before torch loads in the loader's words (vaeopt.loading.config reads it)."""
+    if config is None:
+        return
+    try:
+        path = config.expanduser()
+    except RuntimeError:  # '~nosuchuser': the loader words it
+        return
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise VaeoptError(f"config file not found: the folder {path.resolve()} has no config.json")
+    if not path.exists() and not path.is_symlink():
+        raise VaeoptError(f"config file not found: {path}")
+
+
 CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".json")
 
 
