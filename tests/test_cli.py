@@ -909,9 +909,9 @@ def test_input_errors_come_before_the_load_and_say_what_to_do(tmp_path, samples_
     assert (tmp_path / "taken.png").read_bytes() == b"mine"
     r = run("benchmark", tmp_path / "nosuch.safetensors", "--peers", "foo")
     assert r.exit_code == 2 and "--peers: unknown foo" in r.output
-    for flag in ("--json", "--plot"):  # a '~user' that does not exist: one line, exit 2 (not an internal error)
-        r = run("benchmark", model, flag, "~nosuchuser_vaeopt/r.json")
-        assert r.exit_code == 2 and f"{flag} ~nosuchuser_vaeopt/r.json: '~nosuchuser_vaeopt' names no user" in r.output
+    for flag, name in (("--json", "r.json"), ("--plot", "r.png")):  # a '~user' that does not exist: one line, exit 2
+        r = run("benchmark", model, flag, f"~nosuchuser_vaeopt/{name}")  # (not an internal error)
+        assert r.exit_code == 2 and f"{flag} ~nosuchuser_vaeopt/{name}: '~nosuchuser_vaeopt' names no user" in r.output
     r = run("decode", z, "-m", "stabilityai/sdxl-vae")
     assert "Hugging Face Hub id" in r.output and "huggingface-cli download stabilityai/sdxl-vae" in r.output
     r = run("decode", z, "-m", "black-forest-labs/FLUX.1-dev/vae")
