@@ -91,7 +91,8 @@ def benchmark(
         get_family(family)  # a misspelled name: the known ones listed
     if plot_out is not None and plot_out.suffix.lower() != ".png":
         raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")
-    if json_out is not None and json_out.suffix.lower() != ".json":  # it replaces an existing file: only a .json one
+    if (json_out is not None and json_out.suffix.lower() != ".json" and not json_out.exists()
+            and json_out != plot_out):  # (a folder, the model or the --plot file: named as such after the imports)
         raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
     if model is None and not family and not workload:
         raise VaeoptError("give a checkpoint, --family or --workload")
@@ -152,6 +153,8 @@ def _check_bench_outputs(model, json_out, plot_out) -> None:
             raise VaeoptError(f"{p}: would overwrite the model being benchmarked; choose another path")
         if p.is_dir():
             raise VaeoptError(f"{p}: is a folder; give a file name")
+    if json_out is not None and json_out.suffix.lower() != ".json":  # it replaces an existing file: only a .json one
+        raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
     from vaeopt.benchmark import is_own_output
 
     for p, flag in ((json_out, "--json"), (plot_out, "--plot")):
