@@ -909,9 +909,9 @@ def test_input_errors_come_before_the_load_and_say_what_to_do(tmp_path, samples_
     assert (tmp_path / "taken.png").read_bytes() == b"mine"
     r = run("benchmark", tmp_path / "nosuch.safetensors", "--peers", "foo")
     assert r.exit_code == 2 and "--peers: unknown foo" in r.output
-    for flag in ("--json", "--plot"):  # a '~user' that does not exist: one line, exit 2 (not an internal error)
-        r = run("benchmark", model, flag, "~nosuchuser_vaeopt/r.json")
-        assert r.exit_code == 2 and f"{flag} ~nosuchuser_vaeopt/r.json: '~nosuchuser_vaeopt' names no user" in r.output
+    for flag, name in (("--json", "r.json"), ("--plot", "r.png")):  # a '~user' that does not exist: one line, exit 2
+        r = run("benchmark", model, flag, f"~nosuchuser_vaeopt/{name}")  # (not an internal error)
+        assert r.exit_code == 2 and f"{flag} ~nosuchuser_vaeopt/{name}: '~nosuchuser_vaeopt' names no user" in r.output
     r = run("decode", z, "-m", "stabilityai/sdxl-vae")
     assert "Hugging Face Hub id" in r.output and "huggingface-cli download stabilityai/sdxl-vae" in r.output
     r = run("decode", z, "-m", "black-forest-labs/FLUX.1-dev/vae")
@@ -1495,3 +1495,87 @@ def test_latent_mistakes_are_reported_before_the_model_loads(tmp_path, samples_d
         error = error.replace(str(args[0]), str(tmp_path / args[0].name))  # (m/c8.pt: the same file name)
         assert error in late[args[0].name].splitlines(), (r.output, late)  # the line the check after the load gives
     assert not (tmp_path / "o.png").exists()
+
+
+def test_unknown_family_is_reported_before_torch_loads():
+    """--family with a name no family has is an argument mistake like a bad --dtype: decode, benchmark and warmup say
+    so before torch loads (at once), not after the latents, torch and diffusers (seconds)."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args in (["decode", __file__, "--family", "foo"], ["benchmark", "--family", "foo", "--shape", "1,4,8,8"],
+                 ["warmup", "--family", "foo"]):
+        p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout, (args, p.stdout, p.stderr)
+        assert "unknown family 'foo'. Known: sd15, sd2, sdxl" in p.stderr, (args, p.stderr)
+
+
+def test_benchmark_output_names_refused_before_torch_loads(tmp_path):
+    """--json naming a file that is not .json, or --plot one that is not .png, is a typo in the arguments: said
+    before torch loads, as a bad --shape is, not seconds later."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    for args, msg in ((["--json", str(tmp_path / "r.txt")], "the results are a JSON file; give a .json file name"),
+                      (["--plot", str(tmp_path / "p.jpg")], "the chart is a PNG; give a .png file name")):
+        p = subprocess.run([sys.executable, "-c", code, "benchmark", "--family", "sd15", "--shape", "1,4,8,8", *args],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+    assert not any(tmp_path.iterdir())
+
+
+def test_integer_and_meta_latents_are_refused_before_the_model_loads(tmp_path, samples_dir, monkeypatch):
+    """A file's one tensor that is integer or has no values (meta) is refused whatever the VAE: before the checkpoint
+    loads, with the line the check after the load gives."""
+    import vaeopt.loading
+
+    model = samples_dir / "tiny_kl_image.safetensors"
+    torch.save(torch.randint(0, 5, (1, 4, 8, 8)), tmp_path / "int.pt")
+    torch.save(torch.empty(1, 4, 8, 8, device="meta"), tmp_path / "meta.pt")
+    late = {name: run("decode", tmp_path / name, "-m", model, "-o", tmp_path / "o.png").output
+            for name in ("int.pt", "meta.pt")}
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(vaeopt.loading, "load_vae", no_load)
+    for name, msg in (("int.pt", "latents must be floating point, got torch.int64"),
+                      ("meta.pt", "a tensor on the meta device: it has a shape (1, 4, 8, 8) but no values")):
+        r = run("decode", tmp_path / name, "-m", model, "-o", tmp_path / "o.png")
+        assert r.exit_code == 2 and "Traceback" not in r.output and msg in r.output, r.output
+        error = next(line for line in r.output.splitlines() if line.startswith("error:"))
+        assert error in late[name].splitlines(), (r.output, late)
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_a_latent_file_given_twice_is_said_before_torch_loads(tmp_path):
+    """The same latent file named twice (a.pt and ./a.pt alike) is an argument mistake: said at once, in the words
+    the planner uses, not after torch, the latents and the model have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    z = tmp_path / "z.pt"
+    z.write_bytes(b"x" * 64)
+    (tmp_path / "vae.pt").write_bytes(b"y" * 64)
+    (tmp_path / "sub").mkdir()
+    again = tmp_path / "sub" / ".." / "z.pt"
+    p = subprocess.run([sys.executable, "-c", code, "decode", str(z), str(again), "-m", str(tmp_path / "vae.pt")],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert "torch not loaded 2" in p.stdout, (p.stdout, p.stderr)
+    assert f"error: {again}: given twice (also as {z}); name each latent file once" in p.stderr, p.stderr
+
+
+def test_missing_config_is_reported_before_torch_loads(tmp_path):
+    """--config naming a file that is not there (or a folder without config.json) is a typo like a missing -m: said
+    at once, in the loader's words, not after torch, the latents and diffusers have loaded."""
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    (tmp_path / "empty").mkdir()
+    for config, msg in ((tmp_path / "nope.json", f"config file not found: {tmp_path / 'nope.json'}"),
+                        (tmp_path / "empty", f"config file not found: the folder {tmp_path / 'empty'} has no "
+                                             "config.json")):
+        p = subprocess.run([sys.executable, "-c", code, "decode", __file__, "--config", str(config)],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "torch not loaded 2" in p.stdout and msg in p.stderr, (config, p.stdout, p.stderr)

@@ -561,3 +561,12 @@ def test_a_latent_file_saved_with_torch_save_is_read_as_one(tmp_path):
     assert lf.format == "comfyui-dict" and lf.default_space == "raw"
     assert torch.equal(lf.entries[0].tensor, z)
     assert any("torch.save file despite its '.latent' suffix" in n for n in lf.notes), lf.notes
+
+
+def test_key_on_a_file_of_one_bare_tensor(tmp_path):
+    # --key picks a tensor of a dict; a file that is one bare tensor has no names: say so, not "found: <tensor>"
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "a.pt")
+    with pytest.raises(LatentError) as e:
+        lat.read_latents(tmp_path / "a.pt", key="nope")
+    assert str(e.value) == (f"{tmp_path / 'a.pt'}: holds one tensor with no name (not a dict of tensors), so "
+                            "--key nope has nothing to pick: leave --key out")

@@ -1034,3 +1034,22 @@ def test_api_decode_refuses_nonfinite_latents_before_loading(samples_dir, monkey
     monkeypatch.setattr(api, "_pipeline_for", lambda *a, **k: pytest.fail("the stages were set up"))
     with pytest.raises(LatentError, match="8 latent channels"):
         vaeopt.decode(torch.randn(1, 8, 8, 8), load_vae(samples_dir / "tiny_kl_image.safetensors"))
+
+
+def test_api_latent_space_checked_before_the_load_in_any_case(samples_dir, monkeypatch):
+    """vaeopt.decode's latent_space is an argument: a bad one is refused before the checkpoint loads, and any case
+    is taken, as the CLI's --latent-space takes RAW or Scaled."""
+    import vaeopt.api
+    from vaeopt.errors import VaeoptError
+
+    loaded = load_vae(samples_dir / "tiny_kl_image.safetensors")
+    z = torch.randn(1, 4, 8, 8)
+    assert torch.equal(vaeopt.decode(z, loaded, latent_space="RAW"), vaeopt.decode(z, loaded, latent_space="raw"))
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(vaeopt.api, "load_vae", no_load)
+    for bad in ("weird", None, 1):
+        with pytest.raises(VaeoptError, match=f"latent space must be 'scaled' or 'raw', got '{bad}'"):
+            vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors", latent_space=bad)

@@ -594,3 +594,25 @@ def test_cli_argument_mistakes_before_torch_loads(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(tmp_path / "gone.safetensors")],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert "torch not loaded 2" in p.stdout and "checkpoint not found" in p.stderr, (p.stdout, p.stderr)
+
+
+def test_cli_address_mistakes_before_torch_loads():
+    """A --host that is no address here, or a --port another server holds, is an argument mistake too: said before
+    torch loads (at once), not after seconds of imports."""
+    import os
+    import subprocess
+
+    code = ("import sys\nfrom vaeopt.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', code)\n")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        for args, msg in ((["--host", "0.0.0.0.0", "--port", "0"], "--host 0.0.0.0.0: not an address here"),
+                          (["--port", str(taken.getsockname()[1])], "(another server is there: pick another --port)")):
+            p = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(IMG), *args], capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "COLUMNS": "200", "VAEOPT_TOKEN": TOKEN})
+            assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+    finally:
+        taken.close()

@@ -115,6 +115,9 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
     if options is not None and not isinstance(options, Options):
         raise VaeoptError(f"options must be vaeopt.Options(...), got {type(options).__name__} (e.g. "
                           "Options(dtype='bf16'))")
+    if not isinstance(latent_space, str) or latent_space.lower() not in ("scaled", "raw"):  # before the load
+        raise LatentError(f"latent space must be 'scaled' or 'raw', got '{latent_space}'")
+    latent_space = latent_space.lower()  # any case, as --latent-space takes it
     entry = lat.LatentEntry("", latents)
     if not isinstance(vae, LoadedVAE):
         lat.check_values(entry, Path("<tensor>"))  # NaN/Inf need no VAE: said before seconds of loading one

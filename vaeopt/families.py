@@ -11,10 +11,12 @@ import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from vaeopt.errors import CheckpointError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI checks a --family name before torch loads
+    import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -110,6 +112,8 @@ class FamilySpec:
         c = self.config
         if c.get("latents_mean") is None or c.get("latents_std") is None:
             return None
+        import torch
+
         shape = [1, -1] + [1] * (x.ndim - 2)
         return (torch.tensor(c["latents_mean"], dtype=x.dtype).view(shape),
                 torch.tensor(c["latents_std"], dtype=x.dtype).view(shape))
@@ -210,8 +214,12 @@ def unpatchify(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(n, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c4 // 4, h * 2, w * 2)
 
 
-def bn_stats(c: dict, channels: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of FLUX.2's latent BatchNorm, each (1, channels, 1, 1): std = sqrt(running_var + eps)."""
+def bn_stats(c: dict, channels: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of FLUX.2's latent BatchNorm, each (1, channels, 1, 1): std = sqrt(running_var + eps); float32
+    unless dtype says otherwise."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     bn = c["_bn"]
     mean = torch.tensor(bn["mean"], dtype=dtype) if bn.get("mean") is not None else torch.zeros(channels, dtype=dtype)
     var = torch.tensor(bn["var"], dtype=dtype) if bn.get("var") is not None else torch.ones(channels, dtype=dtype)

@@ -459,6 +459,9 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
     all_entries = None
     if key is not None:
         picked = [e for e in entries if e.name == key]
+        if not picked and len(entries) == 1 and not entries[0].name:
+            raise LatentError(f"{path}: holds one tensor with no name (not a dict of tensors), so --key {key} has "
+                              "nothing to pick: leave --key out")
         if not picked:
             names = [e.name or "<tensor>" for e in entries]
             raise LatentError(f"{path}: no tensor named '{key}'; found: {', '.join(names[:8])}"
@@ -598,11 +601,16 @@ def _refuse_nonfinite(t: torch.Tensor, where: str, shape: tuple) -> None:
 
 def check_values(entry: LatentEntry, source: Path) -> None:
     """validate's NaN/Inf check on its own: it needs no VAE, so `vaeopt decode` makes it before the model loads
-    (seconds). Tensors validate refuses for other reasons (integer, meta) are left to it."""
+    (seconds); so are its refusals that need no VAE either (meta, integer, not dense), in its words."""
     t = entry.tensor
-    if t.device.type == "meta" or not torch.is_floating_point(t) or t.layout not in (torch.strided, *_SPARSE):
-        return
     where = f"{source}" + (f" [{entry.name}]" if entry.name else "")
+    if t.device.type == "meta":
+        raise LatentError(f"{where}: a tensor on the meta device: it has a shape {tuple(t.shape)} but no values to "
+                          "decode (saved from a model built with device='meta'?)")
+    if t.layout not in (torch.strided, *_SPARSE):
+        raise LatentError(f"{where}: latents must be a dense tensor, got layout {t.layout}")
+    if not torch.is_floating_point(t):
+        raise LatentError(f"{where}: latents must be floating point, got {t.dtype}")
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):

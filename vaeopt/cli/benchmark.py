@@ -85,6 +85,15 @@ def benchmark(
     bad = [p for p in peer_list if p not in PEER_NAMES]
     if bad:  # (before the checkpoint loads)
         raise VaeoptError(f"--peers: unknown {', '.join(bad)} (choose from {', '.join(PEER_NAMES)})")
+    if family is not None:
+        from vaeopt.families import get_family
+
+        get_family(family)  # a misspelled name: the known ones listed
+    if plot_out is not None and plot_out.suffix.lower() != ".png":
+        raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")
+    if (json_out is not None and json_out.suffix.lower() != ".json" and not json_out.exists()
+            and json_out != plot_out):  # (a folder, the model or the --plot file: named as such after the imports)
+        raise VaeoptError(f"--json {json_out}: the results are a JSON file; give a .json file name")
     if model is None and not family and not workload:
         raise VaeoptError("give a checkpoint, --family or --workload")
     from vaeopt import benchmark as bm
@@ -137,8 +146,6 @@ def _replacing(p: Path) -> str:
 
 def _check_bench_outputs(model, json_out, plot_out) -> None:
     outs = [p for p in (json_out, plot_out) if p is not None]
-    if plot_out is not None and plot_out.suffix.lower() != ".png":
-        raise VaeoptError(f"--plot {plot_out}: the chart is a PNG; give a .png file name")
     if json_out is not None and plot_out is not None and json_out.resolve() == plot_out.resolve():
         raise VaeoptError(f"--json and --plot name the same file {json_out}")
     for p in outs:

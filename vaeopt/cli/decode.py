@@ -20,8 +20,8 @@ from rich.markup import escape
 from vaeopt import outputs
 from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
-from vaeopt.cli.paths import (check_inputs_exist, check_model_exists, check_output_not_an_input, output_arg,
-                               output_folder)
+from vaeopt.cli.paths import (check_config_exists, check_inputs_exist, check_model_exists,
+                               check_output_not_an_input, output_arg, output_folder)
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, log, say, set_verbosity
 from vaeopt.cli.report import (DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read,
                                spell_flags)
@@ -140,6 +140,7 @@ def decode(
         raise VaeoptError(f"--fps must be between 0.01 and 1000, got {fps}")
     check_inputs_exist(latents)
     check_model_exists(model)
+    check_config_exists(config)
     output, out_folder = output_arg(output)
     check_output_not_an_input(output, out_folder, latents, model)
     opts = Options(device=device, dtype=dtype, channels_last=channels_last, triton=triton, epilogues=epilogues,
@@ -152,6 +153,10 @@ def decode(
     if gpus is not None and gpus < 1:
         raise VaeoptError("--gpus must be at least 1")
     check_limits(max_outputs, max_output_gb)
+    if family is not None:
+        from vaeopt.families import get_family
+
+        get_family(family)  # a misspelled name: the known ones listed
     if (height is not None or width is not None) and (height is None or width is None or height <= 0 or width <= 0):
         raise VaeoptError(f"--height and --width go together, as positive pixel counts (got {height}, {width})")
 

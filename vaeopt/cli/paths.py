@@ -14,10 +14,30 @@ from vaeopt.errors import OutputError, VaeoptError
 
 
 def check_inputs_exist(latents: List[Path]) -> None:
-    """A missing latent file, said before torch loads (vaeopt.latents.read_latents checks the rest)."""
+    """A missing latent file, or one named twice, said before torch loads (vaeopt.latents.read_latents checks the
+    rest)."""
+    given: dict[str, Path] = {}
     for p in latents:
         if not p.exists():
             raise VaeoptError(f"{p}: " + ("a broken or looping symlink" if p.is_symlink() else "no such file"))
+        r = os.path.abspath(p)  # as the planner counts them: a.pt and ./a.pt are one file
+        if r in given:
+            raise VaeoptError(f"{p}: given twice (also as {given[r]}); name each latent file once")
+        given[r] = p
+
+
+def check_config_exists(config: Path | None) -> None:
+    """A --config that is not there, said before torch loads in the loader's words (vaeopt.loading.config reads it)."""
+    if config is None:
+        return
+    try:
+        path = config.expanduser()
+    except RuntimeError:  # '~nosuchuser': the loader words it
+        return
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise VaeoptError(f"config file not found: the folder {path.resolve()} has no config.json")
+    if not path.exists() and not path.is_symlink():
+        raise VaeoptError(f"config file not found: {path}")
 
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".json")

@@ -44,6 +44,10 @@ def warmup(
     check_device_name(device)
     for s in shape or ():
         parse_shape(s)
+    if family is not None:
+        from vaeopt.families import get_family
+
+        get_family(family)  # a misspelled name: the known ones listed
     from vaeopt import warmup as wu
     from vaeopt.hw import resolve_device
 

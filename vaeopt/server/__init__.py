@@ -111,7 +111,10 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, token: s
     if gpus is not None and gpus < 1:
         raise VaeoptError(f"--gpus {gpus}: must be at least 1")
     named = parse_models(models)
-    from vaeopt.server.app import Config, Server, bind
+    from vaeopt.server.listen import bind
+
+    sock = bind(host, port)  # a bad --host or a port in use: said now, before torch loads
+    from vaeopt.server.app import Config, Server
     from vaeopt.server.protocol import Limits
 
     devs = devices(device, gpus)
@@ -121,7 +124,6 @@ def serve(models: list[str], host: str = "127.0.0.1", port: int = 8000, token: s
                  body_timeout_s=body_timeout_s, jpeg_quality=jpeg_quality,
                  limits=Limits(int(max_body_mb * 2**20), int(max_megapixels * 2**20)))
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="%(message)s")
-    sock = bind(host, port)
     where = sock.getsockname()
     shown = f"[{where[0]}]" if ":" in where[0] else where[0]
     log = logging.getLogger("vaeopt.server")

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 import vaeopt
 from vaeopt.server import worker as worker_mod
+from vaeopt.server.listen import bind  # noqa: F401 (the listening socket Server.run takes)
 from vaeopt.server.metrics import Metrics
 from vaeopt.server.protocol import Limits, ProtocolError, encode, latents_from_body, parse_request, prepare
 
@@ -281,25 +282,3 @@ class Server:
     def shutdown(self) -> None:
         if self.uvicorn is not None:
             self.uvicorn.should_exit = True
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so that a port in use is a clear error (and port 0 picks a free one)."""
-    from vaeopt.errors import VaeoptError
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise VaeoptError(f"--host {host}: not an address here ({e.strerror})") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise VaeoptError(f"cannot listen on {host}:{port}: {e.strerror or e}" + (
-            " (another server is there: pick another --port)" if e.errno == 98 else "")) from None
-    sock.listen(512)
-    sock.set_inheritable(True)
-    return sock
