@@ -17,6 +17,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_sample_vaes.py"
 
 
+@pytest.fixture(autouse=True)
+def torch_flags_kept():
+    """trainer.main sets process-wide torch flags (cuDNN autotuning, TF32) for its run: put them back, so the tests
+    that run after these in the same process see torch's settings, not the trainer's."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    was = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
+    yield
+    cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = was
+
+
 @pytest.fixture(scope="module")
 def trainer():
     spec = importlib.util.spec_from_file_location("train_sample_vaes", SCRIPT)
