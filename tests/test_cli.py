@@ -816,6 +816,8 @@ def test_top_level_manifest_model_and_latent_space_hint(tmp_path, samples_dir, m
     odd = lat.space_hint(scaled * 0.19, sd15, "raw")
     assert "fits neither" in odd and "std 0.19" in odd and "near 1" not in odd.split("(")[0], odd
     assert "fits neither" in lat.space_hint(raw_like * 20, sd15, "scaled")
+    huge = lat.space_hint(scaled * 1e30, sd15, "scaled")  # a spread past any latent space: short, not 31 digits
+    assert "fits neither" in huge and re.search(r"std 1\.\d*e\+30\b", huge), huge
     zw = torch.randn(1, 16, 3, 8, 8)
     assert lat.space_hint(zw, wan, "scaled") is None and lat.space_hint(wan.unscale(zw), wan, "raw") is None
     # the sample VAE's factor (0.305) tells the spaces apart: pipeline-like latents pass quietly, raw-like ones are named

@@ -631,6 +631,10 @@ def _tiny_from_raw(latents: torch.Tensor, family: FamilySpec) -> torch.Tensor:
     return get_family(base["vae"]).scale(latents)
 
 
+def _spread(x: float) -> str:
+    return f"{x:.2f}" if x < 1e4 else f"{x:.3g}"  # (1e+30, not 31 digits)
+
+
 def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | None:
     """A warning when the numbers look like the other latent space, else None. Pipeline ("scaled") latents have a
     standard deviation near 1; raw ones differ from that by the family's scaling (about 5.5 for SD 1.x). Read both
@@ -648,19 +652,19 @@ def space_hint(latents: torch.Tensor, family: FamilySpec, space: str) -> str | N
     if 0.5 < as_scaled / as_raw < 2:
         return None
     nearer_raw = abs(math.log(as_raw)) < abs(math.log(as_scaled))
-    neither = (f"their spread (std {as_scaled:.2f}) fits neither of {family.title}'s latent spaces (pipeline "
-               f"latents have std near 1, raw ones near {as_scaled / as_raw:.2f}): check that these are "
+    neither = (f"their spread (std {_spread(as_scaled)}) fits neither of {family.title}'s latent spaces (pipeline "
+               f"latents have std near 1, raw ones near {_spread(as_scaled / as_raw)}): check that these are "
                f"{family.title} latents, as they were saved")
     if space == "scaled" and nearer_raw and as_scaled > 2:
         if not 0.5 <= as_raw <= 2:
             return neither
-        return (f"these latents look raw (std {as_scaled:.2f}; pipeline latents have std near 1, raw {family.title} "
+        return (f"these latents look raw (std {_spread(as_scaled)}; pipeline latents have std near 1, raw {family.title} "
                 "latents are scaled up by its factor): if they came from vae.encode or a non-pipeline tool, pass "
                 "--latent-space raw")
     if space == "raw" and not nearer_raw and as_raw < 0.5:
         if not 0.5 <= as_scaled <= 2:
             return neither
-        return (f"these latents look like pipeline (scaled) latents (std {as_scaled:.2f}, near 1): if a diffusers "
+        return (f"these latents look like pipeline (scaled) latents (std {_spread(as_scaled)}, near 1): if a diffusers "
                 "pipeline saved them (output_type='latent'), pass --latent-space scaled")
     return None
 
