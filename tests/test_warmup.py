@@ -30,7 +30,8 @@ def test_warmup_then_decode_reuses_the_fp8_verdict(tmp_path, samples_dir, monkey
     assert all("whole decode" in s["plan"] and s["seconds"] > 0 for s in doc["shapes"])
     assert doc["cache_dir"] == str(cache.cache_dir()) and len(doc["written"]) == 1 and "fp8_gate" in doc["written"][0]
     assert f"vaeopt's cache: {cache.cache_dir()} (1 entry written: fp8_gate)" in r.output
-    assert "Triton" in r.output
+    assert ("Triton: not used on the CPU" in r.output or "Triton: not installed" in r.output)
+    assert "Triton's kernel cache" not in r.output  # (a CPU warm-up keeps nothing of Triton's)
     n = len(probes)
     assert n >= 3
     lat = torch.load(samples_dir / "tiny_kl_image_latents.pt", weights_only=True)["coffee"][:, :, :16, :16]

@@ -35,6 +35,7 @@ class Warmed:
 class Report:
     shapes: list[Warmed] = field(default_factory=list)
     triton_dir: str | None = None
+    device: str = "cpu"
     cache_dir: Path = field(default_factory=cache.cache_dir)
     written: list[Path] = field(default_factory=list)  # vaeopt cache entries written or rewritten
     prepare: tuple[int, int] = (0, 0)  # Triton kernels compiled / loaded while the stages were prepared
@@ -107,8 +108,8 @@ def run(loaded: LoadedVAE, shapes: list[tuple], options: Options | None = None,
         opts.decode_shape = (1, *max(images, key=lambda s: s[-2] * s[-1])[1:])
     t0 = time.perf_counter()
     before = {p: p.stat().st_mtime_ns for p in cache.entries()}
-    rep = Report(triton_dir=triton_cache_dir())
     dev = resolve_device(opts.device)
+    rep = Report(triton_dir=triton_cache_dir(), device=str(dev))
     source = prewarm.source_id(loaded.path) if loaded.path is not None else f"random:{loaded.family.name}"
     # the kernels loaded here are stored for `vaeopt decode` of the same checkpoint to load beside its checkpoint read
     with prewarm.Record(prewarm.key(source, opts), dev, log) if dev.type == "cuda" else contextlib.nullcontext():
@@ -135,7 +136,13 @@ def summary(rep: Report) -> list[str]:
     for w in rep.shapes:
         trit = f"; Triton kernels: {w.compiled} compiled, {w.loaded} from its cache" if w.compiled or w.loaded else ""
         out.append(f"{'x'.join(map(str, w.shape))}: decoded in {w.seconds:.2f} s{trit} ({w.plan})")
-    out.append(f"Triton's kernel cache: {rep.triton_dir}" if rep.triton_dir else "Triton: not installed")
+    used = any(rep.prepare) or any(w.compiled or w.loaded for w in rep.shapes)
+    if not rep.triton_dir:
+        out.append("Triton: not installed")
+    elif used or not rep.device.startswith("cpu"):
+        out.append(f"Triton's kernel cache: {rep.triton_dir}")
+    else:  # (a CPU decode runs torch's kernels: nothing of Triton's to keep)
+        out.append("Triton: not used on the CPU")
     if not cache.enabled():
         out.append("vaeopt's cache: off (VAEOPT_CACHE=off)")
     else:
