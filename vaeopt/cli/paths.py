@@ -26,13 +26,18 @@ def check_inputs_exist(latents: List[Path]) -> None:
         given[r] = p
 
 
+def _expanded(p: Path | None) -> Path | None:
+    """p with '~' expanded; None for no path, or for '~nosuchuser' (the loader words that)."""
+    try:
+        return None if p is None else p.expanduser()
+    except RuntimeError:
+        return None
+
+
 def check_config_exists(config: Path | None) -> None:
     """A --config that is not there, said before torch loads in the loader's words (vaeopt.loading.config reads it)."""
-    if config is None:
-        return
-    try:
-        path = config.expanduser()
-    except RuntimeError:  # '~nosuchuser': the loader words it
+    path = _expanded(config)
+    if path is None:
         return
     if path.is_dir() and not (path / "config.json").is_file():
         raise VaeoptError(f"config file not found: the folder {path.resolve()} has no config.json")
@@ -46,11 +51,8 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", "
 def check_model_exists(model: Path | None) -> None:
     """A --model file that is not there, said before torch loads. Names that may be a Hugging Face Hub id (owner/name,
     relative, no checkpoint suffix) are left to the loader, whose message says how to fetch one."""
-    if model is None:
-        return
-    try:
-        path = model.expanduser()
-    except RuntimeError:  # '~nosuchuser': the loader words it
+    path = _expanded(model)
+    if path is None:
         return
     # a dot in a Hub repository name ('Wan-AI/Wan2.1-T2V-1.3B-Diffusers') reads as a suffix: only a checkpoint's
     # suffix, or a name with no owner/name form, is surely a local file
