@@ -271,19 +271,33 @@ def open_context(index: int) -> bool:
 
 
 def warm_libraries(device: torch.device, dtype: torch.dtype, video: bool = False) -> None:
-    """One tiny convolution (channels last, as the decodes run) and one GEMM in `dtype` on `device`, on a side stream:
-    the CUDA context, cuDNN's and cuBLAS's libraries and handles."""
+    """Small convolutions (channels last, as the decodes run) and GEMMs in `dtype` on `device`, on a side stream: the
+    CUDA context, cuDNN's and cuBLAS's libraries and handles, and the first use of the paths a decode takes that
+    cost most on their own (E71, H200, each measured as a Wan 2.1 480p decode's first call of it):
+    - the exact attention's score GEMM, a bf16 product with fp32 output (`torch.bmm(..., out_dtype=float32)`, in
+      stages/fused_epilogues), is a cuBLAS path of its own: ~40 ms at its first use after a plain GEMM, ~4 ms after
+      this 64x64 one;
+    - a video decoder's wide 3-D convolutions: cuDNN loads their kernels on first use (~15 ms each; ~3 ms after a
+      384-channel one here); a 16-channel one does not load the same kernels."""
     s = torch.cuda.Stream(device)
     with torch.cuda.stream(s), torch.no_grad():
         x = torch.randn(1, 16, 8, 8, device=device, dtype=dtype).to(memory_format=torch.channels_last)
         w = torch.randn(16, 16, 3, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last)
         torch.nn.functional.conv2d(x, w, padding=1)
         if video:
-            x3 = torch.randn(1, 16, 3, 8, 8, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d)
-            w3 = torch.randn(16, 16, 3, 3, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d)
-            torch.nn.functional.conv3d(x3, w3, padding=1)
-        a = torch.randn(64, 64, device=device, dtype=dtype)
-        torch.mm(a, a)
+            for c, size in ((16, 8), (384, 12)):
+                x3 = torch.randn(1, c, 3, size, size, device=device, dtype=dtype)
+                w3 = torch.randn(c, c, 3, 3, 3, device=device, dtype=dtype)
+                torch.nn.functional.conv3d(x3.to(memory_format=torch.channels_last_3d),
+                                           w3.to(memory_format=torch.channels_last_3d), padding=(0, 1, 1))
+        a = torch.randn(1, 64, 64, device=device, dtype=dtype)
+        torch.mm(a[0], a[0])
+        torch.bmm(a, a)
+        if dtype != torch.float32:
+            try:  # (torch < 2.8 has no out_dtype: the attention then upcasts its operands instead)
+                torch.bmm(a, a, out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):
+                pass
     s.synchronize()
 
 
