@@ -190,9 +190,9 @@ def test_fp8_convs_keep_the_sensitive_layers(samples_dir, monkeypatch):
         bad.weight.data[:, 0] /= 1e4
     r0 = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=10.0, probe=z,
                               decode=video.decode_video)
-    # above all-fp8 (49.3 dB), so the sensitivity pass must run; below the two unplanted layers together (~58 dB:
-    # 60.2 and 62.1 dB alone), so keeping the planted one alone passes
-    gate = r0.data["probe_db"] + 7
+    # above all-fp8 (54.6 dB), so the sensitivity pass must run; below the two unplanted layers together (~58.9 dB:
+    # 60.7 and 63.7 dB alone; the planted one alone 58.5), so keeping the planted one alone passes
+    gate = r0.data["probe_db"] + 3
     r = triton_conv.apply_fp8(vae, torch.device("cpu"), torch.float32, gate_db=gate, probe=z, margin_db=0.0,
                               decode=video.decode_video)
     assert r.status == "applied", r.line()
