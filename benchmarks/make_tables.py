@@ -45,11 +45,13 @@ ONE_SHOT = ["h200_one_shot_2026-11-29.json", "h200_one_shot_wan21-480p_2026-11-2
 PHASES = ["h200_one_shot_phases_sdxl-1024_2026-11-29.json"]  # scripts/one_shot_phases.py: the same job, phase by phase
 # benchmarks/decode_video.py and benchmarks/dropin.py: one thing changed per row against diffusers
 VARIANTS = ["h200_ltx2-768_onebuffer_2026-11-29.json", "h200_hunyuan15-480p_onebuffer_2026-11-29.json",
-            "h200_qwenimage-1328_dropin_2026-11-29.json"]
+            "h200_qwenimage-1328_dropin_2026-11-29.json", "h200_ltx2-768_upsampler-variants_2026-11-29.json"]
 VARIANT_NOTES = {
     f: "vaeopt: NCDHW, the auto layout when this ran; cl: channels_last_3d, the auto layout since (E66).\n"
     for f in VARIANTS[:2]} | {VARIANTS[2]: "optimize: `vaeopt.optimize(pipe.vae)` on diffusers' own AutoencoderKLQwenImage; "
-                                          "graphs: the same with CUDA graphs on (repeated same-shape calls).\n"}
+                                          "graphs: the same with CUDA graphs on (repeated same-shape calls).\n",
+                                VARIANTS[3]: "LTX-2's upsampler options against today's default (E68): feed, submajor, "
+                                             "pad2 (both); off by default, since neither is faster.\n"}
 LADDER_NOTES = {f: "Measured before the planner took the whole clip (E61) and before each conv's input was padded in one "
                    "buffer (E66); the current default is in the variants table above (`cl`).\n"
                 for f in ("h200_ltx2-768_2026-11-29.json", "h200_hunyuan15-480p_2026-11-29.json")}
