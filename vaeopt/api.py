@@ -90,14 +90,17 @@ def _existing(path: Path, source: str) -> tuple[Path, str]:
 
 def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: str = "scaled",
            options: Options | None = None, log: Callable[[str], None] | None = None,
-           progress: Callable[[int, int], None] | None = None, on_device: bool = False) -> torch.Tensor:
+           progress: Callable[[int, int], None] | None = None, on_device: bool = False,
+           spell: Callable[[tuple[Hint, ...]], str] | None = None) -> torch.Tensor:
     """Decode latents with the optimized pipeline. Returns float32 CPU images in [-1, 1]: (N,3,H,W) or (N,3,T,H,W).
     on_device=True: the same values, left where the decoder produced them (the GPU for image decodes), for a caller
     that converts them there (to uint8, to half) and copies fewer bytes to the host.
     A vaeopt.load_vae(...) result is optimized in place on its first decode, and later decodes of it reuse that
     pipeline (options=None, or the same options); other options need the checkpoint loaded again.
     progress(done, total): called after each tile of a tiled image decode (a whole one has no steps to report) and
-    with the frames done after each chunk of a video decode (Wan)."""
+    with the frames done after each chunk of a video decode (Wan).
+    spell: how the stage lines sent to `log` write the settings they suggest (default spell_options:
+    `vaeopt.Options(fp8='on')`), for a caller whose users set them another way (`vaeopt serve`)."""
     if vae is None:
         raise VaeoptError("vaeopt.decode(latents, vae) needs the VAE: a checkpoint path or vaeopt.load_vae(...)")
     if isinstance(vae, torch.nn.Module):
@@ -123,7 +126,7 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
         lat.check_values(entry, Path("<tensor>"))  # NaN/Inf need no VAE: said before seconds of loading one
     loaded = vae if isinstance(vae, LoadedVAE) else load_vae(vae)
     t = lat.validate(entry, loaded.family, Path("<tensor>"))  # (before the stages are set up on the model)
-    pipe = _pipeline_for(loaded, options, log)
+    pipe = _pipeline_for(loaded, options, log, spell or spell_options)
     z = lat.to_raw(t, loaded.family, latent_space)
     plan = pipe.plan(tuple(z.shape))
     pipe.log(f"plan {tuple(z.shape)}: {plan.reason}")  # as `vaeopt decode` logs each job's
@@ -180,7 +183,8 @@ def refuse_other(model: torch.nn.Module, who: str, key: dict) -> None:
                       if by == who else f", not by {who}(...)") + "; load or build it again for this call")
 
 
-def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str], None] | None) -> Pipeline:
+def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str], None] | None,
+                  spell: Callable[[tuple[Hint, ...]], str]) -> Pipeline:
     """The pipeline of a load_vae(...) result: built once, in place on its model, and reused by later decodes (with no
     options, or options that change the model the same way), so that decoding twice neither stacks the stages'
     hooks nor redoes their work. Options that would change the model otherwise need the unmodified model, which the
@@ -192,7 +196,7 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
         refuse_other(loaded.model, "vaeopt.decode", key)
     if pipe is None:
         pipe = Pipeline(loaded, dataclasses.replace(options) if options is not None else None, log=log,
-                        spell=spell_options)
+                        spell=spell)
         loaded.model._vaeopt_optimized = ("vaeopt.decode", key)
         loaded._vaeopt_pipeline = pipe
         return pipe
@@ -203,7 +207,7 @@ def _pipeline_for(loaded: LoadedVAE, options: Options | None, log: Callable[[str
                           "options=vaeopt.Options(dtype=...) for another precision")
     if options is not None:
         pipe.opts = dataclasses.replace(options)  # its decode-time choices (tiling, chunk, budget...) take effect
-    pipe.log = log  # (its lines spell the flags their hints name as Options fields)
+    pipe.log, pipe.spell = log, spell  # (this call's log, and the spelling of its lines' hints)
     return pipe
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 import vaeopt
+from vaeopt.api import spell_kwargs
 from vaeopt.errors import VaeoptError
 from vaeopt.server.protocol import ProtocolError
 
@@ -27,6 +28,14 @@ log = logging.getLogger("vaeopt.server")
 
 # The decode call; a module attribute so that tests can stand a failing one in (out of memory, a crash).
 decode: Callable = vaeopt.decode
+
+
+def spell_serve(group) -> str:
+    """A setting a stage line suggests, as the server's log writes it: `vaeopt serve` takes --dtype and no stage
+    options (it decodes with the defaults), so a line never tells its user to write vaeopt.Options(...)."""
+    if all(h.option == "dtype" for h in group):
+        return " ".join(f"--dtype {h.value}" for h in group)
+    return f"{spell_kwargs(group)} in vaeopt decode or vaeopt.optimize"
 
 
 def is_oom(e: BaseException) -> bool:
@@ -149,7 +158,8 @@ class Worker(threading.Thread):
             fam = loaded.family
             c = fam.latent_channels
             warm = torch.zeros((1, c, 1, 8, 8) if fam.is_video else (1, c, 8, 8))
-            decode(warm, loaded, latent_space="raw", options=self.options, log=lambda m: log.info("  %s", m))
+            decode(warm, loaded, latent_space="raw", options=self.options, log=lambda m: log.info("  %s", m),
+                   spell=spell_serve)
             self.models[name] = loaded
             self.families[name] = fam
             log.info("model %s: %s (%s) ready on %s in %.1f s", name or "/", path, fam.title, self.device,
