@@ -1017,8 +1017,8 @@ def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
 
 
 def test_api_decode_refuses_nonfinite_latents_before_loading(samples_dir, monkeypatch):
-    """vaeopt.decode(latents, path): NaN/Inf latents are refused before the checkpoint loads (seconds), with the line
-    given after a load; a channel mismatch before the stages are set up on the loaded model."""
+    """vaeopt.decode(latents, path): NaN/Inf and empty latents are refused before the checkpoint loads (seconds), with
+    the line given after a load; a channel mismatch before the stages are set up on the loaded model."""
     from vaeopt import api
     from vaeopt.errors import LatentError
 
@@ -1031,6 +1031,8 @@ def test_api_decode_refuses_nonfinite_latents_before_loading(samples_dir, monkey
     with pytest.raises(LatentError) as before:
         vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors")
     assert str(before.value) == str(after.value) == "<tensor>: 1 non-finite value (0 NaN, 1 Inf) in (1, 4, 8, 8) latents"
+    with pytest.raises(LatentError, match=r"^<tensor>: empty latent tensor \(1, 4, 0, 8\)$"):  # nothing to decode
+        vaeopt.decode(torch.randn(1, 4, 0, 8), samples_dir / "tiny_kl_image.safetensors")
     monkeypatch.setattr(api, "_pipeline_for", lambda *a, **k: pytest.fail("the stages were set up"))
     with pytest.raises(LatentError, match="8 latent channels"):
         vaeopt.decode(torch.randn(1, 8, 8, 8), load_vae(samples_dir / "tiny_kl_image.safetensors"))

@@ -601,7 +601,7 @@ def _refuse_nonfinite(t: torch.Tensor, where: str, shape: tuple) -> None:
 
 def check_values(entry: LatentEntry, source: Path) -> None:
     """validate's NaN/Inf check on its own: it needs no VAE, so `vaeopt decode` makes it before the model loads
-    (seconds); so are its refusals that need no VAE either (meta, integer, not dense), in its words."""
+    (seconds); so are its refusals that need no VAE either (meta, integer, not dense, empty), in its words."""
     t = entry.tensor
     where = f"{source}" + (f" [{entry.name}]" if entry.name else "")
     if t.device.type == "meta":
@@ -611,6 +611,8 @@ def check_values(entry: LatentEntry, source: Path) -> None:
         raise LatentError(f"{where}: latents must be a dense tensor, got layout {t.layout}")
     if not torch.is_floating_point(t):
         raise LatentError(f"{where}: latents must be floating point, got {t.dtype}")
+    if t.numel() == 0:
+        raise LatentError(f"{where}: empty latent tensor {tuple(t.shape)}")
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
