@@ -7,7 +7,7 @@ import torch
 from test_stage_table import A100, H200
 
 from vaeopt import info as vinfo
-from vaeopt.cli.report import spell_flags
+from vaeopt.options import spell_flags
 from vaeopt.families import get_family
 from vaeopt.hw import machine_info
 from vaeopt.pipeline import Options

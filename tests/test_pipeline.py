@@ -293,7 +293,7 @@ def test_image_out_of_memory_retries_in_the_planners_tiles(samples_dir, monkeypa
 
 
 def test_hunyuan_skips_channels_last_with_the_reason():
-    from vaeopt.cli.report import spell_flags
+    from vaeopt.options import spell_flags
     from vaeopt.stage_table import HUNYUAN_CL_SKIP
     from vaeopt.stages import Hint
 
@@ -997,7 +997,8 @@ def test_stage_hints_are_spelled_for_the_python_api(samples_dir):
     # each entry point spells the same structured hint its own way
     from vaeopt.api import spell_options
     from vaeopt.dropin import spell_optimize
-    from vaeopt.cli.report import spell_benchmark_flags, spell_flags
+    from vaeopt.cli.report import spell_benchmark_flags
+    from vaeopt.options import spell_flags
     from vaeopt.stages import Hint, Said, plain
 
     said = Said("off (enable with {0}; {1}) and {2}", Hint("fp8", "on"), Hint("dtype", "fp32"),

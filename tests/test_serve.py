@@ -558,14 +558,15 @@ def test_pool_sends_each_job_to_the_shortest_queue():
 
 
 def test_stage_lines_suggest_nothing_the_server_cannot_take(caplog):
-    """A worker's model load logs the stage lines of its warm-up decode; a setting they suggest is named as a setting
-    of `vaeopt decode` / vaeopt.optimize, never as vaeopt.Options(...), which a `vaeopt serve` user cannot pass."""
+    """A worker's model load logs the stage lines of its warm-up decode; a setting they suggest is named by the flags
+    of `vaeopt decode` (or serve's own --dtype), never as vaeopt.Options(...), which a `vaeopt serve` user cannot
+    pass."""
     w = worker_mod.Worker(torch.device("cpu"), {"img": str(IMG)}, vaeopt.Options(), max_queue=2)
     with caplog.at_level("INFO", logger="vaeopt.server"):
         w.load()
     lines = [r.getMessage() for r in caplog.records]
     fp8 = [m for m in lines if "fp8: skipped" in m]
-    assert fp8 and "enable with fp8='on' in vaeopt decode or vaeopt.optimize;" in fp8[0], fp8
+    assert fp8 and "enable with `vaeopt decode --fp8 on`;" in fp8[0], fp8
     assert not any("Options(" in m for m in lines), lines
     assert worker_mod.spell_serve((vaeopt.stages.Hint("dtype", "fp32"),)) == "--dtype fp32"
 

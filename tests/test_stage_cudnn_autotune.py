@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from vaeopt.cli.report import spell_flags
+from vaeopt.options import spell_flags
 from vaeopt.stage_table import DeviceInfo, decide_autotune
 from vaeopt.stages import Hint
 from vaeopt.stages import cudnn_autotune as ct

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vaeopt import planner
-from vaeopt.cli.report import spell_flags
+from vaeopt.options import spell_flags
 from vaeopt.families import get_family
 from vaeopt.kernels import triton_available
 from vaeopt.loading import load_vae

@@ -8,6 +8,20 @@ from dataclasses import dataclass
 from vaeopt.errors import VaeoptError
 
 SWITCHES = ("auto", "on", "off")
+# The stages' lines suggest settings as Hint groups (Options fields); the CLI names them by its flags (`vaeopt decode`,
+# and `vaeopt serve`, whose users set them there).
+FLAG_OF = {"gate_db": "fp8-gate", "vram_budget_gb": "vram-budget"}  # Options fields whose flag is named otherwise
+
+
+def hint_flags(group) -> list[tuple[str, str]]:
+    """A hint group as (flag name, value) pairs: [("triton", "on"), ("fp8-gate", "30")]."""
+    return [(FLAG_OF.get(h.option, h.option.replace("_", "-")), "" if h.value is None else f"{h.value}")
+            for h in group]
+
+
+def spell_flags(group) -> str:
+    """A hint group as `vaeopt decode`'s flags: `--triton on --conv-kernel on`."""
+    return " ".join(f"--{n}" + (f" {v}" if v else "") for n, v in hint_flags(group))
 # --fp8 also takes one level alone: "weights" (level 1: e4m3 weight storage, any device) and "gemm" (levels 1-2: plus
 # the 1x1 convs and linears as fp8 GEMMs, sm_89+); "on"/"auto" take level 3 where it runs (stages/triton_conv)
 FP8_MODES = SWITCHES + ("weights", "gemm")

@@ -62,7 +62,7 @@ class Pipeline:
     def __init__(self, loaded: LoadedVAE, options: Options | None = None, log: Callable[[str], None] | None = None,
                  spell: Callable[[tuple[Hint, ...]], str] | None = None, info: stage_table.DeviceInfo | None = None):
         """spell: how the lines' hints are written where they are shown (vaeopt.stages.plain: Options fields, when
-        None); each entry point passes its own (cli.report.spell_flags, api.spell_options, ...). info: the device as the
+        None); each entry point passes its own (options.spell_flags, api.spell_options, ...). info: the device as the
         stage rules see it (DeviceInfo.of the device, when None)."""
         self.loaded = loaded
         self.family = loaded.family

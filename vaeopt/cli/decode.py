@@ -23,10 +23,9 @@ from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.paths import (check_config_exists, check_inputs_exist, check_model_exists,
                                check_output_not_an_input, output_arg, output_folder)
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, log, say, set_verbosity
-from vaeopt.cli.report import (DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read,
-                               spell_flags)
+from vaeopt.cli.report import DecodeProgress, fps_unused, optimizer_summary, plan_words, report_model, report_read
 from vaeopt.errors import VaeoptError
-from vaeopt.options import Options, check_device_name, check_dtype_name, check_limits
+from vaeopt.options import Options, check_device_name, check_dtype_name, check_limits, spell_flags
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from vaeopt import __version__
 from vaeopt.cli import printing
-from vaeopt.cli.report import spell_flags
+from vaeopt.options import spell_flags
 from vaeopt.cli.exits import clean_errors
 
 

@@ -10,20 +10,7 @@ from rich.markup import escape
 
 from vaeopt.cli import printing
 from vaeopt.cli.printing import detail, log, say
-
-
-# The stages' lines suggest settings as Hint groups (Options fields); `vaeopt decode` names them by its flags.
-_FLAG_OF = {"gate_db": "fp8-gate", "vram_budget_gb": "vram-budget"}  # Options fields whose flag is named otherwise
-
-
-def _flags(group) -> list[tuple[str, str]]:
-    return [(_FLAG_OF.get(h.option, h.option.replace("_", "-")), "" if h.value is None else f"{h.value}")
-            for h in group]
-
-
-def spell_flags(group) -> str:
-    """A hint group as `vaeopt decode`'s flags: `--triton on --conv-kernel on`."""
-    return " ".join(f"--{n}" + (f" {v}" if v else "") for n, v in _flags(group))
+from vaeopt.options import hint_flags, spell_flags
 
 
 _BENCH_FLAGS = ("dtype", "device", "fp8-gate")  # `vaeopt benchmark`'s own, spelled as decode's
@@ -33,7 +20,7 @@ _BENCH_SWITCHES = ("fp8", "cudnn-autotune")  # its on/off flags, which take no v
 def spell_benchmark_flags(group) -> str:
     """A hint group as `vaeopt benchmark` can act on it: its own flags; a setting of "off" as what the ladder row
     set (an "off" there is the row's, not the user's doing); else as `vaeopt decode ...`."""
-    flags = _flags(group)
+    flags = hint_flags(group)
     if all(n in _BENCH_FLAGS or (n in _BENCH_SWITCHES and v in ("", "on", "auto")) for n, v in flags):
         return " ".join(f"--{n}" + (f" {v}" if v and n not in _BENCH_SWITCHES else "") for n, v in flags)
     if all(v == "off" for _, v in flags):

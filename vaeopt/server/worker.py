@@ -20,9 +20,10 @@ from typing import Callable
 import torch
 
 import vaeopt
-from vaeopt.api import spell_kwargs
 from vaeopt.errors import VaeoptError
+from vaeopt.options import spell_flags
 from vaeopt.server.protocol import ProtocolError
+from vaeopt.stages import Hint
 
 log = logging.getLogger("vaeopt.server")
 
@@ -30,12 +31,13 @@ log = logging.getLogger("vaeopt.server")
 decode: Callable = vaeopt.decode
 
 
-def spell_serve(group) -> str:
+def spell_serve(group: tuple[Hint, ...]) -> str:
     """A setting a stage line suggests, as the server's log writes it: `vaeopt serve` takes --dtype and no stage
-    options (it decodes with the defaults), so a line never tells its user to write vaeopt.Options(...)."""
+    options (it decodes with the defaults), so a line names the `vaeopt decode` flags that set the others, never
+    vaeopt.Options(...)."""
     if all(h.option == "dtype" for h in group):
         return " ".join(f"--dtype {h.value}" for h in group)
-    return f"{spell_kwargs(group)} in vaeopt decode or vaeopt.optimize"
+    return f"`vaeopt decode {spell_flags(group)}`"
 
 
 def is_oom(e: BaseException) -> bool:
