@@ -278,24 +278,26 @@ def warm_libraries(device: torch.device, dtype: torch.dtype, video: bool = False
       stages/fused_epilogues), is a cuBLAS path of its own: ~40 ms at its first use after a plain GEMM, ~4 ms after
       this 64x64 one;
     - a video decoder's wide 3-D convolutions: cuDNN loads their kernels on first use (~15 ms each; ~3 ms after a
-      384-channel one here); a 16-channel one does not load the same kernels."""
+      384-channel one here); a 16-channel one does not load the same kernels.
+    Those two are extras: if one fails (a GPU nearly full, a cuDNN without the kernel), the rest is warmed all the
+    same. Constant operands: values decide no kernel, and the global random generator is left alone."""
     s = torch.cuda.Stream(device)
     with torch.cuda.stream(s), torch.no_grad():
-        x = torch.randn(1, 16, 8, 8, device=device, dtype=dtype).to(memory_format=torch.channels_last)
-        w = torch.randn(16, 16, 3, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        x = torch.ones(1, 16, 8, 8, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        w = torch.ones(16, 16, 3, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last)
         torch.nn.functional.conv2d(x, w, padding=1)
-        if video:
-            for c, size in ((16, 8), (384, 12)):
-                x3 = torch.randn(1, c, 3, size, size, device=device, dtype=dtype)
-                w3 = torch.randn(c, c, 3, 3, 3, device=device, dtype=dtype)
-                torch.nn.functional.conv3d(x3.to(memory_format=torch.channels_last_3d),
-                                           w3.to(memory_format=torch.channels_last_3d), padding=(0, 1, 1))
-        a = torch.randn(1, 64, 64, device=device, dtype=dtype)
+        a = torch.ones(1, 64, 64, device=device, dtype=dtype)
         torch.mm(a[0], a[0])
         torch.bmm(a, a)
-        if dtype != torch.float32:
+        extras = [lambda: torch.bmm(a, a, out_dtype=torch.float32)] if dtype != torch.float32 else []
+        for c, size in ((16, 8), (384, 12)) if video else ():
+            extras.append(lambda c=c, size=size: torch.nn.functional.conv3d(
+                torch.ones(1, c, 3, size, size, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d),
+                torch.ones(c, c, 3, 3, 3, device=device, dtype=dtype).to(memory_format=torch.channels_last_3d),
+                padding=(0, 1, 1)))
+        for f in extras:
             try:  # (torch < 2.8 has no out_dtype: the attention then upcasts its operands instead)
-                torch.bmm(a, a, out_dtype=torch.float32)
+                f()
             except (TypeError, RuntimeError, NotImplementedError):
                 pass
     s.synchronize()
