@@ -106,6 +106,7 @@ def test_scaling_matches_diffusers_pipelines():
     (torch.randn(2, 4, 3, 8, 8), SDXL, r"is 3 latent frames \(N,C,T,H,W\), but Stable Diffusion XL is an image VAE"),
     (torch.zeros(1, 4, 8, 8, dtype=torch.int64), SDXL, "floating point"),
     (torch.randn(1, 4, 0, 8), SDXL, "empty"),
+    (torch.randn(1, 128, 0, 8), get_family("flux2"), "empty"),  # FLUX.2's patchified layout too
     (torch.randn(1, 4, 4096, 4096), SDXL, "beyond what vaeopt decodes"),
 ])
 def test_validation_errors(tensor, fam, match, tmp_path):

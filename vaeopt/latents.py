@@ -527,6 +527,8 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     if family.name == "flux2" and t.ndim == 4 and t.shape[1] == 4 * cin:
         # FLUX.2's patchified (N, 128, H/16, W/16) latents, as its transformer and ComfyUI hold them: to_raw
         # unpatchifies them (after the BatchNorm de-normalization for pipeline latents)
+        if t.numel() == 0:
+            raise LatentError(f"{where}: empty latent tensor {tuple(t.shape)}")
         if values:
             _refuse_nonfinite(t, where, tuple(entry.tensor.shape))
         return t
