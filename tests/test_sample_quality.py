@@ -71,7 +71,7 @@ def test_video_sample_decodes_its_held_out_frames(video_decodes, name):
     assert np.abs(mean_err).max() <= max_cast, (name, mean_err)
 
 
-@pytest.mark.xfail(strict=True, reason="the sample video VAE needs a faster or longer GPU run of "
+@pytest.mark.xfail(strict=True, reason="the sample video VAE needs a longer GPU run of "
                                        "scripts/train_video_sample.sh to reach the image sample's 22 dB / 6/255")
 def test_video_sample_reaches_the_image_samples_bar(video_decodes):
     for name, (dec, ref) in video_decodes.items():
