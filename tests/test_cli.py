@@ -1401,10 +1401,40 @@ def test_bad_option_values_are_reported_before_torch_loads(tmp_path):
                       (["--height", "64"], "--height and --width go together, as positive pixel counts (got 64, None)"),
                       (["--height", "64", "--width", "0"], "--height and --width go together"),
                       (["--max-outputs", "0"], "--max-outputs must be a whole number of at least 1"),
-                      (["--max-output-gb", "-2"], "--max-output-gb must be a positive number of GB")):
+                      (["--max-output-gb", "-2"], "--max-output-gb must be a positive number of GB"),
+                      # a GPU asked of a CPU-only torch (this machine's, where it is one)
+                      *([(["--device", "cuda"], f"no CUDA GPU is visible to torch {torch.__version__} (a CPU-only")]
+                        if torch.version.cuda is None and torch.version.hip is None else [])):
         p = subprocess.run([sys.executable, "-c", code, "decode", __file__, *args], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "torch not loaded 2" in p.stdout and msg in p.stderr, (args, p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n", "2.13.0+cpu"),
+    ("__version__ = '2.13.0+cu130'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n", None),
+    ("__version__ = '2.13.0+rocm7.0'\ncuda: Optional[str] = None\nhip: Optional[str] = '7.0'\n", None),
+    ("__version__ = '2.13.0'\n", None),  # a version file that does not say: torch answers later
+    (None, None),  # none at all
+])
+def test_cpu_only_torch_is_read_from_its_version_file(tmp_path, monkeypatch, text, expected):
+    """`--device cuda` on a CPU-only torch is refused before torch loads, from torch/version.py read as text; any
+    doubt (a GPU build, no such file, torch already imported) leaves the answer to torch."""
+    import importlib.util
+    import types
+
+    from vaeopt import options
+
+    pkg = tmp_path / "torch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    if text is not None:
+        (pkg / "version.py").write_text("from typing import Optional\n" + text)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: types.SimpleNamespace(origin=str(pkg / "__init__.py")))
+    monkeypatch.delitem(sys.modules, "torch")
+    assert options.cpu_only_torch() == expected
+    monkeypatch.setitem(sys.modules, "torch", torch)  # imported: torch.cuda answers, not the file
+    assert options.cpu_only_torch() is None
 
 
 def test_missing_model_is_reported_before_torch_loads(tmp_path):

@@ -4,6 +4,7 @@ misspelled switch, dtype or device before torch and diffusers load (seconds), as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from vaeopt.errors import VaeoptError
 
@@ -92,12 +93,37 @@ def check_dtype_name(dtype: str | None) -> None:
 
 
 def check_device_name(device: str | None) -> None:
-    """Only the spelling (cpu, cuda, cuda:N); whether that GPU exists is for torch to say."""
+    """The spelling (cpu, cuda, cuda:N), and a GPU asked of a torch built without GPU support (its version file says
+    so without importing it: seconds saved on the most common mistake of a CPU machine); whether that GPU exists is
+    for torch to say."""
     if device in (None, "", "auto"):
         return
     kind, _, index = device.partition(":")
     if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or device.endswith(":"):
         raise VaeoptError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if kind == "cuda" and (version := cpu_only_torch()):
+        raise VaeoptError(f"--device {device}: no CUDA GPU is visible to torch {version} (a CPU-only build of torch)")
+
+
+def cpu_only_torch() -> str | None:
+    """The installed torch's version if its build has neither CUDA nor ROCm (torch/version.py, read as text), else
+    None: a GPU build, torch already imported (it answers for itself), or a version file this cannot read."""
+    import importlib.util
+    import re
+    import sys
+
+    if "torch" in sys.modules:
+        return None
+    try:
+        spec = importlib.util.find_spec("torch")
+        path = Path(spec.origin).with_name("version.py") if spec and spec.origin else None
+        text = path.read_text() if path else ""
+    except (OSError, ValueError, ImportError):
+        return None
+    fields = dict(re.findall(r"^(\w+)(?:\s*:[^=\n]*)?\s*=\s*(.+?)\s*$", text, re.M))
+    if fields.get("cuda") == "None" and fields.get("hip") == "None" and "__version__" in fields:
+        return fields["__version__"].strip("'\"")
+    return None
 
 
 def check_limits(max_outputs, max_output_gb) -> None:
