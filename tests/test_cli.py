@@ -1437,6 +1437,34 @@ def test_cpu_only_torch_is_read_from_its_version_file(tmp_path, monkeypatch, tex
     assert options.cpu_only_torch() is None
 
 
+def test_read_only_output_folder_is_refused_before_the_decode(tmp_path, samples_dir):
+    """-o into a folder the user cannot write (a file, a folder, a sub-folder to make): one line naming the folder,
+    exit 2, nothing written, before any decode. As root, the child runs without the capability that overrides file
+    modes, as an ordinary user's process would."""
+    import shutil
+
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root, and no setpriv to drop the override of file modes")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if subprocess.run([*prefix, "touch", str(ro / "probe")], capture_output=True).returncode == 0:
+            pytest.skip("this filesystem lets the folder be written despite its mode")
+        for out in (ro / "out.png", f"{ro}/", ro / "sub" / "out.png"):
+            p = subprocess.run([*prefix, sys.executable, "-m", "vaeopt", "decode", str(tmp_path / "l.pt"), "-m",
+                                str(samples_dir / "tiny_kl_image.safetensors"), "-o", str(out)],
+                               capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+            assert p.returncode == 2 and f"folder {ro} is not writable" in p.stderr, (out, p.stdout, p.stderr)
+            assert "Traceback" not in p.stderr and not list(ro.iterdir())
+    finally:
+        ro.chmod(0o755)
+
+
 def test_missing_model_is_reported_before_torch_loads(tmp_path):
     """-m naming a checkpoint file that is not there is a typo like a missing latent file: said at once, in the
     loader's words, not after torch, diffusers and the latents have loaded."""
