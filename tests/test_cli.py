@@ -205,6 +205,26 @@ def test_overwrite_never_replaces_inputs_or_the_model(tmp_path, samples_dir):
     assert r.exit_code == 0, r.output  # any other output is fine
 
 
+def test_overwrite_keeps_the_replaced_files_permissions(tmp_path, samples_dir):
+    """--overwrite lands the new file by rename, and the file it replaces keeps its permissions (a private 0600 render
+    stays private; a 0444 one stays read-only); a new name gets the umask's."""
+    import stat
+
+    torch.save(torch.randn(1, 4, 8, 8), tmp_path / "l.pt")
+    for name, mode in (("private.png", 0o600), ("frozen.png", 0o444), ("clip.safetensors", 0o640)):
+        out = tmp_path / name
+        out.write_bytes(b"old")
+        out.chmod(mode)
+        r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", out, "--overwrite")
+        assert r.exit_code == 0 and out.read_bytes() != b"old", r.output
+        assert stat.S_IMODE(out.stat().st_mode) == mode, (name, oct(out.stat().st_mode))
+    out = tmp_path / "new.png"
+    r = run("decode", tmp_path / "l.pt", "-m", samples_dir / "tiny_kl_image.safetensors", "-o", out)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert r.exit_code == 0 and stat.S_IMODE(out.stat().st_mode) == 0o666 & ~mask
+
+
 def test_overwrite_frames_folder_and_kind_mismatch(tmp_path, samples_dir):
     """--overwrite of a PNG-frames folder replaced it (it failed after the decode: a non-empty folder cannot be
     renamed over); a file where a folder goes, or a folder holding other files, is refused before decoding; a video
@@ -914,6 +934,13 @@ def test_input_errors_come_before_the_load_and_say_what_to_do(tmp_path, samples_
     for flag, name in (("--json", "r.json"), ("--plot", "r.png")):  # a '~user' that does not exist: one line, exit 2
         r = run("benchmark", model, flag, f"~nosuchuser_vaeopt/{name}")  # (not an internal error)
         assert r.exit_code == 2 and f"{flag} ~nosuchuser_vaeopt/{name}: '~nosuchuser_vaeopt' names no user" in r.output
+    for args in (("-m", "~nosuchuser_vaeopt/v.safetensors"), ("-m", model, "-o", "~nosuchuser_vaeopt/o.png"),
+                 ("-m", model, "--config", "~nosuchuser_vaeopt/c.json")):  # decode's paths too: exit 2, before a load
+        r = run("decode", z, *args)
+        assert r.exit_code == 2 and "'~nosuchuser_vaeopt' names no user" in r.output and loads == [], (args, r.output)
+    (tmp_path / "a:x:b.pt").write_bytes(z.read_bytes())  # printed as typed: no emoji for ':x:'
+    r = run("decode", tmp_path / "a:x:b.pt", "-m", model, "-o", f"{tmp_path / 'o:thumbs_up:'}/")
+    assert r.exit_code == 0 and "read a:x:b.pt" in r.output and "o:thumbs_up:" in r.output, r.output
     r = run("decode", z, "-m", "stabilityai/sdxl-vae")
     assert "Hugging Face Hub id" in r.output and "huggingface-cli download stabilityai/sdxl-vae" in r.output
     r = run("decode", z, "-m", "black-forest-labs/FLUX.1-dev/vae")

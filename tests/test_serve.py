@@ -506,6 +506,10 @@ def test_cli_refuses_open_host_without_token_and_bad_models(tmp_path):
     assert r.exit_code == 2 and "/health" in r.output
     r = run("--model", IMG, "--host", "0.0.0.0", "--token", "short")
     assert r.exit_code == 2 and "16 characters" in r.output
+    for spec, said in (("~nosuchuser_vaeopt/v.safetensors", "--model ~nosuchuser_vaeopt/v.safetensors: '"),
+                       ("a=~nosuchuser_vaeopt/v.safetensors", "--model a: ~nosuchuser_vaeopt/v.safetensors: '")):
+        r = run("--model", spec)  # one line, exit 2 (it was an internal error)
+        assert r.exit_code == 2 and said + "~nosuchuser_vaeopt' names no user" in r.output, r.output
 
 
 def test_load_script_against_the_server(srv, tmp_path, monkeypatch, capsys):
@@ -566,7 +570,7 @@ def test_stage_lines_suggest_nothing_the_server_cannot_take(caplog):
         w.load()
     lines = [r.getMessage() for r in caplog.records]
     fp8 = [m for m in lines if "fp8: skipped" in m]
-    assert fp8 and "enable with `vaeopt decode --fp8 on`;" in fp8[0], fp8
+    assert fp8 and "enable with `vaeopt decode --fp8 on` (vaeopt serve decodes with the defaults);" in fp8[0], fp8
     assert not any("Options(" in m for m in lines), lines
     assert worker_mod.spell_serve((vaeopt.stages.Hint("dtype", "fp32"),)) == "--dtype fp32"
 

@@ -105,6 +105,17 @@ def check_device_name(device: str | None) -> None:
         raise VaeoptError(f"--device {device}: no CUDA GPU is visible to torch {version} (a CPU-only build of torch)")
 
 
+def expand_home(path, what: str, error: type[VaeoptError] = VaeoptError) -> Path:
+    """Path(path).expanduser(), with a '~name' whose user does not exist reported as an input error naming `what`
+    (Python's own "Could not determine home directory." names neither the path nor the user)."""
+    p = Path(path)
+    try:
+        return p.expanduser()
+    except (RuntimeError, KeyError):
+        user = str(path).split("/", 1)[0]
+        raise error(f"{what} {path}: '{user}' names no user on this system (so no home folder)") from None
+
+
 def cpu_only_torch() -> str | None:
     """The installed torch's version if its build has neither CUDA nor ROCm (torch/version.py, read as text), else
     None: a GPU build, torch already imported (it answers for itself), or a version file this cannot read."""

@@ -15,6 +15,7 @@ import os
 import queue
 import re
 import shutil
+import stat
 import tempfile
 import threading
 from fractions import Fraction
@@ -133,6 +134,10 @@ def _commit_replacing(tmp: Path, path: Path) -> None:
         os.unlink(path)  # a link (or file) where a folder goes: rename(2) puts a folder only on a folder or nothing
         os.rename(tmp, path)
     else:
+        with contextlib.suppress(OSError):  # the replaced file's permissions stay (a private 0600 render stays
+            st = os.lstat(path)             # private), as an editor's save keeps them; a new name gets the umask's
+            if stat.S_ISREG(st.st_mode) and not tmp.is_dir():
+                os.chmod(tmp, stat.S_IMODE(st.st_mode))
         os.replace(tmp, path)  # rename(2): replaces a link itself, never writes through it
 
 

@@ -73,9 +73,9 @@ def enabled() -> bool:
 def source_id(path: str | Path) -> str:
     """A checkpoint as the key knows it: its resolved path, size and modification time (a file replaced in place is
     another checkpoint)."""
-    p = Path(path).expanduser()
+    p = Path(path)
     try:  # (a path that cannot be resolved or read is the loader's to report, not the key's)
-        p = p.resolve()
+        p = p.expanduser().resolve()
         st = p.stat()
         return f"{p}:{st.st_size}:{st.st_mtime_ns}"
     except (OSError, RuntimeError):  # RuntimeError: a symlink loop

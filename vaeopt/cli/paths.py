@@ -11,6 +11,7 @@ from typing import List
 
 from vaeopt import cleanup, outputs
 from vaeopt.errors import OutputError, VaeoptError
+from vaeopt.options import expand_home
 
 
 def check_inputs_exist(latents: List[Path]) -> None:
@@ -26,17 +27,14 @@ def check_inputs_exist(latents: List[Path]) -> None:
         given[r] = p
 
 
-def _expanded(p: Path | None) -> Path | None:
-    """p with '~' expanded; None for no path, or for '~nosuchuser' (the loader words that)."""
-    try:
-        return None if p is None else p.expanduser()
-    except RuntimeError:
-        return None
+def _expanded(p: Path | None, what: str) -> Path | None:
+    """p with '~' expanded (None for no path); a '~nosuchuser' is said now, in the loader's words."""
+    return None if p is None else expand_home(p, what)
 
 
 def check_config_exists(config: Path | None) -> None:
     """A --config that is not there, said before torch loads in the loader's words (vaeopt.loading.config reads it)."""
-    path = _expanded(config)
+    path = _expanded(config, "--config")
     if path is None:
         return
     if path.is_dir() and not (path / "config.json").is_file():
@@ -51,7 +49,7 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", "
 def check_model_exists(model: Path | None) -> None:
     """A --model file that is not there, said before torch loads. Names that may be a Hugging Face Hub id (owner/name,
     relative, no checkpoint suffix) are left to the loader, whose message says how to fetch one."""
-    path = _expanded(model)
+    path = _expanded(model, "checkpoint")
     if path is None:
         return
     # a dot in a Hub repository name ('Wan-AI/Wan2.1-T2V-1.3B-Diffusers') reads as a suffix: only a checkpoint's
@@ -73,8 +71,8 @@ def output_arg(output: str | None) -> tuple[Path | None, bool]:
     if output.strip() == "-":  # (it would make a folder named '-')
         raise OutputError("-o -: writing to stdout is not supported; give a file (out.png, out.mp4, out.safetensors) "
                           "or a folder (out/)")
+    path = expand_home(output, "-o", OutputError)  # as --model is; a quoted '~/x.png' would otherwise make a folder '~'
     try:
-        path = Path(output).expanduser()  # as --model is; a quoted '~/x.png' would otherwise make a folder named '~'
         path.is_dir()
     except (OSError, RuntimeError) as e:  # a name too long for the file system, a symlink loop, '~nosuchuser'
         raise OutputError(f"-o {output}: not a usable path ({getattr(e, 'strerror', None) or e})") from None

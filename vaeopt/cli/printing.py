@@ -36,9 +36,11 @@ class _Stderr:
         return getattr(self._target(), name)
 
 
-console = Console(file=_Stderr(), highlight=False, soft_wrap=True)  # long paths: let the terminal wrap
+# emoji=False: a user's text (paths, flags) is printed as typed; rich would turn 'a:x:b.pt' into 'a❌b.pt'
+console = Console(file=_Stderr(), highlight=False, soft_wrap=True, emoji=False)  # long paths: let the terminal wrap
 # piped or logged (not a terminal): rich would assume 80 columns and cut the benchmark table's cells to "11…"
-out_console = Console(highlight=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 200)
+out_console = Console(highlight=False, emoji=False,
+                      width=None if sys.stdout is not None and sys.stdout.isatty() else 200)
 
 
 # How much a command prints on stderr: 0 = errors only (-q), 1 = a short summary (default), 2 = every stage's line and

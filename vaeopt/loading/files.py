@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from vaeopt.errors import CheckpointError
+from vaeopt.options import expand_home
 from vaeopt.loading.layouts import no_vae_error, vae_prefix
 
 
@@ -58,13 +59,8 @@ def parse_json(text: str | bytes):
 
 
 def expand_user(path, what: str) -> Path:
-    """Path(path).expanduser(), with a '~name' whose user does not exist reported as an input error naming `what`."""
-    p = Path(path)
-    try:
-        return p.expanduser()
-    except (RuntimeError, KeyError):  # "Could not determine home directory."
-        user = str(path).split("/", 1)[0]
-        raise CheckpointError(f"{what} {path}: '{user}' names no user on this system (so no home folder)") from None
+    """Path(path).expanduser(), with a '~name' whose user does not exist a CheckpointError naming `what`."""
+    return expand_home(path, what, CheckpointError)
 
 
 def safetensors_header_problem(path: Path, head: bytes, size: int) -> str | None:

@@ -14,10 +14,18 @@ import re
 from pathlib import Path
 
 from vaeopt.errors import VaeoptError
-from vaeopt.options import Options, check_device_name, check_dtype_name
+from vaeopt.options import Options, check_device_name, check_dtype_name, expand_home
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _RESERVED = {"health", "metrics"}
+
+
+def _is_file(spec: str) -> bool:
+    """Whether the whole spec names something on disk (a checkpoint whose name holds an '=')."""
+    try:
+        return Path(spec).expanduser().exists()
+    except (OSError, RuntimeError):  # '~nosuchuser/...': then it is not one (said when it is expanded)
+        return False
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
@@ -27,14 +35,14 @@ def parse_models(specs: list[str]) -> dict[str, str]:
     models: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if not sep or Path(spec).expanduser().exists() or not _NAME.match(name):
+        if not sep or _is_file(spec) or not _NAME.match(name):
             name, path = "", spec  # a path (that may hold an '=')
         if name in _RESERVED:
             raise VaeoptError(f"--model {spec}: {name!r} is the server's own page (/{name}); choose another name")
         if name in models:
             raise VaeoptError(f"--model {spec}: " + (f"the name {name!r} is given twice" if name else
                               "several models need names: --model NAME=PATH for each (each is served at /NAME)"))
-        p = Path(path).expanduser()
+        p = expand_home(path, f"--model {name}:" if name else "--model")
         if not p.exists():
             raise VaeoptError(f"--model {spec}: checkpoint not found: {p}")
         models[name] = str(p)

@@ -37,7 +37,7 @@ def spell_serve(group: tuple[Hint, ...]) -> str:
     vaeopt.Options(...)."""
     if all(h.option == "dtype" for h in group):
         return " ".join(f"--dtype {h.value}" for h in group)
-    return f"`vaeopt decode {spell_flags(group)}`"
+    return f"`vaeopt decode {spell_flags(group)}` (vaeopt serve decodes with the defaults)"
 
 
 def is_oom(e: BaseException) -> bool:
