@@ -237,6 +237,25 @@ def test_manifest_hints(samples_dir):
 
 
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
+def test_empty_tensors_in_safetensors_are_said_as_in_a_pt_dict(tmp_path):
+    """A .safetensors holding an empty latent is refused in the words a .pt gives ("empty latent tensor"), not as
+    "contains no tensors"; --key finds an empty tensor by its name; an empty mask beside a latent stays a non-latent."""
+    from vaeopt import api
+
+    save_file({"latent": torch.empty(0, 4, 8, 8)}, str(tmp_path / "e.safetensors"))
+    f = lat.read_latents(tmp_path / "e.safetensors")
+    assert [e.name for e in f.entries] == ["latent"]
+    with pytest.raises(LatentError, match=r"e.safetensors \[latent\]: empty latent tensor \(0, 4, 8, 8\)"):
+        api.check_latents_early([f], None)
+    save_file({"z": torch.randn(1, 4, 8, 8), "mask": torch.empty(0, 1, 8, 8)}, str(tmp_path / "m.safetensors"))
+    assert [e.name for e in lat.read_latents(tmp_path / "m.safetensors", key="mask").entries] == ["mask"]
+    both = lat.read_latents(tmp_path / "m.safetensors")
+    assert sorted(e.name for e in both.entries) == ["mask", "z"]
+    with pytest.raises(LatentError):  # a one-channel empty tensor is no SDXL latent: not decoded as one
+        lat.validate(next(e for e in both.entries if e.name == "mask"), SDXL, tmp_path / "m.safetensors",
+                     values=False)
+
+
 def test_float8_latents_are_upcast(tmp_path):
     t = torch.randn(1, 4, 8, 8).to(torch.float8_e4m3fn)
     z = lat.validate(lat.LatentEntry("", t), SDXL, tmp_path / "f.pt")

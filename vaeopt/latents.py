@@ -390,7 +390,7 @@ def read_latents(path: str | Path, key: str | None = None, manifest_needed: bool
             space_meta = meta.get("latent_space") in ("raw", "scaled")
             if space_meta:
                 default_space = meta["latent_space"]
-            entries = [LatentEntry(k, v) for k, v in tensors.items() if v.numel() > 0]
+            entries = [LatentEntry(k, v) for k, v in tensors.items()]  # (an empty one is said, as in a .pt dict)
     elif suffix == ".npy":
         fmt = "npy"
         with open(path, "rb") as fh:
