@@ -1039,6 +1039,30 @@ def test_api_decode_refuses_nonfinite_latents_before_loading(samples_dir, monkey
         vaeopt.decode(torch.randn(1, 8, 8, 8), load_vae(samples_dir / "tiny_kl_image.safetensors"))
 
 
+def test_api_decode_spell_is_the_callers(samples_dir):
+    """vaeopt.decode(spell=...): the stage lines name suggested settings the caller's way; what the function returns
+    is written as text; an error in it is the caller's own (never a line with its slot '{0}' left in); a spell that
+    is not a function is refused before anything loads."""
+    from vaeopt.errors import VaeoptError
+    from vaeopt.stages import Hint, Said
+
+    z = torch.randn(1, 4, 8, 8)
+    got = []
+    vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors", log=got.append,
+                  spell=lambda g: "<" + " ".join(h.option for h in g) + ">")
+    assert any("enable with <fp8>" in m for m in got) and not any("Options(" in m for m in got), got
+    said = Said("off (enable with {0})", Hint("fp8", "on"))
+    assert said.spell(lambda g: 42) == "off (enable with 42)"
+
+    def broken(g):
+        raise ValueError("spell broke")
+
+    with pytest.raises(ValueError, match="spell broke"):
+        said.spell(broken)
+    with pytest.raises(VaeoptError, match="spell must be a function"):
+        vaeopt.decode(z, samples_dir / "tiny_kl_image.safetensors", spell="fp8")
+
+
 def test_api_latent_space_checked_before_the_load_in_any_case(samples_dir, monkeypatch):
     """vaeopt.decode's latent_space is an argument: a bad one is refused before the checkpoint loads, and any case
     is taken, as the CLI's --latent-space takes RAW or Scaled."""

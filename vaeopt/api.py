@@ -111,6 +111,9 @@ def decode(latents: torch.Tensor, vae: LoadedVAE | str | Path, *, latent_space: 
         raise VaeoptError(f"vaeopt.decode: vae must be a checkpoint path or vaeopt.load_vae(...), got "
                           f"{type(vae).__name__} {vae!r:.60}")
     check_log(log, "vaeopt.decode")
+    if spell is not None and not callable(spell):
+        raise VaeoptError(f"vaeopt.decode: spell must be a function of a hint group returning text, got "
+                          f"{type(spell).__name__}")
     if not isinstance(latents, torch.Tensor):
         raise VaeoptError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
     if latents.device.type == "meta":

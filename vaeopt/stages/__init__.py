@@ -43,8 +43,9 @@ class Said(str):
         return self
 
     def spell(self, spell: Callable[[tuple[Hint, ...]], str] | None = None) -> str:
+        words = [str((spell or plain)(g)) for g in self.hints]  # (a caller's spell that fails: its own error)
         try:  # (a template without hints may still hold escaped braces from join: format unescapes them)
-            return str.format(self, *map(spell or plain, self.hints))
+            return str.format(self, *words)
         except (IndexError, KeyError, ValueError):  # plain text with braces of its own, never escaped
             return str(self)
 
