@@ -77,3 +77,19 @@ def test_video_sample_reaches_the_image_samples_bar(video_decodes):
     for name, (dec, ref) in video_decodes.items():
         db, mean_err = _measure(dec, ref)
         assert db >= 22.0 and np.abs(mean_err).max() <= 6.0, (name, db, mean_err)
+
+
+def test_user_guide_names_the_image_samples_own_scaling(samples_dir):
+    """docs/user-guide.md quotes the bundled image VAE's scaling factor, which its checkpoint's config overrides the
+    family's with: the number a user scales pipeline latents by for this sample, so it must be the file's."""
+    import json
+    import re
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    with safe_open(str(samples_dir / "tiny_kl_image.safetensors"), "pt") as f:
+        factor = json.loads(f.metadata()["config"])["scaling_factor"]
+    guide = " ".join((Path(__file__).resolve().parent.parent / "docs" / "user-guide.md").read_text().split())
+    assert re.search(rf"bundled sample image VAE has its own, {factor}\b", guide), factor
+
