@@ -569,6 +569,7 @@ def test_stage_lines_suggest_nothing_the_server_cannot_take(caplog):
     with caplog.at_level("INFO", logger="vaeopt.server"):
         w.load()
     lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == f"model img: loading {IMG} on cpu" and lines[-1].startswith("model img: "), lines
     fp8 = [m for m in lines if "fp8: skipped" in m]
     assert fp8 and "enable with `vaeopt decode --fp8 on` (vaeopt serve decodes with the defaults);" in fp8[0], fp8
     assert not any("Options(" in m for m in lines), lines

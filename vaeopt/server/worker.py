@@ -156,6 +156,8 @@ class Worker(threading.Thread):
             torch.cuda.set_device(self.device)
         for name, path in self.model_paths.items():
             t0 = time.perf_counter()
+            # (first: the stage lines of its warm-up decode follow, and with several models say whose they are)
+            log.info("model %s: loading %s on %s", name or "/", path, self.device)
             loaded = vaeopt.load_vae(path)
             fam = loaded.family
             c = fam.latent_channels
