@@ -23,6 +23,8 @@ def hint_flags(group) -> list[tuple[str, str]]:
 def spell_flags(group) -> str:
     """A hint group as `vaeopt decode`'s flags: `--triton on --conv-kernel on`."""
     return " ".join(f"--{n}" + (f" {v}" if v else "") for n, v in hint_flags(group))
+
+
 # --fp8 also takes one level alone: "weights" (level 1: e4m3 weight storage, any device) and "gemm" (levels 1-2: plus
 # the 1x1 convs and linears as fp8 GEMMs, sm_89+); "on"/"auto" take level 3 where it runs (stages/triton_conv)
 FP8_MODES = SWITCHES + ("weights", "gemm")

@@ -9,8 +9,8 @@ from rich.table import Table
 
 from vaeopt import __version__
 from vaeopt.cli import printing
-from vaeopt.options import spell_flags
 from vaeopt.cli.exits import clean_errors
+from vaeopt.options import spell_flags
 
 
 @clean_errors

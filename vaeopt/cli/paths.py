@@ -74,7 +74,7 @@ def output_arg(output: str | None) -> tuple[Path | None, bool]:
     path = expand_home(output, "-o", OutputError)  # as --model is; a quoted '~/x.png' would otherwise make a folder '~'
     try:
         path.is_dir()
-    except (OSError, RuntimeError) as e:  # a name too long for the file system, a symlink loop, '~nosuchuser'
+    except (OSError, RuntimeError) as e:  # a name too long for the file system, a symlink loop
         raise OutputError(f"-o {output}: not a usable path ({getattr(e, 'strerror', None) or e})") from None
     folder = output.endswith(("/", os.sep))
     if folder and path.exists() and not path.is_dir():

@@ -13,8 +13,7 @@ from rich.markup import escape
 from vaeopt.cli import printing
 from vaeopt.cli.exits import clean_errors
 from vaeopt.cli.printing import QUIET_HELP, VERBOSE_HELP, detail, say, set_verbosity
-from vaeopt.options import spell_flags
-from vaeopt.options import Options, check_device_name, check_dtype_name, parse_shape
+from vaeopt.options import Options, check_device_name, check_dtype_name, parse_shape, spell_flags
 
 
 @clean_errors

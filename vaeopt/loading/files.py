@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from vaeopt.errors import CheckpointError
-from vaeopt.options import expand_home
 from vaeopt.loading.layouts import no_vae_error, vae_prefix
+from vaeopt.options import expand_home
 
 
 # The weights of a diffusers model folder, in diffusers' order of precedence (variant=None first, sharded or not; then
