@@ -133,6 +133,26 @@ def test_packed_flux_latents_are_refused_not_guessed(tmp_path):
         lat.validate(lat.LatentEntry("", torch.randn(1, 8, 16)), SDXL, tmp_path / "f.pt")
 
 
+def test_packed_flux_latents_unpack_with_the_image_size(tmp_path):
+    """Given the image size (--height/--width, or the file's metadata), packed FLUX latents are unpacked exactly as
+    FluxPipeline does before vae.decode: its own _pack_latents undone, a non-square image of a square token count
+    (1152x512: 48*48 tokens) too; a size that does not fit the tokens is refused."""
+    from diffusers import FluxPipeline
+
+    from vaeopt.server.protocol import unpack
+
+    for b, hgt, wid in ((1, 1152, 512), (2, 256, 384)):
+        z = torch.randn(b, 16, hgt // 8, wid // 8)
+        packed = FluxPipeline._pack_latents(z, b, 16, hgt // 8, wid // 8)
+        got = lat.validate(lat.LatentEntry("", packed, size=(hgt, wid)), FLUX, tmp_path / "f.pt")
+        assert torch.equal(got, z), (b, hgt, wid)
+        assert torch.equal(got, unpack(packed, hgt, wid, 8))  # as `vaeopt serve` unpacks them
+    with pytest.raises(LatentError, match=r"2304 packed tokens do not fit a 1024x1024 image"):
+        lat.validate(lat.LatentEntry("", packed_sq := torch.randn(1, 48 * 48, 64), size=(1024, 1024)), FLUX,
+                     tmp_path / "f.pt")
+    assert packed_sq.shape == (1, 2304, 64)
+
+
 def test_channel_layout_hints_only_when_they_fit(tmp_path):
     """'channels look last' was said of a (1,4,16,16) SD latent given to a 16-channel VAE (its last dim is 16 by
     chance); it is said only when the last dim is the channel count and smaller than the others. Video latents

@@ -521,7 +521,7 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
     unbatched = None
     packed = t.shape[-1:] == (4 * cin,) and (t.ndim == 2 or (t.ndim == 3 and (
         t.shape[0] != cin or t.shape[1] >= 16 * t.shape[2])))  # a batch of 16: no real (C, H, W) latent is 16:1
-    if family.name in PACKED_FAMILIES and packed:
+    if packed and (family.name in PACKED_FAMILIES or (family.name == "flux" and entry.size is not None)):
         t = unpack_tokens(t, family, entry.size, where)
         packed = False
     if family.name == "flux2" and t.ndim == 4 and t.shape[1] == 4 * cin:
@@ -534,12 +534,12 @@ def validate(entry: LatentEntry, family: FamilySpec, source: Path, values: bool 
         return t
     if family.name == "flux" and packed:
         # (B, (H/16)*(W/16), 64): 2x2 patches of the 16 channels. The sequence does not say H and W (a square count
-        # can come from a non-square image: 1152x512 packs to 48*48), so unpacking would be a guess
+        # can come from a non-square image: 1152x512 packs to 48*48), so unpacking without the size would be a guess
         raise LatentError(
             f"{where}: shape {tuple(t.shape)} looks like packed FLUX latents (batch, sequence, {4 * cin}), as "
-            f"FluxPipeline(output_type=\"latent\") returns them; the image size is not stored in them, so vaeopt "
-            f"cannot unpack them: unpack with pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor) "
-            f"and save that (B, {cin}, H/8, W/8) tensor"
+            f"FluxPipeline(output_type=\"latent\") returns them; the image size is not stored in them: pass --height "
+            f"and --width (the image's pixels), or unpack with pipe._unpack_latents(latents, height, width, "
+            f"pipe.vae_scale_factor) and save that (B, {cin}, H/8, W/8) tensor"
         )
     if family.is_video and t.ndim == 4:
         # (C,T,H,W) one clip, or (N,C,H,W) single latent frames
@@ -726,7 +726,8 @@ def _packed_size(meta: dict, manifest: dict, path) -> tuple[int, int] | None:
 def unpack_tokens(t: torch.Tensor, family: FamilySpec, size: tuple[int, int] | None, where: str) -> torch.Tensor:
     """FLUX.2: (N, h*w, 128) -> (N, 128, h, w), the tokens in row-major order, as Flux2Pipeline's
     _unpack_latents_with_ids scatters them with the ids of _prepare_latent_ids; Qwen-Image: (N, h*w, 64) ->
-    (N, 16, 1, 2h, 2w), as QwenImagePipeline._unpack_latents. h, w = height // 16, width // 16."""
+    (N, 16, 1, 2h, 2w), as QwenImagePipeline._unpack_latents; FLUX.1: (N, h*w, 64) -> (N, 16, 2h, 2w), as
+    FluxPipeline._unpack_latents (the same 2x2 patches, no frame axis). h, w = height // 16, width // 16."""
     if t.ndim == 2:
         t = t.unsqueeze(0)
     n, seq, d = t.shape
@@ -742,4 +743,5 @@ def unpack_tokens(t: torch.Tensor, family: FamilySpec, size: tuple[int, int] | N
     if family.name == "flux2":
         return t.reshape(n, h, w, d).permute(0, 3, 1, 2).contiguous()
     c = d // 4
-    return t.reshape(n, h, w, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, 1, 2 * h, 2 * w)
+    frames = () if family.name == "flux" else (1,)
+    return t.reshape(n, h, w, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, *frames, 2 * h, 2 * w)
