@@ -205,6 +205,18 @@ def test_overwrite_never_replaces_inputs_or_the_model(tmp_path, samples_dir):
     assert r.exit_code == 0, r.output  # any other output is fine
 
 
+def test_a_clip_line_says_its_frames_size_and_rate(tmp_path, samples_dir):
+    """A video output's line says what the clip holds (frames, size, and for an MP4 its frame rate), which its name
+    does not: 2 latent frames of the Wan sample decode to 1 + 4 frames of 8x the latent's size."""
+    torch.save(torch.randn(1, 16, 2, 4, 6), tmp_path / "v.pt")
+    model = samples_dir / "tiny_wan_video.safetensors"
+    r = run("decode", tmp_path / "v.pt", "-m", model, "-o", tmp_path / "v.mp4", "--fps", "12")
+    assert r.exit_code == 0 and f"wrote {tmp_path / 'v.mp4'}  (5 frames of 48x32 at 12 fps; " in r.output, r.output
+    r = run("decode", tmp_path / "v.pt", "-m", model, "-o", f"{tmp_path / 'frames'}/")
+    assert r.exit_code == 0 and "(5 frames of 48x32; " in r.output, r.output
+    assert len(list((tmp_path / "frames").glob("*.png"))) == 5
+
+
 def test_overwrite_keeps_the_replaced_files_permissions(tmp_path, samples_dir):
     """--overwrite lands the new file by rename, and the file it replaces keeps its permissions (a private 0600 render
     stays private; a 0444 one stays read-only); a new name gets the umask's."""

@@ -261,6 +261,13 @@ def _load_and_decode(files, model_path, why, family, config, latent_space, outpu
         _decode_jobs(loaded, opts, jobs, fps, model_path, as_json)
 
 
+def clip_words(family, latent_shape, fps: float | None) -> str:
+    """A decoded clip in words: '17 frames of 384x256 at 16 fps' (fps: None for a folder of frames)."""
+    *_, t, h, w = latent_shape
+    f = family.spatial_factor
+    return f"{family.output_frames(t)} frames of {w * f}x{h * f}" + (f" at {fps:g} fps" if fps else "")
+
+
 def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
     from vaeopt import api
     from vaeopt.pipeline import Pipeline
@@ -282,6 +289,8 @@ def _decode_jobs(loaded, opts, jobs, fps, model_path, as_json) -> None:
             batch = f" for the batch of {len(r.written)}" if len(r.written) > 1 else ""  # one decode, n files
             took = (f"{r.seconds:.2f} s decode" if printing.level >= 2
                     else f"{plan_words(r.plan)} in {r.seconds:.2f} s")
+            if r.job.kind in ("mp4", "frames"):  # what a clip holds, which its name does not say
+                took = f"{clip_words(loaded.family, r.job.z_raw.shape, fps if r.job.kind == 'mp4' else None)}; {took}"
             for p in r.written:
                 say(f"[bold green]wrote[/] {escape(str(p))}  ({took}{batch}{peak})", highlight=False)
             for msg in r.retries:
